@@ -1,0 +1,158 @@
+"""Reaching the hosts: one narrow interface, two implementations (colocated Python and in-process).
+
+``ColocatedDispatcher`` runs the sidecar's host functions through ``jax.experimental.colocated_python`` —
+on Pathways each call runs on every worker host; on CPU it runs inline in this process.
+``InProcessDispatcher`` is for multi-controller jobs where every process is a host.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sidecar import host
+
+# Size of the per-device answer buffer of a colocated query (JSON, one row per device).
+QUERY_BYTES = 1 << 16
+
+
+class Dispatcher(abc.ABC):
+    """Runs a sidecar host operation on every host and gathers per-rank answers."""
+
+    def __init__(self, config: host.HostConfig):
+        self.config = config
+
+    @abc.abstractmethod
+    def save(self, step: int, arrays: Sequence[jax.Array], metas: Sequence[host.ArrayMeta],
+             host_arrays: Sequence[tuple[str, np.ndarray]], values: Sequence[Any]) -> None:
+        """Start saving (returns once host copies are taken)."""
+
+    @abc.abstractmethod
+    def restore(self, step: int, leaves: Sequence[host.RestoreLeaf], all_paths: Sequence[str]) -> list[Any]:
+        """Arrays for each leaf, sharded as asked."""
+
+    @abc.abstractmethod
+    def query(self, op: str, arg: Any = None) -> dict[int, Any]:
+        """A JSON-able answer from every rank."""
+
+
+class InProcessDispatcher(Dispatcher):
+    """Each process is a host (multi-controller JAX); answers are gathered across processes."""
+
+    def __init__(self, config: host.HostConfig, local_devices: Sequence[Any] | None = None):
+        super().__init__(config)
+        self.ranks = host.ranks_of(config, local_devices if local_devices is not None else jax.local_devices())
+
+    def save(self, step, arrays, metas, host_arrays, values):
+        host.save_on_hosts(self.config, self.ranks, step, arrays, metas, host_arrays, values)
+
+    def restore(self, step, leaves, all_paths):
+        return host.restore_on_hosts(self.config, self.ranks, step, leaves, all_paths)
+
+    def query(self, op, arg=None):
+        local = host.query_on_hosts(self.config, self.ranks, op, arg)
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+
+        mine = host.encode_result({str(k): v for k, v in local.items()}, QUERY_BYTES)
+        rows = np.asarray(multihost_utils.process_allgather(mine))
+        out: dict[int, Any] = {}
+        for row in rows.reshape(-1, QUERY_BYTES):
+            out.update({int(k): v for k, v in host.decode_result(row).items()})
+        return out
+
+
+def _spec(x: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def _coloc_save(handle, arrays, *, config, step, metas, host_arrays, values):
+    ranks = host.ranks_of(config, [s.device for s in handle.addressable_shards])
+    host.save_on_hosts(config, ranks, step, arrays, metas, host_arrays, values)
+    return handle
+
+
+def _coloc_restore(handle, *, config, step, leaves, all_paths):
+    ranks = host.ranks_of(config, [s.device for s in handle.addressable_shards])
+    return host.restore_on_hosts(config, ranks, step, leaves, all_paths)
+
+
+def _coloc_query(rows, *, config, op, arg):
+    ranks = host.ranks_of(config, [s.device for s in rows.addressable_shards])
+    answers = host.query_on_hosts(config, ranks, op, arg)
+    bufs = []
+    for s in rows.addressable_shards:
+        r = config.device_rank[s.device.id]
+        bufs.append(jax.device_put(host.encode_result({str(r): answers[r]}, QUERY_BYTES)[None], s.device))
+    return jax.make_array_from_single_device_arrays(rows.shape, rows.sharding, bufs)
+
+
+class ColocatedDispatcher(Dispatcher):
+    """Host operations through colocated Python on the CPU devices colocated with the job's devices."""
+
+    def __init__(self, config: host.HostConfig, devices: Sequence[Any]):
+        from jax.experimental import colocated_python
+
+        self._cp = colocated_python
+        self.devices = list(devices)
+        self.cpu_devices = list(colocated_python.colocated_cpu_devices(self.devices))
+        # The host functions see the colocated CPU devices: map those to ranks.
+        rank_by_cpu = {c.id: config.device_rank[d.id] for d, c in zip(self.devices, self.cpu_devices, strict=True)}
+        super().__init__(config)
+        self.cpu_config = host.HostConfig(**{**config.__dict__, "device_rank": rank_by_cpu})
+        self._mesh = Mesh(np.array(self.cpu_devices), ("d",))
+        self._handle_sharding = NamedSharding(self._mesh, PartitionSpec("d"))
+        self._rows_sharding = NamedSharding(self._mesh, PartitionSpec("d", None))
+        self._same_devices = [d.id for d in self.devices] == [c.id for c in self.cpu_devices]
+
+    def _handle(self) -> jax.Array:
+        return jax.device_put(np.zeros(len(self.cpu_devices), np.uint8), self._handle_sharding)
+
+    def _to_cpu(self, x: jax.Array) -> jax.Array:
+        if self._same_devices:
+            return x
+        return jax.device_put(x, self.cpu_sharding(x.sharding))
+
+    def cpu_sharding(self, sharding: Any) -> Any:
+        """The same layout over the colocated CPU devices."""
+        if self._same_devices or sharding is None:
+            return sharding
+        if not isinstance(sharding, NamedSharding):
+            raise ValueError(f"colocated restore needs NamedSharding targets, got {type(sharding).__name__}")
+        by_id = {d.id: c for d, c in zip(self.devices, self.cpu_devices, strict=True)}
+        devs = np.vectorize(lambda d: by_id[d.id], otypes=[object])(sharding.mesh.devices)
+        return NamedSharding(Mesh(devs, sharding.mesh.axis_names), sharding.spec)
+
+    def save(self, step, arrays, metas, host_arrays, values):
+        fn = functools.partial(_coloc_save, config=self.cpu_config, step=step, metas=list(metas),
+                               host_arrays=list(host_arrays), values=list(values))
+        h = self._handle()
+        self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: _spec(h))(
+            h, [self._to_cpu(a) for a in arrays])
+
+    def restore(self, step, leaves, all_paths):
+        cpu_leaves = [host.RestoreLeaf(lf.path, lf.shape, lf.dtype, lf.key_impl, self.cpu_sharding(lf.sharding))
+                      for lf in leaves]
+        fn = functools.partial(_coloc_restore, config=self.cpu_config, step=step, leaves=cpu_leaves,
+                               all_paths=list(all_paths))
+        out = self._cp.colocated_python(fn)(self._handle())
+        if self._same_devices:
+            return out
+        return [x if lf.sharding is None else jax.device_put(x, lf.sharding)
+                for x, lf in zip(out, leaves, strict=True)]
+
+    def query(self, op, arg=None):
+        rows = jax.device_put(np.zeros((len(self.cpu_devices), QUERY_BYTES), np.uint8), self._rows_sharding)
+        fn = functools.partial(_coloc_query, config=self.cpu_config, op=op, arg=arg)
+        res = self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: _spec(rows))(rows)
+        out: dict[int, Any] = {}
+        for row in np.asarray(res):
+            out.update({int(k): v for k, v in host.decode_result(row).items()})
+        return out

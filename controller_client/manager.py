@@ -1,0 +1,214 @@
+"""The user's CheckpointManager: save / restore / latest_step / wait, reaching every host via a dispatcher."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from controller_client.dispatch import ColocatedDispatcher, Dispatcher, InProcessDispatcher
+from controller_client.topology import HostTopology
+from sidecar import host, layout, tree
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointManagerOptions:
+    """Options of :class:`CheckpointManager`.
+
+    Attributes:
+      local_directory: each host's RAM-disk directory. May contain ``{host}`` (the host's rank) so that
+        simulated hosts on one machine get their own directories.
+      job_name: recorded in every manifest.
+      save_interval_steps: ``save(step)`` saves when ``step % save_interval_steps == 0`` (or ``force``).
+      max_to_keep: committed steps kept per host; the newest committed step is never deleted.
+        ``None`` leaves deletion to the replicator.
+      write_threads: file-writing threads per host (2 matches a 2-core host).
+      dispatcher: ``"colocated"`` (Pathways / single controller) or ``"in_process"`` (multi-controller).
+      cross_host_reads: let a host read other hosts' directories when they are on the same machine
+        (simulated hosts); without a replicator this is the only way to restore onto a different mesh.
+      wait_timeout_seconds: bound on ``wait_until_finished`` and the wait before a restore.
+    """
+
+    local_directory: str
+    job_name: str = "mtc"
+    save_interval_steps: int = 1
+    max_to_keep: int | None = 2
+    write_threads: int = 2
+    dispatcher: Literal["colocated", "in_process"] = "colocated"
+    cross_host_reads: bool = True
+    wait_timeout_seconds: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.save_interval_steps < 1:
+            raise ValueError("save_interval_steps must be >= 1")
+        if self.max_to_keep is not None and self.max_to_keep < 1:
+            raise ValueError("max_to_keep must be >= 1 or None")
+        if self.dispatcher not in ("colocated", "in_process"):
+            raise ValueError(f"unknown dispatcher {self.dispatcher!r}")
+
+
+class CheckpointManager:
+    """Save and restore pytrees of sharded JAX arrays to every host's RAM disk.
+
+    ``save`` returns once a host copy of the data is taken; the files are written in the background and a
+    failure surfaces at the next call or at :meth:`wait_until_finished`.
+    """
+
+    def __init__(
+        self,
+        options: CheckpointManagerOptions,
+        *,
+        devices: Sequence[Any] | None = None,
+        topology: HostTopology | None = None,
+        dispatcher: Dispatcher | None = None,
+    ):
+        self.options = options
+        self.devices = list(devices if devices is not None else jax.devices())
+        self.topology = topology or HostTopology.from_devices(self.devices)
+        self.config = host.HostConfig(
+            job=options.job_name,
+            local_directory=options.local_directory,
+            nodes=self.topology.nodes,
+            device_rank=dict(self.topology.device_rank),
+            write_threads=options.write_threads,
+            keep_local=options.max_to_keep,
+            cross_host_reads=options.cross_host_reads,
+        )
+        if dispatcher is None:
+            if options.dispatcher == "colocated":
+                dispatcher = ColocatedDispatcher(self.config, self.devices)
+            else:
+                dispatcher = InProcessDispatcher(self.config)
+        self.dispatcher = dispatcher
+        self._replicated = NamedSharding(Mesh(np.array(self.devices), ("all",)), PartitionSpec())
+        self._last_saved: int | None = None
+
+    # ------------------------------------------------------------------ save
+    def should_save(self, step: int) -> bool:
+        return step % self.options.save_interval_steps == 0
+
+    def save(self, step: int, pytree: Any, force: bool = False) -> bool:
+        """Save ``pytree`` as ``step`` if the interval (or ``force``) says so; True when a save started."""
+        layout.step_name(step)
+        if not force and not self.should_save(step):
+            return False
+        leaves, _ = tree.flatten(pytree)
+        arrays, metas, host_arrays, values = [], [], [], []
+        for path, leaf in leaves:
+            if isinstance(leaf, jax.Array):
+                if tree.is_key_dtype(leaf.dtype):
+                    metas.append(host.ArrayMeta(path, tree.key_impl_name(leaf)))
+                    leaf = jax.random.key_data(leaf)
+                else:
+                    metas.append(host.ArrayMeta(path, None))
+                arrays.append(leaf)
+            elif isinstance(leaf, (np.ndarray, np.generic)):
+                host_arrays.append((path, np.asarray(leaf)))
+            elif isinstance(leaf, tree.PLAIN_TYPES):
+                values.append(layout.ValueEntry(path, leaf))
+            else:
+                raise TypeError(f"leaf {path!r} of type {type(leaf).__name__} cannot be checkpointed")
+        t0 = time.monotonic()
+        self.dispatcher.save(step, arrays, metas, host_arrays, values)
+        self._last_saved = step
+        log.info("save of step %d started (blocked %.3fs)", step, time.monotonic() - t0)
+        return True
+
+    def wait_until_finished(self) -> None:
+        """Block until every host has committed its queued saves; raise the first background failure."""
+        self.dispatcher.query("wait", self.options.wait_timeout_seconds)
+
+    # ------------------------------------------------------------------ steps
+    def _host_steps(self) -> dict[int, list[int]]:
+        answers = self.dispatcher.query("steps")
+        missing = set(range(self.topology.nodes)) - set(answers)
+        if missing:
+            raise RuntimeError(f"hosts {sorted(missing)} did not answer")
+        return {r: a["steps"] for r, a in answers.items()}
+
+    def all_steps(self) -> list[int]:
+        """Steps committed on every host, ascending."""
+        per = self._host_steps()
+        common = set.intersection(*(set(v) for v in per.values())) if per else set()
+        return sorted(common)
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------ restore
+    def _leaf_for(self, path: str, leaf: Any) -> tuple[host.RestoreLeaf, bool]:
+        """The restore request for one target leaf, and whether the result should be numpy."""
+        as_numpy = isinstance(leaf, (np.ndarray, np.generic))
+        shape, dtype = tuple(leaf.shape), leaf.dtype
+        sharding = getattr(leaf, "sharding", None) if not as_numpy else None
+        if sharding is None:
+            sharding = self._replicated
+        if tree.is_key_dtype(dtype):
+            impl = tree.key_impl_name(leaf) if isinstance(leaf, jax.Array) else str(dtype._impl.name)
+            data_shape = tree.key_data_shape(shape, impl)
+            if isinstance(sharding, NamedSharding):
+                spec = tuple(sharding.spec) + (None,) * (len(data_shape) - len(sharding.spec))
+                sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
+            elif not sharding.is_fully_replicated:
+                raise ValueError(f"leaf {path!r}: PRNG keys restore onto NamedSharding or replicated targets")
+            else:
+                sharding = self._replicated
+            return host.RestoreLeaf(path, data_shape, "uint32", impl, sharding), False
+        return host.RestoreLeaf(path, shape, tree.dtype_name(dtype), None, sharding), as_numpy
+
+    def restore(self, step: int | None = None, target: Any = None) -> Any:
+        """Restore ``step`` (default: the latest) into the structure, shapes, dtypes and shardings of
+        ``target`` (a pytree of ``jax.ShapeDtypeStruct`` with shardings, or of concrete arrays)."""
+        if target is None:
+            raise ValueError("restore needs a target pytree (jax.ShapeDtypeStruct leaves with shardings)")
+        self.wait_until_finished()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no committed step in {self.options.local_directory}")
+        layout.step_name(step)
+        leaves, treedef = tree.flatten(target)
+        all_paths = [p for p, _ in leaves]
+        requests, numpy_idx, positions = [], set(), []
+        for i, (path, leaf) in enumerate(leaves):
+            if tree.is_array_like(leaf):
+                req, as_np = self._leaf_for(path, leaf)
+                if as_np:
+                    numpy_idx.add(len(requests))
+                requests.append(req)
+                positions.append(i)
+        t0 = time.monotonic()
+        try:
+            arrays = self.dispatcher.restore(step, requests, all_paths)
+            values = next(iter(self.dispatcher.query("values", step).values()))["values"]
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"step {step} not found in {self.options.local_directory}: {e}") from e
+        out = [None] * len(leaves)
+        for j, (i, arr) in enumerate(zip(positions, arrays, strict=True)):
+            out[i] = np.asarray(arr) if j in numpy_idx else arr
+        for i, (path, leaf) in enumerate(leaves):
+            if not tree.is_array_like(leaf):
+                if path not in values:
+                    raise ValueError(f"leaf {path!r} is an array in step {step}, target has a {type(leaf).__name__}")
+                out[i] = values[path]
+        log.info("restored step %d in %.3fs", step, time.monotonic() - t0)
+        return tree.unflatten(treedef, out)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        self.wait_until_finished()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

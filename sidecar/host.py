@@ -1,0 +1,217 @@
+"""The sidecar's per-host operations, called by a dispatcher for the hosts whose devices it reaches.
+
+In a Pathways job each colocated-Python call runs on one worker host and sees that host's devices only; in
+a multi-controller job each process is a host; in tests and the demo one process plays several simulated
+hosts. The functions here therefore take the list of ranks to act for and group shards by device -> rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from sidecar import layout, reader, tree, writer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostConfig:
+    """What every host needs to know to save and restore; pickled into colocated calls."""
+
+    job: str
+    local_directory: str  # may contain "{host}" (the rank) so simulated hosts get their own directory
+    nodes: int
+    device_rank: dict[int, int]  # device id (of the devices the arrays live on) -> rank
+    write_threads: int = 2
+    keep_local: int | None = 2  # None: the replicator decides what to delete
+    cross_host_reads: bool = True  # read other ranks' directories when they are on this machine
+
+    def root(self, rank: int) -> Path:
+        return Path(self.local_directory.format(host=rank, rank=rank))
+
+    def read_roots(self, rank: int) -> list[Path]:
+        roots = [self.root(rank)]
+        if self.cross_host_reads:
+            for r in range(self.nodes):
+                p = self.root(r)
+                if p not in roots and p.is_dir():
+                    roots.append(p)
+        return roots
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayMeta:
+    path: str
+    key_impl: str | None
+
+
+def ranks_of(config: HostConfig, devices: Sequence[Any]) -> list[int]:
+    return sorted({config.device_rank[d.id] for d in devices if d.id in config.device_rank})
+
+
+def save_on_hosts(
+    config: HostConfig,
+    ranks: Sequence[int],
+    step: int,
+    arrays: Sequence[jax.Array],
+    metas: Sequence[ArrayMeta],
+    host_arrays: Sequence[tuple[str, np.ndarray]],
+    values: Sequence[layout.ValueEntry],
+) -> None:
+    """Take a host copy of each rank's addressable shards and queue the background write."""
+    layout.step_name(step)
+    writers = {r: writer.writer_for(config.root(r), config.write_threads) for r in ranks}
+    for r, w in writers.items():
+        w.raise_if_failed()
+        if (layout.steps_dir(w.root) / str(step)).exists():
+            raise FileExistsError(f"step {step} already exists for rank {r} in {w.root}")
+    per_rank: dict[int, list[writer.ArrayCopy]] = {r: [] for r in ranks}
+    for arr, meta in zip(arrays, metas, strict=True):
+        copies: dict[int, writer.ArrayCopy] = {}
+        seen: dict[int, set] = {}
+        for shard in arr.addressable_shards:
+            r = config.device_rank.get(shard.device.id)
+            if r not in per_rank:
+                continue
+            idx = reader.normalize_index(shard.index, arr.shape)
+            if idx in seen.setdefault(r, set()):
+                continue  # replicated within the host: one copy per host is enough
+            seen[r].add(idx)
+            ac = copies.get(r)
+            if ac is None:
+                ac = copies[r] = writer.ArrayCopy(
+                    meta.path, tuple(arr.shape), tree.dtype_name(arr.dtype), meta.key_impl, []
+                )
+            ac.shards.append(writer.ShardCopy(idx, writer.host_copy(shard.data)))
+        for r in ranks:
+            if r not in copies:
+                raise ValueError(f"array {meta.path!r} has no shard on rank {r}'s devices")
+            per_rank[r].append(copies[r])
+    for r in ranks:
+        for path, value in host_arrays:
+            full = tuple((0, n) for n in value.shape)
+            per_rank[r].append(
+                writer.ArrayCopy(path, tuple(value.shape), tree.dtype_name(value.dtype), None,
+                                 [writer.ShardCopy(full, writer.host_copy(value))])
+            )
+        hs = writer.HostStep(config.root(r), config.job, step, r, config.nodes, per_rank[r], list(values))
+        writers[r].submit(hs, config.keep_local)
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreLeaf:
+    """One array leaf to restore: stored shape/dtype (key data for PRNG keys) and where it goes."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    key_impl: str | None
+    sharding: Any  # a jax.sharding.Sharding over the devices the host functions see, or None for numpy
+
+
+def _check_leaf(src: reader.StepSource, leaf: RestoreLeaf) -> reader.SavedArray:
+    sa = src.arrays.get(leaf.path)
+    if sa is None:
+        raise ValueError(f"leaf {leaf.path!r} is not an array in step {src.step}")
+    if tuple(sa.global_shape) != tuple(leaf.shape):
+        raise ValueError(f"leaf {leaf.path!r}: saved shape {sa.global_shape} != target shape {leaf.shape}")
+    if sa.dtype != leaf.dtype or sa.key_impl != leaf.key_impl:
+        what = f"{sa.dtype}/{sa.key_impl}" if sa.key_impl or leaf.key_impl else sa.dtype
+        want = f"{leaf.dtype}/{leaf.key_impl}" if sa.key_impl or leaf.key_impl else leaf.dtype
+        raise ValueError(f"leaf {leaf.path!r}: saved dtype {what} != target dtype {want}")
+    return sa
+
+
+def open_step(config: HostConfig, ranks: Sequence[int], step: int) -> reader.StepSource:
+    roots: list[Path] = []
+    for r in ranks:
+        for p in config.read_roots(r):
+            if p not in roots:
+                roots.append(p)
+    return reader.StepSource(step, roots)
+
+
+def check_structure(src: reader.StepSource, paths: Sequence[str]) -> None:
+    saved, wanted = src.paths, set(paths)
+    missing = sorted(wanted - saved)
+    extra = sorted(saved - wanted)
+    if missing:
+        raise ValueError(f"target leaf {missing[0]!r} is not in step {src.step}")
+    if extra:
+        raise ValueError(f"step {src.step} has leaf {extra[0]!r} that the target lacks")
+
+
+def restore_on_hosts(
+    config: HostConfig, ranks: Sequence[int], step: int, leaves: Sequence[RestoreLeaf], all_paths: Sequence[str]
+) -> list[Any]:
+    """Build each leaf's arrays from the verified saved shards; each rank fills its own devices only."""
+    for r in ranks:
+        writer.writer_for(config.root(r), config.write_threads).wait()
+    sources = {r: open_step(config, [r], step) for r in ranks}
+    for src in sources.values():
+        check_structure(src, all_paths)
+    first = sources[ranks[0]]
+    out: list[Any] = []
+    for leaf in leaves:
+        for src in sources.values():
+            _check_leaf(src, leaf)
+        if leaf.sharding is None:
+            out.append(first.assemble(leaf.path, tuple((0, n) for n in leaf.shape)).copy())
+            first.drop_cache()
+            continue
+        buffers = []
+        for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
+            r = config.device_rank.get(device.id)
+            if r not in sources:
+                continue
+            data = sources[r].assemble(leaf.path, reader.normalize_index(index, leaf.shape))
+            buffers.append(jax.device_put(data, device))
+        arr = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, buffers)
+        if leaf.key_impl:
+            arr = jax.random.wrap_key_data(arr, impl=leaf.key_impl)
+        out.append(arr)
+        for src in sources.values():
+            src.drop_cache()
+    return out
+
+
+def query_on_hosts(config: HostConfig, ranks: Sequence[int], op: str, arg: Any = None) -> dict[int, Any]:
+    """Small JSON-able questions to each rank: its committed steps, waiting for its saves, step values."""
+    result: dict[int, Any] = {}
+    for r in ranks:
+        w = writer.writer_for(config.root(r), config.write_threads)
+        if op == "steps":
+            w.raise_if_failed()
+            result[r] = {"steps": layout.committed_steps(layout.steps_dir(w.root)), "in_flight": w.in_flight()}
+        elif op == "wait":
+            w.wait(arg)
+            result[r] = True
+        elif op == "values":
+            src = open_step(config, [r], int(arg))
+            result[r] = {"values": src.values, "paths": sorted(src.paths)}
+        else:
+            raise ValueError(f"unknown host query {op!r}")
+    return result
+
+
+def encode_result(obj: Any, size: int) -> np.ndarray:
+    data = json.dumps(obj).encode()
+    if len(data) > size - 4:
+        raise ValueError(f"host answer of {len(data)} bytes exceeds {size - 4}")
+    buf = np.zeros(size, dtype=np.uint8)
+    buf[:4] = np.frombuffer(len(data).to_bytes(4, "little"), dtype=np.uint8)
+    buf[4 : 4 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return buf
+
+
+def decode_result(buf: np.ndarray) -> Any:
+    n = int.from_bytes(bytes(buf[:4]), "little")
+    return json.loads(bytes(buf[4 : 4 + n]))

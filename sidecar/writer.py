@@ -1,0 +1,245 @@
+"""Write one host's shards of a step to its RAM directory: preallocated files, crc32c, atomic commit.
+
+Saving is split in two: :func:`take_host_copy` (the only part ``save`` blocks on) copies the host's
+addressable shards to host memory; :class:`HostWriter` writes them in the background.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import errno
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sidecar import layout
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ShardCopy:
+    """A host copy of one shard: its global index and its bytes (C-contiguous numpy array)."""
+
+    index: tuple[tuple[int, int], ...]
+    data: np.ndarray
+
+
+@dataclasses.dataclass
+class ArrayCopy:
+    path: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    key_impl: str | None
+    shards: list[ShardCopy]
+
+
+@dataclasses.dataclass
+class HostStep:
+    """Everything one host writes for one step."""
+
+    root: Path
+    job: str
+    step: int
+    rank: int
+    nodes: int
+    arrays: list[ArrayCopy]
+    values: list[layout.ValueEntry]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.data.nbytes for a in self.arrays for s in a.shards)
+
+
+class SaveError(RuntimeError):
+    """A background save failed; raised at the next call on the writer."""
+
+
+def _write_file(path: Path, data: np.ndarray) -> int:
+    """Preallocate and write one shard file, fsync it, and return the crc32c of its bytes.
+
+    Preallocating matters: on tmpfs a write into a preallocated file runs ~2x faster (5.8 vs 2.6 GiB/s
+    measured) than appending to a new one.
+    """
+    flat = data.reshape(-1).view(np.uint8)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        if flat.nbytes:
+            os.posix_fallocate(fd, 0, flat.nbytes)
+        view = memoryview(flat)
+        off = 0
+        chunk = 64 << 20
+        while off < flat.nbytes:
+            off += os.pwrite(fd, view[off : off + chunk], off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return layout.crc32c(flat)
+
+
+def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
+    """Write ``hs`` under a temporary directory and commit it as ``<root>/steps/<step>``.
+
+    On any failure (ENOSPC included) the temporary directory is removed, the previous steps are untouched,
+    and the error is raised.
+    """
+    sdir = layout.steps_dir(hs.root)
+    final = sdir / layout.step_name(hs.step)
+    if final.exists():
+        raise FileExistsError(f"step {hs.step} already exists in {sdir}")
+    tmp = layout.make_tmp_dir(sdir, hs.step)
+    t0 = time.monotonic()
+    try:
+        need = hs.nbytes
+        st = os.statvfs(tmp)
+        free = st.f_bavail * st.f_frsize
+        if need > free:
+            raise OSError(
+                errno.ENOSPC,
+                f"RAM disk full: step {hs.step} needs {need} bytes, {free} free in {hs.root}",
+            )
+        jobs = []
+        for li, arr in enumerate(hs.arrays):
+            for si, sh in enumerate(arr.shards):
+                jobs.append((li, si, layout.shard_file_name(li, si), sh.data))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            futs = {(li, si): pool.submit(_write_file, tmp / name, data) for li, si, name, data in jobs}
+            crcs = {k: f.result() for k, f in futs.items()}
+        files = []
+        arrays = []
+        for li, arr in enumerate(hs.arrays):
+            shards = []
+            for si, sh in enumerate(arr.shards):
+                name = layout.shard_file_name(li, si)
+                crc = crcs[(li, si)]
+                files.append(layout.FileEntry(name, sh.data.nbytes, crc))
+                shards.append(layout.ShardEntry(sh.index, name, 0, sh.data.nbytes, crc))
+            arrays.append(layout.ArrayEntry(arr.path, arr.global_shape, arr.dtype, tuple(shards), arr.key_impl))
+        manifest = layout.StepManifest(
+            job=hs.job,
+            step=hs.step,
+            rank=hs.rank,
+            nodes=hs.nodes,
+            files=tuple(files),
+            arrays=tuple(arrays),
+            values=tuple(hs.values),
+        )
+        layout.write_manifest(tmp, manifest)
+        layout.commit_dir(tmp, final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC and "RAM disk full" not in str(e):
+            raise OSError(errno.ENOSPC, f"RAM disk full while writing step {hs.step} to {hs.root}: {e}") from e
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dt = time.monotonic() - t0
+    log.info(
+        "rank %d committed step %d: %d bytes in %.3fs (%.2f GiB/s)",
+        hs.rank, hs.step, need, dt, need / max(dt, 1e-9) / 2**30,
+    )
+    return manifest
+
+
+def gc_local_steps(root: Path, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` committed steps (never the newest one)."""
+    steps = layout.committed_steps(layout.steps_dir(root))
+    keep = max(1, keep)
+    doomed = steps[:-keep] if len(steps) > keep else []
+    for s in doomed:
+        layout.delete_step(layout.steps_dir(root) / layout.step_name(s))
+    return doomed
+
+
+class HostWriter:
+    """Background writer of one host directory: one step at a time, errors kept for the next call."""
+
+    def __init__(self, root: Path, threads: int = 2):
+        self.root = Path(root)
+        self.threads = threads
+        self._queue: queue.Queue[tuple[HostStep, int | None] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._pending = 0
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"mtc-writer-{self.root.name}", daemon=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        layout.remove_tmp_dirs(layout.steps_dir(self.root))
+        self._thread.start()
+
+    def submit(self, hs: HostStep, keep: int | None) -> None:
+        self.raise_if_failed()
+        with self._cv:
+            self._pending += 1
+        self._queue.put((hs, keep))
+
+    def in_flight(self) -> int:
+        with self._cv:
+            return self._pending
+
+    def raise_if_failed(self) -> None:
+        with self._cv:
+            err, self._error = self._error, None
+        if err is not None:
+            raise SaveError(f"background save to {self.root} failed: {err}") from err
+
+    def wait(self, timeout_seconds: float | None = None) -> None:
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        with self._cv:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"saves to {self.root} still running after {timeout_seconds}s")
+                self._cv.wait(left)
+        self.raise_if_failed()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            hs, keep = item
+            try:
+                write_step(hs, self.threads)
+                if keep is not None:
+                    gc_local_steps(self.root, keep)
+            except BaseException as e:  # kept and re-raised in the caller's thread
+                log.error("save of step %d to %s failed: %s", hs.step, self.root, e)
+                with self._cv:
+                    self._error = e
+            finally:
+                del hs, item
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+
+_WRITERS: dict[str, HostWriter] = {}
+_WRITERS_LOCK = threading.Lock()
+
+
+def writer_for(root: Path, threads: int = 2) -> HostWriter:
+    """The process-wide writer of ``root`` (one per host directory)."""
+    key = os.path.realpath(root)
+    with _WRITERS_LOCK:
+        w = _WRITERS.get(key)
+        if w is None:
+            w = _WRITERS[key] = HostWriter(Path(root), threads)
+        return w
+
+
+def host_copy(x: Any) -> np.ndarray:
+    """A C-contiguous host copy of a device buffer (the part of a save the caller waits for)."""
+    return np.array(x, copy=True, order="C")

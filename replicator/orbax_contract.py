@@ -1,0 +1,569 @@
+"""The file contract between unchanged Orbax multi-tier checkpointing (0.12.8) and our replicator daemon.
+
+Everything happens in the host's local checkpoint directory ``<local>`` (verified against the source of
+orbax-checkpoint 0.12.8, ``experimental/emergency/multi_tier_checkpointing/initialization.py``):
+
+* Orbax writes ``replicator.yaml`` (``.tmp`` + rename) and waits, polling once a second for up to
+  ``jax_initialization_timeout_seconds``, for the daemon to acknowledge by deleting it.
+* It then reads ``replicator.errors`` (logged, deleted) and ``replicator.failed`` (deleted, then
+  ``RuntimeError`` -- only when the file is non-empty).
+* It then waits, polling once a second for a fixed 300 s, for ``*.restore`` markers: an empty regular file
+  ``<job>-s0-n<rank>-w0.restore`` means "nothing to restore"; a symlink ``<job>-s<N>-n<rank>-w0.restore``
+  to a directory is renamed (the link itself, ``os.replace``) to ``<local>/<N>`` and restored from there.
+* ``jax-init-info.txt`` (``<process id>\\n<coordinator host:port>\\n``) gives JAX its process id when the
+  user keeps ``use_mtc_process_ids=True``.
+
+See docs/orbax.md for the whole contract and the differences from older/newer Orbax releases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sidecar import layout
+
+log = logging.getLogger(__name__)
+
+ORBAX_VERSION = "0.12.8"
+REPLICATOR_FILE = "replicator.yaml"
+ERRORS_FILE = "replicator.errors"
+FAILED_FILE = "replicator.failed"
+JAX_INIT_INFO_FILE = "jax-init-info.txt"
+RESTORE_SUFFIX = ".restore"
+ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+COMMIT_SUCCESS_FILE = "commit_success.txt"
+CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"
+# Written by Orbax >= 0.12.10 only (never by 0.12.8): "back this step up now".
+BACKUP_REQUESTED_FILE = "_BACKUP_REQUESTED"
+OCDBT_MANIFEST_FILE = "manifest.ocdbt"
+OCDBT_PROCESS_PREFIX = "ocdbt.process_"
+
+# Orbax 0.12.8's timeouts, all polled with a 1 s sleep (so every wait step costs up to ~1 s).
+ORBAX_POLL_INTERVAL_SECONDS = 1
+# Multi-controller: waiting for markers after the ack is hard-coded (not derived from any argument).
+ORBAX_RESTORE_MARKER_TIMEOUT_SECONDS = 300
+# Multi-controller: replicator.yaml ack wait = jax_initialization_timeout_seconds (default 900).
+ORBAX_DEFAULT_INIT_TIMEOUT_SECONDS = 900
+# Waiting for jax-init-info.txt: fixed 900 s.
+ORBAX_JAX_INIT_INFO_TIMEOUT_SECONDS = 900
+# Colocated (Pathways) mode: ack wait = min(remaining of jax_initialization_timeout_seconds, 600).
+ORBAX_COLOCATED_ACK_TIMEOUT_SECONDS = 600
+
+# The pattern Orbax matches marker names with; any other ``*.restore`` name makes its init raise.
+RESTORE_MARKER_RE = re.compile(r"^.+-s(\d+)-n\d+-w\d+\.restore$")
+# Keys whose values differ between byte-identical replicas (wall-clock times of this process's save).
+_VOLATILE_CHECKPOINT_METADATA_KEYS = frozenset({"init_timestamp_nsecs", "commit_timestamp_nsecs", "performance_metrics"})
+_INT_RE = re.compile(r"^[+-]?[0-9]+$")
+_KNOWN_KEYS = frozenset(
+    {
+        "job-name",
+        "framework",
+        "assume-data-parallelism",
+        "node-rank",
+        "nodes",
+        "peer-ranks",
+        "backup-interval-minutes",
+        "backup-interval-steps",
+    }
+)
+
+
+# --------------------------------------------------------------------------- replicator.yaml
+
+
+def _check_job_name(job: Any, what: str = "job-name") -> str:
+    if not isinstance(job, str) or not job:
+        raise ValueError(f"{what} must be a non-empty string, got {job!r}")
+    if "/" in job or "\x00" in job or any(c.isspace() for c in job) or job in (".", ".."):
+        raise ValueError(f"{what} {job!r} must not contain '/', NUL or whitespace (it becomes a file name)")
+    return job
+
+
+def _parse_int(value: Any, key: str, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    if isinstance(value, str):
+        if not _INT_RE.match(value.strip()):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        value = int(value.strip())
+    if not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{key} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatorConfig:
+    """What Orbax tells the replicator about this host in ``replicator.yaml`` (validated).
+
+    ``peer_ranks`` are the node ranks holding the same in-slice position in every other slice (``()``
+    for a single slice). Exactly one of the two backup intervals is set.
+    """
+
+    job_name: str
+    framework: str
+    assume_data_parallelism: int
+    node_rank: int
+    nodes: int
+    peer_ranks: tuple[int, ...]
+    backup_interval_minutes: int | None = None
+    backup_interval_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_job_name(self.job_name)
+        if self.framework != "orbax":
+            raise ValueError(f"framework must be 'orbax', got {self.framework!r}")
+        _parse_int(self.assume_data_parallelism, "assume-data-parallelism", 1)
+        _parse_int(self.nodes, "nodes", 1)
+        rank = _parse_int(self.node_rank, "node-rank", 0)
+        if rank >= self.nodes:
+            raise ValueError(f"node-rank {rank} out of range for nodes={self.nodes}")
+        if not isinstance(self.peer_ranks, tuple):
+            raise ValueError(f"peer-ranks must be a tuple of ints, got {self.peer_ranks!r}")
+        for p in self.peer_ranks:
+            _parse_int(p, "peer-ranks", 0)
+            if p >= self.nodes:
+                raise ValueError(f"peer-ranks entry {p} out of range for nodes={self.nodes}")
+        if rank in self.peer_ranks:
+            raise ValueError(f"peer-ranks {list(self.peer_ranks)} must not contain node-rank {rank}")
+        if len(set(self.peer_ranks)) != len(self.peer_ranks):
+            raise ValueError(f"peer-ranks must be unique, got {list(self.peer_ranks)}")
+        if (self.backup_interval_minutes is None) == (self.backup_interval_steps is None):
+            raise ValueError(
+                "exactly one of backup-interval-minutes and backup-interval-steps must be set, got "
+                f"backup-interval-minutes={self.backup_interval_minutes!r}, "
+                f"backup-interval-steps={self.backup_interval_steps!r}"
+            )
+        if self.backup_interval_minutes is not None:
+            _parse_int(self.backup_interval_minutes, "backup-interval-minutes", 1)
+        if self.backup_interval_steps is not None:
+            _parse_int(self.backup_interval_steps, "backup-interval-steps", 1)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ReplicatorConfig:
+        """Build from the hyphen-keyed mapping of ``replicator.yaml``; ValueError names the bad key."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{REPLICATOR_FILE} must be a mapping, got {type(d).__name__}")
+        for key in ("job-name", "framework", "assume-data-parallelism", "node-rank", "nodes", "peer-ranks"):
+            if key not in d:
+                raise ValueError(f"{REPLICATOR_FILE} lacks required key {key!r}")
+        unknown = sorted(set(d) - _KNOWN_KEYS)
+        if unknown:
+            # A newer Orbax may add keys; what we understand is still valid, so only warn.
+            log.warning("ignoring unknown keys in %s: %s", REPLICATOR_FILE, unknown)
+        peers = d["peer-ranks"]
+        if peers is None or peers == "":
+            peers = []
+        if not isinstance(peers, list):
+            raise ValueError(f"peer-ranks must be a list, got {peers!r}")
+        job = d["job-name"]
+        return cls(
+            job_name=job if isinstance(job, str) else str(job),
+            framework=str(d["framework"]),
+            assume_data_parallelism=_parse_int(d["assume-data-parallelism"], "assume-data-parallelism", 1),
+            node_rank=_parse_int(d["node-rank"], "node-rank", 0),
+            nodes=_parse_int(d["nodes"], "nodes", 1),
+            peer_ranks=tuple(_parse_int(p, "peer-ranks", 0) for p in peers),
+            backup_interval_minutes=(
+                _parse_int(d["backup-interval-minutes"], "backup-interval-minutes", 1)
+                if d.get("backup-interval-minutes") is not None
+                else None
+            ),
+            backup_interval_steps=(
+                _parse_int(d["backup-interval-steps"], "backup-interval-steps", 1)
+                if d.get("backup-interval-steps") is not None
+                else None
+            ),
+        )
+
+    @classmethod
+    def from_yaml(cls, text: str) -> ReplicatorConfig:
+        """Parse the text of ``replicator.yaml``.
+
+        Scalars are read verbatim (YAML BaseLoader) so that a job name such as ``1e3`` or ``on`` stays the
+        string Orbax put into its marker names instead of becoming a float or a bool.
+        """
+        try:
+            data = yaml.load(text, Loader=yaml.BaseLoader)  # noqa: S506 - BaseLoader builds only str/list/dict
+        except yaml.YAMLError as e:
+            raise ValueError(f"{REPLICATOR_FILE} is not valid YAML: {e}") from e
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "job-name": self.job_name,
+            "framework": self.framework,
+            "assume-data-parallelism": self.assume_data_parallelism,
+            "node-rank": self.node_rank,
+            "nodes": self.nodes,
+            "peer-ranks": list(self.peer_ranks),
+        }
+        if self.backup_interval_minutes is not None:
+            d["backup-interval-minutes"] = self.backup_interval_minutes
+        else:
+            d["backup-interval-steps"] = self.backup_interval_steps
+        return d
+
+
+def read_config(local_dir: Path) -> ReplicatorConfig | None:
+    """The pending handshake of ``local_dir``: None when there is no ``replicator.yaml``.
+
+    Orbax writes the file atomically (tmp + rename), so a present file is complete. A malformed file
+    raises ValueError; the daemon should then ``report_fatal`` (Orbax would otherwise wait for the ack).
+    """
+    path = Path(local_dir) / REPLICATOR_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    return ReplicatorConfig.from_yaml(text)
+
+
+def acknowledge(local_dir: Path, expected: ReplicatorConfig | None = None, *, missing_ok: bool = False) -> None:
+    """Acknowledge the handshake by deleting ``replicator.yaml``.
+
+    With ``expected``, the file is first re-read and must still describe that configuration: Orbax's
+    colocated mode replaces a stale file without waiting, so a different config means a new incarnation
+    the caller has not seen yet (ValueError, nothing deleted).
+    """
+    path = Path(local_dir) / REPLICATOR_FILE
+    if expected is not None:
+        current = read_config(local_dir)
+        if current is None:
+            if missing_ok:
+                return
+            raise FileNotFoundError(f"{path} is gone: nothing to acknowledge")
+        if current != expected:
+            raise ValueError(f"{path} changed since it was read ({current} != {expected}); not acknowledged")
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+        return
+    log.info("acknowledged Orbax handshake in %s", local_dir)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _check_text(text: Any, what: str) -> str:
+    if not isinstance(text, str) or not text.strip():
+        # Orbax ignores (and deletes) an empty report: an empty text would be lost silently.
+        raise ValueError(f"{what} text must be a non-empty string, got {text!r}")
+    return text if text.endswith("\n") else text + "\n"
+
+
+def report_error(local_dir: Path, text: str) -> None:
+    """Append a non-fatal error for Orbax to log (``replicator.errors``; Orbax logs and deletes it).
+
+    Rewritten whole via tmp + rename, never appended in place: Orbax deletes a file it finds empty, which
+    would swallow a report whose bytes were not written yet. A report appended between Orbax's read and
+    its delete is lost; one written after its delete may be logged twice. Both windows are ~microseconds.
+    """
+    text = _check_text(text, "error")
+    path = Path(local_dir) / ERRORS_FILE
+    try:
+        old = path.read_bytes()
+    except FileNotFoundError:
+        old = b""
+    if old and not old.endswith(b"\n"):
+        old += b"\n"
+    _write_atomic(path, old + text.encode())
+    log.warning("reported replicator error to Orbax in %s: %s", local_dir, text.strip())
+
+
+def report_fatal(local_dir: Path, text: str) -> None:
+    """Make Orbax's initialization raise ``RuntimeError(text)`` (``replicator.failed``).
+
+    Orbax checks it after the ack and on every poll of the marker wait; the text must be non-empty
+    (Orbax 0.12.8 deletes an empty ``replicator.failed`` without raising).
+    """
+    text = _check_text(text, "fatal error")
+    _write_atomic(Path(local_dir) / FAILED_FILE, text.encode())
+    log.error("reported fatal replicator error to Orbax in %s: %s", local_dir, text.strip())
+
+
+# --------------------------------------------------------------------------- restore markers
+
+
+def marker_name(job: str, step: int, rank: int) -> str:
+    """``<job>-s<step>-n<rank>-w0.restore``, the only marker name Orbax accepts."""
+    _check_job_name(job, "job")
+    layout.step_name(step)
+    _parse_int(rank, "rank", 0)
+    return f"{job}-s{step}-n{rank}-w0{RESTORE_SUFFIX}"
+
+
+def parse_marker_name(name: str) -> int | None:
+    """The step a marker name denotes, or None when Orbax would reject the name."""
+    m = RESTORE_MARKER_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def _markers(local_dir: Path) -> list[Path]:
+    local_dir = Path(local_dir)
+    if not local_dir.is_dir():
+        return []
+    return sorted(p for p in local_dir.iterdir() if p.name.endswith(RESTORE_SUFFIX))
+
+
+def _no_other_marker(local_dir: Path) -> None:
+    existing = _markers(local_dir)
+    if existing:
+        raise FileExistsError(
+            f"{local_dir} already holds restore marker(s) {[p.name for p in existing]}; Orbax acts on exactly "
+            "one kind of marker: call remove_markers() first"
+        )
+
+
+def write_no_restore_marker(local_dir: Path, job: str, rank: int) -> Path:
+    """Tell Orbax there is nothing to restore: an empty regular file ``<job>-s0-n<rank>-w0.restore``."""
+    local_dir = Path(local_dir)
+    name = marker_name(job, 0, rank)
+    _no_other_marker(local_dir)
+    path = local_dir / name
+    with open(path, "xb"):
+        pass
+    log.info("wrote no-restore marker %s", path)
+    return path
+
+
+def write_restore_marker(local_dir: Path, job: str, step: int, rank: int, target_dir: Path) -> Path:
+    """Tell Orbax to restore ``step``: symlink ``<job>-s<step>-n<rank>-w0.restore`` -> ``target_dir``.
+
+    ``target_dir`` must be a finalized Orbax step directory (holding ``_CHECKPOINT_METADATA`` and
+    ``commit_success.txt``) with this rank's data or a byte-identical replica's, outside ``<local>/<step>``;
+    Orbax renames the link itself to ``<local>/<step>``, so the data stays where it is. ``<local>/<step>``
+    must not exist yet (see prepare_for_restore).
+    """
+    local_dir = Path(local_dir)
+    name = marker_name(job, step, rank)
+    target = Path(target_dir).absolute()
+    if not target.is_dir():
+        raise NotADirectoryError(f"restore target {target} is not a directory")
+    for required in (CHECKPOINT_METADATA_FILE, COMMIT_SUCCESS_FILE):
+        if not (target / required).is_file():
+            raise ValueError(f"restore target {target} is not a finalized Orbax step (no {required})")
+    final = local_dir / layout.step_name(step)
+    if os.path.lexists(final):
+        raise FileExistsError(
+            f"{final} exists and would collide with Orbax's rename of the marker: call prepare_for_restore()"
+        )
+    if target.resolve() == final.absolute().resolve() or target.resolve() == local_dir.resolve():
+        raise ValueError(f"restore target {target} must not be {final} or {local_dir} itself")
+    _no_other_marker(local_dir)
+    path = local_dir / name
+    os.symlink(target, path, target_is_directory=True)
+    log.info("wrote restore marker %s -> %s", path, target)
+    return path
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)
+
+
+def remove_markers(local_dir: Path) -> list[Path]:
+    """Delete every ``*.restore`` entry of ``local_dir`` (links are unlinked; their targets are kept)."""
+    removed = []
+    for p in _markers(local_dir):
+        _remove_path(p)
+        removed.append(p)
+    if removed:
+        log.info("removed restore markers %s", [p.name for p in removed])
+    return removed
+
+
+def prepare_for_restore(local_dir: Path, step: int | None) -> list[Path]:
+    """Clean ``local_dir`` before writing the marker for ``step`` (None: nothing will be restored).
+
+    Removes, and returns:
+    * every ``*.restore`` marker (stale; Orbax would act on the newest one, or crash on a foreign name);
+    * every ``<N>.orbax-checkpoint-tmp*`` directory (an interrupted save; never restorable, and Orbax
+      itself deletes them when its manager starts);
+    * every committed ``<local>/<M>`` with ``M >= step`` (all of them when ``step`` is None): ``M == step``
+      collides with Orbax's rename of the marker, and ``M > step`` would become this rank's
+      ``latest_step()`` -- ranks would diverge and ``should_save`` would skip steps <= M on this rank only.
+      A symlink (an earlier restore) is unlinked, never followed.
+
+    Keeps steps older than ``step`` (harmless to Orbax and possibly the only copy) and every other file.
+    A caller that wants to keep the data of ``<local>/<M>`` (for example as the restore target) must move
+    it into its own store *before* calling this.
+    """
+    local_dir = Path(local_dir)
+    if step is not None:
+        layout.step_name(step)
+    if not local_dir.is_dir():
+        raise NotADirectoryError(f"local checkpoint directory {local_dir} does not exist")
+    removed = remove_markers(local_dir)
+    for child in sorted(local_dir.iterdir()):
+        number = layout.parse_step_name(child.name)
+        stale_tmp = ORBAX_TMP_SUFFIX in child.name and layout.parse_step_name(child.name.split(".")[0]) is not None
+        too_new = number is not None and (step is None or number >= step)
+        if stale_tmp or too_new:
+            _remove_path(child)
+            removed.append(child)
+            log.info("prepare_for_restore(%s): removed %s", step, child)
+    return removed
+
+
+# --------------------------------------------------------------------------- committed steps
+
+
+def committed_orbax_steps(local_dir: Path) -> list[int]:
+    """Orbax's finalized steps in ``local_dir`` (``<N>`` directories, or links to them, with
+    ``commit_success.txt``), ascending. Temporary ``*.orbax-checkpoint-tmp`` directories never count."""
+    local_dir = Path(local_dir)
+    if not local_dir.is_dir():
+        return []
+    out = []
+    for child in local_dir.iterdir():
+        step = layout.parse_step_name(child.name)
+        if step is not None and child.is_dir() and (child / COMMIT_SUCCESS_FILE).is_file():
+            out.append(step)
+    return sorted(out)
+
+
+def backup_requested(step_dir: Path) -> bool:
+    """Whether Orbax asked for an immediate backup of this step (``_BACKUP_REQUESTED``, Orbax >= 0.12.10;
+    0.12.8 never writes it, so this is always False with the pinned version)."""
+    return (Path(step_dir) / BACKUP_REQUESTED_FILE).is_file()
+
+
+# --------------------------------------------------------------------------- content hash
+
+
+def _ocdbt_items(db_dir: Path) -> Iterator[tuple[bytes, bytes]]:
+    """(key, value) of every entry of the OCDBT database rooted at ``db_dir``, in key order."""
+    import tensorstore as ts  # lazy: only hashing needs it (an Orbax dependency)
+
+    try:
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{db_dir.absolute()}/"}).result()
+        keys = sorted(kv.list().result())
+    except Exception as e:  # tensorstore raises ValueError/RuntimeError variants
+        raise ValueError(f"cannot read OCDBT database {db_dir}: {e}") from e
+    for key in keys:
+        try:
+            res = kv.read(key).result()
+        except Exception as e:
+            raise ValueError(f"cannot read key {key!r} of OCDBT database {db_dir}: {e}") from e
+        if res.state != "value":
+            raise ValueError(f"OCDBT database {db_dir} lists key {key!r} but has no value for it")
+        yield key, bytes(res.value)
+
+
+def _canonical_checkpoint_metadata(data: bytes, path: Path) -> bytes:
+    try:
+        meta = json.loads(data)
+    except ValueError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from e
+    if isinstance(meta, dict):
+        meta = {k: v for k, v in meta.items() if k not in _VOLATILE_CHECKPOINT_METADATA_KEYS}
+    return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+
+
+def orbax_content_hash(step_dir: Path) -> str:
+    """sha256 (hex) of what a rank restores from an Orbax step directory, independent of which replica
+    wrote it.
+
+    Data-parallel replicas differ only in bytes Orbax does not use to restore: OCDBT files
+    (``manifest.ocdbt``, ``d/<random>``, ``ocdbt.process_<pid>/``, names and b-tree layout), the text of
+    every ``commit_success.txt`` (it names the writer's path) and the save timestamps in
+    ``_CHECKPOINT_METADATA``. So the hash covers: each OCDBT database's (key, value) pairs, read through
+    tensorstore (keys like ``w/c/0/0``, ``w/zarr.json``); ``_CHECKPOINT_METADATA`` minus timestamps and
+    performance metrics; the presence of each ``commit_success.txt``; the bytes of every other file
+    (``_METADATA``, ``_sharding``, ``process_metadata/*.json``, ...). Equal hashes mean a rank can restore
+    from the other's copy; any changed array value, shape, dtype or sharding changes the hash.
+    """
+    step_dir = Path(step_dir)
+    if not step_dir.is_dir():
+        raise NotADirectoryError(f"{step_dir} is not a directory")
+    h = hashlib.sha256()
+
+    def record(*parts: Any) -> None:
+        h.update(json.dumps(parts).encode() + b"\n")
+
+    for dirpath, dirnames, filenames in os.walk(step_dir):
+        here = Path(dirpath)
+        rel = here.relative_to(step_dir).as_posix()
+        dirnames.sort()
+        db_roots: list[Path] = []
+        if OCDBT_MANIFEST_FILE in filenames:
+            # An OCDBT root (the per-item merged manifest): it indexes its ocdbt.process_* sub-databases.
+            db_roots = [here]
+            dirnames[:] = []
+        else:
+            db_roots = [here / d for d in dirnames if d.startswith(OCDBT_PROCESS_PREFIX)]
+            dirnames[:] = [d for d in dirnames if not d.startswith(OCDBT_PROCESS_PREFIX)]
+        if db_roots:
+            items: dict[bytes, str] = {}
+            for db in db_roots:
+                for key, value in _ocdbt_items(db):
+                    digest = hashlib.sha256(value).hexdigest()
+                    if items.setdefault(key, digest) != digest:
+                        raise ValueError(f"{here}: OCDBT key {key!r} has different values in {db_roots}")
+            for key in sorted(items):
+                record("kv", rel, key.hex(), items[key])
+        for name in sorted(filenames):
+            if name == OCDBT_MANIFEST_FILE:
+                continue
+            path = here / name
+            file_rel = path.relative_to(step_dir).as_posix()
+            if name == COMMIT_SUCCESS_FILE:
+                record("present", file_rel)
+            elif name == CHECKPOINT_METADATA_FILE:
+                record("meta", file_rel, hashlib.sha256(_canonical_checkpoint_metadata(path.read_bytes(), path)).hexdigest())
+            elif name == BACKUP_REQUESTED_FILE:
+                continue  # a request to the replicator, not checkpoint content
+            else:
+                record("file", file_rel, hashlib.sha256(path.read_bytes()).hexdigest())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- jax-init-info.txt
+
+
+def write_jax_init_info(local_dir: Path, process_id: int, coordinator_address: str) -> Path:
+    """Write ``jax-init-info.txt`` (``<process_id>\\n<host:port>\\n``) atomically, as GKE's ranks service does.
+
+    Orbax reads it as soon as it exists and raises on fewer than two lines, so it must never be seen
+    half-written.
+    """
+    pid = _parse_int(process_id, "process_id", 0)
+    if not isinstance(coordinator_address, str):
+        raise ValueError(f"coordinator_address must be 'host:port', got {coordinator_address!r}")
+    host, sep, port = coordinator_address.rpartition(":")
+    if not sep or not host or any(c.isspace() for c in coordinator_address) or not port.isdigit():
+        raise ValueError(f"coordinator_address must be 'host:port', got {coordinator_address!r}")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"coordinator port out of range in {coordinator_address!r}")
+    path = Path(local_dir) / JAX_INIT_INFO_FILE
+    _write_atomic(path, f"{pid}\n{coordinator_address}\n".encode())
+    log.info("wrote %s: process %d, coordinator %s", path, pid, coordinator_address)
+    return path

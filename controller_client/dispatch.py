@@ -8,6 +8,7 @@ on Pathways each call runs on every worker host; on CPU it runs inline in this p
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -138,15 +139,13 @@ class ColocatedDispatcher(Dispatcher):
             h, [self._to_cpu(a) for a in arrays])
 
     def restore(self, step, leaves, all_paths):
-        cpu_leaves = [host.RestoreLeaf(lf.path, lf.shape, lf.dtype, lf.key_impl, self.cpu_sharding(lf.sharding))
-                      for lf in leaves]
+        cpu_leaves = [dataclasses.replace(lf, sharding=self.cpu_sharding(lf.sharding)) for lf in leaves]
         fn = functools.partial(_coloc_restore, config=self.cpu_config, step=step, leaves=cpu_leaves,
                                all_paths=list(all_paths))
         out = self._cp.colocated_python(fn)(self._handle())
         if self._same_devices:
             return out
-        return [x if lf.sharding is None else jax.device_put(x, lf.sharding)
-                for x, lf in zip(out, leaves, strict=True)]
+        return [jax.device_put(x, lf.sharding) for x, lf in zip(out, leaves, strict=True)]
 
     def query(self, op, arg=None):
         rows = jax.device_put(np.zeros((len(self.cpu_devices), QUERY_BYTES), np.uint8), self._rows_sharding)

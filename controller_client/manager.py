@@ -163,7 +163,7 @@ class CheckpointManager:
             else:
                 sharding = self._replicated
             return host.RestoreLeaf(path, data_shape, "uint32", impl, sharding), False
-        return host.RestoreLeaf(path, shape, tree.dtype_name(dtype), None, sharding), as_numpy
+        return host.RestoreLeaf(path, shape, tree.dtype_name(dtype), None, sharding, as_bytes=as_numpy), as_numpy
 
     def restore(self, step: int | None = None, target: Any = None) -> Any:
         """Restore ``step`` (default: the latest) into the structure, shapes, dtypes and shardings of
@@ -178,13 +178,10 @@ class CheckpointManager:
         layout.step_name(step)
         leaves, treedef = tree.flatten(target)
         all_paths = [p for p, _ in leaves]
-        requests, numpy_idx, positions = [], set(), []
+        requests, positions = [], []
         for i, (path, leaf) in enumerate(leaves):
             if tree.is_array_like(leaf):
-                req, as_np = self._leaf_for(path, leaf)
-                if as_np:
-                    numpy_idx.add(len(requests))
-                requests.append(req)
+                requests.append(self._leaf_for(path, leaf)[0])
                 positions.append(i)
         t0 = time.monotonic()
         try:
@@ -193,8 +190,10 @@ class CheckpointManager:
         except FileNotFoundError as e:
             raise FileNotFoundError(f"step {step} not found in {self.options.local_directory}: {e}") from e
         out = [None] * len(leaves)
-        for j, (i, arr) in enumerate(zip(positions, arrays, strict=True)):
-            out[i] = np.asarray(arr) if j in numpy_idx else arr
+        for i, req, arr in zip(positions, requests, arrays, strict=True):
+            if req.as_bytes:
+                arr = np.asarray(arr).view(tree.dtype_from_name(req.dtype)).reshape(req.shape).copy()
+            out[i] = arr
         for i, (path, leaf) in enumerate(leaves):
             if not tree.is_array_like(leaf):
                 if path not in values:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -69,8 +70,8 @@ def save_on_hosts(
     """Take a host copy of each rank's addressable shards and queue the background write."""
     layout.step_name(step)
     writers = {r: writer.writer_for(config.root(r), config.write_threads) for r in ranks}
+    writer.raise_failures(list(writers.values()))
     for r, w in writers.items():
-        w.raise_if_failed()
         if (layout.steps_dir(w.root) / str(step)).exists():
             raise FileExistsError(f"step {step} already exists for rank {r} in {w.root}")
     per_rank: dict[int, list[writer.ArrayCopy]] = {r: [] for r in ranks}
@@ -114,7 +115,8 @@ class RestoreLeaf:
     shape: tuple[int, ...]
     dtype: str
     key_impl: str | None
-    sharding: Any  # a jax.sharding.Sharding over the devices the host functions see, or None for numpy
+    sharding: Any  # a jax.sharding.Sharding over the devices the host functions see
+    as_bytes: bool = False  # numpy leaf: delivered as its raw bytes (uint8, replicated), any dtype kept
 
 
 def _check_leaf(src: reader.StepSource, leaf: RestoreLeaf) -> reader.SavedArray:
@@ -153,19 +155,26 @@ def restore_on_hosts(
     config: HostConfig, ranks: Sequence[int], step: int, leaves: Sequence[RestoreLeaf], all_paths: Sequence[str]
 ) -> list[Any]:
     """Build each leaf's arrays from the verified saved shards; each rank fills its own devices only."""
-    for r in ranks:
-        writer.writer_for(config.root(r), config.write_threads).wait()
+    writer.raise_failures([writer.writer_for(config.root(r), config.write_threads) for r in ranks], wait=True)
     sources = {r: open_step(config, [r], step) for r in ranks}
     for src in sources.values():
         check_structure(src, all_paths)
-    first = sources[ranks[0]]
     out: list[Any] = []
     for leaf in leaves:
         for src in sources.values():
             _check_leaf(src, leaf)
-        if leaf.sharding is None:
-            out.append(first.assemble(leaf.path, tuple((0, n) for n in leaf.shape)).copy())
-            first.drop_cache()
+        if leaf.as_bytes:
+            # Host (numpy) leaves travel as raw bytes so that 64-bit dtypes survive JAX's default x32.
+            bufs = []
+            for device in leaf.sharding.addressable_devices:
+                r = config.device_rank.get(device.id)
+                if r in sources:
+                    full = sources[r].assemble(leaf.path, tuple((0, n) for n in leaf.shape))
+                    bufs.append(jax.device_put(np.ascontiguousarray(full).reshape(-1).view(np.uint8), device))
+            nbytes = math.prod(leaf.shape) * tree.dtype_from_name(leaf.dtype).itemsize
+            out.append(jax.make_array_from_single_device_arrays((nbytes,), leaf.sharding, bufs))
+            for src in sources.values():
+                src.drop_cache()
             continue
         buffers = []
         for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
@@ -186,13 +195,13 @@ def restore_on_hosts(
 def query_on_hosts(config: HostConfig, ranks: Sequence[int], op: str, arg: Any = None) -> dict[int, Any]:
     """Small JSON-able questions to each rank: its committed steps, waiting for its saves, step values."""
     result: dict[int, Any] = {}
-    for r in ranks:
-        w = writer.writer_for(config.root(r), config.write_threads)
+    writers = [writer.writer_for(config.root(r), config.write_threads) for r in ranks]
+    if op in ("steps", "wait"):
+        writer.raise_failures(writers, arg, wait=(op == "wait"))
+    for r, w in zip(ranks, writers, strict=True):
         if op == "steps":
-            w.raise_if_failed()
             result[r] = {"steps": layout.committed_steps(layout.steps_dir(w.root)), "in_flight": w.in_flight()}
         elif op == "wait":
-            w.wait(arg)
             result[r] = True
         elif op == "values":
             src = open_step(config, [r], int(arg))

@@ -226,6 +226,20 @@ class HostWriter:
         self._thread.join(timeout=60)
 
 
+def raise_failures(writers: list[HostWriter], timeout_seconds: float | None = None, wait: bool = False) -> None:
+    """Wait for (optionally) and collect every writer's background failure; raise one error naming all."""
+    errors: list[BaseException] = []
+    for w in writers:
+        try:
+            w.wait(timeout_seconds) if wait else w.raise_if_failed()
+        except (SaveError, TimeoutError) as e:
+            errors.append(e)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise SaveError("; ".join(str(e) for e in errors)) from errors[0]
+
+
 _WRITERS: dict[str, HostWriter] = {}
 _WRITERS_LOCK = threading.Lock()
 

@@ -1,0 +1,324 @@
+"""CheckpointManager on 8 CPU devices as 4 simulated hosts (2 slices x 2): round trips, meshes, faults."""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from controller_client.dispatch import InProcessDispatcher
+from controller_client.manager import CheckpointManager, CheckpointManagerOptions
+from controller_client.topology import HostTopology
+from sidecar import layout, writer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def ram_dir():
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    d = tempfile.mkdtemp(prefix="mtc-test-", dir=base)
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def make_manager(ram_dir, **kw):
+    devs = jax.devices()
+    topo = HostTopology.simulated(devs, slices=2, hosts_per_slice=2)
+    opts = CheckpointManagerOptions(local_directory=str(ram_dir / "{host}"), job_name="t", **kw)
+    return CheckpointManager(opts, devices=devs, topology=topo)
+
+
+MESHES = {
+    "replicated": lambda d: (Mesh(np.array(d), ("x",)), P()),
+    "2x4": lambda d: (Mesh(np.array(d).reshape(2, 4), ("a", "b")), P("a", "b")),
+    "4x2": lambda d: (Mesh(np.array(d).reshape(4, 2), ("a", "b")), P("a", "b")),
+}
+
+
+def make_tree(mesh, spec, seed=0):
+    rng = np.random.default_rng(seed)
+    s2 = NamedSharding(mesh, spec)
+    s1 = NamedSharding(mesh, P(spec[0]) if len(spec) else P())
+
+    def put(x, s=s2):
+        return jax.device_put(x, s)
+
+    keys = jax.random.split(jax.random.key(seed), 8)
+    return {
+        "params": {
+            "w": put(rng.standard_normal((16, 8)).astype(np.float32)),
+            "b16": put(jnp.asarray(rng.standard_normal((8, 16)), dtype=jnp.bfloat16)),
+            "layers": [put(rng.integers(-128, 127, (8, 8), dtype=np.int8)),
+                       (put(rng.integers(0, 2**32 - 1, (8, 4), dtype=np.uint32)), put(rng.random((8, 8)) > 0.5))],
+        },
+        "rng": jax.device_put(keys, s1),
+        "step": 7,
+        "lr": 0.125,
+        "name": "run-a",
+        "nothing": None,
+        "host_np": np.arange(5, dtype=np.int64),
+    }
+
+
+def abstract(tree, mesh, spec):
+    """Target: ShapeDtypeStructs on ``mesh``/``spec`` for arrays, plain leaves as they are."""
+    def conv(x):
+        if isinstance(x, jax.Array):
+            s = P(*tuple(spec)[: x.ndim]) if len(spec) else P()
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
+        return x
+    return jax.tree.map(conv, tree, is_leaf=lambda x: x is None)
+
+
+def assert_same(a, b):
+    la, ta = jax.tree_util.tree_flatten(a, is_leaf=lambda x: x is None)
+    lb, tb = jax.tree_util.tree_flatten(b, is_leaf=lambda x: x is None)
+    assert ta == tb
+    for x, y in zip(la, lb, strict=True):
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            assert y.dtype == x.dtype
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        if isinstance(x, (jax.Array, np.ndarray)):
+            assert np.asarray(x).dtype == np.asarray(y).dtype
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        else:
+            assert x == y and type(x) is type(y)
+
+
+@pytest.mark.parametrize("save_mesh", list(MESHES))
+@pytest.mark.parametrize("restore_mesh", list(MESHES))
+def test_round_trip_across_meshes(ram_dir, save_mesh, restore_mesh):
+    devs = jax.devices()
+    m1, s1 = MESHES[save_mesh](devs)
+    m2, s2 = MESHES[restore_mesh](devs)
+    tree = make_tree(m1, s1)
+    with make_manager(ram_dir) as mgr:
+        assert mgr.save(10, tree)
+        mgr.wait_until_finished()
+        assert mgr.latest_step() == 10
+        out = mgr.restore(10, abstract(tree, m2, s2))
+    assert_same(tree, out)
+    leaf = out["params"]["w"]
+    assert leaf.sharding == NamedSharding(m2, P(*tuple(s2)[:2]) if len(s2) else P())
+
+
+def test_every_host_writes_its_own_shards(ram_dir):
+    devs = jax.devices()
+    mesh, spec = MESHES["2x4"](devs)
+    tree = make_tree(mesh, spec)
+    with make_manager(ram_dir) as mgr:
+        mgr.save(1, tree)
+    for rank in range(4):
+        m = layout.read_manifest(ram_dir / str(rank) / "steps" / "1")
+        assert m.rank == rank and m.nodes == 4
+        w = next(a for a in m.arrays if a.path == "['params']['w']")
+        # 2x4 mesh, 2 devices per host: each host holds 2 distinct (8x2)... shards of the (16, 8) array.
+        assert len(w.shards) == 2
+        layout.verify_step_dir(ram_dir / str(rank) / "steps" / "1")
+
+
+def test_save_interval_keep_and_latest(ram_dir):
+    devs = jax.devices()
+    mesh, spec = MESHES["2x4"](devs)
+    tree = make_tree(mesh, spec)
+    with make_manager(ram_dir, save_interval_steps=2, max_to_keep=2) as mgr:
+        assert mgr.latest_step() is None
+        saved = [s for s in range(1, 8) if mgr.save(s, tree)]
+        assert saved == [2, 4, 6]
+        assert mgr.save(7, tree, force=True)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [6, 7]
+        with pytest.raises(FileExistsError):
+            mgr.save(7, tree, force=True)
+
+
+def test_restore_errors_name_the_problem(ram_dir):
+    devs = jax.devices()
+    mesh, spec = MESHES["2x4"](devs)
+    tree = make_tree(mesh, spec)
+    with make_manager(ram_dir) as mgr:
+        with pytest.raises(FileNotFoundError, match="no committed step"):
+            mgr.restore(None, abstract(tree, mesh, spec))
+        mgr.save(3, tree)
+        target = abstract(tree, mesh, spec)
+        with pytest.raises(FileNotFoundError, match=r"step 4.*" + str(ram_dir)):
+            mgr.restore(4, target)
+        bad_shape = dict(target, params=dict(target["params"], w=jax.ShapeDtypeStruct((16, 4), jnp.float32)))
+        with pytest.raises(ValueError, match=r"\['params'\]\['w'\].*shape"):
+            mgr.restore(3, bad_shape)
+        bad_dtype = dict(target, params=dict(target["params"], w=jax.ShapeDtypeStruct((16, 8), jnp.int32)))
+        with pytest.raises(ValueError, match=r"\['params'\]\['w'\].*dtype"):
+            mgr.restore(3, bad_dtype)
+        extra = dict(target, more=jax.ShapeDtypeStruct((2,), jnp.float32))
+        with pytest.raises(ValueError, match=r"\['more'\]"):
+            mgr.restore(3, extra)
+        fewer = {k: v for k, v in target.items() if k != "lr"}
+        with pytest.raises(ValueError, match=r"\['lr'\]"):
+            mgr.restore(3, fewer)
+        with pytest.raises(TypeError, match="object"):
+            mgr.save(4, {"x": object()})
+        # Still usable after all that.
+        assert_same(tree, mgr.restore(3, target))
+
+
+def test_flipped_byte_is_detected(ram_dir):
+    devs = jax.devices()
+    mesh, spec = MESHES["2x4"](devs)
+    tree = make_tree(mesh, spec)
+    with make_manager(ram_dir, cross_host_reads=False) as mgr:
+        mgr.save(5, tree)
+        mgr.wait_until_finished()
+        sdir = ram_dir / "2" / "steps" / "5"
+        m = layout.read_manifest(sdir)
+        victim = next(a for a in m.arrays if a.path == "['params']['w']").shards[0].file
+        raw = bytearray((sdir / victim).read_bytes())
+        raw[3] ^= 0x10
+        (sdir / victim).write_bytes(bytes(raw))
+        with pytest.raises(layout.ChecksumError, match=victim):
+            mgr.restore(5, abstract(tree, mesh, spec))
+
+
+def test_corrupt_copy_falls_back_to_an_intact_replica(ram_dir):
+    """With replicated data, a corrupt copy is a missing piece fetched from another copy, never used."""
+    devs = jax.devices()
+    mesh, spec = MESHES["replicated"](devs)
+    tree = {"w": jax.device_put(np.arange(64, dtype=np.float32), NamedSharding(mesh, P()))}
+    with make_manager(ram_dir) as mgr:
+        mgr.save(1, tree)
+        mgr.wait_until_finished()
+        f = ram_dir / "0" / "steps" / "1" / "0.0.bin"
+        raw = bytearray(f.read_bytes())
+        raw[0] ^= 1
+        f.write_bytes(bytes(raw))
+        out = mgr.restore(1, {"w": jax.ShapeDtypeStruct((64,), jnp.float32, sharding=NamedSharding(mesh, P()))})
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(64, dtype=np.float32))
+
+
+def test_in_process_dispatcher(ram_dir):
+    devs = jax.devices()
+    topo = HostTopology.simulated(devs, 2, 2)
+    opts = CheckpointManagerOptions(local_directory=str(ram_dir / "{host}"), dispatcher="in_process")
+    mgr = CheckpointManager(opts, devices=devs, topology=topo)
+    assert isinstance(mgr.dispatcher, InProcessDispatcher)
+    mesh, spec = MESHES["4x2"](devs)
+    tree = make_tree(mesh, spec, seed=3)
+    mgr.save(2, tree)
+    mgr.wait_until_finished()
+    assert mgr.latest_step() == 2
+    assert_same(tree, mgr.restore(None, abstract(tree, mesh, spec)))
+    mgr.close()
+
+
+def test_enospc_keeps_previous_step_and_manager_usable(ram_dir, monkeypatch):
+    devs = jax.devices()
+    mesh, spec = MESHES["2x4"](devs)
+    small = make_tree(mesh, spec, seed=1)
+    root = ram_dir
+    mounted = False
+    if os.geteuid() == 0 and shutil.which("mount"):
+        root = ram_dir / "tiny"
+        root.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(root)], capture_output=True)
+        mounted = r.returncode == 0
+    if not mounted:
+        # No way to mount a small tmpfs here: inject the fault at the write call instead.
+        real = writer._write_file
+
+        def failing(path, data):
+            if data.nbytes > 1 << 20:
+                raise OSError(28, "No space left on device")
+            return real(path, data)
+
+        monkeypatch.setattr(writer, "_write_file", failing)
+    try:
+        with make_manager(root) as mgr:
+            mgr.save(1, small)
+            mgr.wait_until_finished()
+            big = {**small, "params": {**small["params"],
+                                       "w": jax.device_put(np.ones((4096, 1024), np.float32),
+                                                           NamedSharding(mesh, P("a", "b")))}}
+            mgr.save(2, big)
+            with pytest.raises(Exception, match="RAM disk full") as ei:
+                mgr.wait_until_finished()
+            assert "No space" in str(ei.value) or "RAM disk full" in str(ei.value)
+            for rank in range(4):
+                names = os.listdir(root / str(rank) / "steps")
+                assert names == ["1"], names  # no temporary directory, no step 2
+            assert mgr.latest_step() == 1
+            assert_same(small, mgr.restore(1, abstract(small, mesh, spec)))
+            assert mgr.save(3, small)
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == [1, 3]
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(root)], check=False)
+
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from controller_client.manager import CheckpointManager, CheckpointManagerOptions
+    from controller_client.topology import HostTopology
+    from sidecar import writer
+    devs = jax.devices()
+    mesh = Mesh(np.array(devs).reshape(2, 4), ("a", "b"))
+    s = NamedSharding(mesh, P("a", "b"))
+    mgr = CheckpointManager(CheckpointManagerOptions(local_directory=sys.argv[1] + "/{host}"),
+                            devices=devs, topology=HostTopology.simulated(devs, 2, 2))
+    mgr.save(1, {"w": jax.device_put(np.full((64, 64), 1.0, np.float32), s)})
+    mgr.wait_until_finished()
+    real = writer._write_file
+    def slow(path, data):
+        crc = real(path, data)
+        print("WRITING", flush=True)
+        time.sleep(60)
+        return crc
+    writer._write_file = slow
+    mgr.save(2, {"w": jax.device_put(np.full((64, 64), 2.0, np.float32), s)})
+    time.sleep(120)
+    """
+)
+
+
+def test_sigkill_mid_save_leaves_previous_step(ram_dir):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(ram_dir)], stdout=subprocess.PIPE,
+                            env=env, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while time.monotonic() < deadline and "WRITING" not in line:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+        assert "WRITING" in line, "writer never started step 2"
+        tmp_dirs = [p for p in (ram_dir / "0" / "steps").iterdir() if p.name.startswith(layout.TMP_PREFIX)]
+        assert tmp_dirs, "expected an in-flight temporary directory"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    for rank in range(4):
+        assert layout.committed_steps(ram_dir / str(rank) / "steps") == [1]
+    with make_manager(ram_dir) as mgr:
+        assert mgr.latest_step() == 1
+        devs = jax.devices()
+        s = NamedSharding(Mesh(np.array(devs).reshape(2, 4), ("a", "b")), P("a", "b"))
+        out = mgr.restore(None, {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=s)})
+        np.testing.assert_array_equal(np.asarray(out["w"]), np.full((64, 64), 1.0, np.float32))
+    # Opening the hosts again removed the crashed writer's temporary directories.
+    for rank in range(4):
+        assert os.listdir(ram_dir / str(rank) / "steps") == ["1"]

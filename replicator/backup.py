@@ -1,0 +1,616 @@
+"""The backup commit protocol on top of a Store: staged uploads, content-hash dedup, atomic commit, restore.
+
+Bucket layout under the store root (the URL's prefix)::
+
+    <job>/staging/<step>-<nonce>/BEGIN.json               staging record (step, nodes, id, creation time)
+    <job>/staging/<step>-<nonce>/data/<hash>/<file>       file bytes, keyed by the rank's content hash
+    <job>/staging/<step>-<nonce>/ranks/<rank>.json        rank's StepManifest (uploaded after its data)
+    <job>/commits/<step>.json                             "marker" commit: create-only record -> staging id
+    <job>/steps/<step>/{BEGIN,COMMIT}.json, data/, ranks/ "rename" commit: the staging folder, renamed
+
+A backup is visible only once committed: by the atomic rename of its staging folder to ``steps/<step>``
+(hierarchical-namespace buckets, POSIX directories), or else by a commit record written last with a
+create-only precondition. Readers only ever look at committed steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from sidecar.layout import (
+    ChecksumError,
+    ManifestError,
+    StepManifest,
+    commit_dir,
+    file_crc32c,
+    make_tmp_dir,
+    read_manifest,
+    resolve_under,
+    step_name,
+    write_manifest,
+)
+
+from .storage.base import Store, UnsupportedOperation
+
+log = logging.getLogger(__name__)
+
+BACKUP_FORMAT_VERSION = 1
+STAGING_DIR = "staging"
+STEPS_DIR = "steps"
+COMMITS_DIR = "commits"
+DATA_DIR = "data"
+RANKS_DIR = "ranks"
+BEGIN_NAME = "BEGIN.json"
+COMMIT_NAME = "COMMIT.json"
+STRATEGY_RENAME = "rename"
+STRATEGY_MARKER = "marker"
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_STAGING_RE = re.compile(r"^(0|[1-9][0-9]{0,17})-[0-9a-f]{12}$")
+_MAX_RECORD_BYTES = 16 << 20
+
+
+class BackupError(RuntimeError):
+    """Base class of the backup tier's own errors."""
+
+
+class IncompleteBackupError(BackupError):
+    """A commit was asked for a staging in which some rank's manifest or data is missing."""
+
+
+class UnsupportedBucketError(BackupError):
+    """The store supports neither an atomic prefix rename nor create-only writes: no safe commit exists."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupOptions:
+    """Throttling and commit choices of a BackupStore.
+
+    ``max_bytes_per_second`` limits the average upload rate of this process (None = unlimited);
+    ``commit_strategy`` is ``"auto"`` (rename when the store can, else marker), ``"rename"`` or ``"marker"``.
+    """
+
+    max_parallel_uploads: int = 8
+    max_parallel_downloads: int = 8
+    max_bytes_per_second: float | None = None
+    commit_strategy: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.max_parallel_uploads < 1 or self.max_parallel_downloads < 1:
+            raise ValueError("max_parallel_uploads and max_parallel_downloads must be >= 1")
+        if self.max_bytes_per_second is not None and self.max_bytes_per_second <= 0:
+            raise ValueError("max_bytes_per_second must be positive or None")
+        if self.commit_strategy not in ("auto", STRATEGY_RENAME, STRATEGY_MARKER):
+            raise ValueError(f"commit_strategy must be auto, rename or marker, got {self.commit_strategy!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Staging:
+    """Handle of one backup attempt of ``step``; pass ``to_dict()`` to the other hosts' daemons."""
+
+    step: int
+    nodes: int
+    staging_id: str
+    created_unix: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": BACKUP_FORMAT_VERSION,
+            "step": self.step,
+            "nodes": self.nodes,
+            "staging_id": self.staging_id,
+            "created_unix": self.created_unix,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Staging:
+        try:
+            s = cls(int(d["step"]), int(d["nodes"]), str(d["staging_id"]), float(d.get("created_unix", 0.0)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"malformed staging record: {e}") from e
+        _check_staging_id(s.staging_id, s.step)
+        if s.nodes < 1:
+            raise ManifestError(f"bad node count {s.nodes}")
+        return s
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupCommit:
+    """The commit record: which staging holds step ``step`` and the content hash of every rank."""
+
+    job: str
+    step: int
+    nodes: int
+    staging_id: str
+    strategy: str
+    rank_hashes: tuple[str, ...]
+    total_bytes: int
+    committed_unix: float
+    format_version: int = BACKUP_FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        d = dataclasses.asdict(self)
+        d["rank_hashes"] = list(self.rank_hashes)
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> BackupCommit:
+        try:
+            d = json.loads(data)
+            if int(d["format_version"]) != BACKUP_FORMAT_VERSION:
+                raise ManifestError(f"unsupported backup format_version {d['format_version']}")
+            c = cls(
+                job=str(d["job"]),
+                step=int(d["step"]),
+                nodes=int(d["nodes"]),
+                staging_id=str(d["staging_id"]),
+                strategy=str(d["strategy"]),
+                rank_hashes=tuple(str(h) for h in d["rank_hashes"]),
+                total_bytes=int(d["total_bytes"]),
+                committed_unix=float(d["committed_unix"]),
+            )
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"malformed commit record: {e}") from e
+        _check_staging_id(c.staging_id, c.step)
+        if len(c.rank_hashes) != c.nodes or not all(re.fullmatch(r"[0-9a-f]{64}", h) for h in c.rank_hashes):
+            raise ManifestError("commit record has bad rank hashes")
+        return c
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadResult:
+    """What ``upload_rank`` did: bytes sent vs. found already uploaded (same content hash)."""
+
+    step: int
+    rank: int
+    files_uploaded: int
+    bytes_uploaded: int
+    files_reused: int
+    bytes_reused: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CapabilityReport:
+    """Outcome of ``check_capabilities``: the commit strategy in use and what the store offered."""
+
+    strategy: str
+    rename_prefix: bool
+    create_only: bool
+    detail: str
+
+
+def _check_staging_id(staging_id: str, step: int) -> None:
+    m = _STAGING_RE.match(staging_id)
+    if not m or int(m.group(1)) != step:
+        raise ManifestError(f"bad staging id {staging_id!r} for step {step}")
+
+
+class RateLimiter:
+    """Thread-safe average-rate limiter: ``acquire(n)`` sleeps so that bytes/s stays <= ``rate``."""
+
+    def __init__(self, bytes_per_second: float, burst_seconds: float = 0.25):
+        self.rate = float(bytes_per_second)
+        self.burst = burst_seconds
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(self._next, now - self.burst) + nbytes / self.rate
+            wait = self._next - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+class BackupStore:
+    """Backups of job ``job`` in ``store`` (see the module docstring for the layout and protocol).
+
+    Thread-safe; several processes (one per host) may upload ranks of the same staging concurrently.
+    """
+
+    def __init__(self, store: Store, job: str, options: BackupOptions | None = None):
+        if not isinstance(job, str) or not _JOB_RE.match(job):
+            raise ValueError(f"job name must match {_JOB_RE.pattern}, got {job!r}")
+        self.store = store
+        self.job = job
+        self.options = options or BackupOptions()
+        self._limiter = (
+            RateLimiter(self.options.max_bytes_per_second) if self.options.max_bytes_per_second else None
+        )
+        self._report: CapabilityReport | None = None
+
+    # ------------------------------------------------------------------ names
+
+    def _staging_prefix(self, staging_id: str) -> str:
+        return f"{self.job}/{STAGING_DIR}/{staging_id}"
+
+    def _data_name(self, base: str, content_hash: str, file_name: str) -> str:
+        return f"{base}/{DATA_DIR}/{content_hash}/{file_name}"
+
+    # ------------------------------------------------------------------ capabilities
+
+    def check_capabilities(self) -> CapabilityReport:
+        """Decide the commit strategy: atomic rename if offered, else a probed create-only precondition.
+
+        Raises UnsupportedBucketError (with what is missing) when neither works. The create-only probe
+        really writes twice, because some stores (e.g. gcp-storage-emulator) silently ignore preconditions.
+        """
+        caps = self.store.capabilities
+        want = self.options.commit_strategy
+        create_only, why = (
+            self._probe_create_only() if caps.create_only else (False, "not offered by backend")
+        )
+        if caps.rename_prefix and want in ("auto", STRATEGY_RENAME):
+            strategy = STRATEGY_RENAME
+        elif create_only and want in ("auto", STRATEGY_MARKER):
+            strategy = STRATEGY_MARKER
+        else:
+            raise UnsupportedBucketError(
+                f"{self.store.url}: cannot commit backups safely (strategy {want!r}): "
+                f"atomic folder rename {'available' if caps.rename_prefix else 'unavailable (no hierarchical namespace)'}, "
+                f"create-only preconditions {'available' if create_only else 'unavailable (' + why + ')'}. "
+                "Use a Cloud Storage bucket (hierarchical namespace recommended) or a local folder."
+            )
+        detail = (
+            f"{self.store.url}: commit by {strategy} (rename={caps.rename_prefix}, create_only={create_only})"
+        )
+        self._report = CapabilityReport(strategy, caps.rename_prefix, create_only, detail)
+        log.info("%s", detail)
+        return self._report
+
+    def _probe_create_only(self) -> tuple[bool, str]:
+        probe = f"{self.job}/.probe-{uuid.uuid4().hex[:12]}"
+        try:
+            self.store.write(probe, b"1", create_only=True)
+            try:
+                self.store.write(probe, b"2", create_only=True)
+            except FileExistsError:
+                return True, "enforced"
+            return False, "the store accepted a second create-only write: preconditions are ignored"
+        except UnsupportedOperation as e:
+            return False, str(e)
+        finally:
+            self.store.delete(probe)
+
+    def _strategy(self) -> str:
+        return (self._report or self.check_capabilities()).strategy
+
+    # ------------------------------------------------------------------ writing
+
+    def begin(self, step: int, nodes: int) -> Staging:
+        """Start a backup attempt of ``step`` for ranks ``0..nodes-1``; nothing becomes visible yet."""
+        step_name(step)
+        if not isinstance(nodes, int) or nodes < 1:
+            raise ValueError(f"nodes must be a positive int, got {nodes!r}")
+        staging = Staging(step, nodes, f"{step}-{uuid.uuid4().hex[:12]}", time.time())
+        self.store.write(
+            f"{self._staging_prefix(staging.staging_id)}/{BEGIN_NAME}", json.dumps(staging.to_dict()).encode()
+        )
+        log.info("backup of %s step %d: staging %s for %d ranks", self.job, step, staging.staging_id, nodes)
+        return staging
+
+    def open_staging(self, staging_id: str) -> Staging:
+        """The Staging another process began (read back from its BEGIN record)."""
+        if not isinstance(staging_id, str) or not _STAGING_RE.match(staging_id):
+            raise ValueError(f"bad staging id {staging_id!r}")
+        data = self.store.read(f"{self._staging_prefix(staging_id)}/{BEGIN_NAME}")
+        return Staging.from_dict(json.loads(data))
+
+    def upload_rank(
+        self, staging: Staging, rank: int, step_dir: Path, manifest: StepManifest | None = None
+    ) -> UploadResult:
+        """Upload rank ``rank``'s committed step directory into ``staging``, then its manifest.
+
+        Each file's crc32c is checked against the manifest before upload (a corrupt local step is never
+        backed up) and the stored object's crc32c after. Files already present under the same content
+        hash (a data-parallel replica uploaded them) are not sent again.
+        """
+        t0 = time.monotonic()
+        step_dir = Path(step_dir)
+        manifest = manifest or read_manifest(step_dir)
+        if not isinstance(rank, int) or not 0 <= rank < staging.nodes:
+            raise ValueError(f"rank {rank!r} outside 0..{staging.nodes - 1}")
+        if manifest.step != staging.step or manifest.rank != rank:
+            raise ValueError(
+                f"manifest is step {manifest.step} rank {manifest.rank}, staging wants step {staging.step} rank {rank}"
+            )
+        base = self._staging_prefix(staging.staging_id)
+        self.store.stat(f"{base}/{BEGIN_NAME}")  # FileNotFoundError: no such staging (aborted or committed)
+        content_hash = manifest.content_hash
+        existing = {o.name: o for o in self.store.list(f"{base}/{DATA_DIR}/{content_hash}")}
+        todo, reused = [], []
+        for f in manifest.files:
+            name = self._data_name(base, content_hash, f.name)
+            o = existing.get(name)
+            if o is not None and o.size == f.size and (o.crc32c is None or o.crc32c == f.crc32c):
+                reused.append(f)
+            else:
+                todo.append(f)
+
+        def upload(f: Any) -> int:
+            path = resolve_under(step_dir, f.name)
+            size, crc = file_crc32c(path)
+            if size != f.size or crc != f.crc32c:
+                raise ChecksumError(f"{path} (before upload, size {size} vs {f.size})", f.crc32c, crc)
+            info = self.store.write(
+                self._data_name(base, content_hash, f.name),
+                path,
+                crc32c=f.crc32c,
+                throttle=self._limiter.acquire if self._limiter else None,
+            )
+            if info.size != f.size or (info.crc32c is not None and info.crc32c != f.crc32c):
+                raise ChecksumError(
+                    f"{self.store.url}/{info.name} (after upload)", f.crc32c, info.crc32c or 0
+                )
+            return f.size
+
+        if todo:
+            workers = min(self.options.max_parallel_uploads, len(todo))
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="backup-up") as pool:
+                sent = sum(pool.map(upload, todo))
+        else:
+            sent = 0
+        self.store.write(f"{base}/{RANKS_DIR}/{rank}.json", manifest.to_json())
+        secs = time.monotonic() - t0
+        log.info(
+            "backup %s step %d rank %d: uploaded %d files / %d bytes in %.2fs (%.1f MiB/s), reused %d files",
+            self.job, staging.step, rank, len(todo), sent, secs, sent / max(secs, 1e-9) / 2**20, len(reused),
+        )  # fmt: skip
+        return UploadResult(
+            staging.step, rank, len(todo), sent, len(reused), sum(f.size for f in reused), secs
+        )
+
+    def commit(self, staging: Staging) -> int:
+        """Verify every rank's manifest and data are in ``staging``, then make the backup visible atomically.
+
+        IncompleteBackupError names what is missing (nothing changes); FileExistsError when the step is
+        already committed. Returns the committed step.
+        """
+        strategy = self._strategy()
+        base = self._staging_prefix(staging.staging_id)
+        begin = self.open_staging(staging.staging_id)
+        if begin.step != staging.step or begin.nodes != staging.nodes:
+            raise ValueError(f"staging {staging.staging_id} is step {begin.step} with {begin.nodes} nodes")
+        present = {o.name: o for o in self.store.list(base)}
+        hashes: list[str] = []
+        missing: list[str] = []
+        total = 0
+        for rank in range(staging.nodes):
+            name = f"{base}/{RANKS_DIR}/{rank}.json"
+            if name not in present:
+                missing.append(f"manifest of rank {rank}")
+                continue
+            m = StepManifest.from_json(self.store.read(name))
+            if m.step != staging.step or m.rank != rank:
+                raise ManifestError(f"{name} is step {m.step} rank {m.rank}")
+            h = m.content_hash
+            hashes.append(h)
+            total += m.total_bytes
+            for f in m.files:
+                o = present.get(self._data_name(base, h, f.name))
+                if o is None or o.size != f.size or (o.crc32c is not None and o.crc32c != f.crc32c):
+                    missing.append(f"rank {rank} file {f.name}")
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise IncompleteBackupError(f"cannot commit {self.job} step {staging.step}: missing {shown}")
+        if staging.step in self.committed_steps():
+            raise FileExistsError(f"{self.job} step {staging.step} already has a committed backup")
+        record = BackupCommit(
+            self.job,
+            staging.step,
+            staging.nodes,
+            staging.staging_id,
+            strategy,
+            tuple(hashes),
+            total,
+            time.time(),
+        )
+        if strategy == STRATEGY_RENAME:
+            self.store.write(f"{base}/{COMMIT_NAME}", record.to_json())
+            self.store.rename_prefix(base, f"{self.job}/{STEPS_DIR}/{step_name(staging.step)}")
+        else:
+            try:
+                self.store.write(
+                    f"{self.job}/{COMMITS_DIR}/{step_name(staging.step)}.json",
+                    record.to_json(),
+                    create_only=True,
+                )
+            except FileExistsError:
+                raise FileExistsError(
+                    f"{self.job} step {staging.step} already has a committed backup"
+                ) from None
+        log.info(
+            "committed backup of %s step %d (%d ranks, %d bytes) by %s",
+            self.job,
+            staging.step,
+            staging.nodes,
+            total,
+            strategy,
+        )
+        return staging.step
+
+    def abort(self, staging: Staging) -> int:
+        """Delete an uncommitted staging (e.g. after a failed upload). Returns objects deleted."""
+        _check_staging_id(staging.staging_id, staging.step)
+        if staging.staging_id in self._referenced_staging_ids():
+            raise BackupError(f"staging {staging.staging_id} is a committed backup; use apply_retention")
+        return self.store.delete(self._staging_prefix(staging.staging_id), recursive=True)
+
+    # ------------------------------------------------------------------ reading
+
+    def _marker_steps(self) -> list[int]:
+        out = []
+        for o in self.store.list(f"{self.job}/{COMMITS_DIR}"):
+            stem = o.name.rsplit("/", 1)[-1]
+            if stem.endswith(".json") and re.fullmatch(r"0|[1-9][0-9]{0,17}", stem[:-5]):
+                out.append(int(stem[:-5]))
+        return out
+
+    def _renamed_steps(self) -> list[int]:
+        out = []
+        for o in self.store.list(f"{self.job}/{STEPS_DIR}", shallow=True):
+            stem = o.name.rsplit("/", 1)[-1]
+            if o.is_dir and re.fullmatch(r"0|[1-9][0-9]{0,17}", stem):
+                try:
+                    self.store.stat(f"{o.name}/{COMMIT_NAME}")
+                except FileNotFoundError:
+                    continue  # a half-deleted backup: its commit record went first
+                out.append(int(stem))
+        return out
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a committed backup, ascending."""
+        return sorted(set(self._marker_steps()) | set(self._renamed_steps()))
+
+    def commit_record(self, step: int) -> tuple[BackupCommit, str]:
+        """(commit record, prefix holding the backup's data/ and ranks/); FileNotFoundError if uncommitted."""
+        name = step_name(step)
+        for record_name, base in (
+            (f"{self.job}/{COMMITS_DIR}/{name}.json", None),
+            (f"{self.job}/{STEPS_DIR}/{name}/{COMMIT_NAME}", f"{self.job}/{STEPS_DIR}/{name}"),
+        ):
+            try:
+                data = self.store.read(record_name)
+            except FileNotFoundError:
+                continue
+            rec = BackupCommit.from_json(data[: _MAX_RECORD_BYTES + 1])
+            if rec.step != step or rec.job != self.job:
+                raise ManifestError(f"{record_name} describes {rec.job} step {rec.step}")
+            return rec, base or self._staging_prefix(rec.staging_id)
+        raise FileNotFoundError(f"{self.store.url}: {self.job} step {step} has no committed backup")
+
+    def read_manifest(self, step: int, rank: int) -> StepManifest:
+        """Rank ``rank``'s manifest of committed step ``step``, checked against the commit record."""
+        rec, base = self.commit_record(step)
+        if not isinstance(rank, int) or not 0 <= rank < rec.nodes:
+            raise ValueError(f"rank {rank!r} outside 0..{rec.nodes - 1} of {self.job} step {step}")
+        m = StepManifest.from_json(self.store.read(f"{base}/{RANKS_DIR}/{rank}.json"))
+        if m.step != step or m.rank != rank or m.content_hash != rec.rank_hashes[rank]:
+            raise ManifestError(
+                f"manifest of {self.job} step {step} rank {rank} does not match its commit record"
+            )
+        return m
+
+    def download_rank(self, step: int, rank: int, dest_parent: Path) -> Path:
+        """Restore rank's data of committed ``step`` as ``dest_parent/<step>`` (verified, then renamed in).
+
+        Raises ChecksumError on any corrupt file and leaves nothing behind; FileExistsError when
+        ``dest_parent/<step>`` exists already.
+        """
+        t0 = time.monotonic()
+        rec, base = self.commit_record(step)
+        manifest = self.read_manifest(step, rank)
+        dest_parent = Path(dest_parent)
+        final = dest_parent / step_name(step)
+        if final.exists():
+            raise FileExistsError(f"{final} already exists")
+        tmp = make_tmp_dir(dest_parent, step)
+        content_hash = rec.rank_hashes[rank]
+
+        def fetch(f: Any) -> int:
+            dest = resolve_under(tmp, f.name)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            info = self.store.read_to_file(self._data_name(base, content_hash, f.name), dest)
+            if info.size != f.size or info.crc32c != f.crc32c:
+                raise ChecksumError(
+                    f"{self.store.url}/{self._data_name(base, content_hash, f.name)} (size {info.size} vs {f.size})",
+                    f.crc32c,
+                    info.crc32c if info.crc32c is not None else file_crc32c(dest)[1],
+                )
+            return f.size
+
+        try:
+            files = list(manifest.files)
+            if files:
+                workers = min(self.options.max_parallel_downloads, len(files))
+                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="backup-down") as pool:
+                    got = sum(pool.map(fetch, files))
+            else:
+                got = 0
+            write_manifest(tmp, manifest)
+            commit_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        secs = time.monotonic() - t0
+        log.info(
+            "restored %s step %d rank %d from backup: %d bytes in %.2fs (%.1f MiB/s)",
+            self.job, step, rank, got, secs, got / max(secs, 1e-9) / 2**20,
+        )  # fmt: skip
+        return final
+
+    # ------------------------------------------------------------------ garbage collection
+
+    def _delete_backup(self, step: int) -> None:
+        rec, base = self.commit_record(step)
+        # The commit record goes first, so a half-deleted backup is never visible as committed.
+        if base.startswith(f"{self.job}/{STEPS_DIR}/"):
+            self.store.delete(f"{base}/{COMMIT_NAME}")
+        else:
+            self.store.delete(f"{self.job}/{COMMITS_DIR}/{step_name(step)}.json")
+        n = self.store.delete(base, recursive=True)
+        log.info("retention: deleted backup of %s step %d (%d objects)", self.job, step, n)
+
+    def apply_retention(self, keep: int, pinned: Iterable[int] = ()) -> list[int]:
+        """Delete committed backups except the newest ``keep`` (>= 1) and the ``pinned`` steps.
+
+        Returns the steps deleted, ascending.
+        """
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1 (the newest backup is never deleted), got {keep!r}")
+        pinned_set = {int(p) for p in pinned}
+        steps = self.committed_steps()
+        doomed = [s for s in steps[:-keep] if s not in pinned_set]
+        for s in doomed:
+            self._delete_backup(s)
+        return doomed
+
+    def _referenced_staging_ids(self) -> set[str]:
+        ids = set()
+        for step in self._marker_steps():
+            try:
+                ids.add(self.commit_record(step)[0].staging_id)
+            except FileNotFoundError:
+                continue
+        return ids
+
+    def clean_stale_staging(self, older_than_seconds: float) -> list[str]:
+        """Delete uncommitted stagings whose newest object is older than ``older_than_seconds``.
+
+        The threshold must exceed the longest backup (upload + commit) you run: a staging that is
+        still being uploaded or committed must not look stale. Returns the staging ids deleted.
+        """
+        if older_than_seconds < 0:
+            raise ValueError("older_than_seconds must be >= 0")
+        referenced = self._referenced_staging_ids()
+        now = time.time()
+        removed = []
+        for d in self.store.list(f"{self.job}/{STAGING_DIR}", shallow=True):
+            sid = d.name.rsplit("/", 1)[-1]
+            if not d.is_dir or sid in referenced:
+                continue
+            objs = self.store.list(d.name)
+            newest = max((o.mtime for o in objs if o.mtime is not None), default=None)
+            if newest is not None and now - newest < older_than_seconds:
+                continue
+            if sid in self._referenced_staging_ids():  # committed meanwhile
+                continue
+            self.store.delete(d.name, recursive=True)
+            removed.append(sid)
+        if removed:
+            log.info("removed %d stale backup stagings of %s: %s", len(removed), self.job, removed)
+        return removed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -91,6 +92,7 @@ def test_data_parallel_replicas_hash_equal_and_restore_from_each_other(tmp_path:
     assert oc.orbax_content_hash(a / "1") == oc.orbax_content_hash(b / "1")
     assert oc.orbax_content_hash(a / "2") != oc.orbax_content_hash(b / "2")
     assert oc.orbax_content_hash(a / "1") != oc.orbax_content_hash(a / "2")
+    _check_hash_scope(a / "1", tmp_path / "scratch")
 
     # Restart: rank 1's copy is "lost"; both ranks restore step 1 from rank 0's copy (equal hash).
     targets = {}
@@ -105,3 +107,51 @@ def test_data_parallel_replicas_hash_equal_and_restore_from_each_other(tmp_path:
         assert second.results[rank]["restore_bit_exact"] is True, second.results[rank]
         # prepare_for_restore removed step 2 (newer than the plan) on both ranks.
         assert oc.committed_orbax_steps(tmp_path / f"local{rank}") == [1]
+
+
+def test_step_zero_is_an_ordinary_step_in_0_12_8(tmp_path: Path) -> None:
+    # DESIGN.md expects this only from Orbax >= 0.12.10; 0.12.8 already saves step 0, and a *symlink*
+    # marker with step 0 is restored (only an empty regular file with step 0 means "nothing to restore").
+    first = run_job(tmp_path, "zerojob", fresh_start, save_steps="0")
+    _assert_ok(first)
+    targets = {}
+    for rank in range(2):
+        local = tmp_path / f"local{rank}"
+        assert oc.committed_orbax_steps(local) == [0]
+        targets[rank] = tmp_path / "store" / f"rank{rank}" / "0"
+        targets[rank].parent.mkdir(parents=True)
+        os.rename(local / "0", targets[rank])
+    second = run_job(tmp_path, "zerojob", restore_from(0, targets), restore_step=0)
+    _assert_ok(second)
+    for rank in range(2):
+        r = second.results[rank]
+        assert r["latest_before_restore"] == 0 and r["restore_bit_exact"] is True, r
+
+
+def _check_hash_scope(step_dir: Path, scratch: Path) -> None:
+    """What the hash ignores (per-writer bytes) and what it must not (anything Orbax restores from)."""
+    base = oc.orbax_content_hash(step_dir)
+
+    def variant(name: str, edit) -> str:
+        copy = scratch / name
+        shutil.copytree(step_dir, copy, symlinks=True)
+        edit(copy)
+        return oc.orbax_content_hash(copy)
+
+    def retime(d: Path) -> None:
+        meta = json.loads((d / "_CHECKPOINT_METADATA").read_text())
+        meta["commit_timestamp_nsecs"] += 12345
+        (d / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
+
+    assert variant("retimed", retime) == base
+    assert variant("recommitted", lambda d: (d / "state/commit_success.txt").write_text("elsewhere")) == base
+    assert variant("uncommitted", lambda d: (d / "state/commit_success.txt").unlink()) != base
+    assert variant("remeshed", lambda d: (d / "process_metadata/mesh_metadata.json").write_text("[1, 0, 2, 3]")) != base
+
+    def lose_data(d: Path) -> None:
+        # Small values are inlined into b-tree nodes, which live in d/ of the root and of each process db.
+        for f in (d / "state").rglob("d/*"):
+            f.unlink()
+
+    with pytest.raises(ValueError, match="OCDBT"):
+        variant("lost", lose_data)

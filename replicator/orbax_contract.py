@@ -64,7 +64,9 @@ ORBAX_COLOCATED_ACK_TIMEOUT_SECONDS = 600
 # The pattern Orbax matches marker names with; any other ``*.restore`` name makes its init raise.
 RESTORE_MARKER_RE = re.compile(r"^.+-s(\d+)-n\d+-w\d+\.restore$")
 # Keys whose values differ between byte-identical replicas (wall-clock times of this process's save).
-_VOLATILE_CHECKPOINT_METADATA_KEYS = frozenset({"init_timestamp_nsecs", "commit_timestamp_nsecs", "performance_metrics"})
+_VOLATILE_CHECKPOINT_METADATA_KEYS = frozenset(
+    {"init_timestamp_nsecs", "commit_timestamp_nsecs", "performance_metrics"}
+)
 _INT_RE = re.compile(r"^[+-]?[0-9]+$")
 _KNOWN_KEYS = frozenset(
     {
@@ -232,7 +234,9 @@ def read_config(local_dir: Path) -> ReplicatorConfig | None:
     return ReplicatorConfig.from_yaml(text)
 
 
-def acknowledge(local_dir: Path, expected: ReplicatorConfig | None = None, *, missing_ok: bool = False) -> None:
+def acknowledge(
+    local_dir: Path, expected: ReplicatorConfig | None = None, *, missing_ok: bool = False
+) -> None:
     """Acknowledge the handshake by deleting ``replicator.yaml``.
 
     With ``expected``, the file is first re-read and must still describe that configuration: Orbax's
@@ -424,7 +428,9 @@ def prepare_for_restore(local_dir: Path, step: int | None) -> list[Path]:
     removed = remove_markers(local_dir)
     for child in sorted(local_dir.iterdir()):
         number = layout.parse_step_name(child.name)
-        stale_tmp = ORBAX_TMP_SUFFIX in child.name and layout.parse_step_name(child.name.split(".")[0]) is not None
+        stale_tmp = (
+            ORBAX_TMP_SUFFIX in child.name and layout.parse_step_name(child.name.split(".")[0]) is not None
+        )
         too_new = number is not None and (step is None or number >= step)
         if stale_tmp or too_new:
             _remove_path(child)
@@ -538,7 +544,11 @@ def orbax_content_hash(step_dir: Path) -> str:
             if name == COMMIT_SUCCESS_FILE:
                 record("present", file_rel)
             elif name == CHECKPOINT_METADATA_FILE:
-                record("meta", file_rel, hashlib.sha256(_canonical_checkpoint_metadata(path.read_bytes(), path)).hexdigest())
+                record(
+                    "meta",
+                    file_rel,
+                    hashlib.sha256(_canonical_checkpoint_metadata(path.read_bytes(), path)).hexdigest(),
+                )
             elif name == BACKUP_REQUESTED_FILE:
                 continue  # a request to the replicator, not checkpoint content
             else:

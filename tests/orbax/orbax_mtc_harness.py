@@ -195,5 +195,7 @@ def run_job(
 
 def describe(res: JobResult) -> str:
     """Failure message: return codes, responder errors and the tail of each worker's log."""
-    tails = "\n".join(f"--- worker {i}\n" + "\n".join(log.splitlines()[-25:]) for i, log in enumerate(res.logs))
+    tails = "\n".join(
+        f"--- worker {i}\n" + "\n".join(log.splitlines()[-25:]) for i, log in enumerate(res.logs)
+    )
     return f"rc={res.returncodes} responder_errors={res.responder_errors!r} results={res.results}\n{tails}"

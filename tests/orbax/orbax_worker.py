@@ -34,7 +34,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--save-steps", default="")
     parser.add_argument("--restore-step", type=int, default=-1)
     parser.add_argument("--layout", choices=("sharded", "replicated"), default="sharded")
-    parser.add_argument("--perturb-step", type=int, default=-1, help="this process saves a changed value at that step")
+    parser.add_argument(
+        "--perturb-step", type=int, default=-1, help="this process saves a changed value at that step"
+    )
     parser.add_argument("--init-timeout", type=int, default=20)
     parser.add_argument("--use-mtc-process-ids", type=int, default=1)
     parser.add_argument("--backup-interval-steps", type=int, default=5)
@@ -90,7 +92,8 @@ def main(argv: list[str]) -> int:
 
     def to_global(tree: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return {
-            k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in tree.items()
+            k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+            for k, v in tree.items()
         }
 
     options = replicator_checkpoint_manager.ReplicatorCheckpointManagerOptions(save_interval_steps=1)
@@ -103,8 +106,12 @@ def main(argv: list[str]) -> int:
             for k, v in expected_state(args.restore_step, args.layout, n).items()
         }
         restored = mgr.restore(
-            None, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=abstract,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)))
+            None,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+                )
+            ),
         )
         state = restored["state"]
         want = expected_state(args.restore_step, args.layout, n)

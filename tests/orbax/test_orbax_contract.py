@@ -74,7 +74,11 @@ GOOD = (
         ("peer-ranks: [1]\n", "peer-ranks: [5]\n", "peer-ranks"),
         ("peer-ranks: [1]\n", "peer-ranks: 1\n", "peer-ranks"),
         ("backup-interval-minutes: 30\n", "", "backup-interval"),
-        ("backup-interval-minutes: 30\n", "backup-interval-minutes: 30\nbackup-interval-steps: 3\n", "backup-interval"),
+        (
+            "backup-interval-minutes: 30\n",
+            "backup-interval-minutes: 30\nbackup-interval-steps: 3\n",
+            "backup-interval",
+        ),
         ("backup-interval-minutes: 30\n", "backup-interval-minutes: -1\n", "backup-interval-minutes"),
     ],
 )

@@ -84,7 +84,9 @@ def test_replicator_failed_makes_orbax_raise(tmp_path: Path) -> None:
 def test_data_parallel_replicas_hash_equal_and_restore_from_each_other(tmp_path: Path) -> None:
     # Each process holds a full copy (processes along the "data" mesh axis); at step 2 process 1 saves a
     # diverged value, as a replica with a flipped bit would.
-    first = run_job(tmp_path, "dpjob", fresh_start, save_steps="1,2", layout="replicated", perturb_step={1: 2})
+    first = run_job(
+        tmp_path, "dpjob", fresh_start, save_steps="1,2", layout="replicated", perturb_step={1: 2}
+    )
     _assert_ok(first)
     a, b = tmp_path / "local0", tmp_path / "local1"
     assert (a / "1/state/ocdbt.process_0").is_dir() and (b / "1/state/ocdbt.process_1").is_dir()
@@ -146,7 +148,10 @@ def _check_hash_scope(step_dir: Path, scratch: Path) -> None:
     assert variant("retimed", retime) == base
     assert variant("recommitted", lambda d: (d / "state/commit_success.txt").write_text("elsewhere")) == base
     assert variant("uncommitted", lambda d: (d / "state/commit_success.txt").unlink()) != base
-    assert variant("remeshed", lambda d: (d / "process_metadata/mesh_metadata.json").write_text("[1, 0, 2, 3]")) != base
+    assert (
+        variant("remeshed", lambda d: (d / "process_metadata/mesh_metadata.json").write_text("[1, 0, 2, 3]"))
+        != base
+    )
 
     def lose_data(d: Path) -> None:
         # Small values are inlined into b-tree nodes, which live in d/ of the root and of each process db.

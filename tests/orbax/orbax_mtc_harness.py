@@ -70,7 +70,7 @@ class Responder(threading.Thread):
 
 
 def fresh_start(local_dir: Path, rank: int, cfg: oc.ReplicatorConfig) -> None:
-    """Daemon answer when nothing is restorable: clean up, ack, step-0 marker."""
+    """Daemon answer when nothing is restorable: clean up, ack, step-0 marker (Google's order)."""
     oc.prepare_for_restore(local_dir, None)
     oc.acknowledge(local_dir, cfg)
     oc.write_no_restore_marker(local_dir, cfg.job_name, cfg.node_rank)
@@ -80,9 +80,11 @@ def restore_from(step: int, targets: dict[int, Path]) -> Action:
     """Daemon answer that restores ``step`` on every rank from ``targets[rank]`` (a staged step directory)."""
 
     def action(local_dir: Path, rank: int, cfg: oc.ReplicatorConfig) -> None:
+        # Marker first, ack last: Orbax looks for markers only after the ack, so the planning time is
+        # bounded by jax_initialization_timeout_seconds instead of the fixed 300 s marker wait.
         oc.prepare_for_restore(local_dir, step)
-        oc.acknowledge(local_dir, cfg)
         oc.write_restore_marker(local_dir, cfg.job_name, step, cfg.node_rank, targets[cfg.node_rank])
+        oc.acknowledge(local_dir, cfg)
 
     return action
 
@@ -107,6 +109,7 @@ def run_job(
     layout: str = "sharded",
     perturb_step: dict[int, int] | None = None,
     use_mtc_process_ids: bool = True,
+    num_slices: int = 0,
 ) -> JobResult:
     """Run one incarnation of a 2-process job with local dirs ``root/local<rank>``; returns when both exit."""
     port = free_port()
@@ -149,6 +152,7 @@ def run_job(
                 "--restore-step", str(restore_step),
                 "--layout", layout,
                 "--perturb-step", str((perturb_step or {}).get(rank, -1)),
+                "--num-slices", str(num_slices),
                 "--init-timeout", str(INIT_TIMEOUT_SECONDS),
                 "--use-mtc-process-ids", "1" if use_mtc_process_ids else "0",
                 "--result", str(root / f"result{rank}.json"),

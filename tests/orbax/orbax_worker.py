@@ -37,6 +37,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--perturb-step", type=int, default=-1, help="this process saves a changed value at that step"
     )
+    parser.add_argument("--num-slices", type=int, default=0, help="0: let Orbax count slices")
     parser.add_argument("--init-timeout", type=int, default=20)
     parser.add_argument("--use-mtc-process-ids", type=int, default=1)
     parser.add_argument("--backup-interval-steps", type=int, default=5)
@@ -65,6 +66,7 @@ def main(argv: list[str]) -> int:
         initialization.initialize_multi_tier_checkpointing(
             local_dir,
             run_name=args.job,
+            num_slices=args.num_slices or None,
             backup_interval_steps=args.backup_interval_steps,
             jax_initialization_timeout_seconds=args.init_timeout,
             jax_shutdown_timeout_seconds=5,

@@ -111,6 +111,9 @@ def test_acknowledge(tmp_path: Path) -> None:
     oc.acknowledge(tmp_path, missing_ok=True)
     # What Orbax does next: its ack wait returns at once (timeout in whole seconds, 1 s polls).
     orbax_init._wait_for_replicator_file_to_disappear(tmp_path, timeout_seconds=1)
+    # ... but a timeout of 0 (jax_initialization_timeout_seconds=0) never even looks: unusable.
+    with pytest.raises(TimeoutError):
+        orbax_init._wait_for_replicator_file_to_disappear(tmp_path, timeout_seconds=0)
 
 
 # --------------------------------------------------------------------------- errors

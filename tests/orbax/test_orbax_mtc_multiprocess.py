@@ -59,7 +59,10 @@ def test_save_then_restart_restores_bit_exact(tmp_path: Path) -> None:
         assert (local / "2").is_symlink() and (local / "2").resolve() == targets[rank].resolve()
         assert oc.committed_orbax_steps(local) == [1, 2, 3]
         assert not (local / "9").exists() and not (local / "3.orbax-checkpoint-tmp").exists()
-    print(f"orbax 2-process save run {first.seconds:.1f}s, restore run {second.seconds:.1f}s")
+    print(
+        f"orbax 2-process save run {first.seconds:.1f}s (init {first.results[0]['init_seconds']:.1f}s), "
+        f"restore run {second.seconds:.1f}s (init {second.results[0]['init_seconds']:.1f}s)"
+    )
 
 
 def test_replicator_failed_makes_orbax_raise(tmp_path: Path) -> None:
@@ -82,12 +85,22 @@ def test_replicator_failed_makes_orbax_raise(tmp_path: Path) -> None:
 
 
 def test_data_parallel_replicas_hash_equal_and_restore_from_each_other(tmp_path: Path) -> None:
-    # Each process holds a full copy (processes along the "data" mesh axis); at step 2 process 1 saves a
-    # diverged value, as a replica with a flipped bit would.
+    # Each process holds a full copy (processes along the "data" mesh axis) and is its own "slice"; at
+    # step 2 process 1 saves a diverged value, as a replica with a flipped bit would.
     first = run_job(
-        tmp_path, "dpjob", fresh_start, save_steps="1,2", layout="replicated", perturb_step={1: 2}
+        tmp_path,
+        "dpjob",
+        fresh_start,
+        save_steps="1,2",
+        layout="replicated",
+        perturb_step={1: 2},
+        num_slices=2,
     )
     _assert_ok(first)
+    for rank in range(2):
+        (cfg,) = first.configs[rank]
+        # Peers = the same in-slice index in every other slice; data parallelism defaults to num_slices.
+        assert (cfg.node_rank, cfg.peer_ranks, cfg.assume_data_parallelism) == (rank, (1 - rank,), 2)
     a, b = tmp_path / "local0", tmp_path / "local1"
     assert (a / "1/state/ocdbt.process_0").is_dir() and (b / "1/state/ocdbt.process_1").is_dir()
     assert (a / "1/_CHECKPOINT_METADATA").read_bytes() != (b / "1/_CHECKPOINT_METADATA").read_bytes()
@@ -103,7 +116,9 @@ def test_data_parallel_replicas_hash_equal_and_restore_from_each_other(tmp_path:
         shutil.copytree(a / "1", target, symlinks=True)
         targets[rank] = target
     shutil.rmtree(b / "1")
-    second = run_job(tmp_path, "dpjob", restore_from(1, targets), restore_step=1, layout="replicated")
+    second = run_job(
+        tmp_path, "dpjob", restore_from(1, targets), restore_step=1, layout="replicated", num_slices=2
+    )
     _assert_ok(second)
     for rank in range(2):
         assert second.results[rank]["restore_bit_exact"] is True, second.results[rank]

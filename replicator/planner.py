@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import itertools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -108,7 +109,13 @@ class Holding:
 
 @dataclasses.dataclass(frozen=True)
 class CopyTask:
-    """Copy ``owner_rank``'s ``step`` from ``source_rank``'s RAM disk to ``dest_rank``'s (then verify)."""
+    """Copy ``owner_rank``'s ``step`` from ``source_rank``'s RAM disk to ``dest_rank``'s, then verify.
+
+    ``hash_only``: ``dest_rank`` is a data-parallel replica whose own local step already has this
+    ``content_hash`` (``source_rank == dest_rank``); no bytes move. The destination only records
+    that fact and reports it as a :attr:`Tier.REPLICA` holding, so it outlives the owner's host and
+    a coordinator restart.
+    """
 
     owner_rank: int
     step: int
@@ -116,6 +123,10 @@ class CopyTask:
     dest_rank: int
     content_hash: str
     size: int = 0
+    hash_only: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,10 +205,6 @@ class CoordinatorState:
         self._bucket: dict[int, dict[int, str | None]] = {}
         self._backups_in_progress: set[int] = set()
         self._pinned: set[int] = set()
-        # step -> owner_rank -> the hash the owner last reported for its own data. Outlives the owner's
-        # host (forget_host) so a lost rank can still be matched to an identical replica, but not a
-        # coordinator restart: for that, daemons report Tier.REPLICA attestations.
-        self._owner_hash: dict[int, dict[int, str]] = {}
 
     # ----------------------------------------------------------------------------------------- events
 
@@ -269,7 +276,6 @@ class CoordinatorState:
             self._bucket[step] = {r: hashes.get(r) for r in range(self.topology.nodes)}
         else:
             self._bucket.pop(step, None)
-            self._prune_owner_hashes(step)
         self._backups_in_progress.discard(step)
 
     def report_backup_ranks(self, step: int, content_hashes: Mapping[int, str | None]) -> None:
@@ -371,13 +377,14 @@ class CoordinatorState:
         return out
 
     def replication_plan(self, step: int) -> list[CopyTask]:
-        """Copies to make so every rank's ``step`` data is on ``1 + replicas`` distinct hosts (capped at nodes).
+        """Tasks that put every rank's ``step`` data on ``1 + replicas`` distinct hosts (capped at nodes).
 
-        A data-parallel replica holding the same content hash is a verified copy: with the default
-        ``replicas=1`` nothing is copied for that rank. Otherwise copies go to the rank's
-        ``copy_preference`` order (registered hosts without a valid copy), and sources are spread
-        across the hosts holding valid data, least bytes assigned first. Call it once the step's
-        reports are in; it only looks at the current state.
+        A data-parallel replica whose local step has the same content hash is a verified copy: it
+        gets a ``hash_only`` task (record the equivalence, move no bytes) and, with the default
+        ``replicas=1``, nothing is copied for that rank. Otherwise byte copies go to the rank's
+        ``copy_preference`` order (registered hosts without a valid copy), with sources spread across
+        the hosts holding valid data, least bytes assigned first. The answer depends only on the
+        current state; call it again after reports arrive (done tasks drop out).
         """
         _check_int("step", step)
         auth = self._auth_hashes(step)
@@ -391,23 +398,33 @@ class CoordinatorState:
             a = auth.get(owner)
             if a is None or a.content_hash is None:
                 continue
+            pieces = by_owner.get(owner, {})
             holders = sorted(
-                x
-                for x, h in by_owner.get(owner, {}).items()
-                if _carries_bytes(h) and h.content_hash == a.content_hash
+                x for x, h in pieces.items() if _carries_bytes(h) and h.content_hash == a.content_hash
             )
-            if not holders:
-                continue  # only the bucket or an attested replica has it; nothing to copy from
-            have = set(holders)
+            attested, identical = [], []
             for rep in self.topology.replicas_of(owner):
-                theirs = by_owner.get(rep, {}).get(rep)
-                if theirs is not None and theirs.tier is Tier.LOCAL and theirs.content_hash == a.content_hash:
-                    have.add(rep)
+                if not self._holds_local(step, rep, a.content_hash):
+                    continue
+                claim = pieces.get(rep)
+                if claim is not None and claim.tier is Tier.REPLICA and claim.content_hash == a.content_hash:
+                    attested.append(rep)
+                else:
+                    identical.append(rep)
+            for rep in identical:
+                rep_size = by_owner[rep][rep].size
+                tasks.append(CopyTask(owner, step, rep, rep, a.content_hash, rep_size, hash_only=True))
+            have = set(holders) | set(attested) | set(identical)
             needed = want_total - len(have)
-            if needed <= 0:
-                continue
-            size = by_owner[owner][holders[0]].size
-            dests = [x for x in self.topology.copy_preference(owner) if x in alive and x not in have][:needed]
+            if needed <= 0 or not holders:
+                continue  # enough copies, or no bytes of this rank's data to copy from
+            size = pieces[holders[0]].size
+            dests = list(
+                itertools.islice(
+                    (x for x in self.topology.iter_copy_preference(owner) if x in alive and x not in have),
+                    needed,
+                )
+            )
             for dest in dests:
                 src = min(
                     holders,
@@ -416,7 +433,12 @@ class CoordinatorState:
                 load[src] += size
                 count[src] += 1
                 tasks.append(CopyTask(owner, step, src, dest, a.content_hash, size))
+        tasks.sort(key=lambda t: (t.owner_rank, not t.hash_only, t.dest_rank))
         return tasks
+
+    def _holds_local(self, step: int, rank: int, content_hash: str) -> bool:
+        mine = self._index.get(step, {}).get(rank, {}).get(rank)
+        return mine is not None and mine.tier is Tier.LOCAL and mine.content_hash == content_hash
 
     def restore_plan(self, restoring: bool = True, force_step: int | None = None) -> RestorePlan:
         """The newest step recoverable for every rank, and per rank the fastest source.
@@ -603,8 +625,6 @@ class CoordinatorState:
 
     def _add(self, holder: int, h: Holding) -> None:
         self._holdings.setdefault(holder, {})[h.key] = h
-        if h.tier is Tier.LOCAL:
-            self._owner_hash.setdefault(h.step, {})[h.owner_rank] = h.content_hash
         self._index.setdefault(h.step, {}).setdefault(h.owner_rank, {})[holder] = h
 
     def _remove(self, holder: int, key: Key) -> None:
@@ -621,11 +641,6 @@ class CoordinatorState:
             del by_owner[owner]
         if not by_owner:
             del self._index[step]
-            self._prune_owner_hashes(step)
-
-    def _prune_owner_hashes(self, step: int) -> None:
-        if step not in self._index and step not in self._bucket:
-            self._owner_hash.pop(step, None)
 
     def _drop_holdings(self, holder: int) -> None:
         for key in list(self._holdings.get(holder, {})):
@@ -634,20 +649,16 @@ class CoordinatorState:
     def _auth_hashes(self, step: int) -> dict[int, _Auth]:
         """The accepted hash of each rank's ``step`` data.
 
-        Definitive: the owner's local copy, else what the owner last reported, else the bucket's.
-        Otherwise the hash most copies (and replica attestations) agree on, ties by smallest hash.
+        Definitive: the owner's local copy, else the bucket's. Otherwise the hash most copies (and replica attestations) agree on, ties by smallest hash.
         """
         by_owner = self._index.get(step, {})
         bucket = self._bucket.get(step, {})
-        said = self._owner_hash.get(step, {})
         out = {}
-        for owner in sorted(set(by_owner) | set(bucket) | set(said)):
+        for owner in sorted(set(by_owner) | set(bucket)):
             holders = by_owner.get(owner, {})
             mine = holders.get(owner)
             if mine is not None and mine.tier is Tier.LOCAL:
                 out[owner] = _Auth(mine.content_hash, True)
-            elif owner in said:
-                out[owner] = _Auth(said[owner], True)
             elif bucket.get(owner) is not None:
                 out[owner] = _Auth(bucket[owner], True)
             elif holders:

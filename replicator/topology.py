@@ -8,6 +8,7 @@ data-parallel replicas and usually hold byte-identical data.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 
 def _positive_int(name: str, value: object, minimum: int) -> int:
@@ -76,7 +77,11 @@ class JobTopology:
         return self.replicas_of(rank)
 
     def copy_preference(self, rank: int) -> list[int]:
-        """Every other rank, in the order ``rank``'s step should be copied to them.
+        """Every other rank, in the order ``rank``'s step should be copied to them (see :meth:`iter_copy_preference`)."""
+        return list(self.iter_copy_preference(rank))
+
+    def iter_copy_preference(self, rank: int) -> Iterator[int]:
+        """Every other rank, in the order ``rank``'s step should be copied to them; lazy.
 
         Other slices first (different failure domain), then the own slice. Within that, candidate
         ``k`` is a fixed cyclic shift of (slice, in-slice index), so for every position ``k`` the
@@ -86,9 +91,11 @@ class JobTopology:
         d, h = self.data_parallelism, self.hosts_per_slice
         s, i = self.slice_of(rank), self.index_in_slice(rank)
         # Index shift outer, slice shift inner: consecutive candidates land in different slices.
-        other = [self.rank_of((s + ds) % d, (i + di) % h) for di in range(h) for ds in range(1, d)]
-        same = [self.rank_of(s, (i + di) % h) for di in range(1, h)]
-        return other + same
+        for di in range(h):
+            for ds in range(1, d):
+                yield ((s + ds) % d) * h + (i + di) % h
+        for di in range(1, h):
+            yield s * h + (i + di) % h
 
     def copy_targets(self, rank: int) -> list[int]:
         """The ``replicas`` preferred hosts for copies of ``rank``'s step (never itself, at most nodes-1)."""

@@ -7,6 +7,7 @@ hosts. The functions here therefore take the list of ranks to act for and group 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -176,13 +177,15 @@ def restore_on_hosts(
             for src in sources.values():
                 src.drop_cache()
             continue
-        buffers = []
-        for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
-            r = config.device_rank.get(device.id)
-            if r not in sources:
-                continue
-            data = sources[r].assemble(leaf.path, reader.normalize_index(index, leaf.shape))
-            buffers.append(jax.device_put(data, device))
+        wanted = [(device, config.device_rank.get(device.id), reader.normalize_index(index, leaf.shape))
+                  for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items()]
+        wanted = [(d, r, idx) for d, r, idx in wanted if r in sources]
+        # Read distinct shards in parallel (reads and crc32c release the GIL), then place them.
+        distinct = list(dict.fromkeys((r, idx) for _, r, idx in wanted))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, config.write_threads)) as pool:
+            got = dict(zip(distinct, pool.map(lambda k, p=leaf.path: sources[k[0]].assemble(p, k[1]), distinct),
+                           strict=True))
+        buffers = [jax.device_put(got[(r, idx)], d) for d, r, idx in wanted]
         arr = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, buffers)
         if leaf.key_impl:
             arr = jax.random.wrap_key_data(arr, impl=leaf.key_impl)

@@ -1,0 +1,22 @@
+"""Subprocess used by the SIGKILL test: uploads one rank into an existing staging, slowly."""
+
+import sys
+from pathlib import Path
+
+from replicator.backup import BackupOptions, BackupStore
+from replicator.storage import open_store
+
+
+def main() -> None:
+    url, job, staging_id, step_dir, rank, rate = sys.argv[1:7]
+    backup = BackupStore(
+        open_store(url), job, BackupOptions(max_parallel_uploads=1, max_bytes_per_second=float(rate))
+    )
+    staging = backup.open_staging(staging_id)
+    print("uploading", flush=True)
+    backup.upload_rank(staging, int(rank), Path(step_dir))
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -18,6 +18,7 @@ See docs/orbax.md for the whole contract and the differences from older/newer Or
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -67,6 +68,8 @@ RESTORE_MARKER_RE = re.compile(r"^.+-s(\d+)-n\d+-w\d+\.restore$")
 _VOLATILE_CHECKPOINT_METADATA_KEYS = frozenset(
     {"init_timestamp_nsecs", "commit_timestamp_nsecs", "performance_metrics"}
 )
+# Values read ahead of hashing in orbax_content_hash (bounds memory to this many chunk values).
+_READ_AHEAD = 4
 _INT_RE = re.compile(r"^[+-]?[0-9]+$")
 _KNOWN_KEYS = frozenset(
     {
@@ -465,8 +468,12 @@ def backup_requested(step_dir: Path) -> bool:
 # --------------------------------------------------------------------------- content hash
 
 
-def _ocdbt_items(db_dir: Path) -> Iterator[tuple[bytes, bytes]]:
-    """(key, value) of every entry of the OCDBT database rooted at ``db_dir``, in key order."""
+def _ocdbt_digests(db_dir: Path) -> Iterator[tuple[bytes, str]]:
+    """(key, sha256 hex of value) of every entry of the OCDBT database rooted at ``db_dir``, in key order.
+
+    Reads run ahead of hashing (tensorstore reads in its own threads and sha256 releases the GIL), at most
+    ``_READ_AHEAD`` values in memory at once.
+    """
     import tensorstore as ts  # lazy: only hashing needs it (an Orbax dependency)
 
     try:
@@ -474,14 +481,20 @@ def _ocdbt_items(db_dir: Path) -> Iterator[tuple[bytes, bytes]]:
         keys = sorted(kv.list().result())
     except Exception as e:  # tensorstore raises ValueError/RuntimeError variants
         raise ValueError(f"cannot read OCDBT database {db_dir}: {e}") from e
-    for key in keys:
+    pending: collections.deque = collections.deque()
+    next_key = 0
+    while pending or next_key < len(keys):
+        while next_key < len(keys) and len(pending) < _READ_AHEAD:
+            pending.append((keys[next_key], kv.read(keys[next_key])))
+            next_key += 1
+        key, fut = pending.popleft()
         try:
-            res = kv.read(key).result()
+            res = fut.result()
         except Exception as e:
             raise ValueError(f"cannot read key {key!r} of OCDBT database {db_dir}: {e}") from e
         if res.state != "value":
             raise ValueError(f"OCDBT database {db_dir} lists key {key!r} but has no value for it")
-        yield key, bytes(res.value)
+        yield key, hashlib.sha256(res.value).hexdigest()
 
 
 def _canonical_checkpoint_metadata(data: bytes, path: Path) -> bytes:
@@ -530,8 +543,7 @@ def orbax_content_hash(step_dir: Path) -> str:
         if db_roots:
             items: dict[bytes, str] = {}
             for db in db_roots:
-                for key, value in _ocdbt_items(db):
-                    digest = hashlib.sha256(value).hexdigest()
+                for key, digest in _ocdbt_digests(db):
                     if items.setdefault(key, digest) != digest:
                         raise ValueError(f"{here}: OCDBT key {key!r} has different values in {db_roots}")
             for key in sorted(items):

@@ -256,7 +256,7 @@ class CoordinatorState:
         self._check_reporter(rank, incarnation)
         checked = []
         for key in keys:
-            if not isinstance(key, tuple) or len(key) != 2:
+            if not isinstance(key, tuple | list) or len(key) != 2:
                 raise ValueError(f"key must be (owner_rank, step), got {key!r}")
             self.topology.check_rank(key[0])
             checked.append((key[0], _check_int("step", key[1])))

@@ -46,7 +46,8 @@ class GcsOptions:
     connect_timeout_seconds: float = 10.0
     # Per-request read timeout; a resumable chunk of CHUNK_BYTES must fit in it on a slow link.
     timeout_seconds: float = 120.0
-    # Objects above this go through a resumable upload sent in CHUNK_BYTES pieces (multiple of 256 KiB).
+    # Objects above this go through a resumable upload sent in CHUNK_BYTES pieces (multiple of 256 KiB):
+    # one lost chunk costs one chunk, and memory per upload stays bounded by CHUNK_BYTES.
     resumable_threshold_bytes: int = 8 << 20
     chunk_bytes: int = 64 << 20
     rename_timeout_seconds: float = 600.0
@@ -253,14 +254,15 @@ class GcsStore(Store):
 
         def attempt(n: int) -> ObjectInfo:
             blob = bucket.blob(full)
-            blob.chunk_size = (
-                self.options.chunk_bytes if size > self.options.resumable_threshold_bytes else None
-            )
+            resumable = size > self.options.resumable_threshold_bytes
+            blob.chunk_size = self.options.chunk_bytes if resumable else None
             f: BinaryIO = open(data, "rb") if isinstance(data, Path) else io.BytesIO(data)  # noqa: SIM115
             try:
                 blob.upload_from_file(
                     _Reader(f, throttle),
-                    size=size,
+                    # The library picks multipart for a known size <= 8 MiB whatever chunk_size says;
+                    # an unknown size forces the chunked resumable protocol (size is checked below).
+                    size=None if resumable else size,
                     checksum="crc32c",
                     crc32c_checksum_value=encode_crc32c(crc32c),
                     if_generation_match=0 if create_only else None,
@@ -281,13 +283,15 @@ class GcsStore(Store):
             finally:
                 f.close()
             info = self._info(blob)
-            if info.crc32c is not None and info.crc32c != crc32c:
+            if info.size != size or (info.crc32c is not None and info.crc32c != crc32c):
                 # The service stored other bytes than we checksummed (the file changed under us).
                 try:
                     blob.delete(if_generation_match=blob.generation, timeout=self._timeout, retry=None)
                 except Exception as e:
                     log.warning("could not delete corrupt upload %s: %s", full, e)
-                raise ChecksumError(f"{self.url}/{name} (upload)", crc32c, info.crc32c)
+                raise ChecksumError(
+                    f"{self.url}/{name} (upload, {info.size} of {size} bytes)", crc32c, info.crc32c or 0
+                )
             return info
 
         return self._retry(attempt, what)

@@ -116,7 +116,7 @@ class FaultProxy:
     i.e. after the client's timeout. Location headers are rewritten so resumable uploads stay proxied.
     """
 
-    def __init__(self, upstream_port: int, late_seconds: float = 3.0):
+    def __init__(self, upstream_port: int, late_seconds: float = 2.0):
         self.upstream_port = upstream_port
         self.late_seconds = late_seconds
         self._faults: list[list] = []

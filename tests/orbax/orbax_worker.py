@@ -44,18 +44,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--result", required=True)
     args = parser.parse_args(argv)
 
-    from absl import flags
-
-    flags.FLAGS(["orbax_worker"])  # Orbax uses absl flags; outside absl.app they must be parsed first.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-
     import jax
     import orbax.checkpoint as ocp
+    from absl import flags
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
         initialization,
         replicator_checkpoint_manager,
     )
+
+    # Orbax uses absl flags; outside absl.app they must be parsed (after importing Orbax, which defines
+    # them). MaxText sets this one for MTC: per-process names (ocdbt.process_<id>) then follow the
+    # distributed process id from jax-init-info.txt rather than jax.process_index().
+    flags.FLAGS(["orbax_worker", "--experimental_orbax_use_distributed_process_id=true"])
 
     result: dict = {"events": []}
     t0 = time.monotonic()

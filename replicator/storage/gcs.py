@@ -211,9 +211,20 @@ class GcsStore(Store):
         """Whether the bucket has hierarchical namespace (read once from the bucket metadata)."""
         if self._hns is None:
             bucket = self.client.bucket(self.bucket_name)
-            self._retry(
-                lambda _: bucket.reload(timeout=self._timeout, retry=None), f"get bucket {self.bucket_name}"
-            )
+            try:
+                self._retry(
+                    lambda _: bucket.reload(timeout=self._timeout, retry=None),
+                    f"get bucket {self.bucket_name}",
+                )
+            except PermissionError as e:
+                # Object-only credentials cannot read bucket metadata: fall back to create-only commits.
+                log.warning(
+                    "cannot read metadata of bucket %s (%s); assuming no hierarchical namespace",
+                    self.bucket_name,
+                    e,
+                )
+                self._hns = False
+                return False
             self._hns = bool(bucket.hierarchical_namespace_enabled)
             log.info("bucket %s hierarchical namespace: %s", self.bucket_name, self._hns)
         return self._hns

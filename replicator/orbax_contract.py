@@ -110,6 +110,12 @@ def _parse_int(value: Any, key: str, minimum: int) -> int:
     return value
 
 
+def _require_int(value: Any, key: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an int, got {value!r}")
+    return _parse_int(value, key, minimum)
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplicatorConfig:
     """What Orbax tells the replicator about this host in ``replicator.yaml`` (validated).
@@ -131,15 +137,15 @@ class ReplicatorConfig:
         _check_job_name(self.job_name)
         if self.framework != "orbax":
             raise ValueError(f"framework must be 'orbax', got {self.framework!r}")
-        _parse_int(self.assume_data_parallelism, "assume-data-parallelism", 1)
-        _parse_int(self.nodes, "nodes", 1)
-        rank = _parse_int(self.node_rank, "node-rank", 0)
+        _require_int(self.assume_data_parallelism, "assume-data-parallelism", 1)
+        _require_int(self.nodes, "nodes", 1)
+        rank = _require_int(self.node_rank, "node-rank", 0)
         if rank >= self.nodes:
             raise ValueError(f"node-rank {rank} out of range for nodes={self.nodes}")
         if not isinstance(self.peer_ranks, tuple):
             raise ValueError(f"peer-ranks must be a tuple of ints, got {self.peer_ranks!r}")
         for p in self.peer_ranks:
-            _parse_int(p, "peer-ranks", 0)
+            _require_int(p, "peer-ranks", 0)
             if p >= self.nodes:
                 raise ValueError(f"peer-ranks entry {p} out of range for nodes={self.nodes}")
         if rank in self.peer_ranks:
@@ -153,9 +159,9 @@ class ReplicatorConfig:
                 f"backup-interval-steps={self.backup_interval_steps!r}"
             )
         if self.backup_interval_minutes is not None:
-            _parse_int(self.backup_interval_minutes, "backup-interval-minutes", 1)
+            _require_int(self.backup_interval_minutes, "backup-interval-minutes", 1)
         if self.backup_interval_steps is not None:
-            _parse_int(self.backup_interval_steps, "backup-interval-steps", 1)
+            _require_int(self.backup_interval_steps, "backup-interval-steps", 1)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ReplicatorConfig:
@@ -380,8 +386,11 @@ def write_restore_marker(local_dir: Path, job: str, step: int, rank: int, target
         raise FileExistsError(
             f"{final} exists and would collide with Orbax's rename of the marker: call prepare_for_restore()"
         )
-    if target.resolve() == final.absolute().resolve() or target.resolve() == local_dir.resolve():
-        raise ValueError(f"restore target {target} must not be {final} or {local_dir} itself")
+    if target.resolve() == local_dir.resolve() or (
+        target.resolve().parent == local_dir.resolve() and layout.parse_step_name(target.name) is not None
+    ):
+        # Orbax would see the data twice (<local>/<step> and the target), and the target as another step.
+        raise ValueError(f"restore target {target} must not be {local_dir} or one of its step directories")
     _no_other_marker(local_dir)
     path = local_dir / name
     os.symlink(target, path, target_is_directory=True)
@@ -476,8 +485,11 @@ def _ocdbt_digests(db_dir: Path) -> Iterator[tuple[bytes, str]]:
     """
     import tensorstore as ts  # lazy: only hashing needs it (an Orbax dependency)
 
+    if not (db_dir / OCDBT_MANIFEST_FILE).is_file():
+        raise ValueError(f"OCDBT database {db_dir} has no {OCDBT_MANIFEST_FILE} (incomplete step)")
     try:
-        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{db_dir.absolute()}/"}).result()
+        spec = {"driver": "ocdbt", "base": {"driver": "file", "path": f"{db_dir.absolute()}/"}}
+        kv = ts.KvStore.open(spec).result()
         keys = sorted(kv.list().result())
     except Exception as e:  # tensorstore raises ValueError/RuntimeError variants
         raise ValueError(f"cannot read OCDBT database {db_dir}: {e}") from e
@@ -514,8 +526,8 @@ def orbax_content_hash(step_dir: Path) -> str:
     Data-parallel replicas differ only in bytes Orbax does not use to restore: OCDBT files
     (``manifest.ocdbt``, ``d/<random>``, ``ocdbt.process_<pid>/``, names and b-tree layout), the text of
     every ``commit_success.txt`` (it names the writer's path) and the save timestamps in
-    ``_CHECKPOINT_METADATA``. So the hash covers: each OCDBT database's (key, value) pairs, read through
-    tensorstore (keys like ``w/c/0/0``, ``w/zarr.json``); ``_CHECKPOINT_METADATA`` minus timestamps and
+    ``_CHECKPOINT_METADATA``. So the hash covers: each OCDBT root's (key, sha256(value)) pairs, read
+    through tensorstore (keys like ``w/c/0/0``, ``w/zarr.json``); ``_CHECKPOINT_METADATA`` minus timestamps and
     performance metrics; the presence of each ``commit_success.txt``; the bytes of every other file
     (``_METADATA``, ``_sharding``, ``process_metadata/*.json``, ...). Equal hashes mean a rank can restore
     from the other's copy; any changed array value, shape, dtype or sharding changes the hash.
@@ -532,22 +544,19 @@ def orbax_content_hash(step_dir: Path) -> str:
         here = Path(dirpath)
         rel = here.relative_to(step_dir).as_posix()
         dirnames.sort()
-        db_roots: list[Path] = []
+        links = [n for n in dirnames + filenames if (here / n).is_symlink()]
+        if links:
+            # Orbax never writes links inside a step; one could point outside the step (untrusted copy).
+            raise ValueError(f"{here} contains symlinks {links}: not an Orbax step directory")
         if OCDBT_MANIFEST_FILE in filenames:
-            # An OCDBT root (the per-item merged manifest): it indexes its ocdbt.process_* sub-databases.
-            db_roots = [here]
+            # An OCDBT root (the item's merged manifest): it indexes its ocdbt.process_* sub-databases,
+            # which Orbax never reads directly, so their layout and names are not hashed.
+            for key, digest in _ocdbt_digests(here):
+                record("kv", rel, key.hex(), digest)
             dirnames[:] = []
-        else:
-            db_roots = [here / d for d in dirnames if d.startswith(OCDBT_PROCESS_PREFIX)]
-            dirnames[:] = [d for d in dirnames if not d.startswith(OCDBT_PROCESS_PREFIX)]
-        if db_roots:
-            items: dict[bytes, str] = {}
-            for db in db_roots:
-                for key, digest in _ocdbt_digests(db):
-                    if items.setdefault(key, digest) != digest:
-                        raise ValueError(f"{here}: OCDBT key {key!r} has different values in {db_roots}")
-            for key in sorted(items):
-                record("kv", rel, key.hex(), items[key])
+        elif any(d.startswith(OCDBT_PROCESS_PREFIX) for d in dirnames):
+            # Orbax restores through the root manifest only: without it the item is unreadable.
+            raise ValueError(f"{here} has per-process OCDBT data but no root {OCDBT_MANIFEST_FILE}")
         for name in sorted(filenames):
             if name == OCDBT_MANIFEST_FILE:
                 continue

@@ -7,6 +7,7 @@ they write our input (replicator.yaml) and read our output (markers, reports, ja
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,8 @@ def test_reads_what_orbax_writes(tmp_path: Path) -> None:
     assert cfg is not None and cfg.job_name == "1e3" and cfg.peer_ranks == ()
     assert cfg.backup_interval_steps == 7 and cfg.backup_interval_minutes is None
     assert oc.ReplicatorConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="nodes must be an int"):
+        oc.ReplicatorConfig("j", "orbax", 1, 0, "2", (), backup_interval_steps=1)  # type: ignore[arg-type]
 
 
 GOOD = (
@@ -178,6 +181,10 @@ def test_restore_marker_is_renamed_by_orbax(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError, match="prepare_for_restore"):
         oc.write_restore_marker(local, "job", 7, 0, target)
     (local / "7").rmdir()
+    _fake_step(local / "6")
+    with pytest.raises(ValueError, match="step directories"):
+        oc.write_restore_marker(local, "job", 7, 0, local / "6")
+    shutil.rmtree(local / "6")
     marker = oc.write_restore_marker(local, "job", 7, 0, target)
     assert marker.is_symlink() and marker.name == "job-s7-n0-w0.restore"
     assert sorted(p.name for p in local.iterdir()) == [marker.name]

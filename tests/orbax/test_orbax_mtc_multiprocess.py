@@ -57,6 +57,7 @@ def test_save_then_restart_restores_bit_exact(tmp_path: Path) -> None:
         assert r["restore_bit_exact"] is True, r
         # Orbax renamed our symlink marker to <local>/2; the data never moved out of the store.
         assert (local / "2").is_symlink() and (local / "2").resolve() == targets[rank].resolve()
+        assert oc.orbax_content_hash(local / "2") == oc.orbax_content_hash(targets[rank])
         assert oc.committed_orbax_steps(local) == [1, 2, 3]
         assert not (local / "9").exists() and not (local / "3.orbax-checkpoint-tmp").exists()
     print(
@@ -175,3 +176,11 @@ def _check_hash_scope(step_dir: Path, scratch: Path) -> None:
 
     with pytest.raises(ValueError, match="OCDBT"):
         variant("lost", lose_data)
+    with pytest.raises(ValueError, match="manifest.ocdbt"):
+        variant("unmanifested", lambda d: (d / "state/manifest.ocdbt").unlink())
+    with pytest.raises(ValueError, match="symlinks"):
+        variant("linked", lambda d: os.symlink("/etc/hostname", d / "state/extra"))
+    # Hashing only reads: the step directory is unchanged.
+    before = sorted((str(p), p.stat().st_size) for p in step_dir.rglob("*"))
+    oc.orbax_content_hash(step_dir)
+    assert sorted((str(p), p.stat().st_size) for p in step_dir.rglob("*")) == before

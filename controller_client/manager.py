@@ -35,6 +35,13 @@ class CheckpointManagerOptions:
       cross_host_reads: let a host read other hosts' directories when they are on the same machine
         (simulated hosts); without a replicator this is the only way to restore onto a different mesh.
       wait_timeout_seconds: bound on ``wait_until_finished`` and the wait before a restore.
+      coordinator_address: ``HOST:PORT`` of the replicators' coordinator. When set, ``latest_step`` and
+        ``all_steps`` report globally complete steps, ``restore`` first has every host fetch what it
+        lacks (peer, then bucket), deletion is left to the replicators and hosts never read each
+        other's directories.
+      token_file: file with the replicators' bearer token.
+      restore_wait_seconds: how long ``restore`` waits for every host to hold its data.
+      rpc_timeout_seconds: deadline of each call to the coordinator.
     """
 
     local_directory: str
@@ -45,6 +52,10 @@ class CheckpointManagerOptions:
     dispatcher: Literal["colocated", "in_process"] = "colocated"
     cross_host_reads: bool = True
     wait_timeout_seconds: float = 600.0
+    coordinator_address: str | None = None
+    token_file: str | None = None
+    restore_wait_seconds: float = 300.0
+    rpc_timeout_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         if self.save_interval_steps < 1:
@@ -79,9 +90,16 @@ class CheckpointManager:
             nodes=self.topology.nodes,
             device_rank=dict(self.topology.device_rank),
             write_threads=options.write_threads,
-            keep_local=options.max_to_keep,
-            cross_host_reads=options.cross_host_reads,
+            keep_local=None if options.coordinator_address else options.max_to_keep,
+            cross_host_reads=options.cross_host_reads and not options.coordinator_address,
+            notify_replicator=bool(options.coordinator_address),
         )
+        self._coordinator = None
+        if options.coordinator_address:
+            from controller_client.coordinator_client import CoordinatorClient
+
+            self._coordinator = CoordinatorClient(options.coordinator_address, options.token_file,
+                                                  options.rpc_timeout_seconds)
         if dispatcher is None:
             if options.dispatcher == "colocated":
                 dispatcher = ColocatedDispatcher(self.config, self.devices)
@@ -135,7 +153,9 @@ class CheckpointManager:
         return {r: a["steps"] for r, a in answers.items()}
 
     def all_steps(self) -> list[int]:
-        """Steps committed on every host, ascending."""
+        """Steps committed on every host (with a coordinator: globally complete steps), ascending."""
+        if self._coordinator is not None:
+            return self._coordinator.complete_steps()
         per = self._host_steps()
         common = set.intersection(*(set(v) for v in per.values())) if per else set()
         return sorted(common)
@@ -171,7 +191,9 @@ class CheckpointManager:
         if target is None:
             raise ValueError("restore needs a target pytree (jax.ShapeDtypeStruct leaves with shardings)")
         self.wait_until_finished()
-        if step is None:
+        if self._coordinator is not None:
+            step = self._coordinator.prepare_restore(step, self.options.restore_wait_seconds)
+        elif step is None:
             step = self.latest_step()
             if step is None:
                 raise FileNotFoundError(f"no committed step in {self.options.local_directory}")
@@ -205,6 +227,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         self.wait_until_finished()
+        if self._coordinator is not None:
+            self._coordinator.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

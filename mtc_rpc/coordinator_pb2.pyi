@@ -123,8 +123,10 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, copies: _Optional[_Iterable[_Union[CopyTask, _Mapping]]] = ..., deletions: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., restore: _Optional[_Union[RestoreTask, _Mapping]] = ..., backup: _Optional[_Union[BackupTask, _Mapping]] = ..., newest_complete_step: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class GetStepsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("wait_seconds",)
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    wait_seconds: float
+    def __init__(self, wait_seconds: _Optional[float] = ...) -> None: ...
 
 class GetStepsResponse(_message.Message):
     __slots__ = ("newest_complete_step", "complete_steps", "backed_up_steps")
@@ -145,14 +147,16 @@ class PrepareRestoreRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class PrepareRestoreResponse(_message.Message):
-    __slots__ = ("step", "reason", "ready_ranks")
+    __slots__ = ("step", "reason", "ready_ranks", "ready")
     STEP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     READY_RANKS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     step: int
     reason: str
     ready_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ..., ready_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    ready: bool
+    def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ..., ready_ranks: _Optional[_Iterable[int]] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

@@ -35,6 +35,7 @@ class HostConfig:
     write_threads: int = 2
     keep_local: int | None = 2  # None: the replicator decides what to delete
     cross_host_reads: bool = True  # read other ranks' directories when they are on this machine
+    notify_replicator: bool = False  # tell the host's replicator (Unix socket in the root) of each commit
 
     def root(self, rank: int) -> Path:
         return Path(self.local_directory.format(host=rank, rank=rank))
@@ -105,7 +106,7 @@ def save_on_hosts(
                                  [writer.ShardCopy(full, writer.host_copy(value))])
             )
         hs = writer.HostStep(config.root(r), config.job, step, r, config.nodes, per_rank[r], list(values))
-        writers[r].submit(hs, config.keep_local)
+        writers[r].submit(hs, config.keep_local, config.notify_replicator)
 
 
 @dataclasses.dataclass(frozen=True)

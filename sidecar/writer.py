@@ -166,7 +166,7 @@ class HostWriter:
     def __init__(self, root: Path, threads: int = 2):
         self.root = Path(root)
         self.threads = threads
-        self._queue: queue.Queue[tuple[HostStep, int | None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[HostStep, int | None, bool] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._pending = 0
         self._cv = threading.Condition()
@@ -175,11 +175,13 @@ class HostWriter:
         layout.remove_tmp_dirs(layout.steps_dir(self.root))
         self._thread.start()
 
-    def submit(self, hs: HostStep, keep: int | None) -> None:
+    def submit(self, hs: HostStep, keep: int | None, notify: bool = False) -> None:
+        """Queue ``hs``; afterwards keep ``keep`` steps (None: leave deletion to the replicator) and,
+        with ``notify``, tell the host's replicator about the commit."""
         self.raise_if_failed()
         with self._cv:
             self._pending += 1
-        self._queue.put((hs, keep))
+        self._queue.put((hs, keep, notify))
 
     def in_flight(self) -> int:
         with self._cv:
@@ -206,11 +208,15 @@ class HostWriter:
             item = self._queue.get()
             if item is None:
                 return
-            hs, keep = item
+            hs, keep, notify = item
             try:
                 write_step(hs, self.threads)
                 if keep is not None:
                     gc_local_steps(self.root, keep)
+                if notify:
+                    from replicator.daemon import notify_step_committed
+
+                    notify_step_committed(self.root, hs.step)
             except BaseException as e:  # kept and re-raised in the caller's thread
                 log.error("save of step %d to %s failed: %s", hs.step, self.root, e)
                 with self._cv:

@@ -420,6 +420,9 @@ class BackupStore:
             time.time(),
         )
         if strategy == STRATEGY_RENAME:
+            # A steps/<N> folder without COMMIT.json is the remains of a retention that crashed midway
+            # (the record goes first): garbage by construction, and it would block the rename.
+            self._remove_uncommitted_step_dir(staging.step)
             self.store.write(f"{base}/{COMMIT_NAME}", record.to_json())
             self.store.rename_prefix(base, f"{self.job}/{STEPS_DIR}/{step_name(staging.step)}")
         else:
@@ -588,11 +591,25 @@ class BackupStore:
                 continue
         return ids
 
+    def _remove_uncommitted_step_dir(self, step: int) -> bool:
+        prefix = f"{self.job}/{STEPS_DIR}/{step_name(step)}"
+        try:
+            self.store.stat(f"{prefix}/{COMMIT_NAME}")
+            return False
+        except FileNotFoundError:
+            pass
+        n = self.store.delete(prefix, recursive=True)
+        if n:
+            log.info("removed %d objects of a half-deleted backup of %s step %d", n, self.job, step)
+        return n > 0
+
     def clean_stale_staging(self, older_than_seconds: float) -> list[str]:
         """Delete uncommitted stagings whose newest object is older than ``older_than_seconds``.
 
         The threshold must exceed the longest backup (upload + commit) you run: a staging that is
-        still being uploaded or committed must not look stale. Returns the staging ids deleted.
+        still being uploaded or committed must not look stale. Also removes the remains of half-deleted
+        renamed backups (``steps/<N>`` without its commit record). Returns what was deleted (staging
+        ids, and ``steps/<N>`` for such remains).
         """
         if older_than_seconds < 0:
             raise ValueError("older_than_seconds must be >= 0")
@@ -611,6 +628,14 @@ class BackupStore:
                 continue
             self.store.delete(d.name, recursive=True)
             removed.append(sid)
+        for d in self.store.list(f"{self.job}/{STEPS_DIR}", shallow=True):
+            stem = d.name.rsplit("/", 1)[-1]
+            if (
+                d.is_dir
+                and re.fullmatch(r"0|[1-9][0-9]{0,17}", stem)
+                and self._remove_uncommitted_step_dir(int(stem))
+            ):
+                removed.append(f"{STEPS_DIR}/{stem}")
         if removed:
             log.info("removed %d stale backup stagings of %s: %s", len(removed), self.job, removed)
         return removed

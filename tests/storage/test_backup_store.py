@@ -349,3 +349,26 @@ def test_sigkilled_uploader_never_yields_a_committed_backup(fake_gcs, tmp_path: 
     with pytest.raises(FileNotFoundError):
         b.download_rank(20, 1, tmp_path / "r")
     assert b.clean_stale_staging(0) == [s.staging_id]
+
+
+def test_half_deleted_backup_is_invisible_and_cleaned(backup_target: Store, tmp_path: Path) -> None:
+    """Retention deletes the commit record first; if it dies right after, nothing half-deleted shows."""
+    b = BackupStore(backup_target, "job")
+    s = b.begin(30, 1)
+    b.upload_rank(s, 0, make_step(tmp_path / "h", 30, 0, 1, files_for(1, n=2)))
+    b.commit(s)
+    rec, base = b.commit_record(30)
+    record_name = f"{base}/COMMIT.json" if base.startswith("job/steps/") else "job/commits/30.json"
+    backup_target.delete(record_name)  # the first act of _delete_backup, then a "crash"
+    assert b.committed_steps() == []
+    with pytest.raises(FileNotFoundError):
+        b.download_rank(30, 0, tmp_path / "r")
+    # the same step can be backed up again, over the remains
+    s2 = b.begin(30, 1)
+    b.upload_rank(s2, 0, make_step(tmp_path / "h2", 30, 0, 1, files_for(2, n=2)))
+    b.commit(s2)
+    assert b.committed_steps() == [30]
+    b.clean_stale_staging(0)
+    names = {o.name for o in backup_target.list("job")}
+    assert not any(s.staging_id in n for n in names)  # the remains are gone
+    assert b.read_manifest(30, 0).files == read_manifest(tmp_path / "h2" / "30").files

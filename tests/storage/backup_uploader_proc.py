@@ -1,4 +1,4 @@
-"""Subprocess used by the SIGKILL test: uploads one rank into an existing staging, slowly."""
+"""Subprocess uploader of the multi-process tests: uploads one rank into an existing staging (rate 0 = unlimited)."""
 
 import sys
 from pathlib import Path
@@ -10,7 +10,7 @@ from replicator.storage import open_store
 def main() -> None:
     url, job, staging_id, step_dir, rank, rate = sys.argv[1:7]
     backup = BackupStore(
-        open_store(url), job, BackupOptions(max_parallel_uploads=1, max_bytes_per_second=float(rate))
+        open_store(url), job, BackupOptions(max_parallel_uploads=1, max_bytes_per_second=float(rate) or None)
     )
     staging = backup.open_staging(staging_id)
     print("uploading", flush=True)

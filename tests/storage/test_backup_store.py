@@ -372,3 +372,42 @@ def test_half_deleted_backup_is_invisible_and_cleaned(backup_target: Store, tmp_
     names = {o.name for o in backup_target.list("job")}
     assert not any(s.staging_id in n for n in names)  # the remains are gone
     assert b.read_manifest(30, 0).files == read_manifest(tmp_path / "h2" / "30").files
+
+
+@pytest.mark.slow
+def test_hosts_upload_ranks_of_one_staging_concurrently(fake_gcs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Three uploader processes (ranks 0 and 1 are data-parallel replicas) share one staging."""
+    prefix = f"t-{uuid.uuid4().hex[:10]}"
+    b = BackupStore(fake_gcs.store(prefix), "job")
+    s = b.begin(40, 3)
+    dirs = [
+        make_step(tmp_path / "h0", 40, 0, 3, files_for(1, n=3, size=300_000)),
+        make_step(tmp_path / "h1", 40, 1, 3, files_for(1, n=3, size=300_000)),
+        make_step(tmp_path / "h2", 40, 2, 3, files_for(2, n=3, size=300_000)),
+    ]
+    env = dict(os.environ, STORAGE_EMULATOR_HOST=fake_gcs.url, PYTHONPATH=str(REPO))
+    script = str(Path(__file__).with_name("backup_uploader_proc.py"))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, f"gs://mtc-test/{prefix}", "job", s.staging_id, str(d), str(r), "0"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for r, d in enumerate(dirs)
+    ]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err.decode()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+    assert len(data_objects(b.store)) == 6  # two distinct contents x three files
+    assert b.commit(s) == 40
+    for r, d in enumerate(dirs):
+        out = b.download_rank(40, r, tmp_path / f"r{r}")
+        for f in read_manifest(d).files:
+            assert (out / f.name).read_bytes() == (d / f.name).read_bytes()

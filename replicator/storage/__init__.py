@@ -11,9 +11,11 @@ from .base import (
     is_retryable,
 )
 from .factory import open_store
+from .gcs import GcsOptions  # light: google libraries are imported lazily inside gcs.py
 
 __all__ = [
     "Capabilities",
+    "GcsOptions",
     "ObjectInfo",
     "RetryPolicy",
     "StorageError",

@@ -71,16 +71,18 @@ class TransferFile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class OpenTransferResponse(_message.Message):
-    __slots__ = ("ticket", "data_port", "files", "expires_in_ms")
+    __slots__ = ("ticket", "data_port", "files", "expires_in_ms", "data_host")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    DATA_HOST_FIELD_NUMBER: _ClassVar[int]
     ticket: bytes
     data_port: int
     files: _containers.RepeatedCompositeFieldContainer[TransferFile]
     expires_in_ms: int
-    def __init__(self, ticket: _Optional[bytes] = ..., data_port: _Optional[int] = ..., files: _Optional[_Iterable[_Union[TransferFile, _Mapping]]] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
+    data_host: str
+    def __init__(self, ticket: _Optional[bytes] = ..., data_port: _Optional[int] = ..., files: _Optional[_Iterable[_Union[TransferFile, _Mapping]]] = ..., expires_in_ms: _Optional[int] = ..., data_host: _Optional[str] = ...) -> None: ...
 
 class ReadFilesRequest(_message.Message):
     __slots__ = ("rank", "step", "files", "chunk_bytes")

@@ -1,0 +1,1 @@
+"""Benchmarks: each module prints one JSON line of measurements (``python -m bench.<name>``)."""

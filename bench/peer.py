@@ -1,0 +1,204 @@
+"""Peer-tier benchmark (``python -m bench.peer``): prints one JSON line of measurements.
+
+``peer_vs_tcp``: throughput of ``replicator.transfer.fetch_step`` (a verified, committed copy of a
+~512 MiB step between two RAM-disk roots, server in another process) divided by a plain TCP transfer
+of the same bytes over loopback in the same run (sender ``sendall`` from memory, receiver
+``recv_into`` a reused buffer, no disk, no checksum) — the ceiling of any copy. Medians of interleaved
+repeats, because the machines are noisy. Add a measurement by writing a function that returns a dict
+and listing it in ``MEASUREMENTS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_TOTAL_BYTES = 512 << 20
+DEFAULT_FILES = 8
+DEFAULT_REPEATS = 5
+TOKEN = "bench-token"
+RECV_CHUNK_BYTES = 4 << 20
+
+
+def _scratch_dir() -> Path:
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="mtc-bench-", dir=shm if shm.is_dir() else None))
+
+
+def make_step(root: Path, rank: int, step: int, total_bytes: int, files: int, nodes: int = 2) -> Any:
+    """Commit a step of ``files`` random files totalling ``total_bytes`` under ``root/steps``."""
+    from sidecar import layout
+
+    tmp = layout.make_tmp_dir(layout.steps_dir(root), step)
+    rng = np.random.default_rng(step)
+    entries = []
+    per = total_bytes // files
+    for i in range(files):
+        size = per if i < files - 1 else total_bytes - per * (files - 1)
+        data = rng.integers(0, 256, size, dtype=np.uint8)
+        name = f"state/{i}.0.bin"
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        data.tofile(tmp / name)
+        entries.append(layout.FileEntry(name, size, layout.crc32c(data)))
+    manifest = layout.StepManifest(job="bench", step=step, rank=rank, nodes=nodes, files=tuple(entries))
+    layout.write_manifest(tmp, manifest)
+    layout.commit_dir(tmp, layout.steps_dir(root) / str(step))
+    return manifest
+
+
+def _serve(root: str, step_files: list[str], conn: Any) -> None:
+    """Child process: a Peer gRPC server + data port over ``root`` and a raw TCP sender of the same bytes."""
+    import threading
+
+    from mtc_rpc import peer_pb2_grpc
+    from replicator import grpc_util, transfer
+
+    ts = transfer.TransferServer("127.0.0.1", 0)
+    ts.start()
+    servicer = transfer.PeerServicer(Path(root), 0, 2, transfer_server=ts)
+    server, port = grpc_util.create_server(
+        "127.0.0.1:0", [(peer_pb2_grpc.add_PeerServicer_to_server, servicer)], token=TOKEN
+    )
+    server.start()
+    # The raw sender holds the bytes in memory so that the baseline pays for no file reads at all.
+    payload = bytearray()
+    for f in step_files:
+        payload += Path(f).read_bytes()
+    raw = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def raw_loop() -> None:
+        raw.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = raw.accept()
+            except TimeoutError:
+                continue
+            with c:
+                c.sendall(payload)
+
+    t = threading.Thread(target=raw_loop, daemon=True)
+    t.start()
+    conn.send((port, raw.getsockname()[1], len(payload)))
+    conn.recv()  # wait for "stop"
+    stop.set()
+    t.join(timeout=2)
+    ts.stop()
+    grpc_util.stop_server(server, 1.0)
+
+
+def _raw_receive(port: int, nbytes: int) -> None:
+    buf = bytearray(RECV_CHUNK_BYTES)
+    view = memoryview(buf)
+    got = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        while got < nbytes:
+            k = s.recv_into(view)
+            if not k:
+                raise ConnectionError(f"raw sender closed after {got} of {nbytes} bytes")
+            got += k
+
+
+def measure_peer_vs_tcp(
+    total_bytes: int = DEFAULT_TOTAL_BYTES, files: int = DEFAULT_FILES, repeats: int = DEFAULT_REPEATS
+) -> dict[str, Any]:
+    from replicator import transfer
+    from sidecar import layout
+
+    scratch = _scratch_dir()
+    parent_conn, child_conn = mp.get_context("spawn").Pipe()
+    proc = None
+    try:
+        src, dst = scratch / "src", scratch / "dst"
+        manifest = make_step(src, 0, 1, total_bytes, files)
+        step_files = [str(layout.steps_dir(src) / "1" / f.name) for f in manifest.files]
+        proc = mp.get_context("spawn").Process(target=_serve, args=(str(src), step_files, child_conn), daemon=True)
+        proc.start()
+        if not parent_conn.poll(60):
+            raise TimeoutError("benchmark server did not start within 60 s")
+        grpc_port, raw_port, nbytes = parent_conn.recv()
+        address = f"127.0.0.1:{grpc_port}"
+        peer_s, tcp_s, stream_s = [], [], []
+
+        def fetch(use_data_port: bool) -> float:
+            shutil.rmtree(dst, ignore_errors=True)
+            t0 = time.monotonic()
+            transfer.fetch_step(address, 0, 1, dst, token=TOKEN, timeout_seconds=120, use_data_port=use_data_port)
+            return time.monotonic() - t0
+
+        fetch(True)  # warm-up: imports, connection setup, page cache
+        _raw_receive(raw_port, nbytes)
+        for _ in range(repeats):
+            t0 = time.monotonic()
+            _raw_receive(raw_port, nbytes)
+            tcp_s.append(time.monotonic() - t0)
+            peer_s.append(fetch(True))
+        for _ in range(max(1, repeats // 2)):
+            stream_s.append(fetch(False))
+        layout.verify_step_dir(dst / "1")
+        gib = nbytes / 2**30
+        peer, tcp, stream = (gib / statistics.median(x) for x in (peer_s, tcp_s, stream_s))
+        return {
+            "peer_vs_tcp": round(peer / tcp, 3),
+            "peer_gib_per_s": round(peer, 3),
+            "tcp_gib_per_s": round(tcp, 3),
+            "grpc_stream_gib_per_s": round(stream, 3),
+            "grpc_stream_vs_tcp": round(stream / tcp, 3),
+            "peer_seconds": [round(x, 4) for x in peer_s],
+            "tcp_seconds": [round(x, 4) for x in tcp_s],
+            "bytes": nbytes,
+            "files": files,
+            "repeats": repeats,
+        }
+    finally:
+        if proc is not None:
+            try:
+                parent_conn.send("stop")
+            except OSError:
+                pass
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()  # by its own handle (pid), never by name
+                proc.join(timeout=5)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+MEASUREMENTS: dict[str, Callable[..., dict[str, Any]]] = {"peer_vs_tcp": measure_peer_vs_tcp}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=sorted(MEASUREMENTS), action="append", help="run only these")
+    parser.add_argument("--total-mib", type=int, default=DEFAULT_TOTAL_BYTES >> 20)
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    args = parser.parse_args(argv)
+    if args.total_mib < 1 or args.repeats < 1:
+        parser.error("--total-mib and --repeats must be >= 1")
+    result: dict[str, Any] = {}
+    for name in args.only or list(MEASUREMENTS):
+        fn = MEASUREMENTS[name]
+        if name == "peer_vs_tcp":
+            result.update(fn(total_bytes=args.total_mib << 20, repeats=args.repeats))
+        else:
+            result.update(fn())
+    print(json.dumps(result, sort_keys=True))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    sys.exit(main())

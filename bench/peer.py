@@ -125,7 +125,9 @@ def measure_peer_vs_tcp(
         src, dst = scratch / "src", scratch / "dst"
         manifest = make_step(src, 0, 1, total_bytes, files)
         step_files = [str(layout.steps_dir(src) / "1" / f.name) for f in manifest.files]
-        proc = mp.get_context("spawn").Process(target=_serve, args=(str(src), step_files, child_conn), daemon=True)
+        proc = mp.get_context("spawn").Process(
+            target=_serve, args=(str(src), step_files, child_conn), daemon=True
+        )
         proc.start()
         if not parent_conn.poll(60):
             raise TimeoutError("benchmark server did not start within 60 s")
@@ -136,7 +138,9 @@ def measure_peer_vs_tcp(
         def fetch(use_data_port: bool) -> float:
             shutil.rmtree(dst, ignore_errors=True)
             t0 = time.monotonic()
-            transfer.fetch_step(address, 0, 1, dst, token=TOKEN, timeout_seconds=120, use_data_port=use_data_port)
+            transfer.fetch_step(
+                address, 0, 1, dst, token=TOKEN, timeout_seconds=120, use_data_port=use_data_port
+            )
             return time.monotonic() - t0
 
         fetch(True)  # warm-up: imports, connection setup, page cache

@@ -256,6 +256,13 @@ class TransferServer:
         self._active: dict[threading.Thread, socket.socket] = {}
         self._lock = threading.Lock()
         self.port = 0
+        # Counters (read-only for callers): completed transfers and bytes they carried.
+        self.transfers_completed = 0
+        self.bytes_sent = 0
+
+    @property
+    def running(self) -> bool:
+        return self._sock is not None and not self._stop.is_set()
 
     def start(self) -> int:
         """Bind and start accepting; returns the bound port."""
@@ -275,7 +282,7 @@ class TransferServer:
         return self.port
 
     def issue_ticket(self, rank: int, step: int, step_dir: Path, files: Sequence[FileEntry]) -> bytes:
-        if self._sock is None or self._stop.is_set():
+        if not self.running:
             raise OSError(errno.ESHUTDOWN, "transfer server is not running")
         return self.tickets.issue(rank, step, step_dir, files)
 
@@ -390,6 +397,9 @@ class TransferServer:
             for f in files:
                 f.close()
         conn.shutdown(socket.SHUT_WR)
+        with self._lock:
+            self.transfers_completed += 1
+            self.bytes_sent += sent
         dt = max(time.monotonic() - start, 1e-9)
         log.info(
             "sent rank %d step %d to %s: %d files, %d bytes in %.3fs (%.1f MiB/s)",
@@ -531,11 +541,15 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             files=[peer_pb2.TransferFile(name=e.name, size=e.size, crc32c=e.crc32c) for e in entries]
         )
         ts = self.transfer_server
-        if ts is not None and ts.port:
-            resp.ticket = ts.issue_ticket(request.rank, request.step, step_dir, entries)
-            resp.data_port = ts.port
-            resp.expires_in_ms = int(ts.tickets.ttl_seconds * 1000)
-            resp.data_host = self.advertise_host
+        if ts is not None and ts.running:
+            try:
+                resp.ticket = ts.issue_ticket(request.rank, request.step, step_dir, entries)
+            except OSError as e:  # stopping, or too many pending tickets: the client streams instead
+                log.warning("no data-port ticket for rank %d step %d: %s", request.rank, request.step, e)
+            else:
+                resp.data_port = ts.port
+                resp.expires_in_ms = int(ts.tickets.ttl_seconds * 1000)
+                resp.data_host = self.advertise_host
         return resp
 
     @grpc_util.map_errors

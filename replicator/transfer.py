@@ -366,24 +366,20 @@ class TransferServer:
             self.slots.release()
 
     def _send_files(self, conn: socket.socket, grant: _Grant, addr: Any) -> None:
-        # Open everything first so that a step deleted since the ticket was issued is a clean error.
-        files = []
+        # Check everything first so that a step deleted or changed since the ticket was issued is a clean
+        # error; files are then opened one at a time (a step may have thousands).
         try:
-            for entry in grant.files:
-                path = layout.resolve_under(grant.step_dir, entry.name)
-                f = open(path, "rb")  # noqa: SIM115 - closed below
-                files.append(f)
-                if os.fstat(f.fileno()).st_size != entry.size:
+            paths = [layout.resolve_under(grant.step_dir, e.name) for e in grant.files]
+            for entry, path in zip(grant.files, paths, strict=True):
+                if os.stat(path).st_size != entry.size:
                     raise ChecksumError(f"{path} (size changed)", entry.crc32c, 0)
         except (OSError, ValueError) as e:
-            for f in files:
-                f.close()
             _send_error(conn, f"rank {grant.rank} step {grant.step} unavailable: {e}")
             return
         start, sent = time.monotonic(), 0
-        try:
-            conn.sendall(bytes([_STATUS_OK]))
-            for entry, f in zip(grant.files, files, strict=True):
+        conn.sendall(bytes([_STATUS_OK]))
+        for entry, path in zip(grant.files, paths, strict=True):
+            with open(path, "rb") as f:
                 offset = 0
                 while offset < entry.size:
                     if self._stop.is_set():
@@ -393,9 +389,6 @@ class TransferServer:
                     conn.sendfile(f, offset, n)
                     offset += n
                     sent += n
-        finally:
-            for f in files:
-                f.close()
         conn.shutdown(socket.SHUT_WR)
         with self._lock:
             self.transfers_completed += 1
@@ -767,6 +760,8 @@ def _receive_tcp(
     with sock:
         sock.settimeout(min(DATA_IDLE_TIMEOUT_SECONDS, _remaining(deadline)))
         sock.sendall(DATA_MAGIC + ticket)
+        # The server answers once one of its transfer slots is free: wait up to the whole deadline.
+        sock.settimeout(_remaining(deadline))
         status = _recv_exact(sock, 1)[0]
         if status != _STATUS_OK:
             (length,) = struct.unpack(">H", _recv_exact(sock, 2))

@@ -13,6 +13,56 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.workdir, keep=args.keep)
 
 
+def _replicator(args: argparse.Namespace) -> int:
+    from replicator.options import ConfigError, from_args
+
+    try:
+        opts = from_args(args)
+    except ConfigError as e:
+        print(f"mtc replicator: {e}", file=sys.stderr)
+        return 2
+    from replicator.main import run
+
+    return run(opts)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    if args.local_dir:
+        import grpc
+
+        from mtc_rpc import control_pb2, control_pb2_grpc
+        from replicator.daemon import control_socket
+
+        sock = control_socket(args.local_dir)
+        try:
+            with grpc.insecure_channel(f"unix:{sock}") as ch:
+                resp = control_pb2_grpc.LocalControlStub(ch).GetLocalStatus(
+                    control_pb2.GetLocalStatusRequest(), timeout=args.timeout_seconds)
+        except grpc.RpcError as e:
+            print(f"mtc status: no replicator answers on {sock}: {e.code().name}", file=sys.stderr)
+            return 1
+        print(json.dumps(json.loads(resp.status_json), indent=2))
+        return 0
+    if not args.coordinator:
+        print("mtc status: give --coordinator HOST:PORT or --local-dir DIR", file=sys.stderr)
+        return 2
+    import grpc
+
+    from controller_client.coordinator_client import CoordinatorClient
+
+    client = CoordinatorClient(args.coordinator, args.token_file, args.timeout_seconds)
+    try:
+        print(json.dumps(client.status(), indent=2))
+    except grpc.RpcError as e:
+        print(f"mtc status: coordinator {args.coordinator}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mtc",
@@ -25,6 +75,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "under /dev/shm, removed afterwards)")
     d.add_argument("--keep", action="store_true", help="keep the working directory")
     d.set_defaults(func=_demo)
+
+    from replicator.options import add_arguments
+
+    r = sub.add_parser("replicator", help="run the per-host replicator daemon",
+                       description="The per-host replicator: peer copies, coordinator (on the coordinator "
+                       "rank), backup and restore. Options also come from MTC_<NAME> environment variables "
+                       "and a --config YAML file. Without --rank/--nodes it runs in Orbax mode and takes "
+                       "them from <local-dir>/replicator.yaml.")
+    add_arguments(r)
+    r.set_defaults(func=_replicator)
+
+    st = sub.add_parser("status", help="print the coordinator's (or one host's replicator's) status as JSON")
+    st.add_argument("--coordinator", help="HOST:PORT of the coordinator")
+    st.add_argument("--local-dir", help="ask this host's replicator over its Unix socket instead")
+    st.add_argument("--token-file", help="file with the bearer token")
+    st.add_argument("--timeout-seconds", type=float, default=10.0)
+    st.set_defaults(func=_status)
     return p
 
 

@@ -1,0 +1,240 @@
+"""The coordinator's gRPC service: a thin, locked layer over :class:`replicator.planner.CoordinatorState`.
+
+Hosts report by heartbeat and receive their work in the answer; nothing is pushed, so a restarted
+coordinator rebuilds its whole state from the next round of heartbeats.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from mtc_rpc import coordinator_pb2 as pb
+from mtc_rpc import coordinator_pb2_grpc as pb_grpc
+from replicator.planner import (
+    CoordinatorState,
+    Holding,
+    NotRegisteredError,
+    Source,
+    StaleIncarnationError,
+    Tier,
+)
+from replicator.topology import JobTopology
+
+log = logging.getLogger(__name__)
+
+
+class BackupScheduler:
+    """Hook for the backup tier: the coordinator asks it for backup work and reports progress to it.
+
+    The default does nothing (no bucket configured).
+    """
+
+    def task_for(self, state: CoordinatorState, rank: int, newest_saved: dict[int, int]) -> pb.BackupTask | None:
+        return None
+
+    def report(self, state: CoordinatorState, rank: int, reports: list[pb.BackupReport]) -> None:
+        return None
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+
+class Coordinator(pb_grpc.CoordinatorServicer):
+    """Global view of which step is complete where; hands every host its copies, deletions and restores."""
+
+    def __init__(
+        self,
+        topology: JobTopology,
+        job: str,
+        *,
+        keep_local: int = 2,
+        heartbeat_seconds: float = 2.0,
+        backup: BackupScheduler | None = None,
+        force_restore_step: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.topology = topology
+        self.job = job
+        self.keep_local = keep_local
+        self.heartbeat_seconds = heartbeat_seconds
+        self.backup = backup or BackupScheduler()
+        self.state = CoordinatorState(topology)
+        self._lock = threading.Condition()
+        self._addresses: dict[int, str] = {}
+        self._last_seen: dict[int, float] = {}
+        self._newest_saved: dict[int, int] = {}
+        # Pinned by PrepareRestore (or the operator's --restore-from-backup) until a newer step completes.
+        self._restore_step: int | None = force_restore_step
+        if force_restore_step is not None:
+            self.state.pin(force_restore_step)
+        self._clock = clock
+
+    # ------------------------------------------------------------------ helpers
+    def _abort_bad(self, context: grpc.ServicerContext, msg: str, code=grpc.StatusCode.INVALID_ARGUMENT):
+        context.abort(code, msg)
+
+    def _check(self, req_job: str, rank: int, context: grpc.ServicerContext) -> None:
+        if req_job != self.job:
+            self._abort_bad(context, f"job {req_job!r} is not this coordinator's job {self.job!r}",
+                            grpc.StatusCode.FAILED_PRECONDITION)
+        if not 0 <= rank < self.topology.nodes:
+            self._abort_bad(context, f"unknown rank {rank}: the job has ranks 0..{self.topology.nodes - 1}",
+                            grpc.StatusCode.NOT_FOUND)
+
+    def _ready(self, rank: int, step: int, sources: dict[int, list[Source]]) -> bool:
+        """Does host ``rank`` hold its data of ``step`` (or a byte-identical replica's) on its RAM disk?"""
+        good = {(s.owner_rank, s.content_hash) for s in sources.get(rank, []) if s.content_hash}
+        return any(h.step == step and (h.owner_rank, h.content_hash) in good and h.tier is not Tier.REPLICA
+                   for h in self.state.holdings_of(rank))
+
+    def restore_target(self) -> int | None:
+        """The step every host should hold locally: a pinned restore, else the newest complete step."""
+        newest = self.state.newest_complete_step()
+        if self._restore_step is not None:
+            if newest is not None and newest > self._restore_step:
+                self.state.unpin(self._restore_step)
+                self._restore_step = None
+            else:
+                return self._restore_step
+        return newest
+
+    def _restore_task(self, rank: int) -> pb.RestoreTask | None:
+        step = self.restore_target()
+        if step is None:
+            return None
+        sources = self.state.sources(step)
+        if rank not in sources or self._ready(rank, step, sources):
+            return None
+        try:
+            first = self.state.restore_plan(restoring=False, force_step=step).sources.get(rank)
+        except ValueError:
+            first = None
+        ordered = sorted(sources[rank], key=lambda s: (s != first, _tier_rank(s.kind)))
+        out = []
+        for s in ordered:
+            if s.kind is Tier.LOCAL:
+                continue
+            if s.kind is Tier.PEER and s.holder_rank not in self._addresses:
+                continue
+            out.append(pb.RestoreSource(
+                kind=str(s.kind), holder_rank=-1 if s.holder_rank is None else s.holder_rank,
+                holder_address=self._addresses.get(s.holder_rank, "") if s.holder_rank is not None else "",
+                owner_rank=s.owner_rank, content_hash=s.content_hash or ""))
+        return pb.RestoreTask(step=step, sources=out) if out else None
+
+    # ------------------------------------------------------------------ RPCs
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        self._check(request.job, request.rank, context)
+        rank = request.rank
+        try:
+            holdings = [Holding(h.owner_rank, h.step, h.content_hash, h.size, h.tier) for h in request.holdings]
+        except ValueError as e:
+            self._abort_bad(context, f"bad holding from rank {rank}: {e}")
+        for h in holdings:
+            if not 0 <= h.owner_rank < self.topology.nodes:
+                self._abort_bad(context, f"holding of unknown rank {h.owner_rank}", grpc.StatusCode.NOT_FOUND)
+        with self._lock:
+            try:
+                if self.state.register(rank, request.incarnation):
+                    log.info("rank %d registered (incarnation %d) at %s", rank, request.incarnation, request.address)
+                self.state.report_inventory(rank, holdings, request.incarnation)
+            except StaleIncarnationError as e:
+                self._abort_bad(context, str(e), grpc.StatusCode.FAILED_PRECONDITION)
+            except (NotRegisteredError, ValueError) as e:
+                self._abort_bad(context, str(e))
+            if request.address:
+                self._addresses[rank] = request.address
+            self._last_seen[rank] = self._clock()
+            if request.newest_saved_step >= 0:
+                self._newest_saved[rank] = request.newest_saved_step
+            self.backup.report(self.state, rank, list(request.backups))
+            resp = pb.HeartbeatResponse(heartbeat_interval_ms=int(self.heartbeat_seconds * 1000))
+            newest = self.state.newest_complete_step()
+            resp.newest_complete_step = -1 if newest is None else newest
+            floor = newest if newest is not None else -1
+            for step in self.state.known_steps():
+                if step < floor:
+                    continue
+                for t in self.state.replication_plan(step):
+                    if t.dest_rank != rank:
+                        continue
+                    addr = self._addresses.get(t.source_rank, "")
+                    if not t.hash_only and not addr:
+                        continue
+                    resp.copies.append(pb.CopyTask(owner_rank=t.owner_rank, step=t.step, source_rank=t.source_rank,
+                                                   source_address=addr, content_hash=t.content_hash))
+            for owner, step in self.state.gc_plan(self.keep_local).get(rank, []):
+                resp.deletions.append(pb.Deletion(owner_rank=owner, step=step))
+            task = self._restore_task(rank)
+            if task is not None:
+                resp.restore.CopyFrom(task)
+            bt = self.backup.task_for(self.state, rank, dict(self._newest_saved))
+            if bt is not None:
+                resp.backup.CopyFrom(bt)
+            self._lock.notify_all()
+        return resp
+
+    def _wait_all_registered(self, wait_seconds: float) -> None:
+        deadline = self._clock() + max(0.0, min(wait_seconds, 3600.0))
+        while len(self.state.registered) < self.topology.nodes and self._clock() < deadline:
+            self._lock.wait(min(0.2, max(0.0, deadline - self._clock())))
+
+    def GetSteps(self, request: pb.GetStepsRequest, context: grpc.ServicerContext) -> pb.GetStepsResponse:
+        with self._lock:
+            self._wait_all_registered(request.wait_seconds)
+            complete = self.state.globally_complete_steps()
+            backed = sorted(s for s in self.state.known_steps() if len(self.state.backup_ranks(s)) ==
+                            self.topology.nodes)
+        return pb.GetStepsResponse(newest_complete_step=complete[-1] if complete else -1,
+                                   complete_steps=complete, backed_up_steps=backed)
+
+    def PrepareRestore(self, request: pb.PrepareRestoreRequest,
+                       context: grpc.ServicerContext) -> pb.PrepareRestoreResponse:
+        wait = max(0.0, min(request.wait_seconds, 3600.0))
+        deadline = self._clock() + wait
+        with self._lock:
+            # Hosts that restarted must report before a plan is trusted: wait for every rank once.
+            self._wait_all_registered(wait)
+            try:
+                plan = self.state.restore_plan(restoring=True,
+                                               force_step=None if request.step < 0 else request.step)
+            except ValueError as e:
+                return pb.PrepareRestoreResponse(step=-1, reason=str(e))
+            if plan.empty:
+                return pb.PrepareRestoreResponse(step=-1, reason=plan.reason)
+            step = plan.step
+            if self._restore_step is not None and self._restore_step != step:
+                self.state.unpin(self._restore_step)
+            self._restore_step = step
+            while True:
+                sources = self.state.sources(step)
+                ready = [r for r in range(self.topology.nodes) if self._ready(r, step, sources)]
+                if len(ready) == self.topology.nodes or self._clock() >= deadline or not context.is_active():
+                    break
+                self._lock.wait(min(0.2, max(0.0, deadline - self._clock())))
+        reason = plan.reason if len(ready) == self.topology.nodes else (
+            f"step {step}: ranks {sorted(set(range(self.topology.nodes)) - set(ready))} not ready after {wait}s")
+        return pb.PrepareRestoreResponse(step=step, reason=reason, ready_ranks=ready,
+                                         ready=len(ready) == self.topology.nodes)
+
+    def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
+        with self._lock:
+            st = self.state.status()
+            now = self._clock()
+            st["hosts_seen_seconds_ago"] = {r: round(now - t, 3) for r, t in sorted(self._last_seen.items())}
+            st["addresses"] = dict(sorted(self._addresses.items()))
+            st["restore_target"] = self.restore_target()
+            st["backup"] = self.backup.status()
+            st["job"] = self.job
+        return pb.GetStatusResponse(status_json=json.dumps(st, default=str))
+
+
+def _tier_rank(kind: Tier) -> int:
+    return {Tier.LOCAL: 0, Tier.PEER: 1, Tier.REPLICA: 1, Tier.BUCKET: 2}.get(kind, 3)

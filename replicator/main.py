@@ -1,0 +1,42 @@
+"""Start the replicator daemon from validated options and serve until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from replicator.options import ReplicatorOptions
+
+log = logging.getLogger(__name__)
+
+
+def run(opts: ReplicatorOptions) -> int:
+    """Run the daemon in the foreground; prints ``LISTENING HOST:PORT`` once serving."""
+    if opts.orbax_mode:
+        from replicator.orbax_mode import run_orbax_mode
+
+        return run_orbax_mode(opts)
+    from replicator.daemon import Replicator
+
+    backup = None
+    scheduler = None
+    if opts.backup_url:
+        from replicator.backup_tier import make_backup
+
+        backup, scheduler = make_backup(opts, opts.job, opts.rank, opts.nodes)
+    daemon = Replicator(opts, rank=opts.rank, nodes=opts.nodes, job=opts.job,
+                        data_parallelism=opts.data_parallelism, backup=backup,
+                        backup_scheduler_factory=scheduler)
+    try:
+        daemon.start()
+    except Exception as e:  # a bind failure and the like: one line, non-zero exit
+        print(f"mtc replicator: cannot start: {e}", file=sys.stderr)
+        return 1
+    print(f"LISTENING {daemon.address}", flush=True)
+    daemon.wait_for_signal()
+    # In-flight transfers were abandoned (their temporary directories removed by stop()); do not let
+    # worker threads hold the exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)

@@ -642,6 +642,10 @@ def test_every_worker_pod_gets_valid_options_rank_and_dns(js: Doc, tmp_path: Pat
             assert opts.job == shape.jobset
             assert opts.coordinator_address() == shape.dns(0, 0)
             ranks.append(opts.rank)
+        # Replicator.stop(): heartbeat join (5 s grace + one RPC deadline), then the servers' 5 s grace.
+        stop_budget = 5 + opts.rpc_timeout_seconds + 5
+        assert spec.get("terminationGracePeriodSeconds", 30) >= 2 * stop_budget, \
+            f"terminationGracePeriodSeconds leaves no room for a clean replicator shutdown ({stop_budget} s)"
         listen_port = int(opts.listen.rpartition(":")[2])
         ports = [p["containerPort"] for p in container.get("ports", [])]
         assert listen_port in ports

@@ -421,6 +421,8 @@ def test_jobset_structure(js: Doc) -> None:
         assert rjs == ["head", "workers"]
         head = js.body["spec"]["replicatedJobs"][0]
         assert head["replicas"] == 1 and head["template"]["spec"]["completions"] == 1
+        # Workers serve forever; without this the JobSet never completes.
+        assert js.body["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["head"]}
     else:
         assert rjs == ["workers"]
 

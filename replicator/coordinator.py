@@ -72,6 +72,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._newest_saved: dict[int, int] = {}
         # Pinned by PrepareRestore (or the operator's --restore-from-backup) until a newer step completes.
         self._restore_step: int | None = force_restore_step
+        # The pin is released once a step newer than every step known when it was served completes
+        # (training resumed and saved); None = not served yet, keep it.
+        self._restore_floor: int | None = None
         if force_restore_step is not None:
             self.state.pin(force_restore_step)
         self._clock = clock
@@ -98,9 +101,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         """The step every host should hold locally: a pinned restore, else the newest complete step."""
         newest = self.state.newest_complete_step()
         if self._restore_step is not None:
-            if newest is not None and newest > self._restore_step:
+            if self._restore_floor is not None and newest is not None and newest > self._restore_floor:
                 self.state.unpin(self._restore_step)
-                self._restore_step = None
+                self._restore_step = self._restore_floor = None
             else:
                 return self._restore_step
         return newest
@@ -202,9 +205,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         with self._lock:
             # Hosts that restarted must report before a plan is trusted: wait for every rank once.
             self._wait_all_registered(wait)
+            forced = request.step if request.step >= 0 else self.restore_target()
+            if request.step < 0 and forced == self.state.newest_complete_step():
+                forced = None  # nothing pinned: plain "newest recoverable"
             try:
-                plan = self.state.restore_plan(restoring=True,
-                                               force_step=None if request.step < 0 else request.step)
+                plan = self.state.restore_plan(restoring=True, force_step=forced)
             except ValueError as e:
                 return pb.PrepareRestoreResponse(step=-1, reason=str(e))
             if plan.empty:
@@ -213,6 +218,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             if self._restore_step is not None and self._restore_step != step:
                 self.state.unpin(self._restore_step)
             self._restore_step = step
+            known = self.state.known_steps()
+            self._restore_floor = max(known[-1], step) if known else step
             while True:
                 sources = self.state.sources(step)
                 ready = [r for r in range(self.topology.nodes) if self._ready(r, step, sources)]

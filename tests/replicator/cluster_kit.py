@@ -11,19 +11,31 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from controller_client.coordinator_client import CoordinatorClient
+from controller_client.manager import CheckpointManager, CheckpointManagerOptions
+from controller_client.topology import HostTopology
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 class ReplicatorProc:
-    def __init__(self, rank: int, args: list[str], log_path: Path):
+    def __init__(self, rank: int, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.rank = rank
+        self.env = dict(env or {})
         self.args = args
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
         self.address = ""
 
     def start(self, timeout: float = 60.0) -> str:
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env = dict(os.environ, PYTHONPATH=str(REPO), **self.env)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "controller_client.cli", "-v", "replicator", *self.args],
                                      stdout=subprocess.PIPE, stderr=log, env=env, cwd=str(REPO))
@@ -76,6 +88,7 @@ class Cluster:
         self.replicas = replicas
         self.extra = list(extra)
         self.procs: dict[int, ReplicatorProc] = {}
+        self.env: dict[str, str] = {}
         self.coordinator = ""
         (base / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -100,7 +113,7 @@ class Cluster:
             listen = self.coordinator or "127.0.0.1:0"
         else:
             listen = "127.0.0.1:0"
-        p = ReplicatorProc(rank, self._args(rank, listen), self.base / "logs" / f"replicator-{rank}.log")
+        p = ReplicatorProc(rank, self._args(rank, listen), self.base / "logs" / f"replicator-{rank}.log", self.env)
         self.procs[rank] = p
         addr = p.start()
         if rank == 0:
@@ -136,3 +149,65 @@ def wait_for(pred, timeout: float = 30.0, interval: float = 0.1, what: str = "co
             return last
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+# --------------------------------------------------------------------------- controller-side helpers
+
+def manager(cluster, slices: int, hosts_per_slice: int) -> CheckpointManager:
+    devs = jax.devices()
+    topo = HostTopology.simulated(devs, slices, hosts_per_slice)
+    opts = CheckpointManagerOptions(local_directory=cluster.local_template, job_name="t",
+                                    coordinator_address=cluster.coordinator, restore_wait_seconds=60,
+                                    rpc_timeout_seconds=10)
+    return CheckpointManager(opts, devices=devs, topology=topo)
+
+def state(step: int, replicated_over_slices: bool = True) -> dict:
+    """Params sharded over 'model' only are byte-identical on both slices (data-parallel replicas)."""
+    devs = jax.devices()
+    mesh = Mesh(np.array(devs).reshape(2, 4), ("data", "model"))
+    spec = P(None, "model") if replicated_over_slices else P("data", "model")
+    rng = np.random.default_rng(step)
+    return {
+        "w": jax.device_put(rng.standard_normal((8, 64)).astype(np.float32), NamedSharding(mesh, spec)),
+        "b": jax.device_put(jnp.asarray(rng.standard_normal((4, 32)), jnp.bfloat16), NamedSharding(mesh, spec)),
+        "rng": jax.device_put(jax.random.key(step), NamedSharding(mesh, P())),
+        "step": step,
+    }
+
+def target(tree: dict) -> dict:
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
+        tree)
+
+def assert_equal(a: dict, b: dict) -> None:
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, jax.Array):
+            if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x, y = jax.random.key_data(x), jax.random.key_data(y)
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        else:
+            assert x == y
+
+def status(cluster) -> dict:
+    c = CoordinatorClient(cluster.coordinator, rpc_timeout_seconds=5)
+    try:
+        return c.status()
+    finally:
+        c.close()
+
+def redundant(cluster, step: int) -> bool:
+    try:
+        st = status(cluster)["steps"].get(str(step))
+    except grpc.RpcError:
+        return False
+    return bool(st and st["complete"] and st["redundant"])
+
+def save_steps(mgr, steps, **kw) -> dict:
+    trees = {}
+    for s in steps:
+        trees[s] = state(s, **kw)
+        assert mgr.save(s, trees[s])
+        mgr.wait_until_finished()
+    return trees
+

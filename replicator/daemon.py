@@ -66,11 +66,12 @@ class Replicator:
         data_parallelism: int = 1,
         backup: Any = None,
         backup_scheduler_factory: Callable[[JobTopology], BackupScheduler] | None = None,
+        store: LocalStore | None = None,
     ):
         self.opts = opts
         self.rank, self.nodes, self.job = rank, nodes, job
         self.topology = JobTopology(nodes, data_parallelism, opts.replicas)
-        self.store = LocalStore(opts.local_dir, rank)
+        self.store = store if store is not None else LocalStore(opts.local_dir, rank)
         self.token = opts.token()
         self.backup = backup
         self.incarnation = time.time_ns()

@@ -5,18 +5,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 from replicator.options import ReplicatorOptions
 
 log = logging.getLogger(__name__)
 
 
-def run(opts: ReplicatorOptions) -> int:
-    """Run the daemon in the foreground; prints ``LISTENING HOST:PORT`` once serving."""
-    if opts.orbax_mode:
-        from replicator.orbax_mode import run_orbax_mode
+def build_replicator(opts: ReplicatorOptions, store: Any = None) -> Any:
+    """A :class:`replicator.daemon.Replicator` for fully resolved options (rank and nodes known).
 
-        return run_orbax_mode(opts)
+    ``store``: a :class:`replicator.store.LocalStore` (subclass) to use instead of the default one.
+    """
     from replicator.daemon import Replicator
 
     backup = None
@@ -25,9 +25,18 @@ def run(opts: ReplicatorOptions) -> int:
         from replicator.backup_tier import make_backup
 
         backup, scheduler = make_backup(opts, opts.job, opts.rank, opts.nodes)
-    daemon = Replicator(opts, rank=opts.rank, nodes=opts.nodes, job=opts.job,
-                        data_parallelism=opts.data_parallelism, backup=backup,
-                        backup_scheduler_factory=scheduler)
+    return Replicator(opts, rank=opts.rank, nodes=opts.nodes, job=opts.job,
+                      data_parallelism=opts.data_parallelism, backup=backup,
+                      backup_scheduler_factory=scheduler, store=store)
+
+
+def run(opts: ReplicatorOptions) -> int:
+    """Run the daemon in the foreground; prints ``LISTENING HOST:PORT`` once serving."""
+    if opts.orbax_mode:
+        from replicator.orbax_mode import run_orbax_mode
+
+        return run_orbax_mode(opts)
+    daemon = build_replicator(opts)
     try:
         daemon.start()
     except Exception as e:  # a bind failure and the like: one line, non-zero exit

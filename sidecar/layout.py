@@ -254,6 +254,9 @@ class StepManifest:
     values: tuple[ValueEntry, ...] = ()
     kind: str = KIND_NATIVE
     format_version: int = FORMAT_VERSION
+    # Set by whoever knows a better identity than the file list (e.g. Orbax steps, whose replicas
+    # differ in file names but not in OCDBT key/values); then it *is* the content hash.
+    content_id: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -266,6 +269,8 @@ class StepManifest:
         Two data-parallel replicas holding the same shards have the same content hash, so the
         replicator can verify a replica by comparing hashes instead of copying bytes.
         """
+        if self.content_id:
+            return self.content_id
         h = hashlib.sha256()
         if self.arrays:
             for a in self.arrays:
@@ -289,6 +294,7 @@ class StepManifest:
             "files": [f.to_dict() for f in self.files],
             "arrays": [a.to_dict() for a in self.arrays],
             "values": [v.to_dict() for v in self.values],
+            "content_id": self.content_id,
         }
 
     def to_json(self) -> bytes:
@@ -314,6 +320,7 @@ class StepManifest:
                 values=tuple(ValueEntry.from_dict(v) for v in d.get("values", ())),
                 kind=str(d.get("kind", KIND_NATIVE)),
                 format_version=version,
+                content_id=str(d.get("content_id", "")),
             )
         except ManifestError:
             raise

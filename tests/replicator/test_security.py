@@ -301,3 +301,9 @@ def test_tls_options_validation(tmp_path: Path) -> None:
         TlsOptions(f, tmp_path / "missing.key")
     with pytest.raises(ValueError, match="needs"):
         TlsOptions(ca_file=f).server_credentials()
+
+
+def test_create_server_on_busy_port_fails_clearly(peer: tuple[str, Path]) -> None:
+    address, _ = peer
+    with pytest.raises(OSError, match="cannot bind"):
+        grpc_util.create_server(address, [])

@@ -488,3 +488,32 @@ def test_sigkilled_fetcher_leaves_no_visible_step(host: PeerHost, tmp_path: Path
     # The server is unharmed and a retry commits the step.
     assert transfer.fetch_step(host.address, 1, 7, dest, token=TOKEN) == m
     layout.verify_step_dir(dest / "7")
+
+
+def test_server_max_streams_queues_transfers(tmp_path: Path) -> None:
+    h = PeerHost(tmp_path / "src", server_throttle=transfer.Throttle(max_streams=1))
+    try:
+        make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 32 << 20})
+        ch, stub = h.stub()
+        with ch:
+            t1, t2 = (
+                stub.OpenTransfer(peer_pb2.OpenTransferRequest(rank=1, step=7), timeout=10) for _ in range(2)
+            )
+        with (
+            socket.create_connection(("127.0.0.1", t1.data_port), timeout=10) as a,
+            socket.create_connection(("127.0.0.1", t2.data_port), timeout=10) as b,
+        ):
+            a.sendall(transfer.DATA_MAGIC + t1.ticket)
+            assert a.recv(1) == b"\0"  # A holds the only slot and does not read: the server blocks
+            b.sendall(transfer.DATA_MAGIC + t2.ticket)
+            b.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                b.recv(1)  # B waits for the slot
+            got = 0
+            while (k := len(a.recv(1 << 20))) > 0:
+                got += k
+            assert got == 32 << 20
+            b.settimeout(10)
+            assert b.recv(1) == b"\0"  # A done: B is served
+    finally:
+        h.stop()

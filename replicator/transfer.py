@@ -979,6 +979,10 @@ def fetch_step(
         manifest = _get_manifest(
             stub, owner_rank, step, min(grpc_util.RPC_TIMEOUT_SECONDS, _remaining(deadline))
         )
+        if any(f.name == layout.MANIFEST_NAME for f in manifest.files):
+            raise ManifestError(
+                f"rank {owner_rank} step {step}: the manifest lists a file named {layout.MANIFEST_NAME}"
+            )
         if expected_content_hash is not None and manifest.content_hash != expected_content_hash:
             raise ManifestError(
                 f"rank {owner_rank} step {step}: content hash {manifest.content_hash[:12]} "

@@ -517,3 +517,21 @@ def test_server_max_streams_queues_transfers(tmp_path: Path) -> None:
             assert b.recv(1) == b"\0"  # A done: B is served
     finally:
         h.stop()
+
+
+def test_manifest_checks_on_the_client(host: PeerHost, tmp_path: Path) -> None:
+    m = make_step(layout.steps_dir(host.root), 1, 7, {"a.bin": 100})
+    dest = tmp_path / "d"
+    with pytest.raises(layout.ManifestError, match="content hash"):
+        transfer.fetch_step(host.address, 1, 7, dest, token=TOKEN, expected_content_hash="0" * 64)
+    assert not dest.exists()
+    # A (hostile) manifest naming a file MANIFEST.json would shadow the manifest written at commit.
+    make_step(layout.steps_dir(host.root), 1, 8, {layout.MANIFEST_NAME + ".x": 1})
+    mpath = layout.steps_dir(host.root) / "8" / layout.MANIFEST_NAME
+    mpath.write_text(mpath.read_text().replace(layout.MANIFEST_NAME + ".x", layout.MANIFEST_NAME))
+    with pytest.raises(layout.ManifestError, match="named"):
+        transfer.fetch_step(host.address, 1, 8, dest, token=TOKEN)
+    assert not dest.exists()
+    assert (
+        transfer.fetch_step(host.address, 1, 7, dest, token=TOKEN, expected_content_hash=m.content_hash) == m
+    )

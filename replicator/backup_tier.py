@@ -125,6 +125,10 @@ class BucketScheduler(BackupScheduler):
         log.info("bucket holds committed backups of steps %s", steps)
 
     # ------------------------------------------------------------------ scheduling
+    def request(self, steps: list[int]) -> None:
+        """Back these steps up as soon as they are the newest complete step (unless already committed)."""
+        self.requested.update(s for s in steps if s not in self.committed and s != self.last_step)
+
     def _due(self, newest_complete: int | None) -> int | None:
         if newest_complete is None or newest_complete in self.committed:
             return None

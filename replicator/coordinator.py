@@ -42,6 +42,10 @@ class BackupScheduler:
     def report(self, state: CoordinatorState, rank: int, reports: list[pb.BackupReport]) -> None:
         return None
 
+    def request(self, steps: list[int]) -> None:
+        """Hosts asked for an immediate backup of these steps (Orbax's ``_BACKUP_REQUESTED``)."""
+        return None
+
     def status(self) -> dict[str, Any]:
         return {}
 
@@ -158,6 +162,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             if request.newest_saved_step >= 0:
                 self._newest_saved[rank] = request.newest_saved_step
             self.backup.report(self.state, rank, list(request.backups))
+            if request.backup_requests:
+                self.backup.request(list(request.backup_requests))
             resp = pb.HeartbeatResponse(heartbeat_interval_ms=int(self.heartbeat_seconds * 1000))
             newest = self.state.newest_complete_step()
             resp.newest_complete_step = -1 if newest is None else newest

@@ -209,6 +209,7 @@ class Replicator:
             holdings=[cpb.Holding(owner_rank=h.owner_rank, step=h.step, content_hash=h.content_hash,
                                   size=h.size, tier=str(h.tier)) for h in inv],
             newest_saved_step=own[-1] if own else -1,
+            backup_requests=self.store.backup_requests(),
         )
         if self.backup is not None:
             req.backups.extend(self.backup.drain_reports())

@@ -46,7 +46,10 @@ class ReplicatorOptions:
       transfer_timeout_seconds: deadline of one step copy.
       max_bytes_per_second: replication/backup throttle (0 = none); transfer_threads: parallel transfers.
       max_message_bytes: bound on gRPC messages.
-      jax_coordinator: ``HOST:PORT`` written into ``jax-init-info.txt`` (Orbax mode outside GKE).
+      jax_coordinator: ``HOST:PORT`` written into ``jax-init-info.txt`` (Orbax mode outside GKE), with
+      jax_process_id: this host's JAX process id for that file (required with ``jax_coordinator``).
+      handshake_timeout_seconds: Orbax mode: how long one handshake may wait for every host to report and
+        hold its data of the step to restore (keep it below Orbax's ``jax_initialization_timeout_seconds``).
     """
 
     local_dir: Path
@@ -78,6 +81,8 @@ class ReplicatorOptions:
     transfer_threads: int = 2
     max_message_bytes: int = 8 << 20
     jax_coordinator: str = ""
+    jax_process_id: int | None = None
+    handshake_timeout_seconds: float = 600.0
 
     @property
     def orbax_mode(self) -> bool:
@@ -117,13 +122,23 @@ class ReplicatorOptions:
                                   f"{self.data_parallelism}")
             if not self.coordinator_address() and self.rank != self.coordinator_rank:
                 raise ConfigError("no coordinator address: give --coordinator, --peers or --peer-address-template")
+        if self.orbax_mode and not self.coordinator_address():
+            raise ConfigError("Orbax mode needs the coordinator's address: give --coordinator, --peers or "
+                              "--peer-address-template")
+        if bool(self.jax_coordinator) != (self.jax_process_id is not None):
+            raise ConfigError("--jax-coordinator and --jax-process-id go together")
+        if self.jax_coordinator:
+            _host_port(self.jax_coordinator, "--jax-coordinator")
+            if self.jax_process_id < 0:
+                raise ConfigError(f"--jax-process-id must be >= 0, got {self.jax_process_id}")
         if self.backup_interval_minutes and self.backup_interval_steps:
             raise ConfigError("give one of --backup-interval-minutes and --backup-interval-steps, not both")
         if self.backup_interval_minutes < 0 or self.backup_interval_steps < 0:
             raise ConfigError("backup intervals must be >= 0")
         if self.keep_local < 1 or self.backup_keep < 1 or self.replicas < 0:
             raise ConfigError("--keep-local and --backup-keep must be >= 1, --replicas >= 0")
-        for name in ("heartbeat_seconds", "rpc_timeout_seconds", "transfer_timeout_seconds"):
+        for name in ("heartbeat_seconds", "rpc_timeout_seconds", "transfer_timeout_seconds",
+                     "handshake_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -166,7 +181,7 @@ def _convert(name: str, raw: Any) -> Any:
     if name == "peers":
         return raw if isinstance(raw, dict) else parse_peers(str(raw))
     default = _FIELDS[name].default
-    if name in ("rank", "nodes", "restore_from_backup"):
+    if name in ("rank", "nodes", "restore_from_backup", "jax_process_id"):
         return int(raw)
     if isinstance(default, bool):
         return str(raw).lower() in ("1", "true", "yes")
@@ -207,6 +222,8 @@ _HELP = {
     "transfer_threads": "parallel transfers (default 2)",
     "max_message_bytes": "bound on gRPC message size (default 8 MiB)",
     "jax_coordinator": "HOST:PORT written to jax-init-info.txt in Orbax mode (outside GKE)",
+    "jax_process_id": "this host's JAX process id for jax-init-info.txt (with --jax-coordinator)",
+    "handshake_timeout_seconds": "Orbax mode: bound on one handshake's restore planning (default 600)",
 }
 
 

@@ -115,6 +115,10 @@ class LocalStore:
                 out.append(Holding(owner, step, h, 0, Tier.REPLICA))
         return out
 
+    def backup_requests(self) -> list[int]:
+        """Steps whose immediate backup the writer asked for (Orbax mode overrides this; native: none)."""
+        return []
+
     # ------------------------------------------------------------------ replica attestations
     def _replica_path(self) -> Path:
         return self.root / REPLICA_FILE

@@ -84,20 +84,55 @@ def _abstract(state: Any) -> Any:
     )
 
 
+def _equal(a: Any, b: Any) -> bool:
+    import jax
+    import numpy as np
+
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb, strict=True):
+        if isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        if not np.array_equal(np.asarray(x), np.asarray(y)):
+            return False
+    return True
+
+
+def _wait(pred, timeout_seconds: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"mtc demo: timed out waiting for {what}")
+
+
 def run_demo(workdir: str | None = None, keep: bool = False) -> int:
-    """Run the demo; returns 0 when the resumed run matches the uninterrupted one exactly."""
+    """Run the demo; returns 0 when every restore is bit-exact and the resumed run matches."""
     _setup_jax()
     import numpy as np
 
+    from controller_client.coordinator_client import CoordinatorClient
+    from controller_client.local_cluster import LocalCluster
     from controller_client.manager import CheckpointManager, CheckpointManagerOptions
     from controller_client.topology import HostTopology
 
     devices, init, train_step = _model()
-    base = workdir or tempfile.mkdtemp(prefix="mtc-demo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    ram = Path(base) / "ram" / "{host}"
+    base = Path(workdir or tempfile.mkdtemp(prefix="mtc-demo-",
+                                            dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    bucket = base / "bucket"
+    cluster = LocalCluster(base, nodes=4, data_parallelism=2,
+                           extra=["--backup-url", f"file://{bucket}", "--backup-interval-steps", str(SAVE_EVERY)])
     topo = HostTopology.simulated(devices, slices=2, hosts_per_slice=2)
-    opts = CheckpointManagerOptions(local_directory=str(ram), job_name="demo", save_interval_steps=SAVE_EVERY)
     rows: list[Row] = []
+    checks: list[tuple[str, bool]] = []
+
+    def manager() -> CheckpointManager:
+        opts = CheckpointManagerOptions(local_directory=cluster.local_template, job_name="t",
+                                        save_interval_steps=SAVE_EVERY, coordinator_address=cluster.coordinator,
+                                        restore_wait_seconds=120)
+        return CheckpointManager(opts, devices=devices, topology=topo)
 
     def train(state, start, stop, mgr=None):
         losses = {}
@@ -111,37 +146,70 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> int:
                 if mgr.save(step, st):
                     blocked = time.monotonic() - t0
                     mgr.wait_until_finished()
-                    nbytes = sum(x.nbytes for x in (params["w1"], params["w2"], params["scale"]))
-                    rows.append(Row(f"save (blocked {blocked * 1000:.1f} ms)", step, nbytes,
+                    rows.append(Row(f"save (blocked {blocked * 1000:.1f} ms)", step, _nbytes(params),
                                     time.monotonic() - t0))
         return {"params": params, "rng": rng, "step": stop}, losses
 
-    print(f"mtc demo: 8 CPU devices as 2 slices x 2 hosts; RAM directories under {Path(base) / 'ram'}")
-    _, reference = train(init(), 0, TOTAL_STEPS)
+    def restore(what: str) -> Any:
+        mgr = manager()
+        t0 = time.monotonic()
+        restored = mgr.restore(None, _abstract(init()))
+        rows.append(Row(what, restored["step"], _nbytes(restored["params"]), time.monotonic() - t0))
+        return mgr, restored
 
-    mgr = CheckpointManager(opts, devices=devices, topology=topo)
-    _, first = train(init(), 0, CRASH_AFTER, mgr)
-    mgr.close()
-    print(f"-- crash after step {CRASH_AFTER}: the training process is gone, the RAM disks survive")
+    print(f"mtc demo: 8 CPU devices as 2 slices x 2 hosts; replicators on 127.0.0.1; RAM dirs and bucket "
+          f"under {base}")
+    try:
+        cluster.start_all()
+        final_ref, reference = train(init(), 0, TOTAL_STEPS)
 
-    mgr = CheckpointManager(opts, devices=devices, topology=topo)
-    latest = mgr.latest_step()
-    t0 = time.monotonic()
-    restored = mgr.restore(latest, _abstract(init()))
-    dt = time.monotonic() - t0
-    rows.append(Row("restore", latest, sum(x.nbytes for x in restored["params"].values()), dt))
-    _, resumed = train(restored, restored["step"], TOTAL_STEPS, mgr)
-    mgr.close()
+        mgr = manager()
+        _, first = train(init(), 0, CRASH_AFTER, mgr)
+        mgr.close()
+        print(f"-- the training process crashes after step {CRASH_AFTER}; RAM disks and replicators survive")
+        mgr, restored = restore("restore: own RAM disk")
+        latest = restored["step"]
+        final, resumed = train(restored, latest, TOTAL_STEPS, mgr)
+        checks.append((f"resumed losses of steps {latest + 1}..{TOTAL_STEPS} equal the uninterrupted run",
+                       all(np.float32(resumed[s]) == np.float32(reference[s]) for s in resumed)
+                       and all(first[s] == reference[s] for s in first)))
+        mgr.close()
 
-    print(f"{'what':<28} {'step':>5} {'bytes':>10} {'ms':>9}")
+        client = CoordinatorClient(cluster.coordinator)
+        _wait(lambda: TOTAL_STEPS in client.status()["backup"]["committed_steps"], 120,
+              f"the backup of step {TOTAL_STEPS}")
+        _wait(lambda: client.status()["steps"][str(TOTAL_STEPS)]["redundant"], 60, "peer redundancy")
+        client.close()
+
+        print("-- host 3 is lost: its RAM disk is wiped and its replicator restarts empty")
+        cluster.procs[3].stop()
+        cluster.wipe(3)
+        cluster.start(3)
+        mgr, restored = restore("restore: host 3 from its peer")
+        checks.append(("host 3 restored bit-exact from its data-parallel peer", _equal(restored, final)))
+        mgr.close()
+
+        print("-- every host is lost: all RAM disks wiped, all replicators restart")
+        cluster.stop_all()
+        for r in range(cluster.nodes):
+            cluster.wipe(r)
+        cluster.start_all()
+        mgr, restored = restore("restore: all hosts from bucket")
+        checks.append(("all hosts restored bit-exact from the local-folder bucket", _equal(restored, final)))
+        mgr.close()
+        checks.append(("final state equals the uninterrupted run's", _equal(final, final_ref)))
+    finally:
+        cluster.stop_all()
+
+    print(f"{'what':<34} {'step':>5} {'bytes':>10} {'ms':>9}")
     for r in rows:
-        print(f"{r.what:<28} {r.step:>5} {r.nbytes:>10} {r.seconds * 1000:>9.1f}")
-    ok = all(np.float32(resumed[s]) == np.float32(reference[s]) for s in resumed) and all(
-        first[s] == reference[s] for s in first
-    )
-    print(f"resumed from step {latest}; losses of steps {latest + 1}..{TOTAL_STEPS} "
-          f"{'EQUAL' if ok else 'DIFFER from'} the uninterrupted run "
-          f"(last loss {resumed[TOTAL_STEPS]:.6f} vs {reference[TOTAL_STEPS]:.6f})")
+        print(f"{r.what:<34} {r.step:>5} {r.nbytes:>10} {r.seconds * 1000:>9.1f}")
+    for what, ok in checks:
+        print(f"{'OK  ' if ok else 'FAIL'} {what}")
     if not keep and workdir is None:
         shutil.rmtree(base, ignore_errors=True)
-    return 0 if ok else 1
+    return 0 if all(ok for _, ok in checks) else 1
+
+
+def _nbytes(params: dict) -> int:
+    return sum(x.nbytes for x in params.values())

@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -120,7 +121,8 @@ class Replicator:
             max_message_bytes=self.opts.max_message_bytes, max_workers=16)
         self._server.start()
         self._throttle = throttle
-        adv_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        # Listening on every interface: other hosts reach us by our host name (a Pod's resolves to its IP).
+        adv_host = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
         self.address = self.opts.advertise or f"{adv_host}:{port}"
         sock = control_socket(self.store.root)
         sock.unlink(missing_ok=True)

@@ -29,7 +29,8 @@ class ReplicatorOptions:
       job: job name (recorded in manifests and bucket paths).
       rank, nodes: this host's rank and the number of hosts. Both unset = Orbax mode (from replicator.yaml).
       peers: static map rank -> HOST:PORT (``0=h0:7070,1=h1:7070``), or
-      peer_address_template: e.g. ``{job}-worker-{rank}.{job}:7070`` (Kubernetes DNS).
+      peer_address_template: e.g. ``{job}-workers-{slice}-{host}.{job}:7070`` (Kubernetes DNS); fields
+        ``{job}``, ``{rank}``, ``{slice}`` and ``{host}`` (index in the slice).
       coordinator: ``HOST:PORT`` of the coordinator (default: rank 0's peer address). The host whose rank
         is ``coordinator_rank`` serves the coordinator.
       data_parallelism: number of slices holding data-parallel replicas.
@@ -103,7 +104,9 @@ class ReplicatorOptions:
         if rank in self.peers:
             return self.peers[rank]
         if self.peer_address_template:
-            return self.peer_address_template.format(job=self.job, rank=rank)
+            per_slice = (self.nodes or 1) // max(1, self.data_parallelism) or 1
+            return self.peer_address_template.format(job=self.job, rank=rank, slice=rank // per_slice,
+                                                     host=rank % per_slice)
         return ""
 
     def coordinator_address(self) -> str:
@@ -200,14 +203,16 @@ _HELP = {
     "rank": "this host's rank (omit with --nodes for Orbax mode)",
     "nodes": "number of hosts",
     "peers": "static peer map RANK=HOST:PORT,RANK=HOST:PORT,...",
-    "peer_address_template": "peer address template, e.g. {job}-worker-{rank}.{job}:7070",
+    "peer_address_template": "peer address template with {job}, {rank}, {slice}, {host} (index in slice), "
+                             "e.g. {job}-workers-{slice}-{host}.{job}:7070",
     "coordinator": "HOST:PORT of the coordinator (default: the coordinator rank's peer address)",
     "coordinator_rank": "rank whose replicator serves the coordinator (default 0)",
     "data_parallelism": "number of slices holding data-parallel replicas (default 1)",
     "replicas": "extra verified copies of each rank's step (default 1)",
     "keep_local": "committed steps kept per host (default 2; the newest complete step is always kept)",
     "backup_url": "bucket URL: file:///path, gs://bucket/prefix or any fsspec URL (default: no backup)",
-    "backup_interval_minutes": "back up the newest complete step every N minutes",
+    "backup_interval_minutes": "back up the newest complete step every N minutes (default 30 when "
+                               "--backup-url is set and no interval is given)",
     "backup_interval_steps": "back up every N steps (instead of minutes)",
     "backup_keep": "committed backups kept (default 3)",
     "restore_from_backup": "force restoring this backed-up step",

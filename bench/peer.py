@@ -3,7 +3,8 @@
 ``peer_vs_tcp``: throughput of ``replicator.transfer.fetch_step`` (a verified, committed copy of a
 ~512 MiB step between two RAM-disk roots, server in another process) divided by a plain TCP transfer
 of the same bytes over loopback in the same run (sender ``sendall`` from memory, receiver
-``recv_into`` a reused buffer, no disk, no checksum) — the ceiling of any copy. Medians of interleaved
+``recv_into`` a reused buffer, no disk, no checksum) — the ceiling of any copy. ``peer_vs_tcp_to_file``
+compares with plain TCP written unverified to a file on the same RAM disk instead. Medians of interleaved
 repeats, because the machines are noisy. Add a measurement by writing a function that returns a dict
 and listing it in ``MEASUREMENTS``.
 """
@@ -28,7 +29,7 @@ import numpy as np
 
 DEFAULT_TOTAL_BYTES = 512 << 20
 DEFAULT_FILES = 8
-DEFAULT_REPEATS = 7
+DEFAULT_REPEATS = 9
 TOKEN = "bench-token"
 RECV_CHUNK_BYTES = 4 << 20
 
@@ -100,16 +101,24 @@ def _serve(root: str, step_files: list[str], conn: Any) -> None:
     grpc_util.stop_server(server, 1.0)
 
 
-def _raw_receive(port: int, nbytes: int) -> None:
+def _raw_receive(port: int, nbytes: int, into_file: Path | None = None) -> None:
+    """Plain TCP receive of ``nbytes``: discarded, or written (no checksum) to a new file ``into_file``."""
     buf = bytearray(RECV_CHUNK_BYTES)
     view = memoryview(buf)
     got = 0
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        while got < nbytes:
-            k = s.recv_into(view)
-            if not k:
-                raise ConnectionError(f"raw sender closed after {got} of {nbytes} bytes")
-            got += k
+    fd = os.open(into_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if into_file else -1
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            while got < nbytes:
+                k = s.recv_into(view)
+                if not k:
+                    raise ConnectionError(f"raw sender closed after {got} of {nbytes} bytes")
+                if fd >= 0:
+                    os.write(fd, view[:k])
+                got += k
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def measure_peer_vs_tcp(
@@ -133,7 +142,14 @@ def measure_peer_vs_tcp(
             raise TimeoutError("benchmark server did not start within 60 s")
         grpc_port, raw_port, nbytes = parent_conn.recv()
         address = f"127.0.0.1:{grpc_port}"
-        peer_s, tcp_s, stream_s = [], [], []
+        peer_s, tcp_s, tcp_file_s, stream_s = [], [], [], []
+        raw_file = scratch / "raw.bin"
+
+        def raw_to_file() -> float:
+            raw_file.unlink(missing_ok=True)
+            t0 = time.monotonic()
+            _raw_receive(raw_port, nbytes, raw_file)
+            return time.monotonic() - t0
 
         def fetch(use_data_port: bool) -> float:
             shutil.rmtree(dst, ignore_errors=True)
@@ -153,13 +169,19 @@ def measure_peer_vs_tcp(
             _raw_receive(raw_port, nbytes)
             tcp_s.append(time.monotonic() - t0)
             peer_s.append(fetch(True))
+            tcp_file_s.append(raw_to_file())
         for _ in range(max(1, repeats // 2)):
             stream_s.append(fetch(False))
         layout.verify_step_dir(dst / "1")
         gib = nbytes / 2**30
-        peer, tcp, stream = (gib / statistics.median(x) for x in (peer_s, tcp_s, stream_s))
+        peer, tcp, tcp_file, stream = (
+            gib / statistics.median(x) for x in (peer_s, tcp_s, tcp_file_s, stream_s)
+        )
         return {
             "peer_vs_tcp": round(peer / tcp, 3),
+            # Secondary: against plain TCP written (unverified, one thread) to a file on the same RAM disk.
+            "peer_vs_tcp_to_file": round(peer / tcp_file, 3),
+            "tcp_to_file_gib_per_s": round(tcp_file, 3),
             "peer_gib_per_s": round(peer, 3),
             "tcp_gib_per_s": round(tcp, 3),
             "grpc_stream_gib_per_s": round(stream, 3),

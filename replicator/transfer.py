@@ -2,7 +2,7 @@
 
 Control goes over gRPC (``ListSteps``, ``GetManifest``, ``OpenTransfer``); bulk bytes go over a plain
 TCP connection to the ``TransferServer`` (server ``sendfile`` from the RAM disk, client ``recv_into``
-a ring of buffers while a writer thread computes crc32c and writes), authorised by a single-use,
+a ring of buffers and crc32c on the receiving thread, ``pwrite`` on a writer thread), authorised by a single-use,
 expiring ticket that ``OpenTransfer`` issued over the authenticated channel. Why not gRPC streaming:
 measured on our 2-core box, Python gRPC streaming with 1 MiB messages reaches 40-60 % of raw loopback
 TCP, this path ~0.9 (``python -m bench.peer``). ``ReadFiles`` (gRPC streaming, per-chunk crc32c) is

@@ -535,3 +535,63 @@ def test_manifest_checks_on_the_client(host: PeerHost, tmp_path: Path) -> None:
     assert (
         transfer.fetch_step(host.address, 1, 7, dest, token=TOKEN, expected_content_hash=m.content_hash) == m
     )
+
+
+class _TamperingServicer(transfer.PeerServicer):
+    """Fault injector: corrupts the ReadFiles stream in transit (cannot be caused with a real server)."""
+
+    def __init__(self, *args: object, fault: str, **kw: object):
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.fault = fault
+
+    def ReadFiles(self, request, context):  # type: ignore[no-untyped-def]
+        for i, chunk in enumerate(super().ReadFiles(request, context)):
+            if i == 1 and self.fault == "bad-crc":
+                chunk.data = bytes([chunk.data[0] ^ 1]) + chunk.data[1:]
+            elif i == 1 and self.fault == "gap":
+                chunk.offset += 1
+            elif i == 1 and self.fault == "bad-index":
+                chunk.file_index = 7
+            elif i == 1 and self.fault == "truncate":
+                return
+            yield chunk
+
+
+@pytest.mark.parametrize(
+    "fault,error",
+    [
+        ("bad-crc", ChecksumError),
+        ("gap", ConnectionError),
+        ("bad-index", ConnectionError),
+        ("truncate", ConnectionError),
+    ],
+)
+def test_tampered_stream_commits_nothing(tmp_path: Path, fault: str, error: type) -> None:
+    root = tmp_path / "src"
+    make_step(layout.steps_dir(root), 1, 7, {"a.bin": 3 << 20})
+    servicer = _TamperingServicer(root, 1, NODES, fault=fault)
+    server, port = grpc_util.create_server(
+        "127.0.0.1:0", [(peer_pb2_grpc.add_PeerServicer_to_server, servicer)], token=TOKEN
+    )
+    server.start()
+    try:
+        dest = tmp_path / "d"
+        with pytest.raises(error):
+            transfer.fetch_step(f"127.0.0.1:{port}", 1, 7, dest, token=TOKEN)
+        assert list(dest.iterdir()) == []
+    finally:
+        grpc_util.stop_server(server, 0.5)
+
+
+def test_fetch_deadline(tmp_path: Path) -> None:
+    h = PeerHost(tmp_path / "src", server_throttle=transfer.Throttle(bytes_per_second=8 << 20))
+    try:
+        make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 32 << 20})
+        dest = tmp_path / "d"
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            transfer.fetch_step(h.address, 1, 7, dest, token=TOKEN, timeout_seconds=1.0)
+        assert time.monotonic() - t0 < 5.0
+        assert list(dest.iterdir()) == []
+    finally:
+        h.stop()

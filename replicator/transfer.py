@@ -1,11 +1,11 @@
 """The peer tier's data path: the ``Peer`` gRPC servicer, the TCP data port, and the step-fetching client.
 
 Control goes over gRPC (``ListSteps``, ``GetManifest``, ``OpenTransfer``); bulk bytes go over a plain
-TCP connection to the ``TransferServer`` (server ``sendfile`` from the RAM disk, client ``recv_into``
-a ring of buffers and crc32c on the receiving thread, ``pwrite`` on a writer thread), authorised by a single-use,
-expiring ticket that ``OpenTransfer`` issued over the authenticated channel. Why not gRPC streaming:
-measured on our 2-core box, Python gRPC streaming with 1 MiB messages reaches 40-60 % of raw loopback
-TCP, this path ~0.9 (``python -m bench.peer``). ``ReadFiles`` (gRPC streaming, per-chunk crc32c) is
+TCP connection to the ``TransferServer`` (server ``sendfile`` from the RAM disk; client ``recv_into``
+a ring of buffers with crc32c on the receiving thread and ``pwrite`` on a writer thread), authorised by
+a single-use, expiring ticket that ``OpenTransfer`` issued over the authenticated channel. Why not gRPC
+streaming: measured on our 2-core box, Python gRPC streaming with 1 MiB messages reaches 0.2-0.6 of raw
+loopback TCP, this path 0.8-1.0 on a quiet box (``python -m bench.peer``). ``ReadFiles`` (gRPC streaming, per-chunk crc32c) is
 the fallback when TLS is on, the server has no data port, or it cannot be reached. See docs/peer.md.
 
 A fetched step is written under a temporary sibling directory and committed by rename only after every
@@ -801,7 +801,10 @@ def _receive_tcp(
                 if e.size == 0:
                     full.put((idx, 0, None, 0, True, 0))
                 while offset < e.size and not errors:
-                    buf = free.get(timeout=DATA_IDLE_TIMEOUT_SECONDS)
+                    try:
+                        buf = free.get(timeout=DATA_IDLE_TIMEOUT_SECONDS)
+                    except queue.Empty:
+                        raise TimeoutError(f"writing {sink.dest_dir} stalled") from None
                     want = min(CHUNK_BYTES, e.size - offset)
                     limiter.acquire(want)
                     view = memoryview(buf)[:want]

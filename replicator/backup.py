@@ -16,6 +16,7 @@ create-only precondition. Readers only ever look at committed steps.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -241,6 +242,21 @@ class BackupStore:
     def _data_name(self, base: str, content_hash: str, file_name: str) -> str:
         return f"{base}/{DATA_DIR}/{content_hash}/{file_name}"
 
+    @staticmethod
+    def _data_key(manifest: StepManifest) -> str:
+        """The folder under ``data/`` holding a rank's files: replicas with equal keys share it.
+
+        The content hash, unless the manifest carries a ``content_id`` (Orbax steps): data-parallel Orbax
+        replicas share that identity but not their bytes (per-writer metadata, OCDBT file names), so their
+        files are keyed by the file list instead and never overwrite each other's.
+        """
+        if not manifest.content_id:
+            return manifest.content_hash
+        h = hashlib.sha256()
+        for f in sorted(manifest.files, key=lambda f: f.name):
+            h.update(json.dumps([f.name, f.size, f.crc32c]).encode() + b"\n")
+        return "files-" + h.hexdigest()
+
     # ------------------------------------------------------------------ capabilities
 
     def check_capabilities(self) -> CapabilityReport:
@@ -330,7 +346,7 @@ class BackupStore:
             )
         base = self._staging_prefix(staging.staging_id)
         self.store.stat(f"{base}/{BEGIN_NAME}")  # FileNotFoundError: no such staging (aborted or committed)
-        content_hash = manifest.content_hash
+        content_hash = self._data_key(manifest)
         existing = {o.name: o for o in self.store.list(f"{base}/{DATA_DIR}/{content_hash}")}
         todo, reused = [], []
         for f in manifest.files:
@@ -401,7 +417,7 @@ class BackupStore:
             hashes.append(h)
             total += m.total_bytes
             for f in m.files:
-                o = present.get(self._data_name(base, h, f.name))
+                o = present.get(self._data_name(base, self._data_key(m), f.name))
                 if o is None or o.size != f.size or (o.crc32c is not None and o.crc32c != f.crc32c):
                     missing.append(f"rank {rank} file {f.name}")
         if missing:
@@ -522,7 +538,7 @@ class BackupStore:
         if final.exists():
             raise FileExistsError(f"{final} already exists")
         tmp = make_tmp_dir(dest_parent, step)
-        content_hash = rec.rank_hashes[rank]
+        content_hash = self._data_key(manifest)
 
         def fetch(f: Any) -> int:
             dest = resolve_under(tmp, f.name)

@@ -192,17 +192,21 @@ class OrbaxMode:
             print(f"LISTENING {daemon.address}", flush=True)
         try:
             step, target = self._plan(daemon, store, cfg, opts)
+            if self.stopping.is_set():
+                return
+            self._clean_links()
+            oc.prepare_for_restore(self.local, step)
+            if step is None:
+                oc.write_no_restore_marker(self.local, cfg.job_name, cfg.node_rank)
+            else:
+                oc.write_restore_marker(self.local, cfg.job_name, step, cfg.node_rank, target)
         except HandshakeError as e:
             self._fatal(f"rank {cfg.node_rank}: {e}", cfg)
             return
-        if self.stopping.is_set():
+        except Exception as e:  # never leave Orbax waiting without an answer
+            log.exception("handshake failed")
+            self._fatal(f"rank {cfg.node_rank}: handshake failed: {type(e).__name__}: {e}", cfg)
             return
-        self._clean_links()
-        oc.prepare_for_restore(self.local, step)
-        if step is None:
-            oc.write_no_restore_marker(self.local, cfg.job_name, cfg.node_rank)
-        else:
-            oc.write_restore_marker(self.local, cfg.job_name, step, cfg.node_rank, target)
         try:
             oc.acknowledge(self.local, cfg, missing_ok=True)
         except ValueError as e:

@@ -252,3 +252,69 @@ def test_fatal_errors_reach_orbax_and_bad_config_exits_2(base) -> None:
     )  # fmt: skip
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out
     assert "Orbax mode needs the coordinator's address" in out.stderr
+
+
+# --------------------------------------------------------------------------- in-process (no Orbax run)
+
+
+def _fake_orbax_step(d: Path, payload: bytes = b"x" * 100) -> None:
+    """A committed Orbax-like step without OCDBT (hashed byte by byte by orbax_content_hash)."""
+    (d / "state").mkdir(parents=True)
+    (d / "_CHECKPOINT_METADATA").write_text(json.dumps({"init_timestamp_nsecs": time.time_ns()}))
+    (d / "state" / "_METADATA").write_bytes(payload)
+    (d / "commit_success.txt").write_text("done")
+
+
+def test_orbax_store_ingests_only_committed_real_step_dirs(tmp_path: Path) -> None:
+    from replicator.orbax_store import OrbaxStore
+
+    errors: list[str] = []
+    store = OrbaxStore(tmp_path, 1, job="j", nodes=2, on_error=errors.append)
+    _fake_orbax_step(tmp_path / "5")
+    (tmp_path / "6").mkdir()  # no commit_success.txt: not committed, left alone
+    (tmp_path / "7.orbax-checkpoint-tmp").mkdir()  # a save in progress
+    _fake_orbax_step(tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "4")  # an earlier restore's link: never ingested
+    os.symlink(tmp_path / "gone", tmp_path / "3")  # its target was collected: removed
+    _fake_orbax_step(tmp_path / "8")
+    (tmp_path / "8" / "state" / "ocdbt.process_1").mkdir()  # per-process OCDBT without a root: unreadable
+
+    assert store.ingest() == [5]
+    assert not (tmp_path / "5").exists() and (tmp_path / "6").is_dir() and (tmp_path / "4").is_symlink()
+    assert not os.path.lexists(tmp_path / "3")
+    m = layout.verify_step_dir(tmp_path / "steps" / "5")
+    assert (m.kind, m.rank, m.nodes, m.job) == (layout.KIND_ORBAX, 1, 2, "j")
+    # Identity = Orbax's content hash: equal to a replica's (other timestamps), not to the file bytes.
+    assert m.content_id == oc.orbax_content_hash(tmp_path / "elsewhere") == m.content_hash
+    # The unreadable step is reported once and given back under Orbax's name; nothing half-visible.
+    assert (tmp_path / "8" / "commit_success.txt").is_file() and len(errors) == 1 and "step 8" in errors[0]
+    assert store.ingest() == [] and len(errors) == 1
+    assert sorted(p.name for p in (tmp_path / "steps").iterdir()) == ["5"]
+    # A later save of the same step number replaces the stored one; inventory ingests first.
+    _fake_orbax_step(tmp_path / "5", payload=b"y" * 100)
+    (held,) = [h for h in store.inventory() if h.step == 5]
+    assert held.content_hash != m.content_id and held.owner_rank == 1
+    # _BACKUP_REQUESTED (newer Orbax) is a request, not content: excluded from files and identity.
+    (tmp_path / "steps" / "5" / oc.BACKUP_REQUESTED_FILE).touch()
+    assert store.backup_requests() == [5]
+    assert store.data_dir_for(5) == tmp_path / "steps" / "5" and store.data_dir_for(6) is None
+
+
+def test_replicator_options_from_replicator_yaml(tmp_path: Path) -> None:
+    from replicator.options import ConfigError, ReplicatorOptions
+    from replicator.orbax_mode import replicator_options
+
+    opts = ReplicatorOptions(local_dir=tmp_path, peers={0: "h0:1", 1: "h1:1", 2: "h2:1", 3: "h3:1"}).validate()
+    cfg = oc.ReplicatorConfig("job", "orbax", 2, 3, 4, (1,), backup_interval_steps=7)
+    r = replicator_options(opts, cfg, "127.0.0.1:5000")
+    assert (r.job, r.rank, r.nodes, r.data_parallelism, r.backup_interval_steps, r.backup_interval_minutes) == (
+        "job", 3, 4, 2, 7, 0.0)
+    assert (r.listen, r.advertise, r.coordinator_address()) == ("127.0.0.1:5000", "h3:1", "h0:1")
+    # Peers that are not slice-major: every host its own failure domain (ring copies), never a wrong pairing.
+    odd = oc.ReplicatorConfig("job", "orbax", 2, 3, 4, (0,), backup_interval_minutes=5)
+    r = replicator_options(opts, odd, "127.0.0.1:5000")
+    assert (r.data_parallelism, r.backup_interval_minutes) == (1, 5.0)
+    with pytest.raises(ConfigError, match="coordinator"):
+        ReplicatorOptions(local_dir=tmp_path).validate()
+    with pytest.raises(ConfigError, match="go together"):
+        ReplicatorOptions(local_dir=tmp_path, coordinator="c:1", jax_coordinator="h:1").validate()

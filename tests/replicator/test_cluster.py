@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 
 import grpc
 import jax
 import numpy as np
 import pytest
-from cluster_kit import assert_equal, manager, redundant, save_steps, target, wait_for
+from cluster_kit import REPO, assert_equal, manager, redundant, save_steps, target, wait_for
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -127,6 +130,17 @@ def test_coordinator_restart_loses_nothing(cluster_factory):
     assert mgr.all_steps()[-1] == 2
     assert_equal(trees[2], mgr.restore(None, target(trees[2])))
     mgr.close()
+    # The admin view: the coordinator's global status and one host's local status, as JSON.
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-m", "controller_client.cli", "status", "--coordinator", cl.coordinator],
+                         capture_output=True, text=True, env=env, timeout=60, check=True).stdout
+    st = json.loads(out)
+    assert st["newest_complete_step"] == 2 and st["steps"]["2"]["redundant"]
+    assert sorted(st["addresses"]) == ["0", "1", "2", "3"]
+    out = subprocess.run([sys.executable, "-m", "controller_client.cli", "status", "--local-dir", str(cl.ram(3))],
+                         capture_output=True, text=True, env=env, timeout=60, check=True).stdout
+    local = json.loads(out)
+    assert local["rank"] == 3 and 2 in local["own_steps"]
 
 
 def test_bad_requests_are_rejected_and_change_nothing(cluster_factory, tmp_path):

@@ -32,6 +32,11 @@ def build_replicator(opts: ReplicatorOptions, store: Any = None) -> Any:
 
 def run(opts: ReplicatorOptions) -> int:
     """Run the daemon in the foreground; prints ``LISTENING HOST:PORT`` once serving."""
+    if opts.nice > 0:
+        try:
+            os.nice(opts.nice)
+        except OSError as e:
+            log.warning("cannot change niceness by %d: %s", opts.nice, e)
     if opts.orbax_mode:
         from replicator.orbax_mode import run_orbax_mode
 

@@ -51,6 +51,7 @@ class ReplicatorOptions:
       jax_process_id: this host's JAX process id for that file (required with ``jax_coordinator``).
       handshake_timeout_seconds: Orbax mode: how long one handshake may wait for every host to report and
         hold its data of the step to restore (keep it below Orbax's ``jax_initialization_timeout_seconds``).
+      nice: niceness added to the daemon so that copies and uploads yield the CPU to training.
     """
 
     local_dir: Path
@@ -82,6 +83,7 @@ class ReplicatorOptions:
     transfer_threads: int = 2
     max_message_bytes: int = 8 << 20
     jax_coordinator: str = ""
+    nice: int = 10
     jax_process_id: int | None = None
     handshake_timeout_seconds: float = 600.0
 
@@ -226,6 +228,8 @@ _HELP = {
     "max_bytes_per_second": "throttle for replication and backup, 0 = none",
     "transfer_threads": "parallel transfers (default 2)",
     "max_message_bytes": "bound on gRPC message size (default 8 MiB)",
+    "nice": "raise the daemon's niceness by N so that copies and uploads yield the CPU to training "
+            "(default 10; 0 = unchanged)",
     "jax_coordinator": "HOST:PORT written to jax-init-info.txt in Orbax mode (outside GKE)",
     "jax_process_id": "this host's JAX process id for jax-init-info.txt (with --jax-coordinator)",
     "handshake_timeout_seconds": "Orbax mode: bound on one handshake's restore planning (default 600)",

@@ -113,15 +113,21 @@ class BucketScheduler(BackupScheduler):
             self.last_error = f"cannot list backups: {e}"
             log.warning("%s", self.last_error)
             return
+        newest_unix = None
         for step in steps:
             try:
                 rec, _ = self.backup.commit_record(step)
                 state.report_backup(step, committed=True, content_hashes=dict(enumerate(rec.rank_hashes)))
+                newest_unix = rec.committed_unix
             except Exception as e:
                 log.warning("ignoring unreadable backup of step %d: %s", step, e)
         self.committed = steps
         if steps:
             self.last_step = steps[-1]
+        if newest_unix is not None:
+            # The minutes interval runs on from the newest backup's commit: a restarted coordinator (every
+            # job restart in Orbax mode) must not back up at once.
+            self.last_start = self.clock() - max(0.0, time.time() - newest_unix)
         log.info("bucket holds committed backups of steps %s", steps)
 
     # ------------------------------------------------------------------ scheduling

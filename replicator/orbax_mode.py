@@ -177,6 +177,7 @@ class OrbaxMode:
         except (ConfigError, ValueError) as e:
             self._fatal(f"rank {cfg.node_rank}: {e}", cfg)
             return
+        daemon = None
         try:
             store = OrbaxStore(self.local, cfg.node_rank, job=cfg.job_name, nodes=cfg.nodes, on_error=self._error)
             store.ingest()
@@ -184,6 +185,8 @@ class OrbaxMode:
             daemon.start()
         except Exception as e:  # a bind failure, an unusable bucket, ...
             log.exception("cannot start the replicator")
+            if daemon is not None:
+                daemon.stop(grace_seconds=0.0)  # whatever started before the failure
             self._fatal(f"rank {cfg.node_rank}: cannot start: {type(e).__name__}: {e}", cfg)
             return
         self.daemon, self.store = daemon, store

@@ -203,6 +203,13 @@ def test_single_slice_ring_copy_restores_a_wiped_host(base) -> None:
     wait_for(lambda: (cl.local(0) / "peer" / "1" / "2" / layout.MANIFEST_NAME).is_file(), what="ring copy")
     m0, m1 = _check_ingested(cl, 0, 2), _check_ingested(cl, 1, 2)
     assert m0.content_id != m1.content_id  # each host holds different shards
+    # `mtc status --local-dir` reaches an Orbax-mode daemon like a native one.
+    out = subprocess.run(
+        [sys.executable, "-m", "controller_client.cli", "status", "--local-dir", str(cl.local(0))],
+        capture_output=True, text=True, timeout=60, cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    st = json.loads(out.stdout)
+    assert (st["job"], st["rank"], st["nodes"], st["own_steps"][-1]) == ("ring", 0, 2, 2), out
     layout.verify_step_dir(cl.local(0) / "peer" / "1" / "2")
     # Host 1's RAM disk is wiped under its running daemon (which rewrites jax-init-info.txt and answers the
     # next handshake with a fresh store).

@@ -4,7 +4,9 @@
 ~512 MiB step between two RAM-disk roots, server in another process) divided by a plain TCP transfer
 of the same bytes over loopback in the same run (sender ``sendall`` from memory, receiver
 ``recv_into`` a reused buffer, no disk, no checksum) — the ceiling of any copy. ``peer_vs_tcp_to_file``
-compares with plain TCP written unverified to a file on the same RAM disk instead. Medians of interleaved
+compares with plain TCP written unverified to a file on the same RAM disk instead. ``recovery_vs_local``:
+time to restore a wiped host from its peer / from its own RAM disk (real replicators, CheckpointManager).
+Medians of interleaved
 repeats, because the machines are noisy. Add a measurement by writing a function that returns a dict
 and listing it in ``MEASUREMENTS``.
 """
@@ -205,7 +207,71 @@ def measure_peer_vs_tcp(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-MEASUREMENTS: dict[str, Callable[..., dict[str, Any]]] = {"peer_vs_tcp": measure_peer_vs_tcp}
+def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: int = 3) -> dict[str, Any]:
+    """Restore a wiped host from its peer / restore the same host from its own RAM disk.
+
+    Two real replicators on loopback (2 slices x 1 host, data-parallel replicas), the controller here
+    with 8 CPU devices. "local": ``CheckpointManager.restore`` with every RAM disk intact. "peer": host 1's
+    RAM disk wiped and its replicator restarted; the clock runs from the moment it serves again until
+    ``restore`` returns (its data comes from host 0: fetched, verified, committed, then read).
+    """
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from controller_client.local_cluster import LocalCluster
+    from controller_client.manager import CheckpointManager, CheckpointManagerOptions
+    from controller_client.topology import HostTopology
+
+    devs = jax.devices()[:8]
+    mesh = Mesh(np.array(devs).reshape(2, 4), ("data", "model"))
+    per_host = total_bytes // 2  # each host holds one full replica
+    cols = 4096
+    rows = max(8, per_host // (cols * 4) // 8 * 8)
+    sharding = NamedSharding(mesh, P(None, "model"))
+    tree = {"w": jax.device_put(np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32), sharding)}
+    target = {"w": jax.ShapeDtypeStruct(tree["w"].shape, tree["w"].dtype, sharding=sharding)}
+    scratch = _scratch_dir()
+    cluster = LocalCluster(scratch / "cluster", nodes=2, data_parallelism=2, heartbeat_seconds=0.1)
+    times: dict[str, list[float]] = {"local": [], "peer": []}
+    try:
+        cluster.start_all()
+        opts = CheckpointManagerOptions(local_directory=cluster.local_template, coordinator_address=cluster.coordinator,
+                                        job_name="t", restore_wait_seconds=300)
+        mgr = CheckpointManager(opts, devices=devs, topology=HostTopology.simulated(devs, 2, 1))
+        mgr.save(1, tree)
+        mgr.wait_until_finished()
+        deadline = time.monotonic() + 60
+        while mgr.latest_step() != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for _ in range(repeats + 1):  # round 0 warms up
+            t0 = time.monotonic()
+            jax.block_until_ready(mgr.restore(1, target))
+            times["local"].append(time.monotonic() - t0)
+            cluster.procs[1].stop()
+            cluster.wipe(1)
+            cluster.start(1)
+            t0 = time.monotonic()
+            jax.block_until_ready(mgr.restore(1, target))
+            times["peer"].append(time.monotonic() - t0)
+        mgr.close()
+    finally:
+        cluster.stop_all()
+        shutil.rmtree(scratch, ignore_errors=True)
+    local = statistics.median(times["local"][1:])
+    peer = statistics.median(times["peer"][1:])
+    return {
+        "recovery_vs_local": round(peer / local, 3),
+        "recovery_bytes_per_host": rows * cols * 4,
+        "recovery_seconds": {"local": round(local, 4), "peer": round(peer, 4)},
+    }
+
+
+MEASUREMENTS: dict[str, Callable[..., dict[str, Any]]] = {
+    "peer_vs_tcp": measure_peer_vs_tcp,
+    "recovery_vs_local": measure_recovery_vs_local,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "peer_vs_tcp":
             result.update(fn(total_bytes=args.total_mib << 20, repeats=args.repeats))
         else:
-            result.update(fn())
+            result.update(fn(total_bytes=args.total_mib << 20))
     print(json.dumps(result, sort_keys=True))
     sys.stdout.flush()
     return 0

@@ -91,6 +91,7 @@ class Replicator:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, opts.transfer_threads),
                                                            thread_name_prefix="mtc-xfer")
         self._in_flight: set[tuple[str, int, int]] = set()
+        self._fetching: dict[tuple[int, int], threading.Event] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._coord_channel: grpc.Channel | None = None
@@ -268,6 +269,26 @@ class Replicator:
                 self._in_flight.discard(key)
 
     def _fetch(self, address: str, owner: int, step: int, content_hash: str | None) -> layout.StepManifest:
+        """Fetch ``owner``'s ``step`` once: a copy task and a restore may want the same directory at the
+        same time; the second waits for the first instead of moving the bytes twice."""
+        key = (owner, step)
+        with self._lock:
+            running = self._fetching.get(key)
+            if running is None:
+                self._fetching[key] = threading.Event()
+        if running is not None:
+            running.wait(self.opts.transfer_timeout_seconds)
+            m = self.store.manifest(owner, step)
+            if m is None or (content_hash and m.content_hash != content_hash):
+                raise RuntimeError(f"concurrent fetch of rank {owner} step {step} did not produce it")
+            return m
+        try:
+            return self._fetch_now(address, owner, step, content_hash)
+        finally:
+            with self._lock:
+                self._fetching.pop(key).set()
+
+    def _fetch_now(self, address: str, owner: int, step: int, content_hash: str | None) -> layout.StepManifest:
         dest = self.store.step_dir(owner, step).parent
         t0 = time.monotonic()
         m = transfer.fetch_step(address, owner, step, dest, token=self.token, tls=self._tls(),

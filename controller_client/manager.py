@@ -192,6 +192,8 @@ class CheckpointManager:
             raise ValueError("restore needs a target pytree (jax.ShapeDtypeStruct leaves with shardings)")
         self.wait_until_finished()
         if self._coordinator is not None:
+            # Have every host report now rather than at its next heartbeat: the plan needs fresh reports.
+            self.dispatcher.query("wake")
             step = self._coordinator.prepare_restore(step, self.options.restore_wait_seconds)
         elif step is None:
             step = self.latest_step()

@@ -50,7 +50,8 @@ class LocalControlServicer:
     """Missing associated documentation comment in .proto file."""
 
     def StepCommitted(self, request, context):
-        """A step was committed under <local>/steps/<N>: replicate it now rather than at the next scan.
+        """A step was committed under <local>/steps/<N> (or, with step -1, a restore is coming): report to the
+        coordinator now rather than at the next heartbeat.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

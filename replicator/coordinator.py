@@ -190,9 +190,16 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self._lock.notify_all()
         return resp
 
-    def _wait_all_registered(self, wait_seconds: float) -> None:
+    def _wait_all_registered(self, wait_seconds: float, since: float | None = None) -> None:
+        """Wait (bounded) until every rank has reported — with ``since``, reported after that instant."""
         deadline = self._clock() + max(0.0, min(wait_seconds, 3600.0))
-        while len(self.state.registered) < self.topology.nodes and self._clock() < deadline:
+
+        def missing() -> bool:
+            if since is None:
+                return len(self.state.registered) < self.topology.nodes
+            return any(self._last_seen.get(r, -1.0) < since for r in range(self.topology.nodes))
+
+        while missing() and self._clock() < deadline:
             self._lock.wait(min(0.2, max(0.0, deadline - self._clock())))
 
     def GetSteps(self, request: pb.GetStepsRequest, context: grpc.ServicerContext) -> pb.GetStepsResponse:
@@ -207,10 +214,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: grpc.ServicerContext) -> pb.PrepareRestoreResponse:
         wait = max(0.0, min(request.wait_seconds, 3600.0))
-        deadline = self._clock() + wait
+        start = self._clock()
+        deadline = start + wait
         with self._lock:
-            # Hosts that restarted must report before a plan is trusted: wait for every rank once.
-            self._wait_all_registered(wait)
+            # A plan is trusted only on fresh reports: a host that restarted (perhaps with a wiped RAM
+            # disk) must not be judged on what its previous incarnation held. Wait (at most one
+            # heartbeat interval when all hosts are up) until every rank reported after this request.
+            self._wait_all_registered(wait, since=start)
             forced = request.step if request.step >= 0 else self.restore_target()
             if request.step < 0 and forced == self.state.newest_complete_step():
                 forced = None  # nothing pinned: plain "newest recoverable"

@@ -207,6 +207,10 @@ def query_on_hosts(config: HostConfig, ranks: Sequence[int], op: str, arg: Any =
             result[r] = {"steps": layout.committed_steps(layout.steps_dir(w.root)), "in_flight": w.in_flight()}
         elif op == "wait":
             result[r] = True
+        elif op == "wake":
+            from replicator.daemon import notify_step_committed
+
+            result[r] = notify_step_committed(w.root, -1)
         elif op == "values":
             src = open_step(config, [r], int(arg))
             result[r] = {"values": src.values, "paths": sorted(src.paths)}

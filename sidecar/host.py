@@ -172,7 +172,8 @@ def restore_on_hosts(
                 r = config.device_rank.get(device.id)
                 if r in sources:
                     full = sources[r].assemble(leaf.path, tuple((0, n) for n in leaf.shape))
-                    bufs.append(jax.device_put(np.ascontiguousarray(full).reshape(-1).view(np.uint8), device))
+                    flat = np.array(full, copy=True).reshape(-1).view(np.uint8)  # one buffer per device
+                    bufs.append(jax.device_put(flat, device))
             nbytes = math.prod(leaf.shape) * tree.dtype_from_name(leaf.dtype).itemsize
             out.append(jax.make_array_from_single_device_arrays((nbytes,), leaf.sharding, bufs))
             for src in sources.values():
@@ -186,7 +187,16 @@ def restore_on_hosts(
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, config.write_threads)) as pool:
             got = dict(zip(distinct, pool.map(lambda k, p=leaf.path: sources[k[0]].assemble(p, k[1]), distinct),
                            strict=True))
-        buffers = [jax.device_put(got[(r, idx)], d) for d, r, idx in wanted]
+        buffers = []
+        placed: set[int] = set()
+        for d, r, idx in wanted:
+            data = got[(r, idx)]
+            if id(data) in placed:
+                # On CPU an aligned buffer becomes the device buffer itself; two devices must never share
+                # one (a donated input would be overwritten under the other).
+                data = data.copy()
+            placed.add(id(data))
+            buffers.append(jax.device_put(data, d))
         arr = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, buffers)
         if leaf.key_impl:
             arr = jax.random.wrap_key_data(arr, impl=leaf.key_impl)

@@ -449,6 +449,19 @@ def delete_step(step_dir: Path) -> None:
 # --------------------------------------------------------------------------- verification
 
 
+def aligned_empty(nbytes: int, align: int = 4096) -> Any:
+    """An uninitialised uint8 buffer whose start is ``align``-byte aligned.
+
+    JAX's CPU client places an aligned host buffer on a device without copying it (measured: 1 GiB in
+    3 ms instead of 0.34-1.1 s), which makes restore one copy cheaper.
+    """
+    import numpy as np
+
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off : off + nbytes]
+
+
 def read_verified(path: Path, length: int, expected_crc: int, offset: int = 0, out: Any = None) -> Any:
     """Read ``length`` bytes at ``offset`` of ``path`` into ``out`` (a writable buffer) and verify crc32c.
 
@@ -456,7 +469,7 @@ def read_verified(path: Path, length: int, expected_crc: int, offset: int = 0, o
     """
     import numpy as np
 
-    buf = np.empty(length, dtype=np.uint8) if out is None else out
+    buf = aligned_empty(length) if out is None else out
     view = memoryview(buf).cast("B")
     if view.nbytes != length:
         raise ValueError(f"buffer of {view.nbytes} bytes for a read of {length}")

@@ -128,7 +128,8 @@ class StepSource:
         exact = arr.shards.get(index)
         if exact:
             return self.read_shard(arr, index)
-        out = np.empty(shape, dtype=tree.dtype_from_name(arr.dtype))
+        dtype = tree.dtype_from_name(arr.dtype)
+        out = layout.aligned_empty(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
         covered = 0
         for sidx in arr.shards:
             inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, sidx, strict=True)]

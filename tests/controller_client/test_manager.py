@@ -322,3 +322,19 @@ def test_sigkill_mid_save_leaves_previous_step(ram_dir):
     # Opening the hosts again removed the crashed writer's temporary directories.
     for rank in range(4):
         assert os.listdir(ram_dir / str(rank) / "steps") == ["1"]
+
+
+def test_restored_shards_never_share_memory(ram_dir):
+    """Restore hands aligned buffers to the CPU devices without a copy; replicas must still be distinct,
+    or a donated input updated in place on one device would change another's."""
+    devs = jax.devices()
+    mesh, spec = MESHES["replicated"](devs)
+    s = NamedSharding(mesh, spec)
+    with make_manager(ram_dir) as mgr:
+        mgr.save(1, {"w": jax.device_put(np.arange(1 << 16, dtype=np.float32), s)})
+        out = mgr.restore(1, {"w": jax.ShapeDtypeStruct((1 << 16,), jnp.float32, sharding=s)})
+    ptrs = {sh.data.unsafe_buffer_pointer() for sh in out["w"].addressable_shards}
+    assert len(ptrs) == len(devs)
+    y = jax.jit(lambda a: a + 1, donate_argnums=0)(out["w"])
+    for sh in y.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(sh.data), np.arange(1 << 16, dtype=np.float32) + 1)

@@ -488,6 +488,38 @@ def read_verified(path: Path, length: int, expected_crc: int, offset: int = 0, o
     return buf
 
 
+def map_verified(path: Path, length: int, expected_crc: int, offset: int = 0) -> Any:
+    """Map ``length`` bytes of ``path`` copy-on-write, verify their crc32c, return them as a uint8 array.
+
+    On tmpfs this reads nothing and allocates nothing: the page-cache pages are mapped (1 GiB in ~0.18 s
+    against 0.65-1.9 s for read() into fresh memory on our VMs), and JAX's CPU client adopts the
+    page-aligned buffer without a copy. Writes through the array (e.g. a donated buffer) stay private.
+    Committed files are never modified or truncated in place, so the mapping stays valid even if the
+    step is deleted meanwhile.
+    """
+    import mmap
+
+    import numpy as np
+
+    if offset % mmap.ALLOCATIONGRANULARITY or length == 0:
+        return read_verified(path, length, expected_crc, offset)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size < offset + length:
+            raise EOFError(f"{path}: expected {length} bytes at offset {offset}, file has {size}")
+        mm = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+    finally:
+        os.close(fd)
+    buf = np.frombuffer(mm, dtype=np.uint8)
+    actual = crc32c(buf)
+    if actual != expected_crc:
+        del buf
+        mm.close()
+        raise ChecksumError(str(path), expected_crc, actual)
+    return buf
+
+
 def file_crc32c(path: Path, chunk_bytes: int = 8 << 20) -> tuple[int, int]:
     """(size, crc32c) of a whole file, streamed in chunks."""
     import numpy as np

@@ -19,6 +19,10 @@ from sidecar import layout, tree
 
 log = logging.getLogger(__name__)
 
+# Shards at least this large are mapped rather than read (one mapping each; small ones are read so that
+# a tree of many tiny leaves does not use up the process's mapping limit).
+MAP_MIN_BYTES = 1 << 20
+
 
 @dataclasses.dataclass(frozen=True)
 class SavedShard:
@@ -104,7 +108,10 @@ class StepSource:
                 continue
             try:
                 path = layout.resolve_under(loc.step_dir, e.file)
-                buf = layout.read_verified(path, e.length, e.crc32c, e.offset)
+                if e.length >= MAP_MIN_BYTES:
+                    buf = layout.map_verified(path, e.length, e.crc32c, e.offset)
+                else:
+                    buf = layout.read_verified(path, e.length, e.crc32c, e.offset)
             except (OSError, layout.ChecksumError) as err:
                 log.warning("unusable copy of %s%s: %s", arr.path, index, err)
                 errors.append(err)

@@ -172,10 +172,14 @@ def test_restore_errors_name_the_problem(ram_dir):
         assert_same(tree, mgr.restore(3, target))
 
 
-def test_flipped_byte_is_detected(ram_dir):
+@pytest.mark.parametrize("big", [False, True], ids=["read", "mapped"])
+def test_flipped_byte_is_detected(ram_dir, big):
     devs = jax.devices()
     mesh, spec = MESHES["2x4"](devs)
     tree = make_tree(mesh, spec)
+    if big:  # shards of >= 1 MiB are memory-mapped rather than read
+        w = np.random.default_rng(5).standard_normal((2048, 1024)).astype(np.float32)
+        tree["params"]["w"] = jax.device_put(w, NamedSharding(mesh, spec))
     with make_manager(ram_dir, cross_host_reads=False) as mgr:
         mgr.save(5, tree)
         mgr.wait_until_finished()

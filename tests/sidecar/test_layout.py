@@ -130,3 +130,21 @@ def test_crc32c_accepts_buffers():
     b = bytes(range(256))
     assert layout.crc32c(b) == layout.crc32c(bytearray(b)) == layout.crc32c(np.frombuffer(b, np.uint8))
     assert layout.crc32c_extend(layout.crc32c(b[:100]), b[100:]) == layout.crc32c(b)
+
+
+def test_map_verified_detects_flip_and_writes_stay_private(tmp_path):
+    data = np.random.default_rng(1).integers(0, 255, size=3 << 20, dtype=np.uint8)
+    p = tmp_path / "big"
+    p.write_bytes(data.tobytes())
+    crc = layout.crc32c(data)
+    m = layout.map_verified(p, data.nbytes, crc)
+    assert (m == data).all() and m.ctypes.data % 4096 == 0
+    m[0] ^= 0xFF  # copy-on-write: the committed file never changes
+    assert p.read_bytes()[:1] == data[:1].tobytes()
+    raw = bytearray(p.read_bytes())
+    raw[2 << 20] ^= 1
+    p.write_bytes(bytes(raw))
+    with pytest.raises(layout.ChecksumError, match=str(p)):
+        layout.map_verified(p, data.nbytes, crc)
+    with pytest.raises(EOFError):
+        layout.map_verified(p, data.nbytes + 1, crc)

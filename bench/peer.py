@@ -67,11 +67,11 @@ def _serve(root: str, step_files: list[str], conn: Any) -> None:
     import threading
 
     from mtc_rpc import peer_pb2_grpc
-    from replicator import grpc_util, transfer
+    from replicator import grpc_util, peer_server
 
-    ts = transfer.TransferServer("127.0.0.1", 0)
+    ts = peer_server.TransferServer("127.0.0.1", 0)
     ts.start()
-    servicer = transfer.PeerServicer(Path(root), 0, 2, transfer_server=ts)
+    servicer = peer_server.PeerServicer(Path(root), 0, 2, transfer_server=ts)
     server, port = grpc_util.create_server(
         "127.0.0.1:0", [(peer_pb2_grpc.add_PeerServicer_to_server, servicer)], token=TOKEN
     )

@@ -25,7 +25,7 @@ import grpc
 from mtc_rpc import control_pb2, control_pb2_grpc, peer_pb2_grpc
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
-from replicator import grpc_util, transfer
+from replicator import grpc_util, peer_protocol, peer_server, transfer
 from replicator.coordinator import BackupScheduler, Coordinator
 from replicator.options import ReplicatorOptions
 from replicator.security import TlsOptions
@@ -84,8 +84,8 @@ class Replicator:
                                            force_restore_step=opts.restore_from_backup)
         self._server: grpc.Server | None = None
         self._control_server: grpc.Server | None = None
-        self._transfer_server: transfer.TransferServer | None = None
-        self._throttle: transfer.Throttle | None = None
+        self._transfer_server: peer_server.TransferServer | None = None
+        self._throttle: peer_protocol.Throttle | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, opts.transfer_threads),
@@ -104,15 +104,15 @@ class Replicator:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
         host = self.opts.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
-        throttle = transfer.Throttle(bytes_per_second=float(self.opts.max_bytes_per_second) or None,
+        throttle = peer_protocol.Throttle(bytes_per_second=float(self.opts.max_bytes_per_second) or None,
                                      max_streams=max(1, self.opts.transfer_threads))
         tls = self._tls()
         if tls is None:
             # Bulk bytes go over a plain TCP data port (sendfile): gRPC streaming reaches only 40-60 % of
             # loopback TCP here. With TLS the data stays on the (encrypted) gRPC stream instead.
-            self._transfer_server = transfer.TransferServer(host, 0, throttle=throttle)
+            self._transfer_server = peer_server.TransferServer(host, 0, throttle=throttle)
             self._transfer_server.start()
-        peer = transfer.PeerServicer(self.store.root, self.rank, self.nodes,
+        peer = peer_server.PeerServicer(self.store.root, self.rank, self.nodes,
                                      transfer_server=self._transfer_server, throttle=throttle)
         servicers = [(peer_pb2_grpc.add_PeerServicer_to_server, peer)]
         if self.coordinator is not None:

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mtc_rpc import peer_pb2, peer_pb2_grpc
-from replicator import grpc_util, security, transfer
+from replicator import grpc_util, peer_server, security, transfer
 from replicator.security import TlsOptions
 from sidecar import layout
 from sidecar.layout import ChecksumError, FileEntry, ManifestError, StepManifest
@@ -40,12 +40,12 @@ def make_step(root: Path, rank: int, step: int, sizes: dict[str, int]) -> StepMa
 
 def start_peer(
     root: Path, *, token: str | None = TOKEN, tls: TlsOptions | None = None, data_port: bool = True
-) -> tuple[grpc.Server, str, transfer.TransferServer | None]:
+) -> tuple[grpc.Server, str, peer_server.TransferServer | None]:
     ts = None
     if data_port:
-        ts = transfer.TransferServer()
+        ts = peer_server.TransferServer()
         ts.start()
-    servicer = transfer.PeerServicer(root, 0, NODES, transfer_server=ts)
+    servicer = peer_server.PeerServicer(root, 0, NODES, transfer_server=ts)
     server, port = grpc_util.create_server(
         "127.0.0.1:0", [(peer_pb2_grpc.add_PeerServicer_to_server, servicer)], token=token, tls=tls
     )

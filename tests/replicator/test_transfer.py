@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mtc_rpc import peer_pb2, peer_pb2_grpc
-from replicator import grpc_util, transfer
+from replicator import grpc_util, peer_protocol, peer_server, transfer
 from sidecar import layout
 from sidecar.layout import ChecksumError, FileEntry, StepManifest
 
@@ -66,16 +66,16 @@ class PeerHost:
         *,
         data_port: bool = True,
         ticket_ttl_seconds: float = 30.0,
-        server_throttle: transfer.Throttle | None = None,
+        server_throttle: peer_protocol.Throttle | None = None,
         max_message_bytes: int = grpc_util.MAX_MESSAGE_BYTES,
         advertise_host: str = "",
     ):
         self.root = root
         self.ts = None
         if data_port:
-            self.ts = transfer.TransferServer(throttle=server_throttle, ticket_ttl_seconds=ticket_ttl_seconds)
+            self.ts = peer_server.TransferServer(throttle=server_throttle, ticket_ttl_seconds=ticket_ttl_seconds)
             self.ts.start()
-        self.servicer = transfer.PeerServicer(
+        self.servicer = peer_server.PeerServicer(
             root,
             own_rank,
             NODES,
@@ -140,7 +140,7 @@ def test_fetch_round_trip_bit_exact(host: PeerHost, tmp_path: Path, use_data_por
     layout.verify_step_dir(dest / "7")
     assert_same_files(layout.steps_dir(host.root) / "7", dest / "7", m)
     assert sorted(p.name for p in dest.iterdir()) == ["7"]  # no tmp dir, no part files left
-    assert not list((dest / "7").rglob("*" + transfer.PART_SUFFIX))
+    assert not list((dest / "7").rglob("*" + peer_protocol.PART_SUFFIX))
     assert host.ts is not None
     assert host.ts.transfers_completed == (1 if use_data_port else 0)
     assert host.ts.bytes_sent == (m.total_bytes if use_data_port else 0)
@@ -300,7 +300,7 @@ def test_oversized_message_rejected(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- tickets and the data port
 
 
-def _redeem(port: int, ticket: bytes, header: bytes = transfer.DATA_MAGIC) -> tuple[int, bytes]:
+def _redeem(port: int, ticket: bytes, header: bytes = peer_protocol.DATA_MAGIC) -> tuple[int, bytes]:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(header + ticket)
         chunks = []
@@ -323,14 +323,14 @@ def test_ticket_single_use_bound_and_expiring(tmp_path: Path) -> None:
             resp = stub.OpenTransfer(
                 peer_pb2.OpenTransferRequest(rank=1, step=7, files=["b.bin"]), timeout=10
             )
-            assert resp.data_port == h.ts.port and len(resp.ticket) == transfer.TICKET_BYTES
+            assert resp.data_port == h.ts.port and len(resp.ticket) == peer_protocol.TICKET_BYTES
             assert [(f.name, f.size) for f in resp.files] == [("b.bin", 3000)]
             status, body = _redeem(resp.data_port, resp.ticket)
             # Bound to the files asked for: exactly b.bin's bytes.
             assert status == 0 and body == (layout.steps_dir(h.root) / "7" / "b.bin").read_bytes()
             status, body = _redeem(resp.data_port, resp.ticket)  # reused
             assert status == 1 and b"ticket" in body
-            status, body = _redeem(resp.data_port, os.urandom(transfer.TICKET_BYTES))  # forged
+            status, body = _redeem(resp.data_port, os.urandom(peer_protocol.TICKET_BYTES))  # forged
             assert status == 1 and b"ticket" in body
             resp = stub.OpenTransfer(peer_pb2.OpenTransferRequest(rank=1, step=7), timeout=10)
             status, body = _redeem(resp.data_port, resp.ticket, header=b"GET / HT")  # wrong protocol
@@ -357,7 +357,7 @@ def test_data_port_unreachable_falls_back_to_stream(tmp_path: Path) -> None:
 
 
 def test_stop_abandons_in_flight_transfer(tmp_path: Path) -> None:
-    h = PeerHost(tmp_path / "src", server_throttle=transfer.Throttle(bytes_per_second=8 << 20))
+    h = PeerHost(tmp_path / "src", server_throttle=peer_protocol.Throttle(bytes_per_second=8 << 20))
     make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 64 << 20})
     dest = tmp_path / "d"
     errors: list[BaseException] = []
@@ -372,9 +372,9 @@ def test_stop_abandons_in_flight_transfer(tmp_path: Path) -> None:
     t.start()
     try:
         deadline = time.monotonic() + 20
-        while not list(dest.glob(".tmp-*/*" + transfer.PART_SUFFIX)) and time.monotonic() < deadline:
+        while not list(dest.glob(".tmp-*/*" + peer_protocol.PART_SUFFIX)) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert list(dest.glob(".tmp-*/*" + transfer.PART_SUFFIX)), "transfer never started"
+        assert list(dest.glob(".tmp-*/*" + peer_protocol.PART_SUFFIX)), "transfer never started"
         t0 = time.monotonic()
         assert h.ts is not None
         h.ts.stop(grace_seconds=0.0)
@@ -395,7 +395,7 @@ def test_client_throttle_limits_rate(host: PeerHost, tmp_path: Path) -> None:
     make_step(layout.steps_dir(host.root), 1, 7, {"a.bin": 24 << 20})
     t0 = time.monotonic()
     transfer.fetch_step(
-        host.address, 1, 7, tmp_path / "d", token=TOKEN, throttle=transfer.Throttle(bytes_per_second=32 << 20)
+        host.address, 1, 7, tmp_path / "d", token=TOKEN, throttle=peer_protocol.Throttle(bytes_per_second=32 << 20)
     )
     # 8 MiB of burst, then 16 MiB at 32 MiB/s: at least 0.5 s.
     assert time.monotonic() - t0 >= 0.45
@@ -404,7 +404,7 @@ def test_client_throttle_limits_rate(host: PeerHost, tmp_path: Path) -> None:
 def test_throttle_validation() -> None:
     for bad in (dict(bytes_per_second=0), dict(bytes_per_second=-5), dict(max_streams=0)):
         with pytest.raises(ValueError):
-            transfer.Throttle(**bad)  # type: ignore[arg-type]
+            peer_protocol.Throttle(**bad)  # type: ignore[arg-type]
 
 
 def test_fetch_step_from_any(tmp_path: Path) -> None:
@@ -429,7 +429,7 @@ def test_fetch_step_from_any(tmp_path: Path) -> None:
         assert bad.ts.transfers_completed == served_bad and good.ts.transfers_completed == 2
         with pytest.raises(FileExistsError):
             transfer.fetch_step_from_any(holders, 1, 7, dest, token=TOKEN)
-        with pytest.raises(transfer.PeerUnavailableError) as ei:
+        with pytest.raises(peer_protocol.PeerUnavailableError) as ei:
             transfer.fetch_step_from_any(
                 [dead_addr, bad.address], 1, 7, tmp_path / "d3", token=TOKEN, timeout_seconds=5
             )
@@ -447,9 +447,9 @@ def test_fetch_step_from_any(tmp_path: Path) -> None:
 _FETCHER = """
 import sys
 from pathlib import Path
-from replicator import transfer
+from replicator import peer_protocol, transfer
 transfer.fetch_step(sys.argv[1], 1, 7, Path(sys.argv[2]), token=sys.argv[3], timeout_seconds=120,
-                    throttle=transfer.Throttle(bytes_per_second=16 << 20))
+                    throttle=peer_protocol.Throttle(bytes_per_second=16 << 20))
 print("COMMITTED", flush=True)
 """
 
@@ -469,7 +469,7 @@ def test_sigkilled_fetcher_leaves_no_visible_step(host: PeerHost, tmp_path: Path
         deadline = time.monotonic() + 30
         # Wait until the first file is complete and the second is being written.
         while time.monotonic() < deadline and proc.poll() is None:
-            parts = list(dest.glob(".tmp-*/b.bin" + transfer.PART_SUFFIX))
+            parts = list(dest.glob(".tmp-*/b.bin" + peer_protocol.PART_SUFFIX))
             if parts and parts[0].stat().st_size > (4 << 20):
                 break
             time.sleep(0.02)
@@ -491,7 +491,7 @@ def test_sigkilled_fetcher_leaves_no_visible_step(host: PeerHost, tmp_path: Path
 
 
 def test_server_max_streams_queues_transfers(tmp_path: Path) -> None:
-    h = PeerHost(tmp_path / "src", server_throttle=transfer.Throttle(max_streams=1))
+    h = PeerHost(tmp_path / "src", server_throttle=peer_protocol.Throttle(max_streams=1))
     try:
         make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 32 << 20})
         ch, stub = h.stub()
@@ -503,9 +503,9 @@ def test_server_max_streams_queues_transfers(tmp_path: Path) -> None:
             socket.create_connection(("127.0.0.1", t1.data_port), timeout=10) as a,
             socket.create_connection(("127.0.0.1", t2.data_port), timeout=10) as b,
         ):
-            a.sendall(transfer.DATA_MAGIC + t1.ticket)
+            a.sendall(peer_protocol.DATA_MAGIC + t1.ticket)
             assert a.recv(1) == b"\0"  # A holds the only slot and does not read: the server blocks
-            b.sendall(transfer.DATA_MAGIC + t2.ticket)
+            b.sendall(peer_protocol.DATA_MAGIC + t2.ticket)
             b.settimeout(0.5)
             with pytest.raises(TimeoutError):
                 b.recv(1)  # B waits for the slot
@@ -537,7 +537,7 @@ def test_manifest_checks_on_the_client(host: PeerHost, tmp_path: Path) -> None:
     )
 
 
-class _TamperingServicer(transfer.PeerServicer):
+class _TamperingServicer(peer_server.PeerServicer):
     """Fault injector: corrupts the ReadFiles stream in transit (cannot be caused with a real server)."""
 
     def __init__(self, *args: object, fault: str, **kw: object):
@@ -584,7 +584,7 @@ def test_tampered_stream_commits_nothing(tmp_path: Path, fault: str, error: type
 
 
 def test_fetch_deadline(tmp_path: Path) -> None:
-    h = PeerHost(tmp_path / "src", server_throttle=transfer.Throttle(bytes_per_second=8 << 20))
+    h = PeerHost(tmp_path / "src", server_throttle=peer_protocol.Throttle(bytes_per_second=8 << 20))
     try:
         make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 32 << 20})
         dest = tmp_path / "d"

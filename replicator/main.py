@@ -41,11 +41,13 @@ def run(opts: ReplicatorOptions) -> int:
         from replicator.orbax_mode import run_orbax_mode
 
         return run_orbax_mode(opts)
-    daemon = build_replicator(opts)
     try:
+        # Opening the bucket checks what it supports (atomic folder rename or create-only writes) and
+        # fails here, clearly, when it supports neither.
+        daemon = build_replicator(opts)
         daemon.start()
-    except Exception as e:  # a bind failure and the like: one line, non-zero exit
-        print(f"mtc replicator: cannot start: {e}", file=sys.stderr)
+    except Exception as e:  # an unusable bucket, a bind failure and the like: one line, non-zero exit
+        print(f"mtc replicator: cannot start: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(f"LISTENING {daemon.address}", flush=True)
     daemon.wait_for_signal()

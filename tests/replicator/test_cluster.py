@@ -197,3 +197,16 @@ def test_bad_configuration_exits_with_one_line(tmp_path):
 
 
 _ = signal  # imported for readers of the helpers
+
+
+def test_unusable_bucket_is_reported_at_start(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "controller_client.cli", "replicator", "--local-dir",
+                        str(tmp_path / "ram"), "--rank", "0", "--nodes", "1", "--listen", "127.0.0.1:0",
+                        "--backup-url", f"file://{not_a_dir}/bucket"],
+                       capture_output=True, text=True, env=env, timeout=60, cwd=str(REPO))
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mtc replicator: cannot start:"), r.stderr

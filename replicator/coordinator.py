@@ -179,8 +179,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                         continue
                     resp.copies.append(pb.CopyTask(owner_rank=t.owner_rank, step=t.step, source_rank=t.source_rank,
                                                    source_address=addr, content_hash=t.content_hash))
-            for owner, step in self.state.gc_plan(self.keep_local).get(rank, []):
-                resp.deletions.append(pb.Deletion(owner_rank=owner, step=step))
+            # Deleting needs the whole picture: until every rank has reported to this coordinator (after
+            # its own restart, hosts come back one by one), an older step can look incomplete only
+            # because its holders have not reported yet.
+            if len(self._last_seen) == self.topology.nodes:
+                for owner, step in self.state.gc_plan(self.keep_local).get(rank, []):
+                    resp.deletions.append(pb.Deletion(owner_rank=owner, step=step))
             task = self._restore_task(rank)
             if task is not None:
                 resp.restore.CopyFrom(task)

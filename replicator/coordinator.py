@@ -82,6 +82,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if force_restore_step is not None:
             self.state.pin(force_restore_step)
         self._clock = clock
+        self._first_seen: dict[int, float] = {}
+        self._copy_grace_seconds = 2 * heartbeat_seconds + 1.0
+        self._started = clock()
+        self._startup_grace_seconds = 10 * heartbeat_seconds + 10.0
 
     # ------------------------------------------------------------------ helpers
     def _abort_bad(self, context: grpc.ServicerContext, msg: str, code=grpc.StatusCode.INVALID_ARGUMENT):
@@ -168,11 +172,22 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             newest = self.state.newest_complete_step()
             resp.newest_complete_step = -1 if newest is None else newest
             floor = newest if newest is not None else -1
+            now = self._clock()
+            # Byte copies and deletions wait for the whole picture (see below); hash-only checks do not.
+            all_reported = len(self._last_seen) == self.topology.nodes
             for step in self.state.known_steps():
                 if step < floor:
                     continue
+                first = self._first_seen.setdefault(step, now)
+                # Hosts commit a step at about the same time; until all have reported it (or a grace
+                # period passed), a data-parallel replica may just be late, and a byte copy to it would
+                # be wasted: its own identical data only needs a hash comparison.
+                # A host that never comes back must not block re-replication forever: after a while the
+                # copies go out on the picture there is.
+                whole = all_reported or now - self._started >= self._startup_grace_seconds
+                settled = whole and (self.state.is_complete(step) or now - first >= self._copy_grace_seconds)
                 for t in self.state.replication_plan(step):
-                    if t.dest_rank != rank:
+                    if t.dest_rank != rank or not (t.hash_only or settled):
                         continue
                     addr = self._addresses.get(t.source_rank, "")
                     if not t.hash_only and not addr:
@@ -182,7 +197,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             # Deleting needs the whole picture: until every rank has reported to this coordinator (after
             # its own restart, hosts come back one by one), an older step can look incomplete only
             # because its holders have not reported yet.
-            if len(self._last_seen) == self.topology.nodes:
+            if all_reported:
                 for owner, step in self.state.gc_plan(self.keep_local).get(rank, []):
                     resp.deletions.append(pb.Deletion(owner_rank=owner, step=step))
             task = self._restore_task(rank)

@@ -25,7 +25,7 @@ import grpc
 from mtc_rpc import control_pb2, control_pb2_grpc, peer_pb2_grpc
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
-from replicator import grpc_util, peer_protocol, peer_server, transfer
+from replicator import grpc_util, peer_protocol, peer_server, priority, transfer
 from replicator.coordinator import BackupScheduler, Coordinator
 from replicator.options import ReplicatorOptions
 from replicator.security import TlsOptions
@@ -88,8 +88,12 @@ class Replicator:
         self._throttle: peer_protocol.Throttle | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        # Copies, restores and uploads run here (and in the threads they start, which inherit it) at the
+        # bulk priority, so that they yield the CPU to training.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, opts.transfer_threads),
-                                                           thread_name_prefix="mtc-xfer")
+                                                           thread_name_prefix="mtc-xfer",
+                                                           initializer=priority.lower_current_thread,
+                                                           initargs=(opts.bulk_priority,))
         self._in_flight: set[tuple[str, int, int]] = set()
         self._fetching: dict[tuple[int, int], threading.Event] = {}
         self._lock = threading.Lock()
@@ -110,7 +114,8 @@ class Replicator:
         if tls is None:
             # Bulk bytes go over a plain TCP data port (sendfile): gRPC streaming reaches only 40-60 % of
             # loopback TCP here. With TLS the data stays on the (encrypted) gRPC stream instead.
-            self._transfer_server = peer_server.TransferServer(host, 0, throttle=throttle)
+            self._transfer_server = peer_server.TransferServer(host, 0, throttle=throttle,
+                                                               bulk_priority=self.opts.bulk_priority)
             self._transfer_server.start()
         peer = peer_server.PeerServicer(self.store.root, self.rank, self.nodes,
                                      transfer_server=self._transfer_server, throttle=throttle)

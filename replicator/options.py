@@ -52,6 +52,8 @@ class ReplicatorOptions:
       handshake_timeout_seconds: Orbax mode: how long one handshake may wait for every host to report and
         hold its data of the step to restore (keep it below Orbax's ``jax_initialization_timeout_seconds``).
       nice: niceness added to the daemon so that copies and uploads yield the CPU to training.
+      bulk_priority: scheduling of the threads that copy and upload bulk bytes: ``idle`` (SCHED_IDLE,
+        default), ``low`` (niceness 19) or ``normal``.
     """
 
     local_dir: Path
@@ -84,6 +86,7 @@ class ReplicatorOptions:
     max_message_bytes: int = 8 << 20
     jax_coordinator: str = ""
     nice: int = 10
+    bulk_priority: str = "idle"
     jax_process_id: int | None = None
     handshake_timeout_seconds: float = 600.0
 
@@ -146,6 +149,8 @@ class ReplicatorOptions:
                      "handshake_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
+        if self.bulk_priority not in ("idle", "low", "normal"):
+            raise ConfigError(f"--bulk-priority must be idle, low or normal, got {self.bulk_priority!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together")
         for name in ("tls_cert", "tls_key", "tls_ca"):
@@ -228,6 +233,8 @@ _HELP = {
     "max_bytes_per_second": "throttle for replication and backup, 0 = none",
     "transfer_threads": "parallel transfers (default 2)",
     "max_message_bytes": "bound on gRPC message size (default 8 MiB)",
+    "bulk_priority": "CPU priority of the threads moving bulk bytes: idle (SCHED_IDLE, default), low (nice 19) "
+                     "or normal",
     "nice": "raise the daemon's niceness by N so that copies and uploads yield the CPU to training "
             "(default 10; 0 = unchanged)",
     "jax_coordinator": "HOST:PORT written to jax-init-info.txt in Orbax mode (outside GKE)",

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 
 from mtc_rpc import peer_pb2, peer_pb2_grpc
-from replicator import grpc_util
+from replicator import grpc_util, priority
 from replicator.peer_protocol import (
     DATA_HEADER_TIMEOUT_SECONDS,
     DATA_IDLE_TIMEOUT_SECONDS,
@@ -155,8 +155,10 @@ class TransferServer:
         throttle: Throttle | None = None,
         ticket_ttl_seconds: float = TICKET_TTL_SECONDS,
         max_pending_tickets: int = MAX_PENDING_TICKETS,
+        bulk_priority: str = "normal",
     ):
         self.host = host
+        self.bulk_priority = bulk_priority
         self._requested_port = port
         self.throttle = throttle or Throttle()
         self.limiter = RateLimiter(self.throttle.bytes_per_second)
@@ -226,6 +228,8 @@ class TransferServer:
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
+        # The sending threads started below inherit this thread's (bulk) priority.
+        priority.lower_current_thread(self.bulk_priority)
         while not self._stop.is_set():
             try:
                 conn, addr = self._sock.accept()

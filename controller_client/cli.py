@@ -51,8 +51,10 @@ def _status(args: argparse.Namespace) -> int:
     import grpc
 
     from controller_client.coordinator_client import CoordinatorClient
+    from replicator.security import TlsOptions
 
-    client = CoordinatorClient(args.coordinator, args.token_file, args.timeout_seconds)
+    client = CoordinatorClient(args.coordinator, args.token_file, args.timeout_seconds,
+                               tls=TlsOptions.from_args(args.tls_cert, args.tls_key, args.tls_ca))
     try:
         print(json.dumps(client.status(), indent=2))
     except grpc.RpcError as e:
@@ -90,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--coordinator", help="HOST:PORT of the coordinator")
     st.add_argument("--local-dir", help="ask this host's replicator over its Unix socket instead")
     st.add_argument("--token-file", help="file with the bearer token")
+    st.add_argument("--tls-cert", help="client certificate (PEM), for mutual TLS")
+    st.add_argument("--tls-key", help="client key (PEM)")
+    st.add_argument("--tls-ca", help="CA bundle (PEM) that signed the coordinator's certificate")
     st.add_argument("--timeout-seconds", type=float, default=10.0)
     st.set_defaults(func=_status)
     return p

@@ -16,13 +16,14 @@ log = logging.getLogger(__name__)
 class CoordinatorClient:
     """Calls to the coordinator, each with a deadline."""
 
-    def __init__(self, address: str, token_file: str | None = None, rpc_timeout_seconds: float = 30.0):
+    def __init__(self, address: str, token_file: str | None = None, rpc_timeout_seconds: float = 30.0,
+                 tls: Any = None):
         from replicator import grpc_util
 
         token = Path(token_file).read_text().strip() if token_file else None
         self.address = address
         self.timeout = rpc_timeout_seconds
-        self._channel = grpc_util.make_channel(address, token=token)
+        self._channel = grpc_util.make_channel(address, token=token, tls=tls)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     def steps(self, wait_seconds: float | None = None) -> pb.GetStepsResponse:

@@ -40,6 +40,8 @@ class CheckpointManagerOptions:
         lacks (peer, then bucket), deletion is left to the replicators and hosts never read each
         other's directories.
       token_file: file with the replicators' bearer token.
+      tls_cert_file, tls_key_file, tls_ca_file: TLS for the coordinator connection (as the replicators'
+        ``--tls-cert/--tls-key/--tls-ca``; with a CA the client presents the certificate: mutual TLS).
       restore_wait_seconds: how long ``restore`` waits for every host to hold its data.
       rpc_timeout_seconds: deadline of each call to the coordinator.
     """
@@ -54,6 +56,9 @@ class CheckpointManagerOptions:
     wait_timeout_seconds: float = 600.0
     coordinator_address: str | None = None
     token_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
     restore_wait_seconds: float = 300.0
     rpc_timeout_seconds: float = 30.0
 
@@ -97,9 +102,11 @@ class CheckpointManager:
         self._coordinator = None
         if options.coordinator_address:
             from controller_client.coordinator_client import CoordinatorClient
+            from replicator.security import TlsOptions
 
+            tls = TlsOptions.from_args(options.tls_cert_file, options.tls_key_file, options.tls_ca_file)
             self._coordinator = CoordinatorClient(options.coordinator_address, options.token_file,
-                                                  options.rpc_timeout_seconds)
+                                                  options.rpc_timeout_seconds, tls=tls)
         if dispatcher is None:
             if options.dispatcher == "colocated":
                 dispatcher = ColocatedDispatcher(self.config, self.devices)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import grpc
 import jax
@@ -93,3 +94,42 @@ def save_steps(mgr, steps, **kw) -> dict:
         mgr.wait_until_finished()
     return trees
 
+
+
+def write_tls_files(d: Path) -> dict[str, str]:
+    """A CA and one host certificate (127.0.0.1, localhost; usable as server and client) signed by it."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(cn: str, key, issuer: str, signer, ca: bool):  # type: ignore[no-untyped-def]
+        b = (x509.CertificateBuilder()
+             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+             .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        return b.sign(signer, hashes.SHA256())
+
+    ca_key, host_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    files = {"ca": cert("mtc-ca", ca_key, "mtc-ca", ca_key, True),
+             "cert": cert("mtc-host", host_key, "mtc-ca", ca_key, False)}
+    out = {}
+    for name, c in files.items():
+        out[name] = str(d / f"{name}.pem")
+        Path(out[name]).write_bytes(c.public_bytes(serialization.Encoding.PEM))
+    out["key"] = str(d / "key.pem")
+    Path(out["key"]).write_bytes(host_key.private_bytes(serialization.Encoding.PEM,
+                                                        serialization.PrivateFormat.PKCS8,
+                                                        serialization.NoEncryption()))
+    return out

@@ -310,7 +310,8 @@ def test_sigkill_mid_save_leaves_previous_step(ram_dir):
             if not line and proc.poll() is not None:
                 break
         assert "WRITING" in line, "writer never started step 2"
-        tmp_dirs = [p for p in (ram_dir / "0" / "steps").iterdir() if p.name.startswith(layout.TMP_PREFIX)]
+        tmp_dirs = [p for r in range(4) for p in (ram_dir / str(r) / "steps").iterdir()
+                    if p.name.startswith(layout.TMP_PREFIX)]
         assert tmp_dirs, "expected an in-flight temporary directory"
     finally:
         proc.kill()

@@ -233,7 +233,8 @@ def test_mutual_tls_and_token_end_to_end(cluster_factory, tmp_path):
     trees = save_steps(mgr, [1], replicated_over_slices=False)
     wait_for(lambda: mgr.latest_step() == 1, what="step 1 complete over TLS")
     # Replication under TLS goes over the encrypted gRPC stream (no plaintext data port).
-    wait_for(lambda: (cl.ram(1) / "peer" / "0" / "1").is_dir(), what="ring copy over TLS", timeout=60)
+    wait_for(lambda: (cl.ram(1) / "peer" / "0" / "1").is_dir() and (cl.ram(0) / "peer" / "1" / "1").is_dir(),
+             what="ring copies over TLS", timeout=60)
     cl.procs[1].stop()
     cl.wipe(1)
     cl.start(1)

@@ -65,9 +65,8 @@ class LocalStore(Store):
         path = self._path(name)
         if create_only and path.exists():
             raise FileExistsError(f"{self.url}/{name} already exists")
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{TMP_MARKER}{path.name}-{uuid.uuid4().hex[:12]}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = _create_in(path.parent, tmp)
         try:
             try:
 
@@ -195,19 +194,50 @@ class LocalStore(Store):
             raise FileNotFoundError(f"{self.url}/{src} does not exist")
         if d.exists():
             raise FileExistsError(f"{self.url}/{dst} already exists")
-        d.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            # rename(2) onto an existing non-empty directory fails with ENOTEMPTY/EEXIST: a concurrent
-            # committer that got there first wins, the loser gets FileExistsError.
-            os.rename(s, d)
-        except OSError as e:
-            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise FileExistsError(f"{self.url}/{dst} already exists") from e
-            raise
+        for attempt in range(8):
+            try:
+                _makedirs(d.parent)
+                # rename(2) onto an existing non-empty directory fails with ENOTEMPTY/EEXIST: a concurrent
+                # committer that got there first wins, the loser gets FileExistsError.
+                os.rename(s, d)
+                break
+            except FileNotFoundError:
+                if attempt == 7 or not s.is_dir():
+                    raise
+                # d's parent was pruned by a concurrent delete between our mkdir and rename: again.
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise FileExistsError(f"{self.url}/{dst} already exists") from e
+                raise
         fsync_dir(d.parent)
         if s.parent != d.parent:
             fsync_dir(s.parent)
         self._prune(s.parent)
+
+
+def _create_in(parent: Path, tmp: Path, attempts: int = 8) -> int:
+    """Create ``parent`` (with its parents) and the new file ``tmp`` in it; returns the open descriptor.
+
+    Another process may prune ``parent`` (``delete`` removes empty directories) between our mkdir and our
+    open — several replicators share one bucket folder — so a vanished directory is recreated and retried.
+    """
+    for attempt in range(attempts):
+        try:
+            _makedirs(parent)
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _makedirs(d: Path) -> None:
+    """``mkdir -p`` that tolerates a concurrent prune (pathlib's raises FileExistsError in that race)."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        if not d.is_dir():
+            raise FileNotFoundError(f"{d} vanished while being created") from None
 
 
 def copy_source_file(fin, sink) -> tuple[int, int]:  # type: ignore[no-untyped-def]

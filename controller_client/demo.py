@@ -200,14 +200,14 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> int:
         checks.append(("final state equals the uninterrupted run's", _equal(final, final_ref)))
     finally:
         cluster.stop_all()
+        if not keep and workdir is None:
+            shutil.rmtree(base, ignore_errors=True)
 
     print(f"{'what':<34} {'step':>5} {'bytes':>10} {'ms':>9}")
     for r in rows:
         print(f"{r.what:<34} {r.step:>5} {r.nbytes:>10} {r.seconds * 1000:>9.1f}")
     for what, ok in checks:
         print(f"{'OK  ' if ok else 'FAIL'} {what}")
-    if not keep and workdir is None:
-        shutil.rmtree(base, ignore_errors=True)
     return 0 if all(ok for _, ok in checks) else 1
 
 

@@ -172,8 +172,8 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     # ------------------------------------------------------------------ restore
-    def _leaf_for(self, path: str, leaf: Any) -> tuple[host.RestoreLeaf, bool]:
-        """The restore request for one target leaf, and whether the result should be numpy."""
+    def _leaf_for(self, path: str, leaf: Any) -> host.RestoreLeaf:
+        """The restore request for one target leaf (numpy targets travel as raw bytes: ``as_bytes``)."""
         as_numpy = isinstance(leaf, (np.ndarray, np.generic))
         shape, dtype = tuple(leaf.shape), leaf.dtype
         sharding = getattr(leaf, "sharding", None) if not as_numpy else None
@@ -189,8 +189,8 @@ class CheckpointManager:
                 raise ValueError(f"leaf {path!r}: PRNG keys restore onto NamedSharding or replicated targets")
             else:
                 sharding = self._replicated
-            return host.RestoreLeaf(path, data_shape, "uint32", impl, sharding), False
-        return host.RestoreLeaf(path, shape, tree.dtype_name(dtype), None, sharding, as_bytes=as_numpy), as_numpy
+            return host.RestoreLeaf(path, data_shape, "uint32", impl, sharding)
+        return host.RestoreLeaf(path, shape, tree.dtype_name(dtype), None, sharding, as_bytes=as_numpy)
 
     def restore(self, step: int | None = None, target: Any = None) -> Any:
         """Restore ``step`` (default: the latest) into the structure, shapes, dtypes and shardings of
@@ -212,7 +212,7 @@ class CheckpointManager:
         requests, positions = [], []
         for i, (path, leaf) in enumerate(leaves):
             if tree.is_array_like(leaf):
-                requests.append(self._leaf_for(path, leaf)[0])
+                requests.append(self._leaf_for(path, leaf))
                 positions.append(i)
         t0 = time.monotonic()
         try:

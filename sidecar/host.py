@@ -134,13 +134,9 @@ def _check_leaf(src: reader.StepSource, leaf: RestoreLeaf) -> reader.SavedArray:
     return sa
 
 
-def open_step(config: HostConfig, ranks: Sequence[int], step: int) -> reader.StepSource:
-    roots: list[Path] = []
-    for r in ranks:
-        for p in config.read_roots(r):
-            if p not in roots:
-                roots.append(p)
-    return reader.StepSource(step, roots)
+def open_step(config: HostConfig, rank: int, step: int) -> reader.StepSource:
+    """The committed data of ``step`` that ``rank`` may read (its own directory first)."""
+    return reader.StepSource(step, config.read_roots(rank))
 
 
 def check_structure(src: reader.StepSource, paths: Sequence[str]) -> None:
@@ -158,7 +154,7 @@ def restore_on_hosts(
 ) -> list[Any]:
     """Build each leaf's arrays from the verified saved shards; each rank fills its own devices only."""
     writer.raise_failures([writer.writer_for(config.root(r), config.write_threads) for r in ranks], wait=True)
-    sources = {r: open_step(config, [r], step) for r in ranks}
+    sources = {r: open_step(config, r, step) for r in ranks}
     for src in sources.values():
         check_structure(src, all_paths)
     out: list[Any] = []
@@ -222,7 +218,7 @@ def query_on_hosts(config: HostConfig, ranks: Sequence[int], op: str, arg: Any =
 
             result[r] = notify_step_committed(w.root, -1)
         elif op == "values":
-            src = open_step(config, [r], int(arg))
+            src = open_step(config, r, int(arg))
             result[r] = {"values": src.values, "paths": sorted(src.paths)}
         else:
             raise ValueError(f"unknown host query {op!r}")

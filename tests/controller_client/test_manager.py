@@ -253,9 +253,8 @@ def test_enospc_keeps_previous_step_and_manager_usable(ram_dir, monkeypatch):
                                        "w": jax.device_put(np.ones((4096, 1024), np.float32),
                                                            NamedSharding(mesh, P("a", "b")))}}
             mgr.save(2, big)
-            with pytest.raises(Exception, match="RAM disk full") as ei:
+            with pytest.raises(Exception, match="RAM disk full"):
                 mgr.wait_until_finished()
-            assert "No space" in str(ei.value) or "RAM disk full" in str(ei.value)
             for rank in range(4):
                 names = os.listdir(root / str(rank) / "steps")
                 assert names == ["1"], names  # no temporary directory, no step 2

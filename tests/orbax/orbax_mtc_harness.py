@@ -6,11 +6,6 @@ that answers Orbax's handshake with the helpers of ``replicator.orbax_contract``
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -18,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jax_procs import free_port, read_results, run_all, worker_env
+
 from replicator import orbax_contract as oc
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("orbax_worker.py")
 PYTHON = sys.executable
 NUM_PROCESSES = 2
@@ -32,12 +28,6 @@ PROCESS_TIMEOUT_SECONDS = 60
 
 # What the daemon does when it sees replicator.yaml: (local_dir, rank, config) -> None.
 Action = Callable[[Path, int, oc.ReplicatorConfig], None]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Responder(threading.Thread):
@@ -114,9 +104,8 @@ def run_job(
     """Run one incarnation of a 2-process job with local dirs ``root/local<rank>``; returns when both exit."""
     port = free_port()
     coordinator = f"127.0.0.1:{port}"
-    procs: list[subprocess.Popen] = []
     responders: list[Responder] = []
-    log_files = []
+    jobs = []
     t0 = time.monotonic()
     try:
         for rank in range(NUM_PROCESSES):
@@ -128,21 +117,6 @@ def run_job(
                 oc.write_jax_init_info(local, rank, coordinator)
             else:
                 (local / oc.JAX_INIT_INFO_FILE).unlink(missing_ok=True)
-            env = dict(
-                os.environ,
-                PYTHONPATH=str(REPO),
-                JAX_PLATFORMS="cpu",
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
-                # Orbax calls jax.distributed.initialize without num_processes: a cluster environment
-                # supplies it (and, with use_mtc_process_ids=False, the process id too).
-                SLURM_JOB_ID="4242",
-                SLURM_STEP_NODELIST="127.0.0.1",
-                SLURM_NTASKS=str(NUM_PROCESSES),
-                SLURM_PROCID=str(rank),
-                SLURM_LOCALID="0",
-                JAX_COORDINATOR_ADDRESS=coordinator,
-                JAX_COORDINATOR_BIND_ADDRESS=coordinator,  # loopback only (JAX binds [::] by default)
-            )
             cmd = [
                 PYTHON,
                 str(WORKER),
@@ -160,32 +134,14 @@ def run_job(
             responder = Responder(local, rank, action)
             responder.start()
             responders.append(responder)
-            log_f = open(root / f"worker{rank}.log", "w")  # noqa: SIM115 - closed in finally
-            log_files.append(log_f)
-            procs.append(
-                subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT, start_new_session=True)
-            )
-        deadline = time.monotonic() + PROCESS_TIMEOUT_SECONDS
-        rcs = []
-        for p in procs:
-            try:
-                rcs.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                rcs.append(-999)
+            jobs.append((cmd, worker_env(rank, NUM_PROCESSES, DEVICES_PER_PROCESS, coordinator),
+                         root / f"worker{rank}.log"))
+        rcs = run_all(jobs, PROCESS_TIMEOUT_SECONDS)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)  # the worker's own session, by its pid
-                p.wait(timeout=10)
         for r in responders:
             r.stop()
-        for f in log_files:
-            f.close()
     seconds = time.monotonic() - t0
-    results = []
-    for rank in range(NUM_PROCESSES):
-        path = root / f"result{rank}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {})
+    results = read_results([root / f"result{rank}.json" for rank in range(NUM_PROCESSES)])
     logs = [(root / f"worker{rank}.log").read_text() for rank in range(NUM_PROCESSES)]
     return JobResult(
         returncodes=rcs,

@@ -9,11 +9,9 @@ Every process is started in its own session and stopped by its pid, with timeout
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,17 +19,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from jax_procs import REPO, free_port, read_results, run_all, worker_env
+
 WORKER = Path(__file__).with_name("orbax_replicator_worker.py")
 DEVICES_PER_PROCESS = 2
 # Orbax's ack wait and JAX's init timeout. The replicator answers in ~1 s; this only bounds a broken run.
 INIT_TIMEOUT_SECONDS = 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Daemon:
@@ -130,56 +123,23 @@ class OrbaxCluster:
                 processes: int | None = None, colocated: bool = False, timeout: float = 120.0) -> JobResult:
         """One incarnation of the job: one JAX process per host, unchanged Orbax calls; waits for all."""
         n = self.nodes if processes is None else processes
-        procs: list[subprocess.Popen] = []
-        logs = []
         t0 = time.monotonic()
-        try:
-            for rank in range(n):
-                result = self.base / f"result{rank}.json"
-                result.unlink(missing_ok=True)
-                env = dict(
-                    os.environ,
-                    PYTHONPATH=str(REPO),
-                    JAX_PLATFORMS="cpu",
-                    XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS if not colocated else 8}",
-                    SLURM_JOB_ID="4242",
-                    SLURM_STEP_NODELIST="127.0.0.1",
-                    SLURM_NTASKS=str(n),
-                    SLURM_PROCID=str(rank),
-                    SLURM_LOCALID="0",
-                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{self.jax_port}",
-                    JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{self.jax_port}",
-                )
-                cmd = [
-                    sys.executable, str(WORKER), "--local-dir", str(self.local(rank)), "--job", job,
-                    "--slices", str(slices), "--save-steps", save_steps, "--save-sleep", str(save_sleep),
-                    "--restore-step", str(restore_step), "--backup-interval-steps", str(backup_interval_steps),
-                    "--backup-interval-minutes", str(backup_interval_minutes),
-                    "--init-timeout", str(INIT_TIMEOUT_SECONDS), "--colocated", "1" if colocated else "0",
-                    "--result", str(result),
-                ]  # fmt: skip
-                log_f = open(self.base / "logs" / f"worker{rank}.log", "w")  # noqa: SIM115 - closed below
-                logs.append(log_f)
-                procs.append(subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT,
-                                              start_new_session=True, cwd=str(self.base)))
-            deadline = time.monotonic() + timeout
-            rcs = []
-            for p in procs:
-                try:
-                    rcs.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-                except subprocess.TimeoutExpired:
-                    rcs.append(-999)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)  # the worker's own session, by its pid
-                    p.wait(timeout=10)
-            for f in logs:
-                f.close()
-        results = []
+        jobs = []
         for rank in range(n):
-            path = self.base / f"result{rank}.json"
-            results.append(json.loads(path.read_text()) if path.exists() else {})
+            result = self.base / f"result{rank}.json"
+            result.unlink(missing_ok=True)
+            cmd = [
+                sys.executable, str(WORKER), "--local-dir", str(self.local(rank)), "--job", job,
+                "--slices", str(slices), "--save-steps", save_steps, "--save-sleep", str(save_sleep),
+                "--restore-step", str(restore_step), "--backup-interval-steps", str(backup_interval_steps),
+                "--backup-interval-minutes", str(backup_interval_minutes),
+                "--init-timeout", str(INIT_TIMEOUT_SECONDS), "--colocated", "1" if colocated else "0",
+                "--result", str(result),
+            ]  # fmt: skip
+            env = worker_env(rank, n, 8 if colocated else DEVICES_PER_PROCESS, f"127.0.0.1:{self.jax_port}")
+            jobs.append((cmd, env, self.base / "logs" / f"worker{rank}.log"))
+        rcs = run_all(jobs, timeout, cwd=self.base)
+        results = read_results([self.base / f"result{rank}.json" for rank in range(n)])
         texts = [(self.base / "logs" / f"worker{r}.log").read_text() for r in range(n)]
         return JobResult(rcs, results, texts, time.monotonic() - t0)
 

@@ -13,14 +13,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from controller_client.coordinator_client import CoordinatorClient
-from controller_client.local_cluster import REPO, LocalCluster, ReplicatorProcess
+from controller_client.local_cluster import REPO
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
 
-# The tests drive the same local cluster as the demo.
-Cluster = LocalCluster
-ReplicatorProc = ReplicatorProcess
-__all__ = ["REPO", "Cluster", "ReplicatorProc"]
+__all__ = ["REPO"]  # re-exported for the tests; they drive the same LocalCluster as the demo
 
 
 def wait_for(pred, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):

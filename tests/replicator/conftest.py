@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from cluster_kit import Cluster  # noqa: E402
+from controller_client.local_cluster import LocalCluster as Cluster  # noqa: E402
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -197,8 +196,6 @@ def test_bad_configuration_exits_with_one_line(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and msg in lines[0], (args, r.stderr)
 
-
-_ = signal  # imported for readers of the helpers
 
 
 def test_unusable_bucket_is_reported_at_start(tmp_path):

@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
-    from replicator.backup import BackupStore
-    from replicator.storage.gcs import GcsStore
+    from replicator.backup.bucket import BackupStore
+    from replicator.backup.storage.gcs import GcsStore
 
     work = Path(tempfile.mkdtemp(prefix="mtc-bench-backup-"))
     proc, url = start_fake_gcs(work)
@@ -180,11 +180,11 @@ def _slowdown(work: Path, step_dir: Path, manifest) -> float:  # type: ignore[no
         if during_backup:
             code = (
                 "import os, sys, time\n"
-                "from replicator.priority import lower_current_thread\n"
+                "from replicator.net.priority import lower_current_thread\n"
                 "lower_current_thread('idle')  # as mtc replicator runs its uploads (--bulk-priority)\n"
                 "from pathlib import Path\n"
-                "from replicator.backup import BackupStore\n"
-                "from replicator.storage.gcs import GcsStore\n"
+                "from replicator.backup.bucket import BackupStore\n"
+                "from replicator.backup.storage.gcs import GcsStore\n"
                 "from sidecar.layout import read_manifest\n"
                 "end = time.monotonic() + 7\n"
                 "i = 0\n"

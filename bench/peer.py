@@ -1,6 +1,6 @@
 """Peer-tier benchmark (``python -m bench.peer``): prints one JSON line of measurements.
 
-``peer_vs_tcp``: throughput of ``replicator.transfer.fetch_step`` (a verified, committed copy of a
+``peer_vs_tcp``: throughput of ``replicator.peer.client.fetch_step`` (a verified, committed copy of a
 ~512 MiB step between two RAM-disk roots, server in another process) divided by a plain TCP transfer
 of the same bytes over loopback in the same run (sender ``sendall`` from memory, receiver
 ``recv_into`` a reused buffer, no disk, no checksum) — the ceiling of any copy. ``peer_vs_tcp_to_file``
@@ -67,12 +67,13 @@ def _serve(root: str, step_files: list[str], conn: Any) -> None:
     import threading
 
     from mtc_rpc import peer_pb2_grpc
-    from replicator import grpc_util, peer_server
+    from replicator.net import rpc
+    from replicator.peer import server as peer_server
 
     ts = peer_server.TransferServer("127.0.0.1", 0)
     ts.start()
     servicer = peer_server.PeerServicer(Path(root), 0, 2, transfer_server=ts)
-    server, port = grpc_util.create_server(
+    server, port = rpc.create_server(
         "127.0.0.1:0", [(peer_pb2_grpc.add_PeerServicer_to_server, servicer)], token=TOKEN
     )
     server.start()
@@ -100,7 +101,7 @@ def _serve(root: str, step_files: list[str], conn: Any) -> None:
     stop.set()
     t.join(timeout=2)
     ts.stop()
-    grpc_util.stop_server(server, 1.0)
+    rpc.stop_server(server, 1.0)
 
 
 def _raw_receive(port: int, nbytes: int, into_file: Path | None = None) -> None:
@@ -126,7 +127,7 @@ def _raw_receive(port: int, nbytes: int, into_file: Path | None = None) -> None:
 def measure_peer_vs_tcp(
     total_bytes: int = DEFAULT_TOTAL_BYTES, files: int = DEFAULT_FILES, repeats: int = DEFAULT_REPEATS
 ) -> dict[str, Any]:
-    from replicator import transfer
+    from replicator.peer import client as peer_client
     from sidecar import layout
 
     scratch = _scratch_dir()
@@ -156,7 +157,7 @@ def measure_peer_vs_tcp(
         def fetch(use_data_port: bool) -> float:
             shutil.rmtree(dst, ignore_errors=True)
             t0 = time.monotonic()
-            transfer.fetch_step(
+            peer_client.fetch_step(
                 address, 0, 1, dst, token=TOKEN, timeout_seconds=120, use_data_port=use_data_port
             )
             return time.monotonic() - t0
@@ -220,7 +221,7 @@ def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: i
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from controller_client.local_cluster import LocalCluster
+    from controller_client.demo.cluster import LocalCluster
     from controller_client.manager import CheckpointManager, CheckpointManagerOptions
     from controller_client.topology import HostTopology
 

@@ -3,27 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+
+from replicator import logs
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("multitier-checkpoint")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from controller_client.demo import run_demo
+    from controller_client.demo.run import run_demo
 
     return run_demo(args.workdir, keep=args.keep)
-
-
-def _replicator(args: argparse.Namespace) -> int:
-    from replicator.options import ConfigError, from_args
-
-    try:
-        opts = from_args(args)
-    except ConfigError as e:
-        print(f"mtc replicator: {e}", file=sys.stderr)
-        return 2
-    from replicator.main import run
-
-    return run(opts)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -33,7 +30,7 @@ def _status(args: argparse.Namespace) -> int:
         import grpc
 
         from mtc_rpc import control_pb2, control_pb2_grpc
-        from replicator.daemon import control_socket
+        from sidecar.layout import control_socket
 
         sock = control_socket(args.local_dir)
         try:
@@ -50,8 +47,8 @@ def _status(args: argparse.Namespace) -> int:
         return 2
     import grpc
 
-    from controller_client.coordinator_client import CoordinatorClient
-    from replicator.security import TlsOptions
+    from replicator.coordinator.client import CoordinatorClient
+    from replicator.net.security import TlsOptions
 
     client = CoordinatorClient(args.coordinator, args.token_file, args.timeout_seconds,
                                tls=TlsOptions.from_args(args.tls_cert, args.tls_key, args.tls_ca))
@@ -70,23 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mtc",
         description="multitier-checkpoint: RAM-disk, peer and bucket checkpointing for JAX training jobs.",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    logs.add_arguments(p)
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="train a small model on 8 CPU devices as 4 simulated hosts, crash, restore")
     d.add_argument("--workdir", help="directory for the simulated hosts' RAM dirs (default: a temp dir "
                    "under /dev/shm, removed afterwards)")
     d.add_argument("--keep", action="store_true", help="keep the working directory")
+    logs.add_arguments(d, default=argparse.SUPPRESS)
     d.set_defaults(func=_demo)
 
-    from replicator.options import add_arguments
+    from replicator.main import configure_parser
 
-    r = sub.add_parser("replicator", help="run the per-host replicator daemon",
-                       description="The per-host replicator: peer copies, coordinator (on the coordinator "
-                       "rank), backup and restore. Options also come from MTC_<NAME> environment variables "
-                       "and a --config YAML file. Without --rank/--nodes it runs in Orbax mode and takes "
-                       "them from <local-dir>/replicator.yaml.")
-    add_arguments(r)
-    r.set_defaults(func=_replicator)
+    r = sub.add_parser("replicator", help="run the per-host replicator daemon (same as mtc-replicator)")
+    configure_parser(r, log_default=argparse.SUPPRESS)
+    r.set_defaults(prog="mtc replicator")
 
     st = sub.add_parser("status", help="print the coordinator's (or one host's replicator's) status as JSON")
     st.add_argument("--coordinator", help="HOST:PORT of the coordinator")
@@ -96,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--tls-key", help="client key (PEM)")
     st.add_argument("--tls-ca", help="CA bundle (PEM) that signed the coordinator's certificate")
     st.add_argument("--timeout-seconds", type=float, default=10.0)
+    logs.add_arguments(st, default=argparse.SUPPRESS)
     st.set_defaults(func=_status)
     return p
 
@@ -103,8 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(logs.level_from(args))
     return int(args.func(args) or 0)
 
 

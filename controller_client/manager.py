@@ -101,8 +101,8 @@ class CheckpointManager:
         )
         self._coordinator = None
         if options.coordinator_address:
-            from controller_client.coordinator_client import CoordinatorClient
-            from replicator.security import TlsOptions
+            from replicator.coordinator.client import CoordinatorClient
+            from replicator.net.security import TlsOptions
 
             tls = TlsOptions.from_args(options.tls_cert_file, options.tls_key_file, options.tls_ca_file)
             self._coordinator = CoordinatorClient(options.coordinator_address, options.token_file,

@@ -25,22 +25,18 @@ import grpc
 from mtc_rpc import control_pb2, control_pb2_grpc, peer_pb2_grpc
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
-from replicator import grpc_util, peer_protocol, peer_server, priority, transfer
-from replicator.coordinator import BackupScheduler, Coordinator
+from replicator.coordinator.service import BackupScheduler, Coordinator
+from replicator.coordinator.topology import JobTopology
+from replicator.local.store import RamDiskStore
+from replicator.net import priority, rpc
+from replicator.net.security import TlsOptions
 from replicator.options import ReplicatorOptions
-from replicator.security import TlsOptions
-from replicator.store import LocalStore
-from replicator.topology import JobTopology
+from replicator.peer import client as peer_client
+from replicator.peer import protocol as peer_protocol
+from replicator.peer import server as peer_server
 from sidecar import layout
 
 log = logging.getLogger(__name__)
-
-CONTROL_SOCKET = "replicator.sock"
-
-
-def control_socket(root: Path) -> Path:
-    return Path(root) / CONTROL_SOCKET
-
 
 class _Control(control_pb2_grpc.LocalControlServicer):
     def __init__(self, daemon: Replicator):
@@ -67,12 +63,12 @@ class Replicator:
         data_parallelism: int = 1,
         backup: Any = None,
         backup_scheduler_factory: Callable[[JobTopology], BackupScheduler] | None = None,
-        store: LocalStore | None = None,
+        store: RamDiskStore | None = None,
     ):
         self.opts = opts
         self.rank, self.nodes, self.job = rank, nodes, job
         self.topology = JobTopology(nodes, data_parallelism, opts.replicas)
-        self.store = store if store is not None else LocalStore(opts.local_dir, rank)
+        self.store = store if store is not None else RamDiskStore(opts.local_dir, rank)
         self.token = opts.token()
         self.backup = backup
         self.incarnation = time.time_ns()
@@ -122,7 +118,7 @@ class Replicator:
         servicers = [(peer_pb2_grpc.add_PeerServicer_to_server, peer)]
         if self.coordinator is not None:
             servicers.append((cpb_grpc.add_CoordinatorServicer_to_server, self.coordinator))
-        self._server, port = grpc_util.create_server(
+        self._server, port = rpc.create_server(
             self.opts.listen, servicers, token=self.token, tls=tls,
             max_message_bytes=self.opts.max_message_bytes, max_workers=16)
         self._server.start()
@@ -130,7 +126,7 @@ class Replicator:
         # Listening on every interface: other hosts reach us by our host name (a Pod's resolves to its IP).
         adv_host = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
         self.address = self.opts.advertise or f"{adv_host}:{port}"
-        sock = control_socket(self.store.root)
+        sock = layout.control_socket(self.store.root)
         sock.unlink(missing_ok=True)
         self._control_server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
         control_pb2_grpc.add_LocalControlServicer_to_server(_Control(self), self._control_server)
@@ -140,7 +136,7 @@ class Replicator:
         coord = self.opts.coordinator_address() if self.coordinator is None else self.address
         if self.coordinator is not None and self.opts.coordinator:
             coord = self.opts.coordinator
-        self._coord_channel = grpc_util.make_channel(coord, token=self.token, tls=self._tls(),
+        self._coord_channel = rpc.make_channel(coord, token=self.token, tls=self._tls(),
                                                      max_message_bytes=self.opts.max_message_bytes)
         self._coord = cpb_grpc.CoordinatorStub(self._coord_channel)
         self._thread = threading.Thread(target=self._loop, name="mtc-heartbeat", daemon=True)
@@ -168,12 +164,12 @@ class Replicator:
         if self._control_server is not None:
             self._control_server.stop(0)
         if self._server is not None:
-            grpc_util.stop_server(self._server, grace_seconds)
+            rpc.stop_server(self._server, grace_seconds)
         if self._transfer_server is not None:
             self._transfer_server.stop(grace_seconds)
         if self._coord_channel is not None:
             self._coord_channel.close()
-        control_socket(self.store.root).unlink(missing_ok=True)
+        layout.control_socket(self.store.root).unlink(missing_ok=True)
         # Abandoned fetches leave only temporary directories: remove them now.
         layout.remove_tmp_dirs(layout.steps_dir(self.store.root))
         for owner_dir in (self.store.root / layout.PEER_DIR).glob("*"):
@@ -296,7 +292,7 @@ class Replicator:
     def _fetch_now(self, address: str, owner: int, step: int, content_hash: str | None) -> layout.StepManifest:
         dest = self.store.step_dir(owner, step).parent
         t0 = time.monotonic()
-        m = transfer.fetch_step(address, owner, step, dest, token=self.token, tls=self._tls(),
+        m = peer_client.fetch_step(address, owner, step, dest, token=self.token, tls=self._tls(),
                                 timeout_seconds=self.opts.transfer_timeout_seconds,
                                 throttle=self._throttle, expected_content_hash=content_hash)
         dt = time.monotonic() - t0
@@ -351,16 +347,17 @@ class Replicator:
         return st
 
 
-def notify_step_committed(root: Path, step: int, timeout_seconds: float = 1.0) -> bool:
-    """Tell the replicator of the host owning ``root`` that ``step`` was committed (best effort)."""
-    sock = control_socket(root)
-    if not sock.exists():
-        return False
-    try:
-        with grpc.insecure_channel(f"unix:{sock}") as ch:
-            control_pb2_grpc.LocalControlStub(ch).StepCommitted(
-                control_pb2.StepCommittedRequest(step=step), timeout=timeout_seconds)
-        return True
-    except grpc.RpcError as e:
-        log.debug("replicator not reachable on %s: %s", sock, e)
-        return False
+def build_replicator(opts: ReplicatorOptions, store: Any = None) -> Any:
+    """A :class:`replicator.daemon.Replicator` for fully resolved options (rank and nodes known).
+
+    ``store``: a :class:`replicator.local.store.RamDiskStore` (subclass) to use instead of the default one.
+    """
+    backup = None
+    scheduler = None
+    if opts.backup_url:
+        from replicator.backup.tier import make_backup
+
+        backup, scheduler = make_backup(opts, opts.job, opts.rank, opts.nodes)
+    return Replicator(opts, rank=opts.rank, nodes=opts.nodes, job=opts.job,
+                      data_parallelism=opts.data_parallelism, backup=backup,
+                      backup_scheduler_factory=scheduler, store=store)

@@ -1,33 +1,16 @@
-"""Start the replicator daemon from validated options and serve until SIGTERM."""
+"""`mtc-replicator` (also `mtc replicator`): parse options, start the daemon and serve until SIGTERM."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
-from typing import Any
 
-from replicator.options import ReplicatorOptions
+from replicator import logs
+from replicator.options import ConfigError, ReplicatorOptions, add_arguments, from_args
 
 log = logging.getLogger(__name__)
-
-
-def build_replicator(opts: ReplicatorOptions, store: Any = None) -> Any:
-    """A :class:`replicator.daemon.Replicator` for fully resolved options (rank and nodes known).
-
-    ``store``: a :class:`replicator.store.LocalStore` (subclass) to use instead of the default one.
-    """
-    from replicator.daemon import Replicator
-
-    backup = None
-    scheduler = None
-    if opts.backup_url:
-        from replicator.backup_tier import make_backup
-
-        backup, scheduler = make_backup(opts, opts.job, opts.rank, opts.nodes)
-    return Replicator(opts, rank=opts.rank, nodes=opts.nodes, job=opts.job,
-                      data_parallelism=opts.data_parallelism, backup=backup,
-                      backup_scheduler_factory=scheduler, store=store)
 
 
 def run(opts: ReplicatorOptions) -> int:
@@ -38,12 +21,14 @@ def run(opts: ReplicatorOptions) -> int:
         except OSError as e:
             log.warning("cannot change niceness by %d: %s", opts.nice, e)
     if opts.orbax_mode:
-        from replicator.orbax_mode import run_orbax_mode
+        from replicator.orbax.mode import run_orbax_mode
 
         return run_orbax_mode(opts)
     try:
         # Opening the bucket checks what it supports (atomic folder rename or create-only writes) and
         # fails here, clearly, when it supports neither.
+        from replicator.daemon import build_replicator
+
         daemon = build_replicator(opts)
         daemon.start()
     except Exception as e:  # an unusable bucket, a bind failure and the like: one line, non-zero exit
@@ -56,3 +41,52 @@ def run(opts: ReplicatorOptions) -> int:
     logging.shutdown()
     sys.stdout.flush()
     os._exit(0)
+
+
+DESCRIPTION = (
+    "The per-host replicator: peer copies, coordinator (on the coordinator rank), backup and restore. "
+    "Options also come from MTC_<NAME> environment variables and a --config YAML file. Without "
+    "--rank/--nodes it runs in Orbax mode and takes them from <local-dir>/replicator.yaml."
+)
+EPILOG = """example:
+  mtc-replicator --local-dir /local --listen 0.0.0.0:7070 --job myjob --rank 3 --nodes 4 \\
+      --data-parallelism 2 --peer-address-template '{job}-workers-{slice}-{host}.{job}:7070' \\
+      --backup-url gs://my-bucket/ckpt --token-file /secrets/token --log-level info
+"""
+
+
+def configure_parser(p: argparse.ArgumentParser, *, log_default: str | None = None) -> None:
+    """The daemon's flags on ``p`` (the ``mtc replicator`` subparser or ``mtc-replicator``'s own)."""
+    p.description = DESCRIPTION
+    p.epilog = EPILOG
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_arguments(p)
+    logs.add_arguments(p, default=log_default)
+    p.set_defaults(func=run_from_args)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Validate the parsed flags (exit 2 with one line naming the problem) and run the daemon."""
+    prog = getattr(args, "prog", "mtc-replicator")
+    try:
+        opts = from_args(args)
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    return run(opts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mtc-replicator")
+    configure_parser(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.configure(logs.level_from(args))
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -214,7 +214,7 @@ def query_on_hosts(config: HostConfig, ranks: Sequence[int], op: str, arg: Any =
         elif op == "wait":
             result[r] = True
         elif op == "wake":
-            from replicator.daemon import notify_step_committed
+            from sidecar.notify import notify_step_committed
 
             result[r] = notify_step_committed(w.root, -1)
         elif op == "values":

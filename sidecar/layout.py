@@ -36,6 +36,7 @@ MANIFEST_NAME = "MANIFEST.json"
 STEPS_DIR = "steps"
 PEER_DIR = "peer"
 TMP_PREFIX = ".tmp-"
+CONTROL_SOCKET = "replicator.sock"  # the host replicator's local control socket, in the root
 KIND_NATIVE = "native"
 KIND_ORBAX = "orbax"
 _STEP_RE = re.compile(r"^(0|[1-9][0-9]{0,17})$")
@@ -121,6 +122,11 @@ def resolve_under(root: Path, name: str) -> Path:
 
 def steps_dir(root: Path) -> Path:
     return Path(root) / STEPS_DIR
+
+
+def control_socket(root: Path | str) -> Path:
+    """The Unix socket on which the host's replicator takes commit notifications and status requests."""
+    return Path(root) / CONTROL_SOCKET
 
 
 def peer_dir(root: Path, rank: int) -> Path:

@@ -214,7 +214,7 @@ class HostWriter:
                 if keep is not None:
                     gc_local_steps(self.root, keep)
                 if notify:
-                    from replicator.daemon import notify_step_committed
+                    from sidecar.notify import notify_step_committed
 
                     notify_step_committed(self.root, hs.step)
             except BaseException as e:  # kept and re-raised in the caller's thread

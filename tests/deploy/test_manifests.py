@@ -217,7 +217,7 @@ def test_replicator_image_entrypoint_is_the_mtc_console_script() -> None:
     assert entry == ["mtc", "replicator"]
     assert PYPROJECT["project"]["scripts"].get("mtc") == "controller_client.cli:main"
     # The subcommand exists in the real parser (argparse exits on an unknown one).
-    assert build_parser().parse_args(["replicator", "--local-dir", "/x"]).func.__name__ == "_replicator"
+    assert build_parser().parse_args(["replicator", "--local-dir", "/x"]).func.__name__ == "run_from_args"
     instrs = _dockerfile("Dockerfile.replicator")
     final = _final_stage(instrs)
     assert ("EXPOSE", "7070") in final

@@ -1,20 +1,17 @@
-"""Fixtures for the replicator tests (the kit lives in cluster_kit.py, importable from the tests)."""
+"""Fixtures for the replicator tests (the kit lives in tests/kits/cluster.py)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from controller_client.local_cluster import LocalCluster as Cluster  # noqa: E402
+from controller_client.demo.cluster import LocalCluster as Cluster  # noqa: E402
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""The bucket tier: storage backends, the backup commit protocol, scheduling and each host's share."""

@@ -1,0 +1,310 @@
+"""Scheduling backups of globally complete steps to the bucket, and each host's share of the work.
+
+The coordinator's :class:`BucketScheduler` decides when and what to back up (every N steps or minutes, or
+on request), assigns each rank's upload to a host that holds it (one host per distinct content first,
+then the byte-identical replicas, which find the data already there and add only their manifest), commits
+when every rank is in, applies retention, and records skipped backups. Each host's :class:`BackupAgent`
+uploads what it is assigned and downloads what a restore plan sends it to the bucket for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mtc_rpc import coordinator_pb2 as pb
+from replicator.backup.bucket import BackupOptions, BackupStore
+from replicator.backup.storage import open_store
+from replicator.coordinator.planner import CoordinatorState, Tier
+from replicator.coordinator.service import BackupScheduler
+from replicator.coordinator.topology import JobTopology
+from replicator.options import ReplicatorOptions
+
+log = logging.getLogger(__name__)
+
+
+class BackupAgent:
+    """One host's side: upload assigned ranks, download from the bucket, report results."""
+
+    def __init__(self, backup: BackupStore):
+        self.backup = backup
+        self._reports: list[pb.BackupReport] = []
+        self._lock = threading.Lock()
+        self.uploaded_bytes = 0
+        self.last_error = ""
+
+    def run_task(self, task: pb.BackupTask, store: Any) -> None:
+        staging = self.backup.open_staging(task.staging)
+        done, error = [], ""
+        try:
+            for rank in task.ranks:
+                step_dir = store.step_dir(rank, task.step)
+                res = self.backup.upload_rank(staging, rank, step_dir)
+                self.uploaded_bytes += res.bytes_uploaded
+                done.append(rank)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            self.last_error = error
+            log.warning("backup upload of step %d failed: %s", task.step, error)
+        with self._lock:
+            self._reports.append(pb.BackupReport(step=task.step, uploaded_ranks=done, error=error))
+
+    def download(self, step: int, rank: int, dest_parent: Path) -> Path:
+        return self.backup.download_rank(step, rank, dest_parent)
+
+    def drain_reports(self) -> list[pb.BackupReport]:
+        with self._lock:
+            out, self._reports = self._reports, []
+        return out
+
+    def status(self) -> dict[str, Any]:
+        return {"uploaded_bytes": self.uploaded_bytes, "last_error": self.last_error}
+
+
+class BucketScheduler(BackupScheduler):
+    """The coordinator's backup planner (called under the coordinator's lock)."""
+
+    def __init__(
+        self,
+        backup: BackupStore,
+        topology: JobTopology,
+        *,
+        interval_steps: int = 0,
+        interval_minutes: float = 0.0,
+        keep: int = 3,
+        stale_staging_seconds: float = 3600.0,
+        force_restore_step: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.backup = backup
+        self.topology = topology
+        self.interval_steps = interval_steps
+        self.interval_minutes = interval_minutes
+        self.keep = keep
+        self.stale_staging_seconds = stale_staging_seconds
+        self.force_restore_step = force_restore_step
+        self.clock = clock
+        self.current: dict[str, Any] | None = None
+        self.last_start: float | None = None
+        self.last_step: int | None = None
+        self.committed: list[int] = []
+        self.skipped = 0
+        self.failures = 0
+        self.last_error = ""
+        self.requested: set[int] = set()
+        self._loaded = False
+        self._commit_thread: threading.Thread | None = None
+        self._commit_result: tuple[int, list[str] | None, str] | None = None
+        self._due_while_busy = False
+
+    # ------------------------------------------------------------------ bucket -> state
+    def _load(self, state: CoordinatorState) -> None:
+        """At (re)start: learn the committed backups from the bucket so restores can use them."""
+        if self._loaded:
+            return
+        self._loaded = True
+        try:
+            steps = self.backup.committed_steps()
+        except Exception as e:
+            self.last_error = f"cannot list backups: {e}"
+            log.warning("%s", self.last_error)
+            return
+        newest_unix = None
+        for step in steps:
+            try:
+                rec, _ = self.backup.commit_record(step)
+                state.report_backup(step, committed=True, content_hashes=dict(enumerate(rec.rank_hashes)))
+                newest_unix = rec.committed_unix
+            except Exception as e:
+                log.warning("ignoring unreadable backup of step %d: %s", step, e)
+        self.committed = steps
+        if steps:
+            self.last_step = steps[-1]
+        if newest_unix is not None:
+            # The minutes interval runs on from the newest backup's commit: a restarted coordinator (every
+            # job restart in Orbax mode) must not back up at once.
+            self.last_start = self.clock() - max(0.0, time.time() - newest_unix)
+        log.info("bucket holds committed backups of steps %s", steps)
+
+    # ------------------------------------------------------------------ scheduling
+    def request(self, steps: list[int]) -> None:
+        """Back these steps up as soon as they are the newest complete step (unless already committed)."""
+        self.requested.update(s for s in steps if s not in self.committed and s != self.last_step)
+
+    def _due(self, newest_complete: int | None) -> int | None:
+        if newest_complete is None or newest_complete in self.committed:
+            return None
+        if newest_complete in self.requested:
+            return newest_complete
+        if self.interval_steps:
+            if self.last_step is None or newest_complete >= self.last_step + self.interval_steps:
+                return newest_complete
+            return None
+        if self.interval_minutes:
+            if self.last_start is None or self.clock() - self.last_start >= self.interval_minutes * 60:
+                return newest_complete
+        return None
+
+    def _start(self, state: CoordinatorState, step: int) -> None:
+        staging = self.backup.begin(step, self.topology.nodes)
+        sources = state.sources(step)
+        assign: dict[int, int] = {}
+        primaries: set[int] = set()
+        seen_hash: set[str] = set()
+        for rank in range(self.topology.nodes):
+            holders = [s for s in sources.get(rank, []) if s.kind in (Tier.LOCAL, Tier.PEER)
+                       and s.owner_rank == rank and s.holder_rank is not None]
+            if not holders:
+                raise RuntimeError(f"no host holds rank {rank}'s data of step {step}")
+            local = [s for s in holders if s.kind is Tier.LOCAL]
+            assign[rank] = (local or holders)[0].holder_rank
+            h = holders[0].content_hash
+            if h not in seen_hash:
+                seen_hash.add(h)
+                primaries.add(rank)
+        state.mark_backup_in_progress(step)
+        self.current = {"step": step, "staging": staging, "assign": assign, "primaries": primaries,
+                        "done": set(), "started": self.clock(), "attempts": {}}
+        self.last_start = self.clock()
+        self.last_step = step
+        self.requested.discard(step)
+        log.info("backup of step %d started (staging %s, %d distinct pieces)", step, staging.staging_id,
+                 len(primaries))
+
+    def task_for(self, state: CoordinatorState, rank: int, newest_saved: dict[int, int]) -> pb.BackupTask | None:
+        self._load(state)
+        self._finish_commit(state)
+        newest = state.newest_complete_step()
+        due = self._due(newest)
+        if self.current is None and self._commit_thread is None:
+            if due is not None:
+                try:
+                    self._start(state, due)
+                except Exception as e:
+                    self.failures += 1
+                    self.last_error = f"cannot start backup of step {due}: {e}"
+                    log.warning("%s", self.last_error)
+                    self.last_start = self.clock()
+        elif due is not None and (self.current is None or due != self.current["step"]) and not self._due_while_busy:
+            self._due_while_busy = True
+            self.skipped += 1
+            log.warning("backup of step %s due while the backup of step %s still runs: skipped (%d so far); "
+                        "the next one starts when it ends", due,
+                        self.current["step"] if self.current else "commit", self.skipped)
+        cur = self.current
+        if cur is None:
+            return None
+        phase = [r for r in sorted(cur["primaries"]) if r not in cur["done"]]
+        if not phase:
+            phase = [r for r in range(self.topology.nodes) if r not in cur["done"]]
+        mine = [r for r in phase if cur["assign"].get(r) == rank]
+        if not mine:
+            return None
+        return pb.BackupTask(step=cur["step"], staging=cur["staging"].staging_id, nodes=self.topology.nodes,
+                             ranks=mine)
+
+    def report(self, state: CoordinatorState, rank: int, reports: list[pb.BackupReport]) -> None:
+        cur = self.current
+        for rep in reports:
+            if cur is None or rep.step != cur["step"]:
+                continue
+            cur["done"].update(rep.uploaded_ranks)
+            if rep.error:
+                self.failures += 1
+                self.last_error = f"rank {rank}: {rep.error}"
+                n = cur["attempts"].get(rank, 0) + 1
+                cur["attempts"][rank] = n
+                if n >= 3:
+                    log.warning("backup of step %d abandoned after repeated failures: %s", cur["step"], rep.error)
+                    self._abandon(state)
+                    return
+        if cur is not None and len(cur["done"]) == self.topology.nodes and self._commit_thread is None:
+            staging = cur["staging"]
+            self._commit_thread = threading.Thread(target=self._commit, args=(staging,), daemon=True,
+                                                   name="mtc-backup-commit")
+            self._commit_thread.start()
+
+    def _abandon(self, state: CoordinatorState) -> None:
+        cur, self.current = self.current, None
+        if cur is not None:
+            state.clear_backup_in_progress(cur["step"])
+            try:
+                self.backup.abort(cur["staging"])
+            except Exception as e:
+                log.warning("could not remove staging %s: %s", cur["staging"].staging_id, e)
+
+    def _commit(self, staging: Any) -> None:
+        try:
+            step = self.backup.commit(staging)
+            rec, _ = self.backup.commit_record(step)
+            deleted = self.backup.apply_retention(self.keep)
+            self.backup.clean_stale_staging(self.stale_staging_seconds)
+            self._commit_result = (step, list(rec.rank_hashes), f"deleted {deleted}" if deleted else "")
+        except Exception as e:
+            self._commit_result = (staging.step, None, f"{type(e).__name__}: {e}")
+
+    def _finish_commit(self, state: CoordinatorState) -> None:
+        t = self._commit_thread
+        if t is None or t.is_alive():
+            return
+        self._commit_thread = None
+        step, hashes, note = self._commit_result or (-1, None, "no result")
+        self._commit_result = None
+        cur, self.current = self.current, None
+        if cur is not None:
+            state.clear_backup_in_progress(cur["step"])
+        self._due_while_busy = False
+        if hashes is None:
+            self.failures += 1
+            self.last_error = f"commit of step {step} failed: {note}"
+            log.warning("%s", self.last_error)
+            return
+        state.report_backup(step, committed=True, content_hashes=dict(enumerate(hashes)))
+        try:
+            self.committed = self.backup.committed_steps()
+        except Exception:
+            self.committed = sorted(set(self.committed) | {step})
+        for gone in set(state.known_steps()) - set(self.committed):
+            if state.backup_ranks(gone):
+                state.report_backup(gone, committed=False)
+        log.info("backup of step %d committed in %.2fs %s", step,
+                 self.clock() - (cur["started"] if cur else self.clock()), note)
+
+    def status(self) -> dict[str, Any]:
+        cur = self.current
+        return {
+            "url": self.backup.store.url,
+            "committed_steps": list(self.committed),
+            "in_progress": None if cur is None else {"step": cur["step"], "done_ranks": sorted(cur["done"])},
+            "skipped": self.skipped,
+            "failures": self.failures,
+            "last_error": self.last_error,
+            "interval_steps": self.interval_steps,
+            "interval_minutes": self.interval_minutes,
+            "keep": self.keep,
+        }
+
+
+def make_backup(opts: ReplicatorOptions, job: str, rank: int, nodes: int
+                ) -> tuple[BackupAgent, Callable[[JobTopology], BucketScheduler]]:
+    """The host agent and (for the coordinator) the scheduler factory for ``opts.backup_url``."""
+    store = open_store(opts.backup_url)
+    bopts = BackupOptions(max_parallel_uploads=max(1, opts.transfer_threads),
+                          max_bytes_per_second=float(opts.max_bytes_per_second) or None)
+    backup = BackupStore(store, job, bopts)
+    backup.check_capabilities()
+    agent = BackupAgent(backup)
+
+    def factory(topology: JobTopology) -> BucketScheduler:
+        minutes = opts.backup_interval_minutes
+        if not minutes and not opts.backup_interval_steps:
+            minutes = 30.0
+        return BucketScheduler(backup, topology, interval_steps=opts.backup_interval_steps,
+                               interval_minutes=minutes, keep=opts.backup_keep,
+                               force_restore_step=opts.restore_from_backup)
+
+    return agent, factory

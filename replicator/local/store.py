@@ -1,0 +1,160 @@
+"""The replicator's view of its host's RAM disk: own steps, peer copies, replica attestations, deletion."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+from replicator.coordinator.planner import Holding, Tier
+from sidecar import layout
+
+log = logging.getLogger(__name__)
+
+REPLICA_FILE = "replica-of.json"
+
+
+class RamDiskStore:
+    """Committed steps under ``<root>/steps`` (this rank's) and ``<root>/peer/<owner>`` (copies).
+
+    Manifests are cached by directory inode so that a heartbeat's inventory costs a few ``stat`` calls.
+    """
+
+    def __init__(self, root: Path, rank: int):
+        self.root = Path(root)
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._cache: dict[Path, tuple[int, layout.StepManifest]] = {}
+        self.root.mkdir(parents=True, exist_ok=True)
+        layout.steps_dir(self.root).mkdir(exist_ok=True)
+        (self.root / layout.PEER_DIR).mkdir(exist_ok=True)
+        layout.remove_tmp_dirs(layout.steps_dir(self.root))
+        for d in self._peer_owner_dirs():
+            layout.remove_tmp_dirs(d)
+        self._replica_of = self._load_replicas()
+
+    # ------------------------------------------------------------------ paths
+    def step_dir(self, owner: int, step: int) -> Path:
+        if owner == self.rank:
+            return layout.steps_dir(self.root) / layout.step_name(step)
+        return self.peer_parent(owner) / layout.step_name(step)
+
+    def peer_parent(self, owner: int) -> Path:
+        return layout.peer_dir(self.root, owner)
+
+    def _peer_owner_dirs(self) -> list[Path]:
+        base = self.root / layout.PEER_DIR
+        if not base.is_dir():
+            return []
+        return [p for p in base.iterdir() if p.is_dir() and layout.parse_step_name(p.name) is not None]
+
+    # ------------------------------------------------------------------ manifests
+    def manifest(self, owner: int, step: int) -> layout.StepManifest | None:
+        d = self.step_dir(owner, step)
+        try:
+            ino = os.stat(d / layout.MANIFEST_NAME).st_ino
+        except FileNotFoundError:
+            return None
+        with self._lock:
+            hit = self._cache.get(d)
+            if hit and hit[0] == ino:
+                return hit[1]
+        try:
+            m = layout.read_manifest(d)
+        except (OSError, layout.ManifestError) as e:
+            log.warning("ignoring unreadable step %s: %s", d, e)
+            return None
+        with self._lock:
+            self._cache[d] = (ino, m)
+        return m
+
+    def own_steps(self) -> list[int]:
+        return layout.committed_steps(layout.steps_dir(self.root))
+
+    def peer_steps(self) -> list[tuple[int, int]]:
+        out = []
+        for d in self._peer_owner_dirs():
+            owner = int(d.name)
+            out.extend((owner, s) for s in layout.committed_steps(d))
+        return out
+
+    def has(self, owner: int, step: int, content_hash: str | None = None) -> bool:
+        m = self.manifest(owner, step)
+        return m is not None and (content_hash is None or m.content_hash == content_hash)
+
+    def holds_data_for(self, rank: int, step: int, content_hash: str | None) -> bool:
+        """True when this host holds ``rank``'s data of ``step`` (or a byte-identical replica's)."""
+        if self.has(rank, step, content_hash):
+            return True
+        if content_hash is None:
+            return False
+        if self.has(self.rank, step, content_hash):
+            return True
+        return any(self.has(o, s, content_hash) for o, s in self.peer_steps() if s == step)
+
+    # ------------------------------------------------------------------ inventory
+    def inventory(self) -> list[Holding]:
+        out: list[Holding] = []
+        own_hash: dict[int, str] = {}
+        for step in self.own_steps():
+            m = self.manifest(self.rank, step)
+            if m is not None:
+                own_hash[step] = m.content_hash
+                out.append(Holding(self.rank, step, m.content_hash, m.total_bytes, Tier.LOCAL))
+        for owner, step in self.peer_steps():
+            m = self.manifest(owner, step)
+            if m is not None and m.rank == owner:
+                out.append(Holding(owner, step, m.content_hash, m.total_bytes, Tier.PEER))
+        held = {(h.owner_rank, h.step) for h in out}
+        with self._lock:
+            replicas = dict(self._replica_of)
+        for (owner, step), h in replicas.items():
+            if own_hash.get(step) == h and (owner, step) not in held:
+                out.append(Holding(owner, step, h, 0, Tier.REPLICA))
+        return out
+
+    def backup_requests(self) -> list[int]:
+        """Steps whose immediate backup the writer asked for (Orbax mode overrides this; native: none)."""
+        return []
+
+    # ------------------------------------------------------------------ replica attestations
+    def _replica_path(self) -> Path:
+        return self.root / REPLICA_FILE
+
+    def _load_replicas(self) -> dict[tuple[int, int], str]:
+        try:
+            raw = json.loads(self._replica_path().read_text())
+            return {(int(o), int(s)): str(h) for o, s, h in raw}
+        except (OSError, ValueError, TypeError):
+            return {}
+
+    def _save_replicas(self) -> None:
+        tmp = self._replica_path().with_suffix(".tmp")
+        tmp.write_text(json.dumps([[o, s, h] for (o, s), h in sorted(self._replica_of.items())]))
+        os.replace(tmp, self._replica_path())
+
+    def attest_replica(self, owner: int, step: int, content_hash: str) -> bool:
+        """Record that our own step ``step`` is byte-identical to ``owner``'s (hash compared, no copy)."""
+        m = self.manifest(self.rank, step)
+        if m is None or m.content_hash != content_hash:
+            return False
+        with self._lock:
+            self._replica_of[(owner, step)] = content_hash
+            self._save_replicas()
+        return True
+
+    # ------------------------------------------------------------------ deletion
+    def delete(self, owner: int, step: int) -> None:
+        d = self.step_dir(owner, step)
+        layout.delete_step(d)
+        with self._lock:
+            self._cache.pop(d, None)
+            changed = False
+            for key in [k for k in self._replica_of if k[1] == step and (owner == self.rank or k[0] == owner)]:
+                del self._replica_of[key]
+                changed = True
+            if changed:
+                self._save_replicas()
+        log.info("deleted step %d of rank %d from %s", step, owner, d)

@@ -1,0 +1,1 @@
+"""gRPC plumbing, security (token, TLS) and CPU priority shared by every replicator service."""

@@ -1,0 +1,216 @@
+"""gRPC plumbing shared by every replicator service: server/channel factories, timeouts, error mapping.
+
+``create_server`` builds (but does not start) a server with token auth, optional TLS, bounded message
+sizes and the standard ``grpc.health.v1`` health service; ``make_channel`` is its client twin. Every
+caller passes ``timeout=`` on every call, using the ``*_TIMEOUT_SECONDS`` constants below as defaults.
+Servicer methods wrap domain errors with ``@map_errors`` (or call ``abort_for``) so that each becomes
+a clear gRPC status instead of UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import importlib
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from replicator.net.security import BearerTokenClientInterceptor, TlsOptions, TokenAuthInterceptor
+from sidecar.layout import ChecksumError, ManifestError
+
+log = logging.getLogger(__name__)
+
+# Small control RPCs (list, manifest, ticket): a healthy peer answers in milliseconds.
+RPC_TIMEOUT_SECONDS = 10.0
+# Waiting for a channel to connect before the first call.
+CONNECT_TIMEOUT_SECONDS = 5.0
+# Health probe.
+HEALTH_TIMEOUT_SECONDS = 2.0
+# A whole bulk transfer of one step (overridable per fetch): 64 GiB at 200 MiB/s throttled fits.
+TRANSFER_TIMEOUT_SECONDS = 600.0
+# Grace period given to in-flight RPCs by ``stop_server``.
+SHUTDOWN_GRACE_SECONDS = 5.0
+# Largest gRPC message either end accepts (manifests of very large steps, 1 MiB data chunks).
+MAX_MESSAGE_BYTES = 64 << 20
+DEFAULT_MAX_WORKERS = 8
+
+AddFn = Callable[[Any, grpc.Server], None]
+
+
+def _message_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    if not isinstance(max_message_bytes, int) or max_message_bytes < 1024:
+        raise ValueError(f"max_message_bytes must be an int >= 1024, got {max_message_bytes!r}")
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+def create_server(
+    address: str,
+    servicers: Sequence[tuple[AddFn, Any]],
+    *,
+    token: str | None = None,
+    tls: TlsOptions | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    max_workers: int = DEFAULT_MAX_WORKERS,
+) -> tuple[grpc.Server, int]:
+    """Build a server bound to ``address`` (``"127.0.0.1:0"`` picks a free port); returns (server, port).
+
+    ``servicers`` are ``(add_XServicer_to_server, servicer)`` pairs. The server is not started: call
+    ``server.start()``. With ``token`` every method but the health service needs the bearer token.
+    The health service reports SERVING for the whole server ("") and for each registered service.
+    """
+    interceptors = [TokenAuthInterceptor(token)] if token is not None else []
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc-server"),
+        interceptors=interceptors,
+        options=[*_message_options(max_message_bytes), ("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=max_workers * 4,
+    )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for add_fn, servicer in servicers:
+        add_fn(servicer, server)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    for name in _service_names(servicers):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    try:
+        if tls is not None:
+            port = server.add_secure_port(address, tls.server_credentials())
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise OSError(errno.EADDRINUSE, f"cannot bind gRPC server to {address}: {e}") from e
+    if port == 0:
+        raise OSError(errno.EADDRINUSE, f"cannot bind gRPC server to {address}")
+    server.health_servicer = health_servicer  # type: ignore[attr-defined]  # for NOT_SERVING on drain
+    log.info(
+        "gRPC server bound to %s (port %d, tls=%s, auth=%s)", address, port, tls is not None, bool(token)
+    )
+    return server, port
+
+
+def _service_names(servicers: Sequence[tuple[AddFn, Any]]) -> list[str]:
+    """Full names (``mtc.v1.Peer``) of the registered services, read from the generated modules."""
+    names = []
+    for add_fn, _ in servicers:
+        short = add_fn.__name__.removeprefix("add_").removesuffix("Servicer_to_server")
+        module = add_fn.__module__ or ""
+        try:
+            package = importlib.import_module(module.removesuffix("_grpc")).DESCRIPTOR.package
+        except (ImportError, AttributeError):
+            package = ""
+        names.append(f"{package}.{short}" if package else short)
+    return names
+
+
+def stop_server(server: grpc.Server, grace_seconds: float = SHUTDOWN_GRACE_SECONDS) -> None:
+    """Mark the server NOT_SERVING, let in-flight RPCs finish for ``grace_seconds``, then stop."""
+    hs = getattr(server, "health_servicer", None)
+    if hs is not None:
+        hs.enter_graceful_shutdown()
+    server.stop(grace_seconds).wait(grace_seconds + 1.0)
+
+
+def make_channel(
+    address: str,
+    *,
+    token: str | None = None,
+    tls: TlsOptions | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+) -> grpc.Channel:
+    """A channel to ``address`` ("host:port") adding the bearer token to every call when given."""
+    options = _message_options(max_message_bytes)
+    if tls is not None:
+        channel = grpc.secure_channel(
+            address, tls.channel_credentials(), options=options + tls.channel_options()
+        )
+    else:
+        channel = grpc.insecure_channel(address, options=options)
+    if token is not None:
+        channel = grpc.intercept_channel(channel, BearerTokenClientInterceptor(token))
+    return channel
+
+
+def wait_ready(channel: grpc.Channel, timeout_seconds: float = CONNECT_TIMEOUT_SECONDS) -> None:
+    """Block until ``channel`` is connected; raises ``grpc.FutureTimeoutError`` after the timeout."""
+    grpc.channel_ready_future(channel).result(timeout=timeout_seconds)
+
+
+# --------------------------------------------------------------------------- errors → status codes
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status code for a domain error (INTERNAL for anything unexpected)."""
+    if isinstance(exc, ChecksumError):  # an OSError subclass: check before the OSError family
+        return grpc.StatusCode.DATA_LOSS
+    if isinstance(exc, FileNotFoundError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, FileExistsError):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(exc, PermissionError):
+        return grpc.StatusCode.PERMISSION_DENIED
+    if isinstance(exc, (ValueError, ManifestError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.INTERNAL
+
+
+def abort_for(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+    """Abort the current RPC with the status that fits ``exc`` (never returns)."""
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error in RPC", exc_info=exc)
+    context.abort(code, f"{type(exc).__name__}: {exc}")
+    raise AssertionError("unreachable")  # context.abort always raises
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+_DOMAIN_ERRORS = (OSError, ValueError)  # ChecksumError/ManifestError/FileNotFoundError/... are subclasses
+
+
+def map_errors(method: F) -> F:
+    """Decorator for servicer methods (unary or response-streaming): domain errors → ``abort_for``."""
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from method(self, request, context)
+            except _DOMAIN_ERRORS as e:
+                abort_for(context, e)
+
+        return stream_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except _DOMAIN_ERRORS as e:
+            abort_for(context, e)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def is_retryable(err: BaseException) -> bool:
+    """Whether a failed peer call is worth trying again (or trying on another holder)."""
+    if isinstance(err, grpc.RpcError):
+        return err.code() in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.ABORTED,
+            grpc.StatusCode.DATA_LOSS,
+            grpc.StatusCode.NOT_FOUND,
+        )
+    return isinstance(err, (ConnectionError, TimeoutError, ChecksumError, EOFError))

@@ -1,0 +1,324 @@
+"""`mtc replicator` in Orbax mode: answers unchanged Orbax's multi-tier checkpointing handshake.
+
+The daemon watches ``<local>/replicator.yaml``. For every one it sees (a new one later = the job restarted)
+it runs one handshake, without a process restart:
+
+1. stop the previous :class:`~replicator.daemon.Replicator` (if any), ingest every committed ``<local>/<N>``
+   Orbax left behind into the store (:class:`~replicator.orbax.store.OrbaxStore`);
+2. start a new Replicator (new incarnation, same listen address) with job, rank, nodes, slices and the
+   backup interval taken from the yaml; peer and coordinator addresses come from our own flags;
+3. ask the coordinator which step every host restores (``PrepareRestore``: it pins one step for all hosts
+   and waits until each holds its data locally, fetching from peers or the bucket);
+4. clean ``<local>`` (stale markers, interrupted saves, links of earlier restores, steps at or above the
+   restore step), write exactly one marker -- the symlink ``<job>-s<N>-n<rank>-w0.restore`` to the
+   directory holding this rank's data of N, or the empty step-0 file when nothing is restorable -- and only
+   then acknowledge by deleting ``replicator.yaml`` (Orbax looks for markers only after the ack, so the
+   planning is bounded by its ``jax_initialization_timeout_seconds``, not by its fixed 300 s marker wait).
+
+Non-fatal problems go to ``replicator.errors`` (Orbax logs them); fatal ones to ``replicator.failed``
+(Orbax raises ``RuntimeError``). Between handshakes the Replicator's heartbeat ingests each step Orbax
+commits, so it is replicated, backed up and collected like a native step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from mtc_rpc import coordinator_pb2 as cpb
+from replicator.coordinator.topology import JobTopology
+from replicator.options import ConfigError, ReplicatorOptions
+from replicator.orbax import contract as oc
+from replicator.orbax.store import OrbaxStore
+from sidecar import layout
+
+log = logging.getLogger(__name__)
+
+# How often replicator.yaml (and jax-init-info.txt) is looked for. Orbax itself polls once a second, so
+# 0.1 s adds at most a tenth of a poll to its start-up.
+POLL_SECONDS = 0.1
+# PrepareRestore is asked in slices of this length, so that SIGTERM or a newer handshake is noticed.
+PREPARE_SLICE_SECONDS = 5.0
+
+
+class HandshakeError(RuntimeError):
+    """This host cannot give Orbax a consistent restore: reported to Orbax as fatal."""
+
+
+def _resolve_listen(listen: str) -> str:
+    """``HOST:0`` -> ``HOST:<free port>``: every incarnation of the Replicator serves on the same address."""
+    host, _, port = listen.rpartition(":")
+    if int(port):
+        return listen
+    bind_host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((bind_host, 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+def replicator_options(opts: ReplicatorOptions, cfg: oc.ReplicatorConfig, listen: str) -> ReplicatorOptions:
+    """The native daemon's options for one Orbax incarnation (ConfigError when they do not fit)."""
+    slices = len(cfg.peer_ranks) + 1
+    if cfg.nodes % slices or sorted(JobTopology(cfg.nodes, slices).replicas_of(cfg.node_rank)) != sorted(
+        cfg.peer_ranks
+    ):
+        # Not the slice-major layout our topology assumes: treat every host as its own failure domain
+        # (ring copies still give each step an in-cluster copy; identical replicas are not exploited).
+        log.warning("peer-ranks %s of rank %d/%d are not slice-major; replicas are not paired by slice",
+                    list(cfg.peer_ranks), cfg.node_rank, cfg.nodes)
+        slices = 1
+    if cfg.assume_data_parallelism != slices:
+        log.info("assume-data-parallelism %d, %d slice(s) from peer-ranks: replicas are paired by slice",
+                 cfg.assume_data_parallelism, slices)
+    resolved = dataclasses.replace(
+        opts,
+        job=cfg.job_name,
+        rank=cfg.node_rank,
+        nodes=cfg.nodes,
+        data_parallelism=slices,
+        listen=listen,
+        backup_interval_minutes=float(cfg.backup_interval_minutes or 0),
+        backup_interval_steps=int(cfg.backup_interval_steps or 0),
+    )
+    if not opts.advertise:
+        own = resolved.peer_address(cfg.node_rank)
+        if own:
+            resolved = dataclasses.replace(resolved, advertise=own)
+    return resolved.validate()
+
+
+class OrbaxMode:
+    """One host's Orbax-mode daemon: a poll loop over ``<local>`` and one handshake per ``replicator.yaml``."""
+
+    def __init__(self, opts: ReplicatorOptions, build: Any = None):
+        self.opts = opts
+        self.local = Path(opts.local_dir)
+        self.listen = _resolve_listen(opts.listen)
+        self.stopping = threading.Event()
+        self.daemon: Any = None
+        self.store: OrbaxStore | None = None
+        self.handshakes = 0
+        self._announced = False
+        if build is None:
+            from replicator.daemon import build_replicator
+
+            build = build_replicator
+        self._build = build
+
+    # ------------------------------------------------------------------ loop
+    def serve(self) -> None:
+        """Answer handshakes until :attr:`stopping` is set."""
+        while not self.stopping.is_set():
+            try:
+                self.local.mkdir(parents=True, exist_ok=True)
+                self._ensure_jax_init_info()
+                try:
+                    cfg = oc.read_config(self.local)
+                except ValueError as e:
+                    self._fatal(f"unusable {oc.REPLICATOR_FILE}: {e}", None)
+                    cfg = None
+                if cfg is not None:
+                    self.handshake(cfg)
+            except Exception:  # keep serving: the next yaml gets a fresh handshake
+                log.exception("Orbax-mode loop failed")
+            self.stopping.wait(POLL_SECONDS)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._stop_daemon()
+
+    def _ensure_jax_init_info(self) -> None:
+        if not self.opts.jax_coordinator:
+            return
+        if not (self.local / oc.JAX_INIT_INFO_FILE).exists():
+            oc.write_jax_init_info(self.local, self.opts.jax_process_id, self.opts.jax_coordinator)
+
+    def _stop_daemon(self) -> None:
+        d, self.daemon = self.daemon, None
+        if d is not None:
+            d.stop(grace_seconds=2.0)
+
+    # ------------------------------------------------------------------ reports to Orbax
+    def _error(self, text: str) -> None:
+        try:
+            oc.report_error(self.local, f"mtc replicator: {text}")
+        except OSError as e:
+            log.warning("cannot report to Orbax (%s): %s", e, text)
+
+    def _fatal(self, text: str, cfg: oc.ReplicatorConfig | None) -> None:
+        """``replicator.failed`` first, then the ack: Orbax checks for failures once the yaml is gone."""
+        oc.report_fatal(self.local, f"mtc replicator: {text}")
+        try:
+            oc.acknowledge(self.local, cfg, missing_ok=True)
+        except ValueError:
+            pass  # a newer handshake arrived meanwhile: the loop answers it next
+
+    # ------------------------------------------------------------------ handshake
+    def handshake(self, cfg: oc.ReplicatorConfig) -> None:
+        t0 = time.monotonic()
+        self.handshakes += 1
+        log.info("handshake %d: job %s rank %d/%d, peers %s", self.handshakes, cfg.job_name, cfg.node_rank,
+                 cfg.nodes, list(cfg.peer_ranks))
+        self._stop_daemon()
+        try:
+            opts = replicator_options(self.opts, cfg, self.listen)
+        except (ConfigError, ValueError) as e:
+            self._fatal(f"rank {cfg.node_rank}: {e}", cfg)
+            return
+        daemon = None
+        try:
+            store = OrbaxStore(self.local, cfg.node_rank, job=cfg.job_name, nodes=cfg.nodes, on_error=self._error)
+            store.ingest()
+            daemon = self._build(opts, store=store)
+            daemon.start()
+        except Exception as e:  # a bind failure, an unusable bucket, ...
+            log.exception("cannot start the replicator")
+            if daemon is not None:
+                daemon.stop(grace_seconds=0.0)  # whatever started before the failure
+            self._fatal(f"rank {cfg.node_rank}: cannot start: {type(e).__name__}: {e}", cfg)
+            return
+        self.daemon, self.store = daemon, store
+        if not self._announced:
+            self._announced = True
+            print(f"LISTENING {daemon.address}", flush=True)
+        try:
+            step, target = self._plan(daemon, store, cfg, opts)
+            if self.stopping.is_set():
+                return
+            self._clean_links()
+            oc.prepare_for_restore(self.local, step)
+            if step is None:
+                oc.write_no_restore_marker(self.local, cfg.job_name, cfg.node_rank)
+            else:
+                oc.write_restore_marker(self.local, cfg.job_name, step, cfg.node_rank, target)
+        except HandshakeError as e:
+            self._fatal(f"rank {cfg.node_rank}: {e}", cfg)
+            return
+        except Exception as e:  # never leave Orbax waiting without an answer
+            log.exception("handshake failed")
+            self._fatal(f"rank {cfg.node_rank}: handshake failed: {type(e).__name__}: {e}", cfg)
+            return
+        try:
+            oc.acknowledge(self.local, cfg, missing_ok=True)
+        except ValueError as e:
+            log.warning("not acknowledged: %s", e)  # a newer yaml: answered by the next handshake
+            return
+        log.info("handshake %d done in %.2fs: %s", self.handshakes, time.monotonic() - t0,
+                 "nothing to restore" if step is None else f"restore step {step} from {target}")
+
+    def _clean_links(self) -> None:
+        """Unlink every ``<local>/<N>`` link: earlier restores, pointing into the store (data stays there)."""
+        for child in self.local.iterdir():
+            if layout.parse_step_name(child.name) is not None and child.is_symlink():
+                child.unlink()
+
+    def _plan(self, daemon: Any, store: OrbaxStore, cfg: oc.ReplicatorConfig,
+              opts: ReplicatorOptions) -> tuple[int | None, Path | None]:
+        """(step, directory with this rank's data) to restore, or (None, None) when nothing is restorable."""
+        deadline = time.monotonic() + opts.handshake_timeout_seconds
+        stub = daemon._coord
+        resp = None
+        registered = False
+        last_error = "no answer"
+        while not self.stopping.is_set() and time.monotonic() < deadline:
+            wait = max(0.0, min(PREPARE_SLICE_SECONDS, deadline - time.monotonic() - 0.5))
+            try:
+                resp = stub.PrepareRestore(cpb.PrepareRestoreRequest(step=-1, wait_seconds=wait),
+                                           timeout=wait + opts.rpc_timeout_seconds, wait_for_ready=True)
+            except grpc.RpcError as e:
+                last_error = f"coordinator {opts.coordinator_address()}: {e.code().name} {e.details()}"
+                resp = None
+                self.stopping.wait(0.2)
+                continue
+            # A plan made before every host reported may miss data ("nothing to restore", an older step).
+            registered = self._all_registered(stub, opts, cfg)
+            if registered and (resp.step < 0 or resp.ready):
+                break
+            last_error = resp.reason if registered else "not every host has reported to the coordinator"
+            self.stopping.wait(0.1)
+        if self.stopping.is_set():
+            return None, None
+        if resp is None or not registered:
+            raise HandshakeError(f"no restore plan within {opts.handshake_timeout_seconds}s: {last_error}")
+        if resp.step < 0:
+            log.info("nothing to restore: %s", resp.reason)
+            return None, None
+        if not resp.ready:
+            if cfg.node_rank not in resp.ready_ranks:
+                raise HandshakeError(f"step {resp.step}: {resp.reason}")
+            self._error(f"restoring step {resp.step}, but {resp.reason}")
+        owners = self._valid_owners(stub, opts, resp.step, cfg.node_rank)
+        target = store.data_dir_for(resp.step, owners)
+        if target is None:
+            raise HandshakeError(f"the coordinator planned step {resp.step}, but this host holds no data of "
+                                 f"rank {cfg.node_rank} for it")
+        return resp.step, target
+
+    def _status(self, stub: Any, opts: ReplicatorOptions) -> dict[str, Any]:
+        resp = stub.GetStatus(cpb.GetStatusRequest(), timeout=opts.rpc_timeout_seconds)
+        return json.loads(resp.status_json)
+
+    def _all_registered(self, stub: Any, opts: ReplicatorOptions, cfg: oc.ReplicatorConfig) -> bool:
+        """Every host has reported since the coordinator (re)started: only then is "nothing" trustworthy."""
+        try:
+            hosts = self._status(stub, opts).get("hosts", {})
+        except grpc.RpcError:
+            return False
+        return sum(1 for h in hosts.values() if h.get("inventory_reported")) >= cfg.nodes
+
+    def _valid_owners(self, stub: Any, opts: ReplicatorOptions, step: int, rank: int) -> set[int]:
+        """Owners whose data of ``step`` on this host the coordinator accepts for ``rank`` (hash-checked)."""
+        try:
+            st = self._status(stub, opts)
+        except grpc.RpcError as e:
+            log.warning("no status from the coordinator (%s): restoring own data only", e.code().name)
+            return {rank}
+        srcs = st.get("steps", {}).get(str(step), {}).get("ranks", {}).get(str(rank), [])
+        return {int(s["owner"]) for s in srcs if s.get("holder") == rank} or {rank}
+
+
+def run_orbax_mode(opts: ReplicatorOptions) -> int:
+    """Serve Orbax's handshakes in the foreground until SIGTERM (exit 0); bad configuration -> exit 2.
+
+    Prints ``LISTENING HOST:PORT`` once the first Replicator serves (after the first handshake started:
+    rank and nodes come from Orbax's ``replicator.yaml``).
+    """
+    try:
+        if not opts.orbax_mode:
+            raise ConfigError("Orbax mode is --local-dir without --rank/--nodes")
+        mode = OrbaxMode(opts)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"mtc replicator: {e}", file=sys.stderr)
+        return 2
+    done = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        log.info("signal %d: shutting down", signum)
+        mode.stopping.set()
+        done.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    log.info("Orbax mode: waiting for %s in %s (replicator address %s)", oc.REPLICATOR_FILE, mode.local,
+             mode.listen)
+    loop = threading.Thread(target=mode.serve, name="mtc-orbax", daemon=True)
+    loop.start()
+    while not done.wait(1.0):
+        pass
+    loop.join(timeout=PREPARE_SLICE_SECONDS + opts.rpc_timeout_seconds)
+    mode.stop()
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)

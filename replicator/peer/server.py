@@ -1,0 +1,511 @@
+"""The serving side of the peer tier: the ``Peer`` gRPC servicer and the TCP data port it issues tickets for.
+
+Control goes over gRPC (``ListSteps``, ``GetManifest``, ``OpenTransfer``); bulk bytes go over a plain TCP
+connection to the ``TransferServer`` (``sendfile`` from the RAM disk), authorised by a single-use,
+expiring ticket that ``OpenTransfer`` issued over the authenticated channel. ``ReadFiles`` (gRPC
+streaming, per-chunk crc32c) is the fallback. Every request is validated before anything touches disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from mtc_rpc import peer_pb2, peer_pb2_grpc
+from replicator.net import priority, rpc
+from replicator.peer.protocol import (
+    DATA_HEADER_TIMEOUT_SECONDS,
+    DATA_IDLE_TIMEOUT_SECONDS,
+    DATA_MAGIC,
+    MAX_FILES_PER_REQUEST,
+    MAX_PENDING_TICKETS,
+    MAX_STEP,
+    MAX_STREAM_CHUNK_BYTES,
+    SENDFILE_SLICE_BYTES,
+    STATUS_ERROR,
+    STATUS_OK,
+    STREAM_CHUNK_BYTES,
+    TICKET_BYTES,
+    TICKET_TTL_SECONDS,
+    RateLimiter,
+    Throttle,
+    recv_exact,
+)
+from sidecar import layout
+from sidecar.layout import ChecksumError, FileEntry, ManifestError, StepManifest
+
+log = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------- where steps live
+
+
+def step_dir_for(root: Path, own_rank: int, rank: int, step: int) -> Path:
+    """The committed directory of ``rank``'s ``step`` on a host: its own steps or its peer copies."""
+    name = layout.step_name(step)
+    if rank == own_rank:
+        return layout.steps_dir(root) / name
+    return layout.peer_dir(root, rank) / name
+
+
+def _check_rank_step(rank: int, step: int, nodes: int) -> None:
+    if not 0 <= rank < nodes:
+        raise ValueError(f"unknown rank {rank}: the job has ranks 0..{nodes - 1}")
+    if not 0 <= step < MAX_STEP:
+        raise ValueError(f"invalid step {step}")
+
+
+def _select_files(manifest: StepManifest, names: Sequence[str], max_files: int) -> list[FileEntry]:
+    """The manifest entries for ``names`` (all files when empty), validating every requested name."""
+    if not names:
+        return list(manifest.files)
+    if len(names) > max_files:
+        raise ValueError(f"{len(names)} file names in one request exceed the limit of {max_files}")
+    by_name = {f.name: f for f in manifest.files}
+    seen: set[str] = set()
+    out = []
+    for name in names:
+        layout.safe_relpath(name)  # ValueError for absolute, '..', NUL, ...
+        if name in seen:
+            raise ValueError(f"file {name!r} requested twice")
+        seen.add(name)
+        entry = by_name.get(name)
+        if entry is None:
+            raise FileNotFoundError(f"file {name!r} is not part of rank {manifest.rank} step {manifest.step}")
+        out.append(entry)
+    return out
+
+
+
+# --------------------------------------------------------------------------- tickets
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grant:
+    rank: int
+    step: int
+    step_dir: Path
+    files: tuple[FileEntry, ...]
+    expires_at: float  # time.monotonic()
+
+
+class TicketBook:
+    """Single-use, expiring transfer tickets bound to (rank, step, files)."""
+
+    def __init__(self, ttl_seconds: float = TICKET_TTL_SECONDS, max_pending: int = MAX_PENDING_TICKETS):
+        self.ttl_seconds = ttl_seconds
+        self._max_pending = max_pending
+        self._grants: dict[bytes, _Grant] = {}
+        self._lock = threading.Lock()
+
+    def issue(self, rank: int, step: int, step_dir: Path, files: Sequence[FileEntry]) -> bytes:
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        now = time.monotonic()
+        with self._lock:
+            for t in [t for t, g in self._grants.items() if g.expires_at <= now]:
+                del self._grants[t]
+            if len(self._grants) >= self._max_pending:
+                raise OSError(errno.EAGAIN, f"too many pending transfer tickets ({self._max_pending})")
+            self._grants[ticket] = _Grant(rank, step, Path(step_dir), tuple(files), now + self.ttl_seconds)
+        return ticket
+
+    def redeem(self, ticket: bytes) -> _Grant | None:
+        """The grant for ``ticket``, removing it; None when unknown, already used or expired."""
+        with self._lock:
+            grant = self._grants.pop(bytes(ticket), None)
+        if grant is None or grant.expires_at <= time.monotonic():
+            return None
+        return grant
+
+    def clear(self) -> None:
+        with self._lock:
+            self._grants.clear()
+
+
+# --------------------------------------------------------------------------- the data port
+
+
+
+class TransferServer:
+    """The TCP data port: serves the files of a redeemed ticket with ``sendfile``, back to back.
+
+    Wire format (docs/peer.md): the client sends ``DATA_MAGIC`` + the 32-byte ticket; the server
+    answers one status byte (0 = OK, then exactly the granted files' bytes in order; 1 = error, then a
+    2-byte big-endian length and a UTF-8 reason) and closes. ``stop()`` stops accepting, waits up to
+    ``grace_seconds`` for in-flight transfers, then cuts the rest (their clients see a short read and
+    commit nothing).
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        throttle: Throttle | None = None,
+        ticket_ttl_seconds: float = TICKET_TTL_SECONDS,
+        max_pending_tickets: int = MAX_PENDING_TICKETS,
+        bulk_priority: str = "normal",
+    ):
+        self.host = host
+        self.bulk_priority = bulk_priority
+        self._requested_port = port
+        self.throttle = throttle or Throttle()
+        self.limiter = RateLimiter(self.throttle.bytes_per_second)
+        self.slots = threading.BoundedSemaphore(self.throttle.max_streams)
+        self.tickets = TicketBook(ticket_ttl_seconds, max_pending_tickets)
+        self._sock: socket.socket | None = None
+        self._stop = threading.Event()
+        self._accept_thread: threading.Thread | None = None
+        self._active: dict[threading.Thread, socket.socket] = {}
+        self._lock = threading.Lock()
+        self.port = 0
+        # Counters (read-only for callers): completed transfers and bytes they carried.
+        self.transfers_completed = 0
+        self.bytes_sent = 0
+
+    @property
+    def running(self) -> bool:
+        return self._sock is not None and not self._stop.is_set()
+
+    def start(self) -> int:
+        """Bind and start accepting; returns the bound port."""
+        if self._sock is not None:
+            raise RuntimeError("TransferServer already started")
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self._requested_port))
+        sock.listen(64)
+        sock.settimeout(0.2)  # the accept loop checks for stop between timeouts
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="mtc-data-accept", daemon=True)
+        self._accept_thread.start()
+        log.info("transfer data port listening on %s:%d", self.host, self.port)
+        return self.port
+
+    def issue_ticket(self, rank: int, step: int, step_dir: Path, files: Sequence[FileEntry]) -> bytes:
+        if not self.running:
+            raise OSError(errno.ESHUTDOWN, "transfer server is not running")
+        return self.tickets.issue(rank, step, step_dir, files)
+
+    def stop(self, grace_seconds: float = 0.0) -> None:
+        """Stop accepting, let transfers run for ``grace_seconds``, then abandon the rest and join."""
+        self._stop.set()
+        self.tickets.clear()
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout=5.0)
+        if self._sock is not None:
+            self._sock.close()
+        deadline = time.monotonic() + max(0.0, grace_seconds)
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._active:
+                    break
+            time.sleep(0.02)
+        with self._lock:
+            active = list(self._active.items())
+        for _, conn in active:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread, _ in active:
+            thread.join(timeout=5.0)
+        if active:
+            log.warning("transfer server stopped with %d transfer(s) abandoned", len(active))
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        # The sending threads started below inherit this thread's (bulk) priority.
+        priority.lower_current_thread(self.bulk_priority)
+        while not self._stop.is_set():
+            try:
+                conn, addr = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                log.exception("accept failed on the data port")
+                time.sleep(0.1)
+                continue
+            t = threading.Thread(
+                target=self._serve_conn, args=(conn, addr), name="mtc-data-send", daemon=True
+            )
+            with self._lock:
+                self._active[t] = conn
+            t.start()
+
+    def _serve_conn(self, conn: socket.socket, addr: Any) -> None:
+        try:
+            with conn:
+                self._serve(conn, addr)
+        except OSError as e:
+            if self._stop.is_set():
+                log.info("abandoned transfer to %s on shutdown", addr)
+            else:
+                log.warning("transfer to %s failed: %s", addr, e)
+        finally:
+            with self._lock:
+                self._active.pop(threading.current_thread(), None)
+
+    def _serve(self, conn: socket.socket, addr: Any) -> None:
+        conn.settimeout(DATA_HEADER_TIMEOUT_SECONDS)
+        header = recv_exact(conn, len(DATA_MAGIC) + TICKET_BYTES)
+        if header[: len(DATA_MAGIC)] != DATA_MAGIC:
+            _send_error(conn, "bad protocol header")
+            return
+        grant = self.tickets.redeem(header[len(DATA_MAGIC) :])
+        if grant is None:
+            log.warning("data connection from %s with an unknown, used or expired ticket", addr)
+            _send_error(conn, "unknown, expired or already used ticket")
+            return
+        conn.settimeout(DATA_IDLE_TIMEOUT_SECONDS)
+        while not self.slots.acquire(timeout=0.2):
+            if self._stop.is_set():
+                return
+        try:
+            self._send_files(conn, grant, addr)
+        finally:
+            self.slots.release()
+
+    def _send_files(self, conn: socket.socket, grant: _Grant, addr: Any) -> None:
+        # Check everything first so that a step deleted or changed since the ticket was issued is a clean
+        # error; files are then opened one at a time (a step may have thousands).
+        try:
+            paths = [layout.resolve_under(grant.step_dir, e.name) for e in grant.files]
+            for entry, path in zip(grant.files, paths, strict=True):
+                if os.stat(path).st_size != entry.size:
+                    raise ChecksumError(f"{path} (size changed)", entry.crc32c, 0)
+        except (OSError, ValueError) as e:
+            _send_error(conn, f"rank {grant.rank} step {grant.step} unavailable: {e}")
+            return
+        start, sent = time.monotonic(), 0
+        conn.sendall(bytes([STATUS_OK]))
+        for entry, path in zip(grant.files, paths, strict=True):
+            with open(path, "rb") as f:
+                offset = 0
+                while offset < entry.size:
+                    if self._stop.is_set():
+                        raise ConnectionAbortedError("transfer server stopping")
+                    n = min(SENDFILE_SLICE_BYTES, entry.size - offset)
+                    self.limiter.acquire(n, self._stop)
+                    conn.sendfile(f, offset, n)
+                    offset += n
+                    sent += n
+        conn.shutdown(socket.SHUT_WR)
+        with self._lock:
+            self.transfers_completed += 1
+            self.bytes_sent += sent
+        dt = max(time.monotonic() - start, 1e-9)
+        log.info(
+            "sent rank %d step %d to %s: %d files, %d bytes in %.3fs (%.1f MiB/s)",
+            grant.rank,
+            grant.step,
+            addr,
+            len(grant.files),
+            sent,
+            dt,
+            sent / dt / 2**20,
+        )
+
+
+def _send_error(conn: socket.socket, reason: str) -> None:
+    msg = reason.encode()[:4000]
+    try:
+        conn.sendall(bytes([STATUS_ERROR]) + struct.pack(">H", len(msg)) + msg)
+    except OSError:
+        pass
+
+
+
+# --------------------------------------------------------------------------- the gRPC servicer
+
+
+class PeerServicer(peer_pb2_grpc.PeerServicer):
+    """Thin ``Peer`` servicer over a host's local root; validates every request before touching disk.
+
+    ``transfer_server``: the data port to issue tickets for (None = no fast path: ``OpenTransfer``
+    returns ``data_port=0`` and clients use ``ReadFiles``; do this when TLS is on). ``throttle``
+    limits ``ReadFiles`` when there is no transfer server (otherwise the server's limiter is shared).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        own_rank: int,
+        nodes: int,
+        *,
+        transfer_server: TransferServer | None = None,
+        throttle: Throttle | None = None,
+        advertise_host: str = "",
+        max_files_per_request: int = MAX_FILES_PER_REQUEST,
+    ):
+        if not isinstance(nodes, int) or nodes < 1 or not 0 <= own_rank < nodes:
+            raise ValueError(f"bad own_rank/nodes {own_rank}/{nodes}")
+        self.root = Path(root)
+        self.own_rank = own_rank
+        self.nodes = nodes
+        self.transfer_server = transfer_server
+        self.advertise_host = advertise_host
+        self.max_files = max_files_per_request
+        if transfer_server is not None:
+            self._limiter, self._slots = transfer_server.limiter, transfer_server.slots
+        else:
+            t = throttle or Throttle()
+            self._limiter, self._slots = (
+                RateLimiter(t.bytes_per_second),
+                threading.BoundedSemaphore(t.max_streams),
+            )
+
+    # -- helpers
+
+    def _load(self, rank: int, step: int, context: grpc.ServicerContext) -> tuple[Path, StepManifest, bytes]:
+        _check_rank_step(rank, step, self.nodes)
+        step_dir = step_dir_for(self.root, self.own_rank, rank, step)
+        try:
+            with open(step_dir / layout.MANIFEST_NAME, "rb") as f:
+                raw = f.read(layout.MAX_MANIFEST_BYTES + 1)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(f"rank {rank} step {step} is not held by rank {self.own_rank}") from None
+        try:
+            manifest = StepManifest.from_json(raw)
+            if manifest.rank != rank or manifest.step != step:
+                raise ManifestError(f"manifest says rank {manifest.rank} step {manifest.step}")
+        except ManifestError as e:
+            log.error("corrupt manifest in %s: %s", step_dir, e)
+            context.abort(grpc.StatusCode.DATA_LOSS, f"manifest of rank {rank} step {step} is corrupt: {e}")
+        return step_dir, manifest, raw
+
+    def _entries(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> tuple[Path, StepManifest, list[FileEntry]]:
+        step_dir, manifest, _ = self._load(request.rank, request.step, context)
+        entries = _select_files(manifest, list(request.files), self.max_files)
+        for e in entries:
+            path = layout.resolve_under(step_dir, e.name)  # ValueError on a symlink escaping the step
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"file {e.name!r} of rank {request.rank} step {request.step} is missing"
+                )
+        return step_dir, manifest, entries
+
+    # -- RPCs
+
+    @rpc.map_errors
+    def ListSteps(self, request: Any, context: grpc.ServicerContext) -> Any:
+        resp = peer_pb2.ListStepsResponse(own_rank=self.own_rank, nodes=self.nodes)
+        for rank, step, step_dir in self._held():
+            try:
+                m = layout.read_manifest(step_dir)
+            except (OSError, ManifestError) as e:
+                log.warning("skipping unreadable step %s: %s", step_dir, e)
+                continue
+            if m.rank != rank or m.step != step:
+                log.warning("skipping %s: manifest says rank %d step %d", step_dir, m.rank, m.step)
+                continue
+            resp.steps.add(
+                owner_rank=rank,
+                step=step,
+                content_hash=m.content_hash,
+                total_bytes=m.total_bytes,
+                kind=m.kind,
+                file_count=len(m.files),
+            )
+        return resp
+
+    def _held(self) -> Iterator[tuple[int, int, Path]]:
+        for step in layout.committed_steps(layout.steps_dir(self.root)):
+            yield self.own_rank, step, layout.steps_dir(self.root) / layout.step_name(step)
+        peer_root = self.root / layout.PEER_DIR
+        if not peer_root.is_dir():
+            return
+        for child in sorted(peer_root.iterdir(), key=lambda p: p.name):
+            rank = layout.parse_step_name(child.name)
+            if rank is None or rank == self.own_rank or rank >= self.nodes or child.is_symlink():
+                continue
+            for step in layout.committed_steps(child):
+                yield rank, step, child / layout.step_name(step)
+
+    @rpc.map_errors
+    def GetManifest(self, request: Any, context: grpc.ServicerContext) -> Any:
+        _, _, raw = self._load(request.rank, request.step, context)
+        return peer_pb2.GetManifestResponse(manifest_json=raw)
+
+    @rpc.map_errors
+    def OpenTransfer(self, request: Any, context: grpc.ServicerContext) -> Any:
+        step_dir, _, entries = self._entries(request, context)
+        resp = peer_pb2.OpenTransferResponse(
+            files=[peer_pb2.TransferFile(name=e.name, size=e.size, crc32c=e.crc32c) for e in entries]
+        )
+        ts = self.transfer_server
+        if ts is not None and ts.running:
+            try:
+                resp.ticket = ts.issue_ticket(request.rank, request.step, step_dir, entries)
+            except OSError as e:  # stopping, or too many pending tickets: the client streams instead
+                log.warning("no data-port ticket for rank %d step %d: %s", request.rank, request.step, e)
+            else:
+                resp.data_port = ts.port
+                resp.expires_in_ms = int(ts.tickets.ttl_seconds * 1000)
+                resp.data_host = self.advertise_host
+        return resp
+
+    @rpc.map_errors
+    def ReadFiles(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        step_dir, _, entries = self._entries(request, context)
+        chunk = request.chunk_bytes or STREAM_CHUNK_BYTES
+        chunk = max(64 << 10, min(int(chunk), MAX_STREAM_CHUNK_BYTES))
+        if not self._slots.acquire(timeout=rpc.RPC_TIMEOUT_SECONDS):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent transfers, retry later")
+        start, sent = time.monotonic(), 0
+        try:
+            for idx, e in enumerate(entries):
+                with open(layout.resolve_under(step_dir, e.name), "rb") as f:
+                    offset = 0
+                    while True:
+                        if not context.is_active():
+                            log.info("ReadFiles of rank %d step %d cancelled", request.rank, request.step)
+                            return
+                        n = min(chunk, e.size - offset)
+                        self._limiter.acquire(n)
+                        data = f.read(n)
+                        if len(data) != n:
+                            raise ChecksumError(f"{e.name} (file shorter than its manifest)", e.crc32c, 0)
+                        first = offset == 0
+                        yield peer_pb2.FileChunk(
+                            file_index=idx,
+                            offset=offset,
+                            data=data,
+                            crc32c=layout.crc32c(data),
+                            name=e.name if first else "",
+                            file_size=e.size if first else 0,
+                        )
+                        offset += n
+                        sent += n
+                        if offset >= e.size:
+                            break
+        finally:
+            self._slots.release()
+        dt = max(time.monotonic() - start, 1e-9)
+        log.info(
+            "streamed rank %d step %d: %d bytes in %.3fs (%.1f MiB/s)",
+            request.rank,
+            request.step,
+            sent,
+            dt,
+            sent / dt / 2**20,
+        )
+
+

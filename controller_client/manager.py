@@ -89,6 +89,10 @@ class CheckpointManager:
         self.options = options
         self.devices = list(devices if devices is not None else jax.devices())
         self.topology = topology or HostTopology.from_devices(self.devices)
+        # Elastic training: ranks are places in the full allocation (the topology); the active hosts are
+        # those of ``devices``. They save (the manifests record them) and restore; the others are left alone.
+        self.active_ranks = self.topology.check_active(self.devices)
+        savers = () if self.active_ranks == list(range(self.topology.nodes)) else tuple(self.active_ranks)
         self.config = host.HostConfig(
             job=options.job_name,
             local_directory=options.local_directory,
@@ -98,6 +102,9 @@ class CheckpointManager:
             keep_local=None if options.coordinator_address else options.max_to_keep,
             cross_host_reads=options.cross_host_reads and not options.coordinator_address,
             notify_replicator=bool(options.coordinator_address),
+            savers=savers,
+            remote_fetch=bool(options.coordinator_address),
+            fetch_timeout_seconds=options.restore_wait_seconds,
         )
         self._coordinator = None
         if options.coordinator_address:
@@ -111,7 +118,8 @@ class CheckpointManager:
             if options.dispatcher == "colocated":
                 dispatcher = ColocatedDispatcher(self.config, self.devices)
             else:
-                dispatcher = InProcessDispatcher(self.config)
+                active = {d.id for d in self.devices}
+                dispatcher = InProcessDispatcher(self.config, [d for d in jax.local_devices() if d.id in active])
         self.dispatcher = dispatcher
         self._replicated = NamedSharding(Mesh(np.array(self.devices), ("all",)), PartitionSpec())
         self._last_saved: int | None = None
@@ -142,30 +150,59 @@ class CheckpointManager:
             else:
                 raise TypeError(f"leaf {path!r} of type {type(leaf).__name__} cannot be checkpointed")
         t0 = time.monotonic()
-        self.dispatcher.save(step, arrays, metas, host_arrays, values)
+        self.dispatcher.save(step, arrays, metas, host_arrays, values, self._generation())
         self._last_saved = step
         log.info("save of step %d started (blocked %.3fs)", step, time.monotonic() - t0)
         return True
+
+    def _generation(self) -> int:
+        """This save's generation: the controller's clock, the same on every host (a later save of a step
+        number, after a rollback, supersedes the earlier one)."""
+        gen = time.time_ns()
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            gen = int(multihost_utils.broadcast_one_to_all(np.int64(gen)))
+        return gen
 
     def wait_until_finished(self) -> None:
         """Block until every host has committed its queued saves; raise the first background failure."""
         self.dispatcher.query("wait", self.options.wait_timeout_seconds)
 
     # ------------------------------------------------------------------ steps
-    def _host_steps(self) -> dict[int, list[int]]:
+    def _host_steps(self) -> dict[int, Any]:
         answers = self.dispatcher.query("steps")
-        missing = set(range(self.topology.nodes)) - set(answers)
+        missing = set(self.active_ranks) - set(answers)
         if missing:
-            raise RuntimeError(f"hosts {sorted(missing)} did not answer")
-        return {r: a["steps"] for r, a in answers.items()}
+            raise RuntimeError(f"active hosts {sorted(missing)} did not answer")
+        return answers
+
+    def _held_complete_steps(self) -> list[int]:
+        """Steps whose every saver's data the active hosts can read right now (their RAM disks, and other
+        hosts' directories when ``cross_host_reads``): complete without asking anybody else."""
+        best: dict[int, tuple[int, list[int], set[int]]] = {}
+        for answer in self._host_steps().values():
+            for name, (gen, savers, ranks) in answer["held"].items():
+                step = int(name)
+                cur = best.get(step)
+                if cur is None or gen > cur[0]:
+                    best[step] = cur = (gen, savers, set())
+                if gen == cur[0]:
+                    cur[2].update(ranks)
+        out = [step for step, (_, savers, ranks) in sorted(best.items()) if set(savers) <= ranks]
+        # Drop steps that a later save of a lower step number abandoned (checked over every step seen).
+        return [s for s in out if not any(t < s and best[t][0] > best[s][0] for t in best)]
 
     def all_steps(self) -> list[int]:
-        """Steps committed on every host (with a coordinator: globally complete steps), ascending."""
+        """Complete steps, ascending: every rank that saved the step has its data on some tier.
+
+        Reported at once after ``save`` + ``wait_until_finished`` (the hosts' own RAM disks are asked), and,
+        with a coordinator, also steps complete elsewhere (peers, the bucket).
+        """
+        local = set(self._held_complete_steps())
         if self._coordinator is not None:
-            return self._coordinator.complete_steps()
-        per = self._host_steps()
-        common = set.intersection(*(set(v) for v in per.values())) if per else set()
-        return sorted(common)
+            local |= set(self._coordinator.complete_steps())
+        return sorted(local)
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -199,13 +236,13 @@ class CheckpointManager:
             raise ValueError("restore needs a target pytree (jax.ShapeDtypeStruct leaves with shardings)")
         self.wait_until_finished()
         if self._coordinator is not None:
-            # Have every host report now rather than at its next heartbeat: the plan needs fresh reports.
+            # Have every host report now: what it lacks is located through the coordinator.
             self.dispatcher.query("wake")
-            step = self._coordinator.prepare_restore(step, self.options.restore_wait_seconds)
-        elif step is None:
+        if step is None:
             step = self.latest_step()
             if step is None:
-                raise FileNotFoundError(f"no committed step in {self.options.local_directory}")
+                where = "on any tier" if self._coordinator is not None else f"in {self.options.local_directory}"
+                raise FileNotFoundError(f"no complete step {where}")
         layout.step_name(step)
         leaves, treedef = tree.flatten(target)
         all_paths = [p for p, _ in leaves]
@@ -219,7 +256,7 @@ class CheckpointManager:
             arrays = self.dispatcher.restore(step, requests, all_paths)
             values = next(iter(self.dispatcher.query("values", step).values()))["values"]
         except FileNotFoundError as e:
-            raise FileNotFoundError(f"step {step} not found in {self.options.local_directory}: {e}") from e
+            raise FileNotFoundError(f"restore of step {step} onto hosts {self.active_ranks}: {e}") from e
         out = [None] * len(leaves)
         for i, req, arr in zip(positions, requests, arrays, strict=True):
             if req.as_bytes:
@@ -232,6 +269,22 @@ class CheckpointManager:
                 out[i] = values[path]
         log.info("restored step %d in %.3fs", step, time.monotonic() - t0)
         return tree.unflatten(treedef, out)
+
+    # ------------------------------------------------------------------ suspend-resume
+    def reached_preemption(self, step: int) -> bool:
+        """True once any host's replicator has seen a preemption notice (SIGTERM): save ``step`` now,
+        call :meth:`backup_now`, wait and exit. Needs the replicators (False without a coordinator)."""
+        if self._coordinator is None:
+            return False
+        return any(bool(v) for v in self.dispatcher.query("preemption").values())
+
+    def backup_now(self) -> None:
+        """Ask the replicators to back the newest complete step up to the bucket at once (no interval)."""
+        if self._coordinator is None:
+            raise RuntimeError("backup_now needs the replicators (coordinator_address)")
+        self.wait_until_finished()
+        self.dispatcher.query("wake")
+        self.dispatcher.query("backup_now")
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

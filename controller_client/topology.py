@@ -31,6 +31,20 @@ class HostTopology:
     def devices_of(self, rank: int, devices: Sequence[Any]) -> list[Any]:
         return [d for d in devices if self.device_rank.get(d.id) == rank]
 
+    def ranks_of(self, devices: Sequence[Any]) -> list[int]:
+        """The ranks (hosts) that ``devices`` belong to, ascending: the active set when given the active devices."""
+        return sorted({self.rank_of(d) for d in devices})
+
+    def check_active(self, devices: Sequence[Any]) -> list[int]:
+        """The active ranks of ``devices``; every device of an active host must be among them."""
+        ranks = self.ranks_of(devices)
+        ids = {d.id for d in devices}
+        for r in ranks:
+            missing = [i for i, rr in self.device_rank.items() if rr == r and i not in ids]
+            if missing:
+                raise ValueError(f"host {r} is partly active: devices {sorted(missing)} are not in the active set")
+        return ranks
+
     @classmethod
     def simulated(cls, devices: Sequence[Any], slices: int, hosts_per_slice: int) -> HostTopology:
         """Split ``devices`` (sorted by id) evenly into ``slices * hosts_per_slice`` simulated hosts."""
@@ -42,8 +56,13 @@ class HostTopology:
         return cls({d.id: i // per for i, d in enumerate(devs)}, slices, hosts_per_slice)
 
     @classmethod
-    def from_devices(cls, devices: Sequence[Any]) -> HostTopology:
-        """From device attributes: ``slice_index`` when present (TPU), else one slice of processes."""
+    def from_devices(cls, devices: Sequence[Any], slices: int | None = None) -> HostTopology:
+        """From device attributes: ``slice_index`` when present (TPU), else one slice of processes.
+
+        Ranks follow the full allocation: rank = slice_index * hosts_per_slice + index in slice, so that
+        the devices of a subset of slices (an elastic job's active slices) keep their ranks. ``slices``:
+        the allocation's slice count when ``devices`` do not include the last slice.
+        """
         devs = sorted(devices, key=lambda d: d.id)
         hosts: dict[tuple[int, int], list[Any]] = {}
         for d in devs:
@@ -56,10 +75,13 @@ class HostTopology:
         if len(counts) != 1:
             raise ValueError(f"slices have different host counts: { {k: len(v) for k, v in by_slice.items()} }")
         per = counts.pop()
-        slices = sorted(by_slice)
+        present = sorted(by_slice)
+        total = max(present) + 1 if slices is None else slices
+        if present[-1] >= total:
+            raise ValueError(f"device slice_index {present[-1]} outside an allocation of {total} slices")
         device_rank = {}
-        for si, sl in enumerate(slices):
+        for sl in present:
             for hi, proc in enumerate(by_slice[sl]):
                 for d in hosts[(sl, proc)]:
-                    device_rank[d.id] = si * per + hi
-        return cls(device_rank, len(slices), per)
+                    device_rank[d.id] = sl * per + hi
+        return cls(device_rank, total, per)

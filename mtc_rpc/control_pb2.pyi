@@ -1,8 +1,66 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class LocalLocateRequest(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class LocalLocateResponse(_message.Message):
+    __slots__ = ("savers", "generation")
+    SAVERS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    savers: _containers.RepeatedScalarFieldContainer[int]
+    generation: int
+    def __init__(self, savers: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class FetchStepRequest(_message.Message):
+    __slots__ = ("owner_rank", "step", "manifest_only", "replace_local", "timeout_seconds")
+    OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_ONLY_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    owner_rank: int
+    step: int
+    manifest_only: bool
+    replace_local: bool
+    timeout_seconds: float
+    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., manifest_only: _Optional[bool] = ..., replace_local: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class FetchStepResponse(_message.Message):
+    __slots__ = ("step_dir", "manifest_json")
+    STEP_DIR_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    step_dir: str
+    manifest_json: bytes
+    def __init__(self, step_dir: _Optional[str] = ..., manifest_json: _Optional[bytes] = ...) -> None: ...
+
+class GetPreemptionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetPreemptionResponse(_message.Message):
+    __slots__ = ("notice_step", "noticed")
+    NOTICE_STEP_FIELD_NUMBER: _ClassVar[int]
+    NOTICED_FIELD_NUMBER: _ClassVar[int]
+    notice_step: int
+    noticed: bool
+    def __init__(self, notice_step: _Optional[int] = ..., noticed: _Optional[bool] = ...) -> None: ...
+
+class BackupNowRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BackupNowResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class StepCommittedRequest(_message.Message):
     __slots__ = ("step",)

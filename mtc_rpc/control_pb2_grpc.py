@@ -44,6 +44,26 @@ class LocalControlStub:
                 request_serializer=control__pb2.GetLocalStatusRequest.SerializeToString,
                 response_deserializer=control__pb2.GetLocalStatusResponse.FromString,
                 _registered_method=True)
+        self.LocateStep = channel.unary_unary(
+                '/mtc.v1.LocalControl/LocateStep',
+                request_serializer=control__pb2.LocalLocateRequest.SerializeToString,
+                response_deserializer=control__pb2.LocalLocateResponse.FromString,
+                _registered_method=True)
+        self.FetchStep = channel.unary_unary(
+                '/mtc.v1.LocalControl/FetchStep',
+                request_serializer=control__pb2.FetchStepRequest.SerializeToString,
+                response_deserializer=control__pb2.FetchStepResponse.FromString,
+                _registered_method=True)
+        self.GetPreemption = channel.unary_unary(
+                '/mtc.v1.LocalControl/GetPreemption',
+                request_serializer=control__pb2.GetPreemptionRequest.SerializeToString,
+                response_deserializer=control__pb2.GetPreemptionResponse.FromString,
+                _registered_method=True)
+        self.BackupNow = channel.unary_unary(
+                '/mtc.v1.LocalControl/BackupNow',
+                request_serializer=control__pb2.BackupNowRequest.SerializeToString,
+                response_deserializer=control__pb2.BackupNowResponse.FromString,
+                _registered_method=True)
 
 
 class LocalControlServicer:
@@ -63,6 +83,35 @@ class LocalControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LocateStep(self, request, context):
+        """Which ranks saved a step and the save's generation (from the coordinator): NOT_FOUND if no tier has it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchStep(self, request, context):
+        """Bring a rank's data of a step onto this host (from a peer, else the bucket; verified), or only its
+        manifest. For restoring onto another mesh (other ranks' shards) and replacing a bad local copy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPreemption(self, request, context):
+        """A preemption notice (SIGTERM) reached some host of the job, and what the emergency backup did.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BackupNow(self, request, context):
+        """Back up the newest complete step now (skipping the interval); returns at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LocalControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +124,26 @@ def add_LocalControlServicer_to_server(servicer, server):
                     servicer.GetLocalStatus,
                     request_deserializer=control__pb2.GetLocalStatusRequest.FromString,
                     response_serializer=control__pb2.GetLocalStatusResponse.SerializeToString,
+            ),
+            'LocateStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocateStep,
+                    request_deserializer=control__pb2.LocalLocateRequest.FromString,
+                    response_serializer=control__pb2.LocalLocateResponse.SerializeToString,
+            ),
+            'FetchStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchStep,
+                    request_deserializer=control__pb2.FetchStepRequest.FromString,
+                    response_serializer=control__pb2.FetchStepResponse.SerializeToString,
+            ),
+            'GetPreemption': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPreemption,
+                    request_deserializer=control__pb2.GetPreemptionRequest.FromString,
+                    response_serializer=control__pb2.GetPreemptionResponse.SerializeToString,
+            ),
+            'BackupNow': grpc.unary_unary_rpc_method_handler(
+                    servicer.BackupNow,
+                    request_deserializer=control__pb2.BackupNowRequest.FromString,
+                    response_serializer=control__pb2.BackupNowResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +200,114 @@ class LocalControl:
             '/mtc.v1.LocalControl/GetLocalStatus',
             control__pb2.GetLocalStatusRequest.SerializeToString,
             control__pb2.GetLocalStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocateStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.v1.LocalControl/LocateStep',
+            control__pb2.LocalLocateRequest.SerializeToString,
+            control__pb2.LocalLocateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.v1.LocalControl/FetchStep',
+            control__pb2.FetchStepRequest.SerializeToString,
+            control__pb2.FetchStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPreemption(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.v1.LocalControl/GetPreemption',
+            control__pb2.GetPreemptionRequest.SerializeToString,
+            control__pb2.GetPreemptionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BackupNow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.v1.LocalControl/BackupNow',
+            control__pb2.BackupNowRequest.SerializeToString,
+            control__pb2.BackupNowResponse.FromString,
             options,
             channel_credentials,
             insecure,

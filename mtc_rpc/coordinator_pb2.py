@@ -24,43 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x63oordinator.proto\x12\x06mtc.v1\"]\n\x07Holding\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0c\n\x04tier\x18\x05 \x01(\t\"C\n\x0c\x42\x61\x63kupReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0euploaded_ranks\x18\x02 \x03(\x03\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\xd1\x01\n\x10HeartbeatRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x03\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12!\n\x08holdings\x18\x05 \x03(\x0b\x32\x0f.mtc.v1.Holding\x12%\n\x07\x62\x61\x63kups\x18\x06 \x03(\x0b\x32\x14.mtc.v1.BackupReport\x12\x17\n\x0f\x62\x61\x63kup_requests\x18\x07 \x03(\x03\x12\x19\n\x11newest_saved_step\x18\x08 \x01(\x03\"o\n\x08\x43opyTask\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0bsource_rank\x18\x03 \x01(\x03\x12\x16\n\x0esource_address\x18\x04 \x01(\t\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\",\n\x08\x44\x65letion\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"t\n\rRestoreSource\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x13\n\x0bholder_rank\x18\x02 \x01(\x03\x12\x16\n\x0eholder_address\x18\x03 \x01(\t\x12\x12\n\nowner_rank\x18\x04 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\"C\n\x0bRestoreTask\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12&\n\x07sources\x18\x02 \x03(\x0b\x32\x15.mtc.v1.RestoreSource\"I\n\nBackupTask\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0f\n\x07staging\x18\x02 \x01(\t\x12\r\n\x05nodes\x18\x03 \x01(\x03\x12\r\n\x05ranks\x18\x04 \x03(\x03\"\xe1\x01\n\x11HeartbeatResponse\x12 \n\x06\x63opies\x18\x01 \x03(\x0b\x32\x10.mtc.v1.CopyTask\x12#\n\tdeletions\x18\x02 \x03(\x0b\x32\x10.mtc.v1.Deletion\x12$\n\x07restore\x18\x03 \x01(\x0b\x32\x13.mtc.v1.RestoreTask\x12\"\n\x06\x62\x61\x63kup\x18\x04 \x01(\x0b\x32\x12.mtc.v1.BackupTask\x12\x1c\n\x14newest_complete_step\x18\x05 \x01(\x03\x12\x1d\n\x15heartbeat_interval_ms\x18\x06 \x01(\x03\"\'\n\x0fGetStepsRequest\x12\x14\n\x0cwait_seconds\x18\x01 \x01(\x01\"a\n\x10GetStepsResponse\x12\x1c\n\x14newest_complete_step\x18\x01 \x01(\x03\x12\x16\n\x0e\x63omplete_steps\x18\x02 \x03(\x03\x12\x17\n\x0f\x62\x61\x63ked_up_steps\x18\x03 \x03(\x03\";\n\x15PrepareRestoreRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"Z\n\x16PrepareRestoreResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bready_ranks\x18\x03 \x03(\x03\x12\r\n\x05ready\x18\x04 \x01(\x08\"\x12\n\x10GetStatusRequest\"(\n\x11GetStatusResponse\x12\x13\n\x0bstatus_json\x18\x01 \x01(\t2\xa1\x02\n\x0b\x43oordinator\x12@\n\tHeartbeat\x12\x18.mtc.v1.HeartbeatRequest\x1a\x19.mtc.v1.HeartbeatResponse\x12=\n\x08GetSteps\x12\x17.mtc.v1.GetStepsRequest\x1a\x18.mtc.v1.GetStepsResponse\x12O\n\x0ePrepareRestore\x12\x1d.mtc.v1.PrepareRestoreRequest\x1a\x1e.mtc.v1.PrepareRestoreResponse\x12@\n\tGetStatus\x12\x18.mtc.v1.GetStatusRequest\x1a\x19.mtc.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x63oordinator.proto\x12\x06mtc.v1\"1\n\x11LocateStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0e\n\x06owners\x18\x02 \x03(\x03\"I\n\x0bRankSources\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12&\n\x07sources\x18\x02 \x03(\x0b\x32\x15.mtc.v1.RestoreSource\"n\n\x12LocateStepResponse\x12\x0e\n\x06savers\x18\x01 \x03(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\"\n\x05ranks\x18\x03 \x03(\x0b\x32\x13.mtc.v1.RankSources\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\"\x94\x01\n\x07Holding\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0c\n\x04tier\x18\x05 \x01(\t\x12\x12\n\ngeneration\x18\x06 \x01(\x03\x12!\n\x06savers\x18\x07 \x03(\x0b\x32\x11.mtc.v1.RankRange\"(\n\tRankRange\x12\r\n\x05\x66irst\x18\x01 \x01(\x03\x12\x0c\n\x04last\x18\x02 \x01(\x03\"C\n\x0c\x42\x61\x63kupReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0euploaded_ranks\x18\x02 \x03(\x03\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\xe5\x01\n\x10HeartbeatRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x03\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12!\n\x08holdings\x18\x05 \x03(\x0b\x32\x0f.mtc.v1.Holding\x12%\n\x07\x62\x61\x63kups\x18\x06 \x03(\x0b\x32\x14.mtc.v1.BackupReport\x12\x17\n\x0f\x62\x61\x63kup_requests\x18\x07 \x03(\x03\x12\x19\n\x11newest_saved_step\x18\x08 \x01(\x03\x12\x12\n\npreempting\x18\t \x01(\x08\"o\n\x08\x43opyTask\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0bsource_rank\x18\x03 \x01(\x03\x12\x16\n\x0esource_address\x18\x04 \x01(\t\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\",\n\x08\x44\x65letion\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"t\n\rRestoreSource\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x13\n\x0bholder_rank\x18\x02 \x01(\x03\x12\x16\n\x0eholder_address\x18\x03 \x01(\t\x12\x12\n\nowner_rank\x18\x04 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\"C\n\x0bRestoreTask\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12&\n\x07sources\x18\x02 \x03(\x0b\x32\x15.mtc.v1.RestoreSource\"I\n\nBackupTask\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0f\n\x07staging\x18\x02 \x01(\t\x12\r\n\x05nodes\x18\x03 \x01(\x03\x12\r\n\x05ranks\x18\x04 \x03(\x03\"\xfd\x01\n\x11HeartbeatResponse\x12 \n\x06\x63opies\x18\x01 \x03(\x0b\x32\x10.mtc.v1.CopyTask\x12#\n\tdeletions\x18\x02 \x03(\x0b\x32\x10.mtc.v1.Deletion\x12$\n\x07restore\x18\x03 \x01(\x0b\x32\x13.mtc.v1.RestoreTask\x12\"\n\x06\x62\x61\x63kup\x18\x04 \x01(\x0b\x32\x12.mtc.v1.BackupTask\x12\x1c\n\x14newest_complete_step\x18\x05 \x01(\x03\x12\x1d\n\x15heartbeat_interval_ms\x18\x06 \x01(\x03\x12\x1a\n\x12preemption_noticed\x18\x07 \x01(\x08\"\'\n\x0fGetStepsRequest\x12\x14\n\x0cwait_seconds\x18\x01 \x01(\x01\"a\n\x10GetStepsResponse\x12\x1c\n\x14newest_complete_step\x18\x01 \x01(\x03\x12\x16\n\x0e\x63omplete_steps\x18\x02 \x03(\x03\x12\x17\n\x0f\x62\x61\x63ked_up_steps\x18\x03 \x03(\x03\";\n\x15PrepareRestoreRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"Z\n\x16PrepareRestoreResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bready_ranks\x18\x03 \x03(\x03\x12\r\n\x05ready\x18\x04 \x01(\x08\"\x12\n\x10GetStatusRequest\"(\n\x11GetStatusResponse\x12\x13\n\x0bstatus_json\x18\x01 \x01(\t2\xe6\x02\n\x0b\x43oordinator\x12@\n\tHeartbeat\x12\x18.mtc.v1.HeartbeatRequest\x1a\x19.mtc.v1.HeartbeatResponse\x12=\n\x08GetSteps\x12\x17.mtc.v1.GetStepsRequest\x1a\x18.mtc.v1.GetStepsResponse\x12O\n\x0ePrepareRestore\x12\x1d.mtc.v1.PrepareRestoreRequest\x1a\x1e.mtc.v1.PrepareRestoreResponse\x12@\n\tGetStatus\x12\x18.mtc.v1.GetStatusRequest\x1a\x19.mtc.v1.GetStatusResponse\x12\x43\n\nLocateStep\x12\x19.mtc.v1.LocateStepRequest\x1a\x1a.mtc.v1.LocateStepResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HOLDING']._serialized_start=29
-  _globals['_HOLDING']._serialized_end=122
-  _globals['_BACKUPREPORT']._serialized_start=124
-  _globals['_BACKUPREPORT']._serialized_end=191
-  _globals['_HEARTBEATREQUEST']._serialized_start=194
-  _globals['_HEARTBEATREQUEST']._serialized_end=403
-  _globals['_COPYTASK']._serialized_start=405
-  _globals['_COPYTASK']._serialized_end=516
-  _globals['_DELETION']._serialized_start=518
-  _globals['_DELETION']._serialized_end=562
-  _globals['_RESTORESOURCE']._serialized_start=564
-  _globals['_RESTORESOURCE']._serialized_end=680
-  _globals['_RESTORETASK']._serialized_start=682
-  _globals['_RESTORETASK']._serialized_end=749
-  _globals['_BACKUPTASK']._serialized_start=751
-  _globals['_BACKUPTASK']._serialized_end=824
-  _globals['_HEARTBEATRESPONSE']._serialized_start=827
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1052
-  _globals['_GETSTEPSREQUEST']._serialized_start=1054
-  _globals['_GETSTEPSREQUEST']._serialized_end=1093
-  _globals['_GETSTEPSRESPONSE']._serialized_start=1095
-  _globals['_GETSTEPSRESPONSE']._serialized_end=1192
-  _globals['_PREPARERESTOREREQUEST']._serialized_start=1194
-  _globals['_PREPARERESTOREREQUEST']._serialized_end=1253
-  _globals['_PREPARERESTORERESPONSE']._serialized_start=1255
-  _globals['_PREPARERESTORERESPONSE']._serialized_end=1345
-  _globals['_GETSTATUSREQUEST']._serialized_start=1347
-  _globals['_GETSTATUSREQUEST']._serialized_end=1365
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1367
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1407
-  _globals['_COORDINATOR']._serialized_start=1410
-  _globals['_COORDINATOR']._serialized_end=1699
+  _globals['_LOCATESTEPREQUEST']._serialized_start=29
+  _globals['_LOCATESTEPREQUEST']._serialized_end=78
+  _globals['_RANKSOURCES']._serialized_start=80
+  _globals['_RANKSOURCES']._serialized_end=153
+  _globals['_LOCATESTEPRESPONSE']._serialized_start=155
+  _globals['_LOCATESTEPRESPONSE']._serialized_end=265
+  _globals['_HOLDING']._serialized_start=268
+  _globals['_HOLDING']._serialized_end=416
+  _globals['_RANKRANGE']._serialized_start=418
+  _globals['_RANKRANGE']._serialized_end=458
+  _globals['_BACKUPREPORT']._serialized_start=460
+  _globals['_BACKUPREPORT']._serialized_end=527
+  _globals['_HEARTBEATREQUEST']._serialized_start=530
+  _globals['_HEARTBEATREQUEST']._serialized_end=759
+  _globals['_COPYTASK']._serialized_start=761
+  _globals['_COPYTASK']._serialized_end=872
+  _globals['_DELETION']._serialized_start=874
+  _globals['_DELETION']._serialized_end=918
+  _globals['_RESTORESOURCE']._serialized_start=920
+  _globals['_RESTORESOURCE']._serialized_end=1036
+  _globals['_RESTORETASK']._serialized_start=1038
+  _globals['_RESTORETASK']._serialized_end=1105
+  _globals['_BACKUPTASK']._serialized_start=1107
+  _globals['_BACKUPTASK']._serialized_end=1180
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1183
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1436
+  _globals['_GETSTEPSREQUEST']._serialized_start=1438
+  _globals['_GETSTEPSREQUEST']._serialized_end=1477
+  _globals['_GETSTEPSRESPONSE']._serialized_start=1479
+  _globals['_GETSTEPSRESPONSE']._serialized_end=1576
+  _globals['_PREPARERESTOREREQUEST']._serialized_start=1578
+  _globals['_PREPARERESTOREREQUEST']._serialized_end=1637
+  _globals['_PREPARERESTORERESPONSE']._serialized_start=1639
+  _globals['_PREPARERESTORERESPONSE']._serialized_end=1729
+  _globals['_GETSTATUSREQUEST']._serialized_start=1731
+  _globals['_GETSTATUSREQUEST']._serialized_end=1749
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1751
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1791
+  _globals['_COORDINATOR']._serialized_start=1794
+  _globals['_COORDINATOR']._serialized_end=2152
 # @@protoc_insertion_point(module_scope)

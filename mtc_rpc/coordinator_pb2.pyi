@@ -6,19 +6,59 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LocateStepRequest(_message.Message):
+    __slots__ = ("step", "owners")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    owners: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., owners: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RankSources(_message.Message):
+    __slots__ = ("owner_rank", "sources")
+    OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    owner_rank: int
+    sources: _containers.RepeatedCompositeFieldContainer[RestoreSource]
+    def __init__(self, owner_rank: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[RestoreSource, _Mapping]]] = ...) -> None: ...
+
+class LocateStepResponse(_message.Message):
+    __slots__ = ("savers", "generation", "ranks", "complete")
+    SAVERS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    savers: _containers.RepeatedScalarFieldContainer[int]
+    generation: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankSources]
+    complete: bool
+    def __init__(self, savers: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankSources, _Mapping]]] = ..., complete: _Optional[bool] = ...) -> None: ...
+
 class Holding(_message.Message):
-    __slots__ = ("owner_rank", "step", "content_hash", "size", "tier")
+    __slots__ = ("owner_rank", "step", "content_hash", "size", "tier", "generation", "savers")
     OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SAVERS_FIELD_NUMBER: _ClassVar[int]
     owner_rank: int
     step: int
     content_hash: str
     size: int
     tier: str
-    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., content_hash: _Optional[str] = ..., size: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+    generation: int
+    savers: _containers.RepeatedCompositeFieldContainer[RankRange]
+    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., content_hash: _Optional[str] = ..., size: _Optional[int] = ..., tier: _Optional[str] = ..., generation: _Optional[int] = ..., savers: _Optional[_Iterable[_Union[RankRange, _Mapping]]] = ...) -> None: ...
+
+class RankRange(_message.Message):
+    __slots__ = ("first", "last")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    last: int
+    def __init__(self, first: _Optional[int] = ..., last: _Optional[int] = ...) -> None: ...
 
 class BackupReport(_message.Message):
     __slots__ = ("step", "uploaded_ranks", "error")
@@ -31,7 +71,7 @@ class BackupReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uploaded_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("job", "rank", "incarnation", "address", "holdings", "backups", "backup_requests", "newest_saved_step")
+    __slots__ = ("job", "rank", "incarnation", "address", "holdings", "backups", "backup_requests", "newest_saved_step", "preempting")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +80,7 @@ class HeartbeatRequest(_message.Message):
     BACKUPS_FIELD_NUMBER: _ClassVar[int]
     BACKUP_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NEWEST_SAVED_STEP_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTING_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     incarnation: int
@@ -48,7 +89,8 @@ class HeartbeatRequest(_message.Message):
     backups: _containers.RepeatedCompositeFieldContainer[BackupReport]
     backup_requests: _containers.RepeatedScalarFieldContainer[int]
     newest_saved_step: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., holdings: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ..., backups: _Optional[_Iterable[_Union[BackupReport, _Mapping]]] = ..., backup_requests: _Optional[_Iterable[int]] = ..., newest_saved_step: _Optional[int] = ...) -> None: ...
+    preempting: bool
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., holdings: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ..., backups: _Optional[_Iterable[_Union[BackupReport, _Mapping]]] = ..., backup_requests: _Optional[_Iterable[int]] = ..., newest_saved_step: _Optional[int] = ..., preempting: _Optional[bool] = ...) -> None: ...
 
 class CopyTask(_message.Message):
     __slots__ = ("owner_rank", "step", "source_rank", "source_address", "content_hash")
@@ -107,20 +149,22 @@ class BackupTask(_message.Message):
     def __init__(self, step: _Optional[int] = ..., staging: _Optional[str] = ..., nodes: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("copies", "deletions", "restore", "backup", "newest_complete_step", "heartbeat_interval_ms")
+    __slots__ = ("copies", "deletions", "restore", "backup", "newest_complete_step", "heartbeat_interval_ms", "preemption_noticed")
     COPIES_FIELD_NUMBER: _ClassVar[int]
     DELETIONS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     BACKUP_FIELD_NUMBER: _ClassVar[int]
     NEWEST_COMPLETE_STEP_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTION_NOTICED_FIELD_NUMBER: _ClassVar[int]
     copies: _containers.RepeatedCompositeFieldContainer[CopyTask]
     deletions: _containers.RepeatedCompositeFieldContainer[Deletion]
     restore: RestoreTask
     backup: BackupTask
     newest_complete_step: int
     heartbeat_interval_ms: int
-    def __init__(self, copies: _Optional[_Iterable[_Union[CopyTask, _Mapping]]] = ..., deletions: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., restore: _Optional[_Union[RestoreTask, _Mapping]] = ..., backup: _Optional[_Union[BackupTask, _Mapping]] = ..., newest_complete_step: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    preemption_noticed: bool
+    def __init__(self, copies: _Optional[_Iterable[_Union[CopyTask, _Mapping]]] = ..., deletions: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., restore: _Optional[_Union[RestoreTask, _Mapping]] = ..., backup: _Optional[_Union[BackupTask, _Mapping]] = ..., newest_complete_step: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., preemption_noticed: _Optional[bool] = ...) -> None: ...
 
 class GetStepsRequest(_message.Message):
     __slots__ = ("wait_seconds",)

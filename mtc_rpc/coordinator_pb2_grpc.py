@@ -54,6 +54,11 @@ class CoordinatorStub:
                 request_serializer=coordinator__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=coordinator__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.LocateStep = channel.unary_unary(
+                '/mtc.v1.Coordinator/LocateStep',
+                request_serializer=coordinator__pb2.LocateStepRequest.SerializeToString,
+                response_deserializer=coordinator__pb2.LocateStepResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -86,6 +91,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LocateStep(self, request, context):
+        """Elastic restore: which ranks saved a step and where each one's data lives (fastest first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +120,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=coordinator__pb2.GetStatusRequest.FromString,
                     response_serializer=coordinator__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'LocateStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocateStep,
+                    request_deserializer=coordinator__pb2.LocateStepRequest.FromString,
+                    response_serializer=coordinator__pb2.LocateStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +235,33 @@ class Coordinator:
             '/mtc.v1.Coordinator/GetStatus',
             coordinator__pb2.GetStatusRequest.SerializeToString,
             coordinator__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocateStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.v1.Coordinator/LocateStep',
+            coordinator__pb2.LocateStepRequest.SerializeToString,
+            coordinator__pb2.LocateStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,44 @@ class _Control(control_pb2_grpc.LocalControlServicer):
     def GetLocalStatus(self, request, context):
         return control_pb2.GetLocalStatusResponse(status_json=json.dumps(self.daemon.local_status()))
 
+    def LocateStep(self, request, context):
+        try:
+            savers, generation = self.daemon.locate(request.step)
+        except FileNotFoundError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except (grpc.RpcError, RuntimeError) as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"coordinator unreachable: {_details(e)}")
+        return control_pb2.LocalLocateResponse(savers=savers, generation=generation)
+
+    def FetchStep(self, request, context):
+        try:
+            rel, manifest = self.daemon.fetch_for_sidecar(request.owner_rank, request.step, request.manifest_only,
+                                                          request.replace_local, request.timeout_seconds)
+        except FileNotFoundError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (grpc.RpcError, RuntimeError, OSError) as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, _details(e))
+        return control_pb2.FetchStepResponse(step_dir=rel, manifest_json=manifest)
+
+    def GetPreemption(self, request, context):
+        noticed = self.daemon.preemption_noticed
+        return control_pb2.GetPreemptionResponse(noticed=noticed, notice_step=self.daemon.newest_complete
+                                                 if noticed else -1)
+
+    def BackupNow(self, request, context):
+        self.daemon.request_backup_now()
+        return control_pb2.BackupNowResponse()
+
+
+def _details(e: BaseException) -> str:
+    return e.details() if isinstance(e, grpc.RpcError) and hasattr(e, "details") else str(e)
+
+
+# Written into the host's local directory when the daemon ends after a preemption notice.
+PREEMPTION_RECORD = "preemption.json"
+
 
 class Replicator:
     """One host's replicator. ``start()`` binds and returns the port; ``stop()`` shuts down cleanly."""
@@ -97,6 +135,11 @@ class Replicator:
         self._coord_channel: grpc.Channel | None = None
         self.address = ""
         self.newest_complete = -1
+        # Preemption (SIGTERM): this host got the notice / the coordinator says some host did.
+        self.preempting = False
+        self.preemption_noticed = False
+        self._backup_now = False
+        self._backups_seen: list[int] = []
         self.errors: list[str] = []
         self.counters = {"copies": 0, "copy_bytes": 0, "copy_failures": 0, "restores": 0, "hash_only": 0,
                          "deletions": 0, "heartbeat_failures": 0}
@@ -177,16 +220,131 @@ class Replicator:
 
     def wait_for_signal(self) -> None:
         done = threading.Event()
+        got: list[int] = []
 
         def handler(signum, frame):
             log.info("signal %d: shutting down", signum)
+            got.append(signum)
             done.set()
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
         while not done.wait(1.0):
             pass
+        if got and got[0] == signal.SIGTERM and self.opts.preemption_grace_seconds > 0:
+            self.flush_on_preemption(self.opts.preemption_grace_seconds)
         self.stop()
+
+    def flush_on_preemption(self, grace_seconds: float) -> dict[str, Any]:
+        """A preemption notice: within ``grace_seconds`` get the newest complete step into the bucket.
+
+        The heartbeat tells the coordinator at once; it starts an emergency backup of the newest complete
+        step (no interval), which every host uploads unthrottled at normal priority. The outcome is logged
+        and written to ``<local>/preemption.json`` (``finished`` false when the grace ran out first).
+        """
+        t0 = time.monotonic()
+        deadline = t0 + max(0.0, grace_seconds - 1.0)  # leave a second to stop cleanly
+        self.preempting = self.preemption_noticed = True
+        if self.backup is not None:
+            self.backup.backup._limiter = None  # emergency: no upload throttle
+        step, finished, why = -1, self.backup is None, "no backup tier configured" if self.backup is None else ""
+        while not finished and time.monotonic() < deadline:
+            self._wake.set()
+            try:
+                resp = self._coord.GetSteps(cpb.GetStepsRequest(wait_seconds=0),
+                                            timeout=max(0.5, min(self.opts.rpc_timeout_seconds,
+                                                                 deadline - time.monotonic())))
+                step = resp.newest_complete_step
+                if step < 0:
+                    finished, why = True, "no complete step to back up"
+                elif step in resp.backed_up_steps:
+                    finished, why = True, f"step {step} is in the bucket"
+            except grpc.RpcError as e:
+                why = f"coordinator unreachable: {_details(e)}"
+            if not finished:
+                time.sleep(0.1)
+        if not finished and not why:
+            why = f"grace of {grace_seconds}s ran out before step {step} was committed in the bucket"
+        rec = {"step": step, "finished": finished, "reason": why, "seconds": round(time.monotonic() - t0, 3)}
+        (log.info if finished else log.warning)("preemption flush: %s", rec)
+        try:
+            (self.store.root / PREEMPTION_RECORD).write_text(json.dumps(rec))
+        except OSError as e:
+            log.warning("cannot record the preemption flush: %s", e)
+        return rec
+
+    def request_backup_now(self) -> None:
+        """The training loop asks for an immediate backup of the newest complete step."""
+        self._backup_now = True
+        self._wake.set()
+
+    def locate(self, step: int) -> tuple[list[int], int]:
+        """The ranks that saved ``step`` and the save's generation, as the coordinator knows them."""
+        try:
+            resp = self._coord.LocateStep(cpb.LocateStepRequest(step=step), timeout=self.opts.rpc_timeout_seconds)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise FileNotFoundError(_details(e)) from None
+            raise
+        return list(resp.savers), resp.generation
+
+    def fetch_for_sidecar(self, owner: int, step: int, manifest_only: bool, replace_local: bool,
+                          timeout_seconds: float) -> tuple[str, bytes]:
+        """Bring ``owner``'s data of ``step`` here (or just its manifest) from the fastest other tier.
+
+        Returns (the copy's directory relative to the local root, the manifest JSON when ``manifest_only``).
+        A copy of a byte-identical data-parallel replica serves as well. ``replace_local``: the local copy
+        is bad — drop it, fetch another.
+        """
+        layout.step_name(step)
+        if not 0 <= owner < self.nodes:
+            raise ValueError(f"unknown rank {owner}: the job has ranks 0..{self.nodes - 1}")
+        if replace_local:
+            if self.store.manifest(owner, step) is not None or self.store.step_dir(owner, step).exists():
+                log.warning("the sidecar found a bad copy of rank %d step %d: dropping it", owner, step)
+                self.store.delete(owner, step)
+                self._wake.set()
+        elif (m := self.store.manifest(owner, step)) is not None:
+            rel = self.store.step_dir(owner, step).relative_to(self.store.root).as_posix()
+            return (("", m.to_json()) if manifest_only else (rel, b""))
+        resp = self._coord.LocateStep(cpb.LocateStepRequest(step=step, owners=[owner]),
+                                      timeout=self.opts.rpc_timeout_seconds)
+        srcs = list(resp.ranks[0].sources) if resp.ranks else []
+        errors = []
+        for src in srcs:
+            if src.kind != "bucket" and src.holder_rank == self.rank:
+                continue  # this host's own copy: absent or bad
+            where = "bucket" if src.kind == "bucket" else f"rank {src.holder_rank} at {src.holder_address}"
+            try:
+                if manifest_only:
+                    if src.kind == "bucket":
+                        if self.backup is None:
+                            raise RuntimeError("no backup tier configured")
+                        m = self.backup.backup.read_manifest(step, src.owner_rank)
+                    else:
+                        m = peer_client.get_manifest(src.holder_address, src.owner_rank, step, token=self.token,
+                                                     tls=self._tls(), timeout_seconds=self.opts.rpc_timeout_seconds)
+                    return "", m.to_json()
+                if not self.store.has(src.owner_rank, step, src.content_hash or None):
+                    if self.store.has(src.owner_rank, step):
+                        self.store.delete(src.owner_rank, step)  # a stale copy of an older save
+                    if src.kind == "bucket":
+                        if self.backup is None:
+                            raise RuntimeError("no backup tier configured")
+                        self.backup.download(step, src.owner_rank, self.store.step_dir(src.owner_rank, step).parent)
+                    else:
+                        self._fetch(src.holder_address, src.owner_rank, step, src.content_hash or None)
+                self._wake.set()
+                rel = self.store.step_dir(src.owner_rank, step).relative_to(self.store.root).as_posix()
+                log.info("rank %d's data of step %d fetched for the sidecar from %s", owner, step, where)
+                return rel, b""
+            except Exception as e:  # the next tier
+                log.warning("fetching rank %d step %d from %s failed: %s", owner, step, where, e)
+                errors.append(f"{where}: {type(e).__name__}: {_details(e)}")
+        if not srcs:
+            raise FileNotFoundError(f"rank {owner}'s data of step {step} is on no tier the coordinator knows "
+                                    f"(savers {list(resp.savers)})")
+        raise RuntimeError(f"rank {owner}'s data of step {step} is unreachable: " + "; ".join(errors))
 
     # ------------------------------------------------------------------ heartbeat loop
     def _loop(self) -> None:
@@ -214,11 +372,23 @@ class Replicator:
                                   size=h.size, tier=str(h.tier)) for h in inv],
             newest_saved_step=own[-1] if own else -1,
             backup_requests=self.store.backup_requests(),
+            preempting=self.preempting,
         )
+        if self._backup_now:
+            self._backup_now = False
+            if own:
+                req.backup_requests.append(own[-1])
+        for h, pbh in zip(inv, req.holdings, strict=True):
+            pbh.generation = h.generation
+            for a, b in h.savers:
+                pbh.savers.add(first=a, last=b)
         if self.backup is not None:
             req.backups.extend(self.backup.drain_reports())
         resp = self._coord.Heartbeat(req, timeout=self.opts.rpc_timeout_seconds)
         self.newest_complete = resp.newest_complete_step
+        if resp.preemption_noticed and not self.preemption_noticed:
+            log.warning("the coordinator reports a preemption notice")
+            self.preemption_noticed = True
         for d in resp.deletions:
             if not self._busy(d.owner_rank, d.step):
                 self.store.delete(d.owner_rank, d.step)
@@ -234,7 +404,12 @@ class Replicator:
         if resp.HasField("restore"):
             self._submit("restore", self.rank, resp.restore.step, self._restore, resp.restore)
         if resp.HasField("backup") and self.backup is not None:
-            self._submit("backup", -1, resp.backup.step, self.backup.run_task, resp.backup, self.store)
+            if self.preempting:
+                # Emergency backup: its own thread at normal priority, not the idle-priority pool.
+                self._submit("backup", -1, resp.backup.step, self.backup.run_task, resp.backup, self.store,
+                             urgent=True)
+            else:
+                self._submit("backup", -1, resp.backup.step, self.backup.run_task, resp.backup, self.store)
         return max(0.05, resp.heartbeat_interval_ms / 1000.0 or self.opts.heartbeat_seconds)
 
     def _busy(self, owner: int, step: int) -> bool:
@@ -242,7 +417,8 @@ class Replicator:
             return any(k[1] == owner and k[2] == step for k in self._in_flight) or any(
                 k[0] == "backup" and k[2] == step for k in self._in_flight)
 
-    def _submit(self, kind: str, owner: int, step: int, fn: Callable[..., Any], *args: Any) -> None:
+    def _submit(self, kind: str, owner: int, step: int, fn: Callable[..., Any], *args: Any,
+                urgent: bool = False) -> None:
         key = (kind, owner, step)
         with self._lock:
             if key in self._in_flight or self._stopping.is_set():
@@ -263,6 +439,9 @@ class Replicator:
                     self._in_flight.discard(key)
                 self._wake.set()  # report the result at once
 
+        if urgent:
+            threading.Thread(target=run, name=f"mtc-urgent-{kind}", daemon=True).start()
+            return
         try:
             self._pool.submit(run)
         except RuntimeError:  # pool shut down

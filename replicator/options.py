@@ -54,6 +54,9 @@ class ReplicatorOptions:
       nice: niceness added to the daemon so that copies and uploads yield the CPU to training.
       bulk_priority: scheduling of the threads that copy and upload bulk bytes: ``idle`` (SCHED_IDLE,
         default), ``low`` (niceness 19) or ``normal``.
+      preemption_grace_seconds: on SIGTERM (a preemption notice), how long the daemon keeps running to put
+        the newest complete step in the bucket (emergency backup) before it exits; keep it below the Pod's
+        ``terminationGracePeriodSeconds`` (30 s by default). 0 = exit at once.
     """
 
     local_dir: Path
@@ -89,6 +92,7 @@ class ReplicatorOptions:
     bulk_priority: str = "idle"
     jax_process_id: int | None = None
     handshake_timeout_seconds: float = 600.0
+    preemption_grace_seconds: float = 25.0
 
     @property
     def orbax_mode(self) -> bool:
@@ -240,6 +244,8 @@ _HELP = {
     "jax_coordinator": "HOST:PORT written to jax-init-info.txt in Orbax mode (outside GKE)",
     "jax_process_id": "this host's JAX process id for jax-init-info.txt (with --jax-coordinator)",
     "handshake_timeout_seconds": "Orbax mode: bound on one handshake's restore planning (default 600)",
+    "preemption_grace_seconds": "on SIGTERM, keep running up to N seconds to back the newest complete step up "
+                                "to the bucket before exiting (default 25, below Kubernetes' 30 s grace)",
 }
 
 

@@ -36,6 +36,11 @@ class HostConfig:
     keep_local: int | None = 2  # None: the replicator decides what to delete
     cross_host_reads: bool = True  # read other ranks' directories when they are on this machine
     notify_replicator: bool = False  # tell the host's replicator (Unix socket in the root) of each commit
+    # The active ranks (elastic training): they save and restore; empty = every rank of ``nodes``.
+    savers: tuple[int, ...] = ()
+    # Ask the host's replicator for data this host lacks (other ranks' shards, a copy to replace a bad one).
+    remote_fetch: bool = False
+    fetch_timeout_seconds: float = 300.0
 
     def root(self, rank: int) -> Path:
         return Path(self.local_directory.format(host=rank, rank=rank))
@@ -68,14 +73,21 @@ def save_on_hosts(
     metas: Sequence[ArrayMeta],
     host_arrays: Sequence[tuple[str, np.ndarray]],
     values: Sequence[layout.ValueEntry],
+    generation: int = 0,
 ) -> None:
-    """Take a host copy of each rank's addressable shards and queue the background write."""
+    """Take a host copy of each rank's addressable shards and queue the background write.
+
+    Saving a step number that exists already means the job rolled back past it (it restored an older
+    step): the old, abandoned step is deleted first.
+    """
     layout.step_name(step)
     writers = {r: writer.writer_for(config.root(r), config.write_threads) for r in ranks}
     writer.raise_failures(list(writers.values()))
     for r, w in writers.items():
-        if (layout.steps_dir(w.root) / str(step)).exists():
-            raise FileExistsError(f"step {step} already exists for rank {r} in {w.root}")
+        old = layout.steps_dir(w.root) / layout.step_name(step)
+        if old.exists():
+            log.warning("rank %d: step %d is saved again (rollback): replacing the abandoned copy", r, step)
+            layout.delete_step(old)
     per_rank: dict[int, list[writer.ArrayCopy]] = {r: [] for r in ranks}
     for arr, meta in zip(arrays, metas, strict=True):
         copies: dict[int, writer.ArrayCopy] = {}
@@ -105,7 +117,8 @@ def save_on_hosts(
                 writer.ArrayCopy(path, tuple(value.shape), tree.dtype_name(value.dtype), None,
                                  [writer.ShardCopy(full, writer.host_copy(value))])
             )
-        hs = writer.HostStep(config.root(r), config.job, step, r, config.nodes, per_rank[r], list(values))
+        hs = writer.HostStep(config.root(r), config.job, step, r, config.nodes, per_rank[r], list(values),
+                             savers=tuple(config.savers), generation=generation)
         writers[r].submit(hs, config.keep_local, config.notify_replicator)
 
 
@@ -135,8 +148,14 @@ def _check_leaf(src: reader.StepSource, leaf: RestoreLeaf) -> reader.SavedArray:
 
 
 def open_step(config: HostConfig, rank: int, step: int) -> reader.StepSource:
-    """The committed data of ``step`` that ``rank`` may read (its own directory first)."""
-    return reader.StepSource(step, config.read_roots(rank))
+    """The committed data of ``step`` that ``rank`` may read (its own directory first); with
+    ``remote_fetch``, also what the host's replicator can bring from peers or the bucket."""
+    fetcher = None
+    if config.remote_fetch:
+        from sidecar.remote import ReplicatorFetcher
+
+        fetcher = ReplicatorFetcher(config.root(rank), config.fetch_timeout_seconds)
+    return reader.StepSource(step, config.read_roots(rank), fetcher=fetcher, drop_bad=True)
 
 
 def check_structure(src: reader.StepSource, paths: Sequence[str]) -> None:
@@ -210,7 +229,16 @@ def query_on_hosts(config: HostConfig, ranks: Sequence[int], op: str, arg: Any =
         writer.raise_failures(writers, arg, wait=(op == "wait"))
     for r, w in zip(ranks, writers, strict=True):
         if op == "steps":
-            result[r] = {"steps": layout.committed_steps(layout.steps_dir(w.root)), "in_flight": w.in_flight()}
+            result[r] = {"steps": layout.committed_steps(layout.steps_dir(w.root)), "in_flight": w.in_flight(),
+                         "held": held_steps(config, r)}
+        elif op == "preemption":
+            from sidecar.remote import preemption_noticed
+
+            result[r] = preemption_noticed(w.root)
+        elif op == "backup_now":
+            from sidecar.remote import backup_now
+
+            result[r] = backup_now(w.root)
         elif op == "wait":
             result[r] = True
         elif op == "wake":
@@ -223,6 +251,33 @@ def query_on_hosts(config: HostConfig, ranks: Sequence[int], op: str, arg: Any =
         else:
             raise ValueError(f"unknown host query {op!r}")
     return result
+
+
+def held_steps(config: HostConfig, rank: int) -> dict[str, list]:
+    """Every step whose data this host can read, as ``{step: [generation, savers, ranks held]}``.
+
+    Ranks held are those whose committed data of the step (at that generation) is on this host's RAM disk
+    (its own, peer copies) or in another host's directory it may read; the controller unions the answers
+    to decide which steps are complete without a coordinator, and before the coordinator has heard.
+    """
+    out: dict[int, list] = {}
+    for root in config.read_roots(rank):
+        dirs = [layout.steps_dir(root)]
+        peers = root / layout.PEER_DIR
+        if peers.is_dir():
+            dirs.extend(sorted(p for p in peers.iterdir() if p.is_dir()))
+        for parent in dirs:
+            for step in layout.committed_steps(parent):
+                try:
+                    m = layout.read_manifest(parent / layout.step_name(step))
+                except (OSError, layout.ManifestError):
+                    continue
+                cur = out.get(step)
+                if cur is None or m.generation > cur[0]:
+                    out[step] = cur = [m.generation, list(m.expected_ranks), []]
+                if m.generation == cur[0] and m.rank not in cur[2]:
+                    cur[2].append(m.rank)
+    return {str(s): v for s, v in sorted(out.items())}
 
 
 def encode_result(obj: Any, size: int) -> np.ndarray:

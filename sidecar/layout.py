@@ -263,6 +263,16 @@ class StepManifest:
     # Set by whoever knows a better identity than the file list (e.g. Orbax steps, whose replicas
     # differ in file names but not in OCDBT key/values); then it *is* the content hash.
     content_id: str = ""
+    # Elastic training: the ranks that saved this step (the active hosts at save; empty = every rank of
+    # ``nodes``) and the save's generation (the controller's clock at that save; a newer save of the same
+    # step number after a rollback supersedes an older one). Both are the same on every host of one save.
+    savers: tuple[int, ...] = ()
+    generation: int = 0
+
+    @property
+    def expected_ranks(self) -> tuple[int, ...]:
+        """The ranks whose data together make up this step."""
+        return self.savers or tuple(range(self.nodes))
 
     @property
     def total_bytes(self) -> int:
@@ -284,6 +294,8 @@ class StepManifest:
                 for s in a.shards:
                     h.update(json.dumps([s.index, s.length, s.crc32c]).encode())
             h.update(json.dumps([v.to_dict() for v in self.values], sort_keys=True).encode())
+            if self.savers or self.generation:
+                h.update(json.dumps([list(self.savers), self.generation]).encode())
         else:
             for f in sorted(self.files, key=lambda f: f.name):
                 h.update(json.dumps([f.name, f.size, f.crc32c]).encode())
@@ -301,6 +313,8 @@ class StepManifest:
             "arrays": [a.to_dict() for a in self.arrays],
             "values": [v.to_dict() for v in self.values],
             "content_id": self.content_id,
+            **({"savers": list(self.savers)} if self.savers else {}),
+            **({"generation": self.generation} if self.generation else {}),
         }
 
     def to_json(self) -> bytes:
@@ -327,6 +341,8 @@ class StepManifest:
                 kind=str(d.get("kind", KIND_NATIVE)),
                 format_version=version,
                 content_id=str(d.get("content_id", "")),
+                savers=tuple(sorted({int(r) for r in d.get("savers", ())})),
+                generation=int(d.get("generation", 0)),
             )
         except ManifestError:
             raise
@@ -334,6 +350,10 @@ class StepManifest:
             raise ManifestError(f"malformed manifest: {e}") from e
         if m.step < 0 or not 0 <= m.rank < max(m.nodes, 1):
             raise ManifestError(f"bad step/rank/nodes {m.step}/{m.rank}/{m.nodes}")
+        if m.savers and (m.rank not in m.savers or not 0 <= m.savers[0] <= m.savers[-1] < m.nodes):
+            raise ManifestError(f"bad savers {list(m.savers)} for rank {m.rank} of {m.nodes}")
+        if m.generation < 0:
+            raise ManifestError(f"bad generation {m.generation}")
         known = set(names)
         for a in m.arrays:
             for s in a.shards:

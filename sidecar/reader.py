@@ -10,8 +10,10 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -56,43 +58,169 @@ def step_dirs_in(root: Path, step: int) -> list[Path]:
     return out
 
 
-class StepSource:
-    """All committed data of one step reachable from some host roots (own dir first)."""
+class Fetcher(Protocol):
+    """Reaches tiers beyond this host's RAM disk (the host's replicator: peers, then the bucket)."""
 
-    def __init__(self, step: int, roots: Iterable[Path]):
+    def locate(self, step: int) -> tuple[tuple[int, ...], int]:
+        """(the ranks that saved ``step``, the save's generation); FileNotFoundError if no tier has it."""
+
+    def manifest(self, owner: int, step: int) -> layout.StepManifest:
+        """``owner``'s verified manifest of ``step`` from the fastest tier holding it."""
+
+    def fetch(self, owner: int, step: int, replace: bool = False) -> Path:
+        """Bring ``owner``'s data of ``step`` (or a byte-identical replica's) onto this host; its directory.
+
+        ``replace``: the local copy is bad; fetch another one from a peer or the bucket."""
+
+
+class BadCopyError(layout.ChecksumError):
+    """A copy of a shard is unusable (checksum mismatch, short or missing file); other copies may be fine."""
+
+
+class StepSource:
+    """All committed data of one step reachable from some host roots (own dir first), plus what a
+    :class:`Fetcher` can bring from peers or the bucket.
+
+    Only the newest save of the step is used: after a rollback a step number may have been saved again
+    (higher ``generation``), and copies of the abandoned save are ignored.
+    """
+
+    def __init__(self, step: int, roots: Iterable[Path], fetcher: Fetcher | None = None,
+                 drop_bad: bool = False):
         self.step = step
+        self.roots = list(roots)
+        self.fetcher = fetcher
+        self.drop_bad = drop_bad
         self.manifests: list[tuple[Path, layout.StepManifest]] = []
-        for root in roots:
-            for d in step_dirs_in(root, step):
-                self.manifests.append((d, layout.read_manifest(d)))
-        if not self.manifests:
-            raise FileNotFoundError(
-                f"step {step} not found in {', '.join(str(r) for r in roots) or 'no directory'}"
-            )
         self.arrays: dict[str, SavedArray] = {}
         self.values: dict[str, object] = {}
-        for d, m in self.manifests:
-            if m.step != step:
-                raise layout.ManifestError(f"{d} holds step {m.step}, expected {step}")
-            for v in m.values:
-                self.values.setdefault(v.path, v.value)
-            for a in m.arrays:
-                sa = self.arrays.get(a.path)
-                if sa is None:
-                    sa = self.arrays[a.path] = SavedArray(a.path, a.global_shape, a.dtype, a.key_impl, {})
-                elif (sa.global_shape, sa.dtype, sa.key_impl) != (a.global_shape, a.dtype, a.key_impl):
-                    raise layout.ManifestError(f"ranks disagree on shape/dtype of {a.path!r} in step {step}")
-                for s in a.shards:
-                    sa.shards.setdefault(s.index, []).append(SavedShard(d, s))
+        self.generation = -1
+        self.savers: tuple[int, ...] = ()
         self._cache: dict[tuple[str, tuple], np.ndarray] = {}
         self._lock = threading.Lock()
+        self._tried_manifests: set[int] = set()
+        self._fetched: set[int] = set()
+        found = []
+        for root in self.roots:
+            for d in step_dirs_in(root, step):
+                try:
+                    found.append((d, layout.read_manifest(d)))
+                except (OSError, layout.ManifestError) as e:
+                    log.warning("unusable manifest in %s: %s", d, e)
+                    self._drop(d, e)
+        if not found and fetcher is not None:
+            self.savers, self.generation = fetcher.locate(step)
+        elif not found:
+            raise FileNotFoundError(
+                f"step {step} not found in {', '.join(str(r) for r in self.roots) or 'no directory'}"
+            )
+        newest = max((m.generation for _, m in found), default=self.generation)
+        for d, m in found:
+            if m.step != step:
+                raise layout.ManifestError(f"{d} holds step {m.step}, expected {step}")
+            if m.generation < newest:
+                log.info("ignoring %s: an abandoned save of step %d (a newer one exists)", d, step)
+                continue
+            self._add(d, m)
+
+    def _add(self, d: Path, m: layout.StepManifest) -> None:
+        if self.generation < 0 or m.generation > self.generation or not self.savers:
+            self.generation, self.savers = m.generation, m.expected_ranks
+        self.manifests.append((d, m))
+        for v in m.values:
+            self.values.setdefault(v.path, v.value)
+        for a in m.arrays:
+            sa = self.arrays.get(a.path)
+            if sa is None:
+                sa = self.arrays[a.path] = SavedArray(a.path, a.global_shape, a.dtype, a.key_impl, {})
+            elif (sa.global_shape, sa.dtype, sa.key_impl) != (a.global_shape, a.dtype, a.key_impl):
+                raise layout.ManifestError(f"ranks disagree on shape/dtype of {a.path!r} in step {self.step}")
+            for s in a.shards:
+                sa.shards.setdefault(s.index, []).append(SavedShard(d, s))
+
+    def _drop(self, step_dir: Path, why: BaseException) -> None:
+        """A bad copy: forget it here and, when allowed, delete it so no inventory lists it any longer
+        (the replicator then fetches a good copy again)."""
+        for sa in self.arrays.values():
+            for idx in list(sa.shards):
+                sa.shards[idx] = [loc for loc in sa.shards[idx] if loc.step_dir != step_dir]
+        self.manifests = [(d, m) for d, m in self.manifests if d != step_dir]
+        if self.drop_bad:
+            log.warning("dropping the bad copy %s: %s", step_dir, why)
+            layout.delete_step(step_dir)
+
+    @property
+    def owners(self) -> set[int]:
+        return {m.rank for _, m in self.manifests}
 
     @property
     def paths(self) -> set[str]:
+        self.load_all_manifests()
         return set(self.arrays) | set(self.values)
 
+    def load_all_manifests(self) -> None:
+        """Learn every saver's manifest (their shard layout), fetching those not on this host."""
+        if self.fetcher is None:
+            return
+        have = self.owners
+        for owner in self.savers:
+            if owner in have or owner in self._tried_manifests:
+                continue
+            self._tried_manifests.add(owner)
+            try:
+                m = self.fetcher.manifest(owner, self.step)
+            except (OSError, layout.ManifestError) as e:
+                log.warning("manifest of rank %d step %d unreachable: %s", owner, self.step, e)
+                continue
+            if m.generation < self.generation:
+                continue
+            self._remote_layout(m)
+
+    def _remote_layout(self, m: layout.StepManifest) -> None:
+        """Record where a remote rank's shards are (no bytes yet): a virtual location fetched on demand."""
+        for v in m.values:
+            self.values.setdefault(v.path, v.value)
+        for a in m.arrays:
+            sa = self.arrays.get(a.path)
+            if sa is None:
+                sa = self.arrays[a.path] = SavedArray(a.path, a.global_shape, a.dtype, a.key_impl, {})
+            for s in a.shards:
+                sa.shards.setdefault(s.index, []).append(SavedShard(Path(f"remote:{m.rank}"), s))
+
+    def _materialise(self, loc: SavedShard, replace_dir: Path | None = None) -> list[SavedShard]:
+        """Fetch the remote rank a virtual location names (or a replacement of a bad local copy)."""
+        if self.fetcher is None:
+            return []
+        if replace_dir is not None:
+            owner, replace = self._owner_of(replace_dir), True
+        else:
+            owner, replace = int(str(loc.step_dir).split(":", 1)[1]), False
+        if owner is None or (owner, replace) in self._fetched:
+            return []
+        self._fetched.add((owner, replace))
+        t0 = time.monotonic()
+        d = self.fetcher.fetch(owner, self.step, replace=replace)
+        m = layout.read_manifest(d)
+        self._add(d, m)
+        log.info("rank %d's data of step %d now at %s (%.3fs)", owner, self.step, d, time.monotonic() - t0)
+        return [SavedShard(d, s) for a in m.arrays for s in a.shards]
+
+    def _owner_of(self, step_dir: Path) -> int | None:
+        for d, m in self.manifests:
+            if d == step_dir:
+                return m.rank
+        try:
+            return layout.read_manifest(step_dir).rank
+        except (OSError, layout.ManifestError):
+            return None
+
     def read_shard(self, arr: SavedArray, index: tuple[tuple[int, int], ...]) -> np.ndarray:
-        """The verified bytes of one saved shard, as an array of its shape; tries each known copy in turn."""
+        """The verified bytes of one saved shard, as an array of its shape.
+
+        Tries each copy in turn, local ones first; a bad copy (crc mismatch, short or missing file) is
+        dropped and the next tier is tried — another local copy, then a peer or the bucket through the
+        fetcher — within this call.
+        """
         key = (arr.path, index)
         with self._lock:
             hit = self._cache.get(key)
@@ -100,8 +228,22 @@ class StepSource:
             return hit
         shape = tuple(b - a for a, b in index)
         dtype = tree.dtype_from_name(arr.dtype)
-        errors = []
-        for loc in arr.shards[index]:
+        errors: list[BaseException] = []
+        tried: set[Path] = set()
+        for _ in range(len(arr.shards.get(index, [])) + 8):
+            locs = sorted(arr.shards.get(index, []), key=lambda sl: str(sl.step_dir).startswith("remote:"))
+            locs = [sl for sl in locs if sl.step_dir not in tried]
+            if not locs:
+                break
+            loc = locs[0]
+            tried.add(loc.step_dir)
+            if str(loc.step_dir).startswith("remote:"):
+                try:
+                    self._materialise(loc)
+                except (OSError, layout.ManifestError, RuntimeError) as err:
+                    errors.append(err)
+                    log.warning("could not fetch %s for %s%s: %s", loc.step_dir, arr.path, index, err)
+                continue
             e = loc.entry
             if e.length != math.prod(shape) * dtype.itemsize:
                 errors.append(layout.ManifestError(f"{loc.step_dir}: shard length {e.length} != shape {shape}"))
@@ -112,45 +254,86 @@ class StepSource:
                     buf = layout.map_verified(path, e.length, e.crc32c, e.offset)
                 else:
                     buf = layout.read_verified(path, e.length, e.crc32c, e.offset)
-            except (OSError, layout.ChecksumError) as err:
-                log.warning("unusable copy of %s%s: %s", arr.path, index, err)
-                errors.append(err)
+            except (OSError, EOFError, layout.ChecksumError) as err:
+                bad = err if isinstance(err, layout.ChecksumError) else BadCopyError(
+                    f"{loc.step_dir}/{e.file} ({type(err).__name__}: {err})", e.crc32c, 0)
+                log.warning("bad copy of %s%s in %s: %s", arr.path, index, loc.step_dir, err)
+                errors.append(bad)
+                self._drop(loc.step_dir, bad)
+                if not arr.shards.get(index):
+                    try:
+                        self._materialise(loc, replace_dir=loc.step_dir)
+                    except (OSError, layout.ManifestError, RuntimeError) as ferr:
+                        errors.append(ferr)
+                        log.warning("no replacement for the bad copy in %s: %s", loc.step_dir, ferr)
                 continue
             out = buf.view(dtype).reshape(shape)
             with self._lock:
                 self._cache[key] = out
             return out
-        if errors and all(isinstance(e, layout.ChecksumError) for e in errors):
+        checksum = [e for e in errors if isinstance(e, layout.ChecksumError)]
+        if checksum:
+            raise checksum[0]
+        if errors:
             raise errors[0]
-        raise errors[0] if errors else FileNotFoundError(f"no copy of shard {index} of {arr.path!r}")
+        raise FileNotFoundError(f"no copy of shard {index} of {arr.path!r} in step {self.step}")
 
     def drop_cache(self) -> None:
         with self._lock:
             self._cache.clear()
 
+    def _covered(self, arr: SavedArray, index: tuple[tuple[int, int], ...], local_only: bool) -> int:
+        """Elements of ``index`` covered by saved shards (counting overlaps between them once per shard)."""
+        total = 0
+        for sidx, locs in arr.shards.items():
+            if not locs or (local_only and all(str(sl.step_dir).startswith("remote:") for sl in locs)):
+                continue
+            inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, sidx, strict=True)]
+            if all(lo < hi for lo, hi in inter):
+                total += math.prod(hi - lo for lo, hi in inter)
+        return total
+
     def assemble(self, path: str, index: tuple[tuple[int, int], ...]) -> np.ndarray:
         """Build the region ``index`` of array ``path`` from the saved shards overlapping it."""
         arr = self.arrays[path]
         shape = tuple(b - a for a, b in index)
-        exact = arr.shards.get(index)
-        if exact:
-            return self.read_shard(arr, index)
+        if arr.shards.get(index):
+            try:
+                return self.read_shard(arr, index)
+            except (OSError, layout.ManifestError):
+                if self.fetcher is None:
+                    raise
+        size = math.prod(shape)
+        if self.fetcher is not None and self._covered(arr, index, local_only=False) < size:
+            self.load_all_manifests()
         dtype = tree.dtype_from_name(arr.dtype)
-        out = layout.aligned_empty(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
-        covered = 0
-        for sidx in arr.shards:
+        out = layout.aligned_empty(size * dtype.itemsize).view(dtype).reshape(shape)
+        filled = np.zeros(shape, dtype=bool) if size else None
+        # Local shards first: a remote rank is fetched only for what the local ones do not cover.
+        order = sorted(arr.shards.items(),
+                       key=lambda kv: all(str(sl.step_dir).startswith("remote:") for sl in kv[1]))
+        for sidx, locs in order:
+            if not locs:
+                continue
             inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, sidx, strict=True)]
-            if any(lo >= hi for lo, hi in inter) and math.prod(shape) > 0:
+            if any(lo >= hi for lo, hi in inter) and size > 0:
+                continue
+            dst_sl = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, index, strict=True))
+            if size and filled[dst_sl].all():
                 continue
             src = self.read_shard(arr, sidx)
-            dst_sl = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, index, strict=True))
             src_sl = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(inter, sidx, strict=True))
             out[dst_sl] = src[src_sl]
-            covered += math.prod(hi - lo for lo, hi in inter)
-        if covered < math.prod(shape):
+            if size:
+                filled[dst_sl] = True
+        covered = int(filled.sum()) if size else 0
+        if covered < size:
+            where = ("no tier reachable from this host holds it: ranks "
+                     f"{sorted(set(self.savers) - self.owners)} of savers {list(self.savers)} unreachable"
+                     if self.fetcher is not None else "the rest lives on another host (run the replicator)")
             raise FileNotFoundError(
-                f"step {self.step}: the saved shards reachable here cover {covered} of {math.prod(shape)} "
-                f"elements of {path!r}{list(index)}; the rest lives on another host (run the replicator)"
+                f"step {self.step}: the saved shards reachable here cover {covered} of {size} "
+                f"elements of {path!r}{list(index)}; {where}"
             )
         return out
 

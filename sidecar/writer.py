@@ -53,6 +53,8 @@ class HostStep:
     nodes: int
     arrays: list[ArrayCopy]
     values: list[layout.ValueEntry]
+    savers: tuple[int, ...] = ()  # the active ranks of this save (empty: every rank)
+    generation: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -131,6 +133,8 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
             files=tuple(files),
             arrays=tuple(arrays),
             values=tuple(hs.values),
+            savers=tuple(hs.savers),
+            generation=hs.generation,
         )
         layout.write_manifest(tmp, manifest)
         layout.commit_dir(tmp, final)

@@ -103,6 +103,12 @@ class Staging:
     nodes: int
     staging_id: str
     created_unix: float = 0.0
+    # The ranks that saved the step (elastic training: the active hosts); empty = every rank.
+    ranks: tuple[int, ...] = ()
+
+    @property
+    def expected_ranks(self) -> tuple[int, ...]:
+        return self.ranks or tuple(range(self.nodes))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -111,17 +117,19 @@ class Staging:
             "nodes": self.nodes,
             "staging_id": self.staging_id,
             "created_unix": self.created_unix,
+            **({"ranks": list(self.ranks)} if self.ranks else {}),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Staging:
         try:
-            s = cls(int(d["step"]), int(d["nodes"]), str(d["staging_id"]), float(d.get("created_unix", 0.0)))
+            s = cls(int(d["step"]), int(d["nodes"]), str(d["staging_id"]), float(d.get("created_unix", 0.0)),
+                    tuple(sorted({int(r) for r in d.get("ranks", ())})))
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"malformed staging record: {e}") from e
         _check_staging_id(s.staging_id, s.step)
-        if s.nodes < 1:
-            raise ManifestError(f"bad node count {s.nodes}")
+        if s.nodes < 1 or any(not 0 <= r < s.nodes for r in s.ranks):
+            raise ManifestError(f"bad node count {s.nodes} or ranks {list(s.ranks)}")
         return s
 
 
@@ -165,7 +173,9 @@ class BackupCommit:
         except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"malformed commit record: {e}") from e
         _check_staging_id(c.staging_id, c.step)
-        if len(c.rank_hashes) != c.nodes or not all(re.fullmatch(r"[0-9a-f]{64}", h) for h in c.rank_hashes):
+        # "" = the rank did not save this step (elastic training); at least one rank did.
+        if len(c.rank_hashes) != c.nodes or not any(c.rank_hashes) or not all(
+                h == "" or re.fullmatch(r"[0-9a-f]{64}", h) for h in c.rank_hashes):
             raise ManifestError("commit record has bad rank hashes")
         return c
 
@@ -307,12 +317,17 @@ class BackupStore:
 
     # ------------------------------------------------------------------ writing
 
-    def begin(self, step: int, nodes: int) -> Staging:
-        """Start a backup attempt of ``step`` for ranks ``0..nodes-1``; nothing becomes visible yet."""
+    def begin(self, step: int, nodes: int, ranks: Iterable[int] = ()) -> Staging:
+        """Start a backup attempt of ``step`` for ``ranks`` (default ``0..nodes-1``); nothing becomes visible yet."""
         step_name(step)
         if not isinstance(nodes, int) or nodes < 1:
             raise ValueError(f"nodes must be a positive int, got {nodes!r}")
-        staging = Staging(step, nodes, f"{step}-{uuid.uuid4().hex[:12]}", time.time())
+        ranks = tuple(sorted(set(ranks)))
+        if any(not 0 <= r < nodes for r in ranks):
+            raise ValueError(f"ranks {list(ranks)} outside 0..{nodes - 1}")
+        if ranks == tuple(range(nodes)):
+            ranks = ()
+        staging = Staging(step, nodes, f"{step}-{uuid.uuid4().hex[:12]}", time.time(), ranks)
         self.store.write(
             f"{self._staging_prefix(staging.staging_id)}/{BEGIN_NAME}", json.dumps(staging.to_dict()).encode()
         )
@@ -405,7 +420,11 @@ class BackupStore:
         hashes: list[str] = []
         missing: list[str] = []
         total = 0
+        expected = set(begin.expected_ranks)
         for rank in range(staging.nodes):
+            if rank not in expected:
+                hashes.append("")  # did not save this step
+                continue
             name = f"{base}/{RANKS_DIR}/{rank}.json"
             if name not in present:
                 missing.append(f"manifest of rank {rank}")
@@ -517,6 +536,9 @@ class BackupStore:
         rec, base = self.commit_record(step)
         if not isinstance(rank, int) or not 0 <= rank < rec.nodes:
             raise ValueError(f"rank {rank!r} outside 0..{rec.nodes - 1} of {self.job} step {step}")
+        if not rec.rank_hashes[rank]:
+            raise FileNotFoundError(f"rank {rank} did not save {self.job} step {step} (backed up ranks: "
+                                    f"{[r for r, h in enumerate(rec.rank_hashes) if h]})")
         m = StepManifest.from_json(self.store.read(f"{base}/{RANKS_DIR}/{rank}.json"))
         if m.step != step or m.rank != rank or m.content_hash != rec.rank_hashes[rank]:
             raise ManifestError(

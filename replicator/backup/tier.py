@@ -100,6 +100,7 @@ class BucketScheduler(BackupScheduler):
         self._commit_thread: threading.Thread | None = None
         self._commit_result: tuple[int, list[str] | None, str] | None = None
         self._due_while_busy = False
+        self.emergency_step: int | None = None
 
     # ------------------------------------------------------------------ bucket -> state
     def _load(self, state: CoordinatorState) -> None:
@@ -117,7 +118,8 @@ class BucketScheduler(BackupScheduler):
         for step in steps:
             try:
                 rec, _ = self.backup.commit_record(step)
-                state.report_backup(step, committed=True, content_hashes=dict(enumerate(rec.rank_hashes)))
+                state.report_backup(step, committed=True,
+                                    content_hashes={r: h for r, h in enumerate(rec.rank_hashes) if h})
                 newest_unix = rec.committed_unix
             except Exception as e:
                 log.warning("ignoring unreadable backup of step %d: %s", step, e)
@@ -135,6 +137,18 @@ class BucketScheduler(BackupScheduler):
         """Back these steps up as soon as they are the newest complete step (unless already committed)."""
         self.requested.update(s for s in steps if s not in self.committed and s != self.last_step)
 
+    def emergency(self, step: int | None) -> None:
+        """A preemption notice: ``step`` (the newest complete) goes to the bucket now — no interval; the
+        hosts upload it unthrottled at normal priority (they know of the notice from their own signal or
+        the heartbeat answer). A backup of an older step still running is not interrupted: the emergency
+        one starts when it ends."""
+        if step is None or step in self.committed:
+            return
+        if self.emergency_step != step:
+            log.warning("emergency backup of step %d requested (preemption)", step)
+            self.emergency_step = step
+        self.requested.add(step)
+
     def _due(self, newest_complete: int | None) -> int | None:
         if newest_complete is None or newest_complete in self.committed:
             return None
@@ -150,12 +164,13 @@ class BucketScheduler(BackupScheduler):
         return None
 
     def _start(self, state: CoordinatorState, step: int) -> None:
-        staging = self.backup.begin(step, self.topology.nodes)
+        savers = state.expected_ranks(step)
+        staging = self.backup.begin(step, self.topology.nodes, savers)
         sources = state.sources(step)
         assign: dict[int, int] = {}
         primaries: set[int] = set()
         seen_hash: set[str] = set()
-        for rank in range(self.topology.nodes):
+        for rank in savers:
             holders = [s for s in sources.get(rank, []) if s.kind in (Tier.LOCAL, Tier.PEER)
                        and s.owner_rank == rank and s.holder_rank is not None]
             if not holders:
@@ -167,7 +182,7 @@ class BucketScheduler(BackupScheduler):
                 seen_hash.add(h)
                 primaries.add(rank)
         state.mark_backup_in_progress(step)
-        self.current = {"step": step, "staging": staging, "assign": assign, "primaries": primaries,
+        self.current = {"step": step, "staging": staging, "assign": assign, "primaries": primaries, "savers": savers,
                         "done": set(), "started": self.clock(), "attempts": {}}
         self.last_start = self.clock()
         self.last_step = step
@@ -200,7 +215,7 @@ class BucketScheduler(BackupScheduler):
             return None
         phase = [r for r in sorted(cur["primaries"]) if r not in cur["done"]]
         if not phase:
-            phase = [r for r in range(self.topology.nodes) if r not in cur["done"]]
+            phase = [r for r in cur["savers"] if r not in cur["done"]]
         mine = [r for r in phase if cur["assign"].get(r) == rank]
         if not mine:
             return None
@@ -222,7 +237,7 @@ class BucketScheduler(BackupScheduler):
                     log.warning("backup of step %d abandoned after repeated failures: %s", cur["step"], rep.error)
                     self._abandon(state)
                     return
-        if cur is not None and len(cur["done"]) == self.topology.nodes and self._commit_thread is None:
+        if cur is not None and set(cur["savers"]) <= cur["done"] and self._commit_thread is None:
             staging = cur["staging"]
             self._commit_thread = threading.Thread(target=self._commit, args=(staging,), daemon=True,
                                                    name="mtc-backup-commit")
@@ -263,7 +278,7 @@ class BucketScheduler(BackupScheduler):
             self.last_error = f"commit of step {step} failed: {note}"
             log.warning("%s", self.last_error)
             return
-        state.report_backup(step, committed=True, content_hashes=dict(enumerate(hashes)))
+        state.report_backup(step, committed=True, content_hashes={r: h for r, h in enumerate(hashes) if h})
         try:
             self.committed = self.backup.committed_steps()
         except Exception:
@@ -286,6 +301,8 @@ class BucketScheduler(BackupScheduler):
             "interval_steps": self.interval_steps,
             "interval_minutes": self.interval_minutes,
             "keep": self.keep,
+            "emergency_step": self.emergency_step,
+            "emergency_done": self.emergency_step is not None and self.emergency_step in self.committed,
         }
 
 

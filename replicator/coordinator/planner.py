@@ -70,9 +70,18 @@ class Holding:
     content_hash: str
     size: int = 0
     tier: Tier = Tier.LOCAL
+    # Elastic training (see "savers and generations" below): the save's generation and the ranks that
+    # saved the step, as inclusive ranges ((first, last), ...); empty = every rank.
+    generation: int = 0
+    savers: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("owner_rank", self.owner_rank)
+        _check_int("generation", self.generation)
+        ranges = tuple((int(a), int(b)) for a, b in self.savers)
+        if any(a < 0 or b < a for a, b in ranges):
+            raise ValueError(f"bad savers ranges {self.savers!r}")
+        object.__setattr__(self, "savers", ranges)
         _check_int("step", self.step)
         _check_hash(self.content_hash)
         _check_int("size", self.size)
@@ -95,13 +104,16 @@ class Holding:
             "content_hash": self.content_hash,
             "size": self.size,
             "tier": str(self.tier),
+            "generation": self.generation,
+            "savers": [list(r) for r in self.savers],
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Holding:
         try:
             return cls(
-                d["owner_rank"], d["step"], d["content_hash"], d.get("size", 0), d.get("tier", "local")
+                d["owner_rank"], d["step"], d["content_hash"], d.get("size", 0), d.get("tier", "local"),
+                d.get("generation", 0), tuple(tuple(r) for r in d.get("savers", ())),
             )
         except KeyError as e:
             raise ValueError(f"holding lacks field {e}") from None
@@ -205,6 +217,9 @@ class CoordinatorState:
         self._bucket: dict[int, dict[int, str | None]] = {}
         self._backups_in_progress: set[int] = set()
         self._pinned: set[int] = set()
+        # step -> generation -> number of holdings of that save; (step, generation) -> its savers ranges.
+        self._generations: dict[int, collections.Counter[int]] = {}
+        self._savers: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
 
     # ----------------------------------------------------------------------------------------- events
 
@@ -273,7 +288,9 @@ class CoordinatorState:
         _check_int("step", step)
         if committed:
             hashes = self._validated_bucket_hashes(content_hashes or {})
-            self._bucket[step] = {r: hashes.get(r) for r in range(self.topology.nodes)}
+            # A backup of a step saved by some ranks only (elastic training) holds just those ranks.
+            ranks = sorted(hashes) if hashes else range(self.topology.nodes)
+            self._bucket[step] = {r: hashes.get(r) for r in ranks}
         else:
             self._bucket.pop(step, None)
         self._backups_in_progress.discard(step)
@@ -322,7 +339,7 @@ class CoordinatorState:
         _check_int("step", step)
         auth = self._auth_hashes(step)
         out = {}
-        for rank in range(self.topology.nodes):
+        for rank in self.expected_ranks(step):
             found = self._rank_sources(step, rank, auth)
             if found:
                 out[rank] = found
@@ -331,10 +348,10 @@ class CoordinatorState:
     def missing_ranks(self, step: int) -> list[int]:
         """Ranks whose ``step`` data is on no tier."""
         found = self.sources(step)
-        return [r for r in range(self.topology.nodes) if r not in found]
+        return [r for r in self.expected_ranks(step) if r not in found]
 
     def is_complete(self, step: int) -> bool:
-        return not self.missing_ranks(step)
+        return not self.missing_ranks(step) and not self.is_abandoned(step)
 
     def globally_complete_steps(self) -> list[int]:
         """Steps whose every rank's data is on at least one tier, ascending."""
@@ -349,7 +366,7 @@ class CoordinatorState:
     def is_redundant(self, step: int) -> bool:
         """Every rank's data has at least two copies on distinct hosts (the bucket counts as one)."""
         found = self.sources(step)
-        if len(found) < self.topology.nodes:
+        if len(found) < len(self.expected_ranks(step)):
             return False
         return all(len({_holder_id(s) for s in srcs}) >= 2 for srcs in found.values())
 
@@ -475,7 +492,7 @@ class CoordinatorState:
         load: collections.Counter[int] = collections.Counter()
         count: collections.Counter[int] = collections.Counter()
         chosen: dict[int, Source] = {}
-        for rank in range(self.topology.nodes):
+        for rank in sorted(found):
             srcs = found[rank]
             local = [s for s in srcs if s.kind is Tier.LOCAL]
             peers = [s for s in srcs if s.kind is Tier.PEER]
@@ -529,6 +546,7 @@ class CoordinatorState:
                 if step in protected:
                     continue
                 drop = step not in newest_held
+                drop = drop or not self._current(h) or (newest is not None and self.is_abandoned(step))
                 drop = drop or (newest is not None and step < newest and step not in complete)
                 if not drop and h.tier is not Tier.LOCAL:
                     if step not in auth_cache:
@@ -559,9 +577,10 @@ class CoordinatorState:
         for step in self.known_steps():
             found = self.sources(step)
             steps[step] = {
-                "complete": len(found) == self.topology.nodes,
+                "complete": self.is_complete(step),
                 "redundant": self.is_redundant(step),
-                "missing_ranks": [r for r in range(self.topology.nodes) if r not in found],
+                "savers": _ranges(self.expected_ranks(step)),
+                "missing_ranks": [r for r in self.expected_ranks(step) if r not in found],
                 "ranks": {
                     r: [{"kind": str(s.kind), "holder": s.holder_rank, "owner": s.owner_rank} for s in srcs]
                     for r, srcs in found.items()
@@ -583,6 +602,38 @@ class CoordinatorState:
                 "pinned": sorted(self._pinned),
             },
         }
+
+    # --------------------------------------------------------------- elastic: savers and generations
+    # A step may be saved by a subset of the ranks (the active hosts of an elastic job); it is complete
+    # when every rank that saved it has its data on some tier. After a rollback the same step number may
+    # be saved again: the save with the highest generation is the step, older copies are abandoned; and a
+    # step is abandoned when an older step number was saved later (the job rolled back past it).
+
+    def step_generation(self, step: int) -> int:
+        gens = self._generations.get(step)
+        return max(gens) if gens else 0
+
+    def expected_ranks(self, step: int) -> list[int]:
+        """The ranks whose data make up ``step``: its newest save's savers (a bucket-only step: the
+        ranks its backup holds; nothing known: every rank)."""
+        gens = self._generations.get(step)
+        if gens:
+            ranges = self._savers.get((step, max(gens)), ())
+            if ranges:
+                return [r for a, b in ranges for r in range(a, min(b, self.topology.nodes - 1) + 1)]
+            return list(range(self.topology.nodes))
+        bucket = self._bucket.get(step)
+        if bucket:
+            return sorted(bucket)
+        return list(range(self.topology.nodes))
+
+    def is_abandoned(self, step: int) -> bool:
+        """An older step number carries a newer save: the job rolled back past ``step``."""
+        gen = self.step_generation(step)
+        return any(s < step and g > gen for s, gens in self._generations.items() for g in gens)
+
+    def _current(self, h: Holding) -> bool:
+        return h.generation >= self.step_generation(h.step)
 
     # -------------------------------------------------------------------------------------- internals
 
@@ -626,14 +677,24 @@ class CoordinatorState:
     def _add(self, holder: int, h: Holding) -> None:
         self._holdings.setdefault(holder, {})[h.key] = h
         self._index.setdefault(h.step, {}).setdefault(h.owner_rank, {})[holder] = h
+        self._generations.setdefault(h.step, collections.Counter())[h.generation] += 1
+        if h.savers or (h.step, h.generation) not in self._savers:
+            self._savers[(h.step, h.generation)] = h.savers
 
     def _remove(self, holder: int, key: Key) -> None:
         held = self._holdings.get(holder)
         if not held or key not in held:
             return
-        del held[key]
+        gone = held.pop(key)
         if not held:
             del self._holdings[holder]
+        gens = self._generations[gone.step]
+        gens[gone.generation] -= 1
+        if gens[gone.generation] <= 0:
+            del gens[gone.generation]
+            self._savers.pop((gone.step, gone.generation), None)
+            if not gens:
+                del self._generations[gone.step]
         owner, step = key
         by_owner = self._index[step]
         del by_owner[owner][holder]
@@ -655,7 +716,7 @@ class CoordinatorState:
         bucket = self._bucket.get(step, {})
         out = {}
         for owner in sorted(set(by_owner) | set(bucket)):
-            holders = by_owner.get(owner, {})
+            holders = {x: h for x, h in by_owner.get(owner, {}).items() if self._current(h)}
             mine = holders.get(owner)
             if mine is not None and mine.tier is Tier.LOCAL:
                 out[owner] = _Auth(mine.content_hash, True)
@@ -678,6 +739,8 @@ class CoordinatorState:
         for owner in [rank, *self.topology.replicas_of(rank)]:
             a = auth.get(owner)
             for holder, h in by_owner.get(owner, {}).items():
+                if not self._current(h):
+                    continue  # a copy of an abandoned save of this step number (before a rollback)
                 if not _carries_bytes(h) or a is None or h.content_hash != a.content_hash:
                     continue  # an attestation, or a stale copy of an older save of this step
                 if owner != rank and h.content_hash != want:
@@ -693,6 +756,17 @@ class CoordinatorState:
         order = {Tier.LOCAL: 0, Tier.PEER: 1, Tier.BUCKET: 2}
         found.sort(key=lambda s: (order[s.kind], s.owner_rank != rank, s.holder_rank or 0, s.owner_rank))
         return found
+
+
+def rank_ranges(ranks: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """``[0, 1, 2, 5]`` -> ``((0, 2), (5, 5))``: a set of ranks as inclusive ranges (compact at any scale)."""
+    out: list[tuple[int, int]] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1][1] == r - 1:
+            out[-1] = (out[-1][0], r)
+        else:
+            out.append((r, r))
+    return tuple(out)
 
 
 def _carries_bytes(h: Holding) -> bool:

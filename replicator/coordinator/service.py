@@ -46,6 +46,10 @@ class BackupScheduler:
         """Hosts asked for an immediate backup of these steps (Orbax's ``_BACKUP_REQUESTED``)."""
         return None
 
+    def emergency(self, step: int | None) -> None:
+        """A preemption notice: back ``step`` (the newest complete one) up at once, unthrottled."""
+        return None
+
     def status(self) -> dict[str, Any]:
         return {}
 
@@ -86,6 +90,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._copy_grace_seconds = 2 * heartbeat_seconds + 1.0
         self._started = clock()
         self._startup_grace_seconds = 10 * heartbeat_seconds + 10.0
+        self.preemption_noticed = False
 
     # ------------------------------------------------------------------ helpers
     def _abort_bad(self, context: grpc.ServicerContext, msg: str, code=grpc.StatusCode.INVALID_ARGUMENT):
@@ -145,7 +150,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._check(request.job, request.rank, context)
         rank = request.rank
         try:
-            holdings = [Holding(h.owner_rank, h.step, h.content_hash, h.size, h.tier) for h in request.holdings]
+            holdings = [Holding(h.owner_rank, h.step, h.content_hash, h.size, h.tier, h.generation,
+                                tuple((r.first, r.last) for r in h.savers)) for h in request.holdings]
         except ValueError as e:
             self._abort_bad(context, f"bad holding from rank {rank}: {e}")
         for h in holdings:
@@ -168,7 +174,14 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self.backup.report(self.state, rank, list(request.backups))
             if request.backup_requests:
                 self.backup.request(list(request.backup_requests))
-            resp = pb.HeartbeatResponse(heartbeat_interval_ms=int(self.heartbeat_seconds * 1000))
+            if request.preempting and not self.preemption_noticed:
+                log.warning("rank %d received a preemption notice: emergency backup of the newest complete step",
+                            rank)
+                self.preemption_noticed = True
+            if self.preemption_noticed:
+                self.backup.emergency(self.state.newest_complete_step())
+            resp = pb.HeartbeatResponse(heartbeat_interval_ms=int(self.heartbeat_seconds * 1000),
+                                        preemption_noticed=self.preemption_noticed)
             newest = self.state.newest_complete_step()
             resp.newest_complete_step = -1 if newest is None else newest
             floor = newest if newest is not None else -1
@@ -225,8 +238,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         with self._lock:
             self._wait_all_registered(request.wait_seconds)
             complete = self.state.globally_complete_steps()
-            backed = sorted(s for s in self.state.known_steps() if len(self.state.backup_ranks(s)) ==
-                            self.topology.nodes)
+            backed = sorted(s for s in self.state.known_steps()
+                            if set(self.state.expected_ranks(s)) <= set(self.state.backup_ranks(s)))
         return pb.GetStepsResponse(newest_complete_step=complete[-1] if complete else -1,
                                    complete_steps=complete, backed_up_steps=backed)
 
@@ -265,6 +278,33 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             f"step {step}: ranks {sorted(set(range(self.topology.nodes)) - set(ready))} not ready after {wait}s")
         return pb.PrepareRestoreResponse(step=step, reason=reason, ready_ranks=ready,
                                          ready=len(ready) == self.topology.nodes)
+
+    def LocateStep(self, request: pb.LocateStepRequest, context: grpc.ServicerContext) -> pb.LocateStepResponse:
+        """Elastic restore: the savers of a step and, for the owners asked, every source of their data."""
+        if request.step < 0:
+            self._abort_bad(context, f"bad step {request.step}")
+        for o in request.owners:
+            if not 0 <= o < self.topology.nodes:
+                self._abort_bad(context, f"unknown rank {o}", grpc.StatusCode.NOT_FOUND)
+        with self._lock:
+            step = request.step
+            if step not in self.state.known_steps():
+                self._abort_bad(context, f"step {step} is on no tier (known steps: {self.state.known_steps()})",
+                                grpc.StatusCode.NOT_FOUND)
+            sources = self.state.sources(step)
+            resp = pb.LocateStepResponse(savers=self.state.expected_ranks(step),
+                                         generation=self.state.step_generation(step),
+                                         complete=self.state.is_complete(step))
+            for owner in request.owners:
+                rs = resp.ranks.add(owner_rank=owner)
+                for src in sources.get(owner, []):
+                    addr = self._addresses.get(src.holder_rank, "") if src.holder_rank is not None else ""
+                    if src.kind is not Tier.BUCKET and not addr:
+                        continue
+                    rs.sources.add(kind=str(src.kind), holder_rank=-1 if src.holder_rank is None else src.holder_rank,
+                                   holder_address=addr, owner_rank=src.owner_rank,
+                                   content_hash=src.content_hash or "")
+        return resp
 
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
         with self._lock:

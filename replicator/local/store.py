@@ -8,7 +8,7 @@ import os
 import threading
 from pathlib import Path
 
-from replicator.coordinator.planner import Holding, Tier
+from replicator.coordinator.planner import Holding, Tier, rank_ranges
 from sidecar import layout
 
 log = logging.getLogger(__name__)
@@ -102,17 +102,21 @@ class RamDiskStore:
             m = self.manifest(self.rank, step)
             if m is not None:
                 own_hash[step] = m.content_hash
-                out.append(Holding(self.rank, step, m.content_hash, m.total_bytes, Tier.LOCAL))
+                out.append(Holding(self.rank, step, m.content_hash, m.total_bytes, Tier.LOCAL,
+                                   m.generation, rank_ranges(m.savers)))
         for owner, step in self.peer_steps():
             m = self.manifest(owner, step)
             if m is not None and m.rank == owner:
-                out.append(Holding(owner, step, m.content_hash, m.total_bytes, Tier.PEER))
+                out.append(Holding(owner, step, m.content_hash, m.total_bytes, Tier.PEER,
+                                   m.generation, rank_ranges(m.savers)))
         held = {(h.owner_rank, h.step) for h in out}
         with self._lock:
             replicas = dict(self._replica_of)
         for (owner, step), h in replicas.items():
             if own_hash.get(step) == h and (owner, step) not in held:
-                out.append(Holding(owner, step, h, 0, Tier.REPLICA))
+                om = self.manifest(self.rank, step)
+                out.append(Holding(owner, step, h, 0, Tier.REPLICA, om.generation if om else 0,
+                                   rank_ranges(om.savers) if om else ()))
         return out
 
     def backup_requests(self) -> list[int]:

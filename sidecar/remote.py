@@ -1,0 +1,86 @@
+"""Reach data beyond this host's RAM disk through the host's replicator (its local control socket).
+
+The replicator knows the other tiers: it asks the coordinator where a rank's data of a step lives and
+fetches it — from a peer's RAM disk, else the bucket — verifying every file's crc32c before committing the
+copy under ``<root>/peer/<owner>/<step>``. The sidecar then reads it like any local copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import grpc
+
+from mtc_rpc import control_pb2, control_pb2_grpc
+from sidecar import layout
+
+log = logging.getLogger(__name__)
+
+LOCATE_TIMEOUT_SECONDS = 30.0
+
+
+class ReplicatorFetcher:
+    """:class:`sidecar.reader.Fetcher` over the host replicator's ``LocateStep``/``FetchStep`` calls."""
+
+    def __init__(self, root: Path, timeout_seconds: float = 300.0):
+        self.root = Path(root)
+        self.timeout = timeout_seconds
+
+    def _stub(self) -> tuple[grpc.Channel, control_pb2_grpc.LocalControlStub]:
+        sock = layout.control_socket(self.root)
+        if not sock.exists():
+            raise FileNotFoundError(f"no replicator serves {self.root} (no {sock}): cannot reach other tiers")
+        ch = grpc.insecure_channel(f"unix:{sock}")
+        return ch, control_pb2_grpc.LocalControlStub(ch)
+
+    def _call(self, method: str, request: object, timeout: float) -> object:
+        ch, stub = self._stub()
+        try:
+            return getattr(stub, method)(request, timeout=timeout)
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            msg = f"replicator of {self.root}: {method}: {e.details() if hasattr(e, 'details') else e}"
+            if code == grpc.StatusCode.NOT_FOUND:
+                raise FileNotFoundError(msg) from None
+            raise OSError(msg) from None
+        finally:
+            ch.close()
+
+    def locate(self, step: int) -> tuple[tuple[int, ...], int]:
+        resp = self._call("LocateStep", control_pb2.LocalLocateRequest(step=step), LOCATE_TIMEOUT_SECONDS)
+        return tuple(resp.savers), int(resp.generation)
+
+    def manifest(self, owner: int, step: int) -> layout.StepManifest:
+        resp = self._call("FetchStep", control_pb2.FetchStepRequest(owner_rank=owner, step=step, manifest_only=True,
+                                                                    timeout_seconds=self.timeout), self.timeout + 5)
+        return layout.StepManifest.from_json(resp.manifest_json)
+
+    def fetch(self, owner: int, step: int, replace: bool = False) -> Path:
+        resp = self._call("FetchStep", control_pb2.FetchStepRequest(owner_rank=owner, step=step, replace_local=replace,
+                                                                    timeout_seconds=self.timeout), self.timeout + 5)
+        d = layout.resolve_under(self.root, resp.step_dir)
+        return d
+
+
+def _quick(root: Path, method: str, request: object) -> object | None:
+    sock = layout.control_socket(root)
+    if not sock.exists():
+        return None
+    try:
+        with grpc.insecure_channel(f"unix:{sock}") as ch:
+            return getattr(control_pb2_grpc.LocalControlStub(ch), method)(request, timeout=2.0)
+    except grpc.RpcError as e:
+        log.debug("replicator not reachable on %s: %s", sock, e)
+        return None
+
+
+def preemption_noticed(root: Path) -> bool:
+    """Has the host's replicator seen a preemption notice (its own SIGTERM, or another host's)?"""
+    resp = _quick(root, "GetPreemption", control_pb2.GetPreemptionRequest())
+    return bool(resp is not None and resp.noticed)
+
+
+def backup_now(root: Path) -> bool:
+    """Ask the host's replicator to back the newest complete step up now; True when it answered."""
+    return _quick(root, "BackupNow", control_pb2.BackupNowRequest()) is not None

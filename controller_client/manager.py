@@ -242,7 +242,7 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 where = "on any tier" if self._coordinator is not None else f"in {self.options.local_directory}"
-                raise FileNotFoundError(f"no complete step {where}")
+                raise FileNotFoundError(f"no committed step {where} (none complete)")
         layout.step_name(step)
         leaves, treedef = tree.flatten(target)
         all_paths = [p for p, _ in leaves]

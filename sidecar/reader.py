@@ -99,7 +99,8 @@ class StepSource:
         self._cache: dict[tuple[str, tuple], np.ndarray] = {}
         self._lock = threading.Lock()
         self._tried_manifests: set[int] = set()
-        self._fetched: set[int] = set()
+        self._fetched: set[tuple[int, bool]] = set()
+        self._fetch_locks: dict[tuple[int, bool], threading.Lock] = {}
         found = []
         for root in self.roots:
             for d in step_dirs_in(root, step):
@@ -195,13 +196,19 @@ class StepSource:
             owner, replace = self._owner_of(replace_dir), True
         else:
             owner, replace = int(str(loc.step_dir).split(":", 1)[1]), False
-        if owner is None or (owner, replace) in self._fetched:
+        if owner is None:
             return []
-        self._fetched.add((owner, replace))
-        t0 = time.monotonic()
-        d = self.fetcher.fetch(owner, self.step, replace=replace)
-        m = layout.read_manifest(d)
-        self._add(d, m)
+        with self._lock:
+            lock = self._fetch_locks.setdefault((owner, replace), threading.Lock())
+        with lock:  # concurrent readers of the same rank wait for one fetch
+            if (owner, replace) in self._fetched:
+                return []
+            t0 = time.monotonic()
+            d = self.fetcher.fetch(owner, self.step, replace=replace)
+            m = layout.read_manifest(d)
+            with self._lock:
+                self._add(d, m)
+            self._fetched.add((owner, replace))
         log.info("rank %d's data of step %d now at %s (%.3fs)", owner, self.step, d, time.monotonic() - t0)
         return [SavedShard(d, s) for a in m.arrays for s in a.shards]
 

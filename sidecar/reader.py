@@ -30,6 +30,7 @@ MAP_MIN_BYTES = 1 << 20
 class SavedShard:
     step_dir: Path
     entry: layout.ShardEntry
+    copy: int = 0  # which load of ``step_dir`` (a bad copy replaced under the same name is a new one)
 
 
 @dataclasses.dataclass
@@ -100,7 +101,9 @@ class StepSource:
         self._lock = threading.Lock()
         self._tried_manifests: set[int] = set()
         self._fetched: set[tuple[int, bool]] = set()
-        self._fetch_locks: dict[tuple[int, bool], threading.Lock] = {}
+        self._copies = 0
+        self._copy_at: dict[Path, int] = {}
+        self._heal = threading.RLock()
         found = []
         for root in self.roots:
             for d in step_dirs_in(root, step):
@@ -128,6 +131,8 @@ class StepSource:
         if self.generation < 0 or m.generation > self.generation or not self.savers:
             self.generation, self.savers = m.generation, m.expected_ranks
         self.manifests.append((d, m))
+        self._copies += 1
+        self._copy_at[d] = copy = self._copies
         for v in m.values:
             self.values.setdefault(v.path, v.value)
         for a in m.arrays:
@@ -137,18 +142,23 @@ class StepSource:
             elif (sa.global_shape, sa.dtype, sa.key_impl) != (a.global_shape, a.dtype, a.key_impl):
                 raise layout.ManifestError(f"ranks disagree on shape/dtype of {a.path!r} in step {self.step}")
             for s in a.shards:
-                sa.shards.setdefault(s.index, []).append(SavedShard(d, s))
+                sa.shards.setdefault(s.index, []).append(SavedShard(d, s, copy))
 
-    def _drop(self, step_dir: Path, why: BaseException) -> None:
+    def _drop(self, step_dir: Path, why: BaseException, copy: int = 0) -> None:
         """A bad copy: forget it here and, when allowed, delete it so no inventory lists it any longer
-        (the replicator then fetches a good copy again)."""
-        for sa in self.arrays.values():
-            for idx in list(sa.shards):
-                sa.shards[idx] = [loc for loc in sa.shards[idx] if loc.step_dir != step_dir]
-        self.manifests = [(d, m) for d, m in self.manifests if d != step_dir]
-        if self.drop_bad:
-            log.warning("dropping the bad copy %s: %s", step_dir, why)
-            layout.delete_step(step_dir)
+        (the replicator then fetches a good copy again). A replacement already fetched under the same name
+        (a concurrent reader found the copy bad first) is kept."""
+        with self._heal, self._lock:
+            if copy and self._copy_at.get(step_dir, copy) != copy:
+                return
+            for sa in self.arrays.values():
+                for idx in list(sa.shards):
+                    sa.shards[idx] = [loc for loc in sa.shards[idx] if loc.step_dir != step_dir]
+            self.manifests = [(d, m) for d, m in self.manifests if d != step_dir]
+            self._copy_at.pop(step_dir, None)
+            if self.drop_bad:
+                log.warning("dropping the bad copy %s: %s", step_dir, why)
+                layout.delete_step(step_dir)
 
     @property
     def owners(self) -> set[int]:
@@ -163,6 +173,10 @@ class StepSource:
         """Learn every saver's manifest (their shard layout), fetching those not on this host."""
         if self.fetcher is None:
             return
+        with self._heal:  # concurrent readers wait for the manifests another one is fetching
+            self._load_all_manifests()
+
+    def _load_all_manifests(self) -> None:
         have = self.owners
         for owner in self.savers:
             if owner in have or owner in self._tried_manifests:
@@ -198,9 +212,7 @@ class StepSource:
             owner, replace = int(str(loc.step_dir).split(":", 1)[1]), False
         if owner is None:
             return []
-        with self._lock:
-            lock = self._fetch_locks.setdefault((owner, replace), threading.Lock())
-        with lock:  # concurrent readers of the same rank wait for one fetch
+        with self._heal:  # one fetch at a time; a concurrent reader never deletes a fresh replacement
             if (owner, replace) in self._fetched:
                 return []
             t0 = time.monotonic()
@@ -236,14 +248,14 @@ class StepSource:
         shape = tuple(b - a for a, b in index)
         dtype = tree.dtype_from_name(arr.dtype)
         errors: list[BaseException] = []
-        tried: set[Path] = set()
+        tried: set[tuple[Path, int]] = set()
         for _ in range(len(arr.shards.get(index, [])) + 8):
             locs = sorted(arr.shards.get(index, []), key=lambda sl: str(sl.step_dir).startswith("remote:"))
-            locs = [sl for sl in locs if sl.step_dir not in tried]
+            locs = [sl for sl in locs if (sl.step_dir, sl.copy) not in tried]
             if not locs:
                 break
             loc = locs[0]
-            tried.add(loc.step_dir)
+            tried.add((loc.step_dir, loc.copy))
             if str(loc.step_dir).startswith("remote:"):
                 try:
                     self._materialise(loc)
@@ -266,7 +278,7 @@ class StepSource:
                     f"{loc.step_dir}/{e.file} ({type(err).__name__}: {err})", e.crc32c, 0)
                 log.warning("bad copy of %s%s in %s: %s", arr.path, index, loc.step_dir, err)
                 errors.append(bad)
-                self._drop(loc.step_dir, bad)
+                self._drop(loc.step_dir, bad, loc.copy)
                 if not arr.shards.get(index):
                     try:
                         self._materialise(loc, replace_dir=loc.step_dir)

@@ -1,0 +1,184 @@
+"""Elastic training and suspend-resume with real replicators on loopback: stable ranks, savers, reshard
+restores from peers and the bucket, rollback, healing a bad copy within one restore, preemption flush."""
+
+from __future__ import annotations
+
+import json
+import signal
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from controller_client.manager import CheckpointManager, CheckpointManagerOptions
+from controller_client.topology import HostTopology
+from sidecar import layout
+from tests.kits.cluster import assert_equal, status, wait_for
+from tests.replicator.conftest import cluster_factory  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+
+def mgr_for(cl, devices=None, **kw) -> CheckpointManager:
+    devs = jax.devices()
+    topo = HostTopology.simulated(devs, 2, 2)  # the full allocation: ranks never change
+    opts = CheckpointManagerOptions(local_directory=cl.local_template, job_name="t",
+                                    coordinator_address=cl.coordinator, restore_wait_seconds=60,
+                                    rpc_timeout_seconds=10, **kw)
+    return CheckpointManager(opts, devices=devices if devices is not None else devs, topology=topo)
+
+
+def fsdp_state(step: int, devices, shape=(2, 4), spec=P("data", "model")) -> dict:
+    mesh = Mesh(np.array(devices).reshape(shape), ("data", "model"))
+    rng = np.random.default_rng(step)
+    return {"w": jax.device_put(rng.standard_normal((16, 64)).astype(np.float32), NamedSharding(mesh, spec)),
+            "v": jax.device_put(rng.standard_normal((8, 32)).astype(np.float32),
+                                NamedSharding(mesh, P(None, "model"))),
+            "step": step}
+
+
+def target_on(tree: dict, devices, shape, spec=P("data", "model")) -> dict:
+    mesh = Mesh(np.array(devices).reshape(shape), ("data", "model"))
+    return {"w": jax.ShapeDtypeStruct(tree["w"].shape, tree["w"].dtype, sharding=NamedSharding(mesh, spec)),
+            "v": jax.ShapeDtypeStruct(tree["v"].shape, tree["v"].dtype,
+                                      sharding=NamedSharding(mesh, P(None, "model"))),
+            "step": tree["step"]}
+
+
+def test_from_devices_keeps_ranks_for_a_subset_of_slices():
+    devs = [SimpleNamespace(id=i, slice_index=i // 4, process_index=i // 2) for i in range(8)]
+    full = HostTopology.from_devices(devs)
+    only_slice1 = HostTopology.from_devices(devs[4:], slices=2)
+    assert only_slice1.device_rank == {i: full.device_rank[i] for i in range(4, 8)}
+    assert sorted(set(only_slice1.device_rank.values())) == [2, 3]
+    assert full.check_active(devs[4:]) == [2, 3]
+    with pytest.raises(ValueError, match="partly active"):
+        full.check_active(devs[4:7])
+
+
+def test_reshard_restores_across_meshes_from_peers_and_one_slice(cluster_factory):  # noqa: F811
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    tree = fsdp_state(4, devs)
+    assert mgr.save(4, tree)
+    mgr.wait_until_finished()
+    assert mgr.latest_step() == 4  # truthful at once, before any heartbeat
+    # A different mesh of the same devices: 4x2 needs shards that live on other hosts (peers).
+    assert_equal(tree, mgr.restore(4, target_on(tree, devs, (4, 2))))
+    # Onto one slice (ranks 0, 1 active): every shard of slice 1's ranks comes from a peer.
+    small = mgr_for(cl, devices=devs[:4])
+    assert small.active_ranks == [0, 1]
+    assert_equal(tree, small.restore(None, target_on(tree, devs[:4], (1, 4))))
+    # Onto slice 1 alone, 4x1: ranks 2 and 3 keep their ranks and fetch ranks 0/1's shards.
+    other = mgr_for(cl, devices=devs[4:])
+    assert other.active_ranks == [2, 3]
+    assert_equal(tree, other.restore(4, target_on(tree, devs[4:], (4, 1))))
+    # Saved by one slice: complete over its savers at once, restorable onto both slices.
+    t6 = fsdp_state(6, devs[:4], shape=(1, 4))
+    assert small.save(6, t6)
+    small.wait_until_finished()
+    assert small.latest_step() == 6
+    assert mgr.latest_step() == 6
+    wait_for(lambda: status(cl)["steps"].get("6", {}).get("complete"), what="coordinator: step 6 complete")
+    assert status(cl)["steps"]["6"]["savers"] == "0-1"
+    assert_equal(t6, mgr.restore(6, target_on(t6, devs, (2, 4))))
+    for m in (mgr, small, other):
+        m.close()
+
+
+def test_rollback_then_save_forward(cluster_factory):  # noqa: F811
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    trees = {}
+    for s in (2, 4, 6):
+        trees[s] = fsdp_state(s, devs)
+        mgr.save(s, trees[s])
+        mgr.wait_until_finished()
+    assert mgr.latest_step() == 6
+    assert_equal(trees[4], mgr.restore(4, target_on(trees[4], devs, (2, 4))))
+    # Training goes on from step 4 with other data: step 6 is saved again, never FileExistsError.
+    new6 = fsdp_state(60, devs)
+    new6["step"] = 6
+    assert mgr.save(6, new6)
+    mgr.wait_until_finished()
+    assert mgr.latest_step() == 6
+    assert_equal(new6, mgr.restore(6, target_on(new6, devs, (4, 2))))
+    # The coordinator agrees: the newer save supersedes the abandoned one.
+    wait_for(lambda: status(cl)["newest_complete_step"] == 6, what="coordinator newest 6")
+    fresh = mgr_for(cl)
+    assert_equal(new6, fresh.restore(None, target_on(new6, devs, (2, 4))))
+    fresh.close()
+    mgr.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_bad_shard_healed_within_one_restore(cluster_factory, damage):  # noqa: F811
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    tree = fsdp_state(8, devs)
+    mgr.save(8, tree)
+    mgr.wait_until_finished()
+    # Wait until rank 0's data has a copy on another host.
+    wait_for(lambda: status(cl)["steps"].get("8", {}).get("redundant"), what="step 8 redundant", timeout=60)
+    step_dir = cl.ram(0) / "steps" / "8"
+    m = layout.read_manifest(step_dir)
+    victim = step_dir / m.files[0].name
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    else:
+        victim.write_bytes(bytes(data[: len(data) // 2]))
+    try:
+        out = mgr.restore(8, target_on(tree, devs, (2, 4)))
+    except Exception:
+        print(cl.logs())
+        raise
+    assert_equal(tree, out)
+    # The bad copy is no longer listed as it was; a good copy is back on host 0.
+    m2 = layout.read_manifest(next(p for p in [step_dir, *cl.ram(0).glob("peer/*/8")]
+                                    if (p / layout.MANIFEST_NAME).exists()))
+    assert m2.content_hash == m.content_hash
+    mgr.close()
+
+
+def test_sigterm_flushes_newest_step_to_bucket_then_resume_on_empty_ram(cluster_factory):  # noqa: F811
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    bucket = cl.base / "bucket"
+    # A 30-minute interval: without the emergency flush nothing would be in the bucket.
+    cl.extra = ["--backup-url", f"file://{bucket}", "--backup-interval-minutes", "30",
+                "--preemption-grace-seconds", "20"]
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    tree = fsdp_state(10, devs)
+    mgr.save(10, tree)
+    mgr.wait_until_finished()
+    assert not mgr.reached_preemption(10)
+    wait_for(lambda: status(cl)["newest_complete_step"] == 10, what="step 10 complete")
+    # Rank 3 gets the notice first: every host learns of it through the coordinator.
+    cl.procs[3].proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: mgr.reached_preemption(10), what="preemption noticed by the controller", timeout=30)
+    for r in (0, 1, 2):
+        cl.procs[r].proc.send_signal(signal.SIGTERM)
+    for r in range(4):
+        cl.procs[r].proc.wait(timeout=40)
+    recs = [json.loads((cl.ram(r) / "preemption.json").read_text()) for r in range(4)]
+    assert any(rec["finished"] and rec["step"] == 10 for rec in recs), recs
+    mgr.close()
+    for r in range(4):
+        cl.wipe(r)
+    cl.start_all()
+    mgr = mgr_for(cl)
+    wait_for(lambda: mgr.latest_step() == 10, what="step 10 known from the bucket", timeout=60)
+    assert_equal(tree, mgr.restore(None, target_on(tree, devs, (4, 2))))
+    mgr.close()

@@ -238,6 +238,11 @@ class CheckpointManager:
         if self._coordinator is not None:
             # Have every host report now: what it lacks is located through the coordinator.
             self.dispatcher.query("wake")
+        if step is None and self._coordinator is not None:
+            forced = self._coordinator.steps().forced_restore_step
+            if forced >= 0:
+                log.info("restoring step %d as the operator forced (--restore-from-backup)", forced)
+                step = forced
         if step is None:
             step = self.latest_step()
             if step is None:

@@ -173,14 +173,16 @@ class GetStepsRequest(_message.Message):
     def __init__(self, wait_seconds: _Optional[float] = ...) -> None: ...
 
 class GetStepsResponse(_message.Message):
-    __slots__ = ("newest_complete_step", "complete_steps", "backed_up_steps")
+    __slots__ = ("newest_complete_step", "complete_steps", "backed_up_steps", "forced_restore_step")
     NEWEST_COMPLETE_STEP_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_STEPS_FIELD_NUMBER: _ClassVar[int]
     BACKED_UP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
     newest_complete_step: int
     complete_steps: _containers.RepeatedScalarFieldContainer[int]
     backed_up_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, newest_complete_step: _Optional[int] = ..., complete_steps: _Optional[_Iterable[int]] = ..., backed_up_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    forced_restore_step: int
+    def __init__(self, newest_complete_step: _Optional[int] = ..., complete_steps: _Optional[_Iterable[int]] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., forced_restore_step: _Optional[int] = ...) -> None: ...
 
 class PrepareRestoreRequest(_message.Message):
     __slots__ = ("step", "wait_seconds")

@@ -240,8 +240,15 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             complete = self.state.globally_complete_steps()
             backed = sorted(s for s in self.state.known_steps()
                             if set(self.state.expected_ranks(s)) <= set(self.state.backup_ranks(s)))
+            target = self.restore_target()
+            forced = -1
+            if target is not None and self._restore_step is not None and target == self._restore_step:
+                forced = target
+                if self._restore_floor is None:  # served: released once a newer step completes
+                    known = self.state.known_steps()
+                    self._restore_floor = max(known[-1], target) if known else target
         return pb.GetStepsResponse(newest_complete_step=complete[-1] if complete else -1,
-                                   complete_steps=complete, backed_up_steps=backed)
+                                   complete_steps=complete, backed_up_steps=backed, forced_restore_step=forced)
 
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: grpc.ServicerContext) -> pb.PrepareRestoreResponse:

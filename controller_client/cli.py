@@ -18,6 +18,10 @@ def _version() -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.elastic:
+        from controller_client.demo.elastic import run_elastic_demo
+
+        return run_elastic_demo(args.workdir, keep=args.keep)
     from controller_client.demo.run import run_demo
 
     return run_demo(args.workdir, keep=args.keep)
@@ -74,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", help="directory for the simulated hosts' RAM dirs (default: a temp dir "
                    "under /dev/shm, removed afterwards)")
     d.add_argument("--keep", action="store_true", help="keep the working directory")
+    d.add_argument("--elastic", action="store_true", help="instead: the Pathways elastic loop (pathwaysutils) "
+                   "on 2 simulated slices; slice 1 fails and returns, replicated and FSDP state")
     logs.add_arguments(d, default=argparse.SUPPRESS)
     d.set_defaults(func=_demo)
 

@@ -168,6 +168,22 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Block until every host has committed its queued saves; raise the first background failure."""
         self.dispatcher.query("wait", self.options.wait_timeout_seconds)
+        if self._coordinator is not None and self._last_saved is not None:
+            self._await_coordinator(self._last_saved)
+
+    def _await_coordinator(self, step: int) -> None:
+        """Have the coordinator count ``step`` complete before returning, so that ``latest_step`` is truthful
+        from any host set at once (an elastic event right after a save must not roll back past it)."""
+        deadline = time.monotonic() + self.options.rpc_timeout_seconds
+        while time.monotonic() < deadline:
+            self.dispatcher.query("wake")
+            resp = self._coordinator.steps(wait_seconds=0)
+            if step in resp.complete_steps or resp.newest_complete_step > step:
+                self._last_saved = None
+                return
+            time.sleep(0.02)
+        log.warning("the coordinator does not count step %d complete after %.0fs", step,
+                    self.options.rpc_timeout_seconds)
 
     # ------------------------------------------------------------------ steps
     def _host_steps(self) -> dict[int, Any]:
@@ -244,10 +260,22 @@ class CheckpointManager:
                 log.info("restoring step %d as the operator forced (--restore-from-backup)", forced)
                 step = forced
         if step is None:
-            step = self.latest_step()
-            if step is None:
+            steps = self.all_steps()
+            if not steps:
                 where = "on any tier" if self._coordinator is not None else f"in {self.options.local_directory}"
                 raise FileNotFoundError(f"no committed step {where} (none complete)")
+            # The newest complete step, else (its data unreachable now: a lost slice held the only copy)
+            # the next older one.
+            for older in reversed(steps[:-1]):
+                try:
+                    return self._restore(steps[-1], target)
+                except (FileNotFoundError, OSError) as e:
+                    log.warning("step %d cannot be restored (%s); trying step %d", steps[-1], e, older)
+                    steps = steps[:-1]
+            return self._restore(steps[-1], target)
+        return self._restore(step, target)
+
+    def _restore(self, step: int, target: Any) -> Any:
         layout.step_name(step)
         leaves, treedef = tree.flatten(target)
         all_paths = [p for p, _ in leaves]

@@ -31,7 +31,10 @@ def mgr_for(cl, devices=None, **kw) -> CheckpointManager:
     return CheckpointManager(opts, devices=devices if devices is not None else devs, topology=topo)
 
 
-def fsdp_state(step: int, devices, shape=(2, 4), spec=P("data", "model")) -> dict:
+FSDP = P("data", "model")
+
+
+def fsdp_state(step: int, devices, shape=(2, 4), spec=FSDP) -> dict:
     mesh = Mesh(np.array(devices).reshape(shape), ("data", "model"))
     rng = np.random.default_rng(step)
     return {"w": jax.device_put(rng.standard_normal((16, 64)).astype(np.float32), NamedSharding(mesh, spec)),
@@ -40,7 +43,7 @@ def fsdp_state(step: int, devices, shape=(2, 4), spec=P("data", "model")) -> dic
             "step": step}
 
 
-def target_on(tree: dict, devices, shape, spec=P("data", "model")) -> dict:
+def target_on(tree: dict, devices, shape, spec=FSDP) -> dict:
     mesh = Mesh(np.array(devices).reshape(shape), ("data", "model"))
     return {"w": jax.ShapeDtypeStruct(tree["w"].shape, tree["w"].dtype, sharding=NamedSharding(mesh, spec)),
             "v": jax.ShapeDtypeStruct(tree["v"].shape, tree["v"].dtype,
@@ -73,6 +76,7 @@ def test_reshard_restores_across_meshes_from_peers_and_one_slice(cluster_factory
     # Onto one slice (ranks 0, 1 active): every shard of slice 1's ranks comes from a peer.
     small = mgr_for(cl, devices=devs[:4])
     assert small.active_ranks == [0, 1]
+    assert small.latest_step() == 4  # saved by all four hosts and waited for: known from slice 0 at once
     assert_equal(tree, small.restore(None, target_on(tree, devs[:4], (1, 4))))
     # Onto slice 1 alone, 4x1: ranks 2 and 3 keep their ranks and fetch ranks 0/1's shards.
     other = mgr_for(cl, devices=devs[4:])
@@ -182,3 +186,24 @@ def test_sigterm_flushes_newest_step_to_bucket_then_resume_on_empty_ram(cluster_
     wait_for(lambda: mgr.latest_step() == 10, what="step 10 known from the bucket", timeout=60)
     assert_equal(tree, mgr.restore(None, target_on(tree, devs, (4, 2))))
     mgr.close()
+
+
+@pytest.mark.parametrize("kind", ["replicated", "fsdp"])
+def test_elastic_loop_slice_fails_and_returns(cluster_factory, kind):  # noqa: F811
+    from controller_client.demo.elastic import Schedule, SimulatedSlices, train_elastic, train_plain
+
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.start_all()
+    devs = jax.devices()
+    sched = Schedule(total_steps=18, save_every=3, fail_at=8, return_at=12)
+    events: list[str] = []
+    got = train_elastic(cl, kind, sched, SimulatedSlices(devs), events)
+    # Slice 1 fails after step 7: training goes on on slice 0 from step 6 (saved on both and waited for),
+    # then scales back up to both slices from the step saved on slice 0 alone.
+    assert events[:4] == ["attempt on slices [0, 1]", "slice 1 fails before step 8", "attempt on slices [0]",
+                          "restored step 6 onto 1 slice(s)"], events
+    assert "slice 1 is back before step 12" in events
+    assert events[-2:] == ["attempt on slices [0, 1]", "restored step 11 onto 2 slice(s)"], events
+    ref = train_plain(kind, sched.total_steps, devs)
+    assert sorted(got) == sorted(ref)
+    np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], rtol=1e-5)

@@ -1,0 +1,263 @@
+"""`mtc demo --elastic`: the Pathways elastic training loop on 8 CPU devices as 2 simulated slices.
+
+The loop is the one a Pathways user writes: one ``pathwaysutils.elastic.manager.Manager``, a training
+function under ``@manager.elastic_retry(minimum_slice_count=1)`` that builds its mesh from the active
+devices, restores the newest complete step at the start of each attempt, saves every few steps and asks to
+scale up when ``available_inactive_slices`` is non-empty. ``CheckpointManager`` is the state tier, with the
+full topology (ranks never change) and ``devices=`` the active devices.
+
+What is simulated (CPU devices have no ``slice_index``, and nothing fails by itself): pathwaysutils' slice
+grouping and health check are patched (:class:`SimulatedSlices`); slice 1 "fails" by raising the error a
+Pathways slice-down raises (``jax.errors.JaxRuntimeError("DATA_LOSS: ...")``) and comes back later.
+Replicators are real processes on loopback. Data depends only on the step index, so the loss trajectory
+equals an uninterrupted run's whatever the mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SLICES = 2
+HOSTS_PER_SLICE = 2
+DEVICES_PER_SLICE = 4
+
+
+@dataclasses.dataclass
+class Schedule:
+    """When slice 1 fails and returns, in training steps."""
+
+    total_steps: int = 24
+    save_every: int = 3
+    fail_at: int = 8  # slice 1 goes down before this step runs
+    return_at: int = 14  # slice 1 is healthy again before this step runs
+
+
+class SimulatedSlices:
+    """Stand-in for pathwaysutils' slice discovery on CPU: devices are grouped into slices by id, and a
+    slice is healthy unless marked down."""
+
+    def __init__(self, devices: list[Any], per_slice: int = DEVICES_PER_SLICE):
+        self.devices = sorted(devices, key=lambda d: d.id)
+        self.per_slice = per_slice
+        self.down: set[int] = set()
+        self._lock = threading.Lock()
+
+    def slice_of(self, device: Any) -> int:
+        return self.devices.index(device) // self.per_slice
+
+    def slice_to_devices(self, devices: Any = None) -> dict[int, list[Any]]:
+        out: dict[int, list[Any]] = {}
+        for d in devices if devices is not None else self.devices:
+            out.setdefault(self.slice_of(d), []).append(d)
+        return out
+
+    def active(self, slice_to_devices: Any = None, checker: Any = None) -> frozenset[int]:
+        with self._lock:
+            return frozenset(s for s in (slice_to_devices or self.slice_to_devices()) if s not in self.down)
+
+    def fail(self, index: int) -> None:
+        with self._lock:
+            self.down.add(index)
+
+    def heal(self, index: int) -> None:
+        with self._lock:
+            self.down.discard(index)
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
+        """Patch pathwaysutils' slice grouping and health check (the module the Manager calls)."""
+        from pathwaysutils.elastic import elastic
+
+        saved = elastic.get_slice_to_devices, elastic.get_active_slice_indices
+        elastic.get_slice_to_devices = self.slice_to_devices
+        elastic.get_active_slice_indices = self.active
+        try:
+            yield
+        finally:
+            elastic.get_slice_to_devices, elastic.get_active_slice_indices = saved
+
+
+def _model(kind: str):
+    """A small linear model with momentum SGD; ``kind`` "fsdp" shards parameters over both mesh axes
+    (across slices), "replicated" only over "model" (every slice holds a full replica)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    spec = P("data", "model") if kind == "fsdp" else P(None, "model")
+    w_true = np.random.default_rng(123).standard_normal((32, 16)).astype(np.float32)
+
+    def shardings(mesh):
+        return {"w": NamedSharding(mesh, spec), "m": NamedSharding(mesh, spec)}
+
+    def init(mesh):
+        w = np.random.default_rng(0).standard_normal((32, 16)).astype(np.float32) * 0.1
+        sh = shardings(mesh)
+        return {"params": {"w": jax.device_put(w, sh["w"]), "m": jax.device_put(np.zeros_like(w), sh["m"])},
+                "step": 0}
+
+    def target(mesh):
+        sh = shardings(mesh)
+        return {"params": {k: jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=sh[k]) for k in ("w", "m")},
+                "step": 0}
+
+    def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
+        x = np.random.default_rng(1000 + step).standard_normal((64, 32)).astype(np.float32)
+        return x, x @ w_true
+
+    @jax.jit
+    def train_step(params, x, y):
+        def loss_fn(w):
+            return jnp.mean((x @ w - y) ** 2)
+
+        loss, g = jax.value_and_grad(loss_fn)(params["w"])
+        m = 0.9 * params["m"] + g
+        return {"w": params["w"] - 0.01 * m, "m": m}, loss
+
+    return init, target, batch, train_step
+
+
+def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSlices,
+                  events: list[str] | None = None) -> dict[int, float]:
+    """The elastic loop; returns the loss of every step (the last computation of a step that ran twice)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    from pathwaysutils.elastic import manager as elastic_manager
+
+    from controller_client.manager import CheckpointManager, CheckpointManagerOptions
+    from controller_client.topology import HostTopology
+
+    events = events if events is not None else []
+    init, target, batch, train_step = _model(kind)
+    devices = sim.devices
+    # The full allocation: ranks are (slice, host) places and never change.
+    topology = HostTopology.simulated(devices, SLICES, HOSTS_PER_SLICE)
+    losses: dict[int, float] = {}
+    with sim.patched():
+        elastic = elastic_manager.Manager(devices)
+
+        @elastic.elastic_retry(minimum_slice_count=1, poll_interval=0.2, timeout=120)
+        def run() -> None:
+            slices = sorted(elastic.active_slice_indices)
+            active = [d for s in slices for d in elastic.slice_to_devices[s]]
+            events.append(f"attempt on slices {slices}")
+            mesh = Mesh(np.array(active).reshape(len(slices), DEVICES_PER_SLICE), ("data", "model"))
+            opts = CheckpointManagerOptions(local_directory=cluster.local_template, job_name="t",
+                                            save_interval_steps=schedule.save_every,
+                                            coordinator_address=cluster.coordinator, restore_wait_seconds=60)
+            ckpt = CheckpointManager(opts, devices=active, topology=topology)
+            try:
+                if ckpt.latest_step() is None:
+                    state = init(mesh)
+                else:
+                    state = ckpt.restore(None, target(mesh))
+                    events.append(f"restored step {state['step']} onto {len(slices)} slice(s)")
+                params, step = state["params"], state["step"]
+                while step < schedule.total_steps:
+                    if elastic.available_inactive_slices:
+                        ckpt.save(step, {"params": params, "step": step}, force=True)
+                        ckpt.wait_until_finished()
+                        events.append(f"scale up at step {step}: slices {sorted(elastic.available_inactive_slices)}")
+                        raise elastic_manager.ScaleUpSignalError()
+                    if step + 1 == schedule.fail_at and 1 in slices:
+                        sim.fail(1)
+                        events.append(f"slice 1 fails before step {step + 1}")
+                        raise jax.errors.JaxRuntimeError("DATA_LOSS: slice 1 is down (simulated)")
+                    if step + 1 == schedule.return_at and 1 not in slices:
+                        sim.heal(1)
+                        events.append(f"slice 1 is back before step {step + 1}")
+                        _wait(lambda: elastic.available_inactive_slices, 30, "the monitor to see slice 1")
+                        continue
+                    x, y = batch(step + 1)
+                    params, loss = train_step(params, x, y)
+                    step += 1
+                    losses[step] = float(loss)
+                    if ckpt.save(step, {"params": params, "step": step}):
+                        ckpt.wait_until_finished()
+            finally:
+                ckpt.close()
+
+        run()
+    return losses
+
+
+def train_plain(kind: str, total_steps: int, devices: list[Any]) -> dict[int, float]:
+    """The same training without interruptions or checkpoints, on both slices."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    init, _, batch, train_step = _model(kind)
+    mesh = Mesh(np.array(devices).reshape(SLICES, DEVICES_PER_SLICE), ("data", "model"))
+    params = init(mesh)["params"]
+    losses = {}
+    for step in range(1, total_steps + 1):
+        x, y = batch(step)
+        params, loss = train_step(params, x, y)
+        losses[step] = float(loss)
+    return losses
+
+
+def _wait(pred: Any, timeout_seconds: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {timeout_seconds}s waiting for {what}")
+
+
+def run_elastic_demo(workdir: str | None = None, keep: bool = False, kinds: tuple[str, ...] = ("replicated", "fsdp"),
+                     schedule: Schedule | None = None) -> int:
+    """Run the elastic loop for each kind of state; 0 when every loss trajectory matches."""
+    from controller_client.demo.run import _setup_jax
+
+    _setup_jax()
+    import jax
+    import numpy as np
+
+    from controller_client.demo.cluster import LocalCluster
+
+    schedule = schedule or Schedule()
+    devices = jax.devices()[: SLICES * DEVICES_PER_SLICE]
+    if len(devices) < SLICES * DEVICES_PER_SLICE:
+        raise SystemExit("mtc demo --elastic needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    base = Path(workdir or tempfile.mkdtemp(prefix="mtc-elastic-",
+                                            dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    ok = True
+    try:
+        for kind in kinds:
+            cluster = LocalCluster(base / kind, nodes=SLICES * HOSTS_PER_SLICE, data_parallelism=SLICES)
+            try:
+                cluster.start_all()
+                events: list[str] = []
+                got = train_elastic(cluster, kind, schedule, SimulatedSlices(devices), events)
+            finally:
+                cluster.stop_all()
+            ref = train_plain(kind, schedule.total_steps, devices)
+            same = sorted(got) == sorted(ref) and all(np.isclose(got[s], ref[s], rtol=1e-5, atol=1e-6) for s in ref)
+            ok = ok and same
+            print(f"-- {kind} state:")
+            for e in events:
+                print(f"   {e}")
+            print(f"{'OK  ' if same else 'FAIL'} {kind}: losses of steps 1..{schedule.total_steps} equal the "
+                  f"uninterrupted run's (max relative difference "
+                  f"{max(abs(got.get(s, np.inf) - ref[s]) / max(abs(ref[s]), 1e-12) for s in ref):.2e})")
+    finally:
+        if not keep and workdir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    return 0 if ok else 1

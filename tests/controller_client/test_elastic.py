@@ -186,6 +186,59 @@ def test_sigterm_flushes_newest_step_to_bucket_then_resume_on_empty_ram(cluster_
     wait_for(lambda: mgr.latest_step() == 10, what="step 10 known from the bucket", timeout=60)
     assert_equal(tree, mgr.restore(None, target_on(tree, devs, (4, 2))))
     mgr.close()
+    # Every RAM disk empty again, and only slice 1 comes back: ranks 0/1's shards come from the bucket.
+    cl.stop_all()
+    for r in range(4):
+        cl.wipe(r)
+    cl.start_all()
+    one = mgr_for(cl, devices=devs[4:])
+    assert_equal(tree, one.restore(10, target_on(tree, devs[4:], (1, 4))))
+    one.close()
+
+
+def test_bad_shard_healed_from_the_bucket(cluster_factory):  # noqa: F811
+    cl = cluster_factory(nodes=4, data_parallelism=2, replicas=0)  # no peer copies: the bucket is the other tier
+    cl.extra = ["--backup-url", f"file://{cl.base / 'bucket'}", "--backup-interval-steps", "1"]
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    tree = fsdp_state(5, devs)
+    mgr.save(5, tree)
+    mgr.wait_until_finished()
+    wait_for(lambda: 5 in status(cl)["backup"]["committed_steps"], what="backup of step 5", timeout=60)
+    assert not list(cl.ram(0).glob("peer/*/5")) and not list(cl.ram(2).glob("peer/0/5"))
+    step_dir = cl.ram(0) / "steps" / "5"
+    victim = step_dir / layout.read_manifest(step_dir).files[0].name
+    data = bytearray(victim.read_bytes())
+    data[0] ^= 0x01
+    victim.write_bytes(bytes(data))
+    assert_equal(tree, mgr.restore(5, target_on(tree, devs, (2, 4))))
+    layout.verify_step_dir(step_dir)  # the good copy from the bucket is back in place
+    mgr.close()
+
+
+def test_reshard_without_coordinator(tmp_path):
+    devs = jax.devices()
+    topo = HostTopology.simulated(devs, 2, 2)
+
+    def mgr(devices):
+        opts = CheckpointManagerOptions(local_directory=str(tmp_path / "{host}"), job_name="t")
+        return CheckpointManager(opts, devices=devices, topology=topo)
+
+    full, small = mgr(devs), mgr(devs[:4])
+    tree = fsdp_state(2, devs)
+    full.save(2, tree)
+    full.wait_until_finished()
+    assert small.latest_step() == 2
+    assert_equal(tree, full.restore(2, target_on(tree, devs, (4, 2))))
+    assert_equal(tree, small.restore(2, target_on(tree, devs[:4], (1, 4))))
+    # Saved by slice 0 alone (ranks 2 and 3 did not save): complete, restorable on both slices.
+    t3 = fsdp_state(3, devs[:4], shape=(1, 4))
+    small.save(3, t3)
+    small.wait_until_finished()
+    assert full.latest_step() == 3 and small.latest_step() == 3
+    assert layout.read_manifest(tmp_path / "0" / "steps" / "3").savers == (0, 1)
+    assert_equal(t3, full.restore(None, target_on(t3, devs, (2, 4))))
 
 
 @pytest.mark.parametrize("kind", ["replicated", "fsdp"])

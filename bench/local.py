@@ -5,6 +5,11 @@
 - save_vs_tmpfs: our save throughput / a plain preallocated write of the same bytes to the same tmpfs;
 - blocking_vs_memcpy: time ``save()`` blocks / a plain host copy of the same shards;
 - save_vs_orbax, restore_vs_orbax: Orbax's standard CheckpointManager time / ours (same tree, same tmpfs).
+- reshard_restore_vs_local (elastic; real replicators on loopback): time to restore onto a different mesh of
+  the same 8 devices (4x2 instead of the saved 2x4), where each host needs another host's shards fetched
+  from a peer, / time of a same-mesh restore from the hosts' own RAM disks (target <= 2);
+- preemption_flush_seconds_per_gib: after SIGTERM to every replicator, the seconds until the newest
+  complete step is committed in the bucket (a local folder), per GiB of the step (``--elastic-mib``).
 """
 
 from __future__ import annotations
@@ -94,10 +99,72 @@ def abstract(tree: dict) -> dict:
     )
 
 
+EXTRA = os.environ.get("MTC_BENCH_REPLICATOR_ARGS", "").split()
+
+
+def elastic(mib: int, repeats: int) -> dict:
+    """Reshard restore from peers vs local restore, and the preemption flush, with 4 real replicators."""
+    import json as _json
+    import signal
+
+    from controller_client.demo.cluster import LocalCluster
+
+    base = Path(tempfile.mkdtemp(prefix="mtc-bench-el-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    devs = jax.devices()
+    topo = HostTopology.simulated(devs, 2, 2)
+    tree = make_tree(mib)
+    size = nbytes(tree)
+    other = Mesh(np.array(devs).reshape(4, 2), ("a", "b"))
+    reshard_target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, x.sharding.spec))
+        if isinstance(x, jax.Array) else x, tree)
+    t: dict[str, list[float]] = {"local_restore": [], "reshard_restore": []}
+    flush = None
+    cl = LocalCluster(base, nodes=4, data_parallelism=2, replicas=0,
+                      extra=["--backup-url", f"file://{base / 'bucket'}", "--backup-interval-minutes", "60",
+                             "--preemption-grace-seconds", "60", "--transfer-threads", "2", *EXTRA])
+    try:
+        cl.start_all()
+        opts = CheckpointManagerOptions(local_directory=cl.local_template, job_name="t",
+                                        coordinator_address=cl.coordinator, restore_wait_seconds=300)
+        mgr = CheckpointManager(opts, devices=devs, topology=topo)
+        for rep in range(repeats + 1):
+            step = rep + 1
+            mgr.save(step, tree, force=True)
+            mgr.wait_until_finished()
+            t0 = time.monotonic()
+            jax.block_until_ready(mgr.restore(step, abstract(tree)))
+            t["local_restore"].append(time.monotonic() - t0)
+            t0 = time.monotonic()
+            jax.block_until_ready(mgr.restore(step, reshard_target))
+            t["reshard_restore"].append(time.monotonic() - t0)
+        mgr.close()
+        for p in cl.procs.values():
+            p.proc.send_signal(signal.SIGTERM)
+        for p in cl.procs.values():
+            p.proc.wait(timeout=120)
+        recs = [_json.loads((cl.ram(r) / "preemption.json").read_text()) for r in range(4)]
+        done = [r["seconds"] for r in recs if r["finished"] and r["step"] > 0]
+        if done:
+            flush = min(done)  # the first host to see the step committed in the bucket
+    finally:
+        cl.stop_all(signal.SIGKILL)
+        shutil.rmtree(base, ignore_errors=True)
+    med = {k: statistics.median(v[1:]) for k, v in t.items()}
+    return {
+        "reshard_restore_vs_local": round(med["reshard_restore"] / med["local_restore"], 3),
+        "preemption_flush_seconds_per_gib": None if flush is None else round(flush / (size / 2**30), 3),
+        "elastic_bytes": size,
+        "elastic_seconds": {**{k: round(v, 4) for k, v in med.items()}, "preemption_flush": flush},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--elastic-mib", type=int, default=256, help="step size of the elastic measurements")
+    ap.add_argument("--skip-elastic", action="store_true", help="only the local-tier measurements")
     args = ap.parse_args()
 
     from absl import flags
@@ -164,6 +231,8 @@ def main() -> None:
         "restore_vs_orbax": round(med["orbax_restore"] / med["restore"], 3),
         "seconds": {k: round(v, 4) for k, v in med.items()},
     }
+    if not args.skip_elastic:
+        result.update(elastic(args.elastic_mib, args.repeats))
     print(json.dumps(result))
 
 

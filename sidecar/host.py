@@ -176,6 +176,7 @@ def restore_on_hosts(
     sources = {r: open_step(config, r, step) for r in ranks}
     for src in sources.values():
         check_structure(src, all_paths)
+    _prefetch(config, sources, leaves)
     out: list[Any] = []
     for leaf in leaves:
         for src in sources.values():
@@ -219,6 +220,32 @@ def restore_on_hosts(
         for src in sources.values():
             src.drop_cache()
     return out
+
+
+def _prefetch(config: HostConfig, sources: dict[int, reader.StepSource], leaves: Sequence[RestoreLeaf]) -> None:
+    """Fetch, in parallel, every other rank's data the hosts need for their target shards (a restore onto
+    another mesh or onto other slices), instead of one rank at a time as the reads reach them."""
+    wanted: set[tuple[int, int]] = set()
+    for leaf in leaves:
+        if leaf.as_bytes:
+            full = tuple((0, n) for n in leaf.shape)
+            for r, src in sources.items():
+                wanted.update((r, o) for o in src.remote_owners_for(leaf.path, full))
+            continue
+        for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
+            r = config.device_rank.get(device.id)
+            if r in sources:
+                idx = reader.normalize_index(index, leaf.shape)
+                wanted.update((r, o) for o in sources[r].remote_owners_for(leaf.path, idx))
+    if not wanted:
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(wanted))) as pool:
+        futs = [pool.submit(sources[r].prefetch, o) for r, o in sorted(wanted)]
+        for f in futs:
+            try:
+                f.result()
+            except (OSError, layout.ManifestError, RuntimeError) as e:  # the reads try the other tiers
+                log.warning("prefetch failed: %s", e)
 
 
 def query_on_hosts(config: HostConfig, ranks: Sequence[int], op: str, arg: Any = None) -> dict[int, Any]:

@@ -224,6 +224,27 @@ class StepSource:
         log.info("rank %d's data of step %d now at %s (%.3fs)", owner, self.step, d, time.monotonic() - t0)
         return [SavedShard(d, s) for a in m.arrays for s in a.shards]
 
+    def remote_owners_for(self, path: str, index: tuple[tuple[int, int], ...]) -> set[int]:
+        """Remote ranks whose data a read of ``index`` of ``path`` will need (shards no local copy covers)."""
+        arr = self.arrays.get(path)
+        if arr is None or self.fetcher is None:
+            return set()
+        size = math.prod(b - a for a, b in index)
+        if self._covered(arr, index, local_only=True) >= size:
+            return set()
+        out = set()
+        for sidx, locs in arr.shards.items():
+            if not locs or not all(str(sl.step_dir).startswith("remote:") for sl in locs):
+                continue
+            inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, sidx, strict=True)]
+            if all(lo < hi for lo, hi in inter):
+                out.add(int(str(locs[0].step_dir).split(":", 1)[1]))
+        return out
+
+    def prefetch(self, owner: int) -> None:
+        """Fetch ``owner``'s data now (restores fetch every needed rank in parallel before reading)."""
+        self._materialise(SavedShard(Path(f"remote:{owner}"), None))  # type: ignore[arg-type]
+
     def _owner_of(self, step_dir: Path) -> int | None:
         for d, m in self.manifests:
             if d == step_dir:
@@ -327,25 +348,20 @@ class StepSource:
             self.load_all_manifests()
         dtype = tree.dtype_from_name(arr.dtype)
         out = layout.aligned_empty(size * dtype.itemsize).view(dtype).reshape(shape)
-        filled = np.zeros(shape, dtype=bool) if size else None
-        # Local shards first: a remote rank is fetched only for what the local ones do not cover.
-        order = sorted(arr.shards.items(),
-                       key=lambda kv: all(str(sl.step_dir).startswith("remote:") for sl in kv[1]))
-        for sidx, locs in order:
+        # The saved shards of one step partition the array (every saver used the same sharding; replicas
+        # share an index), so summing intersections counts each element once.
+        covered = 0
+        for sidx, locs in arr.shards.items():
             if not locs:
                 continue
             inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, sidx, strict=True)]
             if any(lo >= hi for lo, hi in inter) and size > 0:
                 continue
             dst_sl = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, index, strict=True))
-            if size and filled[dst_sl].all():
-                continue
             src = self.read_shard(arr, sidx)
             src_sl = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(inter, sidx, strict=True))
             out[dst_sl] = src[src_sl]
-            if size:
-                filled[dst_sl] = True
-        covered = int(filled.sum()) if size else 0
+            covered += math.prod(hi - lo for lo, hi in inter)
         if covered < size:
             where = ("no tier reachable from this host holds it: ranks "
                      f"{sorted(set(self.savers) - self.owners)} of savers {list(self.savers)} unreachable"

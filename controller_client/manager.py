@@ -174,10 +174,16 @@ class CheckpointManager:
     def _await_coordinator(self, step: int) -> None:
         """Have the coordinator count ``step`` complete before returning, so that ``latest_step`` is truthful
         from any host set at once (an elastic event right after a save must not roll back past it)."""
+        import grpc
+
         deadline = time.monotonic() + self.options.rpc_timeout_seconds
         while time.monotonic() < deadline:
             self.dispatcher.query("wake")
-            resp = self._coordinator.steps(wait_seconds=0)
+            try:
+                resp = self._coordinator.steps(wait_seconds=0)
+            except grpc.RpcError as e:  # the hosts' own RAM disks still answer latest_step
+                log.warning("coordinator unreachable after saving step %d: %s", step, e.code())
+                return
             if step in resp.complete_steps or resp.newest_complete_step > step:
                 self._last_saved = None
                 return
@@ -217,7 +223,12 @@ class CheckpointManager:
         """
         local = set(self._held_complete_steps())
         if self._coordinator is not None:
-            local |= set(self._coordinator.complete_steps())
+            import grpc
+
+            try:
+                local |= set(self._coordinator.complete_steps())
+            except grpc.RpcError as e:
+                log.warning("coordinator unreachable (%s): complete steps from the active hosts only", e.code())
         return sorted(local)
 
     def latest_step(self) -> int | None:

@@ -536,6 +536,7 @@ class CoordinatorState:
         if newest is not None:
             protected.add(newest)
         auth_cache: dict[int, dict[int, _Auth]] = {}
+        abandoned = {s for s in self._generations if self.is_abandoned(s)} if newest is not None else set()
         plan: dict[int, list[Key]] = {}
         for holder in sorted(self._holdings):
             held = self._holdings[holder]
@@ -546,7 +547,7 @@ class CoordinatorState:
                 if step in protected:
                     continue
                 drop = step not in newest_held
-                drop = drop or not self._current(h) or (newest is not None and self.is_abandoned(step))
+                drop = drop or not self._current(h) or step in abandoned
                 drop = drop or (newest is not None and step < newest and step not in complete)
                 if not drop and h.tier is not Tier.LOCAL:
                     if step not in auth_cache:

@@ -260,3 +260,21 @@ def test_elastic_loop_slice_fails_and_returns(cluster_factory, kind):  # noqa: F
     ref = train_plain(kind, sched.total_steps, devs)
     assert sorted(got) == sorted(ref)
     np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], rtol=1e-5)
+
+
+def test_backup_now_skips_the_interval(cluster_factory):  # noqa: F811
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.extra = ["--backup-url", f"file://{cl.base / 'bucket'}", "--backup-interval-minutes", "60"]
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    mgr.save(1, fsdp_state(1, devs))  # the first backup goes out at once (no previous one)
+    mgr.wait_until_finished()
+    wait_for(lambda: 1 in status(cl)["backup"]["committed_steps"], what="backup of step 1", timeout=60)
+    tree = fsdp_state(2, devs)
+    mgr.save(2, tree)
+    mgr.wait_until_finished()
+    assert 2 not in status(cl)["backup"]["committed_steps"]  # 60 minutes to go
+    mgr.backup_now()
+    wait_for(lambda: 2 in status(cl)["backup"]["committed_steps"], what="backup_now of step 2", timeout=60)
+    mgr.close()

@@ -1,0 +1,50 @@
+"""The planner's elastic rules: completeness over each step's savers, newer saves supersede older ones."""
+
+from replicator.coordinator.planner import CoordinatorState, Holding, Tier, rank_ranges
+from replicator.coordinator.topology import JobTopology
+
+
+def state() -> CoordinatorState:
+    st = CoordinatorState(JobTopology(4, 2, 1))
+    for r in range(4):
+        st.register(r, 1)
+    return st
+
+
+def test_rank_ranges():
+    assert rank_ranges([5, 0, 1, 2]) == ((0, 2), (5, 5))
+    assert rank_ranges([]) == ()
+
+
+def test_step_saved_by_one_slice_is_complete_over_its_savers():
+    st = state()
+    for r in (0, 1):
+        st.report_inventory(r, [Holding(r, 6, f"h{r}", 10, Tier.LOCAL, 7, ((0, 1),))])
+    assert st.expected_ranks(6) == [0, 1]
+    assert st.is_complete(6) and st.newest_complete_step() == 6
+    assert sorted(st.restore_plan(restoring=False).sources) == [0, 1]
+    # Without savers the same holdings would be incomplete (ranks 2, 3 missing).
+    st2 = state()
+    for r in (0, 1):
+        st2.report_inventory(r, [Holding(r, 6, f"h{r}", 10, Tier.LOCAL)])
+    assert not st2.is_complete(6)
+
+
+def test_newer_save_of_a_step_supersedes_and_rollback_abandons_newer_steps():
+    st = state()
+    inv = {r: [Holding(r, s, f"old{r}{s}", 10, Tier.LOCAL, s) for s in (4, 8)] for r in range(4)}
+    for r in range(4):
+        st.report_inventory(r, inv[r])
+    assert st.newest_complete_step() == 8
+    # Rolled back to 4 on slice 0 and saved step 6 there (generation 100 > 8): step 8 is abandoned.
+    for r in (0, 1):
+        st.report_inventory(r, inv[r] + [Holding(r, 6, f"new{r}", 10, Tier.LOCAL, 100, ((0, 1),))])
+    assert st.is_abandoned(8) and not st.is_complete(8)
+    assert st.newest_complete_step() == 6
+    gc = st.gc_plan(keep_local=5)
+    assert all((r, 8) in gc.get(r, []) for r in range(4))
+    # Step 4 saved again (generation 200): the copies of the old save no longer count.
+    for r in (0, 1):
+        st.report_inventory(r, [Holding(r, 4, f"again{r}", 10, Tier.LOCAL, 200, ((0, 1),))])
+    assert st.expected_ranks(4) == [0, 1]
+    assert {s.content_hash for srcs in st.sources(4).values() for s in srcs} == {"again0", "again1"}

@@ -29,6 +29,8 @@ from typing import Any
 
 import google_crc32c
 
+from sidecar import faults
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -446,6 +448,7 @@ def delete_step(step_dir: Path) -> None:
     """Delete a committed step so that it is never half-visible: the manifest goes first."""
     step_dir = Path(step_dir)
     try:
+        faults.point("gc.mid_delete")
         (step_dir / MANIFEST_NAME).unlink()
     except FileNotFoundError:
         pass

@@ -98,8 +98,8 @@ def save_on_hosts(
             if r not in copies:
                 raise ValueError(f"array {meta.path!r} has no shard on rank {r}'s devices")
             per_rank[r].append(copies[r])
+    faults.point("save.after_host_copy")
     for r in ranks:
-        faults.point("save.after_host_copy")
         for path, value in host_arrays:
             full = tuple((0, n) for n in value.shape)
             per_rank[r].append(

@@ -448,10 +448,10 @@ def delete_step(step_dir: Path) -> None:
     """Delete a committed step so that it is never half-visible: the manifest goes first."""
     step_dir = Path(step_dir)
     try:
-        faults.point("gc.mid_delete")
         (step_dir / MANIFEST_NAME).unlink()
     except FileNotFoundError:
         pass
+    faults.point("gc.mid_delete")
     shutil.rmtree(step_dir, ignore_errors=True)
 
 

@@ -49,7 +49,6 @@ def check_step_dir(d: Path, rank: int, step: int) -> None:
     """``d`` is a committed, verified copy of rank's data of ``step``, bit-exact."""
     m = layout.verify_step_dir(d)
     assert (m.rank, m.step) == (rank, step), f"{d} holds rank {m.rank} step {m.step}"
-    src = reader.StepSource(step, [d.parent.parent] if d.parent.name == layout.STEPS_DIR else [])
     expected = dict(arrays_for(rank, step))
     assert {a.path for a in m.arrays} == set(expected), d
     for a in m.arrays:
@@ -58,6 +57,7 @@ def check_step_dir(d: Path, rank: int, step: int) -> None:
         got = layout.read_verified(layout.resolve_under(d, shard.file), shard.length, shard.crc32c, shard.offset)
         assert bytes(got) == want.tobytes(), f"{d}: {a.path} differs"
     if d.parent.name == layout.STEPS_DIR:  # the restore path reads own steps through StepSource
+        src = reader.StepSource(step, [d.parent.parent])
         for path, want in expected.items():
             got = src.assemble(path, tuple((0, n) for n in want.shape))
             np.testing.assert_array_equal(np.asarray(got).view(want.dtype).reshape(want.shape), want)
@@ -81,7 +81,12 @@ def listed(root: Path) -> dict[tuple[int, int], Path]:
 def check_nothing_broken(root: Path, rank: int) -> list[int]:
     """No partial or broken step is listed on this host; returns its own committed steps."""
     for (owner, step), d in listed(root).items():
-        check_step_dir(d, rank if owner < 0 else owner, step)
+        try:
+            check_step_dir(d, rank if owner < 0 else owner, step)
+        except (OSError, EOFError):
+            if (d / layout.MANIFEST_NAME).exists():
+                raise
+            # GC deleted it while we read it (the manifest goes first): it is no longer listed.
     return layout.committed_steps(layout.steps_dir(root))
 
 

@@ -26,10 +26,10 @@ def main() -> None:
                      notify=True)
             w.wait(60)
     elif op in ("backup", "retention", "download"):
-        from replicator.backup.bucket import BackupStore
+        from replicator.backup.bucket import BackupOptions, BackupStore
         from replicator.backup.storage import open_store
 
-        bs = BackupStore(open_store(args["url"]), args["job"])
+        bs = BackupStore(open_store(args["url"]), args["job"], BackupOptions(commit_strategy=args["strategy"]))
         bs.check_capabilities()
         if op == "backup":
             staging = bs.begin(args["step"], len(args["roots"]))

@@ -26,6 +26,8 @@ class ReplicatorOptions:
       listen: ``HOST:PORT`` of the gRPC server (Peer, Coordinator on the coordinator host, health).
         Port 0 picks a free port; the daemon prints the address it listens on.
       advertise: ``HOST:PORT`` other hosts use to reach this one (default: the listen address).
+      data_port: TCP port of the bulk data path (plain TCP, ``sendfile``) on the listen host; 0 (default)
+        picks a free port. Fix it when a NetworkPolicy or firewall must name the port. Unused with TLS.
       job: job name (recorded in manifests and bucket paths).
       rank, nodes: this host's rank and the number of hosts. Both unset = Orbax mode (from replicator.yaml).
       peers: static map rank -> HOST:PORT (``0=h0:7070,1=h1:7070``), or
@@ -59,6 +61,7 @@ class ReplicatorOptions:
     local_dir: Path
     listen: str = "0.0.0.0:7070"
     advertise: str = ""
+    data_port: int = 0
     job: str = "mtc"
     rank: int | None = None
     nodes: int | None = None
@@ -158,6 +161,10 @@ class ReplicatorOptions:
             if v and not Path(v).is_file():
                 raise ConfigError(f"--{name.replace('_', '-')} {v}: no such file")
         _host_port(self.listen, "--listen")
+        if not 0 <= self.data_port <= 65535:
+            raise ConfigError(f"--data-port must be 0..65535, got {self.data_port}")
+        if self.data_port and self.data_port == _host_port(self.listen, "--listen")[1]:
+            raise ConfigError(f"--data-port {self.data_port} is the gRPC --listen port: give another")
         self.token()
         return self
 
@@ -206,6 +213,7 @@ _HELP = {
     "local_dir": "this host's RAM-disk directory (required)",
     "listen": "HOST:PORT to serve gRPC on; port 0 picks one (default 0.0.0.0:7070)",
     "advertise": "HOST:PORT other hosts use to reach this one (default: the listen address)",
+    "data_port": "TCP port of the bulk data path (0 = any free port, the default; unused with TLS)",
     "job": "job name (default mtc)",
     "rank": "this host's rank (omit with --nodes for Orbax mode)",
     "nodes": "number of hosts",

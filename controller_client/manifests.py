@@ -239,9 +239,6 @@ def _replicator(opts: ManifestOptions) -> dict[str, Any]:
     common = ["--config", f"{CONFIG_DIR}/config.yaml", "--local-dir", opts.local_dir,
               "--token-file", f"{TOKEN_DIR}/token",
               "--advertise", f"$(JOBSET_NAME)-workers-$(SLICE_INDEX)-$(HOST_INDEX).{opts.subdomain}:{opts.grpc_port}"]
-    if opts.tls:
-        common += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key",
-                   "--tls-ca", f"{TLS_DIR}/ca.crt"]
     env = [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD), _env_field("SLICE_INDEX", SLICE_ANNOTATION),
            _env_field("HOST_INDEX", HOST_ANNOTATION),
            # libc resolver: honours the Pod's DNS search path for the short JobSet names.
@@ -261,6 +258,9 @@ def _replicator(opts: ManifestOptions) -> dict[str, Any]:
     else:
         # Orbax mode: no rank/nodes; job, rank, peers and backup interval come from Orbax's replicator.yaml.
         c["args"] = common
+    if opts.tls:
+        c["args"] += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key",
+                      "--tls-ca", f"{TLS_DIR}/ca.crt"]
     c["env"] = env
     c["ports"] = [{"name": "mtc-grpc", "containerPort": opts.grpc_port, "protocol": "TCP"},
                   {"name": "mtc-data", "containerPort": opts.data_port, "protocol": "TCP"}]
@@ -326,7 +326,9 @@ def _controller_env(opts: ManifestOptions) -> list[dict[str, Any]]:
            {"name": "MTC_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
            # The RAM disk as the worker Pods mount it (the colocated sidecar writes there).
            {"name": "MTC_LOCAL_DIRECTORY", "value": opts.local_dir},
-           {"name": "GRPC_DNS_RESOLVER", "value": "native"}]
+           {"name": "GRPC_DNS_RESOLVER", "value": "native"},
+           {"name": "JAX_PLATFORMS", "value": "proxy"},
+           {"name": "JAX_BACKEND_TARGET", "value": f"grpc://localhost:{PATHWAYS_PROXY_PORT}"}]
     if opts.tls:
         env += [{"name": "MTC_TLS_CERT_FILE", "value": f"{TLS_DIR}/tls.crt"},
                 {"name": "MTC_TLS_KEY_FILE", "value": f"{TLS_DIR}/tls.key"},
@@ -362,9 +364,7 @@ def _pathways_jobset(opts: ManifestOptions) -> dict[str, Any]:
                   # Your training program: CheckpointManagerOptions(local_directory=$MTC_LOCAL_DIRECTORY,
                   # job_name=$JOBSET_NAME, coordinator_address=$MTC_COORDINATOR, token_file=$MTC_TOKEN_FILE).
                   "command": list(opts.controller_command),
-                  "env": _controller_env(opts) + [
-                      {"name": "JAX_PLATFORMS", "value": "proxy"},
-                      {"name": "JAX_BACKEND_TARGET", "value": f"grpc://localhost:{PATHWAYS_PROXY_PORT}"}],
+                  "env": _controller_env(opts),
                   "securityContext": _restricted(),
                   "volumeMounts": [{"name": "mtc-token", "mountPath": TOKEN_DIR, "readOnly": True}]
                   + ([{"name": "mtc-tls", "mountPath": TLS_DIR, "readOnly": True}] if opts.tls else [])}

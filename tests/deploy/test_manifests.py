@@ -661,3 +661,117 @@ def test_dockerfile_copies_exactly_the_installable_project(dockerfile: str) -> N
         if s == "constraints.txt" and not (REPO / s).exists():
             continue  # written by the restructure that pins every dependency; see the report of issue #13
         assert (REPO / s).exists(), f"{dockerfile}: COPY {s}: no such path"
+
+
+# --------------------------------------------------------------------------- the real daemon
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_data_port_option_is_validated(tmp_path: Path) -> None:
+    from replicator.options import ConfigError
+
+    def parse(*extra: str) -> ReplicatorOptions:
+        ns = build_parser().parse_args(["replicator", "--local-dir", str(tmp_path), "--listen", "127.0.0.1:7070",
+                                        "--rank", "0", "--nodes", "1", *extra])
+        return from_args(ns, environ={})
+
+    assert parse().data_port == 0, "default: an ephemeral port, as before"
+    assert parse("--data-port", "7071").data_port == 7071
+    assert from_args(build_parser().parse_args(["replicator", "--local-dir", str(tmp_path), "--rank", "0",
+                                                "--nodes", "1"]),
+                     environ={"MTC_DATA_PORT": "7072"}).data_port == 7072
+    with pytest.raises(ConfigError, match="--data-port"):
+        parse("--data-port", "70000")
+    with pytest.raises(ConfigError, match="gRPC --listen port"):
+        parse("--data-port", "7070")
+
+
+def test_rendered_rank0_daemon_binds_the_data_port_answers_the_probe_and_stops_on_sigterm(
+        tmp_path: Path, stub_dir: Path) -> None:
+    import os
+    import signal
+    import socket
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    opts = CASES["pathways-default"]
+    r = render_replicator(opts, 0, 0, tmp_path, stub_dir)
+    port, data_port = _free_port(), _free_port()
+    # Loopback instead of the Pod network; the example bucket does not exist here.
+    argv = [_remap(a, r.mounts) for a in r.argv] + [
+        "--listen", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{port}", "--data-port", str(data_port)]
+    env = {k: _remap(v, r.mounts) for k, v in r.env.items()}
+    env.update({"MTC_BACKUP_URL": "", "PYTHONPATH": str(REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    env.pop("GRPC_DNS_RESOLVER", None)
+    proc = subprocess.Popen([sys.executable, "-m", "controller_client.cli"] + argv, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        line = ""
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("LISTENING") or proc.poll() is not None:
+                break
+        assert line.startswith("LISTENING"), f"daemon did not start: {line!r} {proc.stderr.read()[-2000:]}"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            # What `grpc: {port: 7070}` sends: service "", no metadata (the token is not available to it).
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        # The bulk-data port is the one given, not an ephemeral one: it accepts, and cannot be bound again.
+        with socket.create_connection(("127.0.0.1", data_port), timeout=5):
+            pass
+        with socket.socket() as s, pytest.raises(OSError):
+            s.bind(("127.0.0.1", data_port))
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=45)
+        assert rc == 0, proc.stderr.read()[-2000:]
+        assert time.monotonic() - t0 < _pod(_jobset(opts), "workers")["terminationGracePeriodSeconds"]
+        assert not (r.mounts[opts.local_dir] / "replicator.sock").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_wheel_built_from_the_docker_context_has_the_console_scripts(tmp_path: Path) -> None:
+    """Do offline what the images' build stage does: pip wheel from exactly the COPYed files."""
+    import shutil
+    import tomllib
+    import zipfile
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    for k, v in _dockerfile("Dockerfile.replicator"):
+        if k != "COPY" or v.startswith("--from"):
+            continue
+        for src in (p.rstrip("/") for p in v.split()[:-1]):
+            s = REPO / src
+            if s.is_dir():
+                shutil.copytree(s, ctx / src, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            elif s.exists():
+                shutil.copy2(s, ctx / src)
+    out = tmp_path / "wheels"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+         "--wheel-dir", str(out), str(ctx)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = out.glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        entry_points = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    for script, target in pyproject["project"]["scripts"].items():
+        assert f"{script} = {target}" in entry_points
+    assert "controller_client/manifests.py" in names and "replicator/options.py" in names

@@ -3,8 +3,8 @@
 Every object is built as a Python dict and dumped with pyyaml; ``render(options)`` returns file name -> YAML
 text, including a ``kustomization.yaml`` listing the others (so ``kubectl apply -k DIR`` works as well as
 ``kubectl apply -f DIR``). ``deploy/`` is this module's output for the default options, plus kustomize
-components computed as the difference to other options (``python -m deploy.regen``); docs/deploy.md explains
-every choice. No jax import: this runs on a laptop.
+components computed as the difference to other options (``python deploy/regen.py``); docs/deploy.md
+explains every choice. No jax import: this runs on a laptop.
 """
 
 from __future__ import annotations
@@ -168,6 +168,8 @@ class ManifestOptions:
         reserved = {JAX_COORDINATOR_PORT, PATHWAYS_WORKER_PORT, COLOCATED_PYTHON_PORT}
         if self.grpc_port == self.data_port or {self.grpc_port, self.data_port} & reserved:
             raise ValueError(f"--grpc-port and --data-port must differ from each other and from {sorted(reserved)}")
+        if self.tls_issuer_kind not in ("Issuer", "ClusterIssuer"):
+            raise ValueError(f"--tls-issuer-kind must be Issuer or ClusterIssuer, got {self.tls_issuer_kind!r}")
         if self.priority_value is not None and not self.priority_class:
             raise ValueError("--priority-value needs --priority-class (the name of the class to create)")
         if self.priority_class and not _DNS_LABEL.match(self.priority_class):
@@ -199,17 +201,15 @@ def _env_field(name: str, field: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field}}}
 
 
-def _restricted(*, ours: bool = True) -> dict[str, Any]:
-    """Container security context; ``ours`` = runs one of this project's images, as UID 1000.
+def _restricted() -> dict[str, Any]:
+    """Security context of the containers running this project's images, as UID 1000.
 
     One UID for the replicator, the colocated sidecar, the controller and the Orbax trainer: the control
     socket <local>/replicator.sock is mode 0600 and each deletes step directories another wrote. Pathways'
-    own server containers keep their images' user.
+    own server containers keep what their images and Google's JobSets give them.
     """
-    sc: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-    if ours:
-        sc.update(runAsNonRoot=True, runAsUser=UID, runAsGroup=UID)
-    return sc
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID}
 
 
 def _pod_security() -> dict[str, Any]:
@@ -347,8 +347,7 @@ def _pathways_jobset(opts: ManifestOptions) -> dict[str, Any]:
           "env": [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD),
                   {"name": "REPLICATED_JOB_NAME", "value": "head"},
                   {"name": "HOST_ADDRESS", "value": head_addr}],
-          "ports": [{"name": "pathways-rm", "containerPort": PATHWAYS_RM_PORT, "protocol": "TCP"}],
-          "securityContext": _restricted(ours=False)}
+          "ports": [{"name": "pathways-rm", "containerPort": PATHWAYS_RM_PORT, "protocol": "TCP"}]}
     proxy_args = [f"--server_port={PATHWAYS_PROXY_PORT}",
                   f"--resource_manager_address={head_addr}:{PATHWAYS_RM_PORT}",
                   f"--gcs_scratch_location={scratch}",
@@ -358,8 +357,7 @@ def _pathways_jobset(opts: ManifestOptions) -> dict[str, Any]:
         proxy_args.append(f"--num_elastic_instances={opts.elastic_slices}")
     proxy = {"name": "pathways-proxy", "image": opts.pathways_proxy_image, "args": proxy_args,
              "env": [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD)],
-             "ports": [{"name": "pathways-proxy", "containerPort": PATHWAYS_PROXY_PORT, "protocol": "TCP"}],
-             "securityContext": _restricted(ours=False)}
+             "ports": [{"name": "pathways-proxy", "containerPort": PATHWAYS_PROXY_PORT, "protocol": "TCP"}]}
     controller = {"name": "controller", "image": opts.controller_image or opts.sidecar_image,
                   # Your training program: CheckpointManagerOptions(local_directory=$MTC_LOCAL_DIRECTORY,
                   # job_name=$JOBSET_NAME, coordinator_address=$MTC_COORDINATOR, token_file=$MTC_TOKEN_FILE).

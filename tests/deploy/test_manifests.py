@@ -105,6 +105,7 @@ def test_stdout_is_one_stream_of_the_same_objects(capsys: pytest.CaptureFixture[
     (["--elastic-slices", "3"], "--elastic-slices"),
     (["--priority-value", "2000"], "--priority-class"),
     (["--data-port", "7070"], "must differ"),
+    (["--tls", "--tls-issuer-kind", "Secret"], "ClusterIssuer"),
     (["--job", "x" * 55], "63 characters"),
 ])
 def test_impossible_options_are_refused(argv: list[str], message: str,
@@ -217,9 +218,12 @@ def test_pod_security_and_references(case: str) -> None:
             if "secret" in v:
                 assert v["secret"]["defaultMode"] & 0o007 == 0, "secrets not readable by others"
         for name, c in _containers(pod).items():
+            if name.startswith("pathways-"):
+                continue  # Pathways' server images keep the settings of Google's JobSets
             sc = c["securityContext"]
-            if name.startswith("pathways-") or name == "train":
-                continue  # Pathways' images keep their user; the trainer needs the TPU devices
+            assert sc["runAsUser"] == 1000, f"{name}: one UID for every container sharing the RAM disk"
+            if name == "train":
+                continue  # the Orbax trainer needs the TPU devices (privileged)
             assert sc["runAsUser"] == 1000 and sc["runAsNonRoot"] is True, name
             assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], name
         if rj["name"] == "workers":

@@ -180,13 +180,15 @@ class ManifestOptions:
             if not self.scratch().startswith("gs://"):
                 raise ValueError("Pathways needs a gs:// scratch location: give --pathways-scratch or a gs:// "
                                  "--backup-url")
-            if self.tpu_accelerator not in TPU_INSTANCE_TYPES:
-                raise ValueError(f"--tpu-accelerator must be one of {', '.join(TPU_INSTANCE_TYPES)}")
-            chips = math.prod(int(d) for d in self.tpu_topology.split("x"))
-            if chips != self.hosts_per_slice * self.tpu_chips_per_host:
-                raise ValueError(f"--tpu-topology {self.tpu_topology} has {chips} chips but --hosts-per-slice "
-                                 f"{self.hosts_per_slice} x --tpu-chips-per-host {self.tpu_chips_per_host} = "
-                                 f"{self.hosts_per_slice * self.tpu_chips_per_host}")
+        if self.tpu_accelerator not in TPU_INSTANCE_TYPES:
+            raise ValueError(f"--tpu-accelerator must be one of {', '.join(TPU_INSTANCE_TYPES)}")
+        if not re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*){1,2}", self.tpu_topology):
+            raise ValueError(f"--tpu-topology must look like 2x4 or 2x2x2, got {self.tpu_topology!r}")
+        chips = math.prod(int(d) for d in self.tpu_topology.split("x"))
+        if chips != self.hosts_per_slice * self.tpu_chips_per_host:
+            raise ValueError(f"--tpu-topology {self.tpu_topology} has {chips} chips but --hosts-per-slice "
+                             f"{self.hosts_per_slice} x --tpu-chips-per-host {self.tpu_chips_per_host} = "
+                             f"{self.hosts_per_slice * self.tpu_chips_per_host}")
         return self
 
 
@@ -589,6 +591,21 @@ def objects(opts: ManifestOptions) -> dict[str, dict[str, Any]]:
     return out
 
 
+class YamlDumper(yaml.SafeDumper):
+    """Safe YAML with multi-line strings (scripts, patches) as literal blocks."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+
+YamlDumper.add_representer(str, _represent_str)
+
+
+def dump(body: Any) -> str:
+    return yaml.dump(body, Dumper=YamlDumper, sort_keys=False, width=120)
+
+
 def _header(opts: ManifestOptions) -> str:
     return (f"# Rendered by `mtc manifests --mode {opts.mode} --job {opts.job} --slices {opts.slices} "
             f"--hosts-per-slice {opts.hosts_per_slice} ...`; see docs/deploy.md.\n")
@@ -597,9 +614,9 @@ def _header(opts: ManifestOptions) -> str:
 def render(opts: ManifestOptions) -> dict[str, str]:
     """File name -> YAML text, plus ``kustomization.yaml`` listing them (the token Secret is never rendered)."""
     objs = objects(opts)
-    files = {name: _header(opts) + yaml.safe_dump(body, sort_keys=False, width=120) for name, body in objs.items()}
+    files = {name: _header(opts) + dump(body) for name, body in objs.items()}
     kust = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": list(objs)}
-    files["kustomization.yaml"] = _header(opts) + yaml.safe_dump(kust, sort_keys=False)
+    files["kustomization.yaml"] = _header(opts) + dump(kust)
     return files
 
 

@@ -101,6 +101,8 @@ def test_stdout_is_one_stream_of_the_same_objects(capsys: pytest.CaptureFixture[
 @pytest.mark.parametrize("argv,message", [
     (["--job", "Bad_Name"], "DNS label"),
     (["--tpu-topology", "4x4"], "16 chips"),
+    (["--tpu-topology", "4by4"], "2x2x2"),
+    (["--mode", "multi-controller", "--ramdisk", "hostpath", "--hosts-per-slice", "3"], "8 chips"),
     (["--mode", "multi-controller", "--ramdisk", "csi"], "GKE's own replicator"),
     (["--elastic-slices", "3"], "--elastic-slices"),
     (["--priority-value", "2000"], "--priority-class"),

@@ -42,6 +42,7 @@ class ReplicatorOptions:
 
     local_dir: Path = _opt("this host's RAM-disk directory (required)", None)  # type: ignore[assignment]
     listen: str = _opt('HOST:PORT to serve gRPC on; port 0 picks one (default 0.0.0.0:7070)', "0.0.0.0:7070")
+    data_port: int = _opt("TCP port of the bulk data path (0 = any free port, the default; unused with TLS)", 0)
     advertise: str = _opt('HOST:PORT other hosts use to reach this one (default: the listen address)', "")
     job: str = _opt('job name (default mtc)', "mtc")
     rank: int | None = _opt("this host's rank (omit with --nodes for Orbax mode)", None)
@@ -160,6 +161,10 @@ class ReplicatorOptions:
             if v and not Path(v).is_file():
                 raise ConfigError(f"--{name.replace('_', '-')} {v}: no such file")
         _host_port(self.listen, "--listen")
+        if not 0 <= self.data_port <= 65535:
+            raise ConfigError(f"--data-port must be 0..65535, got {self.data_port}")
+        if self.data_port and self.data_port == _host_port(self.listen, "--listen")[1]:
+            raise ConfigError(f"--data-port {self.data_port} is the gRPC --listen port: give another")
         self.token()
         return self
 

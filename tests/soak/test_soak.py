@@ -25,6 +25,8 @@ import grpc
 import pytest
 
 from controller_client.demo.cluster import LocalCluster
+from replicator.backup.bucket import BackupStore
+from replicator.backup.storage import open_store
 from replicator.coordinator.client import CoordinatorClient
 from sidecar import layout
 from tests.crash import kit
@@ -106,7 +108,9 @@ def test_soak_12_hosts_random_sigkills() -> None:
     base = Path(tempfile.mkdtemp(prefix="mtc-soak-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     seed = int(os.environ.get("MTC_SOAK_SEED", str(int(time.time()) % 100_000)))
     rng = random.Random(seed)
-    cl = LocalCluster(base, NODES, SLICES, replicas=1, heartbeat_seconds=0.5)
+    bucket = f"file://{base}/bucket"
+    cl = LocalCluster(base, NODES, SLICES, replicas=1, heartbeat_seconds=0.5,
+                      extra=["--backup-url", bucket, "--backup-interval-steps", "5", "--backup-keep", "2"])
     cl.env = kit.fault_env(None, None)
     trainer = Trainer(base, "")
     rss: dict[int, list[float]] = {r: [] for r in range(NODES)}
@@ -163,6 +167,10 @@ def test_soak_12_hosts_random_sigkills() -> None:
         for r in range(NODES):  # nothing broken is listed on any host
             for d in kit.listed(cl.ram(r)).values():
                 layout.verify_step_dir(d)
+        backups = BackupStore(open_store(bucket), "t").committed_steps()
+        with tempfile.TemporaryDirectory(dir=base) as scratch:  # the newest backup restores, verified
+            for r in range(NODES) if backups else ():
+                BackupStore(open_store(bucket), "t").download_rank(backups[-1], r, Path(scratch) / str(r))
         trainer.start(verify=True)
         assert trainer.proc.wait(timeout=180) == 0, trainer.log.read_text()[-3000:]
         events = trainer.read()
@@ -174,14 +182,14 @@ def test_soak_12_hosts_random_sigkills() -> None:
         peak = {r: round(max(v), 1) for r, v in rss.items() if v}
         first = {r: round(v[0], 1) for r, v in rss.items() if v}
         report = {"seconds": SOAK_SECONDS, "seed": seed, "nodes": NODES, "kills": kills, "steps_saved": len(saved),
-                  "newest_complete_step": newest, "restores_bit_exact": len(restores),
+                  "newest_complete_step": newest, "restores_bit_exact": len(restores), "backups": backups,
                   "save_or_restore_errors": len(errors),
                   "error_kinds": sorted({e["error"].split(":")[0] for e in errors}),
                   "replicator_rss_mb_first": first, "replicator_rss_mb_peak": peak,
                   "rss_peak_max_mb": max(peak.values())}
         print("SOAK " + json.dumps(report))
         (Path(os.environ.get("MTC_SOAK_REPORT", base / "soak.json"))).write_text(json.dumps(report))
-        assert kills["replicator"] >= 1 and len(saved) >= 3
+        assert kills["replicator"] >= 1 and len(saved) >= 3 and backups
         assert max(peak.values()) < RSS_BOUND_MB, report
     except BaseException:
         print(cl.logs()[-20000:])

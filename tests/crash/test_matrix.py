@@ -47,6 +47,7 @@ class Case:
     at: int = 1  # fire at the at-th time the point is reached
     victim: int = 1  # cluster: the rank whose replicator is armed
     xfail: str = ""  # a known defect: reason and the owning area
+    raises: type[BaseException] | None = None  # the error the known defect raises
 
 
 GC_TRASH = ("known defect (issue #12 item 3, data-plane engineer: GC trash): a GC killed after the manifest "
@@ -64,7 +65,7 @@ CASES: dict[str, Case] = {
     "save.before_local_gc": Case("sidecar", at=3),
     "save.before_notify": Case("sidecar", at=3),
     "save.after_notify": Case("sidecar", at=3),
-    "gc.mid_delete": Case("sidecar", at=1, xfail=GC_TRASH),  # step 3's GC deletes step 1
+    "gc.mid_delete": Case("sidecar", at=1, xfail=GC_TRASH, raises=FileExistsError),  # step 3's GC deletes step 1
     # CheckpointManager (JAX, in-process dispatcher): the third save dies after its host copy
     "save.after_host_copy": Case("jax", at=3),
     # bucket: backups of step 1 (done) and 2 (killed), retention, restore of one rank
@@ -109,7 +110,7 @@ def test_every_point_is_placed_once_and_in_the_matrix() -> None:
 def _params():
     for name in faults.POINTS:
         case = CASES[name]
-        marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
+        marks = [pytest.mark.xfail(strict=True, reason=case.xfail, raises=case.raises)] if case.xfail else []
         yield pytest.param(name, case, id=name, marks=marks)
 
 

@@ -114,6 +114,7 @@ def test_soak_12_hosts_random_sigkills() -> None:
     cl.env = kit.fault_env(None, None)
     trainer = Trainer(base, "")
     rss: dict[int, list[float]] = {r: [] for r in range(NODES)}
+    lives: dict[int, list[tuple[float, float]]] = {}  # pid -> (monotonic, VmRSS MB) samples of one incarnation
     kills = {"replicator": 0, "trainer": 0}
     try:
         cl.start_all()
@@ -128,6 +129,7 @@ def test_soak_12_hosts_random_sigkills() -> None:
             for r, p in cl.procs.items():
                 if p.alive and (v := rss_mb(p.proc.pid)) is not None:
                     rss[r].append(v)
+                    lives.setdefault(p.proc.pid, []).append((now, v))
             for r, at in list(dead.items()):
                 if now >= at:
                     cl.start(r)
@@ -181,12 +183,18 @@ def test_soak_12_hosts_random_sigkills() -> None:
         errors = [e for e in events if e["event"] in ("save_error", "restore_error")]
         peak = {r: round(max(v), 1) for r, v in rss.items() if v}
         first = {r: round(v[0], 1) for r, v in rss.items() if v}
+        longest = max(lives.values(), key=lambda s: s[-1][0] - s[0][0])
         report = {"seconds": SOAK_SECONDS, "seed": seed, "nodes": NODES, "kills": kills, "steps_saved": len(saved),
                   "newest_complete_step": newest, "restores_bit_exact": len(restores), "backups": backups,
                   "save_or_restore_errors": len(errors),
                   "error_kinds": sorted({e["error"].split(":")[0] for e in errors}),
                   "replicator_rss_mb_first": first, "replicator_rss_mb_peak": peak,
-                  "rss_peak_max_mb": max(peak.values())}
+                  "rss_peak_max_mb": max(peak.values()),
+                  "longest_incarnation": {"seconds": round(longest[-1][0] - longest[0][0], 1),
+                                          "rss_mb_first": round(longest[0][1], 1),
+                                          "rss_mb_peak": round(max(v for _, v in longest), 1),
+                                          "rss_mb_last": round(longest[-1][1], 1)},
+                  "errors_sample": [e["error"][:160] for e in errors[:3]]}
         print("SOAK " + json.dumps(report))
         (Path(os.environ.get("MTC_SOAK_REPORT", base / "soak.json"))).write_text(json.dumps(report))
         assert kills["replicator"] >= 1 and len(saved) >= 3 and backups

@@ -225,3 +225,51 @@ def test_raw_bytes(servers: Servers, method: _d.MethodDescriptor, raw: bytes) ->
     channel = servers.control if method.containing_service.name == "LocalControl" else servers.channel
     _call(channel, method, raw, raw=True)
     servers.check()
+
+
+# --------------------------------------------------------------------------- bearer token under fuzz
+
+TOKEN = "s3cret-token-for-the-fuzzer"
+
+
+@pytest.fixture(scope="module")
+def token_server() -> Iterator[tuple[Replicator, Path]]:
+    base = Path(tempfile.mkdtemp(prefix="mtc-fuzz-token-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    (base / "token").write_text(TOKEN)
+    kit.save_step(base / "ram", 0, 1, 1)
+    opts = ReplicatorOptions(local_dir=base / "ram", listen="127.0.0.1:0", job="t", rank=0, nodes=1,
+                             token_file=str(base / "token"), heartbeat_seconds=0.2, rpc_timeout_seconds=5,
+                             bulk_priority="normal").validate()
+    d = Replicator(opts, rank=0, nodes=1, job="t")
+    d.start()
+    try:
+        yield d, base
+    finally:
+        d.stop(grace_seconds=0.5)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+_printable = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=60)
+
+
+@settings(max_examples=40, deadline=None)
+@given(key=st.sampled_from(["authorization", "x-token", "authorization-bin"]), value=_printable,
+       method=st.sampled_from(PEER + COORDINATOR))
+def test_forged_credentials_are_unauthenticated(token_server, key: str, value: str, method) -> None:
+    d, base = token_server
+    before = sorted(str(p.relative_to(base)) for p in base.rglob("*"))
+    meta = [(key, value.encode() if key.endswith("-bin") else value)]
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    cls = message_factory.GetMessageClass(method.input_type)
+    out = message_factory.GetMessageClass(method.output_type)
+    with grpc.insecure_channel(d.address) as ch:
+        call = (ch.unary_stream if method.server_streaming else ch.unary_unary)(
+            path, request_serializer=cls.SerializeToString, response_deserializer=out.FromString)
+        with pytest.raises(grpc.RpcError) as e:
+            result = call(cls(), timeout=CALL_TIMEOUT_SECONDS, metadata=meta)
+            if method.server_streaming:
+                list(result)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert sorted(str(p.relative_to(base)) for p in base.rglob("*")) == before

@@ -60,7 +60,9 @@ POINTS: tuple[str, ...] = (
     "backup.commit.after_record",
     "backup.commit.after_rename",
     "backup.retention.mid_delete",
-    # Orbax handshake
+    # Orbax: ingesting a step Orbax committed, and the handshake
+    "orbax.ingest.after_move",
+    "orbax.ingest.before_commit",
     "orbax.after_ingest",
     "orbax.before_marker",
     "orbax.after_marker",

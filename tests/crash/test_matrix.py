@@ -53,6 +53,11 @@ class Case:
 GC_TRASH = ("known defect (issue #12 item 3, data-plane engineer: GC trash): a GC killed after the manifest "
             "went leaves steps/<N> without a manifest; saving step N again raises FileExistsError")
 
+ORBAX_INGEST = ("known defect (replicator/orbax/store.py ingest + start-up cleanup, issue #12 item 3 tmp-dir "
+                "ownership, data-plane engineer): a daemon killed while ingesting Orbax's committed <local>/<N> "
+                "(moved into steps/.tmp-<N>-*) loses step N: the restarted store deletes the temporary directory, "
+                "so the handshake finds nothing to restore")
+
 CASES: dict[str, Case] = {
     # sidecar writer: steps 1, 2, 3 with keep=2; the point fires while step 3 is written
     "save.after_tmp_dir": Case("sidecar", at=3),
@@ -92,6 +97,8 @@ CASES: dict[str, Case] = {
     "gc.after_delete": Case("cluster", victim=0),
     "restore.peer.before_fetch": Case("cluster"),
     # Orbax-mode daemon: one handshake for a committed step 5
+    "orbax.ingest.after_move": Case("orbax", xfail=ORBAX_INGEST, raises=AssertionError),
+    "orbax.ingest.before_commit": Case("orbax", xfail=ORBAX_INGEST, raises=AssertionError),
     "orbax.after_ingest": Case("orbax"),
     "orbax.before_marker": Case("orbax"),
     "orbax.after_marker": Case("orbax"),

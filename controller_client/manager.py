@@ -167,7 +167,7 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Block until every host has committed its queued saves; raise the first background failure."""
-        self.dispatcher.query("wait", self.options.wait_timeout_seconds)
+        self.dispatcher.query(host.HostQuery.WAIT, self.options.wait_timeout_seconds)
         if self._coordinator is not None and self._last_saved is not None:
             self._await_coordinator(self._last_saved)
 
@@ -178,7 +178,7 @@ class CheckpointManager:
 
         deadline = time.monotonic() + self.options.rpc_timeout_seconds
         while time.monotonic() < deadline:
-            self.dispatcher.query("wake")
+            self.dispatcher.query(host.HostQuery.WAKE)
             try:
                 resp = self._coordinator.steps(wait_seconds=0)
             except grpc.RpcError as e:  # the hosts' own RAM disks still answer latest_step
@@ -193,7 +193,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ steps
     def _host_steps(self) -> dict[int, Any]:
-        answers = self.dispatcher.query("steps")
+        answers = self.dispatcher.query(host.HostQuery.STEPS)
         missing = set(self.active_ranks) - set(answers)
         if missing:
             raise RuntimeError(f"active hosts {sorted(missing)} did not answer")
@@ -264,7 +264,7 @@ class CheckpointManager:
         self.wait_until_finished()
         if self._coordinator is not None:
             # Have every host report now: what it lacks is located through the coordinator.
-            self.dispatcher.query("wake")
+            self.dispatcher.query(host.HostQuery.WAKE)
         if step is None and self._coordinator is not None:
             forced = self._coordinator.steps().forced_restore_step
             if forced >= 0:
@@ -298,7 +298,7 @@ class CheckpointManager:
         t0 = time.monotonic()
         try:
             arrays = self.dispatcher.restore(step, requests, all_paths)
-            values = next(iter(self.dispatcher.query("values", step).values()))["values"]
+            values = next(iter(self.dispatcher.query(host.HostQuery.VALUES, step).values()))["values"]
         except FileNotFoundError as e:
             raise FileNotFoundError(f"restore of step {step} onto hosts {self.active_ranks}: {e}") from e
         out = [None] * len(leaves)
@@ -320,15 +320,15 @@ class CheckpointManager:
         call :meth:`backup_now`, wait and exit. Needs the replicators (False without a coordinator)."""
         if self._coordinator is None:
             return False
-        return any(bool(v) for v in self.dispatcher.query("preemption").values())
+        return any(bool(v) for v in self.dispatcher.query(host.HostQuery.PREEMPTION).values())
 
     def backup_now(self) -> None:
         """Ask the replicators to back the newest complete step up to the bucket at once (no interval)."""
         if self._coordinator is None:
             raise RuntimeError("backup_now needs the replicators (coordinator_address)")
         self.wait_until_finished()
-        self.dispatcher.query("wake")
-        self.dispatcher.query("backup_now")
+        self.dispatcher.query(host.HostQuery.WAKE)
+        self.dispatcher.query(host.HostQuery.BACKUP_NOW)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -34,7 +34,7 @@ from replicator.options import ReplicatorOptions
 from replicator.peer import client as peer_client
 from replicator.peer import protocol as peer_protocol
 from replicator.peer import server as peer_server
-from sidecar import layout
+from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class _Control(control_pb2_grpc.LocalControlServicer):
         self.daemon = daemon
 
     def StepCommitted(self, request, context):
+        faults.point("notify.received")
         self.daemon.wake()
         return control_pb2.StepCommittedResponse()
 
@@ -153,7 +154,7 @@ class Replicator:
         if tls is None:
             # Bulk bytes go over a plain TCP data port (sendfile): gRPC streaming reaches only 40-60 % of
             # loopback TCP here. With TLS the data stays on the (encrypted) gRPC stream instead.
-            self._transfer_server = peer_server.TransferServer(host, 0, throttle=throttle,
+            self._transfer_server = peer_server.TransferServer(host, self.opts.data_port, throttle=throttle,
                                                                bulk_priority=self.opts.bulk_priority)
             self._transfer_server.start()
         peer = peer_server.PeerServicer(self.store.root, self.rank, self.nodes,
@@ -388,12 +389,14 @@ class Replicator:
         if self.backup is not None:
             req.backups.extend(self.backup.drain_reports())
         resp = self._coord.Heartbeat(req, timeout=self.opts.rpc_timeout_seconds)
+        faults.point("heartbeat.after_response")
         self.newest_complete = resp.newest_complete_step
         if resp.preemption_noticed and not self.preemption_noticed:
             log.warning("the coordinator reports a preemption notice")
             self.preemption_noticed = True
         for d in resp.deletions:
             if not self._busy(d.owner_rank, d.step):
+                faults.point("gc.before_delete")
                 self.store.delete(d.owner_rank, d.step)
                 self.counters["deletions"] += 1
         for c in resp.copies:
@@ -486,6 +489,7 @@ class Replicator:
     def _copy(self, task: cpb.CopyTask) -> None:
         if self.store.has(task.owner_rank, task.step):
             return
+        faults.point("copy.before_fetch")
         self._fetch(task.source_address, task.owner_rank, task.step, task.content_hash or None)
         self.counters["copies"] += 1
 
@@ -504,6 +508,7 @@ class Replicator:
                     if self.store.has(src.owner_rank, task.step):
                         # A stale copy under the same name (e.g. an older save of this step): replace it.
                         self.store.delete(src.owner_rank, task.step)
+                    faults.point("restore.peer.before_fetch")
                     self._fetch(src.holder_address, src.owner_rank, task.step, src.content_hash or None)
                 self.counters["restores"] += 1
                 log.info("rank %d now holds its data of step %d (from %s rank %d)", self.rank, task.step,

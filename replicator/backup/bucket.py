@@ -21,7 +21,6 @@ import json
 import logging
 import re
 import shutil
-import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -29,13 +28,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from replicator.net.throttle import RateLimiter
+from sidecar import faults
 from sidecar.layout import (
+    STEP_PATTERN,
     ChecksumError,
     ManifestError,
     StepManifest,
     commit_dir,
     file_crc32c,
     make_tmp_dir,
+    parse_step_name,
     read_manifest,
     resolve_under,
     step_name,
@@ -57,7 +60,7 @@ COMMIT_NAME = "COMMIT.json"
 STRATEGY_RENAME = "rename"
 STRATEGY_MARKER = "marker"
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_STAGING_RE = re.compile(r"^(0|[1-9][0-9]{0,17})-[0-9a-f]{12}$")
+_STAGING_RE = re.compile(f"^{STEP_PATTERN}-[0-9a-f]{{12}}$")
 _MAX_RECORD_BYTES = 16 << 20
 
 
@@ -209,24 +212,6 @@ def _check_staging_id(staging_id: str, step: int) -> None:
         raise ManifestError(f"bad staging id {staging_id!r} for step {step}")
 
 
-class RateLimiter:
-    """Thread-safe average-rate limiter: ``acquire(n)`` sleeps so that bytes/s stays <= ``rate``."""
-
-    def __init__(self, bytes_per_second: float, burst_seconds: float = 0.25):
-        self.rate = float(bytes_per_second)
-        self.burst = burst_seconds
-        self._next = time.monotonic()
-        self._lock = threading.Lock()
-
-    def acquire(self, nbytes: int) -> None:
-        with self._lock:
-            now = time.monotonic()
-            self._next = max(self._next, now - self.burst) + nbytes / self.rate
-            wait = self._next - now
-        if wait > 0:
-            time.sleep(wait)
-
-
 class BackupStore:
     """Backups of job ``job`` in ``store`` (see the module docstring for the layout and protocol).
 
@@ -240,7 +225,8 @@ class BackupStore:
         self.job = job
         self.options = options or BackupOptions()
         self._limiter = (
-            RateLimiter(self.options.max_bytes_per_second) if self.options.max_bytes_per_second else None
+            RateLimiter(self.options.max_bytes_per_second, burst_bytes=int(self.options.max_bytes_per_second / 4))
+            if self.options.max_bytes_per_second else None
         )
         self._report: CapabilityReport | None = None
 
@@ -383,6 +369,7 @@ class BackupStore:
                 crc32c=f.crc32c,
                 throttle=self._limiter.acquire if self._limiter else None,
             )
+            faults.point("backup.upload.mid_upload")
             if info.size != f.size or (info.crc32c is not None and info.crc32c != f.crc32c):
                 raise ChecksumError(
                     f"{self.store.url}/{info.name} (after upload)", f.crc32c, info.crc32c or 0
@@ -395,7 +382,9 @@ class BackupStore:
                 sent = sum(pool.map(upload, todo))
         else:
             sent = 0
+        faults.point("backup.upload.before_manifest")
         self.store.write(f"{base}/{RANKS_DIR}/{rank}.json", manifest.to_json())
+        faults.point("backup.upload.after_manifest")
         secs = time.monotonic() - t0
         log.info(
             "backup %s step %d rank %d: uploaded %d files / %d bytes in %.2fs (%.1f MiB/s), reused %d files",
@@ -454,12 +443,15 @@ class BackupStore:
             total,
             time.time(),
         )
+        faults.point("backup.commit.before_record")
         if strategy == STRATEGY_RENAME:
             # A steps/<N> folder without COMMIT.json is the remains of a retention that crashed midway
             # (the record goes first): garbage by construction, and it would block the rename.
             self._remove_uncommitted_step_dir(staging.step)
             self.store.write(f"{base}/{COMMIT_NAME}", record.to_json())
+            faults.point("backup.commit.after_record")
             self.store.rename_prefix(base, f"{self.job}/{STEPS_DIR}/{step_name(staging.step)}")
+            faults.point("backup.commit.after_rename")
         else:
             try:
                 self.store.write(
@@ -494,7 +486,7 @@ class BackupStore:
         out = []
         for o in self.store.list(f"{self.job}/{COMMITS_DIR}"):
             stem = o.name.rsplit("/", 1)[-1]
-            if stem.endswith(".json") and re.fullmatch(r"0|[1-9][0-9]{0,17}", stem[:-5]):
+            if stem.endswith(".json") and parse_step_name(stem[:-5]) is not None:
                 out.append(int(stem[:-5]))
         return out
 
@@ -502,7 +494,7 @@ class BackupStore:
         out = []
         for o in self.store.list(f"{self.job}/{STEPS_DIR}", shallow=True):
             stem = o.name.rsplit("/", 1)[-1]
-            if o.is_dir and re.fullmatch(r"0|[1-9][0-9]{0,17}", stem):
+            if o.is_dir and parse_step_name(stem) is not None:
                 try:
                     self.store.stat(f"{o.name}/{COMMIT_NAME}")
                 except FileNotFoundError:
@@ -566,6 +558,7 @@ class BackupStore:
             dest = resolve_under(tmp, f.name)
             dest.parent.mkdir(parents=True, exist_ok=True)
             info = self.store.read_to_file(self._data_name(base, content_hash, f.name), dest)
+            faults.point("restore.bucket.mid_download")
             if info.size != f.size or info.crc32c != f.crc32c:
                 raise ChecksumError(
                     f"{self.store.url}/{self._data_name(base, content_hash, f.name)} (size {info.size} vs {f.size})",
@@ -583,6 +576,7 @@ class BackupStore:
             else:
                 got = 0
             write_manifest(tmp, manifest)
+            faults.point("restore.bucket.before_commit")
             commit_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -603,6 +597,7 @@ class BackupStore:
             self.store.delete(f"{base}/{COMMIT_NAME}")
         else:
             self.store.delete(f"{self.job}/{COMMITS_DIR}/{step_name(step)}.json")
+        faults.point("backup.retention.mid_delete")
         n = self.store.delete(base, recursive=True)
         log.info("retention: deleted backup of %s step %d (%d objects)", self.job, step, n)
 
@@ -670,7 +665,7 @@ class BackupStore:
             stem = d.name.rsplit("/", 1)[-1]
             if (
                 d.is_dir
-                and re.fullmatch(r"0|[1-9][0-9]{0,17}", stem)
+                and parse_step_name(stem) is not None
                 and self._remove_uncommitted_step_dir(int(stem))
             ):
                 removed.append(f"{STEPS_DIR}/{stem}")

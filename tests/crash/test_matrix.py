@@ -463,10 +463,8 @@ RUNNERS = {"sidecar": run_sidecar, "jax": run_jax, "bucket": run_bucket, "cluste
 # --------------------------------------------------------------------------- beyond one point
 
 
-@pytest.mark.xfail(strict=True, raises=FileExistsError, reason=(
-    "known defect (issue #12 item 3 'a step number can always be saved again', sidecar save path, data-plane "
-    "engineer): a trainer killed between the hosts' commits of step N leaves N on some hosts only; after "
-    "restoring N-1 (the newest step every host holds), save(N) raises FileExistsError for those hosts"))
+# A trainer killed between the hosts' commits of step N leaves N on some hosts only; after restoring N-1
+# (the newest step every host holds), save(N) replaces the abandoned copies (issue #10 item 3).
 def test_trainer_killed_between_host_commits_saves_the_step_again(tmp_path: Path) -> None:
     from tests.crash import jax_state
 

@@ -55,8 +55,11 @@ class _Control(control_pb2_grpc.LocalControlServicer):
             savers, generation = self.daemon.locate(request.step)
         except FileNotFoundError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except (grpc.RpcError, RuntimeError) as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"coordinator unreachable: {_details(e)}")
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except grpc.RpcError as e:
+            code = e.code() if e.code() == grpc.StatusCode.INVALID_ARGUMENT else grpc.StatusCode.UNAVAILABLE
+            context.abort(code, f"coordinator: {_details(e)}")
         return control_pb2.LocalLocateResponse(savers=savers, generation=generation)
 
     def FetchStep(self, request, context):
@@ -67,7 +70,11 @@ class _Control(control_pb2_grpc.LocalControlServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except (grpc.RpcError, RuntimeError, OSError) as e:
+        except grpc.RpcError as e:
+            code = e.code() if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) \
+                else grpc.StatusCode.UNAVAILABLE
+            context.abort(code, f"coordinator: {_details(e)}")
+        except (RuntimeError, OSError) as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, _details(e))
         return control_pb2.FetchStepResponse(step_dir=rel, manifest_json=manifest)
 
@@ -284,6 +291,7 @@ class Replicator:
 
     def locate(self, step: int) -> tuple[list[int], int]:
         """The ranks that saved ``step`` and the save's generation, as the coordinator knows them."""
+        layout.step_name(step)
         try:
             resp = self._coord.LocateStep(cpb.LocateStepRequest(step=step), timeout=self.opts.rpc_timeout_seconds)
         except grpc.RpcError as e:

@@ -104,6 +104,7 @@ class StepSource:
         self._copies = 0
         self._copy_at: dict[Path, int] = {}
         self._heal = threading.RLock()
+        self.unreachable: dict[int, str] = {}  # rank -> why its data could not be fetched
         found = []
         for root in self.roots:
             for d in step_dirs_in(root, step):
@@ -186,6 +187,7 @@ class StepSource:
                 m = self.fetcher.manifest(owner, self.step)
             except (OSError, layout.ManifestError) as e:
                 log.warning("manifest of rank %d step %d unreachable: %s", owner, self.step, e)
+                self.unreachable.setdefault(owner, str(e))
                 continue
             if m.generation < self.generation:
                 continue
@@ -282,6 +284,7 @@ class StepSource:
                     self._materialise(loc)
                 except (OSError, layout.ManifestError, RuntimeError) as err:
                     errors.append(err)
+                    self.unreachable.setdefault(int(str(loc.step_dir).split(":", 1)[1]), str(err))
                     log.warning("could not fetch %s for %s%s: %s", loc.step_dir, arr.path, index, err)
                 continue
             e = loc.entry
@@ -363,9 +366,14 @@ class StepSource:
             out[dst_sl] = src[src_sl]
             covered += math.prod(hi - lo for lo, hi in inter)
         if covered < size:
-            where = ("no tier reachable from this host holds it: ranks "
-                     f"{sorted(set(self.savers) - self.owners)} of savers {list(self.savers)} unreachable"
-                     if self.fetcher is not None else "the rest lives on another host (run the replicator)")
+            if self.fetcher is None:
+                where = "the rest lives on another host (run the replicator)"
+            elif self.unreachable:
+                first = min(self.unreachable)
+                where = (f"ranks {sorted(self.unreachable)} of savers {list(self.savers)} are unreachable "
+                         f"(rank {first}: {self.unreachable[first]})")
+            else:
+                where = f"no tier holds it (savers {list(self.savers)}, reachable here {sorted(self.owners)})"
             raise FileNotFoundError(
                 f"step {self.step}: the saved shards reachable here cover {covered} of {size} "
                 f"elements of {path!r}{list(index)}; {where}"

@@ -278,3 +278,24 @@ def test_backup_now_skips_the_interval(cluster_factory):  # noqa: F811
     mgr.backup_now()
     wait_for(lambda: 2 in status(cl)["backup"]["committed_steps"], what="backup_now of step 2", timeout=60)
     mgr.close()
+
+
+def test_unreachable_rank_is_named_not_step_not_found(cluster_factory):  # noqa: F811
+    cl = cluster_factory(nodes=4, data_parallelism=2, replicas=0)  # FSDP data: no copy on another host
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    tree = fsdp_state(3, devs)
+    mgr.save(3, tree)
+    mgr.wait_until_finished()
+    mgr.close()
+    for r in (2, 3):  # slice 1 is lost with its RAM disks; the coordinator still lists their data
+        cl.procs[r].kill()
+        cl.wipe(r)
+    small = mgr_for(cl, devices=devs[:4])
+    with pytest.raises(FileNotFoundError) as info:
+        small.restore(3, target_on(tree, devs[:4], (1, 4)))
+    msg = str(info.value)
+    assert "step 3" in msg and "unreachable" in msg and "not found in" not in msg, msg
+    assert "[2, 3]" in msg or "rank 2" in msg, msg  # names what is missing
+    small.close()

@@ -299,3 +299,22 @@ def test_unreachable_rank_is_named_not_step_not_found(cluster_factory):  # noqa:
     assert "step 3" in msg and "unreachable" in msg and "not found in" not in msg, msg
     assert "[2, 3]" in msg or "rank 2" in msg, msg  # names what is missing
     small.close()
+
+
+def test_unreadable_own_manifest_healed_within_one_restore(cluster_factory):  # noqa: F811
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    tree = fsdp_state(4, devs)
+    mgr.save(4, tree)
+    mgr.wait_until_finished()
+    wait_for(lambda: status(cl)["steps"].get("4", {}).get("redundant"), what="step 4 redundant", timeout=60)
+    manifest = cl.ram(0) / "steps" / "4" / layout.MANIFEST_NAME
+    good = layout.read_manifest(manifest.parent)
+    manifest.write_bytes(manifest.read_bytes()[:40])  # no longer valid JSON
+    assert_equal(tree, mgr.restore(4, target_on(tree, devs, (2, 4))))
+    healed = [d for d in [cl.ram(0) / "steps" / "4", *cl.ram(0).glob("peer/*/4")]
+              if (d / layout.MANIFEST_NAME).is_file() and layout.read_manifest(d).content_hash == good.content_hash]
+    assert healed, "rank 0's data of step 4 is not back on host 0"
+    mgr.close()

@@ -52,6 +52,8 @@ class ReplicatorOptions:
       handshake_timeout_seconds: Orbax mode: how long one handshake may wait for every host to report and
         hold its data of the step to restore (keep it below Orbax's ``jax_initialization_timeout_seconds``).
       nice: niceness added to the daemon so that copies and uploads yield the CPU to training.
+      metrics_port: serve Prometheus metrics over HTTP on this port (``/metrics``, same host as
+        ``listen``); 0 picks a free port (printed as ``METRICS HOST:PORT``); unset = no endpoint.
       bulk_priority: scheduling of the threads that copy and upload bulk bytes: ``idle`` (SCHED_IDLE,
         default), ``low`` (niceness 19) or ``normal``.
     """
@@ -89,6 +91,7 @@ class ReplicatorOptions:
     bulk_priority: str = "idle"
     jax_process_id: int | None = None
     handshake_timeout_seconds: float = 600.0
+    metrics_port: int | None = None
 
     @property
     def orbax_mode(self) -> bool:
@@ -158,6 +161,8 @@ class ReplicatorOptions:
             if v and not Path(v).is_file():
                 raise ConfigError(f"--{name.replace('_', '-')} {v}: no such file")
         _host_port(self.listen, "--listen")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         self.token()
         return self
 
@@ -191,7 +196,7 @@ def _convert(name: str, raw: Any) -> Any:
     if name == "peers":
         return raw if isinstance(raw, dict) else parse_peers(str(raw))
     default = _FIELDS[name].default
-    if name in ("rank", "nodes", "restore_from_backup", "jax_process_id"):
+    if name in ("rank", "nodes", "restore_from_backup", "jax_process_id", "metrics_port"):
         return int(raw)
     if isinstance(default, bool):
         return str(raw).lower() in ("1", "true", "yes")
@@ -239,6 +244,7 @@ _HELP = {
             "(default 10; 0 = unchanged)",
     "jax_coordinator": "HOST:PORT written to jax-init-info.txt in Orbax mode (outside GKE)",
     "jax_process_id": "this host's JAX process id for jax-init-info.txt (with --jax-coordinator)",
+    "metrics_port": "serve Prometheus metrics on this port (0 = pick a free one; unset = off)",
     "handshake_timeout_seconds": "Orbax mode: bound on one handshake's restore planning (default 600)",
 }
 

@@ -277,6 +277,41 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             st["job"] = self.job
         return pb.GetStatusResponse(status_json=json.dumps(st, default=str))
 
+    # ------------------------------------------------------------------ queries for the admin service and metrics
+    def hosts_seen(self) -> dict[int, float]:
+        """rank -> seconds since its last heartbeat (ranks never heard from are absent)."""
+        with self._lock:
+            now = self._clock()
+            return {r: now - t for r, t in sorted(self._last_seen.items())}
+
+    def host_addresses(self) -> dict[int, str]:
+        """rank -> Peer service address each host reported."""
+        with self._lock:
+            return dict(sorted(self._addresses.items()))
+
+    def seconds_since_start(self) -> float:
+        return self._clock() - self._started
+
+    @property
+    def lock(self) -> threading.Condition:
+        """The (reentrant) lock every RPC holds while it reads or changes the state."""
+        return self._lock
+
+    def steps_first_seen(self) -> dict[int, float]:
+        """step -> seconds since the coordinator first heard of it (steps it tracks for replication)."""
+        with self._lock:
+            now = self._clock()
+            return {s: now - t for s, t in sorted(self._first_seen.items())}
+
+    def release_restore_pin(self, step: int) -> bool:
+        """Forget a restore pinned on ``step`` (the next restore takes the newest step again)."""
+        with self._lock:
+            if self._restore_step != step:
+                return False
+            self.state.unpin(step)
+            self._restore_step = self._restore_floor = None
+            return True
+
 
 def _tier_rank(kind: Tier) -> int:
     return {Tier.LOCAL: 0, Tier.PEER: 1, Tier.REPLICA: 1, Tier.BUCKET: 2}.get(kind, 3)

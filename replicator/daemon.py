@@ -25,6 +25,7 @@ import grpc
 from mtc_rpc import control_pb2, control_pb2_grpc, peer_pb2_grpc
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
+from replicator import logs
 from replicator.coordinator.service import BackupScheduler, Coordinator
 from replicator.coordinator.topology import JobTopology
 from replicator.local.store import RamDiskStore
@@ -73,6 +74,7 @@ class Replicator:
         self.token = opts.token()
         self.backup = backup
         self.incarnation = time.time_ns()
+        logs.set_context(job=job, rank=rank, incarnation=self.incarnation)
         self.coordinator: Coordinator | None = None
         if rank == opts.coordinator_rank:
             sched = backup_scheduler_factory(self.topology) if backup_scheduler_factory else None
@@ -317,7 +319,7 @@ class Replicator:
                                 timeout_seconds=self.opts.transfer_timeout_seconds,
                                 throttle=self._throttle, expected_content_hash=content_hash)
         dt = time.monotonic() - t0
-        log.info("fetched rank %d step %d from %s: %d bytes in %.3fs (%.2f GiB/s)",
+        log.info("copy: fetched rank %d step %d from %s: %d bytes in %.3fs (%.2f GiB/s)",
                  owner, step, address, m.total_bytes, dt, m.total_bytes / max(dt, 1e-9) / 2**30)
         return m
 

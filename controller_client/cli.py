@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     configure_parser(r, log_default=argparse.SUPPRESS)
     r.set_defaults(prog="mtc replicator")
 
+    from controller_client import manifests
+
+    m = sub.add_parser("manifests", help="render a ready-to-apply Kubernetes set (JobSet, RAM disk, policy) for a job",
+                       description="Render the Kubernetes objects of one job; see docs/deploy.md.")
+    manifests.add_arguments(m)
+    m.set_defaults(func=manifests.run)
+
     # The operator's commands (status, steps, inspect, verify, restore, pin, backups, export, plan, gc).
     from controller_client.admin_cli import register
 

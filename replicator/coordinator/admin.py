@@ -65,7 +65,7 @@ def cluster_view(coord: Any) -> ClusterView:
             view.update(backup_configured=True, backup_last_success_unix=sched.last_success_unix,
                         backup_skipped=sched.skipped, backup_failures=sched.failures,
                         backup_interval_seconds=_interval_seconds(sched),
-                        backup_in_progress_step=cur["step"] if cur else -1)
+                        backup_in_progress_step=cur.step if cur else -1)
     return ClusterView(**view)
 
 
@@ -173,7 +173,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 resp.backup_skipped = sched.skipped
                 resp.backup_failures = sched.failures
                 resp.backup_last_error = sched.last_error
-                resp.backup_in_progress_step = sched.current["step"] if sched.current else -1
+                resp.backup_in_progress_step = sched.current.step if sched.current else -1
             up_seconds = coord.seconds_since_start()
         problems = []
         if newest is None:
@@ -300,7 +300,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no globally complete step to back up")
             if step in sched.committed:
                 return pb.BackupNowResponse(step=step, state="already-backed-up")
-            if sched.current is not None and sched.current["step"] == step:
+            if sched.current is not None and sched.current.step == step:
                 return pb.BackupNowResponse(step=step, state="running")
             if step != newest:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,

@@ -109,3 +109,33 @@ def test_backups_list_download_export_and_verify_after_the_job_is_gone(tmp_path)
     assert r.code == 1 and "bad file" in r.err and victim.name in r.err, r
     assert mtc("verify", "4", "--backup-url", url).code == 2  # local/peer tiers need the coordinator
     assert REPO.is_dir()
+
+
+def test_backups_from_an_emulated_gcs_bucket(tmp_path) -> None:
+    from tests.kits.storage import BUCKET, Emulator
+
+    (tmp_path / "emu").mkdir()
+    emu = Emulator("fake-gcs", tmp_path / "emu")
+    url = f"gs://{BUCKET}/mtc"
+    env = {"STORAGE_EMULATOR_HOST": emu.url}
+    cl = LocalCluster(tmp_path / "c", 4, 2, extra=["--backup-url", url, "--backup-interval-steps", "1"])
+    cl.env = env
+    try:
+        cl.start_all()
+        mgr = manager(cl, 2, 2)
+        save_steps(mgr, [2])
+        wait_for(lambda: mtc("backups", "list", "-o", "json", "--backup-url", url, env=env).code == 0,
+                 what="step 2 backed up to the emulator", timeout=90, interval=1.0)
+        mgr.close()
+        cl.stop_all()
+        r = mtc("backups", "list", "-o", "json", "--backup-url", url, env=env)
+        assert r.code == 0 and [b["step"] for b in r.json()["backups"]] == [2], r
+        r = mtc("backups", "download", "2", "--backup-url", url, "--dest", str(tmp_path / "dl"), env=env)
+        assert r.code == 0 and "every file verified" in r.out, r
+        for rank in range(4):
+            layout.verify_step_dir(tmp_path / "dl" / str(rank) / "steps" / "2")
+        r = mtc("verify", "2", "--tier", "bucket", "--backup-url", url, "-o", "json", env=env)
+        assert r.code == 0 and len(r.json()["copies"]) == 4, r
+    finally:
+        cl.stop_all(signal.SIGKILL)
+        emu.stop()

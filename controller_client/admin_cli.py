@@ -65,12 +65,11 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _when(unix: float) -> str:
+def _when(unix: float, short: bool = False) -> str:
     if not unix:
         return "-"
-    age = time.time() - unix
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(unix))
-    return f"{stamp}Z ({_age(age)} ago)"
+    age = f"{_age(time.time() - unix)} ago"
+    return age if short else f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(unix))}Z ({age})"
 
 
 def _age(seconds: float) -> str:
@@ -287,7 +286,7 @@ def cmd_steps(args: argparse.Namespace, conn: Conn) -> int:
             t.add_row(str(i.step), "yes" if i.complete else "no", "yes" if i.redundant else "no",
                       _ranges(i.local_ranks), _ranges(i.peer_ranks), _ranges(i.bucket_ranks),
                       _ranges(i.missing_ranks), _bytes(i.bytes), " ".join(flags) or "-",
-                      _when(i.first_seen_unix), _when(i.backup_unix))
+                      _when(i.first_seen_unix, short=True), _when(i.backup_unix, short=True))
         con = _console()
         con.print(t)
         if s.degraded:
@@ -304,6 +303,7 @@ def _cluster_pieces(conn: Conn, step: int) -> Any:
 
 
 def _manifests_from_cluster(conn: Conn, step: int) -> dict[int, Any]:
+    """rank -> the manifest of the data it restores from (its own, or an identical replica's), from a host."""
     from replicator.peer import client as peer_client
 
     loc = _cluster_pieces(conn, step)
@@ -313,12 +313,17 @@ def _manifests_from_cluster(conn: Conn, step: int) -> dict[int, Any]:
             continue
         if p.owner_rank not in best or (p.tier == "local" and best[p.owner_rank].tier != "local"):
             best[p.owner_rank] = p
+    owners = {r.rank: r.owner_rank for r in loc.ranks}
+    if any(o not in best for o in owners.values()) and loc.backup_url:
+        return _manifests_from_bucket(_open_backup(loc.backup_url, loc.job), step)  # some only in the bucket
+    fetched: dict[int, Any] = {}
     out = {}
-    for rank, p in sorted(best.items()):
-        out[rank] = peer_client.get_manifest(p.address, rank, step, timeout_seconds=conn.timeout,
-                                             token=conn.token, tls=conn.tls)
-    if not out and any(p.tier == "bucket" for p in loc.pieces) and loc.backup_url:
-        return _manifests_from_bucket(_open_backup(loc.backup_url, loc.job), step)
+    for rank, owner in sorted(owners.items()):
+        if owner not in fetched:
+            p = best[owner]
+            fetched[owner] = peer_client.get_manifest(p.address, owner, step, timeout_seconds=conn.timeout,
+                                                      token=conn.token, tls=conn.tls)
+        out[rank] = fetched[owner]
     return out
 
 
@@ -340,7 +345,7 @@ def inspect_doc(step: int, manifests: dict[int, Any], source: str) -> dict[str, 
     leaves: dict[str, dict[str, Any]] = {}
     ranks = []
     for rank, m in sorted(manifests.items()):
-        ranks.append({"rank": rank, "kind": m.kind, "bytes": m.total_bytes, "files": len(m.files),
+        ranks.append({"rank": rank, "data_of_rank": m.rank, "kind": m.kind, "bytes": m.total_bytes, "files": len(m.files),
                       "content_hash": m.content_hash,
                       "shards": sum(len(a.shards) for a in m.arrays),
                       "file_checksums": [{"name": f.name, "size": f.size, "crc32c": f"{f.crc32c:08x}"}
@@ -390,7 +395,9 @@ def cmd_inspect(args: argparse.Namespace, conn: Conn | None) -> int:
     con.print(t)
     h = _table("per host", ["rank", "shards", "files", "bytes", "content hash"])
     for r in doc["ranks"]:
-        h.add_row(str(r["rank"]), str(r["shards"]), str(r["files"]), _bytes(r["bytes"]), r["content_hash"][:16])
+        same = f" (= rank {r['data_of_rank']})" if r["data_of_rank"] != r["rank"] else ""
+        h.add_row(f"{r['rank']}{same}", str(r["shards"]), str(r["files"]), _bytes(r["bytes"]),
+                  r["content_hash"][:16])
     con.print(h)
     if args.files:
         f = _table("files", ["rank", "file", "bytes", "crc32c"])
@@ -605,7 +612,8 @@ def cmd_gc(args: argparse.Namespace, conn: Conn) -> int:
             t.add_row(x["tier"], "bucket" if x["holder_rank"] is None else str(x["holder_rank"]),
                       "all" if x["owner_rank"] is None else str(x["owner_rank"]), str(x["step"]),
                       _bytes(x["bytes"]) if x["bytes"] else "-", x["reason"])
-        _console().print(t)
+        _console().print(t if items else f"gc --dry-run: nothing would be deleted; protected steps "
+                          f"{_ranges(resp.protected_steps)}")
     return EXIT_OK
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61\x64min.proto\x12\x0cmtc.admin.v1\"\x13\n\x11GetSummaryRequest\"\x86\x04\n\x12GetSummaryResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x18\n\x10hosts_registered\x18\x03 \x01(\x03\x12\x12\n\nlost_ranks\x18\x04 \x03(\x03\x12\x1c\n\x14newest_complete_step\x18\x05 \x01(\x03\x12\x18\n\x10newest_redundant\x18\x06 \x01(\x08\x12\x14\n\x0cpinned_steps\x18\x07 \x03(\x03\x12\x16\n\x0erestore_target\x18\x08 \x01(\x03\x12\x12\n\nbackup_url\x18\t \x01(\t\x12\x1a\n\x12newest_backup_step\x18\n \x01(\x03\x12 \n\x18\x62\x61\x63kup_last_success_unix\x18\x0b \x01(\x01\x12\x1f\n\x17\x62\x61\x63kup_interval_seconds\x18\x0c \x01(\x01\x12\x1d\n\x15\x62\x61\x63kup_interval_steps\x18\r \x01(\x03\x12\x16\n\x0e\x62\x61\x63kup_skipped\x18\x0e \x01(\x03\x12\x17\n\x0f\x62\x61\x63kup_failures\x18\x0f \x01(\x03\x12\x19\n\x11\x62\x61\x63kup_last_error\x18\x10 \x01(\t\x12\x1f\n\x17\x62\x61\x63kup_in_progress_step\x18\x11 \x01(\x03\x12\x10\n\x08\x64\x65graded\x18\x12 \x01(\x08\x12\x10\n\x08problems\x18\x13 \x03(\t\x12\x1d\n\x15newest_complete_bytes\x18\x14 \x01(\x04\"\x12\n\x10ListStepsRequest\"\x9f\x02\n\x08StepInfo\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\x12\x11\n\tredundant\x18\x03 \x01(\x08\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\x12\n\nbacking_up\x18\x05 \x01(\x08\x12\x11\n\tbacked_up\x18\x06 \x01(\x08\x12\x13\n\x0blocal_ranks\x18\x07 \x03(\x03\x12\x12\n\npeer_ranks\x18\x08 \x03(\x03\x12\x14\n\x0c\x62ucket_ranks\x18\t \x03(\x03\x12\x15\n\rmissing_ranks\x18\n \x03(\x03\x12\r\n\x05\x62ytes\x18\x0b \x01(\x04\x12\x17\n\x0f\x66irst_seen_unix\x18\x0c \x01(\x01\x12\x13\n\x0b\x62\x61\x63kup_unix\x18\r \x01(\x01\x12\x16\n\x0erestore_target\x18\x0e \x01(\x08\"t\n\x11ListStepsResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x1c\n\x14newest_complete_step\x18\x03 \x01(\x03\x12%\n\x05steps\x18\x04 \x03(\x0b\x32\x16.mtc.admin.v1.StepInfo\"!\n\x11LocateStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"s\n\x05Piece\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x13\n\x0bholder_rank\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\x12\x0c\n\x04size\x18\x06 \x01(\x04\"w\n\x12LocateStepResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12#\n\x06pieces\x18\x04 \x03(\x0b\x32\x13.mtc.admin.v1.Piece\x12\x12\n\nbackup_url\x18\x05 \x01(\t\"\x1a\n\nPinRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"#\n\x0bPinResponse\x12\x14\n\x0cpinned_steps\x18\x01 \x03(\x03\"8\n\x12RestoreStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"f\n\x13RestoreStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x13\n\x0bready_ranks\x18\x03 \x03(\x03\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\" \n\x10\x42\x61\x63kupNowRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"0\n\x11\x42\x61\x63kupNowResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05state\x18\x02 \x01(\t\"\x0f\n\rGcPlanRequest\"k\n\x06GcItem\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x13\n\x0bholder_rank\x18\x02 \x01(\x03\x12\x12\n\nowner_rank\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\"N\n\x0eGcPlanResponse\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.mtc.admin.v1.GcItem\x12\x17\n\x0fprotected_steps\x18\x02 \x03(\x03\"i\n\x14ReportBadCopyRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\nowner_rank\x18\x02 \x01(\x03\x12\x13\n\x0bholder_rank\x18\x03 \x01(\x03\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x0c\n\x04\x66ile\x18\x05 \x01(\t\"\'\n\x15ReportBadCopyResponse\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t2\xb2\x05\n\x05\x41\x64min\x12O\n\nGetSummary\x12\x1f.mtc.admin.v1.GetSummaryRequest\x1a .mtc.admin.v1.GetSummaryResponse\x12L\n\tListSteps\x12\x1e.mtc.admin.v1.ListStepsRequest\x1a\x1f.mtc.admin.v1.ListStepsResponse\x12O\n\nLocateStep\x12\x1f.mtc.admin.v1.LocateStepRequest\x1a .mtc.admin.v1.LocateStepResponse\x12:\n\x03Pin\x12\x18.mtc.admin.v1.PinRequest\x1a\x19.mtc.admin.v1.PinResponse\x12<\n\x05Unpin\x12\x18.mtc.admin.v1.PinRequest\x1a\x19.mtc.admin.v1.PinResponse\x12R\n\x0bRestoreStep\x12 .mtc.admin.v1.RestoreStepRequest\x1a!.mtc.admin.v1.RestoreStepResponse\x12L\n\tBackupNow\x12\x1e.mtc.admin.v1.BackupNowRequest\x1a\x1f.mtc.admin.v1.BackupNowResponse\x12\x43\n\x06GcPlan\x12\x1b.mtc.admin.v1.GcPlanRequest\x1a\x1c.mtc.admin.v1.GcPlanResponse\x12X\n\rReportBadCopy\x12\".mtc.admin.v1.ReportBadCopyRequest\x1a#.mtc.admin.v1.ReportBadCopyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61\x64min.proto\x12\x0cmtc.admin.v1\"\x13\n\x11GetSummaryRequest\"\x86\x04\n\x12GetSummaryResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x18\n\x10hosts_registered\x18\x03 \x01(\x03\x12\x12\n\nlost_ranks\x18\x04 \x03(\x03\x12\x1c\n\x14newest_complete_step\x18\x05 \x01(\x03\x12\x18\n\x10newest_redundant\x18\x06 \x01(\x08\x12\x14\n\x0cpinned_steps\x18\x07 \x03(\x03\x12\x16\n\x0erestore_target\x18\x08 \x01(\x03\x12\x12\n\nbackup_url\x18\t \x01(\t\x12\x1a\n\x12newest_backup_step\x18\n \x01(\x03\x12 \n\x18\x62\x61\x63kup_last_success_unix\x18\x0b \x01(\x01\x12\x1f\n\x17\x62\x61\x63kup_interval_seconds\x18\x0c \x01(\x01\x12\x1d\n\x15\x62\x61\x63kup_interval_steps\x18\r \x01(\x03\x12\x16\n\x0e\x62\x61\x63kup_skipped\x18\x0e \x01(\x03\x12\x17\n\x0f\x62\x61\x63kup_failures\x18\x0f \x01(\x03\x12\x19\n\x11\x62\x61\x63kup_last_error\x18\x10 \x01(\t\x12\x1f\n\x17\x62\x61\x63kup_in_progress_step\x18\x11 \x01(\x03\x12\x10\n\x08\x64\x65graded\x18\x12 \x01(\x08\x12\x10\n\x08problems\x18\x13 \x03(\t\x12\x1d\n\x15newest_complete_bytes\x18\x14 \x01(\x04\"\x12\n\x10ListStepsRequest\"\x9f\x02\n\x08StepInfo\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\x12\x11\n\tredundant\x18\x03 \x01(\x08\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\x12\n\nbacking_up\x18\x05 \x01(\x08\x12\x11\n\tbacked_up\x18\x06 \x01(\x08\x12\x13\n\x0blocal_ranks\x18\x07 \x03(\x03\x12\x12\n\npeer_ranks\x18\x08 \x03(\x03\x12\x14\n\x0c\x62ucket_ranks\x18\t \x03(\x03\x12\x15\n\rmissing_ranks\x18\n \x03(\x03\x12\r\n\x05\x62ytes\x18\x0b \x01(\x04\x12\x17\n\x0f\x66irst_seen_unix\x18\x0c \x01(\x01\x12\x13\n\x0b\x62\x61\x63kup_unix\x18\r \x01(\x01\x12\x16\n\x0erestore_target\x18\x0e \x01(\x08\"t\n\x11ListStepsResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x1c\n\x14newest_complete_step\x18\x03 \x01(\x03\x12%\n\x05steps\x18\x04 \x03(\x0b\x32\x16.mtc.admin.v1.StepInfo\"!\n\x11LocateStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"s\n\x05Piece\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x13\n\x0bholder_rank\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\x12\x0c\n\x04size\x18\x06 \x01(\x04\",\n\x08RankData\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x12\n\nowner_rank\x18\x02 \x01(\x03\"\x9e\x01\n\x12LocateStepResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12#\n\x06pieces\x18\x04 \x03(\x0b\x32\x13.mtc.admin.v1.Piece\x12\x12\n\nbackup_url\x18\x05 \x01(\t\x12%\n\x05ranks\x18\x06 \x03(\x0b\x32\x16.mtc.admin.v1.RankData\"\x1a\n\nPinRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"#\n\x0bPinResponse\x12\x14\n\x0cpinned_steps\x18\x01 \x03(\x03\"8\n\x12RestoreStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"f\n\x13RestoreStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x13\n\x0bready_ranks\x18\x03 \x03(\x03\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\" \n\x10\x42\x61\x63kupNowRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"0\n\x11\x42\x61\x63kupNowResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05state\x18\x02 \x01(\t\"\x0f\n\rGcPlanRequest\"k\n\x06GcItem\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x13\n\x0bholder_rank\x18\x02 \x01(\x03\x12\x12\n\nowner_rank\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\"N\n\x0eGcPlanResponse\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.mtc.admin.v1.GcItem\x12\x17\n\x0fprotected_steps\x18\x02 \x03(\x03\"i\n\x14ReportBadCopyRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\nowner_rank\x18\x02 \x01(\x03\x12\x13\n\x0bholder_rank\x18\x03 \x01(\x03\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x0c\n\x04\x66ile\x18\x05 \x01(\t\"\'\n\x15ReportBadCopyResponse\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t2\xb2\x05\n\x05\x41\x64min\x12O\n\nGetSummary\x12\x1f.mtc.admin.v1.GetSummaryRequest\x1a .mtc.admin.v1.GetSummaryResponse\x12L\n\tListSteps\x12\x1e.mtc.admin.v1.ListStepsRequest\x1a\x1f.mtc.admin.v1.ListStepsResponse\x12O\n\nLocateStep\x12\x1f.mtc.admin.v1.LocateStepRequest\x1a .mtc.admin.v1.LocateStepResponse\x12:\n\x03Pin\x12\x18.mtc.admin.v1.PinRequest\x1a\x19.mtc.admin.v1.PinResponse\x12<\n\x05Unpin\x12\x18.mtc.admin.v1.PinRequest\x1a\x19.mtc.admin.v1.PinResponse\x12R\n\x0bRestoreStep\x12 .mtc.admin.v1.RestoreStepRequest\x1a!.mtc.admin.v1.RestoreStepResponse\x12L\n\tBackupNow\x12\x1e.mtc.admin.v1.BackupNowRequest\x1a\x1f.mtc.admin.v1.BackupNowResponse\x12\x43\n\x06GcPlan\x12\x1b.mtc.admin.v1.GcPlanRequest\x1a\x1c.mtc.admin.v1.GcPlanResponse\x12X\n\rReportBadCopy\x12\".mtc.admin.v1.ReportBadCopyRequest\x1a#.mtc.admin.v1.ReportBadCopyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,30 +45,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOCATESTEPREQUEST']._serialized_end=1032
   _globals['_PIECE']._serialized_start=1034
   _globals['_PIECE']._serialized_end=1149
-  _globals['_LOCATESTEPRESPONSE']._serialized_start=1151
-  _globals['_LOCATESTEPRESPONSE']._serialized_end=1270
-  _globals['_PINREQUEST']._serialized_start=1272
-  _globals['_PINREQUEST']._serialized_end=1298
-  _globals['_PINRESPONSE']._serialized_start=1300
-  _globals['_PINRESPONSE']._serialized_end=1335
-  _globals['_RESTORESTEPREQUEST']._serialized_start=1337
-  _globals['_RESTORESTEPREQUEST']._serialized_end=1393
-  _globals['_RESTORESTEPRESPONSE']._serialized_start=1395
-  _globals['_RESTORESTEPRESPONSE']._serialized_end=1497
-  _globals['_BACKUPNOWREQUEST']._serialized_start=1499
-  _globals['_BACKUPNOWREQUEST']._serialized_end=1531
-  _globals['_BACKUPNOWRESPONSE']._serialized_start=1533
-  _globals['_BACKUPNOWRESPONSE']._serialized_end=1581
-  _globals['_GCPLANREQUEST']._serialized_start=1583
-  _globals['_GCPLANREQUEST']._serialized_end=1598
-  _globals['_GCITEM']._serialized_start=1600
-  _globals['_GCITEM']._serialized_end=1707
-  _globals['_GCPLANRESPONSE']._serialized_start=1709
-  _globals['_GCPLANRESPONSE']._serialized_end=1787
-  _globals['_REPORTBADCOPYREQUEST']._serialized_start=1789
-  _globals['_REPORTBADCOPYREQUEST']._serialized_end=1894
-  _globals['_REPORTBADCOPYRESPONSE']._serialized_start=1896
-  _globals['_REPORTBADCOPYRESPONSE']._serialized_end=1935
-  _globals['_ADMIN']._serialized_start=1938
-  _globals['_ADMIN']._serialized_end=2628
+  _globals['_RANKDATA']._serialized_start=1151
+  _globals['_RANKDATA']._serialized_end=1195
+  _globals['_LOCATESTEPRESPONSE']._serialized_start=1198
+  _globals['_LOCATESTEPRESPONSE']._serialized_end=1356
+  _globals['_PINREQUEST']._serialized_start=1358
+  _globals['_PINREQUEST']._serialized_end=1384
+  _globals['_PINRESPONSE']._serialized_start=1386
+  _globals['_PINRESPONSE']._serialized_end=1421
+  _globals['_RESTORESTEPREQUEST']._serialized_start=1423
+  _globals['_RESTORESTEPREQUEST']._serialized_end=1479
+  _globals['_RESTORESTEPRESPONSE']._serialized_start=1481
+  _globals['_RESTORESTEPRESPONSE']._serialized_end=1583
+  _globals['_BACKUPNOWREQUEST']._serialized_start=1585
+  _globals['_BACKUPNOWREQUEST']._serialized_end=1617
+  _globals['_BACKUPNOWRESPONSE']._serialized_start=1619
+  _globals['_BACKUPNOWRESPONSE']._serialized_end=1667
+  _globals['_GCPLANREQUEST']._serialized_start=1669
+  _globals['_GCPLANREQUEST']._serialized_end=1684
+  _globals['_GCITEM']._serialized_start=1686
+  _globals['_GCITEM']._serialized_end=1793
+  _globals['_GCPLANRESPONSE']._serialized_start=1795
+  _globals['_GCPLANRESPONSE']._serialized_end=1873
+  _globals['_REPORTBADCOPYREQUEST']._serialized_start=1875
+  _globals['_REPORTBADCOPYREQUEST']._serialized_end=1980
+  _globals['_REPORTBADCOPYRESPONSE']._serialized_start=1982
+  _globals['_REPORTBADCOPYRESPONSE']._serialized_end=2021
+  _globals['_ADMIN']._serialized_start=2024
+  _globals['_ADMIN']._serialized_end=2714
 # @@protoc_insertion_point(module_scope)

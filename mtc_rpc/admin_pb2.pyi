@@ -124,19 +124,29 @@ class Piece(_message.Message):
     size: int
     def __init__(self, owner_rank: _Optional[int] = ..., holder_rank: _Optional[int] = ..., address: _Optional[str] = ..., tier: _Optional[str] = ..., content_hash: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
+class RankData(_message.Message):
+    __slots__ = ("rank", "owner_rank")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    owner_rank: int
+    def __init__(self, rank: _Optional[int] = ..., owner_rank: _Optional[int] = ...) -> None: ...
+
 class LocateStepResponse(_message.Message):
-    __slots__ = ("job", "nodes", "step", "pieces", "backup_url")
+    __slots__ = ("job", "nodes", "step", "pieces", "backup_url", "ranks")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     BACKUP_URL_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     job: str
     nodes: int
     step: int
     pieces: _containers.RepeatedCompositeFieldContainer[Piece]
     backup_url: str
-    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[int] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., backup_url: _Optional[str] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[RankData]
+    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[int] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., backup_url: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankData, _Mapping]]] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("step",)

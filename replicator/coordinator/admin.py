@@ -123,26 +123,27 @@ class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, coord: Any) -> None:
         self.coord = coord
         self.bad = BadCopies()
-        self._commit_unix: dict[int, float] = {}
+        self._commit_records: dict[int, tuple[float, int]] = {}
 
     def wrap(self, coordinator_servicer: Any) -> FilteredCoordinator:
         """The Coordinator servicer to register, so that copies reported bad stop being used."""
         return FilteredCoordinator(coordinator_servicer, self.bad)
 
     # ------------------------------------------------------------------ helpers
-    def _backup_times(self, steps: list[int]) -> dict[int, float]:
-        """Commit time of each backed-up step, read from the bucket once (outside the coordinator lock)."""
+    def _backup_records(self, steps: list[int]) -> dict[int, tuple[float, int]]:
+        """(commit time, total bytes) of each backed-up step, read from the bucket once (outside the lock)."""
         sched = _backup(self.coord)
         out = {}
         for s in steps:
-            if s not in self._commit_unix and sched is not None:
+            if s not in self._commit_records and sched is not None:
                 try:
-                    self._commit_unix[s] = sched.backup.commit_record(s)[0].committed_unix
+                    rec = sched.backup.commit_record(s)[0]
                 except Exception as e:  # deleted by retention meanwhile, or unreadable: unknown
                     log.debug("no commit record for step %d: %s", s, e)
                     continue
-            if s in self._commit_unix:
-                out[s] = self._commit_unix[s]
+                self._commit_records[s] = (rec.committed_unix, rec.total_bytes)
+            if s in self._commit_records:
+                out[s] = self._commit_records[s]
         return out
 
     # ------------------------------------------------------------------ RPCs
@@ -230,9 +231,12 @@ class AdminServicer(pb_grpc.AdminServicer):
                 if step in first_seen:
                     info.first_seen_unix = now - first_seen[step]
                 infos.append(info)
-        times = self._backup_times([i.step for i in infos if i.backed_up])
+        records = self._backup_records([i.step for i in infos if i.backed_up])
         for i in infos:
-            i.backup_unix = times.get(i.step, 0.0)
+            unix, total = records.get(i.step, (0.0, 0))
+            i.backup_unix = unix
+            if not i.bytes:  # only in the bucket, which hosts do not report sizes for
+                i.bytes = total
         return pb.ListStepsResponse(job=coord.job, nodes=nodes, steps=infos,
                                     newest_complete_step=-1 if newest is None else newest)
 
@@ -251,6 +255,8 @@ class AdminServicer(pb_grpc.AdminServicer):
                     resp.pieces.append(pb.Piece(owner_rank=h.owner_rank, holder_rank=holder,
                                                 address=addresses.get(holder, ""), tier=str(h.tier),
                                                 content_hash=h.content_hash, size=h.size))
+            for rank, srcs in sorted(st.sources(request.step).items()):
+                resp.ranks.append(pb.RankData(rank=rank, owner_rank=srcs[0].owner_rank))
             for rank, digest in st.backup_ranks(request.step).items():
                 resp.pieces.append(pb.Piece(owner_rank=rank, holder_rank=-1, tier="bucket",
                                             content_hash=digest or ""))

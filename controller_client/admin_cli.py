@@ -40,8 +40,9 @@ def _console(stderr: bool = False) -> Any:
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    # Not a terminal (a pipe, a test, a log): wide enough that cells are never cut.
-    return Console(file=stream, width=None if stream.isatty() else 160, highlight=False)
+    # Not a terminal (a pipe, a test, a log) and no $COLUMNS: wide enough that cells are rarely wrapped.
+    width = None if stream.isatty() or os.environ.get("COLUMNS", "").isdigit() else 160
+    return Console(file=stream, width=width, highlight=False)
 
 
 def _ranges(ranks: Iterable[int]) -> str:
@@ -94,16 +95,21 @@ def _emit_json(doc: Any) -> None:
     print(json.dumps(doc, indent=2, sort_keys=False))
 
 
-def _progress(transient: bool = True) -> Any:
+def _progress(transient: bool = True, hosts: bool = False) -> Any:
     from rich.progress import (
         BarColumn,
         DownloadColumn,
+        MofNCompleteColumn,
         Progress,
         TextColumn,
+        TimeElapsedColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
 
+    if hosts:
+        return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=_console(stderr=True), transient=transient)
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                     TimeRemainingColumn(), console=_console(stderr=True), transient=transient)
 
@@ -277,16 +283,15 @@ def cmd_steps(args: argparse.Namespace, conn: Conn) -> int:
                     "newest_complete_step": resp.newest_complete_step if resp.newest_complete_step >= 0 else None,
                     "steps": [step_doc(i) for i in resp.steps], "degraded": s.degraded, "problems": list(s.problems)})
     else:
-        t = _table(f"job {resp.job}: steps ({resp.nodes} ranks)",
-                   ["step", "complete", "redundant", "local", "peer", "bucket", "missing", "bytes", "flags",
-                    "first seen", "backed up"])
+        t = _table(f"job {resp.job}: steps by tier (ranks; {resp.nodes} in all)",
+                   ["step", "state", "local", "peer", "bucket", "missing", "bytes", "flags", "backed up"])
         for i in resp.steps:
             flags = [n for n, v in (("pinned", i.pinned), ("backing-up", i.backing_up),
                                     ("restore-target", i.restore_target)) if v]
-            t.add_row(str(i.step), "yes" if i.complete else "no", "yes" if i.redundant else "no",
-                      _ranges(i.local_ranks), _ranges(i.peer_ranks), _ranges(i.bucket_ranks),
-                      _ranges(i.missing_ranks), _bytes(i.bytes), " ".join(flags) or "-",
-                      _when(i.first_seen_unix, short=True), _when(i.backup_unix, short=True))
+            state = "redundant" if i.complete and i.redundant else "complete" if i.complete else "incomplete"
+            t.add_row(str(i.step), state, _ranges(i.local_ranks), _ranges(i.peer_ranks), _ranges(i.bucket_ranks),
+                      _ranges(i.missing_ranks), _bytes(i.bytes), "\n".join(flags) or "-",
+                      _when(i.backup_unix, short=True))
         con = _console()
         con.print(t)
         if s.degraded:
@@ -528,7 +533,7 @@ def cmd_restore(args: argparse.Namespace, conn: Conn) -> int:
     deadline = time.monotonic() + args.wait_seconds
     resp = None
     quiet = args.output == "json"
-    prog = None if quiet else _progress(transient=False)
+    prog = None if quiet else _progress(transient=False, hosts=True)
     task = None
     try:
         if prog is not None:

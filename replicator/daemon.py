@@ -105,6 +105,7 @@ class Replicator:
         self.metrics = ReplicatorMetrics(self.store.root)
         self.counters = self.metrics.counters
         self._seen_own: set[int] | None = None
+        self._restoring: set[int] = set()  # steps being fetched for a restore: not saves
         if self.coordinator is not None:
             from replicator.coordinator.admin import cluster_view
 
@@ -335,6 +336,8 @@ class Replicator:
     def _restore(self, task: cpb.RestoreTask) -> None:
         errors = []
         t0 = time.monotonic()
+        with self._lock:
+            self._restoring.add(task.step)
         for src in task.sources:
             if self.store.holds_data_for(self.rank, task.step, src.content_hash or None):
                 return
@@ -372,7 +375,10 @@ class Replicator:
         if self._seen_own is None:  # at start: what is already there was saved by an earlier incarnation
             self._seen_own = set(own)
             return
-        for step in sorted(set(own) - self._seen_own):
+        with self._lock:
+            restored = self._restoring & set(own)
+            self._restoring -= restored
+        for step in sorted(set(own) - self._seen_own - restored):
             self.counters.add("saves")
             self.counters.add("save_bytes", own[step])
             log.info("save: rank %d committed step %d on the RAM disk: %d bytes", self.rank, step, own[step])

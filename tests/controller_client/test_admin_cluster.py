@@ -195,3 +195,19 @@ def test_degraded_and_error_exit_codes(tmp_path) -> None:
     assert mtc("steps").code == 2  # no coordinator given
     r = mtc("steps", "--coordinator", cl.coordinator, "--timeout-seconds", "2")
     assert r.code == 1 and ("UNAVAILABLE" in r.err or "DEADLINE" in r.err), r
+
+
+def test_admin_service_needs_the_token(tmp_path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    cl = LocalCluster(tmp_path / "c", 2, 1, extra=["--token-file", str(token)])
+    try:
+        cl.start_all()
+        r = mtc("steps", "--coordinator", cl.coordinator)
+        assert r.code == 1 and "UNAUTHENTICATED" in r.err, r
+        r = mtc("steps", "-o", "json", "--coordinator", cl.coordinator, "--token-file", str(token))
+        assert r.code in (0, 3) and r.json()["nodes"] == 2, r
+        r = mtc("pin", "1", "--coordinator", cl.coordinator)
+        assert r.code == 1 and "UNAUTHENTICATED" in r.err, r
+    finally:
+        cl.stop_all(signal.SIGKILL)

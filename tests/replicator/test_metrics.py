@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mtc_rpc import control_pb2, control_pb2_grpc
 from replicator.metrics import HostCounters, ReplicatorMetrics
 from sidecar.layout import control_socket
-from tests.kits.cluster import manager, save_steps, wait_for
+from tests.kits.cluster import assert_equal, manager, save_steps, state, target, wait_for
 
 
 def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -111,4 +111,16 @@ def test_metrics_move_after_a_save_and_a_backup(cluster_factory, tmp_path) -> No
         uploaded += value(s, "mtc_copy_bytes_total", kind="backup_upload")
     assert uploaded > 0
     wait_for(lambda: value(scrape(other), "mtc_newest_complete_step") == 7, what="host 3 heard of step 7")
+    # Host 3 is lost and comes back empty: its restore is timed and its bytes counted.
+    cl.procs[3].stop()
+    cl.wipe(3)
+    cl.start(3)
+    wait_for(lambda: value(scrape(coord), "mtc_hosts_registered") == 4, what="host 3 back")
+    trees = {7: state(7)}
+    assert_equal(trees[7], mgr.restore(None, target(trees[7])))
+    s3 = scrape(metrics_address(cl.ram(3)))
+    assert value(s3, "mtc_restore_seconds_count") >= 1
+    assert value(s3, "mtc_copy_bytes_total", kind="restore") > 0
+    assert value(s3, "mtc_saves_total") == 0  # a restored step is not a save
+    assert value(scrape(coord), "mtc_coordinator_plan_seconds_count") >= 1
     mgr.close()

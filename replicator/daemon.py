@@ -134,8 +134,9 @@ class Replicator:
             from replicator.coordinator.admin import AdminServicer
 
             admin = AdminServicer(self.coordinator)
-            servicers.append((cpb_grpc.add_CoordinatorServicer_to_server,
-                              TimedCoordinator(admin.wrap(self.coordinator), self.metrics)))
+            timed = TimedCoordinator(admin.wrap(self.coordinator), self.metrics)
+            admin.coord = timed  # `mtc restore` plans through the same (timed) PrepareRestore
+            servicers.append((cpb_grpc.add_CoordinatorServicer_to_server, timed))
             servicers.append((admin_pb2_grpc.add_AdminServicer_to_server, admin))
         self._server, port = rpc.create_server(
             self.opts.listen, servicers, token=self.token, tls=tls,

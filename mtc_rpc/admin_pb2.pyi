@@ -59,7 +59,7 @@ class ListStepsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StepInfo(_message.Message):
-    __slots__ = ("step", "complete", "redundant", "pinned", "backing_up", "backed_up", "local_ranks", "peer_ranks", "bucket_ranks", "missing_ranks", "bytes", "first_seen_unix", "backup_unix", "restore_target")
+    __slots__ = ("step", "complete", "redundant", "pinned", "backing_up", "backed_up", "local_ranks", "peer_ranks", "bucket_ranks", "missing_ranks", "bytes", "first_seen_unix", "backup_unix", "restore_target", "complete_unix")
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     REDUNDANT_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class StepInfo(_message.Message):
     FIRST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
     BACKUP_UNIX_FIELD_NUMBER: _ClassVar[int]
     RESTORE_TARGET_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_UNIX_FIELD_NUMBER: _ClassVar[int]
     step: int
     complete: bool
     redundant: bool
@@ -88,7 +89,8 @@ class StepInfo(_message.Message):
     first_seen_unix: float
     backup_unix: float
     restore_target: bool
-    def __init__(self, step: _Optional[int] = ..., complete: _Optional[bool] = ..., redundant: _Optional[bool] = ..., pinned: _Optional[bool] = ..., backing_up: _Optional[bool] = ..., backed_up: _Optional[bool] = ..., local_ranks: _Optional[_Iterable[int]] = ..., peer_ranks: _Optional[_Iterable[int]] = ..., bucket_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., first_seen_unix: _Optional[float] = ..., backup_unix: _Optional[float] = ..., restore_target: _Optional[bool] = ...) -> None: ...
+    complete_unix: float
+    def __init__(self, step: _Optional[int] = ..., complete: _Optional[bool] = ..., redundant: _Optional[bool] = ..., pinned: _Optional[bool] = ..., backing_up: _Optional[bool] = ..., backed_up: _Optional[bool] = ..., local_ranks: _Optional[_Iterable[int]] = ..., peer_ranks: _Optional[_Iterable[int]] = ..., bucket_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., first_seen_unix: _Optional[float] = ..., backup_unix: _Optional[float] = ..., restore_target: _Optional[bool] = ..., complete_unix: _Optional[float] = ...) -> None: ...
 
 class ListStepsResponse(_message.Message):
     __slots__ = ("job", "nodes", "newest_complete_step", "steps")

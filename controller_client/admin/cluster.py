@@ -117,7 +117,8 @@ def step_doc(i: Any) -> dict[str, Any]:
             "backing_up": i.backing_up, "backed_up": i.backed_up, "restore_target": i.restore_target,
             "local_ranks": list(i.local_ranks), "peer_ranks": list(i.peer_ranks),
             "bucket_ranks": list(i.bucket_ranks), "missing_ranks": list(i.missing_ranks), "bytes": i.bytes,
-            "first_seen_unix": i.first_seen_unix or None, "backup_unix": i.backup_unix or None}
+            "first_seen_unix": i.first_seen_unix or None, "complete_unix": i.complete_unix or None,
+            "backup_unix": i.backup_unix or None}
 
 def cmd_steps(args: argparse.Namespace, conn: Conn) -> int:
     from mtc_rpc import admin_pb2 as pb
@@ -130,14 +131,15 @@ def cmd_steps(args: argparse.Namespace, conn: Conn) -> int:
                     "steps": [step_doc(i) for i in resp.steps], "degraded": s.degraded, "problems": list(s.problems)})
     else:
         t = table(f"job {resp.job}: steps by tier (ranks; {resp.nodes} in all)",
-                   ["step", "state", "local", "peer", "bucket", "missing", "bytes", "flags", "backed up"])
+                   ["step", "state", "local", "peer", "bucket", "missing", "bytes", "flags", "completed",
+                    "backed up"])
         for i in resp.steps:
             flags = [n for n, v in (("pinned", i.pinned), ("backing-up", i.backing_up),
                                     ("restore-target", i.restore_target)) if v]
             state = "redundant" if i.complete and i.redundant else "complete" if i.complete else "incomplete"
             t.add_row(str(i.step), state, ranges(i.local_ranks), ranges(i.peer_ranks), ranges(i.bucket_ranks),
                       ranges(i.missing_ranks), fmt_bytes(i.bytes), "\n".join(flags) or "-",
-                      when(i.backup_unix, short=True))
+                      when(i.complete_unix, short=True), when(i.backup_unix, short=True))
         con = console()
         con.print(t)
         if s.degraded:

@@ -99,12 +99,39 @@ class BadCopies:
         return out, hit
 
 
-class FilteredCoordinator:
-    """The Coordinator servicer with bad copies taken out of heartbeats and sent back as deletions."""
+class CompletionTimes:
+    """When each step was first seen as the newest complete one (wall clock), for ``mtc steps``."""
 
-    def __init__(self, inner: Any, bad: BadCopies) -> None:
+    MAX_STEPS = 1000
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._unix: dict[int, float] = {}
+
+    def note(self, step: int) -> None:
+        if step < 0:
+            return
+        with self._lock:
+            if step not in self._unix:
+                self._unix[step] = time.time()
+                for old in sorted(self._unix)[: max(0, len(self._unix) - self.MAX_STEPS)]:
+                    del self._unix[old]
+
+    def get(self) -> dict[int, float]:
+        with self._lock:
+            return dict(self._unix)
+
+
+class FilteredCoordinator:
+    """The Coordinator servicer with bad copies taken out of heartbeats and sent back as deletions.
+
+    It also notes when each step first became the newest complete one (O(1) per heartbeat).
+    """
+
+    def __init__(self, inner: Any, bad: BadCopies, completed: CompletionTimes | None = None) -> None:
         self._inner = inner
         self._bad = bad
+        self._completed = completed
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -114,6 +141,8 @@ class FilteredCoordinator:
         resp = self._inner.Heartbeat(request, context)
         for owner, step in doomed:
             resp.deletions.append(cpb.Deletion(owner_rank=owner, step=step))
+        if self._completed is not None:
+            self._completed.note(resp.newest_complete_step)
         return resp
 
 
@@ -123,11 +152,12 @@ class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, coord: Any) -> None:
         self.coord = coord
         self.bad = BadCopies()
+        self.completed = CompletionTimes()
         self._commit_records: dict[int, tuple[float, int]] = {}
 
     def wrap(self, coordinator_servicer: Any) -> FilteredCoordinator:
         """The Coordinator servicer to register, so that copies reported bad stop being used."""
-        return FilteredCoordinator(coordinator_servicer, self.bad)
+        return FilteredCoordinator(coordinator_servicer, self.bad, self.completed)
 
     # ------------------------------------------------------------------ helpers
     def _backup_records(self, steps: list[int]) -> dict[int, tuple[float, int]]:
@@ -203,6 +233,7 @@ class AdminServicer(pb_grpc.AdminServicer):
     def ListSteps(self, request: pb.ListStepsRequest, context: grpc.ServicerContext) -> pb.ListStepsResponse:
         coord = self.coord
         first_seen = coord.steps_first_seen()
+        completed = self.completed.get()
         now = time.time()
         infos = []
         with coord.lock:
@@ -230,6 +261,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 info.bytes = sum(srcs[0].size for srcs in found.values())
                 if step in first_seen:
                     info.first_seen_unix = now - first_seen[step]
+                info.complete_unix = completed.get(step, 0.0)
                 infos.append(info)
         records = self._backup_records([i.step for i in infos if i.backed_up])
         for i in infos:

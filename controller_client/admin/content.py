@@ -20,6 +20,7 @@ from controller_client.admin.common import (
     emit_json,
     fmt_bytes,
     open_backup,
+    ranges,
     table,
 )
 
@@ -43,19 +44,26 @@ def manifests_from_cluster(conn: Conn, step: int) -> dict[int, Any]:
     owners = {r.rank: r.owner_rank for r in loc.ranks}
     if any(o not in best for o in owners.values()) and loc.backup_url:
         return manifests_from_bucket(open_backup(loc.backup_url, loc.job), step)  # some only in the bucket
-    fetched: dict[int, Any] = {}
-    out = {}
-    for rank, owner in sorted(owners.items()):
-        if owner not in fetched:
-            p = best[owner]
-            fetched[owner] = peer_client.get_manifest(p.address, owner, step, timeout_seconds=conn.timeout,
-                                                      token=conn.token, tls=conn.tls)
-        out[rank] = fetched[owner]
-    return out
+    missing = sorted(set(owners.values()) - set(best))
+    if missing:
+        raise FileNotFoundError(f"step {step}: no host holds the data of ranks {ranges(missing)}")
+
+    def get(owner: int) -> tuple[int, Any]:
+        p = best[owner]
+        return owner, peer_client.get_manifest(p.address, owner, step, timeout_seconds=conn.timeout,
+                                               token=conn.token, tls=conn.tls)
+
+    # One manifest per distinct owner (identical replicas share one), a few hosts at a time.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+        fetched = dict(pool.map(get, sorted(set(owners.values()))))
+    return {rank: fetched[owner] for rank, owner in sorted(owners.items())}
+
 
 def manifests_from_bucket(backup: Any, step: int) -> dict[int, Any]:
     rec, _ = backup.commit_record(step)
-    return {r: backup.read_manifest(step, r) for r in range(rec.nodes)}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+        return dict(zip(range(rec.nodes), pool.map(lambda r: backup.read_manifest(step, r), range(rec.nodes)),
+                        strict=True))
 
 def _sharding_of(shards: Iterable[Any], shape: tuple[int, ...]) -> str:
     """How the saved shards split the array: ``replicated`` or the number of pieces per dimension."""

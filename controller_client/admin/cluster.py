@@ -132,10 +132,10 @@ def cmd_steps(args: argparse.Namespace, conn: Conn) -> int:
     else:
         t = table(f"job {resp.job}: steps by tier (ranks; {resp.nodes} in all)",
                    ["step", "state", "local", "peer", "bucket", "missing", "bytes", "flags", "completed",
-                    "backed up"])
+                    "backup"])
         for i in resp.steps:
-            flags = [n for n, v in (("pinned", i.pinned), ("backing-up", i.backing_up),
-                                    ("restore-target", i.restore_target)) if v]
+            flags = [n for n, v in (("pinned", i.pinned), ("backing up", i.backing_up),
+                                    ("restore", i.restore_target)) if v]
             state = "redundant" if i.complete and i.redundant else "complete" if i.complete else "incomplete"
             t.add_row(str(i.step), state, ranges(i.local_ranks), ranges(i.peer_ranks), ranges(i.bucket_ranks),
                       ranges(i.missing_ranks), fmt_bytes(i.bytes), "\n".join(flags) or "-",

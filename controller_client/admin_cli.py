@@ -108,7 +108,8 @@ def register(sub: Any, log_args: Callable[[argparse.ArgumentParser], None]) -> N
     add_bucket(p, required=True)
     p = add("plan", "RAM-disk size per host, from a saved step or from --state-bytes/--hosts",
             "mtc plan --state-bytes 80e9 --hosts 64 --slices 4 --replicas 1 --keep 2", cmd_plan, online=False)
-    p.add_argument("--step", type=int, default=None, help="a saved step to size from (with --coordinator)")
+    p.add_argument("--step", type=int, default=None,
+                   help="the saved step to size from (default: the newest complete one, or the newest backup)")
     p.add_argument("--state-bytes", type=float, default=None, help="bytes of one copy of the training state")
     p.add_argument("--hosts", type=int, default=None)
     p.add_argument("--slices", type=int, default=1)

@@ -134,23 +134,32 @@ def cmd_plan(args: argparse.Namespace, conn: Conn | None) -> int:
         if args.hosts % args.slices:
             raise UsageError(f"--hosts {args.hosts} is not a multiple of --slices {args.slices}")
         per_rank = math.ceil(args.state_bytes / (args.hosts // args.slices))
-    elif args.backup_url or args.step is not None:
+    elif args.backup_url or args.step is not None or conn is not None:
         if args.backup_url:
             backup = open_backup(args.backup_url, args.job)
-            step = args.step if args.step is not None else backup.committed_steps()[-1]
+            steps = backup.committed_steps()
+            if args.step is None and not steps:
+                raise FileNotFoundError(f"{backup.store.url} holds no backup of job {backup.job}")
+            step = args.step if args.step is not None else steps[-1]
             manifests = manifests_from_bucket(backup, step)
             source = f"step {step} in {backup.store.url}"
         else:
-            if conn is None:
-                raise UsageError("give --coordinator, --backup-url, or --state-bytes with --hosts")
-            manifests = manifests_from_cluster(conn, args.step)
-            source = f"step {args.step} on cluster {conn.address}"
+            assert conn is not None
+            step = args.step
+            if step is None:
+                from mtc_rpc import admin_pb2 as pb
+
+                step = conn.admin.GetSummary(pb.GetSummaryRequest(), timeout=conn.timeout).newest_complete_step
+                if step < 0:
+                    raise FileNotFoundError("no globally complete step to size from: give --step or --state-bytes")
+            manifests = manifests_from_cluster(conn, step)
+            source = f"step {step} on cluster {conn.address}"
         per_rank = max(m.total_bytes for m in manifests.values())
         hashes = [m.content_hash for m in manifests.values()]
         distinct = len(set(hashes)) == len(hashes) and args.slices > 1
     else:
-        raise UsageError("give --state-bytes with --hosts, or a saved step (--step with --coordinator, or "
-                         "--backup-url)")
+        raise UsageError("give --state-bytes with --hosts, or a saved step (--coordinator [--step N], or "
+                         "--backup-url [--step N])")
     plan = ram_disk_plan(per_rank, slices=args.slices, replicas=args.replicas, keep=args.keep,
                          distinct_replicas=distinct)
     plan.update(source=source, slices=args.slices, replicas=args.replicas)

@@ -160,6 +160,8 @@ def test_plan_from_a_saved_step_and_from_flags(job) -> None:
     r = mtc("plan", "--step", "3", "--slices", "2", "-o", "json", "--coordinator", cl.coordinator)
     assert r.code == 0, r
     p = r.json()
+    r = mtc("plan", "--slices", "2", "-o", "json", "--coordinator", cl.coordinator)  # the newest complete step
+    assert r.code == 0 and r.json() == p, r
     # Both slices hold byte-identical data: the replica is the copy, no byte copies are kept.
     assert p["byte_copies_per_rank"] == 0 and p["ram_disk_bytes_per_host"] >= 3 * p["own_bytes_per_step"]
     r = mtc("plan", "--state-bytes", "8e9", "--hosts", "4", "--slices", "1", "--replicas", "1", "--keep", "2",

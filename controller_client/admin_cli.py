@@ -11,6 +11,7 @@ need only the bucket. jax and Orbax are imported by ``mtc export`` alone. The co
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -135,7 +136,8 @@ def _runner(fn: Callable[..., int], online: bool) -> Callable[[argparse.Namespac
             where = f"coordinator {args.coordinator}" if args.coordinator else "peer"
             print(f"mtc {name}: {where}: {e.code().name}: {e.details()}", file=sys.stderr)
             return EXIT_ERROR
-        except (OSError, ValueError, RuntimeError, TimeoutError) as e:
+        except Exception as e:  # one line for the operator; the traceback with --log-level debug
+            logging.getLogger(__name__).debug("mtc %s failed", name, exc_info=True)
             print(f"mtc {name}: {type(e).__name__}: {e}", file=sys.stderr)
             return EXIT_ERROR
         finally:

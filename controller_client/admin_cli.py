@@ -69,6 +69,7 @@ def register(sub: Any, log_args: Callable[[argparse.ArgumentParser], None]) -> N
             cmd_verify, online=False)
     p.add_argument("step", type=int)
     p.add_argument("--tier", choices=("local", "peer", "bucket"), help="default: every tier")
+    p.add_argument("--parallel", type=int, default=4, help="copies read at once (default 4)")
     add_bucket(p, required=False)
     p = add("restore", "make every host hold STEP (fastest tier first) and pin it for the next restore()",
             "mtc restore 1100 --coordinator 10.0.0.2:7070", cmd_restore)

@@ -205,7 +205,7 @@ def cmd_verify(args: argparse.Namespace, conn: Conn | None) -> int:
         print(f"mtc verify: step {args.step} has no copy on tier(s) {', '.join(tiers)}", file=sys.stderr)
         return EXIT_ERROR
     results = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
         futs = {pool.submit(fn): (tier, holder, owner) for tier, holder, owner, fn in jobs}
         for fut in concurrent.futures.as_completed(futs):
             tier, holder, owner = futs[fut]

@@ -23,20 +23,9 @@ from replicator.metrics import ClusterView
 
 log = logging.getLogger(__name__)
 
-LOST_AFTER_HEARTBEATS = 5
-LOST_AFTER_MIN_SECONDS = 5.0
 # A minutes-based backup is overdue once its newest commit is older than this many intervals: one
 # interval plus time for the upload itself, so that a healthy schedule never reads as degraded.
 OVERDUE_INTERVALS = 1.5
-
-
-def lost_ranks(coord: Any) -> list[int]:
-    """Ranks silent for longer than ``max(5 heartbeats, 5 s)``, and (after start-up) ranks never heard."""
-    limit = max(LOST_AFTER_HEARTBEATS * coord.heartbeat_seconds, LOST_AFTER_MIN_SECONDS)
-    seen = coord.hosts_seen()
-    started = coord.seconds_since_start() > max(limit, 10 * coord.heartbeat_seconds + 10.0)
-    return [r for r in range(coord.topology.nodes)
-            if (r in seen and seen[r] > limit) or (r not in seen and started)]
 
 
 def _backup(coord: Any) -> Any:
@@ -51,7 +40,7 @@ def _interval_seconds(sched: Any) -> float:
 
 def cluster_view(coord: Any) -> ClusterView:
     """The job-wide facts the coordinator's replicator exports as metrics."""
-    lost = lost_ranks(coord)
+    lost = coord.lost_ranks()
     with coord.lock:
         st = coord.state
         newest = st.newest_complete_step()
@@ -179,7 +168,7 @@ class AdminServicer(pb_grpc.AdminServicer):
     # ------------------------------------------------------------------ RPCs
     def GetSummary(self, request: pb.GetSummaryRequest, context: grpc.ServicerContext) -> pb.GetSummaryResponse:
         coord = self.coord
-        lost = lost_ranks(coord)
+        lost = coord.lost_ranks()
         with coord.lock:
             st = coord.state
             complete = st.globally_complete_steps()

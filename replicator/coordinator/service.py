@@ -278,11 +278,18 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         return pb.GetStatusResponse(status_json=json.dumps(st, default=str))
 
     # ------------------------------------------------------------------ queries for the admin service and metrics
-    def hosts_seen(self) -> dict[int, float]:
-        """rank -> seconds since its last heartbeat (ranks never heard from are absent)."""
+    LOST_AFTER_HEARTBEATS = 5
+    LOST_AFTER_MIN_SECONDS = 5.0
+
+    def lost_ranks(self) -> list[int]:
+        """Ranks silent for longer than max(5 heartbeats, 5 s), and (after start-up) ranks never heard from."""
+        limit = max(self.LOST_AFTER_HEARTBEATS * self.heartbeat_seconds, self.LOST_AFTER_MIN_SECONDS)
         with self._lock:
             now = self._clock()
-            return {r: now - t for r, t in sorted(self._last_seen.items())}
+            started = now - self._started > max(limit, self._startup_grace_seconds)
+            return [r for r in range(self.topology.nodes)
+                    if (r in self._last_seen and now - self._last_seen[r] > limit)
+                    or (r not in self._last_seen and started)]
 
     def host_addresses(self) -> dict[int, str]:
         """rank -> Peer service address each host reported."""

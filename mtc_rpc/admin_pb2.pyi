@@ -104,6 +104,40 @@ class ListStepsResponse(_message.Message):
     steps: _containers.RepeatedCompositeFieldContainer[StepInfo]
     def __init__(self, job: _Optional[str] = ..., nodes: _Optional[int] = ..., newest_complete_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepInfo, _Mapping]]] = ...) -> None: ...
 
+class ListHostsRequest(_message.Message):
+    __slots__ = ("first_rank", "last_rank")
+    FIRST_RANK_FIELD_NUMBER: _ClassVar[int]
+    LAST_RANK_FIELD_NUMBER: _ClassVar[int]
+    first_rank: int
+    last_rank: int
+    def __init__(self, first_rank: _Optional[int] = ..., last_rank: _Optional[int] = ...) -> None: ...
+
+class HostInfo(_message.Message):
+    __slots__ = ("rank", "address", "incarnation", "seconds_since_report", "lost", "steps", "pieces", "bytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_REPORT_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    address: str
+    incarnation: int
+    seconds_since_report: float
+    lost: bool
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    pieces: int
+    bytes: int
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., seconds_since_report: _Optional[float] = ..., lost: _Optional[bool] = ..., steps: _Optional[_Iterable[int]] = ..., pieces: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ListHostsResponse(_message.Message):
+    __slots__ = ("hosts",)
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    hosts: _containers.RepeatedCompositeFieldContainer[HostInfo]
+    def __init__(self, hosts: _Optional[_Iterable[_Union[HostInfo, _Mapping]]] = ...) -> None: ...
+
 class LocateStepRequest(_message.Message):
     __slots__ = ("step",)
     STEP_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class AdminStub:
                 request_serializer=admin__pb2.ListStepsRequest.SerializeToString,
                 response_deserializer=admin__pb2.ListStepsResponse.FromString,
                 _registered_method=True)
+        self.ListHosts = channel.unary_unary(
+                '/mtc.admin.v1.Admin/ListHosts',
+                request_serializer=admin__pb2.ListHostsRequest.SerializeToString,
+                response_deserializer=admin__pb2.ListHostsResponse.FromString,
+                _registered_method=True)
         self.LocateStep = channel.unary_unary(
                 '/mtc.admin.v1.Admin/LocateStep',
                 request_serializer=admin__pb2.LocateStepRequest.SerializeToString,
@@ -93,6 +98,13 @@ class AdminServicer:
 
     def ListSteps(self, request, context):
         """Every known step with per-tier rank coverage and its flags.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListHosts(self, request, context):
+        """Every host (or a range of ranks): address, incarnation, last report, lost, what it holds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,6 +170,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListSteps,
                     request_deserializer=admin__pb2.ListStepsRequest.FromString,
                     response_serializer=admin__pb2.ListStepsResponse.SerializeToString,
+            ),
+            'ListHosts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListHosts,
+                    request_deserializer=admin__pb2.ListHostsRequest.FromString,
+                    response_serializer=admin__pb2.ListHostsResponse.SerializeToString,
             ),
             'LocateStep': grpc.unary_unary_rpc_method_handler(
                     servicer.LocateStep,
@@ -249,6 +266,33 @@ class Admin:
             '/mtc.admin.v1.Admin/ListSteps',
             admin__pb2.ListStepsRequest.SerializeToString,
             admin__pb2.ListStepsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListHosts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.admin.v1.Admin/ListHosts',
+            admin__pb2.ListHostsRequest.SerializeToString,
+            admin__pb2.ListHostsResponse.FromString,
             options,
             channel_credentials,
             insecure,

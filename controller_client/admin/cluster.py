@@ -82,6 +82,17 @@ def cmd_status(args: argparse.Namespace, conn: Conn | None) -> int:
         raise UsageError(f"give --coordinator HOST:PORT (or set ${ENV_COORDINATOR}) or --local-dir DIR")
     s = conn.admin.GetSummary(pb.GetSummaryRequest(), timeout=conn.timeout)
     doc = summary_doc(s)
+    steps = conn.admin.ListSteps(pb.ListStepsRequest(), timeout=conn.timeout)
+    doc["steps"] = [step_doc(i) for i in steps.steps]
+    hosts = None
+    if args.hosts:
+        first, last = _rank_range(args.ranks)
+        hosts = conn.admin.ListHosts(pb.ListHostsRequest(first_rank=first, last_rank=last),
+                                     timeout=conn.timeout).hosts
+        doc["hosts"] = [{"rank": h.rank, "address": h.address, "incarnation": h.incarnation or None,
+                         "seconds_since_report": h.seconds_since_report if h.seconds_since_report >= 0 else None,
+                         "lost": h.lost, "steps": list(h.steps), "pieces": h.pieces, "bytes": h.bytes}
+                        for h in hosts]
     if args.output == "json":
         emit_json(doc)
     else:
@@ -109,8 +120,26 @@ def cmd_status(args: argparse.Namespace, conn: Conn | None) -> int:
         else:
             t.add_row("bucket", "none configured")
         t.add_row("health", "DEGRADED: " + "; ".join(s.problems) if s.degraded else "ok")
-        console().print(t)
+        con = console()
+        con.print(t)
+        if hosts is not None:
+            h = table("hosts", ["rank", "address", "last report", "state", "steps held", "bytes"])
+            for x in hosts:
+                last = f"{x.seconds_since_report:.1f}s ago" if x.seconds_since_report >= 0 else "never"
+                h.add_row(str(x.rank), x.address or "-", last, "LOST" if x.lost else "ok", ranges(x.steps),
+                          fmt_bytes(x.bytes))
+            con.print(h)
     return EXIT_DEGRADED if s.degraded else EXIT_OK
+
+def _rank_range(text: str | None) -> tuple[int, int]:
+    """``"A-B"``, ``"A-"`` or ``"A"`` -> (first, last); last -1 = to the end. None = every rank."""
+    if not text:
+        return 0, -1
+    a, sep, b = text.partition("-")
+    if not a.isdigit() or (b and not b.isdigit()):
+        raise UsageError(f"--ranks must be A-B, A- or A, got {text!r}")
+    return int(a), (int(b) if b else -1) if sep else int(a)
+
 
 def step_doc(i: Any) -> dict[str, Any]:
     return {"step": i.step, "complete": i.complete, "redundant": i.redundant, "pinned": i.pinned,

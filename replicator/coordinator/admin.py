@@ -261,6 +261,26 @@ class AdminServicer(pb_grpc.AdminServicer):
         return pb.ListStepsResponse(job=coord.job, nodes=nodes, steps=infos,
                                     newest_complete_step=-1 if newest is None else newest)
 
+    def ListHosts(self, request: pb.ListHostsRequest, context: grpc.ServicerContext) -> pb.ListHostsResponse:
+        coord = self.coord
+        nodes = coord.topology.nodes
+        first = max(0, request.first_rank)
+        last = nodes - 1 if request.last_rank < 0 else min(nodes - 1, request.last_rank)
+        lost = set(coord.lost_ranks())
+        seen = coord.hosts_seen()
+        addresses = coord.host_addresses()
+        out = []
+        with coord.lock:
+            st = coord.state
+            registered = st.registered
+            for r in range(first, last + 1):
+                held = st.holdings_of(r)
+                out.append(pb.HostInfo(rank=r, address=addresses.get(r, ""), incarnation=registered.get(r, 0),
+                                       seconds_since_report=seen.get(r, -1.0), lost=r in lost,
+                                       steps=sorted({h.step for h in held}), pieces=len(held),
+                                       bytes=sum(h.size for h in held if h.tier is not Tier.REPLICA)))
+        return pb.ListHostsResponse(hosts=out)
+
     def LocateStep(self, request: pb.LocateStepRequest, context: grpc.ServicerContext) -> pb.LocateStepResponse:
         coord = self.coord
         addresses = coord.host_addresses()

@@ -291,6 +291,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     if (r in self._last_seen and now - self._last_seen[r] > limit)
                     or (r not in self._last_seen and started)]
 
+    def hosts_seen(self) -> dict[int, float]:
+        """rank -> seconds since its last heartbeat (ranks never heard from are absent)."""
+        with self._lock:
+            now = self._clock()
+            return {r: now - t for r, t in sorted(self._last_seen.items())}
+
     def host_addresses(self) -> dict[int, str]:
         """rank -> Peer service address each host reported."""
         with self._lock:

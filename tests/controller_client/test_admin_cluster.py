@@ -59,8 +59,17 @@ def test_steps_and_status_table_and_json(job) -> None:
     st = r.json()
     assert st["newest_complete_step"] == 3 and st["newest_redundant"] and st["lost_ranks"] == []
     assert st["backup"]["url"] == url and st["backup"]["interval_seconds"] == 600 * 60
+    assert [s["redundant"] for s in st["steps"] if s["step"] == 3] == [True]
     r = mtc("status", "--coordinator", cl.coordinator)
     assert r.code == 0 and "newest complete step" in r.out and "health" in r.out and "ok" in r.out, r
+    r = mtc("status", "--hosts", "--ranks", "1-2", "-o", "json", "--coordinator", cl.coordinator)
+    assert r.code == 0, r
+    hosts = r.json()["hosts"]
+    assert [h["rank"] for h in hosts] == [1, 2] and all(h["address"] and not h["lost"] for h in hosts)
+    assert all(3 in h["steps"] and h["bytes"] > 0 and h["seconds_since_report"] < 10 for h in hosts)
+    r = mtc("status", "--hosts", "--coordinator", cl.coordinator)
+    assert r.code == 0 and "last report" in r.out, r
+    assert mtc("status", "--hosts", "--ranks", "x-", "--coordinator", cl.coordinator).code == 2
     r = mtc("status", "--local-dir", str(cl.ram(2)))
     assert r.code == 0 and "replicator rank 2" in r.out, r
 

@@ -171,14 +171,16 @@ class AdminServicer(pb_grpc.AdminServicer):
         lost = coord.lost_ranks()
         with coord.lock:
             st = coord.state
-            complete = st.globally_complete_steps()
-            newest = complete[-1] if complete else None
-            any_redundant = any(st.is_redundant(s) for s in complete)
+            # Each query below walks every rank: ask as few as possible (newest first, stop early).
+            newest = st.newest_complete_step()
+            newest_redundant = newest is not None and st.is_redundant(newest)
+            any_redundant = newest_redundant or any(
+                st.is_redundant(s) for s in reversed(st.globally_complete_steps()) if s != newest)
             target = coord.restore_target()
             resp = pb.GetSummaryResponse(
                 job=coord.job, nodes=coord.topology.nodes, hosts_registered=len(st.registered), lost_ranks=lost,
                 newest_complete_step=-1 if newest is None else newest,
-                newest_redundant=newest is not None and st.is_redundant(newest),
+                newest_redundant=newest_redundant,
                 pinned_steps=st.pinned_steps(), restore_target=-1 if target is None else target,
                 newest_backup_step=-1, backup_in_progress_step=-1)
             if newest is not None:

@@ -28,6 +28,17 @@ log = logging.getLogger(__name__)
 OVERDUE_INTERVALS = 1.5
 
 
+def _rank_ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``: a problem line stays short with thousands of lost hosts."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _backup(coord: Any) -> Any:
     """The coordinator's bucket scheduler, or None when no bucket is configured."""
     sched = coord.backup
@@ -203,7 +214,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         elif not any_redundant:
             problems.append("no complete step has two copies of every rank on distinct hosts")
         if lost:
-            problems.append(f"hosts lost: ranks {lost}")
+            problems.append(f"hosts lost: {len(lost)} (ranks {_rank_ranges(lost)})")
         if sched is not None:
             interval = resp.backup_interval_seconds
             if interval:

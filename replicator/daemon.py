@@ -36,7 +36,7 @@ from replicator.options import ReplicatorOptions
 from replicator.peer import client as peer_client
 from replicator.peer import protocol as peer_protocol
 from replicator.peer import server as peer_server
-from sidecar import layout
+from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class _Control(control_pb2_grpc.LocalControlServicer):
         self.daemon = daemon
 
     def StepCommitted(self, request, context):
+        faults.point("notify.received")
         self.daemon.wake()
         return control_pb2.StepCommittedResponse()
 
@@ -242,10 +243,12 @@ class Replicator:
         if self.backup is not None:
             req.backups.extend(self.backup.drain_reports())
         resp = self._coord.Heartbeat(req, timeout=self.opts.rpc_timeout_seconds)
+        faults.point("heartbeat.after_response")
         self.newest_complete = resp.newest_complete_step
         self.metrics.newest_complete_step = resp.newest_complete_step
         for d in resp.deletions:
             if not self._busy(d.owner_rank, d.step):
+                faults.point("gc.before_delete")
                 self.store.delete(d.owner_rank, d.step)
                 self.counters.add("deletions")
         for c in resp.copies:
@@ -328,6 +331,7 @@ class Replicator:
     def _copy(self, task: cpb.CopyTask) -> None:
         if self.store.has(task.owner_rank, task.step):
             return
+        faults.point("copy.before_fetch")
         t0 = time.monotonic()
         m = self._fetch(task.source_address, task.owner_rank, task.step, task.content_hash or None)
         self.metrics.observe_transfer("peer_copy", time.monotonic() - t0)
@@ -353,6 +357,7 @@ class Replicator:
                     if self.store.has(src.owner_rank, task.step):
                         # A stale copy under the same name (e.g. an older save of this step): replace it.
                         self.store.delete(src.owner_rank, task.step)
+                    faults.point("restore.peer.before_fetch")
                     self._fetch(src.holder_address, src.owner_rank, task.step, src.content_hash or None)
                 now = time.monotonic()
                 m = self.store.manifest(src.owner_rank, task.step)

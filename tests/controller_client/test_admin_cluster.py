@@ -199,6 +199,10 @@ def test_degraded_and_error_exit_codes(tmp_path) -> None:
                  what="rank 1 lost", timeout=30, interval=1.0)
         r = mtc("status", "--coordinator", cl.coordinator)
         assert r.code == 3 and "hosts lost" in r.out, r
+        # The exec probe of TLS deployments: 0 while the host's replicator answers, 1 once it is gone.
+        assert mtc("status", "--local-dir", str(cl.ram(0)), "--timeout-seconds", "3").code == 0
+        r = mtc("status", "--local-dir", str(cl.ram(1)), "--timeout-seconds", "3")
+        assert r.code == 1 and "no replicator answers" in r.err, r
         r = mtc("backup", "now", "--coordinator", cl.coordinator)
         assert r.code == 1 and "no backup tier" in r.err, r
     finally:

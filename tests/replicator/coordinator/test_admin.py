@@ -7,6 +7,8 @@ import types
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mtc_rpc import admin_pb2 as apb
 from mtc_rpc import coordinator_pb2 as pb
@@ -135,3 +137,40 @@ def test_pins_gc_plan_and_steps() -> None:
     s5 = next(i for i in steps.steps if i.step == 5)
     assert s5.complete and s5.redundant and list(s5.local_ranks) == [0, 1] and list(s5.peer_ranks) == [0, 1]
     assert s5.complete_unix > 0 and s5.bytes == 20
+
+
+
+
+_INTS = st.one_of(st.integers(-3, 12), st.integers(-(2**63), 2**63 - 1))
+_REQUESTS = st.one_of(
+    st.builds(lambda: ("GetSummary", apb.GetSummaryRequest())),
+    st.builds(lambda: ("ListSteps", apb.ListStepsRequest())),
+    st.builds(lambda a, b: ("ListHosts", apb.ListHostsRequest(first_rank=a, last_rank=b)), _INTS, _INTS),
+    st.builds(lambda a: ("LocateStep", apb.LocateStepRequest(step=a)), _INTS),
+    st.builds(lambda a: ("Pin", apb.PinRequest(step=a)), _INTS),
+    st.builds(lambda a: ("Unpin", apb.PinRequest(step=a)), _INTS),
+    st.builds(lambda a: ("BackupNow", apb.BackupNowRequest(step=a)), _INTS),
+    st.builds(lambda: ("GcPlan", apb.GcPlanRequest())),
+    st.builds(lambda a, b, c, t: ("ReportBadCopy", apb.ReportBadCopyRequest(step=a, owner_rank=b, holder_rank=c,
+                                                                           tier=t)),
+              _INTS, _INTS, _INTS, st.sampled_from(["local", "peer", "bucket", "", "x" * 300])),
+    st.builds(lambda a, w: ("RestoreStep", apb.RestoreStepRequest(step=a, wait_seconds=w)), _INTS,
+              st.sampled_from([0.0, -1.0, float("nan"), 0.01])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_REQUESTS, max_size=6))
+def test_any_request_gets_an_answer_or_a_clear_status(calls) -> None:
+    """Fuzz: every Admin RPC, any field values: a response or an abort with a status, never an exception."""
+    sched = fake_scheduler(committed=[5], interval_minutes=10.0, last_success_unix=time.time())
+    coord, admin, svc, _ = make(sched)
+    for r in (0, 1):
+        beat(svc, r, RING[r])
+    for name, req in calls:
+        try:
+            getattr(admin, name)(req, Ctx())
+        except grpc.RpcError:
+            pass  # Ctx.abort: a clear status
+    beat(svc, 0, RING[0])  # the coordinator still works afterwards
+    assert admin.GetSummary(apb.GetSummaryRequest(), Ctx()).nodes == 2

@@ -93,6 +93,10 @@ class ReplicatorOptions:
     handshake_timeout_seconds: float = _opt(
         "Orbax mode: bound on one handshake's restore planning (default 600)",
         600.0)
+    metrics_port: int | None = _opt(
+        "serve Prometheus metrics at http://HOST:PORT/metrics, HOST as in --listen; 0 picks a free port "
+        "(printed as METRICS HOST:PORT); unset = no endpoint",
+        None)
     preemption_grace_seconds: float = _opt(
         "on SIGTERM (a preemption notice), keep running up to N seconds to back the newest complete step up "
         "to the bucket before exiting (default 25, below Kubernetes' 30 s terminationGracePeriodSeconds; "
@@ -170,6 +174,8 @@ class ReplicatorOptions:
             raise ConfigError(f"--data-port must be 0..65535, got {self.data_port}")
         if self.data_port and self.data_port == _host_port(self.listen, "--listen")[1]:
             raise ConfigError(f"--data-port {self.data_port} is the gRPC --listen port: give another")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         self.token()
         return self
 

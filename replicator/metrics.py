@@ -112,7 +112,8 @@ class ReplicatorMetrics:
             "mtc_coordinator_heartbeat_seconds", "Coordinator: time to handle one host heartbeat",
             buckets=COORDINATOR_BUCKETS, registry=self.registry)
         self.plan_seconds = Histogram(
-            "mtc_coordinator_plan_seconds", "Coordinator: time to plan and prepare a restore (PrepareRestore)",
+            "mtc_coordinator_plan_seconds", "Coordinator: time to plan and prepare a restore (PrepareRestore; LocateStep for "
+            "restores that fetch other ranks' data)",
             buckets=TRANSFER_BUCKETS, registry=self.registry)
         self.registry.register(_Collector(self))
         self._httpd: Any = None
@@ -177,6 +178,13 @@ class TimedCoordinator:
         t0 = time.monotonic()
         try:
             return self._inner.PrepareRestore(request, context)
+        finally:
+            self._metrics.plan_seconds.observe(time.monotonic() - t0)
+
+    def LocateStep(self, request: Any, context: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            return self._inner.LocateStep(request, context)
         finally:
             self._metrics.plan_seconds.observe(time.monotonic() - t0)
 

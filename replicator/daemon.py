@@ -400,6 +400,9 @@ class Replicator:
 
     def heartbeat(self) -> float:
         inv = self.store.inventory()
+        # Copies of ranks this job no longer has (it was re-initialised on fewer hosts, e.g. Orbax after a
+        # slice was lost) cannot be addressed: not reported, so the coordinator accepts the rest.
+        inv = [h for h in inv if h.owner_rank < self.nodes]
         own = self.store.own_steps()
         self._note_saves(inv)
         req = cpb.HeartbeatRequest(

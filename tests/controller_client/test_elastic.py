@@ -318,3 +318,32 @@ def test_unreadable_own_manifest_healed_within_one_restore(cluster_factory):  # 
               if (d / layout.MANIFEST_NAME).is_file() and layout.read_manifest(d).content_hash == good.content_hash]
     assert healed, "rank 0's data of step 4 is not back on host 0"
     mgr.close()
+
+
+def test_job_restarted_on_fewer_hosts_is_accepted(cluster_factory):  # noqa: F811
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    mgr.save(2, fsdp_state(2, devs))
+    mgr.wait_until_finished()
+    wait_for(lambda: status(cl)["steps"].get("2", {}).get("redundant"), what="step 2 redundant", timeout=60)
+    mgr.close()
+    assert any(cl.ram(r).glob("peer/[23]/2") for r in (0, 1))  # copies of ranks 2, 3 on slice 0
+    cl.stop_all()
+    # The job comes back on slice 0 only, as a 2-host job: copies of ranks 2 and 3 must not get every
+    # heartbeat rejected ("holding of unknown rank").
+    cl.nodes, cl.data_parallelism = 2, 1
+    cl.start_all()
+    wait_for(lambda: all(h["inventory_reported"] for h in status(cl)["hosts"].values())
+             and len(status(cl)["hosts"]) == 2, what="both hosts reporting", timeout=30)
+    topo = HostTopology.simulated(devs[:4], 1, 2)
+    opts = CheckpointManagerOptions(local_directory=cl.local_template, job_name="t",
+                                    coordinator_address=cl.coordinator, rpc_timeout_seconds=10)
+    small = CheckpointManager(opts, devices=devs[:4], topology=topo)
+    t = fsdp_state(3, devs[:4], shape=(1, 4))
+    small.save(3, t)
+    small.wait_until_finished()
+    assert small.latest_step() == 3
+    assert_equal(t, small.restore(3, target_on(t, devs[:4], (1, 4))))
+    small.close()

@@ -20,7 +20,7 @@ class Ctx:
 
 def beat(coord, rank, holdings):
     req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
-                              newest_saved_step=3,
+                              newest_saved_step=3, full_report=True,
                               holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=t)
                                         for o, s, h, t in holdings])
     return coord.Heartbeat(req, Ctx())

@@ -47,13 +47,23 @@ def _status(args: argparse.Namespace) -> int:
         return 2
     import grpc
 
-    from replicator.coordinator.client import CoordinatorClient
+    from replicator.coordinator.client import CoordinatorClient, status_to_dict
     from replicator.net.security import TlsOptions
 
-    client = CoordinatorClient(args.coordinator, args.token_file, args.timeout_seconds,
-                               tls=TlsOptions.from_args(args.tls_cert, args.tls_key, args.tls_ca))
+    first, _, last = (args.ranks or "0-").partition("-")
     try:
-        print(json.dumps(client.status(), indent=2))
+        rank_first = int(first)
+        rank_last = int(last) if last else (rank_first if "-" not in (args.ranks or "0-") else -1)
+    except ValueError:
+        print(f"mtc status: --ranks must be A-B, A- or A, got {args.ranks!r}", file=sys.stderr)
+        return 2
+    client = CoordinatorClient(args.coordinator, args.token_file, args.timeout_seconds,
+                               tls=TlsOptions.from_args(args.tls_cert, args.tls_key, args.tls_ca),
+                               failover_seconds=args.timeout_seconds)
+    try:
+        resp = client.status(hosts=args.hosts, detail_steps=args.step or [], rank_first=rank_first,
+                             rank_last=rank_last)
+        print(json.dumps(status_to_dict(resp), indent=2))
     except grpc.RpcError as e:
         print(f"mtc status: coordinator {args.coordinator}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -84,7 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(prog="mtc replicator")
 
     st = sub.add_parser("status", help="print the coordinator's (or one host's replicator's) status as JSON")
-    st.add_argument("--coordinator", help="HOST:PORT of the coordinator")
+    st.add_argument("--coordinator", help="HOST:PORT of the coordinator, or its candidates comma-separated "
+                    "(the first that answers serves)")
+    st.add_argument("--hosts", action="store_true", help="add per-host detail (rank, address, incarnation, "
+                    "last report age, lost) for --ranks")
+    st.add_argument("--step", type=int, action="append", help="add per-rank sources of this step for --ranks "
+                    "(repeatable)")
+    st.add_argument("--ranks", help="rank range of the detail: A-B, A- or A (default: all)")
     st.add_argument("--local-dir", help="ask this host's replicator over its Unix socket instead")
     st.add_argument("--token-file", help="file with the bearer token")
     st.add_argument("--tls-cert", help="client certificate (PEM), for mutual TLS")

@@ -49,6 +49,11 @@ class ReplicatorOptions:
       max_message_bytes: bound on gRPC messages.
       jax_coordinator: ``HOST:PORT`` written into ``jax-init-info.txt`` (Orbax mode outside GKE), with
       jax_process_id: this host's JAX process id for that file (required with ``jax_coordinator``).
+      coordinator_candidates: ordered ``RANK=HOST:PORT,...`` of the hosts that may serve the coordinator;
+        the lowest-ranked live one serves (default: one per slice, its first host, when --peers or
+        --peer-address-template give addresses; else only ``coordinator_rank``). See docs/coordinator.md.
+      host_lost_seconds: a host silent this long is declared lost (0 = four heartbeat intervals).
+      max_heartbeats_per_second: the coordinator stretches the heartbeat interval to stay under this rate.
       handshake_timeout_seconds: Orbax mode: how long one handshake may wait for every host to report and
         hold its data of the step to restore (keep it below Orbax's ``jax_initialization_timeout_seconds``).
       nice: niceness added to the daemon so that copies and uploads yield the CPU to training.
@@ -89,6 +94,9 @@ class ReplicatorOptions:
     bulk_priority: str = "idle"
     jax_process_id: int | None = None
     handshake_timeout_seconds: float = 600.0
+    coordinator_candidates: str = ""
+    host_lost_seconds: float = 0.0
+    max_heartbeats_per_second: float = 200.0
 
     @property
     def orbax_mode(self) -> bool:
@@ -115,7 +123,21 @@ class ReplicatorOptions:
         return ""
 
     def coordinator_address(self) -> str:
+        if not self.coordinator and self.coordinator_candidates:
+            return next(iter(parse_peers(self.coordinator_candidates).values()), "")
         return self.coordinator or self.peer_address(self.coordinator_rank)
+
+    def coordinator_candidate_list(self) -> list[tuple[int, str]]:
+        """Ordered ``(rank, HOST:PORT)`` of the coordinator candidates (see ``coordinator_candidates``)."""
+        if self.coordinator_candidates:
+            return list(parse_peers(self.coordinator_candidates).items())
+        if not self.coordinator and self.nodes and (self.peers or self.peer_address_template):
+            per_slice = self.nodes // max(1, self.data_parallelism)
+            ranks = [s * per_slice for s in range(max(1, self.data_parallelism))]
+            out = [(r, self.peer_address(r)) for r in ranks]
+            if all(a for _, a in out):
+                return out
+        return [(self.coordinator_rank, self.coordinator_address())]
 
     def validate(self) -> ReplicatorOptions:
         if (self.rank is None) != (self.nodes is None):
@@ -145,8 +167,14 @@ class ReplicatorOptions:
             raise ConfigError("backup intervals must be >= 0")
         if self.keep_local < 1 or self.backup_keep < 1 or self.replicas < 0:
             raise ConfigError("--keep-local and --backup-keep must be >= 1, --replicas >= 0")
+        if self.coordinator_candidates:
+            cands = parse_peers(self.coordinator_candidates)
+            if self.nodes is not None and any(not 0 <= r < self.nodes for r in cands):
+                raise ConfigError(f"--coordinator-candidates ranks must be within 0..{self.nodes - 1}")
+        if self.host_lost_seconds < 0:
+            raise ConfigError("--host-lost-seconds must be >= 0")
         for name in ("heartbeat_seconds", "rpc_timeout_seconds", "transfer_timeout_seconds",
-                     "handshake_timeout_seconds"):
+                     "handshake_timeout_seconds", "max_heartbeats_per_second"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if self.bulk_priority not in ("idle", "low", "normal"):
@@ -240,6 +268,13 @@ _HELP = {
     "jax_coordinator": "HOST:PORT written to jax-init-info.txt in Orbax mode (outside GKE)",
     "jax_process_id": "this host's JAX process id for jax-init-info.txt (with --jax-coordinator)",
     "handshake_timeout_seconds": "Orbax mode: bound on one handshake's restore planning (default 600)",
+    "coordinator_candidates": "ordered RANK=HOST:PORT,... of the hosts that may serve the coordinator; the "
+                              "lowest-ranked live one serves (default: each slice's first host when --peers or "
+                              "--peer-address-template give addresses, else --coordinator-rank)",
+    "host_lost_seconds": "declare a host lost after N seconds without a report (default 0 = four heartbeat "
+                         "intervals)",
+    "max_heartbeats_per_second": "the coordinator stretches the heartbeat interval to nodes / N seconds "
+                                 "(default 200)",
 }
 
 

@@ -253,9 +253,10 @@ class Replicator:
                 now = time.monotonic()
                 if self._lower_down_since is None:
                     self._lower_down_since = now
-                # Two intervals of silence from every lower candidate before taking over: a lost
-                # heartbeat or a restart in progress does not move the coordinator.
-                if now - self._lower_down_since < 2 * self.opts.heartbeat_seconds:
+                # Half the lost-host time (at least two intervals) of silence from every lower candidate
+                # before taking over: a lost heartbeat or a quick restart does not move the coordinator.
+                if now - self._lower_down_since < max(2 * self.opts.heartbeat_seconds,
+                                                      self.coordinator.lost_after() / 2):
                     raise _NoCoordinator(f"lower coordinator candidates unreachable ({last}); waiting to take over")
                 log.warning("no lower coordinator candidate answers: rank %d takes over", self.rank)
                 self.coordinator.activate(max(time.time_ns(), self.epoch + 1))

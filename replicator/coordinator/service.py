@@ -155,11 +155,15 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         return max(self.heartbeat_seconds, self.topology.nodes / max(1e-9, self.max_heartbeats_per_second))
 
     def lost_after(self) -> float:
-        """Seconds of silence after which a host is declared lost (never under two intervals)."""
+        """Seconds of silence after which a host is declared lost (never under two intervals).
+
+        A candidate takes the coordinator over after half of this without an answer from lower ones.
+        """
         interval = self.heartbeat_interval()
         if self.host_lost_seconds > 0:
             return max(self.host_lost_seconds, 2 * interval)
-        return 4 * interval
+        # Four intervals, but at least 10 s: a busy host (JAX start-up on a loaded machine) is not lost.
+        return max(4 * interval, 10.0)
 
     def _abort_bad(self, context: grpc.ServicerContext, msg: str, code=grpc.StatusCode.INVALID_ARGUMENT):
         context.abort(code, msg)

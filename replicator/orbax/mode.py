@@ -242,7 +242,7 @@ class OrbaxMode:
                 continue
             # A plan made before every host reported may miss data ("nothing to restore", an older step).
             registered = self._all_registered(daemon, opts, cfg)
-            if registered and (resp.step < 0 or resp.ready):
+            if registered and (resp.step < 0 or (resp.ready and cfg.node_rank in resp.ready_ranks)):
                 break
             last_error = resp.reason if registered else "not every host has reported to the coordinator"
             self.stopping.wait(0.1)
@@ -268,13 +268,15 @@ class OrbaxMode:
         return daemon.call_coordinator("GetStatus", cpb.GetStatusRequest(**request), opts.rpc_timeout_seconds)
 
     def _all_registered(self, daemon: Any, opts: ReplicatorOptions, cfg: oc.ReplicatorConfig) -> bool:
-        """Every host has reported (or was declared lost) since the coordinator took over: only then is
-        "nothing" trustworthy."""
+        """Every host has reported since the coordinator took over: only then is "nothing" trustworthy.
+
+        Orbax restores every process together, so a lost host is waited for (its replacement), not skipped.
+        """
         try:
             st = self._status(daemon, opts)
         except grpc.RpcError:
             return False
-        return st.hosts_reported + st.hosts_lost >= cfg.nodes
+        return st.hosts_reported >= cfg.nodes
 
     def _valid_owners(self, daemon: Any, opts: ReplicatorOptions, step: int, rank: int) -> set[int]:
         """Owners whose data of ``step`` on this host the coordinator accepts for ``rank`` (hash-checked)."""

@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import enum
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from replicator.coordinator.topology import JobTopology
@@ -221,11 +221,13 @@ class CoordinatorState:
         self._pinned: set[int] = set()
         # Liveness: rank -> when it was declared lost; rank -> last report, oldest first.
         self._lost: dict[int, float] = {}
+        self._lost_per_slice: collections.Counter[int] = collections.Counter()
         self._seen: collections.OrderedDict[int, float] = collections.OrderedDict()
         self.reregistered = 0
         # Derived views, refreshed lazily per dirty (step, replica group).
         self.version = 0
         self._dirty: dict[int, set[int]] = {}
+        self._stale_all = False
         self._auth: dict[int, dict[int, _Auth]] = {}
         self._cov: dict[int, dict[int, tuple[Source, ...]]] = {}
         self._complete: set[int] = set()
@@ -254,6 +256,7 @@ class CoordinatorState:
         self._reported.discard(rank)
         self._incarnation[rank] = incarnation
         if self._lost.pop(rank, None) is not None:
+            self._lost_per_slice[self.topology.slice_of(rank)] -= 1
             self.reregistered += 1
             self._replan_all()
         self.version += 1
@@ -271,6 +274,7 @@ class CoordinatorState:
         self._seen.pop(rank, None)
         if rank not in self._lost:
             self._lost[rank] = now
+            self._lost_per_slice[self.topology.slice_of(rank)] += 1
             self._replan_all()
         self.version += 1
 
@@ -789,11 +793,17 @@ class CoordinatorState:
         self._dirty.setdefault(step, set()).update(range(self.topology.hosts_per_slice))
 
     def _replan_all(self) -> None:
-        """The set of lost hosts changed: copy destinations of every group may change."""
-        for step in self.known_steps():
-            self._touch_all_groups(step)
+        """The set of lost hosts changed: copy destinations of every group may change (O(1) now; the
+        next query re-derives everything once, however many hosts were lost meanwhile)."""
+        self.version += 1
+        self._stale_all = True
 
     def _refresh(self) -> None:
+        if self._stale_all:
+            self._stale_all = False
+            every = set(range(self.topology.hosts_per_slice))
+            for step in self.known_steps():
+                self._dirty[step] = set(every)
         if not self._dirty:
             return
         dirty, self._dirty = self._dirty, {}
@@ -880,11 +890,7 @@ class CoordinatorState:
             size = pieces[holders[0]].size
             dests = list(
                 itertools.islice(
-                    (
-                        x
-                        for x in self.topology.iter_copy_preference(owner)
-                        if x not in self._lost and x not in have
-                    ),
+                    (x for x in self._live_preference(owner) if x not in self._lost and x not in have),
                     needed,
                 )
             )
@@ -897,6 +903,23 @@ class CoordinatorState:
                 count[src] += 1
                 tasks.append(CopyTask(owner, step, src, dest, a.content_hash, size))
         return tasks
+
+    def _live_preference(self, owner: int) -> Iterator[int]:
+        """:meth:`JobTopology.iter_copy_preference` without the slices whose every host is lost.
+
+        Same order; skipping dead slices keeps re-planning after a slice loss O(hosts), not O(hosts^2).
+        """
+        t = self.topology
+        d, h = t.data_parallelism, t.hosts_per_slice
+        s, i = t.slice_of(owner), t.index_in_slice(owner)
+        lost_in: collections.Counter[int] = self._lost_per_slice
+        others = [(s + ds) % d for ds in range(1, d) if lost_in[(s + ds) % d] < h]
+        for di in range(h):
+            for sl in others:
+                yield sl * h + (i + di) % h
+        if lost_in[s] < h:
+            for di in range(1, h):
+                yield s * h + (i + di) % h
 
     @staticmethod
     def _auth_one(holders: Mapping[int, Holding], bucket: Mapping[int, str | None], owner: int) -> _Auth | None:

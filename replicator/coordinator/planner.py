@@ -914,9 +914,10 @@ class CoordinatorState:
         s, i = t.slice_of(owner), t.index_in_slice(owner)
         lost_in: collections.Counter[int] = self._lost_per_slice
         others = [(s + ds) % d for ds in range(1, d) if lost_in[(s + ds) % d] < h]
-        for di in range(h):
-            for sl in others:
-                yield sl * h + (i + di) % h
+        if others:
+            for di in range(h):
+                for sl in others:
+                    yield sl * h + (i + di) % h
         if lost_in[s] < h:
             for di in range(1, h):
                 yield s * h + (i + di) % h

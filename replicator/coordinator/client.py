@@ -42,6 +42,17 @@ def backoff_seconds(failures: int, base: float, cap_factor: float = 8.0) -> floa
     return base * min(2.0 ** max(0, failures - 1), cap_factor) * random.uniform(0.5, 1.5)
 
 
+def _retry_after(e: grpc.RpcError) -> float | None:
+    """The coordinator's ``retry-after-seconds`` advice on a refused call, if any."""
+    try:
+        for key, value in e.trailing_metadata() or ():
+            if key == "retry-after-seconds":
+                return float(value)
+    except (AttributeError, ValueError):
+        pass
+    return None
+
+
 class Candidates:
     """Stubs to the ordered coordinator candidates; :meth:`call` goes to the first one that answers."""
 
@@ -93,10 +104,13 @@ class Candidates:
             try:
                 return self.call(method, request, timeout)
             except grpc.RpcError as e:
-                if e.code() not in FAILOVER_CODES:
-                    raise
                 failures += 1
-                pause = backoff_seconds(failures, base_backoff, cap_factor=10.0)
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _retry_after(e) is not None:
+                    pause = _retry_after(e) * random.uniform(1.0, 1.5)  # the coordinator's advice, jittered
+                elif e.code() in FAILOVER_CODES:
+                    pause = backoff_seconds(failures, base_backoff, cap_factor=10.0)
+                else:
+                    raise
                 if time.monotonic() + pause >= deadline:
                     raise
                 log.info("no coordinator candidate answered %s (%s); retrying in %.2fs", method,

@@ -408,6 +408,9 @@ class CoordinatorState:
         """What host ``rank`` reported for ``(owner_rank, step)``, if anything (O(1))."""
         return self._holdings.get(rank, {}).get(key)
 
+    def piece_count(self, rank: int) -> int:
+        return len(self._holdings.get(rank, {}))
+
     def check_holdings(self, rank: int, holdings: Iterable[Holding]) -> list[Holding]:
         """Validate what host ``rank`` reports without changing anything (ValueError on bad input)."""
         self.topology.check_rank(rank)

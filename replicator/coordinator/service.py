@@ -38,6 +38,11 @@ MAX_HEARTBEATS_PER_SECOND = 200.0
 # Waiters (GetSteps, PrepareRestore) poll the state at this period instead of being woken by every
 # heartbeat (at 10,000 hosts a wake-up per heartbeat would cost more than the heartbeats).
 _POLL_SECONDS = 0.1
+# Calls that wait (GetSteps, PrepareRestore with a wait) hold a server thread each; beyond this many the
+# next one is refused with RESOURCE_EXHAUSTED and a retry delay, so heartbeats always find a thread
+# (the daemon's server has 16).
+MAX_WAITERS = 4
+RETRY_AFTER_KEY = "retry-after-seconds"
 
 
 class BackupScheduler:
@@ -91,6 +96,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         active: bool = True,
         epoch: int = 1,
         address: str = "",
+        max_waiters: int = MAX_WAITERS,
     ):
         self.topology = topology
         self.job = job
@@ -104,6 +110,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._force_restore_step = force_restore_step
         self._clock = clock
         self._lock = threading.Condition()
+        self.max_waiters = max_waiters
+        self._waiters = 0
+        self._waiters_lock = threading.Lock()
         self.active = False
         self.epoch = 0
         self.max_epoch_seen = 0
@@ -175,6 +184,30 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if not 0 <= rank < self.topology.nodes:
             self._abort_bad(context, f"unknown rank {rank}: the job has ranks 0..{self.topology.nodes - 1}",
                             grpc.StatusCode.NOT_FOUND)
+
+    def max_pieces_per_host(self) -> int:
+        """Bound on what one host may report holding: its ``keep_local`` newest steps plus protected ones
+        (pinned, backing up, the newest complete), each with its own data, copies received (as many as it
+        sends, more while lost hosts' data is re-made) and replica attestations, with 4x slack."""
+        t = self.topology
+        return 4 * (self.keep_local + 3) * (1 + t.replicas + t.data_parallelism)
+
+    def _admit_waiter(self, context: grpc.ServicerContext) -> None:
+        with self._waiters_lock:
+            if self._waiters < self.max_waiters:
+                self._waiters += 1
+                return
+        retry = max(0.5, self.heartbeat_interval())
+        try:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{retry:.2f}"),))
+        except AttributeError:
+            pass
+        self._abort_bad(context, f"{self.max_waiters} calls already wait on this coordinator; retry in "
+                        f"{retry:.1f}s", grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    def _release_waiter(self) -> None:
+        with self._waiters_lock:
+            self._waiters -= 1
 
     def _check_active(self, context: grpc.ServicerContext) -> None:
         if not self.active:
@@ -251,6 +284,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         for h in holdings:
             if not 0 <= h.owner_rank < self.topology.nodes:
                 self._abort_bad(context, f"holding of unknown rank {h.owner_rank}", grpc.StatusCode.NOT_FOUND)
+        limit = self.max_pieces_per_host()
+        if len(holdings) > limit:
+            self._abort_bad(context, f"rank {rank} reports {len(holdings)} pieces; a host holds at most {limit} "
+                            f"(keep_local {self.keep_local}, replicas {self.topology.replicas}, "
+                            f"{self.topology.data_parallelism} slices)")
         with self._lock:
             if _expired(context):  # waited too long for the lock: the caller has given up
                 self._abort_bad(context, "deadline passed while queued", grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -275,6 +313,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     accepted = True
                 elif st.is_reported(rank) and request.base_digest == self._digest.get(rank):
                     st.check_holdings(rank, holdings)
+                    if st.piece_count(rank) + len(holdings) > limit:
+                        raise ValueError(f"rank {rank} would hold more than {limit} pieces")
                     st.report_removed(rank, removed, request.incarnation)
                     for h in holdings:
                         st.report_committed(rank, h, request.incarnation)
@@ -360,6 +400,15 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self._expire()
 
     def GetSteps(self, request: pb.GetStepsRequest, context: grpc.ServicerContext) -> pb.GetStepsResponse:
+        if request.wait_seconds <= 0:
+            return self._get_steps(request, context)
+        self._admit_waiter(context)
+        try:
+            return self._get_steps(request, context)
+        finally:
+            self._release_waiter()
+
+    def _get_steps(self, request: pb.GetStepsRequest, context: grpc.ServicerContext) -> pb.GetStepsResponse:
         with self._lock:
             self._check_active(context)
             # Bounded in heartbeats: a host silent that long is declared lost and not waited for.
@@ -372,6 +421,14 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: grpc.ServicerContext) -> pb.PrepareRestoreResponse:
+        self._admit_waiter(context)
+        try:
+            return self._prepare_restore(request, context)
+        finally:
+            self._release_waiter()
+
+    def _prepare_restore(self, request: pb.PrepareRestoreRequest,
+                         context: grpc.ServicerContext) -> pb.PrepareRestoreResponse:
         wait = max(0.0, min(request.wait_seconds, 3600.0))
         start = self._clock()
         deadline = start + wait

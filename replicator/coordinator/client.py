@@ -42,7 +42,7 @@ def backoff_seconds(failures: int, base: float, cap_factor: float = 8.0) -> floa
     return base * min(2.0 ** max(0, failures - 1), cap_factor) * random.uniform(0.5, 1.5)
 
 
-def _retry_after(e: grpc.RpcError) -> float | None:
+def retry_after_seconds(e: grpc.RpcError) -> float | None:
     """The coordinator's ``retry-after-seconds`` advice on a refused call, if any."""
     try:
         for key, value in e.trailing_metadata() or ():
@@ -105,8 +105,8 @@ class Candidates:
                 return self.call(method, request, timeout)
             except grpc.RpcError as e:
                 failures += 1
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _retry_after(e) is not None:
-                    pause = _retry_after(e) * random.uniform(1.0, 1.5)  # the coordinator's advice, jittered
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_seconds(e) is not None:
+                    pause = retry_after_seconds(e) * random.uniform(1.0, 1.5)  # the coordinator's advice, jittered
                 elif e.code() in FAILOVER_CODES:
                     pause = backoff_seconds(failures, base_backoff, cap_factor=10.0)
                 else:

@@ -41,7 +41,7 @@ _POLL_SECONDS = 0.1
 # Calls that wait (GetSteps, PrepareRestore with a wait) hold a server thread each; beyond this many the
 # next one is refused with RESOURCE_EXHAUSTED and a retry delay, so heartbeats always find a thread
 # (the daemon's server has 16).
-MAX_WAITERS = 4
+MAX_WAITERS = 8
 RETRY_AFTER_KEY = "retry-after-seconds"
 
 

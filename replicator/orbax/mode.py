@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -36,6 +37,7 @@ from typing import Any
 import grpc
 
 from mtc_rpc import coordinator_pb2 as cpb
+from replicator.coordinator.client import retry_after_seconds
 from replicator.coordinator.topology import JobTopology
 from replicator.options import ConfigError, ReplicatorOptions
 from replicator.orbax import contract as oc
@@ -238,7 +240,9 @@ class OrbaxMode:
             except grpc.RpcError as e:
                 last_error = f"coordinator {opts.coordinator_address()}: {e.code().name} {e.details()}"
                 resp = None
-                self.stopping.wait(0.2)
+                # A busy coordinator says when to come back; follow it, jittered (no retry storm).
+                advice = retry_after_seconds(e)
+                self.stopping.wait(advice * random.uniform(1.0, 1.5) if advice is not None else 0.2)
                 continue
             # A plan made before every host reported may miss data ("nothing to restore", an older step).
             registered = self._all_registered(daemon, opts, cfg)

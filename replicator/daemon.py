@@ -127,7 +127,7 @@ class Replicator:
         if tls is None:
             # Bulk bytes go over a plain TCP data port (sendfile): gRPC streaming reaches only 40-60 % of
             # loopback TCP here. With TLS the data stays on the (encrypted) gRPC stream instead.
-            self._transfer_server = peer_server.TransferServer(host, 0, throttle=throttle,
+            self._transfer_server = peer_server.TransferServer(host, self.opts.data_port, throttle=throttle,
                                                                bulk_priority=self.opts.bulk_priority)
             self._transfer_server.start()
         peer = peer_server.PeerServicer(self.store.root, self.rank, self.nodes,

@@ -1,9 +1,12 @@
 """The coordinator's decisions (replication, global completeness, restore, GC) as pure functions of hosts' reports.
 
 No I/O, no threads, no clocks: a :class:`CoordinatorState` is fed events (registrations, inventories,
-committed steps, backups) and answers queries. Every answer depends only on the *current* reported
-facts, never on the order they arrived in, so a restarted coordinator that receives every host's
-report again gives the same answers. Rules are summarised in ``docs/coordinator.md``.
+committed steps, backups, hosts declared lost — liveness takes ``now`` from the caller) and answers
+queries. Every answer depends only on the *current* facts, never on the order they arrived in, so a
+restarted coordinator that receives every host's report again gives the same answers. Derived views
+are maintained incrementally (see :class:`CoordinatorState`); ``tests/replicator/coordinator/
+test_incremental.py`` checks them against a from-scratch recomputation. Rules are summarised in
+``docs/coordinator.md``.
 
 Vocabulary: a piece of data is one rank's (``owner_rank``) data for one ``step``, identified by the
 ``content_hash`` of its manifest (:attr:`sidecar.layout.StepManifest.content_hash`). Data-parallel

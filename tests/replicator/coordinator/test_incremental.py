@@ -149,3 +149,20 @@ def test_liveness_declares_silent_hosts_lost_in_order():
     # Re-replication: the lost hosts are no destinations; the survivors copy each other's data.
     assert {(t.owner_rank, t.dest_rank) for t in s.replication_plan(1) if not t.hash_only} == {(0, 1), (1, 0)}
     assert s.register(2, 1) is True and 2 not in s.lost and s.reregistered == 1
+
+
+def test_a_lost_slice_of_identical_replicas_regains_redundancy_through_the_survivors_copies():
+    s = CoordinatorState(JobTopology(6, 2, 1))
+    for r in range(6):
+        s.register(r, 1)
+        s.report_inventory(r, [Holding(r, 1, f"h{r % 3}", 10)])
+    for t in s.replication_plan(1):
+        s.report_committed(t.dest_rank, Holding(t.owner_rank, 1, t.content_hash, 10, Tier.REPLICA))
+    for r in (0, 1, 2):
+        s.forget_host(r)
+    assert s.is_complete(1) and not s.is_redundant(1)
+    tasks = s.replication_plan(1)
+    assert tasks and all(not t.hash_only and t.dest_rank in (3, 4, 5) for t in tasks)
+    for t in tasks:
+        s.report_committed(t.dest_rank, Holding(t.owner_rank, 1, t.content_hash, 10, Tier.PEER))
+    assert s.is_redundant(1) and s.replication_plan(1) == []

@@ -96,6 +96,7 @@ class Replicator:
         self._acked: tuple[str, dict[tuple[int, int], Any]] | None = None  # (digest, inventory) the coordinator holds
         self._interval = opts.heartbeat_seconds
         self._lower_down_since: float | None = None
+        self._backup_reports: list[cpb.BackupReport] = []
         self._server: grpc.Server | None = None
         self._control_server: grpc.Server | None = None
         self._transfer_server: peer_server.TransferServer | None = None
@@ -296,8 +297,11 @@ class Replicator:
         req.holdings.extend(cpb.Holding(owner_rank=h.owner_rank, step=h.step, content_hash=h.content_hash,
                                         size=h.size, tier=str(h.tier)) for h in changed)
         if self.backup is not None:
-            req.backups.extend(self.backup.drain_reports())
+            # Kept until a coordinator took them: a failed heartbeat (e.g. during a failover) loses none.
+            self._backup_reports.extend(self.backup.drain_reports())
+            req.backups.extend(self._backup_reports)
         resp = self._send(req)
+        self._backup_reports = []
         if resp.acked_digest and resp.acked_digest == digest:
             self._acked = (digest, current)
         else:

@@ -298,7 +298,7 @@ class Replicator:
                                         size=h.size, tier=str(h.tier)) for h in changed)
         if self.backup is not None:
             # Kept until a coordinator took them: a failed heartbeat (e.g. during a failover) loses none.
-            self._backup_reports.extend(self.backup.drain_reports())
+            self._backup_reports = (self._backup_reports + self.backup.drain_reports())[-64:]
             req.backups.extend(self._backup_reports)
         resp = self._send(req)
         self._backup_reports = []

@@ -201,3 +201,24 @@ def test_client_fails_over_to_the_serving_candidate_and_honours_retry_advice():
         client.close()
         for s in servers:
             s.stop(0)
+
+
+def test_an_unchanged_heartbeat_rederives_nothing(monkeypatch):
+    from replicator.coordinator.planner import CoordinatorState
+
+    coord = Coordinator(JobTopology(8, 2, 1), "t")
+    items = {r: [(r, 1, f"h{r % 4}", "local")] for r in range(8)}
+    for r in range(8):
+        full(coord, r, items[r])
+    for r in range(8):  # hand out (and forget) the first answers: views now derived
+        delta(coord, r, digest(items[r]), items[r])
+    calls = []
+    real = CoordinatorState._derive
+    monkeypatch.setattr(CoordinatorState, "_derive", lambda self, *a: (calls.append(a), real(self, *a))[1])
+    for _ in range(5):
+        for r in range(8):
+            assert delta(coord, r, digest(items[r]), items[r]).acked_digest == digest(items[r])
+    assert calls == []
+    new = [*items[5], (5, 2, "x", "local")]
+    delta(coord, 5, digest(items[5]), new, added=[(5, 2, "x", "local")])
+    assert calls == [(2, 1)]  # one new fact: only rank 5's replica group of step 2 is re-derived

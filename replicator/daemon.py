@@ -36,7 +36,7 @@ from replicator.options import ReplicatorOptions
 from replicator.peer import client as peer_client
 from replicator.peer import protocol as peer_protocol
 from replicator.peer import server as peer_server
-from sidecar import layout
+from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class _Control(control_pb2_grpc.LocalControlServicer):
         self.daemon = daemon
 
     def StepCommitted(self, request, context):
+        faults.point("notify.received")
         self.daemon.wake()
         return control_pb2.StepCommittedResponse()
 
@@ -301,6 +302,7 @@ class Replicator:
             self._backup_reports = (self._backup_reports + self.backup.drain_reports())[-64:]
             req.backups.extend(self._backup_reports)
         resp = self._send(req)
+        faults.point("heartbeat.after_response")
         self._backup_reports = []
         if resp.acked_digest and resp.acked_digest == digest:
             self._acked = (digest, current)
@@ -315,6 +317,7 @@ class Replicator:
         self.newest_complete = resp.newest_complete_step
         for d in resp.deletions:
             if not self._busy(d.owner_rank, d.step):
+                faults.point("gc.before_delete")
                 self.store.delete(d.owner_rank, d.step)
                 self.counters["deletions"] += 1
         for c in resp.copies:
@@ -399,6 +402,7 @@ class Replicator:
     def _copy(self, task: cpb.CopyTask) -> None:
         if self.store.has(task.owner_rank, task.step):
             return
+        faults.point("copy.before_fetch")
         self._fetch(task.source_address, task.owner_rank, task.step, task.content_hash or None)
         self.counters["copies"] += 1
 
@@ -417,6 +421,7 @@ class Replicator:
                     if self.store.has(src.owner_rank, task.step):
                         # A stale copy under the same name (e.g. an older save of this step): replace it.
                         self.store.delete(src.owner_rank, task.step)
+                    faults.point("restore.peer.before_fetch")
                     self._fetch(src.holder_address, src.owner_rank, task.step, src.content_hash or None)
                 self.counters["restores"] += 1
                 log.info("rank %d now holds its data of step %d (from %s rank %d)", self.rank, task.step,

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar import layout, reader, tree, writer
+from sidecar import faults, layout, reader, tree, writer
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ def save_on_hosts(
             if r not in copies:
                 raise ValueError(f"array {meta.path!r} has no shard on rank {r}'s devices")
             per_rank[r].append(copies[r])
+    faults.point("save.after_host_copy")
     for r in ranks:
         for path, value in host_arrays:
             full = tuple((0, n) for n in value.shape)

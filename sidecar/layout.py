@@ -29,6 +29,8 @@ from typing import Any
 
 import google_crc32c
 
+from sidecar import faults
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -468,6 +470,7 @@ def delete_step(step_dir: Path) -> None:
         (step_dir / MANIFEST_NAME).unlink()
     except FileNotFoundError:
         pass
+    faults.point("gc.mid_delete")
     shutil.rmtree(step_dir, ignore_errors=True)
 
 

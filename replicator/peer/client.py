@@ -47,7 +47,7 @@ from replicator.peer.protocol import (
     TransferRejected,
     recv_exact,
 )
-from sidecar import layout
+from sidecar import faults, layout
 from sidecar.layout import ChecksumError, FileEntry, ManifestError, StepManifest
 
 log = logging.getLogger(__name__)
@@ -183,6 +183,7 @@ class _FileSink:
             done = 0
             while done < n:
                 done += os.pwrite(self._fd, view[done:], offset + done)
+                faults.point("peer.fetch.mid_transfer")
         self._pos += n
         self.bytes += n
 
@@ -457,6 +458,7 @@ def fetch_step(
                 f"differs from the expected {expected_content_hash[:12]}"
             )
         tmp = layout.make_tmp_dir(dest_parent, step)
+        faults.point("peer.fetch.after_tmp_dir")
         try:
             _fetch_files_on(
                 channel,
@@ -469,8 +471,11 @@ def fetch_step(
                 throttle,
                 use_data_port and tls is None,
             )
+            faults.point("peer.fetch.before_manifest")
             layout.write_manifest(tmp, manifest)
+            faults.point("peer.fetch.before_commit")
             layout.commit_dir(tmp, final)
+            faults.point("peer.fetch.after_commit")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -43,7 +43,7 @@ from replicator.peer.protocol import (
     Throttle,
     recv_exact,
 )
-from sidecar import layout
+from sidecar import faults, layout
 from sidecar.layout import ChecksumError, FileEntry, ManifestError, StepManifest
 
 log = logging.getLogger(__name__)
@@ -305,6 +305,7 @@ class TransferServer:
                     conn.sendfile(f, offset, n)
                     offset += n
                     sent += n
+                    faults.point("peer.serve.mid_send")
         conn.shutdown(socket.SHUT_WR)
         with self._lock:
             self.transfers_completed += 1

@@ -50,10 +50,13 @@ def _status(args: argparse.Namespace) -> int:
     from replicator.coordinator.client import CoordinatorClient, status_to_dict
     from replicator.net.security import TlsOptions
 
-    first, _, last = (args.ranks or "0-").partition("-")
+    spec = args.ranks or "0-"
+    first, dash, last = spec.partition("-")
     try:
         rank_first = int(first)
-        rank_last = int(last) if last else (rank_first if "-" not in (args.ranks or "0-") else -1)
+        rank_count = 0 if dash and not last else (int(last) if last else rank_first) - rank_first + 1
+        if rank_first < 0 or (dash and last and rank_count < 1):
+            raise ValueError(spec)
     except ValueError:
         print(f"mtc status: --ranks must be A-B, A- or A, got {args.ranks!r}", file=sys.stderr)
         return 2
@@ -62,7 +65,7 @@ def _status(args: argparse.Namespace) -> int:
                                failover_seconds=args.timeout_seconds)
     try:
         resp = client.status(hosts=args.hosts, detail_steps=args.step or [], rank_first=rank_first,
-                             rank_last=rank_last)
+                             rank_count=rank_count)
         print(json.dumps(status_to_dict(resp), indent=2))
     except grpc.RpcError as e:
         print(f"mtc status: coordinator {args.coordinator}: {e.code().name}: {e.details()}", file=sys.stderr)

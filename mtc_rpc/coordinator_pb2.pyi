@@ -177,16 +177,16 @@ class PrepareRestoreResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ..., ready_ranks: _Optional[_Iterable[int]] = ..., ready: _Optional[bool] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., unreachable: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
-    __slots__ = ("hosts", "detail_steps", "rank_first", "rank_last")
+    __slots__ = ("hosts", "detail_steps", "rank_first", "rank_count")
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_STEPS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIRST_FIELD_NUMBER: _ClassVar[int]
-    RANK_LAST_FIELD_NUMBER: _ClassVar[int]
+    RANK_COUNT_FIELD_NUMBER: _ClassVar[int]
     hosts: bool
     detail_steps: _containers.RepeatedScalarFieldContainer[int]
     rank_first: int
-    rank_last: int
-    def __init__(self, hosts: _Optional[bool] = ..., detail_steps: _Optional[_Iterable[int]] = ..., rank_first: _Optional[int] = ..., rank_last: _Optional[int] = ...) -> None: ...
+    rank_count: int
+    def __init__(self, hosts: _Optional[bool] = ..., detail_steps: _Optional[_Iterable[int]] = ..., rank_first: _Optional[int] = ..., rank_count: _Optional[int] = ...) -> None: ...
 
 class Topology(_message.Message):
     __slots__ = ("nodes", "data_parallelism", "replicas")

@@ -174,10 +174,11 @@ class CoordinatorClient:
         return resp.step
 
     def status(self, hosts: bool = False, detail_steps: Sequence[int] = (), rank_first: int = 0,
-               rank_last: int = -1) -> pb.GetStatusResponse:
-        """The typed status: summary by default; per-host / per-step detail for a rank range on request."""
+               rank_count: int = 0) -> pb.GetStatusResponse:
+        """The typed status: summary by default; per-host / per-step detail on request for ranks
+        ``rank_first .. rank_first + rank_count - 1`` (``rank_count`` 0: through the last rank)."""
         req = pb.GetStatusRequest(hosts=hosts, detail_steps=list(detail_steps), rank_first=rank_first,
-                                  rank_last=rank_last)
+                                  rank_count=rank_count)
         return self._call("GetStatus", req, self.timeout)
 
     def close(self) -> None:

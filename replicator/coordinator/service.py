@@ -524,8 +524,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 interval_steps=b.get("interval_steps", 0), interval_minutes=b.get("interval_minutes", 0.0),
                 keep=b.get("keep", 0)))
         first = max(0, request.rank_first)
-        last = t.nodes - 1 if request.rank_last < 0 or (request.rank_last == 0 and first == 0) else \
-            min(request.rank_last, t.nodes - 1)
+        last = t.nodes - 1 if request.rank_count <= 0 else min(first + request.rank_count, t.nodes) - 1
         detail = range(first, last + 1)
         if request.hosts:
             registered = st.registered

@@ -289,7 +289,7 @@ class OrbaxMode:
     def _valid_owners(self, daemon: Any, opts: ReplicatorOptions, step: int, rank: int) -> set[int]:
         """Owners whose data of ``step`` on this host the coordinator accepts for ``rank`` (hash-checked)."""
         try:
-            st = self._status(daemon, opts, detail_steps=[step], rank_first=rank, rank_last=rank)
+            st = self._status(daemon, opts, detail_steps=[step], rank_first=rank, rank_count=1)
         except grpc.RpcError as e:
             log.warning("no status from the coordinator (%s): restoring own data only", e.code().name)
             return {rank}

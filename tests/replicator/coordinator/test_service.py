@@ -133,6 +133,8 @@ def test_silent_hosts_are_lost_and_restore_does_not_wait_for_them():
         for r in (0, 1):
             full(coord, r, HOLDINGS[r])
     st = coord.GetStatus(pb.GetStatusRequest(hosts=True), Ctx())
+    assert [h.rank for h in coord.GetStatus(pb.GetStatusRequest(hosts=True, rank_first=3, rank_count=1),
+                                            Ctx()).hosts] == [3]
     assert st.hosts_lost == 2 and st.lost_ranks == "2-3" and st.lost[0].ranks == "2-3"
     assert [h.rank for h in st.hosts if h.lost] == [2, 3]
     assert coord.state.newest_complete_step() == 3  # 0 and 1 attest their replicas' step 3

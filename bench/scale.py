@@ -7,8 +7,9 @@ its own data of 2 steps plus the attestation of its replica's identical data (st
 
 - ``round_seconds_<N>``: CPU seconds of one round in which every host reports a newly saved step (a delta)
   and then one quiet round (digest only), in-process through ``Coordinator.Heartbeat`` (planner cost);
-  best of 3.
-  ``round_growth_exponent``: slope of log(round) over log(N) (1.0 = linear in N, O(1) per heartbeat).
+  best of 3. ``grpc_round_cpu_seconds_<N>``: server CPU of one round of N unchanged heartbeats over real
+  gRPC on loopback. ``round_growth_exponent``: the larger slope of log(round) over log(N) of the two
+  (1.0 = linear in N, O(1) per heartbeat).
 - ``heartbeat_cost_vs_noop_10k``: server-process CPU per unchanged heartbeat at the largest N over real
   gRPC on loopback, divided by the CPU per call of a no-op handler of the same RPC in the same run
   (clients in a separate process, so only the server's CPU is counted).
@@ -171,8 +172,9 @@ def _client(address: str, n: int, calls: int, threads: int, digests_file: str) -
     stub = pb_grpc.CoordinatorStub(channel)
     rng = random.Random(1)
     reqs = []
-    for _ in range(calls):
-        r = rng.randrange(n)
+    # calls == n: one round (every host once, shuffled); otherwise random hosts.
+    ranks = rng.sample(range(n), n) if calls == n else [rng.randrange(n) for _ in range(calls)]
+    for r in ranks:
         d = digests[str(r)]
         reqs.append(pb.HeartbeatRequest(job=JOB, rank=r, incarnation=1, address=f"10.0.0.{r}:7070",
                                         inventory_digest=d, base_digest=d, known_epoch=epoch,
@@ -203,6 +205,14 @@ def _grpc_cpu_per_call(servicer, sim: Sim, calls: int, threads: int = 4) -> floa
         os.unlink(path)
 
 
+def _slope(sizes: list[int], seconds: dict[int, float]) -> float:
+    """Least-squares slope of log(seconds) over log(N)."""
+    xs = [math.log(n) for n in sizes]
+    ys = [math.log(seconds[n]) for n in sizes]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1000,4000,10000")
@@ -218,16 +228,18 @@ def main(argv: list[str] | None = None) -> None:
         return
     sizes = [int(x) for x in args.sizes.split(",")]
     result: dict[str, float | int | dict] = {}
-    rounds = {}
+    rounds, grpc_rounds = {}, {}
     sim = None
     for n in sizes:
         rounds[n], sim = _round_seconds(n)
         result[f"round_seconds_{n}"] = round(rounds[n], 3)
-    xs = [math.log(n) for n in sizes]
-    ys = [math.log(rounds[n]) for n in sizes]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    result["round_growth_exponent"] = round(slope, 3)
+        # The same service over real gRPC: server CPU of one round of n unchanged heartbeats.
+        grpc_rounds[n] = _grpc_cpu_per_call(sim.coord, sim, n) * n
+        result[f"grpc_round_cpu_seconds_{n}"] = round(grpc_rounds[n], 3)
+    planner_slope, grpc_slope = _slope(sizes, rounds), _slope(sizes, grpc_rounds)
+    result["planner_round_growth_exponent"] = round(planner_slope, 3)
+    result["grpc_round_growth_exponent"] = round(grpc_slope, 3)
+    result["round_growth_exponent"] = round(max(planner_slope, grpc_slope), 3)
     big = sizes[-1]
     tag = f"{big // 1000}k"
     assert sim is not None

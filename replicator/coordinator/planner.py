@@ -209,7 +209,7 @@ class CoordinatorState:
         if not isinstance(topology, JobTopology):
             raise ValueError(f"topology must be a JobTopology, got {type(topology).__name__}")
         self.topology = topology
-        h = topology.hosts_per_slice
+        h = self._h = topology.hosts_per_slice
         self._members: list[tuple[int, ...]] = [
             tuple(s * h + i for s in range(topology.data_parallelism)) for i in range(h)
         ]
@@ -792,7 +792,7 @@ class CoordinatorState:
     def _touch(self, step: int, owner: int) -> None:
         """A fact about ``owner``'s ``step`` data changed: its replica group must be re-derived."""
         self.version += 1
-        self._dirty.setdefault(step, set()).add(self.topology.index_in_slice(owner))
+        self._dirty.setdefault(step, set()).add(owner % self._h)
 
     def _touch_all_groups(self, step: int) -> None:
         self.version += 1
@@ -915,9 +915,8 @@ class CoordinatorState:
 
         Same order; skipping dead slices keeps re-planning after a slice loss O(hosts), not O(hosts^2).
         """
-        t = self.topology
-        d, h = t.data_parallelism, t.hosts_per_slice
-        s, i = t.slice_of(owner), t.index_in_slice(owner)
+        d, h = self.topology.data_parallelism, self._h
+        s, i = divmod(owner, h)
         lost_in: collections.Counter[int] = self._lost_per_slice
         others = [(s + ds) % d for ds in range(1, d) if lost_in[(s + ds) % d] < h]
         if others:
@@ -954,7 +953,7 @@ class CoordinatorState:
         mine = auth.get(rank)
         want = mine.content_hash if mine is not None else None
         found = []
-        group = self._members[self.topology.index_in_slice(rank)]
+        group = self._members[rank % self._h]
         for owner in (rank, *(m for m in group if m != rank)):
             a = auth.get(owner)
             for holder, h in by_owner.get(owner, {}).items():

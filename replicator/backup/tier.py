@@ -37,6 +37,8 @@ class BackupAgent:
         self._lock = threading.Lock()
         self.uploaded_bytes = 0
         self.last_error = ""
+        # (step, rank, bytes, seconds, error) after each rank's upload: the daemon's metrics and logs.
+        self.on_upload: Callable[..., None] | None = None
 
     def run_task(self, task: pb.BackupTask, store: Any) -> None:
         staging = self.backup.open_staging(task.staging)
@@ -47,10 +49,14 @@ class BackupAgent:
                 res = self.backup.upload_rank(staging, rank, step_dir)
                 self.uploaded_bytes += res.bytes_uploaded
                 done.append(rank)
+                if self.on_upload is not None:
+                    self.on_upload(task.step, rank, res.bytes_uploaded, res.seconds)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             self.last_error = error
             log.warning("backup upload of step %d failed: %s", task.step, error)
+            if self.on_upload is not None:
+                self.on_upload(task.step, -1, 0, 0.0, error)
         with self._lock:
             self._reports.append(pb.BackupReport(step=task.step, uploaded_ranks=done, error=error))
 
@@ -109,6 +115,7 @@ class BucketScheduler(BackupScheduler):
         self.skipped = 0
         self.failures = 0
         self.last_error = ""
+        self.last_success_unix: float | None = None  # wall-clock time of the newest committed backup
         self.requested: set[int] = set()
         self._loaded = False
         self._commit_thread: threading.Thread | None = None
@@ -139,6 +146,7 @@ class BucketScheduler(BackupScheduler):
         if steps:
             self.last_step = steps[-1]
         if newest_unix is not None:
+            self.last_success_unix = newest_unix
             # The minutes interval runs on from the newest backup's commit: a restarted coordinator (every
             # job restart in Orbax mode) must not back up at once.
             self.last_start = self.clock() - max(0.0, time.time() - newest_unix)
@@ -278,6 +286,7 @@ class BucketScheduler(BackupScheduler):
             log.warning("%s", self.last_error)
             return
         state.report_backup(step, committed=True, content_hashes=dict(enumerate(hashes)))
+        self.last_success_unix = time.time()
         try:
             self.committed = self.backup.committed_steps()
         except Exception:

@@ -228,6 +228,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         return self._ready(rank, step, self.state.rank_sources(step, rank))
 
     def _expire(self) -> None:
+        if not self.active:
+            return  # a standby hears from nobody: it declares nobody lost
         lost = self.state.expire(self._clock(), self.lost_after())
         if lost:
             log.warning("hosts %s declared lost: no report for %.1fs", ranges(lost), self.lost_after())
@@ -546,3 +548,47 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     pb.SourceInfo(kind=str(s.kind), holder_rank=-1 if s.holder_rank is None else s.holder_rank,
                                   owner_rank=s.owner_rank) for s in srcs]))
         return resp
+
+    # ------------------------------------------------------------------ queries for the admin service and metrics
+    def lost_ranks(self) -> list[int]:
+        """Ranks declared lost (silent for :meth:`lost_after`; see docs/coordinator.md), ascending."""
+        with self._lock:
+            self._expire()
+            return sorted(self.state.lost)
+
+    def hosts_seen(self) -> dict[int, float]:
+        """rank -> seconds since its last heartbeat, for registered hosts (lost ones are absent)."""
+        with self._lock:
+            now = self._clock()
+            st = self.state
+            return {r: now - t for r in st.registered if (t := st.last_seen(r)) is not None}
+
+    def host_addresses(self) -> dict[int, str]:
+        """rank -> Peer service address each host reported."""
+        with self._lock:
+            return dict(sorted(self._addresses.items()))
+
+    def seconds_since_start(self) -> float:
+        return self._clock() - self._started
+
+    @property
+    def lock(self) -> threading.Condition:
+        """The (reentrant) lock every RPC holds while it reads or changes the state."""
+        return self._lock
+
+    def steps_first_seen(self) -> dict[int, float]:
+        """step -> seconds since the coordinator first heard of it (steps it tracks for replication)."""
+        with self._lock:
+            now = self._clock()
+            return {s: now - t for s, t in sorted(self._first_seen.items())}
+
+    def release_restore_pin(self, step: int) -> bool:
+        """Forget a restore pinned on ``step`` (the next restore takes the newest step again)."""
+        with self._lock:
+            if self._restore_step != step:
+                return False
+            self.state.unpin(step)
+            self._restore_step = self._restore_floor = None
+            return True
+
+

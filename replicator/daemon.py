@@ -46,6 +46,26 @@ class _NoCoordinator(RuntimeError):
     """No coordinator candidate answered this heartbeat."""
 
 
+class _ServingOnly:
+    """A servicer whose RPCs answer only on the serving coordinator candidate (a standby's view is empty)."""
+
+    def __init__(self, inner: Any, coordinator: Coordinator):
+        self._inner = inner
+        self._coordinator = coordinator
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._inner, name)
+        if name.startswith("_") or not callable(fn):
+            return fn
+
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            if not self._coordinator.active:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "standby coordinator candidate: ask the serving one")
+            return fn(request, context)
+
+        return call
+
+
 class _Control(control_pb2_grpc.LocalControlServicer):
     def __init__(self, daemon: Replicator):
         self.daemon = daemon
@@ -157,7 +177,7 @@ class Replicator:
             timed = TimedCoordinator(admin.wrap(self.coordinator), self.metrics)
             admin.coord = timed  # `mtc restore` plans through the same (timed) PrepareRestore
             servicers.append((cpb_grpc.add_CoordinatorServicer_to_server, timed))
-            servicers.append((admin_pb2_grpc.add_AdminServicer_to_server, admin))
+            servicers.append((admin_pb2_grpc.add_AdminServicer_to_server, _ServingOnly(admin, self.coordinator)))
         self._server, port = rpc.create_server(
             self.opts.listen, servicers, token=self.token, tls=tls,
             max_message_bytes=self.opts.max_message_bytes, max_workers=16)

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 
+import grpc
 import jax
 import numpy as np
 import pytest
@@ -20,6 +21,10 @@ from jax.sharding import PartitionSpec as P
 from controller_client.demo.cluster import LocalCluster, ReplicatorProcess
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
+from mtc_rpc import admin_pb2 as apb
+from mtc_rpc import admin_pb2_grpc as apb_grpc
+from mtc_rpc import coordinator_pb2 as cpb
+from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
 from sidecar import layout
 from tests.kits.cluster import assert_equal, redundant, save_steps, status, target, wait_for
 
@@ -95,6 +100,13 @@ def test_losing_the_coordinator_slice_fails_over_and_rebuilds_redundancy(failove
     cl.start_all()
     first = status(cl)
     assert first.coordinator_address == cl.candidate_addresses[0] and first.hosts_lost == 0
+    # The standby candidate answers nothing from its empty view (coordinator and admin RPCs alike).
+    with grpc.insecure_channel(cl.candidate_addresses[2]) as ch:
+        for call in (lambda: cpb_grpc.CoordinatorStub(ch).GetStatus(cpb.GetStatusRequest(), timeout=5),
+                     lambda: apb_grpc.AdminStub(ch).GetSummary(apb.GetSummaryRequest(), timeout=5)):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     mgr = _manager(cl)
     # Different data on every rank: each rank's copy lives in the other slice.
     trees = save_steps(mgr, [1, 2], replicated_over_slices=False)

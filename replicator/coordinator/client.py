@@ -53,21 +53,39 @@ def retry_after_seconds(e: grpc.RpcError) -> float | None:
     return None
 
 
+class FailoverStub:
+    """A stub-like object: ``stub.Method(request, timeout=...)`` goes to the first candidate that answers."""
+
+    def __init__(self, candidates: Candidates):
+        self._candidates = candidates
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        def call(request: Any, timeout: float) -> Any:
+            return self._candidates.call(method, request, timeout)
+
+        return call
+
+
 class Candidates:
     """Stubs to the ordered coordinator candidates; :meth:`call` goes to the first one that answers."""
 
-    def __init__(self, addresses: Sequence[str], make_channel: Callable[[str], grpc.Channel]):
+    def __init__(self, addresses: Sequence[str], make_channel: Callable[[str], grpc.Channel],
+                 stub_class: Callable[[grpc.Channel], Any] = pb_grpc.CoordinatorStub):
         self.addresses = list(addresses)
         self._make_channel = make_channel
+        self._stub_class = stub_class
         self._channels: dict[int, grpc.Channel] = {}
-        self._stubs: dict[int, pb_grpc.CoordinatorStub] = {}
+        self._stubs: dict[int, Any] = {}
         self._failed: set[int] = set()
         self.serving: int | None = None  # index of the candidate that answered last
 
-    def stub(self, index: int) -> pb_grpc.CoordinatorStub:
+    def stub(self, index: int) -> Any:
         if index not in self._stubs:
             self._channels[index] = self._make_channel(self.addresses[index])
-            self._stubs[index] = pb_grpc.CoordinatorStub(self._channels[index])
+            self._stubs[index] = self._stub_class(self._channels[index])
         return self._stubs[index]
 
     def call_one(self, index: int, method: str, request: Any, timeout: float, probe_timeout: float) -> Any:
@@ -134,8 +152,9 @@ class CoordinatorClient:
     def __init__(self, address: str | Sequence[str], token_file: str | None = None,
                  rpc_timeout_seconds: float = 30.0, tls: Any = None, failover_seconds: float | None = None):
         from replicator.net import rpc
+        from replicator.net.security import read_token_file
 
-        token = Path(token_file).read_text().strip() if token_file else None
+        token = read_token_file(Path(token_file)) if token_file else None
         self.addresses = parse_addresses(address)
         self.address = self.addresses[0]
         self.timeout = rpc_timeout_seconds

@@ -74,7 +74,7 @@ def save_on_hosts(
     writers = {r: writer.writer_for(config.root(r), config.write_threads) for r in ranks}
     writer.raise_failures(list(writers.values()))
     for r, w in writers.items():
-        if (layout.steps_dir(w.root) / str(step)).exists():
+        if (layout.steps_dir(w.root) / str(step) / layout.MANIFEST_NAME).is_file():
             raise FileExistsError(f"step {step} already exists for rank {r} in {w.root}")
     per_rank: dict[int, list[writer.ArrayCopy]] = {r: [] for r in ranks}
     for arr, meta in zip(arrays, metas, strict=True):

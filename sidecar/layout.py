@@ -6,22 +6,34 @@ A host's local directory (the RAM disk) looks like::
 
     <root>/steps/<N>/MANIFEST.json      committed native step N of this host (rank)
     <root>/steps/<N>/<leaf>.<shard>.bin  one file per saved shard
-    <root>/steps/.tmp-<N>-<nonce>/      a step being written (never read; removed at start)
+    <root>/steps/.tmp-<N>-<nonce>/      a step being written (never read; flock-ed by its live writer)
+    <root>/steps/.trash-<N>-<nonce>/    a step being deleted (renamed out of sight first)
     <root>/peer/<rank>/<N>/...          copies of other ranks' steps, same layout
 
 A step directory is visible only once complete: written under a temporary sibling name, fsynced, then
-renamed. A directory without ``MANIFEST.json`` is not a step.
+renamed. A directory without ``MANIFEST.json`` is not a step. The manifest carries a sha256 of its own
+canonical encoding (``manifest_sha256``), checked on every parse: a flipped value is a corrupt copy.
+
+Who may remove what (writers and the replicator share the RAM disk and run in different processes):
+a temporary directory is owned by the process holding an exclusive ``flock`` on it (taken by
+:func:`make_tmp_dir`, released at :func:`commit_dir` or when the owner dies), and start-up cleanup
+(:func:`remove_tmp_dirs`) removes only unlocked ones. Deletion renames a step to a trash name before
+removing its files, so a killed GC leaves trash (removed at start), never a half-deleted step.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path, PurePosixPath
@@ -31,11 +43,15 @@ import google_crc32c
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: the manifest carries ``manifest_sha256`` over its canonical encoding. Version 1 manifests had no
+# checksum and are refused (a flipped value in one would be restored silently as data).
+FORMAT_VERSION = 2
 MANIFEST_NAME = "MANIFEST.json"
+MANIFEST_CHECKSUM_KEY = "manifest_sha256"
 STEPS_DIR = "steps"
 PEER_DIR = "peer"
 TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
 CONTROL_SOCKET = "replicator.sock"  # the host replicator's local control socket, in the root
 KIND_NATIVE = "native"
 KIND_ORBAX = "orbax"
@@ -56,6 +72,27 @@ class ChecksumError(IOError):
 
 class ManifestError(ValueError):
     """A manifest is malformed, of an unknown version, or inconsistent with its directory."""
+
+
+class ManifestChecksumError(ManifestError):
+    """A manifest's bytes do not match its own ``manifest_sha256``: a corrupt or tampered copy."""
+
+
+def _canonical_json(d: Any) -> bytes:
+    """The canonical encoding the manifest checksum covers: sorted keys, no spaces, ASCII."""
+    return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def manifest_checksum(body: dict[str, Any]) -> str:
+    """sha256 (hex) of the canonical encoding of a manifest dict without its checksum key."""
+    return hashlib.sha256(_canonical_json({k: v for k, v in body.items() if k != MANIFEST_CHECKSUM_KEY})).hexdigest()
+
+
+def seal_manifest_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with ``manifest_sha256`` (re)computed: for tools and tests that build manifests by hand."""
+    out = {k: v for k, v in d.items() if k != MANIFEST_CHECKSUM_KEY}
+    out[MANIFEST_CHECKSUM_KEY] = manifest_checksum(out)
+    return out
 
 
 def crc32c(data: Any) -> int:
@@ -290,6 +327,10 @@ class StepManifest:
         return h.hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
+        """The manifest as written, ``manifest_sha256`` included."""
+        return seal_manifest_dict(self._body())
+
+    def _body(self) -> dict[str, Any]:
         return {
             "format_version": self.format_version,
             "kind": self.kind,
@@ -311,7 +352,8 @@ class StepManifest:
         try:
             version = int(d["format_version"])
             if version != FORMAT_VERSION:
-                raise ManifestError(f"unsupported manifest format_version {version}")
+                raise ManifestError(f"unsupported manifest format_version {version} (this code reads "
+                                    f"{FORMAT_VERSION}; version 1 manifests carry no checksum)")
             files = tuple(FileEntry.from_dict(f) for f in d["files"])
             names = [f.name for f in files]
             if len(set(names)) != len(names):
@@ -339,6 +381,14 @@ class StepManifest:
             for s in a.shards:
                 if s.file not in known:
                     raise ManifestError(f"shard of {a.path!r} refers to unlisted file {s.file!r}")
+        # Checked over the dict as read (not as re-encoded), so any changed, added or dropped key counts.
+        recorded = d.get(MANIFEST_CHECKSUM_KEY)
+        actual = manifest_checksum(d)
+        if not isinstance(recorded, str) or recorded != actual:
+            raise ManifestChecksumError(
+                f"manifest of rank {m.rank} step {m.step} fails its checksum (recorded "
+                f"{str(recorded)[:16]!r}, computed {actual[:16]!r}): corrupt or tampered copy"
+            )
         return m
 
     @classmethod
@@ -373,13 +423,77 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# Open, flock-ed directory fds of the temporary directories this process is writing, by path. The lock
+# is what tells another process's start-up cleanup "a live writer owns this": it goes away with the
+# owner (commit, removal, or the process dying), never by age.
+_OWNED: dict[Path, int] = {}
+_OWNED_LOCK = threading.Lock()
+_MAKE_TMP_ATTEMPTS = 8
+
+
+def _release_gone_owned() -> None:
+    """Close the lock fds of temporary directories that no longer exist (removed by their writer)."""
+    with _OWNED_LOCK:
+        for path, fd in list(_OWNED.items()):
+            try:
+                gone = os.fstat(fd).st_nlink == 0
+            except OSError:
+                gone = True
+            if gone:
+                os.close(fd)
+                del _OWNED[path]
+
+
+def _release_owned(path: Path) -> None:
+    with _OWNED_LOCK:
+        fd = _OWNED.pop(Path(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def make_tmp_dir(parent: Path, step: int) -> Path:
-    """Create a fresh temporary sibling directory in which step ``step`` is written."""
+    """Create a fresh temporary sibling directory in which step ``step`` is written, owned by this process.
+
+    The directory is ``flock``-ed (exclusive) until :func:`commit_dir` publishes it, it is removed, or the
+    process dies; :func:`remove_tmp_dirs` in any process leaves it alone meanwhile.
+    """
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f"{TMP_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    return tmp
+    _release_gone_owned()
+    for _ in range(_MAKE_TMP_ATTEMPTS):
+        tmp = parent / f"{TMP_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        try:
+            fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:  # a cleaner removed it between mkdir and open: take another name
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # A cleaner that locked it first removes it before unlocking: make sure ours is still there.
+            if os.stat(tmp).st_ino != os.fstat(fd).st_ino:
+                raise FileNotFoundError(tmp)
+        except (BlockingIOError, FileNotFoundError):
+            os.close(fd)
+            continue
+        with _OWNED_LOCK:
+            _OWNED[tmp] = fd
+        return tmp
+    raise OSError(errno.EAGAIN, f"could not create an owned temporary directory under {parent}")
+
+
+def tmp_dir_is_owned(path: Path) -> bool:
+    """True when a live process (this one included) holds the lock of temporary directory ``path``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def write_manifest(tmp_dir: Path, manifest: StepManifest) -> None:
@@ -395,37 +509,122 @@ def write_manifest(tmp_dir: Path, manifest: StepManifest) -> None:
         os.close(fd)
 
 
-def commit_dir(tmp_dir: Path, final_dir: Path) -> None:
+def check_step_files(step_dir: Path, manifest: StepManifest, *, crc: bool = False) -> None:
+    """Every file ``manifest`` lists is present under ``step_dir`` with its size (and crc32c with ``crc``).
+
+    Raises ChecksumError naming the first missing, short or corrupt file.
+    """
+    for f in manifest.files:
+        path = resolve_under(step_dir, f.name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise ChecksumError(f"{path} (missing)", f.crc32c, 0) from None
+        if st.st_size != f.size:
+            raise ChecksumError(f"{path} (size {st.st_size} != {f.size})", f.crc32c, 0)
+        if crc:
+            _, actual = file_crc32c(path)
+            if actual != f.crc32c:
+                raise ChecksumError(str(path), f.crc32c, actual)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_renameat2: Any = None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    global _renameat2
+    if _renameat2 is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            _renameat2 = fn
+        except (AttributeError, OSError):
+            _renameat2 = False
+    if _renameat2 is False:
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def commit_dir(tmp_dir: Path, final_dir: Path, *, replace: bool = False) -> None:
     """Atomically publish ``tmp_dir`` (already holding its fsynced files and manifest) as ``final_dir``.
 
-    Raises FileExistsError if ``final_dir`` exists: a committed step is never replaced in place.
+    The manifest is read back and every file it lists must be present with its size (the writer and
+    fetcher verified each file's crc32c as they wrote it). A directory at ``final_dir`` without a
+    manifest is debris of a killed writer or GC and is moved out of the way. A committed step there
+    raises FileExistsError unless ``replace``: then the new one takes its place in one atomic exchange
+    (renameat2) and the old one is deleted — readers see the old step or the new one, never neither.
     """
     tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
     if not (tmp_dir / MANIFEST_NAME).is_file():
         raise ManifestError(f"refusing to commit {tmp_dir}: no {MANIFEST_NAME}")
     if tmp_dir.parent != final_dir.parent:
         raise ValueError("temporary and final directories must be siblings (same filesystem)")
+    check_step_files(tmp_dir, read_manifest(tmp_dir))
     fsync_dir(tmp_dir)
+    if final_dir.exists() and not (final_dir / MANIFEST_NAME).is_file():
+        log.warning("removing uncommitted debris at %s before committing over it", final_dir)
+        delete_step(final_dir)
     if final_dir.exists():
-        raise FileExistsError(f"step directory {final_dir} already exists")
-    # rename(2) of a directory onto an empty directory would succeed silently, hence the check above;
+        if not replace:
+            raise FileExistsError(f"step directory {final_dir} already exists")
+        if _exchange(tmp_dir, final_dir):
+            # tmp_dir now holds the old step: still ours (locked), delete it out of sight.
+            fsync_dir(final_dir.parent)
+            _release_owned(tmp_dir)
+            delete_step(tmp_dir)
+            log.info("replaced committed %s", final_dir)
+            return
+        delete_step(final_dir)  # no renameat2: the step is absent (never half-visible) for a moment
+    # rename(2) of a directory onto an empty directory would succeed silently, hence the checks above;
     # each directory has a single writer (its host's sidecar or replicator), so there is no race.
     os.rename(tmp_dir, final_dir)
+    _release_owned(tmp_dir)
     fsync_dir(final_dir.parent)
 
 
 def remove_tmp_dirs(parent: Path) -> list[Path]:
-    """Remove leftover temporary directories (a crashed writer's) under ``parent``."""
+    """Start-up cleanup under ``parent``: temporary directories no live writer owns, and GC trash.
+
+    A temporary directory whose lock is held (a writer in this or another process is filling it) is
+    left alone: restarting the replicator while the training process saves must not break the save.
+    """
     removed: list[Path] = []
     parent = Path(parent)
     if not parent.is_dir():
         return removed
     for child in parent.iterdir():
-        if child.name.startswith(TMP_PREFIX):
+        if child.name.startswith(TRASH_PREFIX):
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
+            continue
+        if not child.name.startswith(TMP_PREFIX):
+            continue
+        try:
+            fd = os.open(child, os.O_RDONLY | os.O_DIRECTORY)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.debug("leaving %s: a live writer owns it", child)
+                continue
+            # Removed while we hold the lock, so a writer that raced us sees it gone and picks a new name.
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+        finally:
+            os.close(fd)
     if removed:
-        log.info("removed %d leftover temporary step directories under %s", len(removed), parent)
+        log.info("removed %d leftover temporary or trash directories under %s", len(removed), parent)
     return removed
 
 
@@ -443,13 +642,20 @@ def committed_steps(parent: Path) -> list[int]:
 
 
 def delete_step(step_dir: Path) -> None:
-    """Delete a committed step so that it is never half-visible: the manifest goes first."""
+    """Delete a step directory crash-safely: renamed to a trash name first, then removed.
+
+    A process killed mid-way leaves ``.trash-*`` (removed by :func:`remove_tmp_dirs` at start), never a
+    half-deleted directory under the step's name, so the step number can be saved again at once.
+    """
     step_dir = Path(step_dir)
+    trash = step_dir.with_name(f"{TRASH_PREFIX}{step_dir.name}-{uuid.uuid4().hex[:12]}")
     try:
-        (step_dir / MANIFEST_NAME).unlink()
+        os.rename(step_dir, trash)
     except FileNotFoundError:
-        pass
-    shutil.rmtree(step_dir, ignore_errors=True)
+        return
+    fsync_dir(step_dir.parent)
+    _release_owned(step_dir)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- verification

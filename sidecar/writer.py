@@ -88,13 +88,12 @@ def _write_file(path: Path, data: np.ndarray) -> int:
 def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
     """Write ``hs`` under a temporary directory and commit it as ``<root>/steps/<step>``.
 
-    On any failure (ENOSPC included) the temporary directory is removed, the previous steps are untouched,
-    and the error is raised.
+    Saving a step number that is already committed (an abandoned newer step after a restore, a re-save)
+    replaces it atomically. On any failure (ENOSPC included) the temporary directory is removed, the
+    previous steps are untouched, and the error is raised.
     """
     sdir = layout.steps_dir(hs.root)
     final = sdir / layout.step_name(hs.step)
-    if final.exists():
-        raise FileExistsError(f"step {hs.step} already exists in {sdir}")
     tmp = layout.make_tmp_dir(sdir, hs.step)
     t0 = time.monotonic()
     try:
@@ -133,7 +132,7 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
             values=tuple(hs.values),
         )
         layout.write_manifest(tmp, manifest)
-        layout.commit_dir(tmp, final)
+        layout.commit_dir(tmp, final, replace=True)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if e.errno == errno.ENOSPC and "RAM disk full" not in str(e):

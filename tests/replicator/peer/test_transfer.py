@@ -532,7 +532,8 @@ def test_manifest_checks_on_the_client(host: PeerHost, tmp_path: Path) -> None:
     # A (hostile) manifest naming a file MANIFEST.json would shadow the manifest written at commit.
     make_step(layout.steps_dir(host.root), 1, 8, {layout.MANIFEST_NAME + ".x": 1})
     mpath = layout.steps_dir(host.root) / "8" / layout.MANIFEST_NAME
-    mpath.write_text(mpath.read_text().replace(layout.MANIFEST_NAME + ".x", layout.MANIFEST_NAME))
+    d = json.loads(mpath.read_text().replace(layout.MANIFEST_NAME + ".x", layout.MANIFEST_NAME))
+    mpath.write_text(json.dumps(layout.seal_manifest_dict(d)))  # a hostile peer seals what it sends
     with pytest.raises(layout.ManifestError, match="named"):
         peer_client.fetch_step(host.address, 1, 8, dest, token=TOKEN)
     assert not dest.exists()

@@ -91,6 +91,9 @@ class Replicator:
                                                            initializer=priority.lower_current_thread,
                                                            initargs=(opts.bulk_priority,))
         self._in_flight: set[tuple[str, int, int]] = set()
+        # Failed copies/restores wait (exponential backoff with jitter) before the next attempt: a copy into a
+        # full RAM disk used to be retried hundreds of times a second, one heartbeat after the other.
+        self._retry = peer_protocol.RetryBackoff(base_seconds=min(1.0, opts.heartbeat_seconds), max_seconds=60.0)
         self._fetching: dict[tuple[int, int], threading.Event] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -103,6 +106,7 @@ class Replicator:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
+        self.opts.check_exposure()  # no unauthenticated service beyond loopback unless --insecure
         host = self.opts.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
         throttle = peer_protocol.Throttle(bytes_per_second=float(self.opts.max_bytes_per_second) or None,
                                      max_streams=max(1, self.opts.transfer_threads))
@@ -244,24 +248,31 @@ class Replicator:
 
     def _submit(self, kind: str, owner: int, step: int, fn: Callable[..., Any], *args: Any) -> None:
         key = (kind, owner, step)
+        if not self._retry.ready(key):
+            return
         with self._lock:
             if key in self._in_flight or self._stopping.is_set():
                 return
             self._in_flight.add(key)
 
         def run() -> None:
+            ok = False
             try:
                 fn(*args)
+                ok = True
+                self._retry.succeeded(key)
             except Exception as e:
+                delay = self._retry.failed(key)
                 msg = f"{kind} of rank {owner} step {step} failed: {e}"
-                log.warning("%s", msg)
+                log.warning("%s (attempt %d; next in %.1fs)", msg, self._retry.failures(key), delay)
                 self.errors = (self.errors + [msg])[-20:]
                 if kind == "copy":
                     self.counters["copy_failures"] += 1
             finally:
                 with self._lock:
                     self._in_flight.discard(key)
-                self._wake.set()  # report the result at once
+                if ok:
+                    self._wake.set()  # report the result at once (a failure changed nothing to report)
 
         try:
             self._pool.submit(run)

@@ -42,6 +42,8 @@ class ReplicatorOptions:
       restore_from_backup: force restoring this backed-up step.
       token_file: file holding the shared bearer token; every RPC without it is rejected.
       tls_cert, tls_key, tls_ca: TLS (mutual when a CA is given).
+      insecure: allow listening beyond loopback with neither a token nor TLS (refused otherwise; see
+        docs/security.md).
       heartbeat_seconds: how often a host reports to the coordinator (and at once after a change).
       rpc_timeout_seconds: deadline of each control RPC.
       transfer_timeout_seconds: deadline of one step copy.
@@ -78,6 +80,7 @@ class ReplicatorOptions:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    insecure: bool = False
     heartbeat_seconds: float = 2.0
     rpc_timeout_seconds: float = 10.0
     transfer_timeout_seconds: float = 600.0
@@ -104,6 +107,21 @@ class ReplicatorOptions:
         if not tok:
             raise ConfigError(f"--token-file {self.token_file} is empty")
         return tok
+
+    def check_exposure(self) -> ReplicatorOptions:
+        """Refuse (ConfigError) to serve beyond loopback with neither a token nor TLS, unless ``insecure``.
+
+        Anyone who can reach an unauthenticated replicator can read every checkpoint it holds, forge
+        reports and make the coordinator delete copies (docs/security.md).
+        """
+        host = self.listen.rpartition(":")[0].strip("[]")
+        if self.insecure or self.token_file or self.tls_cert or _is_loopback(host):
+            return self
+        raise ConfigError(
+            f"refusing to listen on {self.listen} without --token-file or --tls-cert/--tls-key: any host "
+            "that reaches it could read every checkpoint and delete copies. Give a token (or TLS), listen "
+            "on 127.0.0.1, or pass --insecure to accept that (see docs/security.md)"
+        )
 
     def peer_address(self, rank: int) -> str:
         if rank in self.peers:
@@ -160,6 +178,17 @@ class ReplicatorOptions:
         _host_port(self.listen, "--listen")
         self.token()
         return self
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
 
 
 def _host_port(value: str, what: str) -> tuple[str, int]:
@@ -227,6 +256,7 @@ _HELP = {
     "tls_cert": "TLS certificate (PEM)",
     "tls_key": "TLS private key (PEM)",
     "tls_ca": "CA bundle (PEM): enables mutual TLS",
+    "insecure": "allow listening beyond loopback without --token-file or TLS (refused otherwise)",
     "heartbeat_seconds": "report to the coordinator every N seconds (default 2)",
     "rpc_timeout_seconds": "deadline of each control RPC (default 10)",
     "transfer_timeout_seconds": "deadline of one step copy (default 600)",
@@ -247,6 +277,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """One flag per option (``--local-dir`` for ``local_dir``); unset flags fall back to env and YAML."""
     p.add_argument("--config", help="YAML file with any of the options (keys spelled like the flags)")
     for name in _FIELDS:
+        if isinstance(_FIELDS[name].default, bool):  # a switch: ``--insecure``
+            p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, action="store_const",
+                           const="true", help=_HELP.get(name))
+            continue
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=_HELP.get(name))
 
 
@@ -281,4 +315,4 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"bad option value: {e}") from e
-    return ReplicatorOptions(**kwargs).validate()
+    return ReplicatorOptions(**kwargs).validate().check_exposure()

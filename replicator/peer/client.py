@@ -388,9 +388,10 @@ def _fetch_files_on(
                 try:
                     _receive_tcp(data_host, resp.data_port, resp.ticket, sink, deadline, limiter)
                     done_tcp, path = True, "tcp"
-                except (ConnectionRefusedError, socket.gaierror) as e:
+                except (ConnectionRefusedError, socket.gaierror, TransferRejected) as e:
+                    # Unreachable, or refused before any byte (busy, ticket expired while queued).
                     log.warning(
-                        "data port %s:%d unreachable (%s); falling back to gRPC streaming",
+                        "data port %s:%d unusable (%s); falling back to gRPC streaming",
                         data_host,
                         resp.data_port,
                         e,
@@ -439,7 +440,7 @@ def fetch_step(
     """
     dest_parent = Path(dest_parent)
     final = dest_parent / layout.step_name(step)
-    if final.exists():
+    if (final / layout.MANIFEST_NAME).is_file():  # debris without a manifest is replaced at commit
         raise FileExistsError(f"step directory {final} already exists")
     deadline = time.monotonic() + timeout_seconds
     with _open(peer, token, tls) as (channel, host):

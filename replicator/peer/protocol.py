@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 # Receive ring: 4 buffers of 4 MiB. Measured (512 MiB over loopback into tmpfs): 4 MiB x 4 reached
 # 1.9 GiB/s vs 1.56 with 8 MiB x 4 and 1.27 with 2 MiB x 8 — chunks that stay in cache between the
@@ -29,8 +30,21 @@ MAX_PENDING_TICKETS = 256
 MAX_FILES_PER_REQUEST = 100_000
 MAX_STEP = 10**18
 DATA_MAGIC = b"MTCDATA1"
-# Server: time allowed for a client to send the header; both ends: longest silence on a data socket.
+# Server: time allowed from accept until the whole header (magic + ticket) has arrived — a deadline,
+# not a per-recv timeout, so a client trickling one byte at a time cannot keep a connection open.
 DATA_HEADER_TIMEOUT_SECONDS = 5.0
+# Server: connections still owing their header, at most (the oldest is cut to admit a new one; they
+# cost no thread: one selector thread reads every header). Legitimate clients send the header at once.
+MAX_DATA_HEADER_CONNECTIONS = 128
+# Server: slowest acceptable reader. A transfer must keep up with MIN_TRANSFER_BYTES_PER_SECOND after a
+# grace of MIN_RATE_GRACE_SECONDS (time spent in the server's own throttle not counted), else it is cut
+# and its slot freed: a peer copying into RAM moves hundreds of MB/s, a client holding a slot at
+# kilobytes per second is broken or hostile.
+MIN_TRANSFER_BYTES_PER_SECOND = 8 << 20
+MIN_RATE_GRACE_SECONDS = 10.0
+# Server: longest a redeemed transfer waits for a free slot before it is refused as busy.
+DATA_SLOT_WAIT_SECONDS = 300.0
+# Both ends: longest silence on a data socket.
 DATA_IDLE_TIMEOUT_SECONDS = 30.0
 DATA_CONNECT_TIMEOUT_SECONDS = 3.0
 STATUS_OK = 0
@@ -97,13 +111,67 @@ class RateLimiter:
             else:
                 time.sleep(wait)
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Exactly ``n`` bytes from a blocking socket; with ``deadline`` (``time.monotonic()``) the whole read
+    must finish by then (TimeoutError), whatever the socket's per-call timeout."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"read {got} of {n} bytes before the deadline")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if not k:
             raise ConnectionError(f"connection closed after {got} of {n} bytes")
         got += k
     return bytes(buf)
+
+
+# --------------------------------------------------------------------------- retry schedule
+
+
+class RetryBackoff:
+    """Per-key exponential backoff with jitter for failed transfers (copies, restores).
+
+    After the n-th consecutive failure of a key, the next attempt is allowed no sooner than
+    ``min(max_seconds, base_seconds * 2**(n-1))`` scaled by a random factor in [0.5, 1.5) — so that a
+    copy into a full RAM disk is retried a handful of times a minute, not hundreds of times a second,
+    and many hosts failing together do not retry in lockstep. A success forgets the key.
+    """
+
+    def __init__(self, base_seconds: float = 0.5, max_seconds: float = 60.0, rng: Any = None):
+        import random
+
+        self.base_seconds = base_seconds
+        self.max_seconds = max_seconds
+        self._rng = rng or random.Random()
+        self._state: dict[Any, tuple[int, float]] = {}
+        self._lock = threading.Lock()
+
+    def ready(self, key: Any, now: float | None = None) -> bool:
+        with self._lock:
+            st = self._state.get(key)
+        return st is None or (time.monotonic() if now is None else now) >= st[1]
+
+    def failed(self, key: Any, now: float | None = None) -> float:
+        """Record a failure; returns the delay before the next attempt."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            n = self._state.get(key, (0, 0.0))[0] + 1
+            delay = min(self.max_seconds, self.base_seconds * 2 ** min(n - 1, 30)) * self._rng.uniform(0.5, 1.5)
+            self._state[key] = (n, now + delay)
+            if len(self._state) > 4096:  # keys of long-gone steps: keep the newest failures only
+                for k in sorted(self._state, key=lambda k: self._state[k][1])[:1024]:
+                    del self._state[k]
+        return delay
+
+    def succeeded(self, key: Any) -> None:
+        with self._lock:
+            self._state.pop(key, None)
+
+    def failures(self, key: Any) -> int:
+        with self._lock:
+            return self._state.get(key, (0, 0.0))[0]

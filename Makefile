@@ -6,12 +6,15 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test lint proto bench clean
+.PHONY: demo test lint proto bench clean constraints
 
-$(STAMP): pyproject.toml
+# Everything the demo and the suite need, at the exact versions of constraints.txt.
+EXTRAS := jax,dev
+
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -30,6 +33,13 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.local
+
+# Re-pin constraints.txt from a fresh environment after changing dependencies in pyproject.toml.
+constraints:
+	rm -rf .venv-pin && $(PYTHON) -m venv .venv-pin
+	.venv-pin/bin/pip install --quiet -e '.[$(EXTRAS)]'
+	{ sed -n '1,3p' constraints.txt; .venv-pin/bin/pip freeze --exclude-editable | sort -f; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt && rm -rf .venv-pin
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     configure_parser(r, log_default=argparse.SUPPRESS)
     r.set_defaults(prog="mtc replicator")
 
+    from controller_client import manifests
+
+    m = sub.add_parser("manifests", help="render a ready-to-apply Kubernetes set (JobSet, RAM disk, policy) for a job",
+                       description="Render the Kubernetes objects of one job; see docs/deploy.md.")
+    manifests.add_arguments(m)
+    m.set_defaults(func=manifests.run)
+
     st = sub.add_parser("status", help="print the coordinator's (or one host's replicator's) status as JSON")
     st.add_argument("--coordinator", help="HOST:PORT of the coordinator")
     st.add_argument("--local-dir", help="ask this host's replicator over its Unix socket instead")

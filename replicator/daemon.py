@@ -28,7 +28,7 @@ from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
 from replicator.coordinator.service import BackupScheduler, Coordinator
 from replicator.coordinator.topology import JobTopology
 from replicator.local.store import RamDiskStore
-from replicator.net import priority, rpc
+from replicator.net import priority, retry, rpc
 from replicator.net.security import TlsOptions
 from replicator.options import ReplicatorOptions
 from replicator.peer import client as peer_client
@@ -93,7 +93,7 @@ class Replicator:
         self._in_flight: set[tuple[str, int, int]] = set()
         # Failed copies/restores wait (exponential backoff with jitter) before the next attempt: a copy into a
         # full RAM disk used to be retried hundreds of times a second, one heartbeat after the other.
-        self._retry = peer_protocol.RetryBackoff(base_seconds=min(1.0, opts.heartbeat_seconds), max_seconds=60.0)
+        self._retry = retry.KeyedBackoff(base_seconds=min(1.0, opts.heartbeat_seconds), max_seconds=60.0)
         self._fetching: dict[tuple[int, int], threading.Event] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -114,7 +114,7 @@ class Replicator:
         if tls is None:
             # Bulk bytes go over a plain TCP data port (sendfile): gRPC streaming reaches only 40-60 % of
             # loopback TCP here. With TLS the data stays on the (encrypted) gRPC stream instead.
-            self._transfer_server = peer_server.TransferServer(host, 0, throttle=throttle,
+            self._transfer_server = peer_server.TransferServer(host, self.opts.data_port, throttle=throttle,
                                                                bulk_priority=self.opts.bulk_priority)
             self._transfer_server.start()
         peer = peer_server.PeerServicer(self.store.root, self.rank, self.nodes,

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from sidecar.layout import parse_int
 
 ENV_PREFIX = "MTC_"
 
@@ -17,96 +20,86 @@ class ConfigError(ValueError):
     """The daemon's configuration is unusable; the message is the one-line reason printed at exit."""
 
 
+_NO_DEFAULT: Any = None
+
+
+def _opt(help: str, default: Any = _NO_DEFAULT, *, factory: Any = None,
+         choices: tuple[str, ...] | None = None) -> Any:
+    """A field of :class:`ReplicatorOptions` with its one description (and choices) next to it."""
+    meta = {"help": help, "choices": choices}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplicatorOptions:
-    """Everything `mtc replicator` is configured with (flag ``--x-y`` = env ``MTC_X_Y`` = YAML key ``x-y``).
+    """Everything `mtc-replicator` is configured with: flag ``--x-y`` = env ``MTC_X_Y`` = YAML key ``x-y``.
 
-    Attributes:
-      local_dir: this host's RAM-disk directory (steps, peer copies, the control socket).
-      listen: ``HOST:PORT`` of the gRPC server (Peer, Coordinator on the coordinator host, health).
-        Port 0 picks a free port; the daemon prints the address it listens on.
-      advertise: ``HOST:PORT`` other hosts use to reach this one (default: the listen address).
-      job: job name (recorded in manifests and bucket paths).
-      rank, nodes: this host's rank and the number of hosts. Both unset = Orbax mode (from replicator.yaml).
-      peers: static map rank -> HOST:PORT (``0=h0:7070,1=h1:7070``), or
-      peer_address_template: e.g. ``{job}-workers-{slice}-{host}.{job}:7070`` (Kubernetes DNS); fields
-        ``{job}``, ``{rank}``, ``{slice}`` and ``{host}`` (index in the slice).
-      coordinator: ``HOST:PORT`` of the coordinator (default: rank 0's peer address). The host whose rank
-        is ``coordinator_rank`` serves the coordinator.
-      data_parallelism: number of slices holding data-parallel replicas.
-      replicas: extra verified copies of each rank's step beyond itself (default 1).
-      keep_local: committed steps kept per host (the newest complete step is always kept).
-      backup_url: bucket URL (``file://``, ``gs://``, any fsspec URL); empty = no backup tier.
-      backup_interval_minutes / backup_interval_steps: backup schedule (one of them).
-      backup_keep: committed backups kept (default 3).
-      restore_from_backup: force restoring this backed-up step.
-      token_file: file holding the shared bearer token; every RPC without it is rejected.
-      tls_cert, tls_key, tls_ca: TLS (mutual when a CA is given).
-      insecure: allow listening beyond loopback with neither a token nor TLS (refused otherwise; see
-        docs/security.md).
-      heartbeat_seconds: how often a host reports to the coordinator (and at once after a change).
-      rpc_timeout_seconds: deadline of each control RPC.
-      transfer_timeout_seconds: deadline of one step copy.
-      max_bytes_per_second: replication/backup throttle (0 = none); transfer_threads: parallel transfers.
-      max_message_bytes: bound on gRPC messages.
-      jax_coordinator: ``HOST:PORT`` written into ``jax-init-info.txt`` (Orbax mode outside GKE), with
-      jax_process_id: this host's JAX process id for that file (required with ``jax_coordinator``).
-      handshake_timeout_seconds: Orbax mode: how long one handshake may wait for every host to report and
-        hold its data of the step to restore (keep it below Orbax's ``jax_initialization_timeout_seconds``).
-      nice: niceness added to the daemon so that copies and uploads yield the CPU to training.
-      bulk_priority: scheduling of the threads that copy and upload bulk bytes: ``idle`` (SCHED_IDLE,
-        default), ``low`` (niceness 19) or ``normal``.
+    Each field carries its one description (the flag's help), and its choices where it has any; the
+    field's type decides how a flag, environment or YAML value is parsed.
     """
 
-    local_dir: Path
-    listen: str = "0.0.0.0:7070"
-    advertise: str = ""
-    job: str = "mtc"
-    rank: int | None = None
-    nodes: int | None = None
-    peers: dict[int, str] = dataclasses.field(default_factory=dict)
-    peer_address_template: str = ""
-    coordinator: str = ""
-    coordinator_rank: int = 0
-    data_parallelism: int = 1
-    replicas: int = 1
-    keep_local: int = 2
-    backup_url: str = ""
-    backup_interval_minutes: float = 0.0
-    backup_interval_steps: int = 0
-    backup_keep: int = 3
-    restore_from_backup: int | None = None
-    token_file: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    insecure: bool = False
-    heartbeat_seconds: float = 2.0
-    rpc_timeout_seconds: float = 10.0
-    transfer_timeout_seconds: float = 600.0
-    max_bytes_per_second: int = 0
-    transfer_threads: int = 2
-    max_message_bytes: int = 8 << 20
-    jax_coordinator: str = ""
-    nice: int = 10
-    bulk_priority: str = "idle"
-    jax_process_id: int | None = None
-    handshake_timeout_seconds: float = 600.0
+    local_dir: Path = _opt("this host's RAM-disk directory (required)", None)  # type: ignore[assignment]
+    listen: str = _opt('HOST:PORT to serve gRPC on; port 0 picks one (default 0.0.0.0:7070)', "0.0.0.0:7070")
+    data_port: int = _opt("TCP port of the bulk data path (0 = any free port, the default; unused with TLS)", 0)
+    advertise: str = _opt('HOST:PORT other hosts use to reach this one (default: the listen address)', "")
+    job: str = _opt('job name (default mtc)', "mtc")
+    rank: int | None = _opt("this host's rank (omit with --nodes for Orbax mode)", None)
+    nodes: int | None = _opt('number of hosts', None)
+    peers: dict[int, str] = _opt('static peer map RANK=HOST:PORT,RANK=HOST:PORT,...', factory=dict)
+    peer_address_template: str = _opt(
+        'peer address template with {job}, {rank}, {slice}, {host} (index in slice), e.g. '
+        '{job}-workers-{slice}-{host}.{job}:7070',
+        "")
+    coordinator: str = _opt("HOST:PORT of the coordinator (default: the coordinator rank's peer address)", "")
+    coordinator_rank: int = _opt('rank whose replicator serves the coordinator (default 0)', 0)
+    data_parallelism: int = _opt('number of slices holding data-parallel replicas (default 1)', 1)
+    replicas: int = _opt("extra verified copies of each rank's step (default 1)", 1)
+    keep_local: int = _opt(
+        'committed steps kept per host (default 2; the newest complete step is always kept)',
+        2)
+    backup_url: str = _opt(
+        'bucket URL: file:///path, gs://bucket/prefix or any fsspec URL (default: no backup)',
+        "")
+    backup_interval_minutes: float = _opt(
+        'back up the newest complete step every N minutes (default 30 when --backup-url is set '
+        'and no interval is given)',
+        0.0)
+    backup_interval_steps: int = _opt('back up every N steps (instead of minutes)', 0)
+    backup_keep: int = _opt('committed backups kept (default 3)', 3)
+    restore_from_backup: int | None = _opt('force restoring this backed-up step', None)
+    token_file: str = _opt('file with the shared bearer token; RPCs without it are rejected', "")
+    tls_cert: str = _opt('TLS certificate (PEM)', "")
+    tls_key: str = _opt('TLS private key (PEM)', "")
+    tls_ca: str = _opt('CA bundle (PEM): enables mutual TLS', "")
+    insecure: bool = _opt(
+        'allow listening beyond loopback without --token-file or TLS (refused otherwise; docs/security.md)',
+        False)
+    heartbeat_seconds: float = _opt('report to the coordinator every N seconds (default 2)', 2.0)
+    rpc_timeout_seconds: float = _opt('deadline of each control RPC (default 10)', 10.0)
+    transfer_timeout_seconds: float = _opt('deadline of one step copy (default 600)', 600.0)
+    max_bytes_per_second: int = _opt('throttle for replication and backup, 0 = none', 0)
+    transfer_threads: int = _opt('parallel transfers (default 2)', 2)
+    max_message_bytes: int = _opt('bound on gRPC message size (default 8 MiB)', 8 << 20)
+    jax_coordinator: str = _opt('HOST:PORT written to jax-init-info.txt in Orbax mode (outside GKE)', "")
+    nice: int = _opt(
+        "raise the daemon's niceness by N so that copies and uploads yield the CPU to training "
+        '(default 10; 0 = unchanged)',
+        10)
+    bulk_priority: str = _opt(
+        "CPU priority of the threads moving bulk bytes: idle (SCHED_IDLE, default), low (nice 19) or normal",
+        "idle", choices=("idle", "low", "normal"))
+    jax_process_id: int | None = _opt(
+        "this host's JAX process id for jax-init-info.txt (with --jax-coordinator)",
+        None)
+    handshake_timeout_seconds: float = _opt(
+        "Orbax mode: bound on one handshake's restore planning (default 600)",
+        600.0)
 
     @property
     def orbax_mode(self) -> bool:
         return self.rank is None and self.nodes is None
-
-    def token(self) -> str | None:
-        if not self.token_file:
-            return None
-        try:
-            tok = Path(self.token_file).read_text().strip()
-        except OSError as e:
-            raise ConfigError(f"cannot read --token-file {self.token_file}: {e.strerror}") from e
-        if not tok:
-            raise ConfigError(f"--token-file {self.token_file} is empty")
-        return tok
 
     def check_exposure(self) -> ReplicatorOptions:
         """Refuse (ConfigError) to serve beyond loopback with neither a token nor TLS, unless ``insecure``.
@@ -122,6 +115,18 @@ class ReplicatorOptions:
             "that reaches it could read every checkpoint and delete copies. Give a token (or TLS), listen "
             "on 127.0.0.1, or pass --insecure to accept that (see docs/security.md)"
         )
+
+    def token(self) -> str | None:
+        if not self.token_file:
+            return None
+        from replicator.net.security import read_token_file
+
+        try:
+            return read_token_file(Path(self.token_file))
+        except OSError as e:
+            raise ConfigError(f"cannot read --token-file {self.token_file}: {e.strerror}") from e
+        except ValueError as e:
+            raise ConfigError(f"--token-file {self.token_file}: {e}") from e
 
     def peer_address(self, rank: int) -> str:
         if rank in self.peers:
@@ -167,8 +172,6 @@ class ReplicatorOptions:
                      "handshake_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
-        if self.bulk_priority not in ("idle", "low", "normal"):
-            raise ConfigError(f"--bulk-priority must be idle, low or normal, got {self.bulk_priority!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together")
         for name in ("tls_cert", "tls_key", "tls_ca"):
@@ -176,6 +179,10 @@ class ReplicatorOptions:
             if v and not Path(v).is_file():
                 raise ConfigError(f"--{name.replace('_', '-')} {v}: no such file")
         _host_port(self.listen, "--listen")
+        if not 0 <= self.data_port <= 65535:
+            raise ConfigError(f"--data-port must be 0..65535, got {self.data_port}")
+        if self.data_port and self.data_port == _host_port(self.listen, "--listen")[1]:
+            raise ConfigError(f"--data-port {self.data_port} is the gRPC --listen port: give another")
         self.token()
         return self
 
@@ -212,76 +219,62 @@ def parse_peers(value: str) -> dict[int, str]:
 _FIELDS = {f.name: f for f in dataclasses.fields(ReplicatorOptions)}
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+_TYPES = typing.get_type_hints(ReplicatorOptions)
+
+
 def _convert(name: str, raw: Any) -> Any:
+    """Parse one option by its field's type; errors name the flag (``--rank: expected an integer, ...``)."""
     if raw is None:
         return None
-    if name == "local_dir":
+    flag = _flag(name)
+    typ = _TYPES[name]
+    base = next((a for a in typing.get_args(typ) if a is not type(None)), typ)  # X | None -> X
+    if base is Path:
         return Path(raw)
+    if base is bool:
+        if isinstance(raw, bool):
+            return raw
+        word = str(raw).strip().lower()
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{flag}: expected true or false, got {raw!r}")
     if name == "peers":
         return raw if isinstance(raw, dict) else parse_peers(str(raw))
-    default = _FIELDS[name].default
-    if name in ("rank", "nodes", "restore_from_backup", "jax_process_id"):
-        return int(raw)
-    if isinstance(default, bool):
-        return str(raw).lower() in ("1", "true", "yes")
-    if isinstance(default, int):
-        return int(raw)
-    if isinstance(default, float):
-        return float(raw)
-    return str(raw)
-
-
-_HELP = {
-    "local_dir": "this host's RAM-disk directory (required)",
-    "listen": "HOST:PORT to serve gRPC on; port 0 picks one (default 0.0.0.0:7070)",
-    "advertise": "HOST:PORT other hosts use to reach this one (default: the listen address)",
-    "job": "job name (default mtc)",
-    "rank": "this host's rank (omit with --nodes for Orbax mode)",
-    "nodes": "number of hosts",
-    "peers": "static peer map RANK=HOST:PORT,RANK=HOST:PORT,...",
-    "peer_address_template": "peer address template with {job}, {rank}, {slice}, {host} (index in slice), "
-                             "e.g. {job}-workers-{slice}-{host}.{job}:7070",
-    "coordinator": "HOST:PORT of the coordinator (default: the coordinator rank's peer address)",
-    "coordinator_rank": "rank whose replicator serves the coordinator (default 0)",
-    "data_parallelism": "number of slices holding data-parallel replicas (default 1)",
-    "replicas": "extra verified copies of each rank's step (default 1)",
-    "keep_local": "committed steps kept per host (default 2; the newest complete step is always kept)",
-    "backup_url": "bucket URL: file:///path, gs://bucket/prefix or any fsspec URL (default: no backup)",
-    "backup_interval_minutes": "back up the newest complete step every N minutes (default 30 when "
-                               "--backup-url is set and no interval is given)",
-    "backup_interval_steps": "back up every N steps (instead of minutes)",
-    "backup_keep": "committed backups kept (default 3)",
-    "restore_from_backup": "force restoring this backed-up step",
-    "token_file": "file with the shared bearer token; RPCs without it are rejected",
-    "tls_cert": "TLS certificate (PEM)",
-    "tls_key": "TLS private key (PEM)",
-    "tls_ca": "CA bundle (PEM): enables mutual TLS",
-    "insecure": "allow listening beyond loopback without --token-file or TLS (refused otherwise)",
-    "heartbeat_seconds": "report to the coordinator every N seconds (default 2)",
-    "rpc_timeout_seconds": "deadline of each control RPC (default 10)",
-    "transfer_timeout_seconds": "deadline of one step copy (default 600)",
-    "max_bytes_per_second": "throttle for replication and backup, 0 = none",
-    "transfer_threads": "parallel transfers (default 2)",
-    "max_message_bytes": "bound on gRPC message size (default 8 MiB)",
-    "bulk_priority": "CPU priority of the threads moving bulk bytes: idle (SCHED_IDLE, default), low (nice 19) "
-                     "or normal",
-    "nice": "raise the daemon's niceness by N so that copies and uploads yield the CPU to training "
-            "(default 10; 0 = unchanged)",
-    "jax_coordinator": "HOST:PORT written to jax-init-info.txt in Orbax mode (outside GKE)",
-    "jax_process_id": "this host's JAX process id for jax-init-info.txt (with --jax-coordinator)",
-    "handshake_timeout_seconds": "Orbax mode: bound on one handshake's restore planning (default 600)",
-}
+    if base is int:
+        try:
+            return parse_int(raw, flag)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if base is float:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{flag}: expected a number, got {raw!r}")
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{flag}: expected a number, got {raw!r}") from None
+    value = str(raw)
+    choices = _FIELDS[name].metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{flag}: expected one of {', '.join(choices)}, got {value!r}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """One flag per option (``--local-dir`` for ``local_dir``); unset flags fall back to env and YAML."""
     p.add_argument("--config", help="YAML file with any of the options (keys spelled like the flags)")
     for name in _FIELDS:
-        if isinstance(_FIELDS[name].default, bool):  # a switch: ``--insecure``
-            p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, action="store_const",
-                           const="true", help=_HELP.get(name))
+        meta = _FIELDS[name].metadata
+        if _TYPES[name] is bool:  # a switch: ``--insecure``
+            p.add_argument(_flag(name), dest=name, default=None, action="store_const", const=True,
+                           help=meta["help"])
             continue
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=_HELP.get(name))
+        p.add_argument(_flag(name), dest=name, default=None, help=meta["help"], choices=meta["choices"])
 
 
 def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> ReplicatorOptions:
@@ -309,10 +302,5 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             merged[key] = flag
     if "local_dir" not in merged:
         raise ConfigError("--local-dir is required")
-    try:
-        kwargs = {k: _convert(k, v) for k, v in merged.items()}
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"bad option value: {e}") from e
+    kwargs = {k: _convert(k, v) for k, v in merged.items()}
     return ReplicatorOptions(**kwargs).validate().check_exposure()

@@ -35,7 +35,7 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -55,7 +55,8 @@ TRASH_PREFIX = ".trash-"
 CONTROL_SOCKET = "replicator.sock"  # the host replicator's local control socket, in the root
 KIND_NATIVE = "native"
 KIND_ORBAX = "orbax"
-_STEP_RE = re.compile(r"^(0|[1-9][0-9]{0,17})$")
+STEP_PATTERN = r"(0|[1-9][0-9]{0,17})"  # THE step-name rule: a plain decimal, no sign or leading zero
+_STEP_RE = re.compile(f"^{STEP_PATTERN}$")
 # Largest manifest we agree to parse: a guard against a hostile or corrupt peer.
 MAX_MANIFEST_BYTES = 256 << 20
 
@@ -117,6 +118,24 @@ def crc32c_extend(crc: int, data: Any) -> int:
 
 
 # --------------------------------------------------------------------------- names and paths
+
+
+_INT_RE = re.compile(r"^[+-]?[0-9]{1,19}$")
+
+
+def parse_int(value: Any, what: str, minimum: int | None = None, *, strict: bool = False) -> int:
+    """THE integer rule for every input we read (flags, YAML, env, manifests, requests).
+
+    Accepts an ``int`` (never a ``bool``) or, unless ``strict``, a decimal string; anything else, or a value
+    below ``minimum``, is a ``ValueError`` whose message starts with ``what`` (e.g. ``--rank``).
+    """
+    if isinstance(value, str) and not strict and _INT_RE.match(value.strip()):
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what}: expected an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what}: must be >= {minimum}, got {value}")
+    return value
 
 
 def step_name(step: int) -> str:
@@ -732,21 +751,39 @@ def map_verified(path: Path, length: int, expected_crc: int, offset: int = 0) ->
     return buf
 
 
-def file_crc32c(path: Path, chunk_bytes: int = 8 << 20) -> tuple[int, int]:
-    """(size, crc32c) of a whole file, streamed in chunks."""
-    import numpy as np
+CRC_CHUNK_BYTES = 8 << 20
 
+
+def stream_crc32c(
+    fileobj: Any,
+    sink: Callable[[memoryview], object] | None = None,
+    throttle: Callable[[int], None] | None = None,
+    chunk_bytes: int = CRC_CHUNK_BYTES,
+) -> tuple[int, int]:
+    """THE chunked read + crc32c loop: read an open binary file to its end; return (size, crc32c).
+
+    Each chunk is passed to ``throttle(n)`` (may sleep) and then to ``sink`` (e.g. an upload) before the
+    next is read; the buffer is reused, so ``sink`` must consume the view before returning.
+    """
     crc, size = 0, 0
-    buf = np.empty(chunk_bytes, dtype=np.uint8)
-    view = memoryview(buf)
+    view = memoryview(bytearray(chunk_bytes))
+    while True:
+        n = fileobj.readinto(view)
+        if not n:
+            return size, crc
+        chunk = view[:n]
+        if throttle is not None:
+            throttle(n)
+        if sink is not None:
+            sink(chunk)
+        crc = crc32c_extend(crc, chunk)
+        size += n
+
+
+def file_crc32c(path: Path, chunk_bytes: int = CRC_CHUNK_BYTES) -> tuple[int, int]:
+    """(size, crc32c) of a whole file, streamed in chunks."""
     with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(view)
-            if not n:
-                break
-            crc = int(google_crc32c.extend(crc, buf[:n]))
-            size += n
-    return size, crc
+        return stream_crc32c(f, chunk_bytes=chunk_bytes)
 
 
 def verify_step_dir(step_dir: Path, manifest: StepManifest | None = None) -> StepManifest:

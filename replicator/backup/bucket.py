@@ -21,7 +21,6 @@ import json
 import logging
 import re
 import shutil
-import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -29,13 +28,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from replicator.net.throttle import RateLimiter
 from sidecar.layout import (
+    STEP_PATTERN,
     ChecksumError,
     ManifestError,
     StepManifest,
     commit_dir,
     file_crc32c,
     make_tmp_dir,
+    parse_step_name,
     read_manifest,
     resolve_under,
     step_name,
@@ -57,7 +59,7 @@ COMMIT_NAME = "COMMIT.json"
 STRATEGY_RENAME = "rename"
 STRATEGY_MARKER = "marker"
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_STAGING_RE = re.compile(r"^(0|[1-9][0-9]{0,17})-[0-9a-f]{12}$")
+_STAGING_RE = re.compile(f"^{STEP_PATTERN}-[0-9a-f]{{12}}$")
 _MAX_RECORD_BYTES = 16 << 20
 
 
@@ -199,24 +201,6 @@ def _check_staging_id(staging_id: str, step: int) -> None:
         raise ManifestError(f"bad staging id {staging_id!r} for step {step}")
 
 
-class RateLimiter:
-    """Thread-safe average-rate limiter: ``acquire(n)`` sleeps so that bytes/s stays <= ``rate``."""
-
-    def __init__(self, bytes_per_second: float, burst_seconds: float = 0.25):
-        self.rate = float(bytes_per_second)
-        self.burst = burst_seconds
-        self._next = time.monotonic()
-        self._lock = threading.Lock()
-
-    def acquire(self, nbytes: int) -> None:
-        with self._lock:
-            now = time.monotonic()
-            self._next = max(self._next, now - self.burst) + nbytes / self.rate
-            wait = self._next - now
-        if wait > 0:
-            time.sleep(wait)
-
-
 class BackupStore:
     """Backups of job ``job`` in ``store`` (see the module docstring for the layout and protocol).
 
@@ -230,7 +214,8 @@ class BackupStore:
         self.job = job
         self.options = options or BackupOptions()
         self._limiter = (
-            RateLimiter(self.options.max_bytes_per_second) if self.options.max_bytes_per_second else None
+            RateLimiter(self.options.max_bytes_per_second, burst_bytes=int(self.options.max_bytes_per_second / 4))
+            if self.options.max_bytes_per_second else None
         )
         self._report: CapabilityReport | None = None
 
@@ -475,7 +460,7 @@ class BackupStore:
         out = []
         for o in self.store.list(f"{self.job}/{COMMITS_DIR}"):
             stem = o.name.rsplit("/", 1)[-1]
-            if stem.endswith(".json") and re.fullmatch(r"0|[1-9][0-9]{0,17}", stem[:-5]):
+            if stem.endswith(".json") and parse_step_name(stem[:-5]) is not None:
                 out.append(int(stem[:-5]))
         return out
 
@@ -483,7 +468,7 @@ class BackupStore:
         out = []
         for o in self.store.list(f"{self.job}/{STEPS_DIR}", shallow=True):
             stem = o.name.rsplit("/", 1)[-1]
-            if o.is_dir and re.fullmatch(r"0|[1-9][0-9]{0,17}", stem):
+            if o.is_dir and parse_step_name(stem) is not None:
                 try:
                     self.store.stat(f"{o.name}/{COMMIT_NAME}")
                 except FileNotFoundError:
@@ -648,7 +633,7 @@ class BackupStore:
             stem = d.name.rsplit("/", 1)[-1]
             if (
                 d.is_dir
-                and re.fullmatch(r"0|[1-9][0-9]{0,17}", stem)
+                and parse_step_name(stem) is not None
                 and self._remove_uncommitted_step_dir(int(stem))
             ):
                 removed.append(f"{STEPS_DIR}/{stem}")

@@ -10,13 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-
-def _positive_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+from sidecar.layout import parse_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +27,9 @@ class JobTopology:
     replicas: int = 1
 
     def __post_init__(self) -> None:
-        _positive_int("nodes", self.nodes, 1)
-        _positive_int("data_parallelism", self.data_parallelism, 1)
-        _positive_int("replicas", self.replicas, 0)
+        parse_int(self.nodes, "nodes", 1, strict=True)
+        parse_int(self.data_parallelism, "data_parallelism", 1, strict=True)
+        parse_int(self.replicas, "replicas", 0, strict=True)
         if self.nodes % self.data_parallelism:
             raise ValueError(
                 f"nodes={self.nodes} is not a multiple of data_parallelism={self.data_parallelism}"

@@ -200,17 +200,3 @@ def map_errors(method: F) -> F:
             abort_for(context, e)
 
     return wrapper  # type: ignore[return-value]
-
-
-def is_retryable(err: BaseException) -> bool:
-    """Whether a failed peer call is worth trying again (or trying on another holder)."""
-    if isinstance(err, grpc.RpcError):
-        return err.code() in (
-            grpc.StatusCode.UNAVAILABLE,
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            grpc.StatusCode.ABORTED,
-            grpc.StatusCode.DATA_LOSS,
-            grpc.StatusCode.NOT_FOUND,
-        )
-    return isinstance(err, (ConnectionError, TimeoutError, ChecksumError, EOFError))

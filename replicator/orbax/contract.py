@@ -70,7 +70,6 @@ _VOLATILE_CHECKPOINT_METADATA_KEYS = frozenset(
 )
 # Values read ahead of hashing in orbax_content_hash (bounds memory to this many chunk values).
 _READ_AHEAD = 4
-_INT_RE = re.compile(r"^[+-]?[0-9]+$")
 _KNOWN_KEYS = frozenset(
     {
         "job-name",
@@ -97,23 +96,11 @@ def _check_job_name(job: Any, what: str = "job-name") -> str:
 
 
 def _parse_int(value: Any, key: str, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{key} must be an integer, got {value!r}")
-    if isinstance(value, str):
-        if not _INT_RE.match(value.strip()):
-            raise ValueError(f"{key} must be an integer, got {value!r}")
-        value = int(value.strip())
-    if not isinstance(value, int):
-        raise ValueError(f"{key} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{key} must be >= {minimum}, got {value}")
-    return value
+    return layout.parse_int(value, key, minimum)
 
 
 def _require_int(value: Any, key: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key} must be an int, got {value!r}")
-    return _parse_int(value, key, minimum)
+    return layout.parse_int(value, key, minimum, strict=True)
 
 
 @dataclasses.dataclass(frozen=True)

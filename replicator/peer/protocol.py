@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-import threading
-import time
 from collections.abc import Sequence
-from typing import Any
+
+from replicator.net.throttle import RateLimiter  # noqa: F401 - re-exported for both ends of the peer tier
 
 # Receive ring: 4 buffers of 4 MiB. Measured (512 MiB over loopback into tmpfs): 4 MiB x 4 reached
 # 1.9 GiB/s vs 1.56 with 8 MiB x 4 and 1.27 with 2 MiB x 8 — chunks that stay in cache between the
@@ -87,91 +86,13 @@ class Throttle:
             raise ValueError(f"max_streams must be an int >= 1, got {self.max_streams!r}")
 
 
-class RateLimiter:
-    """Token bucket over bytes, shared by threads; ``acquire(n)`` sleeps until ``n`` bytes may pass."""
-
-    def __init__(self, bytes_per_second: float | None, burst_bytes: int = 2 * CHUNK_BYTES):
-        self.rate = bytes_per_second
-        self._burst = float(burst_bytes)
-        self._tokens = float(burst_bytes)
-        self._last = time.monotonic()
-        self._lock = threading.Lock()
-
-    def acquire(self, nbytes: int, stop: threading.Event | None = None) -> None:
-        if self.rate is None or nbytes <= 0:
-            return
-        with self._lock:
-            now = time.monotonic()
-            self._tokens = min(self._burst, self._tokens + (now - self._last) * self.rate) - nbytes
-            self._last = now
-            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
-        if wait > 0:
-            if stop is not None:
-                stop.wait(wait)
-            else:
-                time.sleep(wait)
-
-def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
-    """Exactly ``n`` bytes from a blocking socket; with ``deadline`` (``time.monotonic()``) the whole read
-    must finish by then (TimeoutError), whatever the socket's per-call timeout."""
+def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"read {got} of {n} bytes before the deadline")
-            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if not k:
             raise ConnectionError(f"connection closed after {got} of {n} bytes")
         got += k
     return bytes(buf)
-
-
-# --------------------------------------------------------------------------- retry schedule
-
-
-class RetryBackoff:
-    """Per-key exponential backoff with jitter for failed transfers (copies, restores).
-
-    After the n-th consecutive failure of a key, the next attempt is allowed no sooner than
-    ``min(max_seconds, base_seconds * 2**(n-1))`` scaled by a random factor in [0.5, 1.5) — so that a
-    copy into a full RAM disk is retried a handful of times a minute, not hundreds of times a second,
-    and many hosts failing together do not retry in lockstep. A success forgets the key.
-    """
-
-    def __init__(self, base_seconds: float = 0.5, max_seconds: float = 60.0, rng: Any = None):
-        import random
-
-        self.base_seconds = base_seconds
-        self.max_seconds = max_seconds
-        self._rng = rng or random.Random()
-        self._state: dict[Any, tuple[int, float]] = {}
-        self._lock = threading.Lock()
-
-    def ready(self, key: Any, now: float | None = None) -> bool:
-        with self._lock:
-            st = self._state.get(key)
-        return st is None or (time.monotonic() if now is None else now) >= st[1]
-
-    def failed(self, key: Any, now: float | None = None) -> float:
-        """Record a failure; returns the delay before the next attempt."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            n = self._state.get(key, (0, 0.0))[0] + 1
-            delay = min(self.max_seconds, self.base_seconds * 2 ** min(n - 1, 30)) * self._rng.uniform(0.5, 1.5)
-            self._state[key] = (n, now + delay)
-            if len(self._state) > 4096:  # keys of long-gone steps: keep the newest failures only
-                for k in sorted(self._state, key=lambda k: self._state[k][1])[:1024]:
-                    del self._state[k]
-        return delay
-
-    def succeeded(self, key: Any) -> None:
-        with self._lock:
-            self._state.pop(key, None)
-
-    def failures(self, key: Any) -> int:
-        with self._lock:
-            return self._state.get(key, (0, 0.0))[0]

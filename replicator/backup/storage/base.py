@@ -1,16 +1,15 @@
-"""The storage interface every backup backend implements, its value objects, and the one retry policy."""
+"""The storage interface every backup backend implements and its value objects (retries: replicator.net.retry)."""
 
 from __future__ import annotations
 
 import abc
 import dataclasses
 import logging
-import random
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from replicator.net.retry import RetryPolicy, call_with_retry, is_retryable  # noqa: F401 - re-exported
 from sidecar.layout import safe_relpath
 
 log = logging.getLogger(__name__)
@@ -152,111 +151,6 @@ class Store(abc.ABC):
         return f"{type(self).__name__}({self.url!r})"
 
 
-# --------------------------------------------------------------------------- retries
-
-
-@dataclasses.dataclass(frozen=True)
-class RetryPolicy:
-    """Exponential backoff with full jitter, bounded by a total deadline.
-
-    Attempt k (0-based) that fails with a retryable error sleeps ``uniform(0, min(max, initial*2**k))``
-    seconds, unless that would pass ``deadline_seconds`` after the first attempt started.
-    """
-
-    initial_backoff_seconds: float = 0.1
-    max_backoff_seconds: float = 5.0
-    deadline_seconds: float = 120.0
-    max_attempts: int = 12
-
-    def __post_init__(self) -> None:
-        if self.initial_backoff_seconds <= 0 or self.max_backoff_seconds < self.initial_backoff_seconds:
-            raise ValueError("need 0 < initial_backoff_seconds <= max_backoff_seconds")
-        if self.deadline_seconds <= 0 or self.max_attempts < 1:
-            raise ValueError("deadline_seconds must be > 0 and max_attempts >= 1")
-
-
-_RETRYABLE_HTTP = frozenset({408, 429, 500, 502, 503, 504})
-
-
-def is_retryable(exc: BaseException) -> bool:
-    """THE decision of what is transient, for every backend: timeouts, dropped connections, 408/429/5xx.
-
-    Everything else (404, 412, 403, checksum mismatches, bad names) is final: retrying cannot help.
-    """
-    from sidecar.layout import ChecksumError
-
-    if isinstance(exc, (ChecksumError, FileNotFoundError, FileExistsError, PermissionError, ValueError)):
-        return False
-    if isinstance(exc, (TimeoutError, ConnectionError)):
-        return True
-    code = getattr(exc, "code", None)  # google.api_core.exceptions.GoogleAPICallError
-    if isinstance(code, int) and code in _RETRYABLE_HTTP:
-        return True
-    response = getattr(exc, "response", None)  # google.resumable_media InvalidResponse, requests errors
-    status = getattr(response, "status_code", None)
-    if isinstance(status, int) and status in _RETRYABLE_HTTP:
-        return True
-    mod = type(exc).__module__
-    name = type(exc).__name__
-    if mod.startswith(("requests", "urllib3")) and name in (
-        "ConnectionError",
-        "ConnectTimeout",
-        "ReadTimeout",
-        "Timeout",
-        "ChunkedEncodingError",
-        "ProtocolError",
-        "ReadTimeoutError",
-        "NewConnectionError",
-        "IncompleteRead",
-    ):
-        return True
-    if mod.startswith("google.auth") and name == "TransportError":
-        return True
-    if mod.startswith("http.client") and name in ("RemoteDisconnected", "IncompleteRead"):
-        return True
-    # A wrapped transport error (google-resumable-media re-raises with __cause__ set).
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and cause is not exc and isinstance(cause, Exception):
-        return _is_retryable_cause(cause, depth=1)
-    return False
-
-
-def _is_retryable_cause(exc: BaseException, depth: int) -> bool:
-    if depth > 3:
-        return False
-    mod = type(exc).__module__
-    if isinstance(exc, (TimeoutError, ConnectionError)) or mod.startswith(("requests", "urllib3")):
-        return is_retryable(exc)
-    return False
-
-
-def call_with_retry(fn: Callable[[int], T], *, what: str, policy: RetryPolicy) -> T:
-    """Run ``fn(attempt)`` until it succeeds, fails for good, or the policy's deadline passes.
-
-    ``fn`` receives the 0-based attempt number so it can tell a retry from a first try (needed to
-    interpret a 412 on a create-only write whose first attempt may have landed).
-    """
-    start = time.monotonic()
-    attempt = 0
-    while True:
-        try:
-            return fn(attempt)
-        except Exception as e:
-            if not is_retryable(e) or attempt + 1 >= policy.max_attempts:
-                raise
-            cap = min(policy.max_backoff_seconds, policy.initial_backoff_seconds * (2**attempt))
-            sleep = random.uniform(0, cap)
-            elapsed = time.monotonic() - start
-            if elapsed + sleep > policy.deadline_seconds:
-                log.warning("%s: giving up after %d attempts in %.1fs: %s", what, attempt + 1, elapsed, e)
-                raise
-            log.info(
-                "%s: transient %s (attempt %d), retrying in %.2fs", what, type(e).__name__, attempt + 1, sleep
-            )
-            time.sleep(sleep)
-            attempt += 1
-
-
 # --------------------------------------------------------------------------- helpers for backends
 
 COPY_CHUNK_BYTES = 8 << 20
@@ -274,24 +168,12 @@ def copy_source(
     data: bytes | Path, sink: Callable[[memoryview], object], throttle: Throttle | None
 ) -> tuple[int, int]:
     """Stream ``data`` into ``sink`` chunk by chunk; return (size, crc32c) of what was streamed."""
-    from sidecar.layout import crc32c_extend
+    from sidecar.layout import crc32c_extend, stream_crc32c
 
-    crc, size = 0, 0
     if isinstance(data, Path):
-        buf = bytearray(COPY_CHUNK_BYTES)
-        view = memoryview(buf)
         with open(data, "rb", buffering=0) as f:
-            while True:
-                n = f.readinto(view)
-                if not n:
-                    break
-                if throttle is not None:
-                    throttle(n)
-                chunk = view[:n]
-                sink(chunk)
-                crc = crc32c_extend(crc, chunk)
-                size += n
-        return size, crc
+            return stream_crc32c(f, sink, throttle, COPY_CHUNK_BYTES)
+    crc, size = 0, 0
     view = memoryview(data).cast("B")
     for off in range(0, view.nbytes, COPY_CHUNK_BYTES):
         chunk = view[off : off + COPY_CHUNK_BYTES]

@@ -9,7 +9,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from sidecar.layout import ChecksumError, fsync_dir, resolve_under
+from sidecar.layout import ChecksumError, fsync_dir, resolve_under, stream_crc32c
 
 from .base import (
     TMP_MARKER,
@@ -113,7 +113,7 @@ class FileStore(Store):
             def sink(chunk: memoryview) -> None:
                 fout.write(chunk)
 
-            size, crc = copy_source_file(fin, sink)
+            size, crc = stream_crc32c(fin, sink)
             fout.flush()
             os.fsync(fout.fileno())
         st = src.stat()
@@ -238,20 +238,3 @@ def _makedirs(d: Path) -> None:
     except FileExistsError:
         if not d.is_dir():
             raise FileNotFoundError(f"{d} vanished while being created") from None
-
-
-def copy_source_file(fin, sink) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-    """Stream an open binary file into ``sink``; return (size, crc32c)."""
-    from sidecar.layout import crc32c_extend
-
-    crc, size = 0, 0
-    buf = bytearray(8 << 20)
-    view = memoryview(buf)
-    while True:
-        n = fin.readinto(view)
-        if not n:
-            break
-        sink(view[:n])
-        crc = crc32c_extend(crc, view[:n])
-        size += n
-    return size, crc

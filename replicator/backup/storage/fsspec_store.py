@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sidecar.layout import ChecksumError
+from sidecar.layout import ChecksumError, stream_crc32c
 
 from .base import (
     TMP_MARKER,
@@ -23,7 +23,6 @@ from .base import (
     check_prefix,
     copy_source,
 )
-from .filesystem import copy_source_file
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +157,7 @@ class FsspecStore(Store):
             raise FileNotFoundError(f"{self.url}/{name} does not exist")
         with self.fs.open(path, "rb") as fin, open(dest, "wb") as fout:
             if hasattr(fin, "readinto"):
-                size, crc = copy_source_file(fin, fout.write)
+                size, crc = stream_crc32c(fin, fout.write)
             else:  # pragma: no cover - every fsspec file object we know has readinto
                 raise UnsupportedOperation("fsspec file object without readinto")
             fout.flush()

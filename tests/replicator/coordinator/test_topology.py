@@ -12,14 +12,14 @@ SHAPES = [(1, 1), (4, 1), (4, 2), (4, 4), (6, 3), (6, 2), (8, 2), (12, 3), (16, 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"nodes": 0}, "nodes must be >= 1"),
-        ({"nodes": -3}, "nodes must be >= 1"),
-        ({"nodes": 4, "data_parallelism": 0}, "data_parallelism must be >= 1"),
+        ({"nodes": 0}, "nodes: must be >= 1"),
+        ({"nodes": -3}, "nodes: must be >= 1"),
+        ({"nodes": 4, "data_parallelism": 0}, "data_parallelism: must be >= 1"),
         ({"nodes": 6, "data_parallelism": 4}, "not a multiple"),
-        ({"nodes": 4, "replicas": -1}, "replicas must be >= 0"),
-        ({"nodes": 4.0}, "nodes must be an int"),
-        ({"nodes": True}, "nodes must be an int"),
-        ({"nodes": "4"}, "nodes must be an int"),
+        ({"nodes": 4, "replicas": -1}, "replicas: must be >= 0"),
+        ({"nodes": 4.0}, "nodes: expected an integer"),
+        ({"nodes": True}, "nodes: expected an integer"),
+        ({"nodes": "4"}, "nodes: expected an integer"),
     ],
 )
 def test_invalid_topology_is_rejected(kwargs, match):

@@ -53,7 +53,7 @@ def test_reads_what_orbax_writes(tmp_path: Path) -> None:
     assert cfg is not None and cfg.job_name == "1e3" and cfg.peer_ranks == ()
     assert cfg.backup_interval_steps == 7 and cfg.backup_interval_minutes is None
     assert oc.ReplicatorConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(ValueError, match="nodes must be an int"):
+    with pytest.raises(ValueError, match="nodes: expected an integer"):
         oc.ReplicatorConfig("j", "orbax", 1, 0, "2", (), backup_interval_steps=1)  # type: ignore[arg-type]
 
 

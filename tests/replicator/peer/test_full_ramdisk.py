@@ -22,9 +22,8 @@ from mtc_rpc import peer_pb2_grpc
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage.factory import open_store
 from replicator.backup.storage.memory import MemoryStore
-from replicator.net import rpc
+from replicator.net import retry, rpc
 from replicator.peer import client as peer_client
-from replicator.peer import protocol as peer_protocol
 from replicator.peer import server as peer_server
 from sidecar import layout, writer
 
@@ -131,10 +130,10 @@ def test_save_into_full_ramdisk_leaves_nothing(full_disk: Path) -> None:
     assert _leftovers(layout.steps_dir(root)) == []
 
 
-def test_retry_backoff_grows_with_jitter_and_resets() -> None:
+def test_keyed_backoff_grows_with_jitter_and_resets() -> None:
     import random
 
-    b = peer_protocol.RetryBackoff(base_seconds=0.5, max_seconds=8.0, rng=random.Random(1))
+    b = retry.KeyedBackoff(base_seconds=0.5, max_seconds=8.0, rng=random.Random(1))
     key = ("copy", 1, 5)
     now = 100.0
     assert b.ready(key, now)

@@ -305,7 +305,8 @@ class Replicator:
         t0 = time.monotonic()
         m = peer_client.fetch_step(address, owner, step, dest, token=self.token, tls=self._tls(),
                                 timeout_seconds=self.opts.transfer_timeout_seconds,
-                                throttle=self._throttle, expected_content_hash=content_hash)
+                                throttle=self._throttle, expected_content_hash=content_hash,
+                                spare_dir=layout.spare_dir(self.store.root))
         dt = time.monotonic() - t0
         log.info("fetched rank %d step %d from %s: %d bytes in %.3fs (%.2f GiB/s)",
                  owner, step, address, m.total_bytes, dt, m.total_bytes / max(dt, 1e-9) / 2**30)

@@ -63,14 +63,17 @@ class SaveError(RuntimeError):
     """A background save failed; raised at the next call on the writer."""
 
 
-def _write_file(path: Path, data: np.ndarray) -> int:
+def _write_file(path: Path, data: np.ndarray, pool: layout.SparePool | None = None) -> int:
     """Preallocate and write one shard file, fsync it, and return the crc32c of its bytes.
 
-    Preallocating matters: on tmpfs a write into a preallocated file runs ~2x faster (5.8 vs 2.6 GiB/s
-    measured) than appending to a new one.
+    The file is a recycled one from ``pool`` when it has one (its tmpfs pages are overwritten instead of
+    freshly allocated: ~4.9 vs ~2.6 GiB/s measured), else a new, preallocated file.
     """
     flat = data.reshape(-1).view(np.uint8)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    if pool is not None and pool.take(path, flat.nbytes):
+        fd = os.open(path, os.O_WRONLY)
+    else:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         if flat.nbytes:
             os.posix_fallocate(fd, 0, flat.nbytes)
@@ -99,7 +102,8 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
     try:
         need = hs.nbytes
         st = os.statvfs(tmp)
-        free = st.f_bavail * st.f_frsize
+        pool = layout.SparePool(layout.spare_dir(hs.root))
+        free = st.f_bavail * st.f_frsize + layout.spare_bytes(layout.spare_dir(hs.root))
         if need > free:
             raise OSError(
                 errno.ENOSPC,
@@ -109,8 +113,8 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
         for li, arr in enumerate(hs.arrays):
             for si, sh in enumerate(arr.shards):
                 jobs.append((li, si, layout.shard_file_name(li, si), sh.data))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            futs = {(li, si): pool.submit(_write_file, tmp / name, data) for li, si, name, data in jobs}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as ex:
+            futs = {(li, si): ex.submit(_write_file, tmp / name, data, pool) for li, si, name, data in jobs}
             crcs = {k: f.result() for k, f in futs.items()}
         files = []
         arrays = []
@@ -155,7 +159,7 @@ def gc_local_steps(root: Path, keep: int) -> list[int]:
     keep = max(1, keep)
     doomed = steps[:-keep] if len(steps) > keep else []
     for s in doomed:
-        layout.delete_step(layout.steps_dir(root) / layout.step_name(s))
+        layout.delete_step(layout.steps_dir(root) / layout.step_name(s), spare=layout.spare_dir(root))
     return doomed
 
 

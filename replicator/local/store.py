@@ -148,7 +148,7 @@ class RamDiskStore:
     # ------------------------------------------------------------------ deletion
     def delete(self, owner: int, step: int) -> None:
         d = self.step_dir(owner, step)
-        layout.delete_step(d)
+        layout.delete_step(d, spare=layout.spare_dir(self.root))  # pages kept for the next copy
         with self._lock:
             self._cache.pop(d, None)
             changed = False

@@ -350,3 +350,53 @@ def test_sigkill_during_gc_leaves_no_half_deleted_step_and_step_is_resavable(tmp
     layout.verify_step_dir(parent / "9")
     layout.remove_tmp_dirs(parent)
     assert sorted(os.listdir(parent)) == ["10", "9"]
+
+
+# --------------------------------------------------------------------------- page recycling (#9.6)
+
+
+def test_deleted_step_pages_are_recycled_into_the_next_write(tmp_path):
+    import numpy as np
+
+    root = tmp_path / "ram"
+    parent = layout.steps_dir(root)
+    big = bytes(range(256)) * (layout.RECYCLE_MIN_BYTES // 256 + 17)
+    _committed(parent, 1, {"big": big, "small": b"s"})
+    ino = os.stat(parent / "1" / "big").st_ino
+    layout.delete_step(parent / "1", spare=layout.spare_dir(root))
+    assert layout.committed_steps(parent) == []
+    assert layout.spare_bytes(layout.spare_dir(root)) == len(big)  # the small file was just deleted
+    pool = layout.SparePool(layout.spare_dir(root))
+    tmp = layout.make_tmp_dir(parent, 2)
+    new = np.full(layout.RECYCLE_MIN_BYTES + 5, 7, dtype=np.uint8)
+    assert pool.take(tmp / "x", new.nbytes)
+    assert os.stat(tmp / "x").st_ino == ino and os.stat(tmp / "x").st_size == new.nbytes
+    assert not pool.take(tmp / "y", new.nbytes)  # the pool is empty now
+    assert layout.spare_bytes(layout.spare_dir(root)) == 0
+    layout.delete_step(tmp)
+
+
+def test_pool_holds_one_step_and_mapped_files_are_never_recycled(tmp_path):
+    import gc
+
+    root = tmp_path / "ram"
+    parent = layout.steps_dir(root)
+    size = layout.RECYCLE_MIN_BYTES
+    data = bytes([5]) * size
+    _committed(parent, 1, {"a": data, "b": data})
+    _committed(parent, 2, {"c": data})
+    # A restored array maps step 1's file "a" (zero copy): its bytes must never change under it.
+    mapped = layout.map_verified(parent / "1" / "a", size, layout.crc32c(data))
+    layout.delete_step(parent / "1", spare=layout.spare_dir(root))
+    assert layout.spare_bytes(layout.spare_dir(root)) == size  # only "b"; "a" is leased
+    layout.delete_step(parent / "2", spare=layout.spare_dir(root))
+    assert layout.spare_bytes(layout.spare_dir(root)) == size  # one step's worth: "c" replaced "b"
+    pool = layout.SparePool(layout.spare_dir(root))
+    tmp = layout.make_tmp_dir(parent, 3)
+    assert pool.take(tmp / "x", size)
+    with open(tmp / "x", "r+b") as f:
+        f.write(bytes([9]) * size)
+    assert bytes(mapped[:16]) == bytes([5]) * 16 and layout.crc32c(mapped) == layout.crc32c(data)
+    del mapped
+    gc.collect()
+    layout.delete_step(tmp)

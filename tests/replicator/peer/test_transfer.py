@@ -741,3 +741,23 @@ def test_tampered_manifest_on_server_is_data_loss(host: PeerHost, tmp_path: Path
     assert "checksum" in (ei.value.details() or "")
     assert not dest.exists() or list(dest.iterdir()) == []
     assert [s.step for s in peer_client.list_steps(host.address, token=TOKEN)] == []
+
+
+@pytest.mark.parametrize("use_data_port", [True, False])
+def test_copy_overwrites_recycled_pages_bit_exact(host: PeerHost, tmp_path: Path, use_data_port: bool) -> None:
+    root = tmp_path / "dst-root"
+    dest = root / "peer" / "1"
+    spare = layout.spare_dir(root)
+    old = make_step(layout.steps_dir(host.root), 1, 4, {"a.bin": 3 << 20, "b.bin": 2 << 20}, seed=1)
+    peer_client.fetch_step(host.address, 1, 4, dest, token=TOKEN, spare_dir=spare, use_data_port=use_data_port)
+    inodes = {os.stat(dest / "4" / f.name).st_ino for f in old.files}
+    layout.delete_step(dest / "4", spare=spare)  # what GC does
+    assert layout.spare_bytes(spare) == 5 << 20
+    new = make_step(layout.steps_dir(host.root), 1, 5, {"a.bin": (3 << 20) - 7, "c.bin": 4 << 20}, seed=2)
+    assert peer_client.fetch_step(
+        host.address, 1, 5, dest, token=TOKEN, spare_dir=spare, use_data_port=use_data_port
+    ) == new
+    assert {os.stat(dest / "5" / f.name).st_ino for f in new.files} == inodes  # the same pages, reused
+    layout.verify_step_dir(dest / "5")
+    assert_same_files(layout.steps_dir(host.root) / "5", dest / "5", new)
+    assert layout.spare_bytes(spare) == 0

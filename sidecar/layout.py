@@ -725,6 +725,18 @@ def spare_bytes(spare: Path) -> int:
     return sum(size for size, _ in _spare_entries(Path(spare)))
 
 
+def drop_spares(spare: Path) -> int:
+    """Unlink every file of the pool (after ENOSPC: its pages are needed for real data); returns bytes freed."""
+    freed = 0
+    for size, name in _spare_entries(Path(spare)):
+        try:
+            os.unlink(Path(spare) / name)
+            freed += size
+        except FileNotFoundError:
+            pass
+    return freed
+
+
 def _recycle_files(trash: Path, spare: Path) -> None:
     files = []
     for dirpath, _, filenames in os.walk(trash):
@@ -736,11 +748,7 @@ def _recycle_files(trash: Path, spare: Path) -> None:
     if not files:
         return
     spare.mkdir(exist_ok=True)
-    for _, name in _spare_entries(spare):  # the pool keeps one step's worth: the newest
-        try:
-            os.unlink(spare / name)
-        except FileNotFoundError:
-            pass
+    drop_spares(spare)  # the pool keeps one step's worth: the newest
     for path, size in files:
         fd = os.open(path, os.O_RDONLY)
         try:

@@ -138,6 +138,8 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
         layout.commit_dir(tmp, final, replace=True)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC:  # the recycled pages were not enough: give them back for the retry
+            layout.drop_spares(layout.spare_dir(hs.root))
         if e.errno == errno.ENOSPC and "RAM disk full" not in str(e):
             raise OSError(errno.ENOSPC, f"RAM disk full while writing step {hs.step} to {hs.root}: {e}") from e
         raise

@@ -13,6 +13,7 @@ file's crc32c matched the manifest, so a partial copy is never visible.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import queue
@@ -483,8 +484,10 @@ def fetch_step(
             )
             layout.write_manifest(tmp, manifest)
             layout.commit_dir(tmp, final)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if spare_dir is not None and getattr(e, "errno", None) == errno.ENOSPC:
+                layout.drop_spares(spare_dir)  # the recycled pages were not enough: free them for the retry
             raise
     return manifest
 

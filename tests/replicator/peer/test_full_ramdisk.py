@@ -53,18 +53,21 @@ def full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
 
         monkeypatch.setattr(os, "pwrite", pwrite)
     try:
-        yield mnt
+        yield mnt if mounted else mnt / "injected"
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(mnt)], check=False)
         shutil.rmtree(mnt, ignore_errors=True)
 
 
-def _commit(parent: Path, rank: int, step: int, size: int) -> layout.StepManifest:
+def _commit(parent: Path, rank: int, step: int, size: int, files: int = 1) -> layout.StepManifest:
     tmp = layout.make_tmp_dir(parent, step)
-    data = np.random.default_rng(step).integers(0, 256, size, dtype=np.uint8)
-    data.tofile(tmp / "a.bin")
-    m = layout.StepManifest("t", step, rank, 2, (layout.FileEntry("a.bin", size, layout.crc32c(data)),))
+    entries = []
+    for i in range(files):
+        data = np.random.default_rng(step * 100 + i).integers(0, 256, size // files, dtype=np.uint8)
+        data.tofile(tmp / f"{i}.bin")
+        entries.append(layout.FileEntry(f"{i}.bin", data.nbytes, layout.crc32c(data)))
+    m = layout.StepManifest("t", step, rank, 2, tuple(entries))
     layout.write_manifest(tmp, m)
     layout.commit_dir(tmp, parent / str(step))
     return m
@@ -112,7 +115,7 @@ def test_bucket_restore_into_full_ramdisk_leaves_nothing(tmp_path: Path, full_di
     b.upload_rank(staging, 0, layout.steps_dir(src) / "5")
     b.commit(staging)
     dest = full_disk / "steps"
-    dest.mkdir()
+    dest.mkdir(parents=True)
     with pytest.raises(OSError):
         b.download_rank(5, 0, dest)
     assert _leftovers(dest) == []
@@ -169,3 +172,33 @@ def test_daemon_backs_off_a_failing_copy(tmp_path: Path) -> None:
     # 0.05-0.15 s, 0.1-0.3, 0.2-0.6, 0.4-1.2 ...: a handful of attempts in 2 s, not hundreds.
     assert 2 <= len(calls) <= 8, calls
     assert r.counters["copy_failures"] == len(calls)
+
+
+def test_recycled_pages_are_given_back_when_the_disk_is_full(tmp_path: Path, full_disk: Path) -> None:
+    if full_disk.name == "injected":
+        pytest.skip("needs a real small tmpfs (mount refused)")
+    src = tmp_path / "src"
+    _commit(layout.steps_dir(src), 1, 5, 3 << 20)  # one 3 MiB file: recyclable
+    _commit(layout.steps_dir(src), 1, 6, 6 << 20, files=12)  # 12 x 512 KiB: nothing to reuse
+    ts = peer_server.TransferServer()
+    ts.start()
+    servicer = peer_server.PeerServicer(src, 1, 2, transfer_server=ts)
+    server, port = rpc.create_server("127.0.0.1:0", [(peer_pb2_grpc.add_PeerServicer_to_server, servicer)],
+                                     token=TOKEN)
+    server.start()
+    try:
+        root = full_disk / "root"
+        dest, spare = root / "peer" / "1", layout.spare_dir(root)
+        addr = f"127.0.0.1:{port}"
+        peer_client.fetch_step(addr, 1, 5, dest, token=TOKEN, spare_dir=spare)
+        layout.delete_step(dest / "5", spare=spare)
+        assert layout.spare_bytes(spare) == 3 << 20
+        with pytest.raises(OSError) as ei:  # 3 MiB of spares + 6 MiB of new pages > 8 MiB
+            peer_client.fetch_step(addr, 1, 6, dest, token=TOKEN, spare_dir=spare)
+        assert ei.value.errno == errno.ENOSPC
+        assert layout.spare_bytes(spare) == 0 and _leftovers(dest) == []
+        peer_client.fetch_step(addr, 1, 6, dest, token=TOKEN, spare_dir=spare)  # the retry fits
+        layout.verify_step_dir(dest / "6")
+    finally:
+        ts.stop()
+        rpc.stop_server(server, 0.5)

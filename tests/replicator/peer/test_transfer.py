@@ -359,15 +359,21 @@ def test_data_port_unreachable_falls_back_to_stream(tmp_path: Path) -> None:
         h.stop()
 
 
-def test_stop_abandons_in_flight_transfer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recycled", [False, True])
+def test_stop_abandons_in_flight_transfer(tmp_path: Path, recycled: bool) -> None:
     h = PeerHost(tmp_path / "src", server_throttle=peer_protocol.Throttle(bytes_per_second=8 << 20))
     make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 64 << 20})
     dest = tmp_path / "d"
+    spare = layout.spare_dir(tmp_path / "root") if recycled else None
+    if spare is not None:  # a collected step's file: received into through a mapping
+        spare.mkdir(parents=True)
+        with open(spare / f"{64 << 20}-abc", "wb") as f:
+            f.truncate(64 << 20)
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            peer_client.fetch_step(h.address, 1, 7, dest, token=TOKEN, timeout_seconds=60)
+            peer_client.fetch_step(h.address, 1, 7, dest, token=TOKEN, timeout_seconds=60, spare_dir=spare)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 

@@ -17,9 +17,6 @@ from replicator.net.throttle import RateLimiter  # noqa: F401 - re-exported for 
 # recv copy and the crc/write win. Bounds client memory per transfer to 16 MiB.
 CHUNK_BYTES = 4 << 20
 RING_BUFFERS = 4
-# Files at least this large are received straight into a mapping of the destination (client.py);
-# smaller ones through the ring and a writer thread (a mapping per tiny file costs more than it saves).
-MAP_MIN_BYTES = 1 << 20
 # Server sendfile slice: the unit at which a server checks for stop and applies the rate limit.
 SENDFILE_SLICE_BYTES = 16 << 20
 # gRPC fallback: data bytes per FileChunk message (well under the 64 MiB message limit).

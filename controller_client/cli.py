@@ -23,45 +23,6 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.workdir, keep=args.keep)
 
 
-def _status(args: argparse.Namespace) -> int:
-    import json
-
-    if args.local_dir:
-        import grpc
-
-        from mtc_rpc import control_pb2, control_pb2_grpc
-        from sidecar.layout import control_socket
-
-        sock = control_socket(args.local_dir)
-        try:
-            with grpc.insecure_channel(f"unix:{sock}") as ch:
-                resp = control_pb2_grpc.LocalControlStub(ch).GetLocalStatus(
-                    control_pb2.GetLocalStatusRequest(), timeout=args.timeout_seconds)
-        except grpc.RpcError as e:
-            print(f"mtc status: no replicator answers on {sock}: {e.code().name}", file=sys.stderr)
-            return 1
-        print(json.dumps(json.loads(resp.status_json), indent=2))
-        return 0
-    if not args.coordinator:
-        print("mtc status: give --coordinator HOST:PORT or --local-dir DIR", file=sys.stderr)
-        return 2
-    import grpc
-
-    from replicator.coordinator.client import CoordinatorClient
-    from replicator.net.security import TlsOptions
-
-    client = CoordinatorClient(args.coordinator, args.token_file, args.timeout_seconds,
-                               tls=TlsOptions.from_args(args.tls_cert, args.tls_key, args.tls_ca))
-    try:
-        print(json.dumps(client.status(), indent=2))
-    except grpc.RpcError as e:
-        print(f"mtc status: coordinator {args.coordinator}: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    finally:
-        client.close()
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mtc",
@@ -90,23 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
     manifests.add_arguments(m)
     m.set_defaults(func=manifests.run)
 
-    st = sub.add_parser("status", help="print the coordinator's (or one host's replicator's) status as JSON")
-    st.add_argument("--coordinator", help="HOST:PORT of the coordinator")
-    st.add_argument("--local-dir", help="ask this host's replicator over its Unix socket instead")
-    st.add_argument("--token-file", help="file with the bearer token")
-    st.add_argument("--tls-cert", help="client certificate (PEM), for mutual TLS")
-    st.add_argument("--tls-key", help="client key (PEM)")
-    st.add_argument("--tls-ca", help="CA bundle (PEM) that signed the coordinator's certificate")
-    st.add_argument("--timeout-seconds", type=float, default=10.0)
-    logs.add_arguments(st, default=argparse.SUPPRESS)
-    st.set_defaults(func=_status)
+    # The operator's commands (status, steps, inspect, verify, restore, pin, backups, export, plan, gc).
+    from controller_client.admin_cli import register
+
+    register(sub, lambda sp: logs.add_arguments(sp, default=argparse.SUPPRESS))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logs.configure(logs.level_from(args))
+    logs.configure(logs.level_from(args), logs.format_from(args))
     return int(args.func(args) or 0)
 
 

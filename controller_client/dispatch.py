@@ -39,8 +39,8 @@ class Dispatcher(abc.ABC):
         """Arrays for each leaf, sharded as asked."""
 
     @abc.abstractmethod
-    def query(self, op: str, arg: Any = None) -> dict[int, Any]:
-        """A JSON-able answer from every rank."""
+    def query(self, query: host.HostQuery, arg: Any = None) -> dict[int, Any]:
+        """Every rank's JSON-able answer to ``query``."""
 
 
 class InProcessDispatcher(Dispatcher):
@@ -56,8 +56,8 @@ class InProcessDispatcher(Dispatcher):
     def restore(self, step, leaves, all_paths):
         return host.restore_on_hosts(self.config, self.ranks, step, leaves, all_paths)
 
-    def query(self, op, arg=None):
-        local = host.query_on_hosts(self.config, self.ranks, op, arg)
+    def query(self, query, arg=None):
+        local = host.query_on_hosts(self.config, self.ranks, query, arg)
         if jax.process_count() == 1:
             return local
         from jax.experimental import multihost_utils
@@ -85,9 +85,9 @@ def _coloc_restore(handle, *, config, step, leaves, all_paths):
     return host.restore_on_hosts(config, ranks, step, leaves, all_paths)
 
 
-def _coloc_query(rows, *, config, op, arg):
+def _coloc_query(rows, *, config, query, arg):
     ranks = host.ranks_of(config, [s.device for s in rows.addressable_shards])
-    answers = host.query_on_hosts(config, ranks, op, arg)
+    answers = host.query_on_hosts(config, ranks, query, arg)
     bufs = []
     for s in rows.addressable_shards:
         r = config.device_rank[s.device.id]
@@ -147,9 +147,9 @@ class ColocatedDispatcher(Dispatcher):
             return out
         return [jax.device_put(x, lf.sharding) for x, lf in zip(out, leaves, strict=True)]
 
-    def query(self, op, arg=None):
+    def query(self, query, arg=None):
         rows = jax.device_put(np.zeros((len(self.cpu_devices), QUERY_BYTES), np.uint8), self._rows_sharding)
-        fn = functools.partial(_coloc_query, config=self.cpu_config, op=op, arg=arg)
+        fn = functools.partial(_coloc_query, config=self.cpu_config, query=host.HostQuery(query).value, arg=arg)
         res = self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: _spec(rows))(rows)
         out: dict[int, Any] = {}
         for row in np.asarray(res):

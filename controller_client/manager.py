@@ -149,11 +149,11 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Block until every host has committed its queued saves; raise the first background failure."""
-        self.dispatcher.query("wait", self.options.wait_timeout_seconds)
+        self.dispatcher.query(host.HostQuery.WAIT, self.options.wait_timeout_seconds)
 
     # ------------------------------------------------------------------ steps
     def _host_steps(self) -> dict[int, list[int]]:
-        answers = self.dispatcher.query("steps")
+        answers = self.dispatcher.query(host.HostQuery.STEPS)
         missing = set(range(self.topology.nodes)) - set(answers)
         if missing:
             raise RuntimeError(f"hosts {sorted(missing)} did not answer")
@@ -200,7 +200,7 @@ class CheckpointManager:
         self.wait_until_finished()
         if self._coordinator is not None:
             # Have every host report now rather than at its next heartbeat: the plan needs fresh reports.
-            self.dispatcher.query("wake")
+            self.dispatcher.query(host.HostQuery.WAKE)
             step = self._coordinator.prepare_restore(step, self.options.restore_wait_seconds)
         elif step is None:
             step = self.latest_step()
@@ -217,7 +217,7 @@ class CheckpointManager:
         t0 = time.monotonic()
         try:
             arrays = self.dispatcher.restore(step, requests, all_paths)
-            values = next(iter(self.dispatcher.query("values", step).values()))["values"]
+            values = next(iter(self.dispatcher.query(host.HostQuery.VALUES, step).values()))["values"]
         except FileNotFoundError as e:
             raise FileNotFoundError(f"step {step} not found in {self.options.local_directory}: {e}") from e
         out = [None] * len(leaves)

@@ -25,16 +25,18 @@ import grpc
 from mtc_rpc import control_pb2, control_pb2_grpc, peer_pb2_grpc
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
+from replicator import logs
 from replicator.coordinator.service import BackupScheduler, Coordinator
 from replicator.coordinator.topology import JobTopology
 from replicator.local.store import RamDiskStore
+from replicator.metrics import ReplicatorMetrics, TimedCoordinator
 from replicator.net import priority, retry, rpc
 from replicator.net.security import TlsOptions
 from replicator.options import ReplicatorOptions
 from replicator.peer import client as peer_client
 from replicator.peer import protocol as peer_protocol
 from replicator.peer import server as peer_server
-from sidecar import layout
+from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class _Control(control_pb2_grpc.LocalControlServicer):
         self.daemon = daemon
 
     def StepCommitted(self, request, context):
+        faults.point("notify.received")
         self.daemon.wake()
         return control_pb2.StepCommittedResponse()
 
@@ -72,6 +75,7 @@ class Replicator:
         self.token = opts.token()
         self.backup = backup
         self.incarnation = time.time_ns()
+        logs.set_context(job=job, rank=rank, incarnation=self.incarnation)
         self.coordinator: Coordinator | None = None
         if rank == opts.coordinator_rank:
             sched = backup_scheduler_factory(self.topology) if backup_scheduler_factory else None
@@ -101,8 +105,18 @@ class Replicator:
         self.address = ""
         self.newest_complete = -1
         self.errors: list[str] = []
-        self.counters = {"copies": 0, "copy_bytes": 0, "copy_failures": 0, "restores": 0, "hash_only": 0,
-                         "deletions": 0, "heartbeat_failures": 0}
+        # Typed, locked counters and every Prometheus metric of this process (see replicator/metrics.py).
+        self.metrics = ReplicatorMetrics(self.store.root)
+        self.counters = self.metrics.counters
+        self._seen_own: set[int] | None = None
+        self._restoring: set[int] = set()  # steps being fetched for a restore: not saves
+        if self.coordinator is not None:
+            from replicator.coordinator.admin import cluster_view
+
+            coord = self.coordinator
+            self.metrics.cluster_view = lambda: cluster_view(coord)
+        if self.backup is not None and hasattr(self.backup, "on_upload"):
+            self.backup.on_upload = self._on_upload
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
@@ -121,7 +135,14 @@ class Replicator:
                                      transfer_server=self._transfer_server, throttle=throttle)
         servicers = [(peer_pb2_grpc.add_PeerServicer_to_server, peer)]
         if self.coordinator is not None:
-            servicers.append((cpb_grpc.add_CoordinatorServicer_to_server, self.coordinator))
+            from mtc_rpc import admin_pb2_grpc
+            from replicator.coordinator.admin import AdminServicer
+
+            admin = AdminServicer(self.coordinator)
+            timed = TimedCoordinator(admin.wrap(self.coordinator), self.metrics)
+            admin.coord = timed  # `mtc restore` plans through the same (timed) PrepareRestore
+            servicers.append((cpb_grpc.add_CoordinatorServicer_to_server, timed))
+            servicers.append((admin_pb2_grpc.add_AdminServicer_to_server, admin))
         self._server, port = rpc.create_server(
             self.opts.listen, servicers, token=self.token, tls=tls,
             max_message_bytes=self.opts.max_message_bytes, max_workers=16)
@@ -143,6 +164,9 @@ class Replicator:
         self._coord_channel = rpc.make_channel(coord, token=self.token, tls=self._tls(),
                                                      max_message_bytes=self.opts.max_message_bytes)
         self._coord = cpb_grpc.CoordinatorStub(self._coord_channel)
+        if self.opts.metrics_port is not None:
+            mport = self.metrics.serve(host, self.opts.metrics_port)
+            print(f"METRICS {adv_host}:{mport}", flush=True)
         self._thread = threading.Thread(target=self._loop, name="mtc-heartbeat", daemon=True)
         self._thread.start()
         log.info("replicator rank %d/%d of job %s listening on %s (coordinator %s)",
@@ -171,6 +195,7 @@ class Replicator:
             rpc.stop_server(self._server, grace_seconds)
         if self._transfer_server is not None:
             self._transfer_server.stop(grace_seconds)
+        self.metrics.stop()
         if self._coord_channel is not None:
             self._coord_channel.close()
         layout.control_socket(self.store.root).unlink(missing_ok=True)
@@ -199,8 +224,7 @@ class Replicator:
             try:
                 delay = self.heartbeat()
             except grpc.RpcError as e:
-                self.counters["heartbeat_failures"] += 1
-                if self.counters["heartbeat_failures"] % 10 == 1:
+                if self.counters.add("heartbeat_failures") % 10 == 1:
                     log.warning("heartbeat to the coordinator failed: %s", e.details() if hasattr(e, "details") else e)
                 delay = min(self.opts.heartbeat_seconds, 0.5) * (1 + random.random())
             except Exception:  # keep the daemon alive; the next heartbeat retries
@@ -212,6 +236,7 @@ class Replicator:
     def heartbeat(self) -> float:
         inv = self.store.inventory()
         own = self.store.own_steps()
+        self._note_saves(inv)
         req = cpb.HeartbeatRequest(
             job=self.job, rank=self.rank, incarnation=self.incarnation, address=self.address,
             holdings=[cpb.Holding(owner_rank=h.owner_rank, step=h.step, content_hash=h.content_hash,
@@ -222,15 +247,18 @@ class Replicator:
         if self.backup is not None:
             req.backups.extend(self.backup.drain_reports())
         resp = self._coord.Heartbeat(req, timeout=self.opts.rpc_timeout_seconds)
+        faults.point("heartbeat.after_response")
         self.newest_complete = resp.newest_complete_step
+        self.metrics.newest_complete_step = resp.newest_complete_step
         for d in resp.deletions:
             if not self._busy(d.owner_rank, d.step):
+                faults.point("gc.before_delete")
                 self.store.delete(d.owner_rank, d.step)
-                self.counters["deletions"] += 1
+                self.counters.add("deletions")
         for c in resp.copies:
             if c.source_rank == self.rank:
                 if self.store.attest_replica(c.owner_rank, c.step, c.content_hash):
-                    self.counters["hash_only"] += 1
+                    self.counters.add("hash_only")
                     self._wake.set()
                 continue
             if not self.store.has(c.owner_rank, c.step, c.content_hash):
@@ -267,7 +295,7 @@ class Replicator:
                 log.warning("%s (attempt %d; next in %.1fs)", msg, self._retry.failures(key), delay)
                 self.errors = (self.errors + [msg])[-20:]
                 if kind == "copy":
-                    self.counters["copy_failures"] += 1
+                    self.counters.add("copy_failures")
             finally:
                 with self._lock:
                     self._in_flight.discard(key)
@@ -308,23 +336,30 @@ class Replicator:
                                 throttle=self._throttle, expected_content_hash=content_hash,
                                 spare_dir=layout.spare_dir(self.store.root))
         dt = time.monotonic() - t0
-        log.info("fetched rank %d step %d from %s: %d bytes in %.3fs (%.2f GiB/s)",
+        log.info("copy: fetched rank %d step %d from %s: %d bytes in %.3fs (%.2f GiB/s)",
                  owner, step, address, m.total_bytes, dt, m.total_bytes / max(dt, 1e-9) / 2**30)
-        self.counters["copy_bytes"] += m.total_bytes
         return m
 
     def _copy(self, task: cpb.CopyTask) -> None:
         if self.store.has(task.owner_rank, task.step):
             return
-        self._fetch(task.source_address, task.owner_rank, task.step, task.content_hash or None)
-        self.counters["copies"] += 1
+        faults.point("copy.before_fetch")
+        t0 = time.monotonic()
+        m = self._fetch(task.source_address, task.owner_rank, task.step, task.content_hash or None)
+        self.metrics.observe_transfer("peer_copy", time.monotonic() - t0)
+        self.counters.add("copies")
+        self.counters.add("copy_bytes", m.total_bytes)
 
     def _restore(self, task: cpb.RestoreTask) -> None:
         errors = []
+        t0 = time.monotonic()
+        with self._lock:
+            self._restoring.add(task.step)
         for src in task.sources:
             if self.store.holds_data_for(self.rank, task.step, src.content_hash or None):
                 return
             try:
+                t1 = time.monotonic()
                 if src.kind == "bucket":
                     if self.backup is None:
                         raise RuntimeError("no backup tier configured")
@@ -334,15 +369,48 @@ class Replicator:
                     if self.store.has(src.owner_rank, task.step):
                         # A stale copy under the same name (e.g. an older save of this step): replace it.
                         self.store.delete(src.owner_rank, task.step)
+                    faults.point("restore.peer.before_fetch")
                     self._fetch(src.holder_address, src.owner_rank, task.step, src.content_hash or None)
-                self.counters["restores"] += 1
-                log.info("rank %d now holds its data of step %d (from %s rank %d)", self.rank, task.step,
-                         src.kind, src.holder_rank)
+                now = time.monotonic()
+                m = self.store.manifest(src.owner_rank, task.step)
+                nbytes = m.total_bytes if m is not None else 0
+                self.metrics.observe_transfer("restore_bucket" if src.kind == "bucket" else "restore_peer",
+                                              now - t1)
+                self.metrics.restore_seconds.observe(now - t0)
+                self.counters.add("restores")
+                self.counters.add("restore_bytes", nbytes)
+                log.info("restore: rank %d now holds its data of step %d from %s rank %d: %d bytes in %.3fs",
+                         self.rank, task.step, src.kind, src.holder_rank, nbytes, now - t0)
                 return
             except Exception as e:  # try the next source
                 errors.append(f"{src.kind} {src.holder_address or ''}: {e}")
         if errors:
             raise RuntimeError("; ".join(errors))
+
+    def _note_saves(self, inv: list[Any]) -> None:
+        """Count and log each own step that appeared on the RAM disk since the last heartbeat."""
+        own = {h.step: h.size for h in inv if h.owner_rank == self.rank and str(h.tier) == "local"}
+        if self._seen_own is None:  # at start: what is already there was saved by an earlier incarnation
+            self._seen_own = set(own)
+            return
+        with self._lock:
+            restored = self._restoring & set(own)
+            self._restoring -= restored
+        for step in sorted(set(own) - self._seen_own - restored):
+            self.counters.add("saves")
+            self.counters.add("save_bytes", own[step])
+            log.info("save: rank %d committed step %d on the RAM disk: %d bytes", self.rank, step, own[step])
+        self._seen_own = set(own)
+
+    def _on_upload(self, step: int, rank: int, nbytes: int, seconds: float, error: str = "") -> None:
+        if error:
+            self.counters.add("backup_upload_failures")
+            return
+        self.counters.add("backup_uploads")
+        self.counters.add("backup_upload_bytes", nbytes)
+        self.metrics.observe_transfer("backup_upload", seconds)
+        log.info("backup: uploaded rank %d of step %d: %d bytes in %.3fs (%.1f MiB/s)", rank, step, nbytes,
+                 seconds, nbytes / max(seconds, 1e-9) / 2**20)
 
     # ------------------------------------------------------------------ status
     def local_status(self) -> dict[str, Any]:
@@ -352,7 +420,8 @@ class Replicator:
             "job": self.job, "rank": self.rank, "nodes": self.nodes, "address": self.address,
             "own_steps": self.store.own_steps(), "peer_steps": self.store.peer_steps(),
             "newest_complete_step": self.newest_complete, "in_flight": in_flight,
-            "counters": dict(self.counters), "recent_errors": list(self.errors),
+            "counters": self.counters.snapshot(), "recent_errors": list(self.errors),
+            "metrics_address": self.metrics.metrics_address,
         }
         if self.backup is not None:
             st["backup"] = self.backup.status()

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logs.configure(logs.level_from(args))
+    logs.configure(logs.level_from(args), logs.format_from(args))
     return int(args.func(args) or 0)
 
 

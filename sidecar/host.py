@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import enum
 import json
 import logging
 import math
@@ -19,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar import layout, reader, tree, writer
+from sidecar import faults, layout, reader, tree, writer
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ def save_on_hosts(
             if r not in copies:
                 raise ValueError(f"array {meta.path!r} has no shard on rank {r}'s devices")
             per_rank[r].append(copies[r])
+    faults.point("save.after_host_copy")
     for r in ranks:
         for path, value in host_arrays:
             full = tuple((0, n) for n in value.shape)
@@ -202,26 +204,35 @@ def restore_on_hosts(
     return out
 
 
-def query_on_hosts(config: HostConfig, ranks: Sequence[int], op: str, arg: Any = None) -> dict[int, Any]:
-    """Small JSON-able questions to each rank: its committed steps, waiting for its saves, step values."""
+class HostQuery(enum.Enum):
+    """The small questions a dispatcher asks every rank (answers are JSON-able, see :func:`query_on_hosts`)."""
+
+    STEPS = "steps"  # arg: timeout (s) for surfacing failed saves -> {"steps": [...], "in_flight": [...]}
+    WAIT = "wait"  # arg: timeout (s): wait for every queued save -> True
+    WAKE = "wake"  # ask the host's replicator to report now -> whether it answered
+    VALUES = "values"  # arg: step -> {"values": [...], "paths": [...]}
+
+
+def query_on_hosts(config: HostConfig, ranks: Sequence[int], query: HostQuery | str,
+                   arg: Any = None) -> dict[int, Any]:
+    """Ask each of ``ranks`` one :class:`HostQuery` (its value string is accepted: it crosses processes)."""
+    query = HostQuery(query)
     result: dict[int, Any] = {}
     writers = [writer.writer_for(config.root(r), config.write_threads) for r in ranks]
-    if op in ("steps", "wait"):
-        writer.raise_failures(writers, arg, wait=(op == "wait"))
+    if query in (HostQuery.STEPS, HostQuery.WAIT):
+        writer.raise_failures(writers, arg, wait=query is HostQuery.WAIT)
     for r, w in zip(ranks, writers, strict=True):
-        if op == "steps":
+        if query is HostQuery.STEPS:
             result[r] = {"steps": layout.committed_steps(layout.steps_dir(w.root)), "in_flight": w.in_flight()}
-        elif op == "wait":
+        elif query is HostQuery.WAIT:
             result[r] = True
-        elif op == "wake":
+        elif query is HostQuery.WAKE:
             from sidecar.notify import notify_step_committed
 
             result[r] = notify_step_committed(w.root, -1)
-        elif op == "values":
+        else:
             src = open_step(config, r, int(arg))
             result[r] = {"values": src.values, "paths": sorted(src.paths)}
-        else:
-            raise ValueError(f"unknown host query {op!r}")
     return result
 
 

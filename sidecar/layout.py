@@ -43,6 +43,8 @@ from typing import Any
 
 import google_crc32c
 
+from sidecar import faults
+
 log = logging.getLogger(__name__)
 
 # 2: the manifest carries ``manifest_sha256`` over its canonical encoding. Version 1 manifests had no
@@ -678,6 +680,7 @@ def delete_step(step_dir: Path, *, spare: Path | None = None) -> None:
         return
     fsync_dir(step_dir.parent)
     _release_owned(step_dir)
+    faults.point("gc.mid_delete")
     if spare is not None:
         try:
             _recycle_files(trash, Path(spare))

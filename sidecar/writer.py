@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar import layout
+from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ def _write_file(path: Path, data: np.ndarray) -> int:
     try:
         if flat.nbytes:
             os.posix_fallocate(fd, 0, flat.nbytes)
+            faults.point("save.mid_file")
         view = memoryview(flat)
         off = 0
         chunk = 64 << 20
@@ -95,6 +96,7 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
     sdir = layout.steps_dir(hs.root)
     final = sdir / layout.step_name(hs.step)
     tmp = layout.make_tmp_dir(sdir, hs.step)
+    faults.point("save.after_tmp_dir")
     t0 = time.monotonic()
     try:
         need = hs.nbytes
@@ -115,6 +117,7 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
                 pool.take(tmp / name, data.nbytes)
             futs = {(li, si): ex.submit(_write_file, tmp / name, data) for li, si, name, data in jobs}
             crcs = {k: f.result() for k, f in futs.items()}
+            faults.point("save.after_files")
         files = []
         arrays = []
         for li, arr in enumerate(hs.arrays):
@@ -134,8 +137,12 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
             arrays=tuple(arrays),
             values=tuple(hs.values),
         )
+        faults.point("save.before_manifest")
         layout.write_manifest(tmp, manifest)
+        faults.point("save.after_manifest")
+        faults.point("save.before_commit")
         layout.commit_dir(tmp, final, replace=True)
+        faults.point("save.after_commit")
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if e.errno == errno.ENOSPC:  # the recycled pages were not enough: give them back for the retry
@@ -216,11 +223,14 @@ class HostWriter:
             try:
                 write_step(hs, self.threads)
                 if keep is not None:
+                    faults.point("save.before_local_gc")
                     gc_local_steps(self.root, keep)
                 if notify:
+                    faults.point("save.before_notify")
                     from sidecar.notify import notify_step_committed
 
                     notify_step_committed(self.root, hs.step)
+                    faults.point("save.after_notify")
             except BaseException as e:  # kept and re-raised in the caller's thread
                 log.error("save of step %d to %s failed: %s", hs.step, self.root, e)
                 with self._cv:

@@ -123,7 +123,8 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> int:
                                             dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     bucket = base / "bucket"
     cluster = LocalCluster(base, nodes=4, data_parallelism=2,
-                           extra=["--backup-url", f"file://{bucket}", "--backup-interval-steps", str(SAVE_EVERY)])
+                           extra=["--backup-url", f"file://{bucket}", "--backup-interval-steps", str(SAVE_EVERY),
+                                  "--metrics-port", "0"])
     topo = HostTopology.simulated(devices, slices=2, hosts_per_slice=2)
     rows: list[Row] = []
     checks: list[tuple[str, bool]] = []
@@ -157,6 +158,7 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> int:
         rows.append(Row(what, restored["step"], _nbytes(restored["params"]), time.monotonic() - t0))
         return mgr, restored
 
+    left_running = False
     print(f"mtc demo: 8 CPU devices as 2 slices x 2 hosts; replicators on 127.0.0.1; RAM dirs and bucket "
           f"under {base}")
     try:
@@ -198,8 +200,10 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> int:
         checks.append(("all hosts restored bit-exact from the local-folder bucket", _equal(restored, final)))
         mgr.close()
         checks.append(("final state equals the uninterrupted run's", _equal(final, final_ref)))
+        left_running = keep  # --keep: leave the job's replicators up for the operator's commands
     finally:
-        cluster.stop_all()
+        if not left_running:
+            cluster.stop_all()
         if not keep and workdir is None:
             shutil.rmtree(base, ignore_errors=True)
 
@@ -208,6 +212,14 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> int:
         print(f"{r.what:<34} {r.step:>5} {r.nbytes:>10} {r.seconds * 1000:>9.1f}")
     for what, ok in checks:
         print(f"{'OK  ' if ok else 'FAIL'} {what}")
+    if left_running:
+        pids = " ".join(str(p.proc.pid) for p in cluster.procs.values() if p.proc is not None)
+        print(f"-- the replicators keep running (--keep); try the operator's commands (README: Operating it):\n"
+              f"   mtc status --coordinator {cluster.coordinator}\n"
+              f"   mtc steps --coordinator {cluster.coordinator}\n"
+              f"   mtc backups list --backup-url file://{bucket}\n"
+              f"   mtc status --local-dir {cluster.ram(0)}   (shows its metrics address)\n"
+              f"   stop them with: kill {pids}")
     return 0 if all(ok for _, ok in checks) else 1
 
 

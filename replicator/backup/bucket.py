@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from replicator.net.throttle import RateLimiter
+from sidecar import faults
 from sidecar.layout import (
     STEP_PATTERN,
     ChecksumError,
@@ -353,6 +354,7 @@ class BackupStore:
                 crc32c=f.crc32c,
                 throttle=self._limiter.acquire if self._limiter else None,
             )
+            faults.point("backup.upload.mid_upload")
             if info.size != f.size or (info.crc32c is not None and info.crc32c != f.crc32c):
                 raise ChecksumError(
                     f"{self.store.url}/{info.name} (after upload)", f.crc32c, info.crc32c or 0
@@ -365,7 +367,9 @@ class BackupStore:
                 sent = sum(pool.map(upload, todo))
         else:
             sent = 0
+        faults.point("backup.upload.before_manifest")
         self.store.write(f"{base}/{RANKS_DIR}/{rank}.json", manifest.to_json())
+        faults.point("backup.upload.after_manifest")
         secs = time.monotonic() - t0
         log.info(
             "backup %s step %d rank %d: uploaded %d files / %d bytes in %.2fs (%.1f MiB/s), reused %d files",
@@ -420,12 +424,15 @@ class BackupStore:
             total,
             time.time(),
         )
+        faults.point("backup.commit.before_record")
         if strategy == STRATEGY_RENAME:
             # A steps/<N> folder without COMMIT.json is the remains of a retention that crashed midway
             # (the record goes first): garbage by construction, and it would block the rename.
             self._remove_uncommitted_step_dir(staging.step)
             self.store.write(f"{base}/{COMMIT_NAME}", record.to_json())
+            faults.point("backup.commit.after_record")
             self.store.rename_prefix(base, f"{self.job}/{STEPS_DIR}/{step_name(staging.step)}")
+            faults.point("backup.commit.after_rename")
         else:
             try:
                 self.store.write(
@@ -529,6 +536,7 @@ class BackupStore:
             dest = resolve_under(tmp, f.name)
             dest.parent.mkdir(parents=True, exist_ok=True)
             info = self.store.read_to_file(self._data_name(base, content_hash, f.name), dest)
+            faults.point("restore.bucket.mid_download")
             if info.size != f.size or info.crc32c != f.crc32c:
                 raise ChecksumError(
                     f"{self.store.url}/{self._data_name(base, content_hash, f.name)} (size {info.size} vs {f.size})",
@@ -546,6 +554,7 @@ class BackupStore:
             else:
                 got = 0
             write_manifest(tmp, manifest)
+            faults.point("restore.bucket.before_commit")
             commit_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -566,6 +575,7 @@ class BackupStore:
             self.store.delete(f"{base}/{COMMIT_NAME}")
         else:
             self.store.delete(f"{self.job}/{COMMITS_DIR}/{step_name(step)}.json")
+        faults.point("backup.retention.mid_delete")
         n = self.store.delete(base, recursive=True)
         log.info("retention: deleted backup of %s step %d (%d objects)", self.job, step, n)
 

@@ -9,6 +9,7 @@ uploads what it is assigned and downloads what a restore plan sends it to the bu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mtc_rpc import coordinator_pb2 as pb
-from replicator.backup.bucket import BackupOptions, BackupStore
+from replicator.backup.bucket import BackupOptions, BackupStore, Staging
 from replicator.backup.storage import open_store
 from replicator.coordinator.planner import CoordinatorState, Tier
 from replicator.coordinator.service import BackupScheduler
@@ -36,6 +37,8 @@ class BackupAgent:
         self._lock = threading.Lock()
         self.uploaded_bytes = 0
         self.last_error = ""
+        # (step, rank, bytes, seconds, error) after each rank's upload: the daemon's metrics and logs.
+        self.on_upload: Callable[..., None] | None = None
 
     def run_task(self, task: pb.BackupTask, store: Any) -> None:
         staging = self.backup.open_staging(task.staging)
@@ -46,10 +49,14 @@ class BackupAgent:
                 res = self.backup.upload_rank(staging, rank, step_dir)
                 self.uploaded_bytes += res.bytes_uploaded
                 done.append(rank)
+                if self.on_upload is not None:
+                    self.on_upload(task.step, rank, res.bytes_uploaded, res.seconds)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             self.last_error = error
             log.warning("backup upload of step %d failed: %s", task.step, error)
+            if self.on_upload is not None:
+                self.on_upload(task.step, -1, 0, 0.0, error)
         with self._lock:
             self._reports.append(pb.BackupReport(step=task.step, uploaded_ranks=done, error=error))
 
@@ -63,6 +70,19 @@ class BackupAgent:
 
     def status(self) -> dict[str, Any]:
         return {"uploaded_bytes": self.uploaded_bytes, "last_error": self.last_error}
+
+
+@dataclasses.dataclass
+class BackupRun:
+    """The state of the one backup in progress (kept by the coordinator's :class:`BucketScheduler`)."""
+
+    step: int
+    staging: Staging
+    assign: dict[int, int]  # owner rank -> the host rank that uploads it
+    primaries: set[int]  # one rank per distinct content: uploaded first, their replicas then add a manifest
+    started: float  # scheduler clock
+    done: set[int] = dataclasses.field(default_factory=set)  # ranks whose upload was reported
+    attempts: dict[int, int] = dataclasses.field(default_factory=dict)  # host rank -> failed reports
 
 
 class BucketScheduler(BackupScheduler):
@@ -88,13 +108,14 @@ class BucketScheduler(BackupScheduler):
         self.stale_staging_seconds = stale_staging_seconds
         self.force_restore_step = force_restore_step
         self.clock = clock
-        self.current: dict[str, Any] | None = None
+        self.current: BackupRun | None = None
         self.last_start: float | None = None
         self.last_step: int | None = None
         self.committed: list[int] = []
         self.skipped = 0
         self.failures = 0
         self.last_error = ""
+        self.last_success_unix: float | None = None  # wall-clock time of the newest committed backup
         self.requested: set[int] = set()
         self._loaded = False
         self._commit_thread: threading.Thread | None = None
@@ -125,6 +146,7 @@ class BucketScheduler(BackupScheduler):
         if steps:
             self.last_step = steps[-1]
         if newest_unix is not None:
+            self.last_success_unix = newest_unix
             # The minutes interval runs on from the newest backup's commit: a restarted coordinator (every
             # job restart in Orbax mode) must not back up at once.
             self.last_start = self.clock() - max(0.0, time.time() - newest_unix)
@@ -167,8 +189,8 @@ class BucketScheduler(BackupScheduler):
                 seen_hash.add(h)
                 primaries.add(rank)
         state.mark_backup_in_progress(step)
-        self.current = {"step": step, "staging": staging, "assign": assign, "primaries": primaries,
-                        "done": set(), "started": self.clock(), "attempts": {}}
+        self.current = BackupRun(step=step, staging=staging, assign=assign, primaries=primaries,
+                                 started=self.clock())
         self.last_start = self.clock()
         self.last_step = step
         self.requested.discard(step)
@@ -189,41 +211,41 @@ class BucketScheduler(BackupScheduler):
                     self.last_error = f"cannot start backup of step {due}: {e}"
                     log.warning("%s", self.last_error)
                     self.last_start = self.clock()
-        elif due is not None and (self.current is None or due != self.current["step"]) and not self._due_while_busy:
+        elif due is not None and (self.current is None or due != self.current.step) and not self._due_while_busy:
             self._due_while_busy = True
             self.skipped += 1
             log.warning("backup of step %s due while the backup of step %s still runs: skipped (%d so far); "
                         "the next one starts when it ends", due,
-                        self.current["step"] if self.current else "commit", self.skipped)
+                        self.current.step if self.current else "commit", self.skipped)
         cur = self.current
         if cur is None:
             return None
-        phase = [r for r in sorted(cur["primaries"]) if r not in cur["done"]]
+        phase = [r for r in sorted(cur.primaries) if r not in cur.done]
         if not phase:
-            phase = [r for r in range(self.topology.nodes) if r not in cur["done"]]
-        mine = [r for r in phase if cur["assign"].get(r) == rank]
+            phase = [r for r in range(self.topology.nodes) if r not in cur.done]
+        mine = [r for r in phase if cur.assign.get(r) == rank]
         if not mine:
             return None
-        return pb.BackupTask(step=cur["step"], staging=cur["staging"].staging_id, nodes=self.topology.nodes,
+        return pb.BackupTask(step=cur.step, staging=cur.staging.staging_id, nodes=self.topology.nodes,
                              ranks=mine)
 
     def report(self, state: CoordinatorState, rank: int, reports: list[pb.BackupReport]) -> None:
         cur = self.current
         for rep in reports:
-            if cur is None or rep.step != cur["step"]:
+            if cur is None or rep.step != cur.step:
                 continue
-            cur["done"].update(rep.uploaded_ranks)
+            cur.done.update(rep.uploaded_ranks)
             if rep.error:
                 self.failures += 1
                 self.last_error = f"rank {rank}: {rep.error}"
-                n = cur["attempts"].get(rank, 0) + 1
-                cur["attempts"][rank] = n
+                n = cur.attempts.get(rank, 0) + 1
+                cur.attempts[rank] = n
                 if n >= 3:
-                    log.warning("backup of step %d abandoned after repeated failures: %s", cur["step"], rep.error)
+                    log.warning("backup of step %d abandoned after repeated failures: %s", cur.step, rep.error)
                     self._abandon(state)
                     return
-        if cur is not None and len(cur["done"]) == self.topology.nodes and self._commit_thread is None:
-            staging = cur["staging"]
+        if cur is not None and len(cur.done) == self.topology.nodes and self._commit_thread is None:
+            staging = cur.staging
             self._commit_thread = threading.Thread(target=self._commit, args=(staging,), daemon=True,
                                                    name="mtc-backup-commit")
             self._commit_thread.start()
@@ -231,11 +253,11 @@ class BucketScheduler(BackupScheduler):
     def _abandon(self, state: CoordinatorState) -> None:
         cur, self.current = self.current, None
         if cur is not None:
-            state.clear_backup_in_progress(cur["step"])
+            state.clear_backup_in_progress(cur.step)
             try:
-                self.backup.abort(cur["staging"])
+                self.backup.abort(cur.staging)
             except Exception as e:
-                log.warning("could not remove staging %s: %s", cur["staging"].staging_id, e)
+                log.warning("could not remove staging %s: %s", cur.staging.staging_id, e)
 
     def _commit(self, staging: Any) -> None:
         try:
@@ -256,7 +278,7 @@ class BucketScheduler(BackupScheduler):
         self._commit_result = None
         cur, self.current = self.current, None
         if cur is not None:
-            state.clear_backup_in_progress(cur["step"])
+            state.clear_backup_in_progress(cur.step)
         self._due_while_busy = False
         if hashes is None:
             self.failures += 1
@@ -264,6 +286,7 @@ class BucketScheduler(BackupScheduler):
             log.warning("%s", self.last_error)
             return
         state.report_backup(step, committed=True, content_hashes=dict(enumerate(hashes)))
+        self.last_success_unix = time.time()
         try:
             self.committed = self.backup.committed_steps()
         except Exception:
@@ -272,14 +295,14 @@ class BucketScheduler(BackupScheduler):
             if state.backup_ranks(gone):
                 state.report_backup(gone, committed=False)
         log.info("backup of step %d committed in %.2fs %s", step,
-                 self.clock() - (cur["started"] if cur else self.clock()), note)
+                 self.clock() - (cur.started if cur else self.clock()), note)
 
     def status(self) -> dict[str, Any]:
         cur = self.current
         return {
             "url": self.backup.store.url,
             "committed_steps": list(self.committed),
-            "in_progress": None if cur is None else {"step": cur["step"], "done_ranks": sorted(cur["done"])},
+            "in_progress": None if cur is None else {"step": cur.step, "done_ranks": sorted(cur.done)},
             "skipped": self.skipped,
             "failures": self.failures,
             "last_error": self.last_error,

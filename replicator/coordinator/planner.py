@@ -541,6 +541,14 @@ class CoordinatorState:
                 plan[holder] = sorted(doomed, key=lambda k: (k[1], k[0]))
         return plan
 
+    def pinned_steps(self) -> list[int]:
+        """Steps pinned against GC (restores, the operator), ascending."""
+        return sorted(self._pinned)
+
+    def backups_in_progress(self) -> list[int]:
+        """Steps being uploaded to the bucket, ascending."""
+        return sorted(self._backups_in_progress)
+
     def status(self) -> dict[str, Any]:
         """Plain data (JSON-serialisable) for the admin CLI."""
         complete = self.globally_complete_steps()

@@ -277,6 +277,54 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             st["job"] = self.job
         return pb.GetStatusResponse(status_json=json.dumps(st, default=str))
 
+    # ------------------------------------------------------------------ queries for the admin service and metrics
+    LOST_AFTER_HEARTBEATS = 5
+    LOST_AFTER_MIN_SECONDS = 5.0
+
+    def lost_ranks(self) -> list[int]:
+        """Ranks silent for longer than max(5 heartbeats, 5 s), and (after start-up) ranks never heard from."""
+        limit = max(self.LOST_AFTER_HEARTBEATS * self.heartbeat_seconds, self.LOST_AFTER_MIN_SECONDS)
+        with self._lock:
+            now = self._clock()
+            started = now - self._started > max(limit, self._startup_grace_seconds)
+            return [r for r in range(self.topology.nodes)
+                    if (r in self._last_seen and now - self._last_seen[r] > limit)
+                    or (r not in self._last_seen and started)]
+
+    def hosts_seen(self) -> dict[int, float]:
+        """rank -> seconds since its last heartbeat (ranks never heard from are absent)."""
+        with self._lock:
+            now = self._clock()
+            return {r: now - t for r, t in sorted(self._last_seen.items())}
+
+    def host_addresses(self) -> dict[int, str]:
+        """rank -> Peer service address each host reported."""
+        with self._lock:
+            return dict(sorted(self._addresses.items()))
+
+    def seconds_since_start(self) -> float:
+        return self._clock() - self._started
+
+    @property
+    def lock(self) -> threading.Condition:
+        """The (reentrant) lock every RPC holds while it reads or changes the state."""
+        return self._lock
+
+    def steps_first_seen(self) -> dict[int, float]:
+        """step -> seconds since the coordinator first heard of it (steps it tracks for replication)."""
+        with self._lock:
+            now = self._clock()
+            return {s: now - t for s, t in sorted(self._first_seen.items())}
+
+    def release_restore_pin(self, step: int) -> bool:
+        """Forget a restore pinned on ``step`` (the next restore takes the newest step again)."""
+        with self._lock:
+            if self._restore_step != step:
+                return False
+            self.state.unpin(step)
+            self._restore_step = self._restore_floor = None
+            return True
+
 
 def _tier_rank(kind: Tier) -> int:
     return {Tier.LOCAL: 0, Tier.PEER: 1, Tier.REPLICA: 1, Tier.BUCKET: 2}.get(kind, 3)

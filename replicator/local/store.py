@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 from replicator.coordinator.planner import Holding, Tier
-from sidecar import layout
+from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,7 @@ class RamDiskStore:
     def delete(self, owner: int, step: int) -> None:
         d = self.step_dir(owner, step)
         layout.delete_step(d, spare=layout.spare_dir(self.root))  # pages kept for the next copy
+        faults.point("gc.after_delete")
         with self._lock:
             self._cache.pop(d, None)
             changed = False

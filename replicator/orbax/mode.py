@@ -41,7 +41,7 @@ from replicator.coordinator.topology import JobTopology
 from replicator.options import ConfigError, ReplicatorOptions
 from replicator.orbax import contract as oc
 from replicator.orbax.store import OrbaxStore
-from sidecar import layout
+from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,7 @@ class OrbaxMode:
         try:
             store = OrbaxStore(self.local, cfg.node_rank, job=cfg.job_name, nodes=cfg.nodes, on_error=self._error)
             store.ingest()
+            faults.point("orbax.after_ingest")
             daemon = self._build(opts, store=store)
             daemon.start()
         except Exception as e:  # a bind failure, an unusable bucket, ...
@@ -197,12 +198,14 @@ class OrbaxMode:
             step, target = self._plan(daemon, store, cfg, opts)
             if self.stopping.is_set():
                 return
+            faults.point("orbax.before_marker")
             self._clean_links()
             oc.prepare_for_restore(self.local, step)
             if step is None:
                 oc.write_no_restore_marker(self.local, cfg.job_name, cfg.node_rank)
             else:
                 oc.write_restore_marker(self.local, cfg.job_name, step, cfg.node_rank, target)
+                faults.point("orbax.after_marker")
         except HandshakeError as e:
             self._fatal(f"rank {cfg.node_rank}: {e}", cfg)
             return
@@ -212,6 +215,7 @@ class OrbaxMode:
             return
         try:
             oc.acknowledge(self.local, cfg, missing_ok=True)
+            faults.point("orbax.after_ack")
         except ValueError as e:
             log.warning("not acknowledged: %s", e)  # a newer yaml: answered by the next handshake
             return

@@ -21,7 +21,7 @@ from pathlib import Path
 from replicator.coordinator.planner import Holding
 from replicator.local.store import RamDiskStore
 from replicator.orbax import contract as oc
-from sidecar import layout
+from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class OrbaxStore(RamDiskStore):
             self._on_error(f"cannot move Orbax step {step} ({src}) into the store: {e}")
             return False
         try:
+            faults.point("orbax.ingest.after_move")
             files = layout.scan_files(tmp, exclude=(layout.MANIFEST_NAME, oc.BACKUP_REQUESTED_FILE))
             content_id = oc.orbax_content_hash(tmp)
             manifest = layout.StepManifest(job=self.job, step=step, rank=self.rank, nodes=self.nodes,
@@ -93,6 +94,7 @@ class OrbaxStore(RamDiskStore):
             if os.path.lexists(final):
                 # Orbax saved this step number again (e.g. after restoring an older step): the new save wins.
                 self.delete(self.rank, step)
+            faults.point("orbax.ingest.before_commit")
             layout.commit_dir(tmp, final)
         except (OSError, ValueError) as e:
             # Unreadable OCDBT data and the like: never publish it. Give the directory back to Orbax's

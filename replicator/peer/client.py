@@ -48,7 +48,7 @@ from replicator.peer.protocol import (
     TransferRejected,
     recv_exact,
 )
-from sidecar import layout
+from sidecar import faults, layout
 from sidecar.layout import ChecksumError, FileEntry, ManifestError, StepManifest
 
 log = logging.getLogger(__name__)
@@ -189,6 +189,7 @@ class _FileSink:
             done = 0
             while done < n:
                 done += os.pwrite(self._fd, view[done:], offset + done)
+                faults.point("peer.fetch.mid_transfer")
         self._pos += n
         self.bytes += n
 
@@ -469,6 +470,7 @@ def fetch_step(
                 f"differs from the expected {expected_content_hash[:12]}"
             )
         tmp = layout.make_tmp_dir(dest_parent, step)
+        faults.point("peer.fetch.after_tmp_dir")
         try:
             _fetch_files_on(
                 channel,
@@ -482,8 +484,11 @@ def fetch_step(
                 use_data_port and tls is None,
                 layout.SparePool(spare_dir) if spare_dir is not None else None,
             )
+            faults.point("peer.fetch.before_manifest")
             layout.write_manifest(tmp, manifest)
+            faults.point("peer.fetch.before_commit")
             layout.commit_dir(tmp, final)
+            faults.point("peer.fetch.after_commit")
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if spare_dir is not None and getattr(e, "errno", None) == errno.ENOSPC:

@@ -47,7 +47,7 @@ from replicator.peer.protocol import (
     RateLimiter,
     Throttle,
 )
-from sidecar import layout
+from sidecar import faults, layout
 from sidecar.layout import ChecksumError, FileEntry, ManifestError, StepManifest
 
 log = logging.getLogger(__name__)
@@ -445,6 +445,7 @@ class TransferServer:
                     _sendfile_by(conn, f.fileno(), offset, n, allowance)
                     offset += n
                     sent += n
+                    faults.point("peer.serve.mid_send")
         conn.setblocking(True)
         conn.shutdown(socket.SHUT_WR)
         with self._lock:

@@ -205,7 +205,7 @@ def test_single_slice_ring_copy_restores_a_wiped_host(base) -> None:
     assert m0.content_id != m1.content_id  # each host holds different shards
     # `mtc status --local-dir` reaches an Orbax-mode daemon like a native one.
     out = subprocess.run(
-        [sys.executable, "-m", "controller_client.cli", "status", "--local-dir", str(cl.local(0))],
+        [sys.executable, "-m", "controller_client.cli", "status", "-o", "json", "--local-dir", str(cl.local(0))],
         capture_output=True, text=True, timeout=60, cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)),
     )  # fmt: skip
     st = json.loads(out.stdout)

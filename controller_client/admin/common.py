@@ -1,0 +1,149 @@
+"""Shared by the admin commands: exit codes, output (rich tables, JSON, progress), connection, bucket."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DEGRADED = 0, 1, 2, 3
+
+ENV_COORDINATOR = "MTC_COORDINATOR"
+
+ENV_TOKEN_FILE = "MTC_TOKEN_FILE"
+
+EXIT_CODES_HELP = "exit codes: 0 ok, 1 error, 2 usage, 3 degraded (no redundant complete step, a lost host, " \
+                  "or the newest backup overdue)"
+
+class UsageError(ValueError):
+    """Bad command-line input: printed on one line, exit 2."""
+
+def console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    # Not a terminal (a pipe, a test, a log) and no $COLUMNS: wide enough that cells are rarely wrapped.
+    width = None if stream.isatty() or os.environ.get("COLUMNS", "").isdigit() else 160
+    return Console(file=stream, width=width, highlight=False)
+
+def ranges(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``; ``-`` when empty."""
+    rs = sorted(set(ranks))
+    parts, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(parts) or "-"
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+def when(unix: float, short: bool = False) -> str:
+    if not unix:
+        return "-"
+    ago = f"{age(time.time() - unix)} ago"
+    return ago if short else f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(unix))}Z ({ago})"
+
+def age(seconds: float) -> str:
+    s = int(max(0, seconds))
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+def table(title: str, columns: list[str]) -> Any:
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c)
+    return t
+
+def emit_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2, sort_keys=False))
+
+def progress(transient: bool = True, hosts: bool = False) -> Any:
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    if hosts:
+        return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console(stderr=True), transient=transient)
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=console(stderr=True), transient=transient)
+
+def add_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", choices=("table", "json"), default="table",
+                   help="table for people (default) or json for scripts")
+
+def add_connection(p: argparse.ArgumentParser, required: bool = True) -> None:
+    g = p.add_argument_group("connection")
+    g.add_argument("--coordinator", default=os.environ.get(ENV_COORDINATOR, ""),
+                   help=f"HOST:PORT of the coordinator (default ${ENV_COORDINATOR})")
+    g.add_argument("--token-file", default=os.environ.get(ENV_TOKEN_FILE, ""),
+                   help=f"file with the bearer token (default ${ENV_TOKEN_FILE})")
+    g.add_argument("--tls-cert", help="client certificate (PEM), for mutual TLS")
+    g.add_argument("--tls-key", help="client key (PEM)")
+    g.add_argument("--tls-ca", help="CA bundle (PEM) that signed the replicators' certificates")
+    g.add_argument("--timeout-seconds", type=float, default=10.0, help="deadline of each call (default 10)")
+
+def add_bucket(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--backup-url", required=required, default=None,
+                   help="the bucket (file:///path, gs://bucket/prefix, any fsspec URL)")
+    p.add_argument("--job", default=None, help="job name in the bucket (default: the only job there)")
+
+class Conn:
+    """The coordinator's Admin stub plus what is needed to reach each host's Peer service."""
+
+    def __init__(self, args: argparse.Namespace):
+        from replicator.net import rpc
+        from replicator.net.security import TlsOptions
+
+        if not args.coordinator:
+            raise UsageError(f"give --coordinator HOST:PORT (or set ${ENV_COORDINATOR})")
+        self.token = Path(args.token_file).read_text().strip() if args.token_file else None
+        self.tls = TlsOptions.from_args(args.tls_cert, args.tls_key, args.tls_ca)
+        self.timeout = args.timeout_seconds
+        self.address = args.coordinator
+        self.channel = rpc.make_channel(args.coordinator, token=self.token, tls=self.tls)
+        from mtc_rpc import admin_pb2_grpc
+
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+def open_backup(url: str, job: str | None) -> Any:
+    """A read-only :class:`BackupStore` on ``url`` for ``job`` (the only job in the bucket when None)."""
+    from replicator.backup.bucket import BackupStore
+    from replicator.backup.storage import open_store
+
+    store = open_store(url)
+    if job is None:
+        jobs = sorted({o.name.strip("/").split("/")[0] for o in store.list("", shallow=True)} - {""})
+        jobs = [j for j in jobs if store.list(f"{j}/commits", shallow=True) or store.list(f"{j}/steps", shallow=True)]
+        if len(jobs) != 1:
+            raise UsageError(f"{url} holds backups of jobs {jobs or 'none'}: give --job NAME")
+        job = jobs[0]
+    return BackupStore(store, job)

@@ -1,0 +1,176 @@
+"""The Admin service in-process: degraded rules (backup overdue, lost hosts), bad copies, pins, metrics view."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mtc_rpc import admin_pb2 as apb
+from mtc_rpc import coordinator_pb2 as pb
+from replicator.coordinator.admin import AdminServicer, cluster_view
+from replicator.coordinator.service import Coordinator
+from replicator.coordinator.topology import JobTopology
+
+
+class Ctx:
+    def abort(self, code, details):
+        raise grpc.RpcError(f"{code.name}: {details}")
+
+    def is_active(self):
+        return True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def beat(svc, rank, holdings):
+    req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
+                              holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=t)
+                                        for o, s, h, t in holdings])
+    return svc.Heartbeat(req, Ctx())
+
+
+# One slice of 2 hosts, each with its own step 5 and a ring copy of the other's: complete and redundant.
+RING = {0: [(0, 5, "A", "local"), (1, 5, "B", "peer")], 1: [(1, 5, "B", "local"), (0, 5, "A", "peer")]}
+
+
+def make(backup=None):
+    clock = Clock()
+    coord = Coordinator(JobTopology(2, 1, 1), "t", heartbeat_seconds=1.0, clock=clock, backup=backup)
+    admin = AdminServicer(coord)
+    return coord, admin, admin.wrap(coord), clock
+
+
+def fake_scheduler(**kw):
+    """What the admin service reads of a BucketScheduler (the real one needs a bucket)."""
+    base = dict(committed=[], backup=types.SimpleNamespace(store=types.SimpleNamespace(url="file:///b")),
+                last_success_unix=None, interval_minutes=0.0, interval_steps=0, skipped=0, failures=0,
+                last_error="", current=None, keep=3, requested=set())
+    base.update(kw)
+    ns = types.SimpleNamespace(**base)
+    ns.task_for = lambda *a: None
+    ns.report = lambda *a: None
+    ns.request = lambda steps: ns.requested.update(steps)
+    ns.status = lambda: {}
+    return ns
+
+
+def test_healthy_then_lost_host_is_degraded() -> None:
+    coord, admin, svc, clock = make()
+    for r in (0, 1):
+        beat(svc, r, RING[r])
+    s = admin.GetSummary(apb.GetSummaryRequest(), Ctx())
+    assert not s.degraded and s.newest_complete_step == 5 and s.newest_redundant, s.problems
+    clock.now += 6.0  # > max(5 heartbeats, 5 s) without a word from rank 1
+    beat(svc, 0, RING[0])
+    s = admin.GetSummary(apb.GetSummaryRequest(), Ctx())
+    assert s.degraded and list(s.lost_ranks) == [1] and "hosts lost" in s.problems[0]
+    assert cluster_view(coord).hosts_lost == 1
+
+
+@pytest.mark.parametrize("age_intervals,overdue", [(1.0, False), (2.0, True)])
+def test_backup_overdue_by_minutes(age_intervals, overdue) -> None:
+    sched = fake_scheduler(committed=[5], interval_minutes=10.0,
+                           last_success_unix=time.time() - age_intervals * 600)
+    coord, admin, svc, _ = make(sched)
+    for r in (0, 1):
+        beat(svc, r, RING[r])
+    s = admin.GetSummary(apb.GetSummaryRequest(), Ctx())
+    assert s.degraded is overdue and any("backup overdue" in p for p in s.problems) is overdue, s.problems
+    assert s.backup_url == "file:///b" and s.newest_backup_step == 5
+    view = cluster_view(coord)
+    assert view.backup_configured and view.backup_interval_seconds == 600.0
+
+
+def test_backup_overdue_by_steps() -> None:
+    sched = fake_scheduler(committed=[1], interval_steps=2)
+    coord, admin, svc, _ = make(sched)
+    for r in (0, 1):
+        beat(svc, r, RING[r])
+    s = admin.GetSummary(apb.GetSummaryRequest(), Ctx())
+    assert s.degraded and "4 steps behind" in s.problems[0], s.problems
+    r = admin.BackupNow(apb.BackupNowRequest(step=-1), Ctx())
+    assert (r.step, r.state) == (5, "requested") and sched.requested == {5}
+    with pytest.raises(grpc.RpcError, match="only the newest complete step"):
+        admin.BackupNow(apb.BackupNowRequest(step=3), Ctx())
+
+
+def test_bad_copy_is_hidden_deleted_and_forgotten() -> None:
+    coord, admin, svc, _ = make()
+    for r in (0, 1):
+        beat(svc, r, RING[r])
+    assert coord.state.is_redundant(5)
+    admin.ReportBadCopy(apb.ReportBadCopyRequest(step=5, owner_rank=1, holder_rank=0, tier="peer", file="x"), Ctx())
+    resp = beat(svc, 0, RING[0])
+    assert [(d.owner_rank, d.step) for d in resp.deletions] == [(1, 5)]
+    assert not coord.state.is_redundant(5)  # the bad copy no longer counts
+    # Host 0 deleted it: the next report without it clears the mark; a fresh copy counts again.
+    beat(svc, 0, RING[0][:1])
+    assert admin.bad.filter(pb.HeartbeatRequest(rank=0, holdings=[pb.Holding(owner_rank=1, step=5)]))[1] == []
+    resp = beat(svc, 0, RING[0])
+    assert not resp.deletions and coord.state.is_redundant(5)
+    with pytest.raises(grpc.RpcError, match="INVALID_ARGUMENT"):
+        admin.ReportBadCopy(apb.ReportBadCopyRequest(step=5, owner_rank=9, holder_rank=0, tier="peer"), Ctx())
+
+
+def test_pins_gc_plan_and_steps() -> None:
+    coord, admin, svc, _ = make()
+    for r in (0, 1):
+        beat(svc, r, [(r, 4, f"old{r}", "local")] + RING[r])
+    with pytest.raises(grpc.RpcError, match="NOT_FOUND"):
+        admin.Pin(apb.PinRequest(step=9), Ctx())
+    assert list(admin.Pin(apb.PinRequest(step=4), Ctx()).pinned_steps) == [4]
+    plan = admin.GcPlan(apb.GcPlanRequest(), Ctx())
+    assert 4 in plan.protected_steps and all(i.step != 4 for i in plan.items)
+    assert list(admin.Unpin(apb.PinRequest(step=4), Ctx()).pinned_steps) == []
+    steps = admin.ListSteps(apb.ListStepsRequest(), Ctx())
+    s5 = next(i for i in steps.steps if i.step == 5)
+    assert s5.complete and s5.redundant and list(s5.local_ranks) == [0, 1] and list(s5.peer_ranks) == [0, 1]
+    assert s5.complete_unix > 0 and s5.bytes == 20
+
+
+
+
+_INTS = st.one_of(st.integers(-3, 12), st.integers(-(2**63), 2**63 - 1))
+_REQUESTS = st.one_of(
+    st.builds(lambda: ("GetSummary", apb.GetSummaryRequest())),
+    st.builds(lambda: ("ListSteps", apb.ListStepsRequest())),
+    st.builds(lambda a, b: ("ListHosts", apb.ListHostsRequest(first_rank=a, last_rank=b)), _INTS, _INTS),
+    st.builds(lambda a: ("LocateStep", apb.LocateStepRequest(step=a)), _INTS),
+    st.builds(lambda a: ("Pin", apb.PinRequest(step=a)), _INTS),
+    st.builds(lambda a: ("Unpin", apb.PinRequest(step=a)), _INTS),
+    st.builds(lambda a: ("BackupNow", apb.BackupNowRequest(step=a)), _INTS),
+    st.builds(lambda: ("GcPlan", apb.GcPlanRequest())),
+    st.builds(lambda a, b, c, t: ("ReportBadCopy", apb.ReportBadCopyRequest(step=a, owner_rank=b, holder_rank=c,
+                                                                           tier=t)),
+              _INTS, _INTS, _INTS, st.sampled_from(["local", "peer", "bucket", "", "x" * 300])),
+    st.builds(lambda a, w: ("RestoreStep", apb.RestoreStepRequest(step=a, wait_seconds=w)), _INTS,
+              st.sampled_from([0.0, -1.0, float("nan"), 0.01])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_REQUESTS, max_size=6))
+def test_any_request_gets_an_answer_or_a_clear_status(calls) -> None:
+    """Fuzz: every Admin RPC, any field values: a response or an abort with a status, never an exception."""
+    sched = fake_scheduler(committed=[5], interval_minutes=10.0, last_success_unix=time.time())
+    coord, admin, svc, _ = make(sched)
+    for r in (0, 1):
+        beat(svc, r, RING[r])
+    for name, req in calls:
+        try:
+            getattr(admin, name)(req, Ctx())
+        except grpc.RpcError:
+            pass  # Ctx.abort: a clear status
+    beat(svc, 0, RING[0])  # the coordinator still works afterwards
+    assert admin.GetSummary(apb.GetSummaryRequest(), Ctx()).nodes == 2

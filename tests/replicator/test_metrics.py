@@ -1,0 +1,126 @@
+"""Prometheus metrics: the typed counters, and /metrics scraped over HTTP from real replicators."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mtc_rpc import control_pb2, control_pb2_grpc
+from replicator.metrics import HostCounters, ReplicatorMetrics
+from sidecar.layout import control_socket
+from tests.kits.cluster import assert_equal, manager, save_steps, state, target, wait_for
+
+
+def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def metrics_address(local_dir) -> str:
+    import json
+
+    with grpc.insecure_channel(f"unix:{control_socket(local_dir)}") as ch:
+        resp = control_pb2_grpc.LocalControlStub(ch).GetLocalStatus(control_pb2.GetLocalStatusRequest(), timeout=5)
+    return json.loads(resp.status_json)["metrics_address"]
+
+
+def test_counters_are_typed_and_locked() -> None:
+    c = HostCounters()
+    with pytest.raises(KeyError):
+        c.add("copies_typo")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        c.add("copies", -1)
+
+    def bump() -> None:
+        for _ in range(5000):
+            c.add("copy_bytes", 3)
+
+    threads = [threading.Thread(target=bump) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert c.snapshot()["copy_bytes"] == 4 * 5000 * 3
+
+
+def test_endpoint_serves_own_registry_on_a_free_port(tmp_path) -> None:
+    m = ReplicatorMetrics(tmp_path)
+    port = m.serve("127.0.0.1", 0)
+    try:
+        assert port > 0 and m.metrics_address == f"127.0.0.1:{port}"
+        m.counters.add("copy_bytes", 123)
+        m.observe_transfer("peer_copy", 0.2)
+        s = scrape(m.metrics_address)
+        assert value(s, "mtc_copy_bytes_total", kind="peer_copy") == 123
+        assert value(s, "mtc_transfer_seconds_count", kind="peer_copy") == 1
+        assert value(s, "mtc_ramdisk_bytes", state="free") > 0
+        assert value(s, "mtc_newest_complete_step") == -1
+        # The job-wide metrics come only from the coordinator.
+        assert value(s, "mtc_hosts_lost") is None
+    finally:
+        m.stop()
+
+
+@pytest.mark.slow
+def test_metrics_move_after_a_save_and_a_backup(cluster_factory, tmp_path) -> None:
+    bucket = tmp_path / "bucket"
+    cl = cluster_factory(nodes=4, data_parallelism=2,
+                         extra=["--metrics-port", "0", "--backup-url", f"file://{bucket}",
+                                "--backup-interval-steps", "1"])
+    cl.start_all()
+    coord = metrics_address(cl.ram(0))
+    other = metrics_address(cl.ram(3))
+    before = scrape(coord)
+    assert value(before, "mtc_newest_complete_step") == -1
+    assert value(before, "mtc_step_redundant") == 0
+    assert value(before, "mtc_hosts", ) == 4
+    assert value(before, "mtc_backup_failures_total") == 0
+    assert value(before, "mtc_backup_last_success_timestamp_seconds") is None
+
+    mgr = manager(cl, 2, 2)
+    save_steps(mgr, [7])
+    wait_for(lambda: value(scrape(coord), "mtc_newest_complete_step") == 7, what="metric: step 7 complete")
+    wait_for(lambda: value(scrape(coord), "mtc_backup_last_success_timestamp_seconds"), timeout=60,
+             what="metric: a backup committed")
+    wait_for(lambda: value(scrape(coord), "mtc_step_redundant") == 1, timeout=60, what="metric: redundant")
+    after = scrape(coord)
+    assert value(after, "mtc_hosts_lost") == 0
+    assert value(after, "mtc_hosts_registered") == 4
+    assert value(after, "mtc_coordinator_heartbeat_seconds_count") > value(before,
+                                                                             "mtc_coordinator_heartbeat_seconds_count")
+    # Every host saw its own save; uploads moved bytes and were timed somewhere in the job.
+    uploaded = 0.0
+    for r in range(4):
+        s = scrape(metrics_address(cl.ram(r)))
+        assert value(s, "mtc_saves_total") == 1, r
+        assert value(s, "mtc_save_bytes_total") > 0
+        assert value(s, "mtc_ramdisk_bytes", state="used") > 0
+        uploaded += value(s, "mtc_copy_bytes_total", kind="backup_upload")
+    assert uploaded > 0
+    wait_for(lambda: value(scrape(other), "mtc_newest_complete_step") == 7, what="host 3 heard of step 7")
+    # Host 3 is lost and comes back empty: its restore is timed and its bytes counted.
+    cl.procs[3].stop()
+    cl.wipe(3)
+    cl.start(3)
+    wait_for(lambda: value(scrape(coord), "mtc_hosts_registered") == 4, what="host 3 back")
+    trees = {7: state(7)}
+    assert_equal(trees[7], mgr.restore(None, target(trees[7])))
+    s3 = scrape(metrics_address(cl.ram(3)))
+    assert value(s3, "mtc_restore_seconds_count") >= 1
+    assert value(s3, "mtc_copy_bytes_total", kind="restore") > 0
+    assert value(s3, "mtc_saves_total") == 0  # a restored step is not a save
+    assert value(scrape(coord), "mtc_coordinator_plan_seconds_count") >= 1
+    mgr.close()

@@ -1,0 +1,98 @@
+"""The dependency rules of the layout, checked on the source: one direction between roles, no cycles.
+
+``sidecar`` knows nothing of ``replicator``; ``replicator`` knows nothing of ``controller_client``; generated
+stubs depend on nothing of ours. Function-level (lazy) imports count too: they are edges all the same.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("sidecar", "replicator", "controller_client", "mtc_rpc")
+FORBIDDEN = {
+    "sidecar": ("replicator", "controller_client"),
+    "replicator": ("controller_client",),
+    "mtc_rpc": ("sidecar", "replicator", "controller_client"),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = base[: len(base) - node.level + 1]
+                    prefix = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    prefix = node.module or ""
+                names = [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+            for name in names:
+                # the longest known module the name refers to
+                while name and name not in modules:
+                    name = name.rpartition(".")[0]
+                if name and name != mod:
+                    graph[mod].add(name)
+    return graph
+
+
+def test_roles_depend_one_way() -> None:
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in _graph().items()
+        for d in deps
+        if d.split(".")[0] in FORBIDDEN.get(m.split(".")[0], ())
+    ]
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    # A package's __init__ re-exporting its own modules is not a cycle between modules.
+    real = [c for c in cycles if not all(m.startswith(min(c, key=len) + ".") or m == min(c, key=len) for m in c)]
+    assert not real, real

@@ -50,11 +50,6 @@ class Case:
     raises: type[BaseException] | None = None  # the error the known defect raises
 
 
-ORBAX_INGEST = ("known defect (replicator/orbax/store.py ingest + start-up cleanup, issue #12 item 3 tmp-dir "
-                "ownership, data-plane engineer): a daemon killed while ingesting Orbax's committed <local>/<N> "
-                "(moved into steps/.tmp-<N>-*) loses step N: the restarted store deletes the temporary directory, "
-                "so the handshake finds nothing to restore")
-
 CASES: dict[str, Case] = {
     # sidecar writer: steps 1, 2, 3 with keep=2; the point fires while step 3 is written
     "save.after_tmp_dir": Case("sidecar", at=3),
@@ -94,8 +89,8 @@ CASES: dict[str, Case] = {
     "gc.after_delete": Case("cluster", victim=0),
     "restore.peer.before_fetch": Case("cluster"),
     # Orbax-mode daemon: one handshake for a committed step 5
-    "orbax.ingest.after_move": Case("orbax", xfail=ORBAX_INGEST, raises=AssertionError),
-    "orbax.ingest.before_commit": Case("orbax", xfail=ORBAX_INGEST, raises=AssertionError),
+    "orbax.ingest.after_move": Case("orbax"),
+    "orbax.ingest.before_commit": Case("orbax"),
     "orbax.after_ingest": Case("orbax"),
     "orbax.before_marker": Case("orbax"),
     "orbax.after_marker": Case("orbax"),

@@ -395,7 +395,7 @@ class StepManifest:
             )
         except ManifestError:
             raise
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: int(Infinity)
             raise ManifestError(f"malformed manifest: {e}") from e
         if m.step < 0 or not 0 <= m.rank < max(m.nodes, 1):
             raise ManifestError(f"bad step/rank/nodes {m.step}/{m.rank}/{m.nodes}")
@@ -422,6 +422,8 @@ class StepManifest:
             d = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ManifestError(f"manifest is not valid JSON: {e}") from e
+        except RecursionError:  # absurdly deep nesting: no manifest looks like that
+            raise ManifestError("manifest nests too deeply") from None
         if not isinstance(d, dict):
             raise ManifestError("manifest is not a JSON object")
         return cls.from_dict(d)

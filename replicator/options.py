@@ -309,4 +309,4 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     if "local_dir" not in merged:
         raise ConfigError("--local-dir is required")
     kwargs = {k: _convert(k, v) for k, v in merged.items()}
-    return ReplicatorOptions(**kwargs).validate().check_exposure()
+    return ReplicatorOptions(**kwargs).validate()

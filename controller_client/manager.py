@@ -35,7 +35,8 @@ class CheckpointManagerOptions:
       cross_host_reads: let a host read other hosts' directories when they are on the same machine
         (simulated hosts); without a replicator this is the only way to restore onto a different mesh.
       wait_timeout_seconds: bound on ``wait_until_finished`` and the wait before a restore.
-      coordinator_address: ``HOST:PORT`` of the replicators' coordinator. When set, ``latest_step`` and
+      coordinator_address: ``HOST:PORT`` of the replicators' coordinator, or its ordered candidates
+        comma-separated (``h0:7070,h2:7070``: calls fail over to the next one). When set, ``latest_step`` and
         ``all_steps`` report globally complete steps, ``restore`` first has every host fetch what it
         lacks (peer, then bucket), deletion is left to the replicators and hosts never read each
         other's directories.

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x63oordinator.proto\x12\x06mtc.v1\"]\n\x07Holding\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0c\n\x04tier\x18\x05 \x01(\t\"C\n\x0c\x42\x61\x63kupReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0euploaded_ranks\x18\x02 \x03(\x03\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\xd1\x01\n\x10HeartbeatRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x03\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12!\n\x08holdings\x18\x05 \x03(\x0b\x32\x0f.mtc.v1.Holding\x12%\n\x07\x62\x61\x63kups\x18\x06 \x03(\x0b\x32\x14.mtc.v1.BackupReport\x12\x17\n\x0f\x62\x61\x63kup_requests\x18\x07 \x03(\x03\x12\x19\n\x11newest_saved_step\x18\x08 \x01(\x03\"o\n\x08\x43opyTask\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0bsource_rank\x18\x03 \x01(\x03\x12\x16\n\x0esource_address\x18\x04 \x01(\t\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\",\n\x08\x44\x65letion\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"t\n\rRestoreSource\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x13\n\x0bholder_rank\x18\x02 \x01(\x03\x12\x16\n\x0eholder_address\x18\x03 \x01(\t\x12\x12\n\nowner_rank\x18\x04 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\"C\n\x0bRestoreTask\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12&\n\x07sources\x18\x02 \x03(\x0b\x32\x15.mtc.v1.RestoreSource\"I\n\nBackupTask\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0f\n\x07staging\x18\x02 \x01(\t\x12\r\n\x05nodes\x18\x03 \x01(\x03\x12\r\n\x05ranks\x18\x04 \x03(\x03\"\xe1\x01\n\x11HeartbeatResponse\x12 \n\x06\x63opies\x18\x01 \x03(\x0b\x32\x10.mtc.v1.CopyTask\x12#\n\tdeletions\x18\x02 \x03(\x0b\x32\x10.mtc.v1.Deletion\x12$\n\x07restore\x18\x03 \x01(\x0b\x32\x13.mtc.v1.RestoreTask\x12\"\n\x06\x62\x61\x63kup\x18\x04 \x01(\x0b\x32\x12.mtc.v1.BackupTask\x12\x1c\n\x14newest_complete_step\x18\x05 \x01(\x03\x12\x1d\n\x15heartbeat_interval_ms\x18\x06 \x01(\x03\"\'\n\x0fGetStepsRequest\x12\x14\n\x0cwait_seconds\x18\x01 \x01(\x01\"a\n\x10GetStepsResponse\x12\x1c\n\x14newest_complete_step\x18\x01 \x01(\x03\x12\x16\n\x0e\x63omplete_steps\x18\x02 \x03(\x03\x12\x17\n\x0f\x62\x61\x63ked_up_steps\x18\x03 \x03(\x03\";\n\x15PrepareRestoreRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"Z\n\x16PrepareRestoreResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bready_ranks\x18\x03 \x03(\x03\x12\r\n\x05ready\x18\x04 \x01(\x08\"\x12\n\x10GetStatusRequest\"(\n\x11GetStatusResponse\x12\x13\n\x0bstatus_json\x18\x01 \x01(\t2\xa1\x02\n\x0b\x43oordinator\x12@\n\tHeartbeat\x12\x18.mtc.v1.HeartbeatRequest\x1a\x19.mtc.v1.HeartbeatResponse\x12=\n\x08GetSteps\x12\x17.mtc.v1.GetStepsRequest\x1a\x18.mtc.v1.GetStepsResponse\x12O\n\x0ePrepareRestore\x12\x1d.mtc.v1.PrepareRestoreRequest\x1a\x1e.mtc.v1.PrepareRestoreResponse\x12@\n\tGetStatus\x12\x18.mtc.v1.GetStatusRequest\x1a\x19.mtc.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x63oordinator.proto\x12\x06mtc.v1\"]\n\x07Holding\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0c\n\x04tier\x18\x05 \x01(\t\"C\n\x0c\x42\x61\x63kupReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0euploaded_ranks\x18\x02 \x03(\x03\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\xcd\x02\n\x10HeartbeatRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x03\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12!\n\x08holdings\x18\x05 \x03(\x0b\x32\x0f.mtc.v1.Holding\x12%\n\x07\x62\x61\x63kups\x18\x06 \x03(\x0b\x32\x14.mtc.v1.BackupReport\x12\x17\n\x0f\x62\x61\x63kup_requests\x18\x07 \x03(\x03\x12\x19\n\x11newest_saved_step\x18\x08 \x01(\x03\x12\x18\n\x10inventory_digest\x18\t \x01(\t\x12\x13\n\x0b\x66ull_report\x18\n \x01(\x08\x12\x13\n\x0b\x62\x61se_digest\x18\x0b \x01(\t\x12!\n\x07removed\x18\x0c \x03(\x0b\x32\x10.mtc.v1.Deletion\x12\x13\n\x0bknown_epoch\x18\r \x01(\x03\"o\n\x08\x43opyTask\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0bsource_rank\x18\x03 \x01(\x03\x12\x16\n\x0esource_address\x18\x04 \x01(\t\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\",\n\x08\x44\x65letion\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"t\n\rRestoreSource\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x13\n\x0bholder_rank\x18\x02 \x01(\x03\x12\x16\n\x0eholder_address\x18\x03 \x01(\t\x12\x12\n\nowner_rank\x18\x04 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\"C\n\x0bRestoreTask\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12&\n\x07sources\x18\x02 \x03(\x0b\x32\x15.mtc.v1.RestoreSource\"I\n\nBackupTask\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0f\n\x07staging\x18\x02 \x01(\t\x12\r\n\x05nodes\x18\x03 \x01(\x03\x12\r\n\x05ranks\x18\x04 \x03(\x03\"\x86\x02\n\x11HeartbeatResponse\x12 \n\x06\x63opies\x18\x01 \x03(\x0b\x32\x10.mtc.v1.CopyTask\x12#\n\tdeletions\x18\x02 \x03(\x0b\x32\x10.mtc.v1.Deletion\x12$\n\x07restore\x18\x03 \x01(\x0b\x32\x13.mtc.v1.RestoreTask\x12\"\n\x06\x62\x61\x63kup\x18\x04 \x01(\x0b\x32\x12.mtc.v1.BackupTask\x12\x1c\n\x14newest_complete_step\x18\x05 \x01(\x03\x12\x1d\n\x15heartbeat_interval_ms\x18\x06 \x01(\x03\x12\x14\n\x0c\x61\x63ked_digest\x18\x07 \x01(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x03\"\'\n\x0fGetStepsRequest\x12\x14\n\x0cwait_seconds\x18\x01 \x01(\x01\"a\n\x10GetStepsResponse\x12\x1c\n\x14newest_complete_step\x18\x01 \x01(\x03\x12\x16\n\x0e\x63omplete_steps\x18\x02 \x03(\x03\x12\x17\n\x0f\x62\x61\x63ked_up_steps\x18\x03 \x03(\x03\";\n\x15PrepareRestoreRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"\x83\x01\n\x16PrepareRestoreResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bready_ranks\x18\x03 \x03(\x03\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x12\n\nlost_ranks\x18\x05 \x03(\x03\x12\x13\n\x0bunreachable\x18\x06 \x01(\t\"_\n\x10GetStatusRequest\x12\r\n\x05hosts\x18\x01 \x01(\x08\x12\x14\n\x0c\x64\x65tail_steps\x18\x02 \x03(\x03\x12\x12\n\nrank_first\x18\x03 \x01(\x03\x12\x12\n\nrank_count\x18\x04 \x01(\x03\"E\n\x08Topology\x12\r\n\x05nodes\x18\x01 \x01(\x03\x12\x18\n\x10\x64\x61ta_parallelism\x18\x02 \x01(\x03\x12\x10\n\x08replicas\x18\x03 \x01(\x03\"\xbe\x01\n\x0bStepSummary\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\x12\x11\n\tredundant\x18\x03 \x01(\x08\x12\x15\n\rranks_covered\x18\x04 \x01(\x03\x12\x15\n\rmissing_ranks\x18\x05 \x01(\t\x12\x17\n\x0franks_backed_up\x18\x06 \x01(\x03\x12\x11\n\tbacked_up\x18\x07 \x01(\x08\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\x12\n\nbacking_up\x18\t \x01(\x08\"C\n\nSourceInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x13\n\x0bholder_rank\x18\x02 \x01(\x03\x12\x12\n\nowner_rank\x18\x03 \x01(\x03\"@\n\x0bRankSources\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12#\n\x07sources\x18\x02 \x03(\x0b\x32\x12.mtc.v1.SourceInfo\">\n\nStepDetail\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\"\n\x05ranks\x18\x02 \x03(\x0b\x32\x13.mtc.v1.RankSources\"\xd3\x01\n\nHostStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\x1a\n\x12inventory_reported\x18\x04 \x01(\x08\x12\x1f\n\x17last_report_age_seconds\x18\x05 \x01(\x01\x12\x0c\n\x04lost\x18\x06 \x01(\x08\x12\x18\n\x10lost_for_seconds\x18\x07 \x01(\x01\x12\r\n\x05steps\x18\x08 \x03(\x03\x12\x0e\n\x06pieces\x18\t \x01(\x03\x12\r\n\x05\x62ytes\x18\n \x01(\x04\"4\n\tLostHosts\x12\r\n\x05ranks\x18\x01 \x01(\t\x12\x18\n\x10lost_for_seconds\x18\x02 \x01(\x01\"\xe5\x01\n\x0c\x42\x61\x63kupStatus\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x17\n\x0f\x63ommitted_steps\x18\x02 \x03(\x03\x12\x18\n\x10in_progress_step\x18\x03 \x01(\x03\x12\x1e\n\x16in_progress_done_ranks\x18\x04 \x01(\x03\x12\x0f\n\x07skipped\x18\x05 \x01(\x03\x12\x10\n\x08\x66\x61ilures\x18\x06 \x01(\x03\x12\x12\n\nlast_error\x18\x07 \x01(\t\x12\x16\n\x0einterval_steps\x18\x08 \x01(\x03\x12\x18\n\x10interval_minutes\x18\t \x01(\x01\x12\x0c\n\x04keep\x18\n \x01(\x03\"\xf4\x04\n\x11GetStatusResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\"\n\x08topology\x18\x02 \x01(\x0b\x32\x10.mtc.v1.Topology\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x1b\n\x13\x63oordinator_address\x18\x04 \x01(\t\x12\x1c\n\x14newest_complete_step\x18\x05 \x01(\x03\x12\x16\n\x0e\x63omplete_steps\x18\x06 \x03(\x03\x12\x17\n\x0f\x62\x61\x63ked_up_steps\x18\x07 \x03(\x03\x12\x16\n\x0erestore_target\x18\x08 \x01(\x03\x12\x14\n\x0cpinned_steps\x18\t \x03(\x03\x12\x18\n\x10\x62\x61\x63king_up_steps\x18\n \x03(\x03\x12\x18\n\x10hosts_registered\x18\x0b \x01(\x03\x12\x16\n\x0ehosts_reported\x18\x0c \x01(\x03\x12\x12\n\nhosts_lost\x18\r \x01(\x03\x12\x12\n\nlost_ranks\x18\x0e \x01(\t\x12\x1f\n\x04lost\x18\x0f \x03(\x0b\x32\x11.mtc.v1.LostHosts\x12\x1a\n\x12hosts_reregistered\x18\x10 \x01(\x03\x12\"\n\x1aheartbeat_interval_seconds\x18\x11 \x01(\x01\x12\x19\n\x11host_lost_seconds\x18\x12 \x01(\x01\x12\"\n\x05steps\x18\x13 \x03(\x0b\x32\x13.mtc.v1.StepSummary\x12$\n\x06\x62\x61\x63kup\x18\x14 \x01(\x0b\x32\x14.mtc.v1.BackupStatus\x12!\n\x05hosts\x18\x15 \x03(\x0b\x32\x12.mtc.v1.HostStatus\x12(\n\x0cstep_details\x18\x16 \x03(\x0b\x32\x12.mtc.v1.StepDetail2\xa1\x02\n\x0b\x43oordinator\x12@\n\tHeartbeat\x12\x18.mtc.v1.HeartbeatRequest\x1a\x19.mtc.v1.HeartbeatResponse\x12=\n\x08GetSteps\x12\x17.mtc.v1.GetStepsRequest\x1a\x18.mtc.v1.GetStepsResponse\x12O\n\x0ePrepareRestore\x12\x1d.mtc.v1.PrepareRestoreRequest\x1a\x1e.mtc.v1.PrepareRestoreResponse\x12@\n\tGetStatus\x12\x18.mtc.v1.GetStatusRequest\x1a\x19.mtc.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BACKUPREPORT']._serialized_start=124
   _globals['_BACKUPREPORT']._serialized_end=191
   _globals['_HEARTBEATREQUEST']._serialized_start=194
-  _globals['_HEARTBEATREQUEST']._serialized_end=403
-  _globals['_COPYTASK']._serialized_start=405
-  _globals['_COPYTASK']._serialized_end=516
-  _globals['_DELETION']._serialized_start=518
-  _globals['_DELETION']._serialized_end=562
-  _globals['_RESTORESOURCE']._serialized_start=564
-  _globals['_RESTORESOURCE']._serialized_end=680
-  _globals['_RESTORETASK']._serialized_start=682
-  _globals['_RESTORETASK']._serialized_end=749
-  _globals['_BACKUPTASK']._serialized_start=751
-  _globals['_BACKUPTASK']._serialized_end=824
-  _globals['_HEARTBEATRESPONSE']._serialized_start=827
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1052
-  _globals['_GETSTEPSREQUEST']._serialized_start=1054
-  _globals['_GETSTEPSREQUEST']._serialized_end=1093
-  _globals['_GETSTEPSRESPONSE']._serialized_start=1095
-  _globals['_GETSTEPSRESPONSE']._serialized_end=1192
-  _globals['_PREPARERESTOREREQUEST']._serialized_start=1194
-  _globals['_PREPARERESTOREREQUEST']._serialized_end=1253
-  _globals['_PREPARERESTORERESPONSE']._serialized_start=1255
-  _globals['_PREPARERESTORERESPONSE']._serialized_end=1345
-  _globals['_GETSTATUSREQUEST']._serialized_start=1347
-  _globals['_GETSTATUSREQUEST']._serialized_end=1365
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1367
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1407
-  _globals['_COORDINATOR']._serialized_start=1410
-  _globals['_COORDINATOR']._serialized_end=1699
+  _globals['_HEARTBEATREQUEST']._serialized_end=527
+  _globals['_COPYTASK']._serialized_start=529
+  _globals['_COPYTASK']._serialized_end=640
+  _globals['_DELETION']._serialized_start=642
+  _globals['_DELETION']._serialized_end=686
+  _globals['_RESTORESOURCE']._serialized_start=688
+  _globals['_RESTORESOURCE']._serialized_end=804
+  _globals['_RESTORETASK']._serialized_start=806
+  _globals['_RESTORETASK']._serialized_end=873
+  _globals['_BACKUPTASK']._serialized_start=875
+  _globals['_BACKUPTASK']._serialized_end=948
+  _globals['_HEARTBEATRESPONSE']._serialized_start=951
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1213
+  _globals['_GETSTEPSREQUEST']._serialized_start=1215
+  _globals['_GETSTEPSREQUEST']._serialized_end=1254
+  _globals['_GETSTEPSRESPONSE']._serialized_start=1256
+  _globals['_GETSTEPSRESPONSE']._serialized_end=1353
+  _globals['_PREPARERESTOREREQUEST']._serialized_start=1355
+  _globals['_PREPARERESTOREREQUEST']._serialized_end=1414
+  _globals['_PREPARERESTORERESPONSE']._serialized_start=1417
+  _globals['_PREPARERESTORERESPONSE']._serialized_end=1548
+  _globals['_GETSTATUSREQUEST']._serialized_start=1550
+  _globals['_GETSTATUSREQUEST']._serialized_end=1645
+  _globals['_TOPOLOGY']._serialized_start=1647
+  _globals['_TOPOLOGY']._serialized_end=1716
+  _globals['_STEPSUMMARY']._serialized_start=1719
+  _globals['_STEPSUMMARY']._serialized_end=1909
+  _globals['_SOURCEINFO']._serialized_start=1911
+  _globals['_SOURCEINFO']._serialized_end=1978
+  _globals['_RANKSOURCES']._serialized_start=1980
+  _globals['_RANKSOURCES']._serialized_end=2044
+  _globals['_STEPDETAIL']._serialized_start=2046
+  _globals['_STEPDETAIL']._serialized_end=2108
+  _globals['_HOSTSTATUS']._serialized_start=2111
+  _globals['_HOSTSTATUS']._serialized_end=2322
+  _globals['_LOSTHOSTS']._serialized_start=2324
+  _globals['_LOSTHOSTS']._serialized_end=2376
+  _globals['_BACKUPSTATUS']._serialized_start=2379
+  _globals['_BACKUPSTATUS']._serialized_end=2608
+  _globals['_GETSTATUSRESPONSE']._serialized_start=2611
+  _globals['_GETSTATUSRESPONSE']._serialized_end=3239
+  _globals['_COORDINATOR']._serialized_start=3242
+  _globals['_COORDINATOR']._serialized_end=3531
 # @@protoc_insertion_point(module_scope)

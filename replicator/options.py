@@ -96,6 +96,18 @@ class ReplicatorOptions:
     handshake_timeout_seconds: float = _opt(
         "Orbax mode: bound on one handshake's restore planning (default 600)",
         600.0)
+    coordinator_candidates: str = _opt(
+        "ordered RANK=HOST:PORT,... of the hosts that may serve the coordinator; the first live one serves "
+        "(default: each slice's first host when --peers or --peer-address-template give addresses, else "
+        "--coordinator-rank); see docs/coordinator.md",
+        "")
+    host_lost_seconds: float = _opt(
+        "declare a host lost after N seconds without a report (default 0 = four heartbeat intervals, "
+        "at least 10 s)",
+        0.0)
+    max_heartbeats_per_second: float = _opt(
+        "the coordinator stretches the heartbeat interval to nodes / N seconds (default 200)",
+        200.0)
     metrics_port: int | None = _opt(
         "serve Prometheus metrics at http://HOST:PORT/metrics, HOST as in --listen; 0 picks a free port "
         "(printed as METRICS HOST:PORT); unset = no endpoint",
@@ -142,7 +154,21 @@ class ReplicatorOptions:
         return ""
 
     def coordinator_address(self) -> str:
+        if not self.coordinator and self.coordinator_candidates:
+            return next(iter(parse_peers(self.coordinator_candidates).values()), "")
         return self.coordinator or self.peer_address(self.coordinator_rank)
+
+    def coordinator_candidate_list(self) -> list[tuple[int, str]]:
+        """Ordered ``(rank, HOST:PORT)`` of the coordinator candidates (see ``coordinator_candidates``)."""
+        if self.coordinator_candidates:
+            return list(parse_peers(self.coordinator_candidates).items())
+        if not self.coordinator and self.nodes and (self.peers or self.peer_address_template):
+            per_slice = self.nodes // max(1, self.data_parallelism)
+            ranks = [s * per_slice for s in range(max(1, self.data_parallelism))]
+            out = [(r, self.peer_address(r)) for r in ranks]
+            if all(a for _, a in out):
+                return out
+        return [(self.coordinator_rank, self.coordinator_address())]
 
     def validate(self) -> ReplicatorOptions:
         if (self.rank is None) != (self.nodes is None):
@@ -172,8 +198,14 @@ class ReplicatorOptions:
             raise ConfigError("backup intervals must be >= 0")
         if self.keep_local < 1 or self.backup_keep < 1 or self.replicas < 0:
             raise ConfigError("--keep-local and --backup-keep must be >= 1, --replicas >= 0")
+        if self.coordinator_candidates:
+            cands = parse_peers(self.coordinator_candidates)
+            if self.nodes is not None and any(not 0 <= r < self.nodes for r in cands):
+                raise ConfigError(f"--coordinator-candidates ranks must be within 0..{self.nodes - 1}")
+        if self.host_lost_seconds < 0:
+            raise ConfigError("--host-lost-seconds must be >= 0")
         for name in ("heartbeat_seconds", "rpc_timeout_seconds", "transfer_timeout_seconds",
-                     "handshake_timeout_seconds"):
+                     "handshake_timeout_seconds", "max_heartbeats_per_second"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if bool(self.tls_cert) != bool(self.tls_key):

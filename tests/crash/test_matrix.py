@@ -265,7 +265,8 @@ def _run_bucket(point: str, case: Case, work: Path, roots: list[Path], strategy:
 # --------------------------------------------------------------------------- replicator daemons
 
 
-def _status(cl: LocalCluster) -> dict:
+def _status(cl: LocalCluster):
+    """The coordinator's typed status (GetStatusResponse)."""
     c = CoordinatorClient(cl.coordinator, rpc_timeout_seconds=5)
     try:
         return c.status()
@@ -275,10 +276,10 @@ def _status(cl: LocalCluster) -> dict:
 
 def _redundant(cl: LocalCluster, step: int) -> bool:
     try:
-        st = _status(cl)["steps"].get(str(step))
+        st = next((s for s in _status(cl).steps if s.step == step), None)
     except grpc.RpcError:
         return False
-    return bool(st and st["complete"] and st["redundant"])
+    return bool(st and st.complete and st.redundant)
 
 
 def _start(cl: LocalCluster, rank: int, point: str | None, fired_file: Path) -> None:

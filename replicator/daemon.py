@@ -32,7 +32,7 @@ from replicator.coordinator.service import BackupScheduler, Coordinator
 from replicator.coordinator.topology import JobTopology
 from replicator.local.store import RamDiskStore
 from replicator.metrics import ReplicatorMetrics, TimedCoordinator
-from replicator.net import priority, rpc
+from replicator.net import priority, retry, rpc
 from replicator.net.security import TlsOptions
 from replicator.options import ReplicatorOptions
 from replicator.peer import client as peer_client
@@ -134,6 +134,9 @@ class Replicator:
                                                            initializer=priority.lower_current_thread,
                                                            initargs=(opts.bulk_priority,))
         self._in_flight: set[tuple[str, int, int]] = set()
+        # Failed copies/restores wait (exponential backoff with jitter) before the next attempt: a copy into a
+        # full RAM disk used to be retried hundreds of times a second, one heartbeat after the other.
+        self._retry = retry.KeyedBackoff(base_seconds=min(1.0, opts.heartbeat_seconds), max_seconds=60.0)
         self._fetching: dict[tuple[int, int], threading.Event] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -156,6 +159,7 @@ class Replicator:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
+        self.opts.check_exposure()  # no unauthenticated service beyond loopback unless --insecure
         host = self.opts.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
         throttle = peer_protocol.Throttle(bytes_per_second=float(self.opts.max_bytes_per_second) or None,
                                      max_streams=max(1, self.opts.transfer_threads))
@@ -389,24 +393,31 @@ class Replicator:
 
     def _submit(self, kind: str, owner: int, step: int, fn: Callable[..., Any], *args: Any) -> None:
         key = (kind, owner, step)
+        if not self._retry.ready(key):
+            return
         with self._lock:
             if key in self._in_flight or self._stopping.is_set():
                 return
             self._in_flight.add(key)
 
         def run() -> None:
+            ok = False
             try:
                 fn(*args)
+                ok = True
+                self._retry.succeeded(key)
             except Exception as e:
+                delay = self._retry.failed(key)
                 msg = f"{kind} of rank {owner} step {step} failed: {e}"
-                log.warning("%s", msg)
+                log.warning("%s (attempt %d; next in %.1fs)", msg, self._retry.failures(key), delay)
                 self.errors = (self.errors + [msg])[-20:]
                 if kind == "copy":
                     self.counters.add("copy_failures")
             finally:
                 with self._lock:
                     self._in_flight.discard(key)
-                self._wake.set()  # report the result at once
+                if ok:
+                    self._wake.set()  # report the result at once (a failure changed nothing to report)
 
         try:
             self._pool.submit(run)
@@ -439,7 +450,8 @@ class Replicator:
         t0 = time.monotonic()
         m = peer_client.fetch_step(address, owner, step, dest, token=self.token, tls=self._tls(),
                                 timeout_seconds=self.opts.transfer_timeout_seconds,
-                                throttle=self._throttle, expected_content_hash=content_hash)
+                                throttle=self._throttle, expected_content_hash=content_hash,
+                                spare_dir=layout.spare_dir(self.store.root))
         dt = time.monotonic() - t0
         log.info("copy: fetched rank %d step %d from %s: %d bytes in %.3fs (%.2f GiB/s)",
                  owner, step, address, m.total_bytes, dt, m.total_bytes / max(dt, 1e-9) / 2**30)

@@ -73,6 +73,9 @@ class ReplicatorOptions:
     tls_cert: str = _opt('TLS certificate (PEM)', "")
     tls_key: str = _opt('TLS private key (PEM)', "")
     tls_ca: str = _opt('CA bundle (PEM): enables mutual TLS', "")
+    insecure: bool = _opt(
+        'allow listening beyond loopback without --token-file or TLS (refused otherwise; docs/security.md)',
+        False)
     heartbeat_seconds: float = _opt('report to the coordinator every N seconds (default 2)', 2.0)
     rpc_timeout_seconds: float = _opt('deadline of each control RPC (default 10)', 10.0)
     transfer_timeout_seconds: float = _opt('deadline of one step copy (default 600)', 600.0)
@@ -113,6 +116,21 @@ class ReplicatorOptions:
     @property
     def orbax_mode(self) -> bool:
         return self.rank is None and self.nodes is None
+
+    def check_exposure(self) -> ReplicatorOptions:
+        """Refuse (ConfigError) to serve beyond loopback with neither a token nor TLS, unless ``insecure``.
+
+        Anyone who can reach an unauthenticated replicator can read every checkpoint it holds, forge
+        reports and make the coordinator delete copies (docs/security.md).
+        """
+        host = self.listen.rpartition(":")[0].strip("[]")
+        if self.insecure or self.token_file or self.tls_cert or _is_loopback(host):
+            return self
+        raise ConfigError(
+            f"refusing to listen on {self.listen} without --token-file or --tls-cert/--tls-key: any host "
+            "that reaches it could read every checkpoint and delete copies. Give a token (or TLS), listen "
+            "on 127.0.0.1, or pass --insecure to accept that (see docs/security.md)"
+        )
 
     def token(self) -> str | None:
         if not self.token_file:
@@ -207,6 +225,17 @@ class ReplicatorOptions:
         return self
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
 def _host_port(value: str, what: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
@@ -244,6 +273,15 @@ def _convert(name: str, raw: Any) -> Any:
     base = next((a for a in typing.get_args(typ) if a is not type(None)), typ)  # X | None -> X
     if base is Path:
         return Path(raw)
+    if base is bool:
+        if isinstance(raw, bool):
+            return raw
+        word = str(raw).strip().lower()
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{flag}: expected true or false, got {raw!r}")
     if name == "peers":
         return raw if isinstance(raw, dict) else parse_peers(str(raw))
     if base is int:
@@ -270,6 +308,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file with any of the options (keys spelled like the flags)")
     for name in _FIELDS:
         meta = _FIELDS[name].metadata
+        if _TYPES[name] is bool:  # a switch: ``--insecure``
+            p.add_argument(_flag(name), dest=name, default=None, action="store_const", const=True,
+                           help=meta["help"])
+            continue
         p.add_argument(_flag(name), dest=name, default=None, help=meta["help"], choices=meta["choices"])
 
 

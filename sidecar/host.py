@@ -74,9 +74,12 @@ def save_on_hosts(
     layout.step_name(step)
     writers = {r: writer.writer_for(config.root(r), config.write_threads) for r in ranks}
     writer.raise_failures(list(writers.values()))
-    for r, w in writers.items():
-        if (layout.steps_dir(w.root) / str(step)).exists():
-            raise FileExistsError(f"step {step} already exists for rank {r} in {w.root}")
+    # A step committed on every host is saved: saving it again is a mistake. One committed on some hosts
+    # only was never complete (the trainer died between the hosts' commits, then restored an older step):
+    # saving it again replaces those copies atomically (writer.write_step).
+    held = [r for r, w in writers.items() if (layout.steps_dir(w.root) / str(step) / layout.MANIFEST_NAME).is_file()]
+    if held and len(held) == len(writers):
+        raise FileExistsError(f"step {step} already exists for ranks {held}")
     per_rank: dict[int, list[writer.ArrayCopy]] = {r: [] for r in ranks}
     for arr, meta in zip(arrays, metas, strict=True):
         copies: dict[int, writer.ArrayCopy] = {}

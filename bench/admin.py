@@ -36,7 +36,7 @@ def build(hosts: int, steps: int) -> tuple[Coordinator, AdminServicer]:
             held.append(Holding(r, s, digest, 1 << 20, Tier.LOCAL))
             held.append(Holding(rep, s, digest, 0, Tier.REPLICA))
         coord.state.report_inventory(r, held, 1)
-        coord._last_seen[r] = now  # what a heartbeat records (bench only)
+        coord.state.seen(r, now)  # what a heartbeat records (bench only)
         coord._addresses[r] = f"host-{r}:7070"
     return coord, AdminServicer(coord)
 

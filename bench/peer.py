@@ -1,7 +1,9 @@
 """Peer-tier benchmark (``python -m bench.peer``): prints one JSON line of measurements.
 
 ``peer_vs_tcp``: throughput of ``replicator.peer.client.fetch_step`` (a verified, committed copy of a
-~512 MiB step between two RAM-disk roots, server in another process) divided by a plain TCP transfer
+~512 MiB step between two RAM-disk roots, server in another process; the previous copy is deleted the
+way GC deletes a step, so its tmpfs pages are recycled — ``peer_fresh_pages_*``: into fresh pages
+instead) divided by a plain TCP transfer
 of the same bytes over loopback in the same run (sender ``sendall`` from memory, receiver
 ``recv_into`` a reused buffer, no disk, no checksum) — the ceiling of any copy. ``peer_vs_tcp_to_file``
 compares with plain TCP written unverified to a file on the same RAM disk instead. ``recovery_vs_local``:
@@ -134,7 +136,7 @@ def measure_peer_vs_tcp(
     parent_conn, child_conn = mp.get_context("spawn").Pipe()
     proc = None
     try:
-        src, dst = scratch / "src", scratch / "dst"
+        src, dst = scratch / "src", scratch / "dst-root" / "peer" / "0"
         manifest = make_step(src, 0, 1, total_bytes, files)
         step_files = [str(layout.steps_dir(src) / "1" / f.name) for f in manifest.files]
         proc = mp.get_context("spawn").Process(
@@ -154,11 +156,21 @@ def measure_peer_vs_tcp(
             _raw_receive(raw_port, nbytes, raw_file)
             return time.monotonic() - t0
 
-        def fetch(use_data_port: bool) -> float:
-            shutil.rmtree(dst, ignore_errors=True)
+        spare = layout.spare_dir(scratch / "dst-root")
+
+        def fetch(use_data_port: bool, recycle: bool = True) -> float:
+            # The previous copy goes the way GC removes a step on a replicator: its files' tmpfs pages
+            # wait in the RAM disk's spare pool and the next copy overwrites them (recycle=False: fresh
+            # pages, as on a host whose RAM disk never held a step).
+            if recycle:
+                layout.delete_step(dst / "1", spare=spare)
+            else:
+                shutil.rmtree(dst, ignore_errors=True)
+                shutil.rmtree(spare, ignore_errors=True)
             t0 = time.monotonic()
             peer_client.fetch_step(
-                address, 0, 1, dst, token=TOKEN, timeout_seconds=120, use_data_port=use_data_port
+                address, 0, 1, dst, token=TOKEN, timeout_seconds=120, use_data_port=use_data_port,
+                spare_dir=spare if recycle else None,
             )
             return time.monotonic() - t0
 
@@ -173,12 +185,13 @@ def measure_peer_vs_tcp(
             tcp_s.append(time.monotonic() - t0)
             peer_s.append(fetch(True))
             tcp_file_s.append(raw_to_file())
+        fresh_s = [fetch(True, recycle=False) for _ in range(max(1, repeats // 2))]
         for _ in range(max(1, repeats // 2)):
             stream_s.append(fetch(False))
         layout.verify_step_dir(dst / "1")
         gib = nbytes / 2**30
-        peer, tcp, tcp_file, stream = (
-            gib / statistics.median(x) for x in (peer_s, tcp_s, tcp_file_s, stream_s)
+        peer, tcp, tcp_file, stream, fresh = (
+            gib / statistics.median(x) for x in (peer_s, tcp_s, tcp_file_s, stream_s, fresh_s)
         )
         return {
             "peer_vs_tcp": round(peer / tcp, 3),
@@ -186,6 +199,9 @@ def measure_peer_vs_tcp(
             "peer_vs_tcp_to_file": round(peer / tcp_file, 3),
             "tcp_to_file_gib_per_s": round(tcp_file, 3),
             "peer_gib_per_s": round(peer, 3),
+            # Secondary: copies into fresh tmpfs pages (no recycled files), e.g. a replacement host.
+            "peer_fresh_pages_gib_per_s": round(fresh, 3),
+            "peer_fresh_pages_vs_tcp": round(fresh / tcp, 3),
             "tcp_gib_per_s": round(tcp, 3),
             "grpc_stream_gib_per_s": round(stream, 3),
             "grpc_stream_vs_tcp": round(stream / tcp, 3),

@@ -31,7 +31,8 @@ class Dispatcher(abc.ABC):
 
     @abc.abstractmethod
     def save(self, step: int, arrays: Sequence[jax.Array], metas: Sequence[host.ArrayMeta],
-             host_arrays: Sequence[tuple[str, np.ndarray]], values: Sequence[Any], generation: int = 0) -> None:
+             host_arrays: Sequence[tuple[str, np.ndarray]], values: Sequence[Any], generation: int = 0,
+             replace: bool = False) -> None:
         """Start saving (returns once host copies are taken)."""
 
     @abc.abstractmethod
@@ -50,8 +51,8 @@ class InProcessDispatcher(Dispatcher):
         super().__init__(config)
         self.ranks = host.ranks_of(config, local_devices if local_devices is not None else jax.local_devices())
 
-    def save(self, step, arrays, metas, host_arrays, values, generation=0):
-        host.save_on_hosts(self.config, self.ranks, step, arrays, metas, host_arrays, values, generation)
+    def save(self, step, arrays, metas, host_arrays, values, generation=0, replace=False):
+        host.save_on_hosts(self.config, self.ranks, step, arrays, metas, host_arrays, values, generation, replace)
 
     def restore(self, step, leaves, all_paths):
         return host.restore_on_hosts(self.config, self.ranks, step, leaves, all_paths)
@@ -74,9 +75,9 @@ def _spec(x: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
-def _coloc_save(handle, arrays, *, config, step, metas, host_arrays, values, generation=0):
+def _coloc_save(handle, arrays, *, config, step, metas, host_arrays, values, generation=0, replace=False):
     ranks = host.ranks_of(config, [s.device for s in handle.addressable_shards])
-    host.save_on_hosts(config, ranks, step, arrays, metas, host_arrays, values, generation)
+    host.save_on_hosts(config, ranks, step, arrays, metas, host_arrays, values, generation, replace)
     return handle
 
 
@@ -131,9 +132,10 @@ class ColocatedDispatcher(Dispatcher):
         devs = np.vectorize(lambda d: by_id[d.id], otypes=[object])(sharding.mesh.devices)
         return NamedSharding(Mesh(devs, sharding.mesh.axis_names), sharding.spec)
 
-    def save(self, step, arrays, metas, host_arrays, values, generation=0):
+    def save(self, step, arrays, metas, host_arrays, values, generation=0, replace=False):
         fn = functools.partial(_coloc_save, config=self.cpu_config, step=step, metas=list(metas),
-                               host_arrays=list(host_arrays), values=list(values), generation=generation)
+                               host_arrays=list(host_arrays), values=list(values), generation=generation,
+                               replace=replace)
         h = self._handle()
         self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: _spec(h))(
             h, [self._to_cpu(a) for a in arrays])

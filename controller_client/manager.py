@@ -35,7 +35,8 @@ class CheckpointManagerOptions:
       cross_host_reads: let a host read other hosts' directories when they are on the same machine
         (simulated hosts); without a replicator this is the only way to restore onto a different mesh.
       wait_timeout_seconds: bound on ``wait_until_finished`` and the wait before a restore.
-      coordinator_address: ``HOST:PORT`` of the replicators' coordinator. When set, ``latest_step`` and
+      coordinator_address: ``HOST:PORT`` of the replicators' coordinator, or its ordered candidates
+        comma-separated (``h0:7070,h2:7070``: calls fail over to the next one). When set, ``latest_step`` and
         ``all_steps`` report globally complete steps, ``restore`` first has every host fetch what it
         lacks (peer, then bucket), deletion is left to the replicators and hosts never read each
         other's directories.
@@ -123,6 +124,7 @@ class CheckpointManager:
         self.dispatcher = dispatcher
         self._replicated = NamedSharding(Mesh(np.array(self.devices), ("all",)), PartitionSpec())
         self._last_saved: int | None = None
+        self._restored_step: int | None = None
 
     # ------------------------------------------------------------------ save
     def should_save(self, step: int) -> bool:
@@ -150,7 +152,9 @@ class CheckpointManager:
             else:
                 raise TypeError(f"leaf {path!r} of type {type(leaf).__name__} cannot be checkpointed")
         t0 = time.monotonic()
-        self.dispatcher.save(step, arrays, metas, host_arrays, values, self._generation())
+        # After a restore of an older step (a rollback), newer steps are abandoned: saving one replaces it.
+        replace = self._restored_step is not None and step > self._restored_step
+        self.dispatcher.save(step, arrays, metas, host_arrays, values, self._generation(), replace)
         self._last_saved = step
         log.info("save of step %d started (blocked %.3fs)", step, time.monotonic() - t0)
         return True
@@ -312,6 +316,7 @@ class CheckpointManager:
                     raise ValueError(f"leaf {path!r} is an array in step {step}, target has a {type(leaf).__name__}")
                 out[i] = values[path]
         log.info("restored step %d in %.3fs", step, time.monotonic() - t0)
+        self._restored_step = step
         return tree.unflatten(treedef, out)
 
     # ------------------------------------------------------------------ suspend-resume

@@ -74,6 +74,7 @@ class ManifestOptions:
       priority_value: also render that PriorityClass with this value (None = it already exists).
       elastic_slices: Pathways proxy ``--num_elastic_instances`` (0 = not elastic).
       grpc_port, data_port: the replicator's gRPC port and fixed TCP bulk-data port.
+      metrics_port: the replicator's Prometheus port (``deploy/monitoring`` scrapes it).
       network_policy: render a NetworkPolicy letting only this job's Pods reach the workers.
       gcp_service_account: Workload Identity: annotate the ServiceAccount with this Google service account.
     """
@@ -99,6 +100,7 @@ class ManifestOptions:
     elastic_slices: int = 0
     grpc_port: int = 7070
     data_port: int = 7071
+    metrics_port: int = 9400
     network_policy: bool = True
     gcp_service_account: str = ""
     service_account: str = "mtc"
@@ -162,12 +164,14 @@ class ManifestOptions:
             raise ValueError("--elastic-slices is a Pathways proxy setting (--mode pathways)")
         if not 0 <= self.elastic_slices <= self.slices:
             raise ValueError(f"--elastic-slices must be 0..{self.slices} (the slices allocated)")
-        for name in ("grpc_port", "data_port"):
+        ports = (self.grpc_port, self.data_port, self.metrics_port)
+        for name in ("grpc_port", "data_port", "metrics_port"):
             if not 1 <= getattr(self, name) <= 65535:
                 raise ValueError(f"--{name.replace('_', '-')} must be 1..65535")
         reserved = {JAX_COORDINATOR_PORT, PATHWAYS_WORKER_PORT, COLOCATED_PYTHON_PORT}
-        if self.grpc_port == self.data_port or {self.grpc_port, self.data_port} & reserved:
-            raise ValueError(f"--grpc-port and --data-port must differ from each other and from {sorted(reserved)}")
+        if len(set(ports)) < len(ports) or set(ports) & reserved:
+            raise ValueError("--grpc-port, --data-port and --metrics-port must differ from each other and "
+                             f"from {sorted(reserved)}")
         if self.tls_issuer_kind not in ("Issuer", "ClusterIssuer"):
             raise ValueError(f"--tls-issuer-kind must be Issuer or ClusterIssuer, got {self.tls_issuer_kind!r}")
         if self.priority_value is not None and not self.priority_class:
@@ -244,7 +248,10 @@ def _replicator(opts: ManifestOptions) -> dict[str, Any]:
     env = [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD), _env_field("SLICE_INDEX", SLICE_ANNOTATION),
            _env_field("HOST_INDEX", HOST_ANNOTATION),
            # libc resolver: honours the Pod's DNS search path for the short JobSet names.
-           {"name": "GRPC_DNS_RESOLVER", "value": "native"}]
+           {"name": "GRPC_DNS_RESOLVER", "value": "native"},
+           # One JSON line per event (Cloud Logging's severity/message), each save, copy, backup, restore.
+           {"name": "MTC_LOG_LEVEL", "value": "info"},
+           {"name": "MTC_LOG_FORMAT", "value": "json"}]
     c: dict[str, Any] = {"name": "mtc-replicator", "image": opts.replicator_image, "restartPolicy": "Always"}
     if opts.mode == "pathways":
         # Native mode: the rank is slice * hosts_per_slice + host, arithmetic the Downward API cannot do,
@@ -265,7 +272,9 @@ def _replicator(opts: ManifestOptions) -> dict[str, Any]:
                       "--tls-ca", f"{TLS_DIR}/ca.crt"]
     c["env"] = env
     c["ports"] = [{"name": "mtc-grpc", "containerPort": opts.grpc_port, "protocol": "TCP"},
-                  {"name": "mtc-data", "containerPort": opts.data_port, "protocol": "TCP"}]
+                  {"name": "mtc-data", "containerPort": opts.data_port, "protocol": "TCP"},
+                  # Prometheus text (deploy/monitoring/podmonitoring.yaml scrapes the port by this name).
+                  {"name": "metrics", "containerPort": opts.metrics_port, "protocol": "TCP"}]
     if opts.mode == "pathways":
         # The colocated-Python container starts only once the replicator serves.
         c["startupProbe"] = _probe(opts, periodSeconds=2, failureThreshold=60)
@@ -322,9 +331,11 @@ def _tpu_resources(opts: ManifestOptions) -> dict[str, Any]:
 
 def _controller_env(opts: ManifestOptions) -> list[dict[str, Any]]:
     env = [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD),
-           # The coordinator runs inside rank 0's replicator (coordinator-rank 0).
+           # The coordinator candidates, one per slice (each slice's first host), in the order the
+           # replicators use: the first live one serves, so losing slice 0 does not stop restores.
            {"name": "MTC_COORDINATOR",
-            "value": f"$(JOBSET_NAME)-workers-0-0.{opts.subdomain}:{opts.grpc_port}"},
+            "value": ",".join(f"$(JOBSET_NAME)-workers-{s}-0.{opts.subdomain}:{opts.grpc_port}"
+                              for s in range(opts.slices))},
            {"name": "MTC_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
            # The RAM disk as the worker Pods mount it (the colocated sidecar writes there).
            {"name": "MTC_LOCAL_DIRECTORY", "value": opts.local_dir},
@@ -466,6 +477,7 @@ def _config_map(opts: ManifestOptions) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "listen": f"0.0.0.0:{opts.grpc_port}",
         "data-port": opts.data_port,
+        "metrics-port": opts.metrics_port,
         "peer-address-template": opts.peer_address_template(),
         "replicas": opts.replicas,
         "keep-local": opts.keep_local,
@@ -501,7 +513,11 @@ def _network_policy(opts: ManifestOptions) -> dict[str, Any]:
             "policyTypes": ["Ingress"],
             # From this job's Pods only (head and workers), on every port: the replicators' gRPC and fixed
             # bulk-data ports, and whatever Pathways, JAX and the TPU runtime exchange between the job's Pods.
-            "ingress": [{"from": [{"podSelector": {"matchLabels": {JOBSET_NAME_LABEL: opts.job}}}]}],
+            # Managed Prometheus' collectors (namespace gmp-system) may reach the metrics port only.
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {JOBSET_NAME_LABEL: opts.job}}}]},
+                        {"from": [{"namespaceSelector": {"matchLabels": {
+                            "kubernetes.io/metadata.name": "gmp-system"}}}],
+                         "ports": [{"port": opts.metrics_port, "protocol": "TCP"}]}],
         },
     }
 
@@ -637,6 +653,7 @@ _HELP = {
     "priority_value": "also create that PriorityClass with this value, e.g. 2000",
     "elastic_slices": "Pathways proxy --num_elastic_instances (default 0 = not elastic)",
     "data_port": "the replicator's fixed TCP bulk-data port (default 7071)",
+    "metrics_port": "the replicator's Prometheus /metrics port (default 9400)",
     "network_policy": "render the NetworkPolicy (default on; --no-network-policy to skip)",
     "gcp_service_account": "Workload Identity: Google service account for the bucket (annotation)",
     "controller_command": "the training program (default: python /app/train.py); quote it as one string",

@@ -14,7 +14,7 @@ class LocateStepRequest(_message.Message):
     owners: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, step: _Optional[int] = ..., owners: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class RankSources(_message.Message):
+class OwnerSources(_message.Message):
     __slots__ = ("owner_rank", "sources")
     OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
@@ -30,9 +30,9 @@ class LocateStepResponse(_message.Message):
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     savers: _containers.RepeatedScalarFieldContainer[int]
     generation: int
-    ranks: _containers.RepeatedCompositeFieldContainer[RankSources]
+    ranks: _containers.RepeatedCompositeFieldContainer[OwnerSources]
     complete: bool
-    def __init__(self, savers: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankSources, _Mapping]]] = ..., complete: _Optional[bool] = ...) -> None: ...
+    def __init__(self, savers: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[OwnerSources, _Mapping]]] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class Holding(_message.Message):
     __slots__ = ("owner_rank", "step", "content_hash", "size", "tier", "generation", "savers")
@@ -71,7 +71,7 @@ class BackupReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uploaded_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("job", "rank", "incarnation", "address", "holdings", "backups", "backup_requests", "newest_saved_step", "preempting")
+    __slots__ = ("job", "rank", "incarnation", "address", "holdings", "backups", "backup_requests", "newest_saved_step", "inventory_digest", "full_report", "base_digest", "removed", "known_epoch", "preempting")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,11 @@ class HeartbeatRequest(_message.Message):
     BACKUPS_FIELD_NUMBER: _ClassVar[int]
     BACKUP_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NEWEST_SAVED_STEP_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FULL_REPORT_FIELD_NUMBER: _ClassVar[int]
+    BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREEMPTING_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
@@ -89,8 +94,13 @@ class HeartbeatRequest(_message.Message):
     backups: _containers.RepeatedCompositeFieldContainer[BackupReport]
     backup_requests: _containers.RepeatedScalarFieldContainer[int]
     newest_saved_step: int
+    inventory_digest: str
+    full_report: bool
+    base_digest: str
+    removed: _containers.RepeatedCompositeFieldContainer[Deletion]
+    known_epoch: int
     preempting: bool
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., holdings: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ..., backups: _Optional[_Iterable[_Union[BackupReport, _Mapping]]] = ..., backup_requests: _Optional[_Iterable[int]] = ..., newest_saved_step: _Optional[int] = ..., preempting: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., holdings: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ..., backups: _Optional[_Iterable[_Union[BackupReport, _Mapping]]] = ..., backup_requests: _Optional[_Iterable[int]] = ..., newest_saved_step: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., full_report: _Optional[bool] = ..., base_digest: _Optional[str] = ..., removed: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., known_epoch: _Optional[int] = ..., preempting: _Optional[bool] = ...) -> None: ...
 
 class CopyTask(_message.Message):
     __slots__ = ("owner_rank", "step", "source_rank", "source_address", "content_hash")
@@ -149,13 +159,15 @@ class BackupTask(_message.Message):
     def __init__(self, step: _Optional[int] = ..., staging: _Optional[str] = ..., nodes: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("copies", "deletions", "restore", "backup", "newest_complete_step", "heartbeat_interval_ms", "preemption_noticed")
+    __slots__ = ("copies", "deletions", "restore", "backup", "newest_complete_step", "heartbeat_interval_ms", "acked_digest", "epoch", "preemption_noticed")
     COPIES_FIELD_NUMBER: _ClassVar[int]
     DELETIONS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     BACKUP_FIELD_NUMBER: _ClassVar[int]
     NEWEST_COMPLETE_STEP_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    ACKED_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREEMPTION_NOTICED_FIELD_NUMBER: _ClassVar[int]
     copies: _containers.RepeatedCompositeFieldContainer[CopyTask]
     deletions: _containers.RepeatedCompositeFieldContainer[Deletion]
@@ -163,8 +175,10 @@ class HeartbeatResponse(_message.Message):
     backup: BackupTask
     newest_complete_step: int
     heartbeat_interval_ms: int
+    acked_digest: str
+    epoch: int
     preemption_noticed: bool
-    def __init__(self, copies: _Optional[_Iterable[_Union[CopyTask, _Mapping]]] = ..., deletions: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., restore: _Optional[_Union[RestoreTask, _Mapping]] = ..., backup: _Optional[_Union[BackupTask, _Mapping]] = ..., newest_complete_step: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., preemption_noticed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, copies: _Optional[_Iterable[_Union[CopyTask, _Mapping]]] = ..., deletions: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., restore: _Optional[_Union[RestoreTask, _Mapping]] = ..., backup: _Optional[_Union[BackupTask, _Mapping]] = ..., newest_complete_step: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., acked_digest: _Optional[str] = ..., epoch: _Optional[int] = ..., preemption_noticed: _Optional[bool] = ...) -> None: ...
 
 class GetStepsRequest(_message.Message):
     __slots__ = ("wait_seconds",)
@@ -193,23 +207,191 @@ class PrepareRestoreRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class PrepareRestoreResponse(_message.Message):
-    __slots__ = ("step", "reason", "ready_ranks", "ready")
+    __slots__ = ("step", "reason", "ready_ranks", "ready", "lost_ranks", "unreachable")
     STEP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     READY_RANKS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    LOST_RANKS_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     step: int
     reason: str
     ready_ranks: _containers.RepeatedScalarFieldContainer[int]
     ready: bool
-    def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ..., ready_ranks: _Optional[_Iterable[int]] = ..., ready: _Optional[bool] = ...) -> None: ...
+    lost_ranks: _containers.RepeatedScalarFieldContainer[int]
+    unreachable: str
+    def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ..., ready_ranks: _Optional[_Iterable[int]] = ..., ready: _Optional[bool] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., unreachable: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("hosts", "detail_steps", "rank_first", "rank_count")
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIRST_FIELD_NUMBER: _ClassVar[int]
+    RANK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    hosts: bool
+    detail_steps: _containers.RepeatedScalarFieldContainer[int]
+    rank_first: int
+    rank_count: int
+    def __init__(self, hosts: _Optional[bool] = ..., detail_steps: _Optional[_Iterable[int]] = ..., rank_first: _Optional[int] = ..., rank_count: _Optional[int] = ...) -> None: ...
+
+class Topology(_message.Message):
+    __slots__ = ("nodes", "data_parallelism", "replicas")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLELISM_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    nodes: int
+    data_parallelism: int
+    replicas: int
+    def __init__(self, nodes: _Optional[int] = ..., data_parallelism: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class StepSummary(_message.Message):
+    __slots__ = ("step", "complete", "redundant", "ranks_covered", "missing_ranks", "ranks_backed_up", "backed_up", "pinned", "backing_up")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    REDUNDANT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_COVERED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_BACKED_UP_FIELD_NUMBER: _ClassVar[int]
+    BACKED_UP_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    BACKING_UP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    complete: bool
+    redundant: bool
+    ranks_covered: int
+    missing_ranks: str
+    ranks_backed_up: int
+    backed_up: bool
+    pinned: bool
+    backing_up: bool
+    def __init__(self, step: _Optional[int] = ..., complete: _Optional[bool] = ..., redundant: _Optional[bool] = ..., ranks_covered: _Optional[int] = ..., missing_ranks: _Optional[str] = ..., ranks_backed_up: _Optional[int] = ..., backed_up: _Optional[bool] = ..., pinned: _Optional[bool] = ..., backing_up: _Optional[bool] = ...) -> None: ...
+
+class SourceInfo(_message.Message):
+    __slots__ = ("kind", "holder_rank", "owner_rank")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_RANK_FIELD_NUMBER: _ClassVar[int]
+    OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    holder_rank: int
+    owner_rank: int
+    def __init__(self, kind: _Optional[str] = ..., holder_rank: _Optional[int] = ..., owner_rank: _Optional[int] = ...) -> None: ...
+
+class RankSources(_message.Message):
+    __slots__ = ("rank", "sources")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    sources: _containers.RepeatedCompositeFieldContainer[SourceInfo]
+    def __init__(self, rank: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ...) -> None: ...
+
+class StepDetail(_message.Message):
+    __slots__ = ("step", "ranks")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankSources]
+    def __init__(self, step: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankSources, _Mapping]]] = ...) -> None: ...
+
+class HostStatus(_message.Message):
+    __slots__ = ("rank", "address", "incarnation", "inventory_reported", "last_report_age_seconds", "lost", "lost_for_seconds", "steps", "pieces", "bytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_REPORTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_REPORT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    LOST_FOR_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    address: str
+    incarnation: int
+    inventory_reported: bool
+    last_report_age_seconds: float
+    lost: bool
+    lost_for_seconds: float
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    pieces: int
+    bytes: int
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., inventory_reported: _Optional[bool] = ..., last_report_age_seconds: _Optional[float] = ..., lost: _Optional[bool] = ..., lost_for_seconds: _Optional[float] = ..., steps: _Optional[_Iterable[int]] = ..., pieces: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class LostHosts(_message.Message):
+    __slots__ = ("ranks", "lost_for_seconds")
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    LOST_FOR_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ranks: str
+    lost_for_seconds: float
+    def __init__(self, ranks: _Optional[str] = ..., lost_for_seconds: _Optional[float] = ...) -> None: ...
+
+class BackupStatus(_message.Message):
+    __slots__ = ("url", "committed_steps", "in_progress_step", "in_progress_done_ranks", "skipped", "failures", "last_error", "interval_steps", "interval_minutes", "keep")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    IN_PROGRESS_STEP_FIELD_NUMBER: _ClassVar[int]
+    IN_PROGRESS_DONE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_MINUTES_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    committed_steps: _containers.RepeatedScalarFieldContainer[int]
+    in_progress_step: int
+    in_progress_done_ranks: int
+    skipped: int
+    failures: int
+    last_error: str
+    interval_steps: int
+    interval_minutes: float
+    keep: int
+    def __init__(self, url: _Optional[str] = ..., committed_steps: _Optional[_Iterable[int]] = ..., in_progress_step: _Optional[int] = ..., in_progress_done_ranks: _Optional[int] = ..., skipped: _Optional[int] = ..., failures: _Optional[int] = ..., last_error: _Optional[str] = ..., interval_steps: _Optional[int] = ..., interval_minutes: _Optional[float] = ..., keep: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("status_json",)
-    STATUS_JSON_FIELD_NUMBER: _ClassVar[int]
-    status_json: str
-    def __init__(self, status_json: _Optional[str] = ...) -> None: ...
+    __slots__ = ("job", "topology", "epoch", "coordinator_address", "newest_complete_step", "complete_steps", "backed_up_steps", "restore_target", "pinned_steps", "backing_up_steps", "hosts_registered", "hosts_reported", "hosts_lost", "lost_ranks", "lost", "hosts_reregistered", "heartbeat_interval_seconds", "host_lost_seconds", "steps", "backup", "hosts", "step_details")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_COMPLETE_STEP_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BACKED_UP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_TARGET_FIELD_NUMBER: _ClassVar[int]
+    PINNED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BACKING_UP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_REPORTED_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_LOST_FIELD_NUMBER: _ClassVar[int]
+    LOST_RANKS_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_REREGISTERED_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    topology: Topology
+    epoch: int
+    coordinator_address: str
+    newest_complete_step: int
+    complete_steps: _containers.RepeatedScalarFieldContainer[int]
+    backed_up_steps: _containers.RepeatedScalarFieldContainer[int]
+    restore_target: int
+    pinned_steps: _containers.RepeatedScalarFieldContainer[int]
+    backing_up_steps: _containers.RepeatedScalarFieldContainer[int]
+    hosts_registered: int
+    hosts_reported: int
+    hosts_lost: int
+    lost_ranks: str
+    lost: _containers.RepeatedCompositeFieldContainer[LostHosts]
+    hosts_reregistered: int
+    heartbeat_interval_seconds: float
+    host_lost_seconds: float
+    steps: _containers.RepeatedCompositeFieldContainer[StepSummary]
+    backup: BackupStatus
+    hosts: _containers.RepeatedCompositeFieldContainer[HostStatus]
+    step_details: _containers.RepeatedCompositeFieldContainer[StepDetail]
+    def __init__(self, job: _Optional[str] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., epoch: _Optional[int] = ..., coordinator_address: _Optional[str] = ..., newest_complete_step: _Optional[int] = ..., complete_steps: _Optional[_Iterable[int]] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., restore_target: _Optional[int] = ..., pinned_steps: _Optional[_Iterable[int]] = ..., backing_up_steps: _Optional[_Iterable[int]] = ..., hosts_registered: _Optional[int] = ..., hosts_reported: _Optional[int] = ..., hosts_lost: _Optional[int] = ..., lost_ranks: _Optional[str] = ..., lost: _Optional[_Iterable[_Union[LostHosts, _Mapping]]] = ..., hosts_reregistered: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ..., host_lost_seconds: _Optional[float] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., backup: _Optional[_Union[BackupStatus, _Mapping]] = ..., hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., step_details: _Optional[_Iterable[_Union[StepDetail, _Mapping]]] = ...) -> None: ...

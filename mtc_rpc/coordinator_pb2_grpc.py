@@ -85,7 +85,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
-        """The whole state as JSON, for `mtc status`.
+        """A bounded summary (counts and rank ranges); per-step and per-host detail on request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

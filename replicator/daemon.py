@@ -26,11 +26,13 @@ from mtc_rpc import control_pb2, control_pb2_grpc, peer_pb2_grpc
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
 from replicator import logs
+from replicator.coordinator.client import FAILOVER_CODES, Candidates, backoff_seconds
+from replicator.coordinator.planner import inventory_digest
 from replicator.coordinator.service import BackupScheduler, Coordinator
 from replicator.coordinator.topology import JobTopology
 from replicator.local.store import RamDiskStore
 from replicator.metrics import ReplicatorMetrics, TimedCoordinator
-from replicator.net import priority, rpc
+from replicator.net import priority, retry, rpc
 from replicator.net.security import TlsOptions
 from replicator.options import ReplicatorOptions
 from replicator.peer import client as peer_client
@@ -39,6 +41,30 @@ from replicator.peer import server as peer_server
 from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
+
+class _NoCoordinator(RuntimeError):
+    """No coordinator candidate answered this heartbeat."""
+
+
+class _ServingOnly:
+    """A servicer whose RPCs answer only on the serving coordinator candidate (a standby's view is empty)."""
+
+    def __init__(self, inner: Any, coordinator: Coordinator):
+        self._inner = inner
+        self._coordinator = coordinator
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._inner, name)
+        if name.startswith("_") or not callable(fn):
+            return fn
+
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            if not self._coordinator.active:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "standby coordinator candidate: ask the serving one")
+            return fn(request, context)
+
+        return call
+
 
 class _Control(control_pb2_grpc.LocalControlServicer):
     def __init__(self, daemon: Replicator):
@@ -122,11 +148,24 @@ class Replicator:
         self.incarnation = time.time_ns()
         logs.set_context(job=job, rank=rank, incarnation=self.incarnation)
         self.coordinator: Coordinator | None = None
-        if rank == opts.coordinator_rank:
-            sched = backup_scheduler_factory(self.topology) if backup_scheduler_factory else None
+        # Coordinator failover: every candidate serves a (standby) coordinator; the lowest-ranked live one
+        # is active (docs/coordinator.md).
+        self.candidates = opts.coordinator_candidate_list()
+        self._my_candidate = next((i for i, (r, _) in enumerate(self.candidates) if r == rank), None)
+        if self._my_candidate is not None:
+            factory = (lambda: backup_scheduler_factory(self.topology)) if backup_scheduler_factory else None
             self.coordinator = Coordinator(self.topology, job, keep_local=opts.keep_local,
-                                           heartbeat_seconds=opts.heartbeat_seconds, backup=sched,
-                                           force_restore_step=opts.restore_from_backup)
+                                           heartbeat_seconds=opts.heartbeat_seconds, backup_factory=factory,
+                                           force_restore_step=opts.restore_from_backup,
+                                           host_lost_seconds=opts.host_lost_seconds,
+                                           max_heartbeats_per_second=opts.max_heartbeats_per_second,
+                                           active=False)
+        self._cands: Candidates | None = None
+        self.epoch = 0  # highest coordinator epoch accepted (fences a deposed coordinator's deletions)
+        self._acked: tuple[str, dict[tuple[int, int], Any]] | None = None  # (digest, inventory) the coordinator holds
+        self._interval = opts.heartbeat_seconds
+        self._lower_down_since: float | None = None
+        self._backup_reports: list[cpb.BackupReport] = []
         self._server: grpc.Server | None = None
         self._control_server: grpc.Server | None = None
         self._transfer_server: peer_server.TransferServer | None = None
@@ -140,10 +179,12 @@ class Replicator:
                                                            initializer=priority.lower_current_thread,
                                                            initargs=(opts.bulk_priority,))
         self._in_flight: set[tuple[str, int, int]] = set()
+        # Failed copies/restores wait (exponential backoff with jitter) before the next attempt: a copy into a
+        # full RAM disk used to be retried hundreds of times a second, one heartbeat after the other.
+        self._retry = retry.KeyedBackoff(base_seconds=min(1.0, opts.heartbeat_seconds), max_seconds=60.0)
         self._fetching: dict[tuple[int, int], threading.Event] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._coord_channel: grpc.Channel | None = None
         self.address = ""
         self.newest_complete = -1
         # Preemption (SIGTERM): this host got the notice / the coordinator says some host did.
@@ -161,12 +202,14 @@ class Replicator:
             from replicator.coordinator.admin import cluster_view
 
             coord = self.coordinator
-            self.metrics.cluster_view = lambda: cluster_view(coord)
+            # Only the serving candidate exports the job-wide view (a standby knows nothing yet).
+            self.metrics.cluster_view = lambda: cluster_view(coord) if coord.active else None
         if self.backup is not None and hasattr(self.backup, "on_upload"):
             self.backup.on_upload = self._on_upload
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
+        self.opts.check_exposure()  # no unauthenticated service beyond loopback unless --insecure
         host = self.opts.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
         throttle = peer_protocol.Throttle(bytes_per_second=float(self.opts.max_bytes_per_second) or None,
                                      max_streams=max(1, self.opts.transfer_threads))
@@ -188,7 +231,7 @@ class Replicator:
             timed = TimedCoordinator(admin.wrap(self.coordinator), self.metrics)
             admin.coord = timed  # `mtc restore` plans through the same (timed) PrepareRestore
             servicers.append((cpb_grpc.add_CoordinatorServicer_to_server, timed))
-            servicers.append((admin_pb2_grpc.add_AdminServicer_to_server, admin))
+            servicers.append((admin_pb2_grpc.add_AdminServicer_to_server, _ServingOnly(admin, self.coordinator)))
         self._server, port = rpc.create_server(
             self.opts.listen, servicers, token=self.token, tls=tls,
             max_message_bytes=self.opts.max_message_bytes, max_workers=16)
@@ -204,12 +247,17 @@ class Replicator:
         self._control_server.add_insecure_port(f"unix:{sock}")
         self._control_server.start()
         os.chmod(sock, 0o600)
-        coord = self.opts.coordinator_address() if self.coordinator is None else self.address
-        if self.coordinator is not None and self.opts.coordinator:
-            coord = self.opts.coordinator
-        self._coord_channel = rpc.make_channel(coord, token=self.token, tls=self._tls(),
-                                                     max_message_bytes=self.opts.max_message_bytes)
-        self._coord = cpb_grpc.CoordinatorStub(self._coord_channel)
+        addrs = [a or (self.address if r == self.rank else "") for r, a in self.candidates]
+        if self.coordinator is not None:
+            if not self.opts.coordinator_candidates and not self.opts.coordinator:
+                addrs[self._my_candidate] = self.address
+            self.coordinator.address = addrs[self._my_candidate]
+            if self._my_candidate == 0:
+                self.coordinator.activate(time.time_ns())
+        tls, token, mmb = self._tls(), self.token, self.opts.max_message_bytes
+        self._cands = Candidates(addrs, lambda a: rpc.make_channel(a, token=token, tls=tls,
+                                                                   max_message_bytes=mmb))
+        coord = ",".join(addrs)
         if self.opts.metrics_port is not None:
             mport = self.metrics.serve(host, self.opts.metrics_port)
             print(f"METRICS {adv_host}:{mport}", flush=True)
@@ -242,8 +290,8 @@ class Replicator:
         if self._transfer_server is not None:
             self._transfer_server.stop(grace_seconds)
         self.metrics.stop()
-        if self._coord_channel is not None:
-            self._coord_channel.close()
+        if self._cands is not None:
+            self._cands.close()
         layout.control_socket(self.store.root).unlink(missing_ok=True)
         # Abandoned fetches leave only temporary directories: remove them now.
         layout.remove_tmp_dirs(layout.steps_dir(self.store.root))
@@ -384,19 +432,67 @@ class Replicator:
 
     # ------------------------------------------------------------------ heartbeat loop
     def _loop(self) -> None:
-        delay = self.opts.heartbeat_seconds
+        failures = 0
         while not self._stopping.is_set():
             try:
                 delay = self.heartbeat()
-            except grpc.RpcError as e:
-                if self.counters.add("heartbeat_failures") % 10 == 1:
-                    log.warning("heartbeat to the coordinator failed: %s", e.details() if hasattr(e, "details") else e)
-                delay = min(self.opts.heartbeat_seconds, 0.5) * (1 + random.random())
+                failures = 0
+            except (grpc.RpcError, _NoCoordinator) as e:
+                failures += 1
+                self.counters.add("heartbeat_failures")
+                if failures % 10 == 1:
+                    log.warning("heartbeat to the coordinator failed: %s",
+                                e.details() if isinstance(e, grpc.RpcError) else e)
+                # Never sooner than the interval, growing with jitter: no retry storm on a struggling
+                # coordinator. A candidate watching for a takeover keeps the plain interval.
+                watching = self._my_candidate is not None and isinstance(e, _NoCoordinator)
+                delay = self._interval * random.uniform(0.8, 1.2) if watching else \
+                    max(self._interval, backoff_seconds(failures, self._interval))
             except Exception:  # keep the daemon alive; the next heartbeat retries
                 log.exception("heartbeat handling failed")
-                delay = self.opts.heartbeat_seconds
+                delay = self._interval
             self._wake.wait(delay)
             self._wake.clear()
+
+    def call_coordinator(self, method: str, request: Any, timeout: float) -> Any:
+        """One RPC to the serving coordinator (the first candidate that answers)."""
+        if self._cands is None:
+            raise RuntimeError("the replicator is not started")
+        return self._cands.call(method, request, timeout, probe_timeout=self._probe_timeout())
+
+    def _probe_timeout(self) -> float:
+        return min(self.opts.rpc_timeout_seconds, max(0.5, self.opts.heartbeat_seconds))
+
+    def _send(self, req: cpb.HeartbeatRequest) -> cpb.HeartbeatResponse:
+        """Heartbeat the lowest-ranked candidate that answers; a candidate takes over when all lower ones are down."""
+        assert self._cands is not None
+        timeout = self.opts.rpc_timeout_seconds
+        last: Exception | None = None
+        for i in range(len(self._cands.addresses)):
+            if i == self._my_candidate and self.coordinator is not None and not self.coordinator.active:
+                now = time.monotonic()
+                if self._lower_down_since is None:
+                    self._lower_down_since = now
+                # Half the lost-host time (at least two intervals) of silence from every lower candidate
+                # before taking over: a lost heartbeat or a quick restart does not move the coordinator.
+                if now - self._lower_down_since < max(2 * self.opts.heartbeat_seconds,
+                                                      self.coordinator.lost_after() / 2):
+                    raise _NoCoordinator(f"lower coordinator candidates unreachable ({last}); waiting to take over")
+                log.warning("no lower coordinator candidate answers: rank %d takes over", self.rank)
+                self.coordinator.activate(max(time.time_ns(), self.epoch + 1))
+            try:
+                resp = self._cands.call_one(i, "Heartbeat", req, timeout, self._probe_timeout())
+            except grpc.RpcError as e:
+                if e.code() not in FAILOVER_CODES:
+                    raise
+                last = e.code().name
+                continue
+            if self._my_candidate is not None and i < self._my_candidate:
+                self._lower_down_since = None
+                if self.coordinator is not None and self.coordinator.active:
+                    self.coordinator.deactivate(f"lower candidate {self._cands.addresses[i]} serves")
+            return resp
+        raise _NoCoordinator(f"no coordinator candidate answers ({last})")
 
     def heartbeat(self) -> float:
         inv = self.store.inventory()
@@ -404,27 +500,49 @@ class Replicator:
         # slice was lost) cannot be addressed: not reported, so the coordinator accepts the rest.
         inv = [h for h in inv if h.owner_rank < self.nodes]
         own = self.store.own_steps()
+        digest = inventory_digest(inv)
         self._note_saves(inv)
         req = cpb.HeartbeatRequest(
             job=self.job, rank=self.rank, incarnation=self.incarnation, address=self.address,
-            holdings=[cpb.Holding(owner_rank=h.owner_rank, step=h.step, content_hash=h.content_hash,
-                                  size=h.size, tier=str(h.tier)) for h in inv],
             newest_saved_step=own[-1] if own else -1,
             backup_requests=self.store.backup_requests(),
-            preempting=self.preempting,
+            inventory_digest=digest, known_epoch=self.epoch, preempting=self.preempting,
         )
         if self._backup_now:
             self._backup_now = False
             if own:
                 req.backup_requests.append(own[-1])
-        for h, pbh in zip(inv, req.holdings, strict=True):
-            pbh.generation = h.generation
+        current = {h.key: h for h in inv}
+        if self._acked is None:
+            req.full_report = True
+            changed = inv
+        else:
+            base, acked = self._acked
+            req.base_digest = base
+            changed = [h for h in inv if acked.get(h.key) != h]
+            req.removed.extend(cpb.Deletion(owner_rank=o, step=s) for o, s in acked if (o, s) not in current)
+        for h in changed:
+            pbh = req.holdings.add(owner_rank=h.owner_rank, step=h.step, content_hash=h.content_hash,
+                                   size=h.size, tier=str(h.tier), generation=h.generation)
             for a, b in h.savers:
                 pbh.savers.add(first=a, last=b)
         if self.backup is not None:
-            req.backups.extend(self.backup.drain_reports())
-        resp = self._coord.Heartbeat(req, timeout=self.opts.rpc_timeout_seconds)
+            # Kept until a coordinator took them: a failed heartbeat (e.g. during a failover) loses none.
+            self._backup_reports = (self._backup_reports + self.backup.drain_reports())[-64:]
+            req.backups.extend(self._backup_reports)
+        resp = self._send(req)
         faults.point("heartbeat.after_response")
+        self._backup_reports = []
+        if resp.acked_digest and resp.acked_digest == digest:
+            self._acked = (digest, current)
+        else:
+            self._acked = None
+            self._wake.set()  # the coordinator has no picture of this host (restart, failover): report all now
+        if resp.epoch < self.epoch:
+            log.warning("ignoring the answer of a deposed coordinator (epoch %d < %d)", resp.epoch, self.epoch)
+            return self._interval
+        self.epoch = resp.epoch
+        self._interval = max(0.05, resp.heartbeat_interval_ms / 1000.0 or self.opts.heartbeat_seconds)
         self.newest_complete = resp.newest_complete_step
         self.metrics.newest_complete_step = resp.newest_complete_step
         if resp.preemption_noticed and not self.preemption_noticed:
@@ -452,7 +570,8 @@ class Replicator:
                              urgent=True)
             else:
                 self._submit("backup", -1, resp.backup.step, self.backup.run_task, resp.backup, self.store)
-        return max(0.05, resp.heartbeat_interval_ms / 1000.0 or self.opts.heartbeat_seconds)
+        # Jittered so that hosts started together do not report in lockstep.
+        return self._interval * random.uniform(0.9, 1.1)
 
     def _busy(self, owner: int, step: int) -> bool:
         with self._lock:
@@ -462,24 +581,31 @@ class Replicator:
     def _submit(self, kind: str, owner: int, step: int, fn: Callable[..., Any], *args: Any,
                 urgent: bool = False) -> None:
         key = (kind, owner, step)
+        if not self._retry.ready(key):
+            return
         with self._lock:
             if key in self._in_flight or self._stopping.is_set():
                 return
             self._in_flight.add(key)
 
         def run() -> None:
+            ok = False
             try:
                 fn(*args)
+                ok = True
+                self._retry.succeeded(key)
             except Exception as e:
+                delay = self._retry.failed(key)
                 msg = f"{kind} of rank {owner} step {step} failed: {e}"
-                log.warning("%s", msg)
+                log.warning("%s (attempt %d; next in %.1fs)", msg, self._retry.failures(key), delay)
                 self.errors = (self.errors + [msg])[-20:]
                 if kind == "copy":
                     self.counters.add("copy_failures")
             finally:
                 with self._lock:
                     self._in_flight.discard(key)
-                self._wake.set()  # report the result at once
+                if ok:
+                    self._wake.set()  # report the result at once (a failure changed nothing to report)
 
         if urgent:
             threading.Thread(target=run, name=f"mtc-urgent-{kind}", daemon=True).start()
@@ -515,7 +641,8 @@ class Replicator:
         t0 = time.monotonic()
         m = peer_client.fetch_step(address, owner, step, dest, token=self.token, tls=self._tls(),
                                 timeout_seconds=self.opts.transfer_timeout_seconds,
-                                throttle=self._throttle, expected_content_hash=content_hash)
+                                throttle=self._throttle, expected_content_hash=content_hash,
+                                spare_dir=layout.spare_dir(self.store.root))
         dt = time.monotonic() - t0
         log.info("copy: fetched rank %d step %d from %s: %d bytes in %.3fs (%.2f GiB/s)",
                  owner, step, address, m.total_bytes, dt, m.total_bytes / max(dt, 1e-9) / 2**30)

@@ -69,7 +69,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Validate the parsed flags (exit 2 with one line naming the problem) and run the daemon."""
     prog = getattr(args, "prog", "mtc-replicator")
     try:
-        opts = from_args(args)
+        opts = from_args(args).check_exposure()  # no open service beyond loopback unless --insecure
     except ConfigError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2

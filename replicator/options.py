@@ -73,6 +73,9 @@ class ReplicatorOptions:
     tls_cert: str = _opt('TLS certificate (PEM)', "")
     tls_key: str = _opt('TLS private key (PEM)', "")
     tls_ca: str = _opt('CA bundle (PEM): enables mutual TLS', "")
+    insecure: bool = _opt(
+        'allow listening beyond loopback without --token-file or TLS (refused otherwise; docs/security.md)',
+        False)
     heartbeat_seconds: float = _opt('report to the coordinator every N seconds (default 2)', 2.0)
     rpc_timeout_seconds: float = _opt('deadline of each control RPC (default 10)', 10.0)
     transfer_timeout_seconds: float = _opt('deadline of one step copy (default 600)', 600.0)
@@ -93,6 +96,18 @@ class ReplicatorOptions:
     handshake_timeout_seconds: float = _opt(
         "Orbax mode: bound on one handshake's restore planning (default 600)",
         600.0)
+    coordinator_candidates: str = _opt(
+        "ordered RANK=HOST:PORT,... of the hosts that may serve the coordinator; the first live one serves "
+        "(default: each slice's first host when --peers or --peer-address-template give addresses, else "
+        "--coordinator-rank); see docs/coordinator.md",
+        "")
+    host_lost_seconds: float = _opt(
+        "declare a host lost after N seconds without a report (default 0 = four heartbeat intervals, "
+        "at least 10 s)",
+        0.0)
+    max_heartbeats_per_second: float = _opt(
+        "the coordinator stretches the heartbeat interval to nodes / N seconds (default 200)",
+        200.0)
     metrics_port: int | None = _opt(
         "serve Prometheus metrics at http://HOST:PORT/metrics, HOST as in --listen; 0 picks a free port "
         "(printed as METRICS HOST:PORT); unset = no endpoint",
@@ -106,6 +121,21 @@ class ReplicatorOptions:
     @property
     def orbax_mode(self) -> bool:
         return self.rank is None and self.nodes is None
+
+    def check_exposure(self) -> ReplicatorOptions:
+        """Refuse (ConfigError) to serve beyond loopback with neither a token nor TLS, unless ``insecure``.
+
+        Anyone who can reach an unauthenticated replicator can read every checkpoint it holds, forge
+        reports and make the coordinator delete copies (docs/security.md).
+        """
+        host = self.listen.rpartition(":")[0].strip("[]")
+        if self.insecure or self.token_file or self.tls_cert or _is_loopback(host):
+            return self
+        raise ConfigError(
+            f"refusing to listen on {self.listen} without --token-file or --tls-cert/--tls-key: any host "
+            "that reaches it could read every checkpoint and delete copies. Give a token (or TLS), listen "
+            "on 127.0.0.1, or pass --insecure to accept that (see docs/security.md)"
+        )
 
     def token(self) -> str | None:
         if not self.token_file:
@@ -129,7 +159,21 @@ class ReplicatorOptions:
         return ""
 
     def coordinator_address(self) -> str:
+        if not self.coordinator and self.coordinator_candidates:
+            return next(iter(parse_peers(self.coordinator_candidates).values()), "")
         return self.coordinator or self.peer_address(self.coordinator_rank)
+
+    def coordinator_candidate_list(self) -> list[tuple[int, str]]:
+        """Ordered ``(rank, HOST:PORT)`` of the coordinator candidates (see ``coordinator_candidates``)."""
+        if self.coordinator_candidates:
+            return list(parse_peers(self.coordinator_candidates).items())
+        if not self.coordinator and self.nodes and (self.peers or self.peer_address_template):
+            per_slice = self.nodes // max(1, self.data_parallelism)
+            ranks = [s * per_slice for s in range(max(1, self.data_parallelism))]
+            out = [(r, self.peer_address(r)) for r in ranks]
+            if all(a for _, a in out):
+                return out
+        return [(self.coordinator_rank, self.coordinator_address())]
 
     def validate(self) -> ReplicatorOptions:
         if (self.rank is None) != (self.nodes is None):
@@ -159,8 +203,14 @@ class ReplicatorOptions:
             raise ConfigError("backup intervals must be >= 0")
         if self.keep_local < 1 or self.backup_keep < 1 or self.replicas < 0:
             raise ConfigError("--keep-local and --backup-keep must be >= 1, --replicas >= 0")
+        if self.coordinator_candidates:
+            cands = parse_peers(self.coordinator_candidates)
+            if self.nodes is not None and any(not 0 <= r < self.nodes for r in cands):
+                raise ConfigError(f"--coordinator-candidates ranks must be within 0..{self.nodes - 1}")
+        if self.host_lost_seconds < 0:
+            raise ConfigError("--host-lost-seconds must be >= 0")
         for name in ("heartbeat_seconds", "rpc_timeout_seconds", "transfer_timeout_seconds",
-                     "handshake_timeout_seconds"):
+                     "handshake_timeout_seconds", "max_heartbeats_per_second"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -178,6 +228,17 @@ class ReplicatorOptions:
             raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         self.token()
         return self
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
 
 
 def _host_port(value: str, what: str) -> tuple[str, int]:
@@ -217,6 +278,15 @@ def _convert(name: str, raw: Any) -> Any:
     base = next((a for a in typing.get_args(typ) if a is not type(None)), typ)  # X | None -> X
     if base is Path:
         return Path(raw)
+    if base is bool:
+        if isinstance(raw, bool):
+            return raw
+        word = str(raw).strip().lower()
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{flag}: expected true or false, got {raw!r}")
     if name == "peers":
         return raw if isinstance(raw, dict) else parse_peers(str(raw))
     if base is int:
@@ -243,6 +313,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file with any of the options (keys spelled like the flags)")
     for name in _FIELDS:
         meta = _FIELDS[name].metadata
+        if _TYPES[name] is bool:  # a switch: ``--insecure``
+            p.add_argument(_flag(name), dest=name, default=None, action="store_const", const=True,
+                           help=meta["help"])
+            continue
         p.add_argument(_flag(name), dest=name, default=None, help=meta["help"], choices=meta["choices"])
 
 

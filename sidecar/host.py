@@ -75,20 +75,27 @@ def save_on_hosts(
     host_arrays: Sequence[tuple[str, np.ndarray]],
     values: Sequence[layout.ValueEntry],
     generation: int = 0,
+    replace: bool = False,
 ) -> None:
     """Take a host copy of each rank's addressable shards and queue the background write.
 
-    Saving a step number that exists already means the job rolled back past it (it restored an older
-    step): the old, abandoned step is deleted first.
+    ``generation``: this save's (the same on every host; a newer save of a step number supersedes older
+    ones). ``replace``: the job rolled back (restored an older step), so a committed copy of ``step`` is
+    abandoned and replaced rather than an error.
     """
     layout.step_name(step)
     writers = {r: writer.writer_for(config.root(r), config.write_threads) for r in ranks}
     writer.raise_failures(list(writers.values()))
-    for r, w in writers.items():
-        old = layout.steps_dir(w.root) / layout.step_name(step)
-        if old.exists():
-            log.warning("rank %d: step %d is saved again (rollback): replacing the abandoned copy", r, step)
-            layout.delete_step(old)
+    # A step committed on every host is saved: saving it again is a mistake, unless the job rolled back (it
+    # restored an older step and saves forward: ``replace``), which abandons the newer steps. One committed
+    # on some hosts only was never complete (the trainer died between the hosts' commits): saving it again
+    # replaces those copies atomically (writer.write_step).
+    held = [r for r, w in writers.items() if (layout.steps_dir(w.root) / str(step) / layout.MANIFEST_NAME).is_file()]
+    if held and len(held) == len(writers) and not replace:
+        raise FileExistsError(f"step {step} already exists for ranks {held} (to save it again, restore an older "
+                              "step first)")
+    if held:
+        log.warning("ranks %s: step %d is saved again: the abandoned copies are replaced", held, step)
     per_rank: dict[int, list[writer.ArrayCopy]] = {r: [] for r in ranks}
     for arr, meta in zip(arrays, metas, strict=True):
         copies: dict[int, writer.ArrayCopy] = {}

@@ -68,11 +68,11 @@ class SaveError(RuntimeError):
 def _write_file(path: Path, data: np.ndarray) -> int:
     """Preallocate and write one shard file, fsync it, and return the crc32c of its bytes.
 
-    Preallocating matters: on tmpfs a write into a preallocated file runs ~2x faster (5.8 vs 2.6 GiB/s
-    measured) than appending to a new one.
+    ``path`` may already exist: a recycled file that :func:`write_step` put there (its tmpfs pages are
+    overwritten instead of freshly allocated: ~4.9 vs ~2.6 GiB/s measured), sized to ``data``.
     """
     flat = data.reshape(-1).view(np.uint8)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         if flat.nbytes:
             os.posix_fallocate(fd, 0, flat.nbytes)
@@ -91,20 +91,20 @@ def _write_file(path: Path, data: np.ndarray) -> int:
 def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
     """Write ``hs`` under a temporary directory and commit it as ``<root>/steps/<step>``.
 
-    On any failure (ENOSPC included) the temporary directory is removed, the previous steps are untouched,
-    and the error is raised.
+    Saving a step number that is already committed (an abandoned newer step after a restore, a re-save)
+    replaces it atomically. On any failure (ENOSPC included) the temporary directory is removed, the
+    previous steps are untouched, and the error is raised.
     """
     sdir = layout.steps_dir(hs.root)
     final = sdir / layout.step_name(hs.step)
-    if final.exists():
-        raise FileExistsError(f"step {hs.step} already exists in {sdir}")
     tmp = layout.make_tmp_dir(sdir, hs.step)
     faults.point("save.after_tmp_dir")
     t0 = time.monotonic()
     try:
         need = hs.nbytes
         st = os.statvfs(tmp)
-        free = st.f_bavail * st.f_frsize
+        pool = layout.SparePool(layout.spare_dir(hs.root))
+        free = st.f_bavail * st.f_frsize + layout.spare_bytes(layout.spare_dir(hs.root))
         if need > free:
             raise OSError(
                 errno.ENOSPC,
@@ -114,8 +114,10 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
         for li, arr in enumerate(hs.arrays):
             for si, sh in enumerate(arr.shards):
                 jobs.append((li, si, layout.shard_file_name(li, si), sh.data))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            futs = {(li, si): pool.submit(_write_file, tmp / name, data) for li, si, name, data in jobs}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as ex:
+            for _, _, name, data in jobs:  # recycled files first (renames, in this thread)
+                pool.take(tmp / name, data.nbytes)
+            futs = {(li, si): ex.submit(_write_file, tmp / name, data) for li, si, name, data in jobs}
             crcs = {k: f.result() for k, f in futs.items()}
             faults.point("save.after_files")
         files = []
@@ -143,10 +145,12 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
         layout.write_manifest(tmp, manifest)
         faults.point("save.after_manifest")
         faults.point("save.before_commit")
-        layout.commit_dir(tmp, final)
+        layout.commit_dir(tmp, final, replace=True)
         faults.point("save.after_commit")
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC:  # the recycled pages were not enough: give them back for the retry
+            layout.drop_spares(layout.spare_dir(hs.root))
         if e.errno == errno.ENOSPC and "RAM disk full" not in str(e):
             raise OSError(errno.ENOSPC, f"RAM disk full while writing step {hs.step} to {hs.root}: {e}") from e
         raise
@@ -167,7 +171,7 @@ def gc_local_steps(root: Path, keep: int) -> list[int]:
     keep = max(1, keep)
     doomed = steps[:-keep] if len(steps) > keep else []
     for s in doomed:
-        layout.delete_step(layout.steps_dir(root) / layout.step_name(s))
+        layout.delete_step(layout.steps_dir(root) / layout.step_name(s), spare=layout.spare_dir(root))
     return doomed
 
 

@@ -100,7 +100,8 @@ def add_output(p: argparse.ArgumentParser) -> None:
 def add_connection(p: argparse.ArgumentParser, required: bool = True) -> None:
     g = p.add_argument_group("connection")
     g.add_argument("--coordinator", default=os.environ.get(ENV_COORDINATOR, ""),
-                   help=f"HOST:PORT of the coordinator (default ${ENV_COORDINATOR})")
+                   help=f"HOST:PORT of the coordinator, or its candidates in order, comma-separated "
+                        f"(default ${ENV_COORDINATOR})")
     g.add_argument("--token-file", default=os.environ.get(ENV_TOKEN_FILE, ""),
                    help=f"file with the bearer token (default ${ENV_TOKEN_FILE})")
     g.add_argument("--tls-cert", help="client certificate (PEM), for mutual TLS")
@@ -117,22 +118,26 @@ class Conn:
     """The coordinator's Admin stub plus what is needed to reach each host's Peer service."""
 
     def __init__(self, args: argparse.Namespace):
+        from mtc_rpc import admin_pb2_grpc
+        from replicator.coordinator.client import Candidates, FailoverStub, parse_addresses
         from replicator.net import rpc
-        from replicator.net.security import TlsOptions
+        from replicator.net.security import TlsOptions, read_token_file
 
         if not args.coordinator:
-            raise UsageError(f"give --coordinator HOST:PORT (or set ${ENV_COORDINATOR})")
-        self.token = Path(args.token_file).read_text().strip() if args.token_file else None
+            raise UsageError(f"give --coordinator HOST:PORT[,HOST:PORT...] (or set ${ENV_COORDINATOR})")
+        self.token = read_token_file(Path(args.token_file)) if args.token_file else None
         self.tls = TlsOptions.from_args(args.tls_cert, args.tls_key, args.tls_ca)
         self.timeout = args.timeout_seconds
         self.address = args.coordinator
-        self.channel = rpc.make_channel(args.coordinator, token=self.token, tls=self.tls)
-        from mtc_rpc import admin_pb2_grpc
-
-        self.admin = admin_pb2_grpc.AdminStub(self.channel)
+        # The coordinator candidates in order (one per slice): a standby answers UNAVAILABLE and the next
+        # one is tried, as the hosts and the CheckpointManager do.
+        self._candidates = Candidates(parse_addresses(args.coordinator),
+                                      lambda a: rpc.make_channel(a, token=self.token, tls=self.tls),
+                                      stub_class=admin_pb2_grpc.AdminStub)
+        self.admin = FailoverStub(self._candidates)
 
     def close(self) -> None:
-        self.channel.close()
+        self._candidates.close()
 
 def open_backup(url: str, job: str | None) -> Any:
     """A read-only :class:`BackupStore` on ``url`` for ``job`` (the only job in the bucket when None)."""

@@ -178,9 +178,10 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> int:
         mgr.close()
 
         client = CoordinatorClient(cluster.coordinator)
-        _wait(lambda: TOTAL_STEPS in client.status()["backup"]["committed_steps"], 120,
+        _wait(lambda: TOTAL_STEPS in client.status().backup.committed_steps, 120,
               f"the backup of step {TOTAL_STEPS}")
-        _wait(lambda: client.status()["steps"][str(TOTAL_STEPS)]["redundant"], 60, "peer redundancy")
+        _wait(lambda: any(s.step == TOTAL_STEPS and s.redundant for s in client.status().steps), 60,
+              "peer redundancy")
         client.close()
 
         print("-- host 3 is lost: its RAM disk is wiped and its replicator restarts empty")

@@ -86,8 +86,11 @@ class BadCopies:
             bad = self._bad.get(request.rank)
             if not bad:
                 return request, []
-            present = {(h.owner_rank, h.step) for h in request.holdings}
-            bad &= present  # a copy the host no longer reports was deleted: forget it
+            if request.full_report:
+                present = {(h.owner_rank, h.step) for h in request.holdings}
+                bad &= present  # a copy the host no longer reports was deleted: forget it
+            else:  # a delta heartbeat (docs/coordinator.md): what it removed since its last report is gone
+                bad -= {(d.owner_rank, d.step) for d in request.removed}
             if not bad:
                 self._bad.pop(request.rank, None)
                 return request, []
@@ -139,6 +142,14 @@ class FilteredCoordinator:
     def Heartbeat(self, request: cpb.HeartbeatRequest, context: grpc.ServicerContext) -> cpb.HeartbeatResponse:
         request, doomed = self._bad.filter(request)
         resp = self._inner.Heartbeat(request, context)
+        if doomed:
+            # Delta heartbeats do not re-send what the coordinator already holds: drop the bad copies from
+            # the coordinator's view too, until the host deletes them.
+            with self._inner.lock:
+                st = self._inner.state
+                held = [k for k in doomed if st.holding(request.rank, k) is not None]
+                if held:
+                    st.report_removed(request.rank, held)
         for owner, step in doomed:
             resp.deletions.append(cpb.Deletion(owner_rank=owner, step=step))
         if self._completed is not None:

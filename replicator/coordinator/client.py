@@ -1,44 +1,190 @@
-"""The controller's view of the replicators: globally complete steps and restore preparation."""
+"""Reaching the coordinator: ordered candidates with failover (used by hosts, the controller and `mtc status`).
+
+The coordinator is served by the lowest-ranked live candidate (``docs/coordinator.md``). Callers try the
+candidates in order on every call: a dead one fails fast (refused connection) or after a short probe
+deadline, a standby one answers UNAVAILABLE. Whole rounds that fail are retried with jittered
+exponential backoff until the caller's deadline, so a failover costs callers a few heartbeats, not an
+error, and a crowd of callers does not retry in lockstep.
+"""
 
 from __future__ import annotations
 
-import json
 import logging
+import random
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+# UNAVAILABLE: dead, standby or deposed candidate; DEADLINE_EXCEEDED: unreachable (black-holed) one.
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def parse_addresses(value: str | Sequence[str]) -> list[str]:
+    """``"h0:7070,h2:7070"`` (or a list) -> ordered candidate addresses; ``RANK=`` prefixes are dropped."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out = [i.strip().partition("=")[2] if "=" in i else i.strip() for i in items]
+    out = [a for a in out if a]
+    if not out:
+        raise ValueError(f"no coordinator address in {value!r}")
+    return out
+
+
+def backoff_seconds(failures: int, base: float, cap_factor: float = 8.0) -> float:
+    """Jittered exponential backoff: ``base * min(2**(failures-1), cap_factor) * U(0.5, 1.5)``."""
+    return base * min(2.0 ** max(0, failures - 1), cap_factor) * random.uniform(0.5, 1.5)
+
+
+def retry_after_seconds(e: grpc.RpcError) -> float | None:
+    """The coordinator's ``retry-after-seconds`` advice on a refused call, if any."""
+    try:
+        for key, value in e.trailing_metadata() or ():
+            if key == "retry-after-seconds":
+                return float(value)
+    except (AttributeError, ValueError):
+        pass
+    return None
+
+
+class FailoverStub:
+    """A stub-like object: ``stub.Method(request, timeout=...)`` goes to the first candidate that answers."""
+
+    def __init__(self, candidates: Candidates):
+        self._candidates = candidates
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        def call(request: Any, timeout: float) -> Any:
+            return self._candidates.call(method, request, timeout)
+
+        return call
+
+
+class Candidates:
+    """Stubs to the ordered coordinator candidates; :meth:`call` goes to the first one that answers."""
+
+    def __init__(self, addresses: Sequence[str], make_channel: Callable[[str], grpc.Channel],
+                 stub_class: Callable[[grpc.Channel], Any] = pb_grpc.CoordinatorStub):
+        self.addresses = list(addresses)
+        self._make_channel = make_channel
+        self._stub_class = stub_class
+        self._channels: dict[int, grpc.Channel] = {}
+        self._stubs: dict[int, Any] = {}
+        self._failed: set[int] = set()
+        self.serving: int | None = None  # index of the candidate that answered last
+
+    def stub(self, index: int) -> Any:
+        if index not in self._stubs:
+            self._channels[index] = self._make_channel(self.addresses[index])
+            self._stubs[index] = self._stub_class(self._channels[index])
+        return self._stubs[index]
+
+    def call_one(self, index: int, method: str, request: Any, timeout: float, probe_timeout: float) -> Any:
+        """One call to candidate ``index``; a candidate that failed last time gets only ``probe_timeout``."""
+        t = min(timeout, probe_timeout) if index in self._failed else timeout
+        try:
+            resp = getattr(self.stub(index), method)(request, timeout=t)
+        except grpc.RpcError as e:
+            if e.code() in FAILOVER_CODES:
+                self._failed.add(index)
+            raise
+        self._failed.discard(index)
+        self.serving = index
+        return resp
+
+    def call(self, method: str, request: Any, timeout: float, probe_timeout: float = 1.0) -> Any:
+        """Try every candidate in order once; raise the last failover error when none answers."""
+        last: grpc.RpcError | None = None
+        for i in range(len(self.addresses)):
+            try:
+                return self.call_one(i, method, request, timeout, probe_timeout)
+            except grpc.RpcError as e:
+                if e.code() not in FAILOVER_CODES:
+                    raise
+                last = e
+        assert last is not None
+        raise last
+
+    def call_until(self, method: str, request: Any, timeout: float, deadline: float,
+                   base_backoff: float = 0.2) -> Any:
+        """:meth:`call` in rounds with jittered backoff until ``deadline`` (monotonic)."""
+        failures = 0
+        while True:
+            try:
+                return self.call(method, request, timeout)
+            except grpc.RpcError as e:
+                failures += 1
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_seconds(e) is not None:
+                    pause = retry_after_seconds(e) * random.uniform(1.0, 1.5)  # the coordinator's advice, jittered
+                elif e.code() in FAILOVER_CODES:
+                    pause = backoff_seconds(failures, base_backoff, cap_factor=10.0)
+                else:
+                    raise
+                if time.monotonic() + pause >= deadline:
+                    raise
+                log.info("no coordinator candidate answered %s (%s); retrying in %.2fs", method,
+                         e.code().name, pause)
+                time.sleep(pause)
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
+        self._stubs.clear()
+
 
 class CoordinatorClient:
-    """Calls to the coordinator, each with a deadline."""
+    """Calls to the coordinator, each with a deadline, failing over across ``address`` candidates.
 
-    def __init__(self, address: str, token_file: str | None = None, rpc_timeout_seconds: float = 30.0,
-                 tls: Any = None):
+    ``address``: one ``HOST:PORT`` or the ordered candidates, comma-separated or as a list.
+    ``failover_seconds``: how long a call keeps trying candidates before raising (default: 3 RPC timeouts).
+    """
+
+    def __init__(self, address: str | Sequence[str], token_file: str | None = None,
+                 rpc_timeout_seconds: float = 30.0, tls: Any = None, failover_seconds: float | None = None):
         from replicator.net import rpc
+        from replicator.net.security import read_token_file
 
-        token = Path(token_file).read_text().strip() if token_file else None
-        self.address = address
+        token = read_token_file(Path(token_file)) if token_file else None
+        self.addresses = parse_addresses(address)
+        self.address = self.addresses[0]
         self.timeout = rpc_timeout_seconds
-        self._channel = rpc.make_channel(address, token=token, tls=tls)
-        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self.failover_seconds = 3 * rpc_timeout_seconds if failover_seconds is None else failover_seconds
+        self._candidates = Candidates(self.addresses, lambda a: rpc.make_channel(a, token=token, tls=tls))
+
+    def _call(self, method: str, request: Any, timeout: float, extra_seconds: float = 0.0) -> Any:
+        deadline = time.monotonic() + self.failover_seconds + extra_seconds
+        return self._candidates.call_until(method, request, timeout, deadline)
+
+    @property
+    def serving_address(self) -> str | None:
+        i = self._candidates.serving
+        return None if i is None else self.addresses[i]
 
     def steps(self, wait_seconds: float | None = None) -> pb.GetStepsResponse:
         wait = self.timeout / 2 if wait_seconds is None else wait_seconds
-        return self._stub.GetSteps(pb.GetStepsRequest(wait_seconds=wait), timeout=wait + self.timeout)
+        return self._call("GetSteps", pb.GetStepsRequest(wait_seconds=wait), wait + self.timeout)
 
     def complete_steps(self) -> list[int]:
         return list(self.steps().complete_steps)
 
     def prepare_restore(self, step: int | None, wait_seconds: float) -> int:
-        """Have every host hold its data of ``step`` (default: newest recoverable); returns the step."""
-        resp = self._stub.PrepareRestore(
-            pb.PrepareRestoreRequest(step=-1 if step is None else step, wait_seconds=wait_seconds),
-            timeout=wait_seconds + self.timeout,
-        )
+        """Have every live host hold its data of ``step`` (default: newest recoverable); returns the step.
+
+        A coordinator lost mid-call is retried on the next candidate (which re-plans from reports).
+        """
+        resp = self._call("PrepareRestore",
+                          pb.PrepareRestoreRequest(step=-1 if step is None else step, wait_seconds=wait_seconds),
+                          wait_seconds + self.timeout, extra_seconds=wait_seconds)
         if resp.step < 0:
             raise FileNotFoundError(f"nothing to restore: {resp.reason}")
         if not resp.ready:
@@ -46,9 +192,21 @@ class CoordinatorClient:
         log.info("coordinator prepared restore: %s", resp.reason)
         return resp.step
 
-    def status(self) -> dict[str, Any]:
-        resp = self._stub.GetStatus(pb.GetStatusRequest(), timeout=self.timeout)
-        return json.loads(resp.status_json)
+    def status(self, hosts: bool = False, detail_steps: Sequence[int] = (), rank_first: int = 0,
+               rank_count: int = 0) -> pb.GetStatusResponse:
+        """The typed status: summary by default; per-host / per-step detail on request for ranks
+        ``rank_first .. rank_first + rank_count - 1`` (``rank_count`` 0: through the last rank)."""
+        req = pb.GetStatusRequest(hosts=hosts, detail_steps=list(detail_steps), rank_first=rank_first,
+                                  rank_count=rank_count)
+        return self._call("GetStatus", req, self.timeout)
 
     def close(self) -> None:
-        self._channel.close()
+        self._candidates.close()
+
+
+def status_to_dict(resp: pb.GetStatusResponse) -> dict[str, Any]:
+    """The typed status as plain JSON-printable data (for people; code reads the message's fields)."""
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(resp, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True, unquote_int64_if_possible=True)

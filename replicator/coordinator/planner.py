@@ -1,9 +1,12 @@
 """The coordinator's decisions (replication, global completeness, restore, GC) as pure functions of hosts' reports.
 
 No I/O, no threads, no clocks: a :class:`CoordinatorState` is fed events (registrations, inventories,
-committed steps, backups) and answers queries. Every answer depends only on the *current* reported
-facts, never on the order they arrived in, so a restarted coordinator that receives every host's
-report again gives the same answers. Rules are summarised in ``docs/coordinator.md``.
+committed steps, backups, hosts declared lost — liveness takes ``now`` from the caller) and answers
+queries. Every answer depends only on the *current* facts, never on the order they arrived in, so a
+restarted coordinator that receives every host's report again gives the same answers. Derived views
+are maintained incrementally (see :class:`CoordinatorState`); ``tests/replicator/coordinator/
+test_incremental.py`` checks them against a from-scratch recomputation. Rules are summarised in
+``docs/coordinator.md``.
 
 Vocabulary: a piece of data is one rank's (``owner_rank``) data for one ``step``, identified by the
 ``content_hash`` of its manifest (:attr:`sidecar.layout.StepManifest.content_hash`). Data-parallel
@@ -16,7 +19,7 @@ import collections
 import dataclasses
 import enum
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from replicator.coordinator.topology import JobTopology
@@ -202,12 +205,26 @@ class _Auth:
 
 
 class CoordinatorState:
-    """The coordinator's global view, built only from hosts' reports; every query is deterministic."""
+    """The coordinator's global view, built only from hosts' reports; every query is deterministic.
+
+    Derived views are maintained incrementally: a change to one rank's data of one step marks its
+    *replica group* (the ranks with the same in-slice index, ``data_parallelism`` of them) dirty for
+    that step, and the next query recomputes only dirty groups. Per step that gives each rank's
+    sources (who covers it), the set of globally complete steps, and each destination host's copy
+    tasks; GC and restore answers for one host then cost O(what that host holds). Declaring a host
+    lost (rare) re-plans every group. :attr:`version` changes with every fact; whole-job plans
+    (:meth:`restore_plan`) are memoised per version. Liveness takes ``now`` from the caller: the
+    planner itself has no clock.
+    """
 
     def __init__(self, topology: JobTopology):
         if not isinstance(topology, JobTopology):
             raise ValueError(f"topology must be a JobTopology, got {type(topology).__name__}")
         self.topology = topology
+        h = self._h = topology.hosts_per_slice
+        self._members: list[tuple[int, ...]] = [
+            tuple(s * h + i for s in range(topology.data_parallelism)) for i in range(h)
+        ]
         self._incarnation: dict[int, int] = {}
         self._reported: set[int] = set()
         self._holdings: dict[int, dict[Key, Holding]] = {}
@@ -217,9 +234,25 @@ class CoordinatorState:
         self._bucket: dict[int, dict[int, str | None]] = {}
         self._backups_in_progress: set[int] = set()
         self._pinned: set[int] = set()
-        # step -> generation -> number of holdings of that save; (step, generation) -> its savers ranges.
+        # Liveness: rank -> when it was declared lost; rank -> last report, oldest first.
+        self._lost: dict[int, float] = {}
+        self._lost_per_slice: collections.Counter[int] = collections.Counter()
+        self._seen: collections.OrderedDict[int, float] = collections.OrderedDict()
+        self.reregistered = 0
+        # Derived views, refreshed lazily per dirty (step, replica group).
+        self.version = 0
+        self._dirty: dict[int, set[int]] = {}
+        self._stale_all = False
+        self._auth: dict[int, dict[int, _Auth]] = {}
+        self._cov: dict[int, dict[int, tuple[Source, ...]]] = {}
+        self._complete: set[int] = set()
+        self._tasks: dict[int, dict[int, tuple[CopyTask, ...]]] = {}  # step -> group -> tasks
+        self._by_dest: dict[int, dict[int, dict[int, tuple[CopyTask, ...]]]] = {}  # step -> dest -> group -> tasks
+        self._memo: dict[Any, Any] = {}
+        # Elastic: step -> generation -> number of holdings of that save; (step, generation) -> savers ranges.
         self._generations: dict[int, collections.Counter[int]] = {}
         self._savers: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
+        self._memo_version = -1
 
     # ----------------------------------------------------------------------------------------- events
 
@@ -227,7 +260,8 @@ class CoordinatorState:
         """Register a host's process. Returns True when it is a new incarnation (it must report inventory).
 
         A newer incarnation drops what the host held before (its RAM disk may not have survived);
-        an older one raises :class:`StaleIncarnationError`; the same one is a no-op.
+        an older one raises :class:`StaleIncarnationError`; the same one is a no-op. A host declared
+        lost registers again as a new incarnation, whatever number it brings.
         """
         self.topology.check_rank(rank)
         _check_int("incarnation", incarnation)
@@ -239,14 +273,51 @@ class CoordinatorState:
         self._drop_holdings(rank)
         self._reported.discard(rank)
         self._incarnation[rank] = incarnation
+        if self._lost.pop(rank, None) is not None:
+            self._lost_per_slice[self.topology.slice_of(rank)] -= 1
+            self.reregistered += 1
+            self._replan_all()
+        self.version += 1
         return True
 
-    def forget_host(self, rank: int) -> None:
-        """The host is lost or its RAM disk was wiped: drop its registration and everything it held."""
+    def forget_host(self, rank: int, now: float = 0.0) -> None:
+        """The host is lost or its RAM disk was wiped: drop its registration and everything it held.
+
+        It is no destination for copies until it registers again (see :meth:`lost`).
+        """
         self.topology.check_rank(rank)
         self._drop_holdings(rank)
         self._reported.discard(rank)
         self._incarnation.pop(rank, None)
+        self._seen.pop(rank, None)
+        if rank not in self._lost:
+            self._lost[rank] = now
+            self._lost_per_slice[self.topology.slice_of(rank)] += 1
+            self._replan_all()
+        self.version += 1
+
+    def watch(self, ranks: Iterable[int], now: float) -> None:
+        """Start the lost-host clock of ``ranks`` at ``now`` (a coordinator taking over expects them all)."""
+        for r in ranks:
+            self.topology.check_rank(r)
+            if r not in self._lost and r not in self._seen:
+                self._seen[r] = now
+
+    def seen(self, rank: int, now: float) -> None:
+        """Host ``rank`` reported at ``now`` (monotonic; O(1))."""
+        self._seen[rank] = now
+        self._seen.move_to_end(rank)
+
+    def expire(self, now: float, lost_after_seconds: float) -> list[int]:
+        """Declare lost every watched host silent for ``lost_after_seconds``; returns them (O(1) when none)."""
+        out = []
+        while self._seen:
+            rank, last = next(iter(self._seen.items()))
+            if now - last < lost_after_seconds:
+                break
+            self.forget_host(rank, last + lost_after_seconds)
+            out.append(rank)
+        return out
 
     def report_inventory(
         self, rank: int, holdings: Iterable[Holding], incarnation: int | None = None
@@ -254,15 +325,22 @@ class CoordinatorState:
         """Replace everything host ``rank`` holds with ``holdings`` (validated first; bad input changes nothing)."""
         self._check_reporter(rank, incarnation)
         new = self._validated(rank, holdings)
-        self._drop_holdings(rank)
-        for h in new.values():
-            self._add(rank, h)
-        self._reported.add(rank)
+        old = self._holdings.get(rank, {})
+        for key in [k for k, h in old.items() if new.get(k) != h]:
+            self._remove(rank, key)
+        for key, h in new.items():
+            if old.get(key) != h:
+                self._add(rank, h)
+        if rank not in self._reported:
+            self._reported.add(rank)
+            self.version += 1
 
     def report_committed(self, rank: int, holding: Holding, incarnation: int | None = None) -> None:
         """Host ``rank`` committed one piece of data (its own step or a peer copy); replaces the same key."""
         self._check_reporter(rank, incarnation)
         (h,) = self._validated(rank, [holding]).values()
+        if self._holdings.get(rank, {}).get(h.key) == h:
+            return
         self._remove(rank, h.key)
         self._add(rank, h)
 
@@ -291,9 +369,11 @@ class CoordinatorState:
             # A backup of a step saved by some ranks only (elastic training) holds just those ranks.
             ranks = sorted(hashes) if hashes else range(self.topology.nodes)
             self._bucket[step] = {r: hashes.get(r) for r in ranks}
-        else:
-            self._bucket.pop(step, None)
+            self._touch_all_groups(step)
+        elif self._bucket.pop(step, None) is not None:
+            self._touch_all_groups(step)
         self._backups_in_progress.discard(step)
+        self.version += 1
 
     def report_backup_ranks(self, step: int, content_hashes: Mapping[int, str | None]) -> None:
         """The bucket holds committed data of these ranks for ``step`` (hash None: not known)."""
@@ -301,20 +381,26 @@ class CoordinatorState:
         hashes = self._validated_bucket_hashes(content_hashes)
         if hashes:
             self._bucket.setdefault(step, {}).update(hashes)
+            for r in hashes:
+                self._touch(step, r)
 
     def mark_backup_in_progress(self, step: int) -> None:
         """``step`` is being uploaded: GC must not touch it until :meth:`report_backup` or the clear call."""
         self._backups_in_progress.add(_check_int("step", step))
+        self.version += 1
 
     def clear_backup_in_progress(self, step: int) -> None:
         self._backups_in_progress.discard(_check_int("step", step))
+        self.version += 1
 
     def pin(self, step: int) -> None:
         """An active restore uses ``step``: GC keeps every copy of it until :meth:`unpin`."""
         self._pinned.add(_check_int("step", step))
+        self.version += 1
 
     def unpin(self, step: int) -> None:
         self._pinned.discard(_check_int("step", step))
+        self.version += 1
 
     # ---------------------------------------------------------------------------------------- queries
 
@@ -322,6 +408,33 @@ class CoordinatorState:
     def registered(self) -> dict[int, int]:
         """rank -> incarnation of every registered host."""
         return dict(sorted(self._incarnation.items()))
+
+    @property
+    def lost(self) -> dict[int, float]:
+        """rank -> since when (caller's clock) of every host declared lost and not registered again."""
+        return dict(sorted(self._lost.items()))
+
+    def is_reported(self, rank: int) -> bool:
+        return rank in self._reported
+
+    @property
+    def reported_count(self) -> int:
+        return len(self._reported)
+
+    def last_seen(self, rank: int) -> float | None:
+        return self._seen.get(rank)
+
+    def holding(self, rank: int, key: Key) -> Holding | None:
+        """What host ``rank`` reported for ``(owner_rank, step)``, if anything (O(1))."""
+        return self._holdings.get(rank, {}).get(key)
+
+    def piece_count(self, rank: int) -> int:
+        return len(self._holdings.get(rank, {}))
+
+    def check_holdings(self, rank: int, holdings: Iterable[Holding]) -> list[Holding]:
+        """Validate what host ``rank`` reports without changing anything (ValueError on bad input)."""
+        self.topology.check_rank(rank)
+        return list(self._validated(rank, holdings).values())
 
     def holdings_of(self, rank: int) -> list[Holding]:
         self.topology.check_rank(rank)
@@ -331,41 +444,55 @@ class CoordinatorState:
         """rank -> hash of every rank the bucket holds for ``step``."""
         return dict(sorted(self._bucket.get(step, {}).items()))
 
+    def backup_rank_count(self, step: int) -> int:
+        return len(self._bucket.get(step, {}))
+
     def known_steps(self) -> list[int]:
         return sorted(set(self._index) | set(self._bucket))
 
     def sources(self, step: int) -> dict[int, list[Source]]:
         """Every usable source of every rank's data for ``step``, fastest tier first (ranks without any omitted)."""
         _check_int("step", step)
-        auth = self._auth_hashes(step)
-        out = {}
-        for rank in self.expected_ranks(step):
-            found = self._rank_sources(step, rank, auth)
-            if found:
-                out[rank] = found
-        return out
+        self._refresh()
+        return {r: list(s) for r, s in sorted(self._cov.get(step, {}).items())}
+
+    def rank_sources(self, step: int, rank: int) -> list[Source]:
+        """Usable sources of one rank's ``step`` data, fastest first (O(replicas), no whole-job scan)."""
+        self._refresh()
+        return list(self._cov.get(step, {}).get(rank, ()))
+
+    def covered_count(self, step: int) -> int:
+        """How many ranks' ``step`` data is on some tier."""
+        self._refresh()
+        return len(self._cov.get(step, {}))
 
     def missing_ranks(self, step: int) -> list[int]:
         """Ranks whose ``step`` data is on no tier."""
-        found = self.sources(step)
+        _check_int("step", step)
+        self._refresh()
+        found = self._cov.get(step, {})
         return [r for r in self.expected_ranks(step) if r not in found]
 
     def is_complete(self, step: int) -> bool:
-        return not self.missing_ranks(step) and not self.is_abandoned(step)
+        self._refresh()
+        return step in self._complete and not self.is_abandoned(step)
 
     def globally_complete_steps(self) -> list[int]:
-        """Steps whose every rank's data is on at least one tier, ascending."""
-        return [s for s in self.known_steps() if self.is_complete(s)]
+        """Steps whose every saver's data is on at least one tier (and not abandoned), ascending."""
+        self._refresh()
+        return sorted(s for s in self._complete if not self.is_abandoned(s))
 
     def newest_complete_step(self) -> int | None:
-        for step in reversed(self.known_steps()):
-            if self.is_complete(step):
+        self._refresh()
+        for step in sorted(self._complete, reverse=True):
+            if not self.is_abandoned(step):
                 return step
         return None
 
     def is_redundant(self, step: int) -> bool:
         """Every rank's data has at least two copies on distinct hosts (the bucket counts as one)."""
-        found = self.sources(step)
+        self._refresh()
+        found = self._cov.get(step, {})
         if len(found) < len(self.expected_ranks(step)):
             return False
         return all(len({_holder_id(s) for s in srcs}) >= 2 for srcs in found.values())
@@ -399,59 +526,24 @@ class CoordinatorState:
         A data-parallel replica whose local step has the same content hash is a verified copy: it
         gets a ``hash_only`` task (record the equivalence, move no bytes) and, with the default
         ``replicas=1``, nothing is copied for that rank. Otherwise byte copies go to the rank's
-        ``copy_preference`` order (registered hosts without a valid copy), with sources spread across
-        the hosts holding valid data, least bytes assigned first. The answer depends only on the
-        current state; call it again after reports arrive (done tasks drop out).
+        ``copy_preference`` order (hosts not declared lost and without a valid copy), with sources
+        spread across the hosts holding valid data of the replica group, least bytes assigned first.
+        The answer depends only on the current state; call it again after reports arrive (done tasks
+        drop out).
         """
         _check_int("step", step)
-        auth = self._auth_hashes(step)
-        by_owner = self._index.get(step, {})
-        alive = set(self._incarnation)
-        want_total = min(1 + self.topology.replicas, self.topology.nodes)
-        load: collections.Counter[int] = collections.Counter()
-        count: collections.Counter[int] = collections.Counter()
-        tasks = []
-        for owner in range(self.topology.nodes):
-            a = auth.get(owner)
-            if a is None or a.content_hash is None:
-                continue
-            pieces = by_owner.get(owner, {})
-            holders = sorted(
-                x for x, h in pieces.items() if _carries_bytes(h) and h.content_hash == a.content_hash
-            )
-            attested, identical = [], []
-            for rep in self.topology.replicas_of(owner):
-                if not self._holds_local(step, rep, a.content_hash):
-                    continue
-                claim = pieces.get(rep)
-                if claim is not None and claim.tier is Tier.REPLICA and claim.content_hash == a.content_hash:
-                    attested.append(rep)
-                else:
-                    identical.append(rep)
-            for rep in identical:
-                rep_size = by_owner[rep][rep].size
-                tasks.append(CopyTask(owner, step, rep, rep, a.content_hash, rep_size, hash_only=True))
-            have = set(holders) | set(attested) | set(identical)
-            needed = want_total - len(have)
-            if needed <= 0 or not holders:
-                continue  # enough copies, or no bytes of this rank's data to copy from
-            size = pieces[holders[0]].size
-            dests = list(
-                itertools.islice(
-                    (x for x in self.topology.iter_copy_preference(owner) if x in alive and x not in have),
-                    needed,
-                )
-            )
-            for dest in dests:
-                src = min(
-                    holders,
-                    key=lambda x, d=dest: (load[x], count[x], self.topology.ring_distance(x, d), x),
-                )
-                load[src] += size
-                count[src] += 1
-                tasks.append(CopyTask(owner, step, src, dest, a.content_hash, size))
+        self._refresh()
+        tasks = [t for group in self._tasks.get(step, {}).values() for t in group]
         tasks.sort(key=lambda t: (t.owner_rank, not t.hash_only, t.dest_rank))
         return tasks
+
+    def tasks_for(self, dest: int, step: int) -> list[CopyTask]:
+        """The copy tasks of ``step`` whose destination is host ``dest`` (O(its tasks))."""
+        self._refresh()
+        groups = self._by_dest.get(step, {}).get(dest, {})
+        out = [t for g in groups.values() for t in g]
+        out.sort(key=lambda t: (t.owner_rank, not t.hash_only, t.dest_rank))
+        return out
 
     def _holds_local(self, step: int, rank: int, content_hash: str) -> bool:
         mine = self._index.get(step, {}).get(rank, {}).get(rank)
@@ -464,11 +556,30 @@ class CoordinatorState:
         (the holder with the fewest bytes assigned so far, ties by ring distance, so no single host
         serves everybody), then the bucket. ``restoring=True`` pins the chosen step against GC until
         :meth:`unpin`. ``force_step`` (operator override) must be recoverable for every rank, else
-        ValueError. With nothing recoverable the plan has ``step=None`` and a reason.
+        ValueError. With nothing recoverable the plan has ``step=None`` and a reason. Memoised per
+        :attr:`version`.
         """
-        waiting = tuple(sorted(set(self._incarnation) - self._reported))
         if force_step is not None:
             _check_int("force_step", force_step)
+        self._refresh()
+        memo = self._memos()
+        key = ("restore", force_step)
+        if key not in memo:
+            try:
+                memo[key] = self._restore_plan(force_step)
+            except ValueError as e:
+                memo[key] = e
+        plan = memo[key]
+        if isinstance(plan, ValueError):
+            raise ValueError(str(plan))
+        if restoring and plan.step is not None and plan.step not in self._pinned:
+            self.pin(plan.step)
+            self._memos()[key] = plan  # pinning changes no source
+        return plan
+
+    def _restore_plan(self, force_step: int | None) -> RestorePlan:
+        waiting = tuple(sorted(set(self._incarnation) - self._reported))
+        if force_step is not None:
             missing = self.missing_ranks(force_step)
             if missing:
                 raise ValueError(
@@ -488,17 +599,17 @@ class CoordinatorState:
                 else:
                     reason = "no step is recoverable for every rank: nothing reported on any tier"
                 return RestorePlan(None, {}, reason, waiting)
-        found = self.sources(step)
+        found = self._cov[step]
         load: collections.Counter[int] = collections.Counter()
         count: collections.Counter[int] = collections.Counter()
         chosen: dict[int, Source] = {}
-        for rank in sorted(found):
+        for rank in self.expected_ranks(step):
             srcs = found[rank]
-            local = [s for s in srcs if s.kind is Tier.LOCAL]
-            peers = [s for s in srcs if s.kind is Tier.PEER]
-            if local:
+            if srcs[0].kind is Tier.LOCAL:
+                local = [s for s in srcs if s.kind is Tier.LOCAL]
                 pick = min(local, key=lambda s, r=rank: (s.owner_rank != r, s.owner_rank))
-            elif peers:
+            elif srcs[0].kind is Tier.PEER:
+                peers = [s for s in srcs if s.kind is Tier.PEER]
                 pick = min(
                     peers,
                     key=lambda s, r=rank: (
@@ -514,8 +625,6 @@ class CoordinatorState:
             else:
                 pick = srcs[-1]
             chosen[rank] = pick
-        if restoring:
-            self.pin(step)
         kinds = collections.Counter(str(s.kind) for s in chosen.values())
         how = ", ".join(f"{kinds[k]} {k}" for k in (Tier.LOCAL, Tier.PEER, Tier.BUCKET) if kinds[k])
         what = "operator-forced step" if force_step is not None else "newest globally complete step"
@@ -529,88 +638,38 @@ class CoordinatorState:
         do incomplete steps older than the newest complete one and copies whose hash contradicts the
         owner's (or the bucket's) definitive hash.
         """
-        _check_int("keep_local", keep_local, 1)
-        complete = set(self.globally_complete_steps())
-        newest = max(complete) if complete else None
-        protected = set(self._backups_in_progress) | set(self._pinned)
-        if newest is not None:
-            protected.add(newest)
-        auth_cache: dict[int, dict[int, _Auth]] = {}
-        abandoned = {s for s in self._generations if self.is_abandoned(s)} if newest is not None else set()
-        plan: dict[int, list[Key]] = {}
+        plan = {}
         for holder in sorted(self._holdings):
-            held = self._holdings[holder]
-            newest_held = sorted({s for _, s in held}, reverse=True)[:keep_local]
-            doomed = []
-            for key, h in held.items():
-                step = h.step
-                if step in protected:
-                    continue
-                drop = step not in newest_held
-                drop = drop or not self._current(h) or step in abandoned
-                drop = drop or (newest is not None and step < newest and step not in complete)
-                if not drop and h.tier is not Tier.LOCAL:
-                    if step not in auth_cache:
-                        auth_cache[step] = self._auth_hashes(step)
-                    a = auth_cache[step].get(h.owner_rank)
-                    drop = a is not None and a.definitive and a.content_hash != h.content_hash
-                if drop:
-                    doomed.append(key)
+            doomed = self.gc_for(holder, keep_local)
             if doomed:
-                plan[holder] = sorted(doomed, key=lambda k: (k[1], k[0]))
+                plan[holder] = doomed
         return plan
 
-    def pinned_steps(self) -> list[int]:
-        """Steps pinned against GC (restores, the operator), ascending."""
-        return sorted(self._pinned)
-
-    def backups_in_progress(self) -> list[int]:
-        """Steps being uploaded to the bucket, ascending."""
-        return sorted(self._backups_in_progress)
-
-    def status(self) -> dict[str, Any]:
-        """Plain data (JSON-serialisable) for the admin CLI."""
-        complete = self.globally_complete_steps()
-        newest = complete[-1] if complete else None
-        hosts = {}
-        for rank in sorted(set(self._incarnation) | set(self._holdings)):
-            held = self._holdings.get(rank, {})
-            hosts[rank] = {
-                "incarnation": self._incarnation.get(rank),
-                "inventory_reported": rank in self._reported,
-                "steps": sorted({s for _, s in held}),
-                "pieces": len(held),
-                "bytes": sum(h.size for h in held.values() if _carries_bytes(h)),
-            }
-        steps = {}
-        for step in self.known_steps():
-            found = self.sources(step)
-            steps[step] = {
-                "complete": self.is_complete(step),
-                "redundant": self.is_redundant(step),
-                "savers": _ranges(self.expected_ranks(step)),
-                "missing_ranks": [r for r in self.expected_ranks(step) if r not in found],
-                "ranks": {
-                    r: [{"kind": str(s.kind), "holder": s.holder_rank, "owner": s.owner_rank} for s in srcs]
-                    for r, srcs in found.items()
-                },
-            }
-        return {
-            "topology": self.topology.to_dict(),
-            "hosts": hosts,
-            "steps": steps,
-            "complete_steps": complete,
-            "newest_complete_step": newest,
-            "backups": {
-                s: {"ranks": sorted(b), "complete": len(b) == self.topology.nodes}
-                for s, b in sorted(self._bucket.items())
-            },
-            "in_flight": {
-                "saving": [s for s in self.known_steps() if newest is None or s > newest],
-                "backing_up": sorted(self._backups_in_progress),
-                "pinned": sorted(self._pinned),
-            },
-        }
+    def gc_for(self, holder: int, keep_local: int) -> list[Key]:
+        """:meth:`gc_plan` for one host, in O(what it holds)."""
+        _check_int("keep_local", keep_local, 1)
+        held = self._holdings.get(holder)
+        if not held:
+            return []
+        self._refresh()
+        complete = set(self.globally_complete_steps())
+        newest = max(complete) if complete else None
+        protected = self._backups_in_progress | self._pinned
+        newest_held = set(sorted({s for _, s in held}, reverse=True)[:keep_local])
+        doomed = []
+        for key, h in held.items():
+            step = h.step
+            if step in protected or step == newest:
+                continue
+            drop = step not in newest_held
+            drop = drop or (newest is not None and step < newest and step not in complete)
+            drop = drop or not self._current(h) or (newest is not None and self.is_abandoned(step))
+            if not drop and h.tier is not Tier.LOCAL:
+                a = self._auth.get(step, {}).get(h.owner_rank)
+                drop = a is not None and a.definitive and a.content_hash != h.content_hash
+            if drop:
+                doomed.append(key)
+        return sorted(doomed, key=lambda k: (k[1], k[0]))
 
     # --------------------------------------------------------------- elastic: savers and generations
     # A step may be saved by a subset of the ranks (the active hosts of an elastic job); it is complete
@@ -639,12 +698,96 @@ class CoordinatorState:
     def is_abandoned(self, step: int) -> bool:
         """An older step number carries a newer save: the job rolled back past ``step``."""
         gen = self.step_generation(step)
-        return any(s < step and g > gen for s, gens in self._generations.items() for g in gens)
+        return any(s < step and max(gens) > gen for s, gens in self._generations.items())
 
     def _current(self, h: Holding) -> bool:
         return h.generation >= self.step_generation(h.step)
 
+    def pinned_steps(self) -> list[int]:
+        """Steps pinned against GC (restores, the operator), ascending."""
+        return sorted(self._pinned)
+
+    def backups_in_progress(self) -> list[int]:
+        """Steps being uploaded to the bucket, ascending."""
+        return sorted(self._backups_in_progress)
+
+    def status(self) -> dict[str, Any]:
+        """Plain data (JSON-serialisable) for tests and small jobs: every host and every rank's sources.
+
+        O(nodes x steps): the coordinator's typed, bounded status is built in the service.
+        """
+        complete = self.globally_complete_steps()
+        newest = complete[-1] if complete else None
+        hosts = {}
+        for rank in sorted(set(self._incarnation) | set(self._holdings)):
+            held = self._holdings.get(rank, {})
+            hosts[rank] = {
+                "incarnation": self._incarnation.get(rank),
+                "inventory_reported": rank in self._reported,
+                "steps": sorted({s for _, s in held}),
+                "pieces": len(held),
+                "bytes": sum(h.size for h in held.values() if _carries_bytes(h)),
+            }
+        steps = {}
+        for step in self.known_steps():
+            found = self.sources(step)
+            steps[step] = {
+                "complete": self.is_complete(step),
+                "redundant": self.is_redundant(step),
+                "savers": _ranges(self.expected_ranks(step)),
+                "missing_ranks": [r for r in self.expected_ranks(step) if r not in found],
+                "ranks": {
+                    r: [{"kind": str(s.kind), "holder": s.holder_rank, "owner": s.owner_rank} for s in srcs]
+                    for r, srcs in found.items()
+                },
+            }
+        return {
+            "topology": self.topology.to_dict(),
+            "hosts": hosts,
+            "lost": dict(sorted(self._lost.items())),
+            "steps": steps,
+            "complete_steps": complete,
+            "newest_complete_step": newest,
+            "backups": {
+                s: {"ranks": sorted(b), "complete": len(b) == self.topology.nodes}
+                for s, b in sorted(self._bucket.items())
+            },
+            "in_flight": {
+                "saving": [s for s in self.known_steps() if newest is None or s > newest],
+                "backing_up": sorted(self._backups_in_progress),
+                "pinned": sorted(self._pinned),
+            },
+        }
+
+    @property
+    def pinned(self) -> list[int]:
+        return sorted(self._pinned)
+
+    @property
+    def backing_up(self) -> list[int]:
+        return sorted(self._backups_in_progress)
+
+    def rebuilt(self) -> CoordinatorState:
+        """A copy whose derived views are recomputed from scratch (for tests: incremental == from scratch)."""
+        import copy
+
+        other = copy.deepcopy(self)
+        for name in ("_auth", "_cov", "_tasks", "_by_dest", "_memo"):
+            getattr(other, name).clear()
+        other._complete.clear()
+        other._memo_version = -1
+        other._dirty = {}
+        for step in other.known_steps():
+            other._touch_all_groups(step)
+        return other
+
     # -------------------------------------------------------------------------------------- internals
+
+    def _memos(self) -> dict[Any, Any]:
+        if self._memo_version != self.version:
+            self._memo = {}
+            self._memo_version = self.version
+        return self._memo
 
     def _check_reporter(self, rank: int, incarnation: int | None) -> None:
         self.topology.check_rank(rank)
@@ -686,9 +829,14 @@ class CoordinatorState:
     def _add(self, holder: int, h: Holding) -> None:
         self._holdings.setdefault(holder, {})[h.key] = h
         self._index.setdefault(h.step, {}).setdefault(h.owner_rank, {})[holder] = h
-        self._generations.setdefault(h.step, collections.Counter())[h.generation] += 1
+        gens = self._generations.setdefault(h.step, collections.Counter())
+        newest = max(gens) if gens else None
+        gens[h.generation] += 1
         if h.savers or (h.step, h.generation) not in self._savers:
             self._savers[(h.step, h.generation)] = h.savers
+        if newest is not None and h.generation != newest:
+            self._touch_all_groups(h.step)  # another save of this step: which copies count may change
+        self._touch(h.step, h.owner_rank)
 
     def _remove(self, holder: int, key: Key) -> None:
         held = self._holdings.get(holder)
@@ -698,12 +846,15 @@ class CoordinatorState:
         if not held:
             del self._holdings[holder]
         gens = self._generations[gone.step]
+        before = max(gens)
         gens[gone.generation] -= 1
         if gens[gone.generation] <= 0:
             del gens[gone.generation]
             self._savers.pop((gone.step, gone.generation), None)
             if not gens:
                 del self._generations[gone.step]
+            elif max(gens) != before:
+                self._touch_all_groups(gone.step)
         owner, step = key
         by_owner = self._index[step]
         del by_owner[owner][holder]
@@ -711,33 +862,171 @@ class CoordinatorState:
             del by_owner[owner]
         if not by_owner:
             del self._index[step]
+        self._touch(step, owner)
 
     def _drop_holdings(self, holder: int) -> None:
         for key in list(self._holdings.get(holder, {})):
             self._remove(holder, key)
 
-    def _auth_hashes(self, step: int) -> dict[int, _Auth]:
-        """The accepted hash of each rank's ``step`` data.
+    def _touch(self, step: int, owner: int) -> None:
+        """A fact about ``owner``'s ``step`` data changed: its replica group must be re-derived."""
+        self.version += 1
+        self._dirty.setdefault(step, set()).add(owner % self._h)
 
-        Definitive: the owner's local copy, else the bucket's. Otherwise the hash most copies (and replica attestations) agree on, ties by smallest hash.
-        """
+    def _touch_all_groups(self, step: int) -> None:
+        self.version += 1
+        self._dirty.setdefault(step, set()).update(range(self.topology.hosts_per_slice))
+
+    def _replan_all(self) -> None:
+        """The set of lost hosts changed: copy destinations of every group may change (O(1) now; the
+        next query re-derives everything once, however many hosts were lost meanwhile)."""
+        self.version += 1
+        self._stale_all = True
+
+    def _refresh(self) -> None:
+        if self._stale_all:
+            self._stale_all = False
+            every = set(range(self.topology.hosts_per_slice))
+            for step in self.known_steps():
+                self._dirty[step] = set(every)
+        if not self._dirty:
+            return
+        dirty, self._dirty = self._dirty, {}
+        for step, groups in dirty.items():
+            if step not in self._index and step not in self._bucket:
+                for view in (self._auth, self._cov, self._tasks, self._by_dest):
+                    view.pop(step, None)
+                self._complete.discard(step)
+                continue
+            for g in groups:
+                self._derive(step, g)
+            cov = self._cov.get(step, {})
+            if all(r in cov for r in self.expected_ranks(step)):
+                self._complete.add(step)
+            else:
+                self._complete.discard(step)
+
+    def _derive(self, step: int, group: int) -> None:
+        """Recompute the views of one replica group of one step from the facts."""
+        members = self._members[group]
         by_owner = self._index.get(step, {})
         bucket = self._bucket.get(step, {})
-        out = {}
-        for owner in sorted(set(by_owner) | set(bucket)):
-            holders = {x: h for x, h in by_owner.get(owner, {}).items() if self._current(h)}
-            mine = holders.get(owner)
-            if mine is not None and mine.tier is Tier.LOCAL:
-                out[owner] = _Auth(mine.content_hash, True)
-            elif bucket.get(owner) is not None:
-                out[owner] = _Auth(bucket[owner], True)
-            elif holders:
-                votes = collections.Counter(h.content_hash for h in holders.values())
-                best = min(votes.items(), key=lambda kv: (-kv[1], kv[0]))[0]
-                out[owner] = _Auth(best, False)
+        auth = self._auth.setdefault(step, {})
+        for o in members:
+            current = {x: h for x, h in by_owner.get(o, {}).items() if self._current(h)}
+            a = self._auth_one(current, bucket, o)
+            if a is None:
+                auth.pop(o, None)
             else:
-                out[owner] = _Auth(None, False)
-        return out
+                auth[o] = a
+        cov = self._cov.setdefault(step, {})
+        for r in members:
+            found = self._rank_sources(step, r, auth)
+            if found:
+                cov[r] = tuple(found)
+            else:
+                cov.pop(r, None)
+        by_dest = self._by_dest.setdefault(step, {})
+        for t in self._tasks.get(step, {}).get(group, ()):
+            slot = by_dest.get(t.dest_rank)
+            if slot is not None:
+                slot.pop(group, None)
+                if not slot:
+                    del by_dest[t.dest_rank]
+        tasks = self._group_tasks(step, group, auth)
+        per_dest: dict[int, list[CopyTask]] = {}
+        for t in tasks:
+            per_dest.setdefault(t.dest_rank, []).append(t)
+        for dest, ts in per_dest.items():
+            by_dest.setdefault(dest, {})[group] = tuple(ts)
+        if tasks:
+            self._tasks.setdefault(step, {})[group] = tuple(tasks)
+        else:
+            self._tasks.get(step, {}).pop(group, None)
+
+    def _group_tasks(self, step: int, group: int, auth: Mapping[int, _Auth]) -> list[CopyTask]:
+        by_owner = self._index.get(step, {})
+        want_total = min(1 + self.topology.replicas, self.topology.nodes)
+        load: collections.Counter[int] = collections.Counter()
+        count: collections.Counter[int] = collections.Counter()
+        tasks = []
+        for owner in self._members[group]:
+            a = auth.get(owner)
+            if a is None or a.content_hash is None:
+                continue
+            pieces = by_owner.get(owner, {})
+            holders = sorted(
+                x for x, h in pieces.items() if _carries_bytes(h) and h.content_hash == a.content_hash
+            )
+            attested, identical = [], []
+            for rep in self._members[group]:
+                if rep == owner or not self._holds_local(step, rep, a.content_hash):
+                    continue
+                claim = pieces.get(rep)
+                if claim is not None and claim.tier is Tier.REPLICA and claim.content_hash == a.content_hash:
+                    attested.append(rep)
+                else:
+                    identical.append(rep)
+            for rep in identical:
+                rep_size = by_owner[rep][rep].size
+                tasks.append(CopyTask(owner, step, rep, rep, a.content_hash, rep_size, hash_only=True))
+            have = set(holders) | set(attested) | set(identical)
+            needed = want_total - len(have)
+            if needed <= 0 or not holders:
+                continue  # enough copies, or no bytes of this rank's data to copy from
+            size = pieces[holders[0]].size
+            dests = list(
+                itertools.islice(
+                    (x for x in self._live_preference(owner) if x not in self._lost and x not in have),
+                    needed,
+                )
+            )
+            for dest in dests:
+                src = min(
+                    holders,
+                    key=lambda x, d=dest: (load[x], count[x], self.topology.ring_distance(x, d), x),
+                )
+                load[src] += size
+                count[src] += 1
+                tasks.append(CopyTask(owner, step, src, dest, a.content_hash, size))
+        return tasks
+
+    def _live_preference(self, owner: int) -> Iterator[int]:
+        """:meth:`JobTopology.iter_copy_preference` without the slices whose every host is lost.
+
+        Same order; skipping dead slices keeps re-planning after a slice loss O(hosts), not O(hosts^2).
+        """
+        d, h = self.topology.data_parallelism, self._h
+        s, i = divmod(owner, h)
+        lost_in: collections.Counter[int] = self._lost_per_slice
+        others = [(s + ds) % d for ds in range(1, d) if lost_in[(s + ds) % d] < h]
+        if others:
+            for di in range(h):
+                for sl in others:
+                    yield sl * h + (i + di) % h
+        if lost_in[s] < h:
+            for di in range(1, h):
+                yield s * h + (i + di) % h
+
+    @staticmethod
+    def _auth_one(holders: Mapping[int, Holding], bucket: Mapping[int, str | None], owner: int) -> _Auth | None:
+        """The accepted hash of ``owner``'s data of one step.
+
+        Definitive: the owner's local copy, else the bucket's. Otherwise the hash most copies (and
+        replica attestations) agree on, ties by smallest hash.
+        """
+        mine = holders.get(owner)
+        if mine is not None and mine.tier is Tier.LOCAL:
+            return _Auth(mine.content_hash, True)
+        if bucket.get(owner) is not None:
+            return _Auth(bucket[owner], True)
+        if holders:
+            votes = collections.Counter(h.content_hash for h in holders.values())
+            best = min(votes.items(), key=lambda kv: (-kv[1], kv[0]))[0]
+            return _Auth(best, False)
+        if owner in bucket:
+            return _Auth(None, False)
+        return None
 
     def _rank_sources(self, step: int, rank: int, auth: Mapping[int, _Auth]) -> list[Source]:
         """Valid sources of ``rank``'s data: its own or an identical replica's, local < peer < bucket."""
@@ -745,7 +1034,8 @@ class CoordinatorState:
         mine = auth.get(rank)
         want = mine.content_hash if mine is not None else None
         found = []
-        for owner in [rank, *self.topology.replicas_of(rank)]:
+        group = self._members[rank % self._h]
+        for owner in (rank, *(m for m in group if m != rank)):
             a = auth.get(owner)
             for holder, h in by_owner.get(owner, {}).items():
                 if not self._current(h):
@@ -765,6 +1055,20 @@ class CoordinatorState:
         order = {Tier.LOCAL: 0, Tier.PEER: 1, Tier.BUCKET: 2}
         found.sort(key=lambda s: (order[s.kind], s.owner_rank != rank, s.holder_rank or 0, s.owner_rank))
         return found
+
+
+def inventory_digest(holdings: Iterable[Holding]) -> str:
+    """A digest of a host's whole inventory (order-free): equal digests = the coordinator's view is current."""
+    import hashlib
+
+    lines = sorted(f"{h.owner_rank}/{h.step}/{h.content_hash}/{h.size}/{h.tier}/{h.generation}/{h.savers}"
+                   for h in holdings)
+    return hashlib.blake2b("\n".join(lines).encode(), digest_size=16).hexdigest()
+
+
+def ranges(ranks: Iterable[int]) -> str:
+    """Sorted rank ranges, e.g. ``"0-63,128"`` (public for the status messages)."""
+    return _ranges(sorted(ranks))
 
 
 def rank_ranges(ranks: Iterable[int]) -> tuple[tuple[int, int], ...]:

@@ -1,12 +1,13 @@
 """The coordinator's gRPC service: a thin, locked layer over :class:`replicator.coordinator.planner.CoordinatorState`.
 
-Hosts report by heartbeat and receive their work in the answer; nothing is pushed, so a restarted
-coordinator rebuilds its whole state from the next round of heartbeats.
+Hosts report by heartbeat (an inventory digest plus deltas) and receive their work in the answer;
+nothing is pushed, so a restarted or failed-over coordinator rebuilds its whole state from the next
+round of heartbeats. Every candidate host runs one; only the active one answers (see
+``docs/coordinator.md`` for the failover rule and the epoch fence).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -24,10 +25,24 @@ from replicator.coordinator.planner import (
     Source,
     StaleIncarnationError,
     Tier,
+    ranges,
 )
 from replicator.coordinator.topology import JobTopology
 
 log = logging.getLogger(__name__)
+
+# Default bound on the heartbeats per second the coordinator plans for: the interval it hands out grows
+# as nodes / this (10,000 hosts -> 50 s). Measured (bench.scale): an unchanged heartbeat costs ~1.1x a
+# no-op gRPC call, ~0.6 ms CPU, so 200/s keep the coordinator near 0.1 of a core.
+MAX_HEARTBEATS_PER_SECOND = 200.0
+# Waiters (GetSteps, PrepareRestore) poll the state at this period instead of being woken by every
+# heartbeat (at 10,000 hosts a wake-up per heartbeat would cost more than the heartbeats).
+_POLL_SECONDS = 0.1
+# Calls that wait (GetSteps, PrepareRestore with a wait) hold a server thread each; beyond this many the
+# next one is refused with RESOURCE_EXHAUSTED and a retry delay, so heartbeats always find a thread
+# (the daemon's server has 16).
+MAX_WAITERS = 8
+RETRY_AFTER_KEY = "retry-after-seconds"
 
 
 class BackupScheduler:
@@ -54,8 +69,20 @@ class BackupScheduler:
         return {}
 
 
+def _expired(context: grpc.ServicerContext) -> bool:
+    """The caller's deadline has passed: its answer would be thrown away, so do not compute it."""
+    try:
+        remaining = context.time_remaining()
+    except (AttributeError, NotImplementedError):
+        return False
+    return remaining is not None and remaining <= 0
+
+
 class Coordinator(pb_grpc.CoordinatorServicer):
-    """Global view of which step is complete where; hands every host its copies, deletions and restores."""
+    """Global view of which step is complete where; hands every host its copies, deletions and restores.
+
+    ``active=False`` makes a standby candidate: every RPC answers UNAVAILABLE until :meth:`activate`.
+    """
 
     def __init__(
         self,
@@ -65,34 +92,93 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         keep_local: int = 2,
         heartbeat_seconds: float = 2.0,
         backup: BackupScheduler | None = None,
+        backup_factory: Callable[[], BackupScheduler | None] | None = None,
         force_restore_step: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        host_lost_seconds: float = 0.0,
+        max_heartbeats_per_second: float = MAX_HEARTBEATS_PER_SECOND,
+        active: bool = True,
+        epoch: int = 1,
+        address: str = "",
+        max_waiters: int = MAX_WAITERS,
     ):
         self.topology = topology
         self.job = job
         self.keep_local = keep_local
         self.heartbeat_seconds = heartbeat_seconds
-        self.backup = backup or BackupScheduler()
-        self.state = CoordinatorState(topology)
+        self.host_lost_seconds = host_lost_seconds
+        self.max_heartbeats_per_second = max_heartbeats_per_second
+        self.address = address
+        self._backup_factory = backup_factory
+        self._backup_instance = backup
+        self._force_restore_step = force_restore_step
+        self._clock = clock
         self._lock = threading.Condition()
+        self.max_waiters = max_waiters
+        self._waiters = 0
+        self._waiters_lock = threading.Lock()
+        self.active = False
+        self.epoch = 0
+        self.max_epoch_seen = 0
+        self._reset()
+        if active:
+            self.activate(epoch)
+
+    def _reset(self) -> None:
+        """A fresh view: everything is learnt again from the hosts' reports."""
+        if self._backup_factory is not None:
+            self.backup = self._backup_factory() or BackupScheduler()
+        else:
+            self.backup = self._backup_instance or BackupScheduler()
+        self.state = CoordinatorState(self.topology)
         self._addresses: dict[int, str] = {}
-        self._last_seen: dict[int, float] = {}
+        self._digest: dict[int, str] = {}
         self._newest_saved: dict[int, int] = {}
+        self._first_seen: dict[int, float] = {}
         # Pinned by PrepareRestore (or the operator's --restore-from-backup) until a newer step completes.
-        self._restore_step: int | None = force_restore_step
+        self._restore_step: int | None = self._force_restore_step
         # The pin is released once a step newer than every step known when it was served completes
         # (training resumed and saved); None = not served yet, keep it.
         self._restore_floor: int | None = None
-        if force_restore_step is not None:
-            self.state.pin(force_restore_step)
-        self._clock = clock
-        self._first_seen: dict[int, float] = {}
-        self._copy_grace_seconds = 2 * heartbeat_seconds + 1.0
-        self._started = clock()
-        self._startup_grace_seconds = 10 * heartbeat_seconds + 10.0
+        if self._force_restore_step is not None:
+            self.state.pin(self._force_restore_step)
+        self._started = self._clock()
+        self.state.watch(range(self.topology.nodes), self._started)
         self.preemption_noticed = False
 
+    # ------------------------------------------------------------------ failover
+    def activate(self, epoch: int) -> None:
+        """Start serving with ``epoch`` (higher than any epoch a host may have accepted before)."""
+        with self._lock:
+            if self.active:
+                return
+            self._reset()
+            self.epoch = max(int(epoch), self.max_epoch_seen + 1)
+            self.active = True
+            log.info("coordinator active (epoch %d) for %d hosts", self.epoch, self.topology.nodes)
+
+    def deactivate(self, why: str) -> None:
+        with self._lock:
+            if self.active:
+                log.warning("coordinator (epoch %d) steps down: %s", self.epoch, why)
+            self.active = False
+
     # ------------------------------------------------------------------ helpers
+    def heartbeat_interval(self) -> float:
+        """The interval handed to hosts: the configured one, stretched so that N hosts stay under the rate cap."""
+        return max(self.heartbeat_seconds, self.topology.nodes / max(1e-9, self.max_heartbeats_per_second))
+
+    def lost_after(self) -> float:
+        """Seconds of silence after which a host is declared lost (never under two intervals).
+
+        A candidate takes the coordinator over after half of this without an answer from lower ones.
+        """
+        interval = self.heartbeat_interval()
+        if self.host_lost_seconds > 0:
+            return max(self.host_lost_seconds, 2 * interval)
+        # Four intervals, but at least 10 s: a busy host (JAX start-up on a loaded machine) is not lost.
+        return max(4 * interval, 10.0)
+
     def _abort_bad(self, context: grpc.ServicerContext, msg: str, code=grpc.StatusCode.INVALID_ARGUMENT):
         context.abort(code, msg)
 
@@ -104,11 +190,56 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self._abort_bad(context, f"unknown rank {rank}: the job has ranks 0..{self.topology.nodes - 1}",
                             grpc.StatusCode.NOT_FOUND)
 
-    def _ready(self, rank: int, step: int, sources: dict[int, list[Source]]) -> bool:
+    def max_pieces_per_host(self) -> int:
+        """Bound on what one host may report holding: its ``keep_local`` newest steps plus protected ones
+        (pinned, backing up, the newest complete), each with its own data, copies received (as many as it
+        sends, more while lost hosts' data is re-made) and replica attestations, with 4x slack."""
+        t = self.topology
+        return 4 * (self.keep_local + 3) * (1 + t.replicas + t.data_parallelism)
+
+    def _admit_waiter(self, context: grpc.ServicerContext) -> None:
+        with self._waiters_lock:
+            if self._waiters < self.max_waiters:
+                self._waiters += 1
+                return
+        retry = max(0.5, self.heartbeat_interval())
+        try:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{retry:.2f}"),))
+        except AttributeError:
+            pass
+        self._abort_bad(context, f"{self.max_waiters} calls already wait on this coordinator; retry in "
+                        f"{retry:.1f}s", grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    def _release_waiter(self) -> None:
+        with self._waiters_lock:
+            self._waiters -= 1
+
+    def _check_active(self, context: grpc.ServicerContext) -> None:
+        if not self.active:
+            self._abort_bad(context, "standby coordinator candidate: try the next candidate",
+                            grpc.StatusCode.UNAVAILABLE)
+
+    def _ready(self, rank: int, step: int, sources: list[Source]) -> bool:
         """Does host ``rank`` hold its data of ``step`` (or a byte-identical replica's) on its RAM disk?"""
-        good = {(s.owner_rank, s.content_hash) for s in sources.get(rank, []) if s.content_hash}
-        return any(h.step == step and (h.owner_rank, h.content_hash) in good and h.tier is not Tier.REPLICA
-                   for h in self.state.holdings_of(rank))
+        for s in sources:
+            if not s.content_hash:
+                continue
+            h = self.state.holding(rank, (s.owner_rank, step))
+            if h is not None and h.tier is not Tier.REPLICA and h.content_hash == s.content_hash:
+                return True
+        return False
+
+    def _is_ready(self, rank: int, step: int) -> bool:
+        return self._ready(rank, step, self.state.rank_sources(step, rank))
+
+    def _expire(self) -> None:
+        if not self.active:
+            return  # a standby hears from nobody: it declares nobody lost
+        lost = self.state.expire(self._clock(), self.lost_after())
+        if lost:
+            log.warning("hosts %s declared lost: no report for %.1fs", ranges(lost), self.lost_after())
+            for r in lost:
+                self._digest.pop(r, None)
 
     def restore_target(self) -> int | None:
         """The step every host should hold locally: a pinned restore, else the newest complete step."""
@@ -125,16 +256,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         step = self.restore_target()
         if step is None:
             return None
-        sources = self.state.sources(step)
-        if rank not in sources or self._ready(rank, step, sources):
+        sources = self.state.rank_sources(step, rank)
+        if not sources or self._ready(rank, step, sources):
             return None
-        try:
-            first = self.state.restore_plan(restoring=False, force_step=step).sources.get(rank)
-        except ValueError:
-            first = None
-        ordered = sorted(sources[rank], key=lambda s: (s != first, _tier_rank(s.kind)))
         out = []
-        for s in ordered:
+        for s in sources:  # fastest tier first; the daemon tries them in order
             if s.kind is Tier.LOCAL:
                 continue
             if s.kind is Tier.PEER and s.holder_rank not in self._addresses:
@@ -145,33 +271,77 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 owner_rank=s.owner_rank, content_hash=s.content_hash or ""))
         return pb.RestoreTask(step=step, sources=out) if out else None
 
+    def _all_reported(self) -> bool:
+        """Every host not declared lost has reported its inventory to this coordinator."""
+        return self.state.reported_count + len(self.state.lost) >= self.topology.nodes
+
     # ------------------------------------------------------------------ RPCs
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        if _expired(context):
+            self._abort_bad(context, "deadline passed before the heartbeat was handled",
+                            grpc.StatusCode.DEADLINE_EXCEEDED)
         self._check(request.job, request.rank, context)
+        self._check_active(context)
         rank = request.rank
         try:
             holdings = [Holding(h.owner_rank, h.step, h.content_hash, h.size, h.tier, h.generation,
                                 tuple((r.first, r.last) for r in h.savers)) for h in request.holdings]
+            removed = [(d.owner_rank, d.step) for d in request.removed]
         except ValueError as e:
             self._abort_bad(context, f"bad holding from rank {rank}: {e}")
         for h in holdings:
             if not 0 <= h.owner_rank < self.topology.nodes:
                 self._abort_bad(context, f"holding of unknown rank {h.owner_rank}", grpc.StatusCode.NOT_FOUND)
+        limit = self.max_pieces_per_host()
+        if len(holdings) > limit:
+            self._abort_bad(context, f"rank {rank} reports {len(holdings)} pieces; a host holds at most {limit} "
+                            f"(keep_local {self.keep_local}, replicas {self.topology.replicas}, "
+                            f"{self.topology.data_parallelism} slices)")
         with self._lock:
+            if _expired(context):  # waited too long for the lock: the caller has given up
+                self._abort_bad(context, "deadline passed while queued", grpc.StatusCode.DEADLINE_EXCEEDED)
+            self._check_active(context)
+            self.max_epoch_seen = max(self.max_epoch_seen, request.known_epoch)
+            if request.known_epoch > self.epoch:
+                self.active = False
+                log.warning("coordinator (epoch %d) steps down: rank %d accepted epoch %d", self.epoch, rank,
+                            request.known_epoch)
+                self._abort_bad(context, f"deposed: epoch {request.known_epoch} is newer than {self.epoch}",
+                                grpc.StatusCode.UNAVAILABLE)
+            st = self.state
+            now = self._clock()
             try:
-                if self.state.register(rank, request.incarnation):
-                    log.info("rank %d registered (incarnation %d) at %s", rank, request.incarnation, request.address)
-                self.state.report_inventory(rank, holdings, request.incarnation)
+                if st.register(rank, request.incarnation):
+                    log.info("rank %d registered (incarnation %d) at %s", rank, request.incarnation,
+                             request.address)
+                    self._digest.pop(rank, None)
+                accepted = False
+                if request.full_report:
+                    st.report_inventory(rank, holdings, request.incarnation)
+                    accepted = True
+                elif st.is_reported(rank) and request.base_digest == self._digest.get(rank):
+                    st.check_holdings(rank, holdings)
+                    if st.piece_count(rank) + len(holdings) > limit:
+                        raise ValueError(f"rank {rank} would hold more than {limit} pieces")
+                    st.report_removed(rank, removed, request.incarnation)
+                    for h in holdings:
+                        st.report_committed(rank, h, request.incarnation)
+                    accepted = True
             except StaleIncarnationError as e:
                 self._abort_bad(context, str(e), grpc.StatusCode.FAILED_PRECONDITION)
             except (NotRegisteredError, ValueError) as e:
                 self._abort_bad(context, str(e))
-            if request.address:
+            if accepted:
+                self._digest[rank] = request.inventory_digest
+            else:
+                self._digest.pop(rank, None)
+            st.seen(rank, now)
+            self._expire()
+            if request.address and self._addresses.get(rank) != request.address:
                 self._addresses[rank] = request.address
-            self._last_seen[rank] = self._clock()
             if request.newest_saved_step >= 0:
                 self._newest_saved[rank] = request.newest_saved_step
-            self.backup.report(self.state, rank, list(request.backups))
+            self.backup.report(st, rank, list(request.backups))
             if request.backup_requests:
                 self.backup.request(list(request.backup_requests))
             if request.preempting and not self.preemption_noticed:
@@ -179,67 +349,89 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                             rank)
                 self.preemption_noticed = True
             if self.preemption_noticed:
-                self.backup.emergency(self.state.newest_complete_step())
-            resp = pb.HeartbeatResponse(heartbeat_interval_ms=int(self.heartbeat_seconds * 1000),
+                self.backup.emergency(st.newest_complete_step())
+            resp = pb.HeartbeatResponse(heartbeat_interval_ms=int(self.heartbeat_interval() * 1000),
+                                        epoch=self.epoch, acked_digest=self._digest.get(rank, ""),
                                         preemption_noticed=self.preemption_noticed)
-            newest = self.state.newest_complete_step()
+            newest = st.newest_complete_step()
             resp.newest_complete_step = -1 if newest is None else newest
-            floor = newest if newest is not None else -1
-            now = self._clock()
-            # Byte copies and deletions wait for the whole picture (see below); hash-only checks do not.
-            all_reported = len(self._last_seen) == self.topology.nodes
-            for step in self.state.known_steps():
-                if step < floor:
-                    continue
-                first = self._first_seen.setdefault(step, now)
-                # Hosts commit a step at about the same time; until all have reported it (or a grace
-                # period passed), a data-parallel replica may just be late, and a byte copy to it would
-                # be wasted: its own identical data only needs a hash comparison.
-                # A host that never comes back must not block re-replication forever: after a while the
-                # copies go out on the picture there is.
-                whole = all_reported or now - self._started >= self._startup_grace_seconds
-                settled = whole and (self.state.is_complete(step) or now - first >= self._copy_grace_seconds)
-                for t in self.state.replication_plan(step):
-                    if t.dest_rank != rank or not (t.hash_only or settled):
-                        continue
-                    addr = self._addresses.get(t.source_rank, "")
-                    if not t.hash_only and not addr:
-                        continue
-                    resp.copies.append(pb.CopyTask(owner_rank=t.owner_rank, step=t.step, source_rank=t.source_rank,
-                                                   source_address=addr, content_hash=t.content_hash))
-            # Deleting needs the whole picture: until every rank has reported to this coordinator (after
-            # its own restart, hosts come back one by one), an older step can look incomplete only
-            # because its holders have not reported yet.
-            if all_reported:
-                for owner, step in self.state.gc_plan(self.keep_local).get(rank, []):
-                    resp.deletions.append(pb.Deletion(owner_rank=owner, step=step))
-            task = self._restore_task(rank)
-            if task is not None:
-                resp.restore.CopyFrom(task)
-            bt = self.backup.task_for(self.state, rank, dict(self._newest_saved))
-            if bt is not None:
-                resp.backup.CopyFrom(bt)
-            self._lock.notify_all()
+            if not accepted:
+                return resp  # no trustworthy picture of this host yet: it sends a full report at once
+            self._answer(rank, now, newest, resp)
         return resp
 
-    def _wait_all_registered(self, wait_seconds: float, since: float | None = None) -> None:
-        """Wait (bounded) until every rank has reported — with ``since``, reported after that instant."""
-        deadline = self._clock() + max(0.0, min(wait_seconds, 3600.0))
+    def _answer(self, rank: int, now: float, newest: int | None, resp: pb.HeartbeatResponse) -> None:
+        """This host's work: O(its tasks and holdings), no whole-job scan."""
+        st = self.state
+        floor = newest if newest is not None else -1
+        # Byte copies and deletions wait for the whole picture (see below); hash-only checks do not.
+        all_reported = self._all_reported()
+        whole = all_reported or now - self._started >= 10 * self.heartbeat_interval() + 10.0
+        grace = 2 * self.heartbeat_interval() + 1.0
+        for step in st.known_steps():
+            if step < floor:
+                self._first_seen.pop(step, None)
+                continue
+            first = self._first_seen.setdefault(step, now)
+            tasks = st.tasks_for(rank, step)
+            if not tasks:
+                continue
+            # Hosts commit a step at about the same time; until all have reported it (or a grace period
+            # passed), a data-parallel replica may just be late, and a byte copy to it would be wasted:
+            # its own identical data only needs a hash comparison. A host that never comes back must not
+            # block re-replication forever: after a while the copies go out on the picture there is.
+            settled = whole and (st.is_complete(step) or now - first >= grace)
+            for t in tasks:
+                if not (t.hash_only or settled):
+                    continue
+                addr = self._addresses.get(t.source_rank, "")
+                if not t.hash_only and not addr:
+                    continue
+                resp.copies.append(pb.CopyTask(owner_rank=t.owner_rank, step=t.step, source_rank=t.source_rank,
+                                               source_address=addr, content_hash=t.content_hash))
+        # Deleting needs the whole picture: until every live rank has reported to this coordinator (after
+        # its own restart, hosts come back one by one), an older step can look incomplete only because
+        # its holders have not reported yet.
+        if all_reported:
+            for owner, step in st.gc_for(rank, self.keep_local):
+                resp.deletions.append(pb.Deletion(owner_rank=owner, step=step))
+        task = self._restore_task(rank)
+        if task is not None:
+            resp.restore.CopyFrom(task)
+        bt = self.backup.task_for(st, rank, self._newest_saved)
+        if bt is not None:
+            resp.backup.CopyFrom(bt)
 
-        def missing() -> bool:
-            if since is None:
-                return len(self.state.registered) < self.topology.nodes
-            return any(self._last_seen.get(r, -1.0) < since for r in range(self.topology.nodes))
+    def _silent_since(self, since: float) -> list[int]:
+        """Live ranks that have not reported since ``since``."""
+        lost = self.state.lost
+        return [r for r in range(self.topology.nodes)
+                if r not in lost and (self.state.last_seen(r) or -1.0) < since or
+                (r not in lost and not self.state.is_reported(r))]
 
-        while missing() and self._clock() < deadline:
-            self._lock.wait(min(0.2, max(0.0, deadline - self._clock())))
+    def _wait(self, until: float, done: Callable[[], bool], context: grpc.ServicerContext | None) -> None:
+        while not done() and self._clock() < until and (context is None or context.is_active()):
+            self._lock.wait(min(_POLL_SECONDS, max(0.0, until - self._clock())))
+            self._expire()
 
     def GetSteps(self, request: pb.GetStepsRequest, context: grpc.ServicerContext) -> pb.GetStepsResponse:
+        if request.wait_seconds <= 0:
+            return self._get_steps(request, context)
+        self._admit_waiter(context)
+        try:
+            return self._get_steps(request, context)
+        finally:
+            self._release_waiter()
+
+    def _get_steps(self, request: pb.GetStepsRequest, context: grpc.ServicerContext) -> pb.GetStepsResponse:
         with self._lock:
-            self._wait_all_registered(request.wait_seconds)
+            self._check_active(context)
+            # Bounded in heartbeats: a host silent that long is declared lost and not waited for.
+            wait = min(max(0.0, request.wait_seconds), self.lost_after() + 2 * self.heartbeat_interval())
+            self._wait(self._clock() + wait, self._all_reported, context)
             complete = self.state.globally_complete_steps()
-            backed = sorted(s for s in self.state.known_steps()
-                            if set(self.state.expected_ranks(s)) <= set(self.state.backup_ranks(s)))
+            backed = [s for s in self.state.known_steps()
+                      if set(self.state.expected_ranks(s)) <= set(self.state.backup_ranks(s))]
             target = self.restore_target()
             forced = -1
             if target is not None and self._restore_step is not None and target == self._restore_step:
@@ -252,39 +444,60 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: grpc.ServicerContext) -> pb.PrepareRestoreResponse:
+        self._admit_waiter(context)
+        try:
+            return self._prepare_restore(request, context)
+        finally:
+            self._release_waiter()
+
+    def _prepare_restore(self, request: pb.PrepareRestoreRequest,
+                         context: grpc.ServicerContext) -> pb.PrepareRestoreResponse:
         wait = max(0.0, min(request.wait_seconds, 3600.0))
         start = self._clock()
         deadline = start + wait
         with self._lock:
+            self._check_active(context)
             # A plan is trusted only on fresh reports: a host that restarted (perhaps with a wiped RAM
-            # disk) must not be judged on what its previous incarnation held. Wait (at most one
-            # heartbeat interval when all hosts are up) until every rank reported after this request.
-            self._wait_all_registered(wait, since=start)
+            # disk) must not be judged on what its previous incarnation held. Wait until every live rank
+            # reported after this request; a host silent for lost_after() is declared lost meanwhile, so
+            # this is bounded in heartbeats, not by the caller's wait.
+            reports_by = start + min(wait, self.lost_after() + 2 * self.heartbeat_interval())
+            self._wait(reports_by, lambda: not self._silent_since(start), context)
             forced = request.step if request.step >= 0 else self.restore_target()
             if request.step < 0 and forced == self.state.newest_complete_step():
                 forced = None  # nothing pinned: plain "newest recoverable"
             try:
                 plan = self.state.restore_plan(restoring=True, force_step=forced)
             except ValueError as e:
-                return pb.PrepareRestoreResponse(step=-1, reason=str(e))
+                return pb.PrepareRestoreResponse(step=-1, reason=str(e), lost_ranks=sorted(self.state.lost))
             if plan.empty:
-                return pb.PrepareRestoreResponse(step=-1, reason=plan.reason)
+                return pb.PrepareRestoreResponse(step=-1, reason=plan.reason, lost_ranks=sorted(self.state.lost))
             step = plan.step
             if self._restore_step is not None and self._restore_step != step:
                 self.state.unpin(self._restore_step)
             self._restore_step = step
             known = self.state.known_steps()
             self._restore_floor = max(known[-1], step) if known else step
-            while True:
-                sources = self.state.sources(step)
-                ready = [r for r in range(self.topology.nodes) if self._ready(r, step, sources)]
-                if len(ready) == self.topology.nodes or self._clock() >= deadline or not context.is_active():
-                    break
-                self._lock.wait(min(0.2, max(0.0, deadline - self._clock())))
-        reason = plan.reason if len(ready) == self.topology.nodes else (
-            f"step {step}: ranks {sorted(set(range(self.topology.nodes)) - set(ready))} not ready after {wait}s")
-        return pb.PrepareRestoreResponse(step=step, reason=reason, ready_ranks=ready,
-                                         ready=len(ready) == self.topology.nodes)
+
+            def not_ready() -> list[int]:
+                lost = self.state.lost
+                return [r for r in range(self.topology.nodes) if r not in lost and not self._is_ready(r, step)]
+
+            self._wait(deadline, lambda: not not_ready(), context)
+            pending = not_ready()
+            lost = sorted(self.state.lost)
+            silent = [r for r in self._silent_since(start) if r in pending]
+        ready = [r for r in range(self.topology.nodes) if r not in pending and r not in lost]
+        if pending:
+            reason = f"step {step}: ranks {ranges(pending)} not ready after {wait}s"
+            if silent:
+                reason += f" (no report from ranks {ranges(silent)})"
+        else:
+            reason = plan.reason
+        if lost:
+            reason += f"; lost hosts not waited for: ranks {ranges(lost)}"
+        return pb.PrepareRestoreResponse(step=step, reason=reason, ready_ranks=ready, ready=not pending,
+                                         lost_ranks=lost, unreachable=ranges(pending))
 
     def LocateStep(self, request: pb.LocateStepRequest, context: grpc.ServicerContext) -> pb.LocateStepResponse:
         """Elastic restore: the savers of a step and, for the owners asked, every source of their data."""
@@ -294,6 +507,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             if not 0 <= o < self.topology.nodes:
                 self._abort_bad(context, f"unknown rank {o}", grpc.StatusCode.NOT_FOUND)
         with self._lock:
+            self._check_active(context)
             step = request.step
             if step not in self.state.known_steps():
                 self._abort_bad(context, f"step {step} is on no tier (known steps: {self.state.known_steps()})",
@@ -315,34 +529,88 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
         with self._lock:
-            st = self.state.status()
-            now = self._clock()
-            st["hosts_seen_seconds_ago"] = {r: round(now - t, 3) for r, t in sorted(self._last_seen.items())}
-            st["addresses"] = dict(sorted(self._addresses.items()))
-            st["restore_target"] = self.restore_target()
-            st["backup"] = self.backup.status()
-            st["job"] = self.job
-        return pb.GetStatusResponse(status_json=json.dumps(st, default=str))
+            self._check_active(context)
+            self._expire()
+            return self._status(request)
+
+    def _status(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
+        st, t = self.state, self.topology
+        now = self._clock()
+        complete = st.globally_complete_steps()
+        target = self.restore_target()
+        lost = st.lost
+        pinned, backing = set(st.pinned), set(st.backing_up)
+        resp = pb.GetStatusResponse(
+            job=self.job, topology=pb.Topology(nodes=t.nodes, data_parallelism=t.data_parallelism,
+                                               replicas=t.replicas),
+            epoch=self.epoch, coordinator_address=self.address,
+            newest_complete_step=complete[-1] if complete else -1, complete_steps=complete,
+            restore_target=-1 if target is None else target, pinned_steps=sorted(pinned),
+            backing_up_steps=sorted(backing), hosts_registered=len(st.registered),
+            hosts_reported=st.reported_count, hosts_lost=len(lost), lost_ranks=ranges(lost),
+            hosts_reregistered=st.reregistered, heartbeat_interval_seconds=self.heartbeat_interval(),
+            host_lost_seconds=self.lost_after())
+        by_time: dict[int, list[int]] = {}
+        for r, since in lost.items():
+            by_time.setdefault(int(now - since), []).append(r)
+        for age, rs in sorted(by_time.items())[:64]:
+            resp.lost.append(pb.LostHosts(ranks=ranges(rs), lost_for_seconds=float(age)))
+        for step in st.known_steps():
+            covered = st.covered_count(step)
+            backed = st.backup_rank_count(step)
+            if backed == t.nodes:
+                resp.backed_up_steps.append(step)
+            resp.steps.append(pb.StepSummary(
+                step=step, complete=covered == t.nodes, redundant=st.is_redundant(step), ranks_covered=covered,
+                missing_ranks="" if covered == t.nodes else ranges(st.missing_ranks(step)),
+                ranks_backed_up=backed, backed_up=backed == t.nodes, pinned=step in pinned,
+                backing_up=step in backing))
+        b = self.backup.status()
+        if b:
+            cur = b.get("in_progress") or {}
+            resp.backup.CopyFrom(pb.BackupStatus(
+                url=str(b.get("url", "")), committed_steps=b.get("committed_steps", []),
+                in_progress_step=cur.get("step", -1), in_progress_done_ranks=len(cur.get("done_ranks", [])),
+                skipped=b.get("skipped", 0), failures=b.get("failures", 0), last_error=b.get("last_error", ""),
+                interval_steps=b.get("interval_steps", 0), interval_minutes=b.get("interval_minutes", 0.0),
+                keep=b.get("keep", 0)))
+        first = max(0, request.rank_first)
+        last = t.nodes - 1 if request.rank_count <= 0 else min(first + request.rank_count, t.nodes) - 1
+        detail = range(first, last + 1)
+        if request.hosts:
+            registered = st.registered
+            for r in detail:
+                held = st.holdings_of(r)
+                seen = st.last_seen(r)
+                resp.hosts.append(pb.HostStatus(
+                    rank=r, address=self._addresses.get(r, ""), incarnation=registered.get(r, 0),
+                    inventory_reported=st.is_reported(r),
+                    last_report_age_seconds=-1.0 if seen is None or r not in registered else now - seen,
+                    lost=r in lost, lost_for_seconds=now - lost[r] if r in lost else 0.0,
+                    steps=sorted({h.step for h in held}), pieces=len(held),
+                    bytes=sum(h.size for h in held if h.tier is not Tier.REPLICA)))
+        for step in request.detail_steps:
+            d = resp.step_details.add(step=step)
+            for r in detail:
+                srcs = st.rank_sources(step, r)
+                d.ranks.append(pb.RankSources(rank=r, sources=[
+                    pb.SourceInfo(kind=str(s.kind), holder_rank=-1 if s.holder_rank is None else s.holder_rank,
+                                  owner_rank=s.owner_rank) for s in srcs]))
+        return resp
 
     # ------------------------------------------------------------------ queries for the admin service and metrics
-    LOST_AFTER_HEARTBEATS = 5
-    LOST_AFTER_MIN_SECONDS = 5.0
-
     def lost_ranks(self) -> list[int]:
-        """Ranks silent for longer than max(5 heartbeats, 5 s), and (after start-up) ranks never heard from."""
-        limit = max(self.LOST_AFTER_HEARTBEATS * self.heartbeat_seconds, self.LOST_AFTER_MIN_SECONDS)
+        """Ranks declared lost (silent for :meth:`lost_after`; see docs/coordinator.md), ascending."""
         with self._lock:
-            now = self._clock()
-            started = now - self._started > max(limit, self._startup_grace_seconds)
-            return [r for r in range(self.topology.nodes)
-                    if (r in self._last_seen and now - self._last_seen[r] > limit)
-                    or (r not in self._last_seen and started)]
+            self._expire()
+            return sorted(self.state.lost)
 
     def hosts_seen(self) -> dict[int, float]:
-        """rank -> seconds since its last heartbeat (ranks never heard from are absent)."""
+        """rank -> seconds since its last heartbeat, for registered hosts (lost ones are absent)."""
         with self._lock:
             now = self._clock()
-            return {r: now - t for r, t in sorted(self._last_seen.items())}
+            st = self.state
+            return {r: now - t for r in st.registered if (t := st.last_seen(r)) is not None}
 
     def host_addresses(self) -> dict[int, str]:
         """rank -> Peer service address each host reported."""
@@ -373,5 +641,3 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             return True
 
 
-def _tier_rank(kind: Tier) -> int:
-    return {Tier.LOCAL: 0, Tier.PEER: 1, Tier.REPLICA: 1, Tier.BUCKET: 2}.get(kind, 3)

@@ -30,10 +30,14 @@ class RamDiskStore:
         self.root.mkdir(parents=True, exist_ok=True)
         layout.steps_dir(self.root).mkdir(exist_ok=True)
         (self.root / layout.PEER_DIR).mkdir(exist_ok=True)
+        self._startup_cleanup()
+        self._replica_of = self._load_replicas()
+
+    def _startup_cleanup(self) -> None:
+        """Remove what crashed writers and GCs left: unowned temporary directories and trash (layout)."""
         layout.remove_tmp_dirs(layout.steps_dir(self.root))
         for d in self._peer_owner_dirs():
             layout.remove_tmp_dirs(d)
-        self._replica_of = self._load_replicas()
 
     # ------------------------------------------------------------------ paths
     def step_dir(self, owner: int, step: int) -> Path:
@@ -152,7 +156,7 @@ class RamDiskStore:
     # ------------------------------------------------------------------ deletion
     def delete(self, owner: int, step: int) -> None:
         d = self.step_dir(owner, step)
-        layout.delete_step(d)
+        layout.delete_step(d, spare=layout.spare_dir(self.root))  # pages kept for the next copy
         faults.point("gc.after_delete")
         with self._lock:
             self._cache.pop(d, None)

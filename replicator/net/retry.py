@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -136,3 +137,49 @@ def call_with_retry(fn: Callable[[int], T], *, what: str, policy: RetryPolicy) -
             )
             time.sleep(sleep)
             attempt += 1
+
+
+class KeyedBackoff:
+    """Per-key exponential backoff with jitter for tasks retried by a periodic loop (copies, restores).
+
+    :func:`call_with_retry` retries one call in place; this one remembers, per task key, when the
+    task may be tried again, for loops (the daemon's heartbeat) that would otherwise resubmit a failing
+    task every round.
+
+    After the n-th consecutive failure of a key, the next attempt is allowed no sooner than
+    ``min(max_seconds, base_seconds * 2**(n-1))`` scaled by a random factor in [0.5, 1.5) — so that a
+    copy into a full RAM disk is retried a handful of times a minute, not hundreds of times a second,
+    and many hosts failing together do not retry in lockstep. A success forgets the key.
+    """
+
+    def __init__(self, base_seconds: float = 0.5, max_seconds: float = 60.0, rng: Any = None):
+        self.base_seconds = base_seconds
+        self.max_seconds = max_seconds
+        self._rng = rng or random.Random()
+        self._state: dict[Any, tuple[int, float]] = {}
+        self._lock = threading.Lock()
+
+    def ready(self, key: Any, now: float | None = None) -> bool:
+        with self._lock:
+            st = self._state.get(key)
+        return st is None or (time.monotonic() if now is None else now) >= st[1]
+
+    def failed(self, key: Any, now: float | None = None) -> float:
+        """Record a failure; returns the delay before the next attempt."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            n = self._state.get(key, (0, 0.0))[0] + 1
+            delay = min(self.max_seconds, self.base_seconds * 2 ** min(n - 1, 30)) * self._rng.uniform(0.5, 1.5)
+            self._state[key] = (n, now + delay)
+            if len(self._state) > 4096:  # keys of long-gone steps: keep the newest failures only
+                for k in sorted(self._state, key=lambda k: self._state[k][1])[:1024]:
+                    del self._state[k]
+        return delay
+
+    def succeeded(self, key: Any) -> None:
+        with self._lock:
+            self._state.pop(key, None)
+
+    def failures(self, key: Any) -> int:
+        with self._lock:
+            return self._state.get(key, (0, 0.0))[0]

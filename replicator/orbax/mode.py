@@ -23,9 +23,9 @@ commits, so it is replicated, backed up and collected like a native step.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 
 from mtc_rpc import coordinator_pb2 as cpb
+from replicator.coordinator.client import retry_after_seconds
 from replicator.coordinator.topology import JobTopology
 from replicator.options import ConfigError, ReplicatorOptions
 from replicator.orbax import contract as oc
@@ -232,23 +233,24 @@ class OrbaxMode:
               opts: ReplicatorOptions) -> tuple[int | None, Path | None]:
         """(step, directory with this rank's data) to restore, or (None, None) when nothing is restorable."""
         deadline = time.monotonic() + opts.handshake_timeout_seconds
-        stub = daemon._coord
         resp = None
         registered = False
         last_error = "no answer"
         while not self.stopping.is_set() and time.monotonic() < deadline:
             wait = max(0.0, min(PREPARE_SLICE_SECONDS, deadline - time.monotonic() - 0.5))
             try:
-                resp = stub.PrepareRestore(cpb.PrepareRestoreRequest(step=-1, wait_seconds=wait),
-                                           timeout=wait + opts.rpc_timeout_seconds, wait_for_ready=True)
+                resp = daemon.call_coordinator("PrepareRestore", cpb.PrepareRestoreRequest(step=-1, wait_seconds=wait),
+                                               wait + opts.rpc_timeout_seconds)
             except grpc.RpcError as e:
                 last_error = f"coordinator {opts.coordinator_address()}: {e.code().name} {e.details()}"
                 resp = None
-                self.stopping.wait(0.2)
+                # A busy coordinator says when to come back; follow it, jittered (no retry storm).
+                advice = retry_after_seconds(e)
+                self.stopping.wait(advice * random.uniform(1.0, 1.5) if advice is not None else 0.2)
                 continue
             # A plan made before every host reported may miss data ("nothing to restore", an older step).
-            registered = self._all_registered(stub, opts, cfg)
-            if registered and (resp.step < 0 or resp.ready):
+            registered = self._all_registered(daemon, opts, cfg)
+            if registered and (resp.step < 0 or (resp.ready and cfg.node_rank in resp.ready_ranks)):
                 break
             last_error = resp.reason if registered else "not every host has reported to the coordinator"
             self.stopping.wait(0.1)
@@ -263,34 +265,37 @@ class OrbaxMode:
             if cfg.node_rank not in resp.ready_ranks:
                 raise HandshakeError(f"step {resp.step}: {resp.reason}")
             self._error(f"restoring step {resp.step}, but {resp.reason}")
-        owners = self._valid_owners(stub, opts, resp.step, cfg.node_rank)
+        owners = self._valid_owners(daemon, opts, resp.step, cfg.node_rank)
         target = store.data_dir_for(resp.step, owners)
         if target is None:
             raise HandshakeError(f"the coordinator planned step {resp.step}, but this host holds no data of "
                                  f"rank {cfg.node_rank} for it")
         return resp.step, target
 
-    def _status(self, stub: Any, opts: ReplicatorOptions) -> dict[str, Any]:
-        resp = stub.GetStatus(cpb.GetStatusRequest(), timeout=opts.rpc_timeout_seconds)
-        return json.loads(resp.status_json)
+    def _status(self, daemon: Any, opts: ReplicatorOptions, **request: Any) -> cpb.GetStatusResponse:
+        return daemon.call_coordinator("GetStatus", cpb.GetStatusRequest(**request), opts.rpc_timeout_seconds)
 
-    def _all_registered(self, stub: Any, opts: ReplicatorOptions, cfg: oc.ReplicatorConfig) -> bool:
-        """Every host has reported since the coordinator (re)started: only then is "nothing" trustworthy."""
+    def _all_registered(self, daemon: Any, opts: ReplicatorOptions, cfg: oc.ReplicatorConfig) -> bool:
+        """Every host has reported since the coordinator took over: only then is "nothing" trustworthy.
+
+        Orbax restores every process together, so a lost host is waited for (its replacement), not skipped.
+        """
         try:
-            hosts = self._status(stub, opts).get("hosts", {})
+            st = self._status(daemon, opts)
         except grpc.RpcError:
             return False
-        return sum(1 for h in hosts.values() if h.get("inventory_reported")) >= cfg.nodes
+        return st.hosts_reported >= cfg.nodes
 
-    def _valid_owners(self, stub: Any, opts: ReplicatorOptions, step: int, rank: int) -> set[int]:
+    def _valid_owners(self, daemon: Any, opts: ReplicatorOptions, step: int, rank: int) -> set[int]:
         """Owners whose data of ``step`` on this host the coordinator accepts for ``rank`` (hash-checked)."""
         try:
-            st = self._status(stub, opts)
+            st = self._status(daemon, opts, detail_steps=[step], rank_first=rank, rank_count=1)
         except grpc.RpcError as e:
             log.warning("no status from the coordinator (%s): restoring own data only", e.code().name)
             return {rank}
-        srcs = st.get("steps", {}).get(str(step), {}).get("ranks", {}).get(str(rank), [])
-        return {int(s["owner"]) for s in srcs if s.get("holder") == rank} or {rank}
+        owners = {s.owner_rank for d in st.step_details if d.step == step for r in d.ranks if r.rank == rank
+                  for s in r.sources if s.holder_rank == rank}
+        return owners or {rank}
 
 
 def run_orbax_mode(opts: ReplicatorOptions) -> int:

@@ -43,6 +43,26 @@ class OrbaxStore(RamDiskStore):
         self._failed: set[tuple[int, int]] = set()  # (step, inode) already reported as not ingestible
         self.ingested: list[int] = []
 
+    def _startup_cleanup(self) -> None:
+        """Give interrupted ingests back to Orbax's name before the temporary directories are removed.
+
+        A daemon killed while ingesting leaves Orbax's committed step N (``commit_success.txt`` inside) in an
+        unowned ``steps/.tmp-<N>-*``: it goes back to ``<local>/<N>`` (our half-written manifest dropped)
+        and the next ingest takes it again, instead of start-up cleanup deleting the only copy.
+        """
+        steps = layout.steps_dir(self.root)
+        for tmp in sorted(steps.glob(layout.TMP_PREFIX + "*")):
+            step = layout.parse_step_name(tmp.name[len(layout.TMP_PREFIX):].split("-", 1)[0])
+            if step is None or not (tmp / oc.COMMIT_SUCCESS_FILE).is_file() or layout.tmp_dir_is_owned(tmp):
+                continue
+            dest = self.root / layout.step_name(step)
+            if os.path.lexists(dest) or (steps / layout.step_name(step) / layout.MANIFEST_NAME).is_file():
+                continue  # Orbax saved it again, or the ingest committed: the leftover is just removed
+            (tmp / layout.MANIFEST_NAME).unlink(missing_ok=True)
+            os.rename(tmp, dest)
+            log.warning("gave the interrupted ingest of Orbax step %d back to %s", step, dest)
+        super()._startup_cleanup()
+
     # ------------------------------------------------------------------ ingestion
     def ingest(self) -> list[int]:
         """Move every committed ``<local>/<N>`` (a real directory) into the store; returns the steps moved.

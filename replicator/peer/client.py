@@ -13,6 +13,7 @@ file's crc32c matched the manifest, so a partial copy is never visible.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import queue
@@ -139,9 +140,10 @@ class _FileSink:
     name only after its size and crc32c match its entry; ``abort()`` removes the parts.
     """
 
-    def __init__(self, dest_dir: Path, entries: Sequence[FileEntry]):
+    def __init__(self, dest_dir: Path, entries: Sequence[FileEntry], pool: layout.SparePool | None = None):
         self.dest_dir = Path(dest_dir)
         self.entries = list(entries)
+        self.pool = pool
         self._idx = -1
         self._fd = -1
         self._crc = 0
@@ -160,7 +162,11 @@ class _FileSink:
         final.parent.mkdir(parents=True, exist_ok=True)
         layout.resolve_under(self.dest_dir, e.name)  # a symlinked parent must not lead out
         self._part = final.with_name(final.name + PART_SUFFIX)
-        self._fd = os.open(self._part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        if self.pool is not None and self.pool.take(self._part, e.size):
+            # A deleted step's file: overwriting its tmpfs pages beats allocating fresh ones (layout).
+            self._fd = os.open(self._part, os.O_WRONLY)
+        else:
+            self._fd = os.open(self._part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._idx, self._crc, self._pos = idx, 0, 0
 
     def write(self, idx: int, offset: int, data: Any, running_crc: int | None = None) -> None:
@@ -367,10 +373,11 @@ def _fetch_files_on(
     deadline: float,
     throttle: Throttle | None,
     use_data_port: bool,
+    pool: layout.SparePool | None = None,
 ) -> int:
     limiter = RateLimiter((throttle or Throttle()).bytes_per_second)
     entries = list(entries)
-    sink = _FileSink(dest_dir, entries)
+    sink = _FileSink(dest_dir, entries, pool)
     start = time.monotonic()
     path = "stream"
     stub = peer_pb2_grpc.PeerStub(channel)
@@ -389,9 +396,10 @@ def _fetch_files_on(
                 try:
                     _receive_tcp(data_host, resp.data_port, resp.ticket, sink, deadline, limiter)
                     done_tcp, path = True, "tcp"
-                except (ConnectionRefusedError, socket.gaierror) as e:
+                except (ConnectionRefusedError, socket.gaierror, TransferRejected) as e:
+                    # Unreachable, or refused before any byte (busy, ticket expired while queued).
                     log.warning(
-                        "data port %s:%d unreachable (%s); falling back to gRPC streaming",
+                        "data port %s:%d unusable (%s); falling back to gRPC streaming",
                         data_host,
                         resp.data_port,
                         e,
@@ -427,8 +435,12 @@ def fetch_step(
     tls: TlsOptions | None = None,
     use_data_port: bool = True,
     expected_content_hash: str | None = None,
+    spare_dir: Path | None = None,
 ) -> StepManifest:
     """Copy ``owner_rank``'s ``step`` from ``peer`` and commit it as ``dest_parent/<step>``.
+
+    ``spare_dir``: the destination RAM disk's pool of recycled files (``layout.spare_dir``), whose
+    already-allocated pages are overwritten instead of allocating fresh ones.
 
     ``peer`` is a channel or a "host:port" address (then ``token``/``tls`` configure the channel).
     Everything is written into a temporary sibling directory and renamed into place only after every
@@ -440,7 +452,7 @@ def fetch_step(
     """
     dest_parent = Path(dest_parent)
     final = dest_parent / layout.step_name(step)
-    if final.exists():
+    if (final / layout.MANIFEST_NAME).is_file():  # debris without a manifest is replaced at commit
         raise FileExistsError(f"step directory {final} already exists")
     deadline = time.monotonic() + timeout_seconds
     with _open(peer, token, tls) as (channel, host):
@@ -470,14 +482,17 @@ def fetch_step(
                 deadline,
                 throttle,
                 use_data_port and tls is None,
+                layout.SparePool(spare_dir) if spare_dir is not None else None,
             )
             faults.point("peer.fetch.before_manifest")
             layout.write_manifest(tmp, manifest)
             faults.point("peer.fetch.before_commit")
             layout.commit_dir(tmp, final)
             faults.point("peer.fetch.after_commit")
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if spare_dir is not None and getattr(e, "errno", None) == errno.ENOSPC:
+                layout.drop_spares(spare_dir)  # the recycled pages were not enough: free them for the retry
             raise
     return manifest
 
@@ -495,6 +510,7 @@ def fetch_step_from_any(
     tls: TlsOptions | None = None,
     use_data_port: bool = True,
     expected_content_hash: str | None = None,
+    spare_dir: Path | None = None,
 ) -> StepManifest:
     """``fetch_step`` from the first holder that delivers a verified copy.
 
@@ -522,6 +538,7 @@ def fetch_step_from_any(
                 tls=tls,
                 use_data_port=use_data_port,
                 expected_content_hash=expected_content_hash,
+                spare_dir=spare_dir,
             )
         except FileExistsError:
             raise

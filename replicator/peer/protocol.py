@@ -29,8 +29,21 @@ MAX_PENDING_TICKETS = 256
 MAX_FILES_PER_REQUEST = 100_000
 MAX_STEP = 10**18
 DATA_MAGIC = b"MTCDATA1"
-# Server: time allowed for a client to send the header; both ends: longest silence on a data socket.
+# Server: time allowed from accept until the whole header (magic + ticket) has arrived — a deadline,
+# not a per-recv timeout, so a client trickling one byte at a time cannot keep a connection open.
 DATA_HEADER_TIMEOUT_SECONDS = 5.0
+# Server: connections still owing their header, at most (the oldest is cut to admit a new one; they
+# cost no thread: one selector thread reads every header). Legitimate clients send the header at once.
+MAX_DATA_HEADER_CONNECTIONS = 128
+# Server: slowest acceptable reader. A transfer must keep up with MIN_TRANSFER_BYTES_PER_SECOND after a
+# grace of MIN_RATE_GRACE_SECONDS (time spent in the server's own throttle not counted), else it is cut
+# and its slot freed: a peer copying into RAM moves hundreds of MB/s, a client holding a slot at
+# kilobytes per second is broken or hostile.
+MIN_TRANSFER_BYTES_PER_SECOND = 8 << 20
+MIN_RATE_GRACE_SECONDS = 10.0
+# Server: longest a redeemed transfer waits for a free slot before it is refused as busy.
+DATA_SLOT_WAIT_SECONDS = 300.0
+# Both ends: longest silence on a data socket.
 DATA_IDLE_TIMEOUT_SECONDS = 30.0
 DATA_CONNECT_TIMEOUT_SECONDS = 3.0
 STATUS_OK = 0

@@ -74,6 +74,20 @@ def test_steps_and_status_table_and_json(job) -> None:
     assert r.code == 0 and "replicator rank 2" in r.out, r
 
 
+def test_commands_fail_over_to_the_next_coordinator_candidate(job) -> None:
+    """A dead first candidate (refused connection) is skipped, as hosts and the CheckpointManager do."""
+    import socket
+
+    cl, _, _, _ = job
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    r = mtc("steps", "-o", "json", "--coordinator", f"{dead},{cl.coordinator}")
+    assert r.code == 0 and r.json()["newest_complete_step"] == 3, r
+    r = mtc("steps", "-o", "json", "--coordinator", dead)
+    assert r.code == 1, r
+
+
 def test_inspect_from_the_cluster(job) -> None:
     cl, _, trees, _ = job
     r = mtc("inspect", "3", "-o", "json", "--coordinator", cl.coordinator)

@@ -139,8 +139,12 @@ def test_save_interval_keep_and_latest(ram_dir):
         assert mgr.save(7, tree, force=True)
         mgr.wait_until_finished()
         assert mgr.all_steps() == [6, 7]
+        with pytest.raises(FileExistsError):
+            mgr.save(7, tree, force=True)  # saved on every host already: a mistake
         old = layout.read_manifest(ram_dir / "0" / "steps" / "7").generation
-        # Saving a step number again (after a rollback) replaces the abandoned save: never FileExistsError.
+        # After restoring step 6 (a rollback) step 7 is abandoned: saving it again replaces it.
+        mgr.restore(6, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                                    if isinstance(x, jax.Array) else x, tree))
         assert mgr.save(7, tree, force=True)
         mgr.wait_until_finished()
         assert mgr.all_steps() == [6, 7]

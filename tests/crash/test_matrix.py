@@ -50,14 +50,6 @@ class Case:
     raises: type[BaseException] | None = None  # the error the known defect raises
 
 
-GC_TRASH = ("known defect (issue #12 item 3, data-plane engineer: GC trash): a GC killed after the manifest "
-            "went leaves steps/<N> without a manifest; saving step N again raises FileExistsError")
-
-ORBAX_INGEST = ("known defect (replicator/orbax/store.py ingest + start-up cleanup, issue #12 item 3 tmp-dir "
-                "ownership, data-plane engineer): a daemon killed while ingesting Orbax's committed <local>/<N> "
-                "(moved into steps/.tmp-<N>-*) loses step N: the restarted store deletes the temporary directory, "
-                "so the handshake finds nothing to restore")
-
 CASES: dict[str, Case] = {
     # sidecar writer: steps 1, 2, 3 with keep=2; the point fires while step 3 is written
     "save.after_tmp_dir": Case("sidecar", at=3),
@@ -70,7 +62,7 @@ CASES: dict[str, Case] = {
     "save.before_local_gc": Case("sidecar", at=3),
     "save.before_notify": Case("sidecar", at=3),
     "save.after_notify": Case("sidecar", at=3),
-    "gc.mid_delete": Case("sidecar", at=1, xfail=GC_TRASH, raises=FileExistsError),  # step 3's GC deletes step 1
+    "gc.mid_delete": Case("sidecar", at=1),  # step 3's GC deletes step 1
     # CheckpointManager (JAX, in-process dispatcher): the third save dies after its host copy
     "save.after_host_copy": Case("jax", at=3),
     # bucket: backups of step 1 (done) and 2 (killed), retention, restore of one rank
@@ -97,8 +89,8 @@ CASES: dict[str, Case] = {
     "gc.after_delete": Case("cluster", victim=0),
     "restore.peer.before_fetch": Case("cluster"),
     # Orbax-mode daemon: one handshake for a committed step 5
-    "orbax.ingest.after_move": Case("orbax", xfail=ORBAX_INGEST, raises=AssertionError),
-    "orbax.ingest.before_commit": Case("orbax", xfail=ORBAX_INGEST, raises=AssertionError),
+    "orbax.ingest.after_move": Case("orbax"),
+    "orbax.ingest.before_commit": Case("orbax"),
     "orbax.after_ingest": Case("orbax"),
     "orbax.before_marker": Case("orbax"),
     "orbax.after_marker": Case("orbax"),
@@ -273,7 +265,8 @@ def _run_bucket(point: str, case: Case, work: Path, roots: list[Path], strategy:
 # --------------------------------------------------------------------------- replicator daemons
 
 
-def _status(cl: LocalCluster) -> dict:
+def _status(cl: LocalCluster):
+    """The coordinator's typed status (GetStatusResponse)."""
     c = CoordinatorClient(cl.coordinator, rpc_timeout_seconds=5)
     try:
         return c.status()
@@ -283,10 +276,10 @@ def _status(cl: LocalCluster) -> dict:
 
 def _redundant(cl: LocalCluster, step: int) -> bool:
     try:
-        st = _status(cl)["steps"].get(str(step))
+        st = next((s for s in _status(cl).steps if s.step == step), None)
     except grpc.RpcError:
         return False
-    return bool(st and st["complete"] and st["redundant"])
+    return bool(st and st.complete and st.redundant)
 
 
 def _start(cl: LocalCluster, rank: int, point: str | None, fired_file: Path) -> None:
@@ -463,8 +456,6 @@ RUNNERS = {"sidecar": run_sidecar, "jax": run_jax, "bucket": run_bucket, "cluste
 # --------------------------------------------------------------------------- beyond one point
 
 
-# A trainer killed between the hosts' commits of step N leaves N on some hosts only; after restoring N-1
-# (the newest step every host holds), save(N) replaces the abandoned copies (issue #10 item 3).
 def test_trainer_killed_between_host_commits_saves_the_step_again(tmp_path: Path) -> None:
     from tests.crash import jax_state
 

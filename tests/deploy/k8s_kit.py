@@ -234,9 +234,11 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 def ingress_allowed(policies: list[dict[str, Any]], dst_labels: dict[str, str], src_labels: dict[str, str] | None,
-                    port: int, same_namespace: bool = True) -> bool:
+                    port: int, same_namespace: bool = True, src_namespace_labels: dict[str, str] | None = None) -> bool:
     """Whether TCP ``port`` on a Pod with ``dst_labels`` accepts a connection from a Pod with ``src_labels``
-    (None = from outside the cluster), under NetworkPolicy semantics (isolated once any policy selects it)."""
+    (None = from outside the cluster), under NetworkPolicy semantics (isolated once any policy selects it).
+    A source in another namespace (``same_namespace=False``) is matched by ``namespaceSelector`` peers
+    against ``src_namespace_labels``."""
     selecting = [p for p in policies if _selects(p["spec"]["podSelector"], dst_labels)
                  and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
     if not selecting:
@@ -250,7 +252,13 @@ def ingress_allowed(policies: list[dict[str, Any]], dst_labels: dict[str, str], 
             if not peers:
                 return True
             for peer in peers:
-                assert set(peer) <= {"podSelector"}, "only podSelector peers are emulated"
-                if src_labels is not None and same_namespace and _selects(peer["podSelector"], src_labels):
+                assert set(peer) <= {"podSelector", "namespaceSelector"}, "only pod/namespace selectors are emulated"
+                if src_labels is None:
+                    continue
+                if "namespaceSelector" in peer:
+                    ns_ok = not same_namespace and _selects(peer["namespaceSelector"], src_namespace_labels or {})
+                else:
+                    ns_ok = same_namespace
+                if ns_ok and _selects(peer.get("podSelector", {}), src_labels):
                     return True
     return False

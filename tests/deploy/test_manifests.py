@@ -190,7 +190,9 @@ def test_pathways_colocated_python_wiring(case: str) -> None:
     assert "ramdisk" not in {v["name"] for v in _pod(js, "head")["volumes"]}
     # The controller finds the coordinator (rank 0's replicator) and the RAM disk path.
     env = kit.pod_env(head["controller"], kit.jobset_pod_fields(opts.job, "head", 0, 0))
-    assert env["MTC_COORDINATOR"] == f"{opts.worker_host(0, 0)}.{opts.job}:{opts.grpc_port}"
+    # Every slice's first host, in order: the coordinator candidates the replicators derive themselves.
+    assert env["MTC_COORDINATOR"].split(",") == [f"{opts.worker_host(s, 0)}.{opts.job}:{opts.grpc_port}"
+                                                 for s in range(opts.slices)]
     assert env["MTC_LOCAL_DIRECTORY"] == opts.local_dir
     assert env["MTC_TOKEN_FILE"].startswith(_mounts(head["controller"])["mtc-token"] + "/")
     if opts.tls:
@@ -287,7 +289,14 @@ def test_network_policy_admits_only_the_jobs_pods_to_the_replicator(case: str) -
     other_job = kit.jobset_pod_labels("other", "workers")
     repl = _containers(_pod(objs["jobset.yaml"], "workers"))["mtc-replicator"]
     ports = {p["name"]: p["containerPort"] for p in repl["ports"]}
-    assert ports == {"mtc-grpc": opts.grpc_port, "mtc-data": opts.data_port}
+    assert ports == {"mtc-grpc": opts.grpc_port, "mtc-data": opts.data_port, "metrics": opts.metrics_port}
+    # Managed Prometheus' collectors (another namespace) reach the metrics port and nothing else.
+    gmp = {"kubernetes.io/metadata.name": "gmp-system"}
+    collector = {"app.kubernetes.io/name": "collector"}
+    assert kit.ingress_allowed(policies, worker, collector, opts.metrics_port, False, gmp)
+    for port in (opts.grpc_port, opts.data_port):
+        assert not kit.ingress_allowed(policies, worker, collector, port, False, gmp)
+    assert not kit.ingress_allowed(policies, worker, collector, opts.metrics_port, False, {"x": "y"})
     for port in ports.values():
         assert kit.ingress_allowed(policies, worker, worker, port)
         if opts.mode == "pathways":
@@ -302,7 +311,7 @@ def test_network_policy_admits_only_the_jobs_pods_to_the_replicator(case: str) -
     svc = objs["service.yaml"]
     assert svc["spec"]["clusterIP"] == "None" and svc["metadata"]["name"] == objs["jobset.yaml"]["spec"]["network"][
         "subdomain"]
-    assert {p["port"] for p in svc["spec"]["ports"]} == set(ports.values())
+    assert {p["port"] for p in svc["spec"]["ports"]} == {opts.grpc_port, opts.data_port}
 
 
 def test_network_policy_evaluation_can_fail() -> None:

@@ -57,9 +57,8 @@ def _set(doc, path, value):
     return doc
 
 
-# Untyped errors the parser is known to raise (see test_known_parser_defects, which fails once they are
-# fixed): the property tests tolerate exactly these, so that any *other* untyped error fails them.
-KNOWN_UNTYPED = (OverflowError, RecursionError)
+# Untyped errors the parser is known to raise: none (int(Infinity) and deep nesting are ManifestErrors now).
+KNOWN_UNTYPED: tuple[type[BaseException], ...] = ()
 
 
 def _parse(data: bytes, tolerate_known: bool = True) -> layout.StepManifest | None:
@@ -133,16 +132,10 @@ def test_read_manifest_from_disk(tmp_path_factory, data: bytes) -> None:
         pass
 
 
-# Known defects the fuzzers found, as exact regressions. Owner: sidecar/layout.py (data-plane engineer, who
-# is adding the manifest checksum): from_json/from_dict should turn these into ManifestError.
-_OWNER = "known defect, sidecar/layout.py (data-plane engineer): "
+# Defects the fuzzers found, kept as exact regressions: each is a ManifestError now.
 KNOWN = [
-    pytest.param(b'{"format_version": Infinity}', id="infinity-int-overflow",
-                 marks=pytest.mark.xfail(strict=True, raises=OverflowError,
-                                         reason=_OWNER + "int(inf) raises OverflowError, not ManifestError")),
-    pytest.param(b"[" * 100_000 + b"]" * 100_000, id="deep-nesting-recursion",
-                 marks=pytest.mark.xfail(strict=True, raises=RecursionError,
-                                         reason=_OWNER + "json.loads RecursionError is not caught")),
+    pytest.param(b'{"format_version": Infinity}', id="infinity-int-overflow"),
+    pytest.param(b"[" * 100_000 + b"]" * 100_000, id="deep-nesting-recursion"),
 ]
 
 

@@ -69,19 +69,24 @@ def assert_equal(a: dict, b: dict) -> None:
         else:
             assert x == y
 
-def status(cluster) -> dict:
+def status(cluster, **detail):
+    """The coordinator's typed status (``mtc_rpc.coordinator_pb2.GetStatusResponse``)."""
     c = CoordinatorClient(cluster.coordinator, rpc_timeout_seconds=5)
     try:
-        return c.status()
+        return c.status(**detail)
     finally:
         c.close()
 
+def step_summary(st, step: int):
+    """The StepSummary of ``step`` in a typed status, or None."""
+    return next((s for s in st.steps if s.step == step), None)
+
 def redundant(cluster, step: int) -> bool:
     try:
-        st = status(cluster)["steps"].get(str(step))
+        s = step_summary(status(cluster), step)
     except grpc.RpcError:
         return False
-    return bool(st and st["complete"] and st["redundant"])
+    return bool(s and s.complete and s.redundant)
 
 def save_steps(mgr, steps, **kw) -> dict:
     trees = {}

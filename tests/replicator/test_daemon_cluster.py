@@ -19,7 +19,7 @@ from controller_client.topology import HostTopology
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
 from sidecar import layout
-from tests.kits.cluster import REPO, assert_equal, manager, redundant, save_steps, target, wait_for
+from tests.kits.cluster import REPO, assert_equal, manager, redundant, save_steps, status, target, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -138,6 +138,9 @@ def test_coordinator_restart_loses_nothing(cluster_factory):
     st = json.loads(out)
     step2 = next(s for s in st["steps"] if s["step"] == 2)
     assert st["newest_complete_step"] == 2 and step2["redundant"] and step2["local_ranks"] == [0, 1, 2, 3]
+    # The typed status the coordinator serves (what Orbax mode and the tests read), with per-host detail.
+    typed = status(cl, hosts=True)
+    assert typed.newest_complete_step == 2 and [h.rank for h in typed.hosts if h.address] == [0, 1, 2, 3]
     out = subprocess.run([sys.executable, "-m", "controller_client.cli", "status", "-o", "json", "--local-dir",
                           str(cl.ram(3))], capture_output=True, text=True, env=env, timeout=60, check=True).stdout
     local = json.loads(out)

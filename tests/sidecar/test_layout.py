@@ -103,6 +103,8 @@ def test_commit_is_atomic_and_no_manifest_means_no_step(tmp_path):
     layout.write_manifest(tmp2, _manifest(step=7, files=(), arrays=()))
     with pytest.raises(FileExistsError):
         layout.commit_dir(tmp2, parent / "7")
+    assert layout.remove_tmp_dirs(parent) == []  # still owned (locked) by this live writer
+    layout._release_owned(tmp2)  # as if the writer died
     assert layout.remove_tmp_dirs(parent) == [tmp2]
     assert sorted(os.listdir(parent)) == ["7"]
     layout.verify_step_dir(parent / "7")
@@ -148,3 +150,253 @@ def test_map_verified_detects_flip_and_writes_stay_private(tmp_path):
         layout.map_verified(p, data.nbytes, crc)
     with pytest.raises(EOFError):
         layout.map_verified(p, data.nbytes + 1, crc)
+
+
+# --------------------------------------------------------------------------- manifest checksum (#12.1)
+
+
+def _committed(parent, step, files=None):
+    """Commit ``step`` under ``parent`` with small files {name: bytes}; returns the manifest."""
+    files = files if files is not None else {"a": b"alpha", "b": b"beta"}
+    tmp = layout.make_tmp_dir(parent, step)
+    entries = []
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+        entries.append(layout.FileEntry(name, len(data), layout.crc32c(data)))
+    m = _manifest(step=step, files=tuple(entries), arrays=(),
+                  values=(layout.ValueEntry("['step']", 3), layout.ValueEntry("['lr']", 0.5)))
+    layout.write_manifest(tmp, m)
+    layout.commit_dir(tmp, parent / str(step))
+    return m
+
+
+def test_manifest_carries_its_checksum_and_version():
+    d = json.loads(_manifest().to_json())
+    assert d["format_version"] == layout.FORMAT_VERSION == 2
+    assert d[layout.MANIFEST_CHECKSUM_KEY] == layout.manifest_checksum(d)
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda d: d["values"][0].update(value=7),  # values[step] 3 -> 7
+        lambda d: d["values"][1].update(value=0.25),
+        lambda d: d["files"][0].update(crc32c=d["files"][0]["crc32c"] ^ 1),
+        lambda d: d.update(job="other"),
+        lambda d: d.pop(layout.MANIFEST_CHECKSUM_KEY),
+        lambda d: d.update(extra=1),
+    ],
+)
+def test_tampered_manifest_is_a_corrupt_copy(tmp_path, tamper):
+    parent = tmp_path / "steps"
+    _committed(parent, 4)
+    path = parent / "4" / layout.MANIFEST_NAME
+    d = json.loads(path.read_bytes())
+    tamper(d)
+    path.write_text(json.dumps(d))
+    with pytest.raises(layout.ManifestChecksumError, match="checksum"):
+        layout.read_manifest(parent / "4")
+    with pytest.raises(layout.ManifestError):
+        layout.verify_step_dir(parent / "4")
+
+
+def test_one_flipped_byte_in_a_manifest_value_is_detected(tmp_path):
+    parent = tmp_path / "steps"
+    _committed(parent, 4)
+    path = parent / "4" / layout.MANIFEST_NAME
+    raw = path.read_bytes()
+    needle = b'"value":3'
+    assert raw.count(needle) == 1
+    path.write_bytes(raw.replace(needle, b'"value":7'))
+    with pytest.raises(layout.ManifestChecksumError):
+        layout.read_manifest(parent / "4")
+
+
+def test_version_1_manifest_refused():
+    d = _manifest().to_dict()
+    d.pop(layout.MANIFEST_CHECKSUM_KEY)
+    d["format_version"] = 1
+    with pytest.raises(layout.ManifestError, match="format_version 1"):
+        layout.StepManifest.from_json(json.dumps(d).encode())
+
+
+def test_sealed_hand_made_manifest_is_accepted():
+    d = _manifest().to_dict()
+    d["values"][0]["value"] = 0.125
+    m = layout.StepManifest.from_json(json.dumps(layout.seal_manifest_dict(d)).encode())
+    assert m.values[0].value == 0.125
+
+
+# --------------------------------------------------------------------------- ownership, GC, re-save (#12.3)
+
+
+def test_cleanup_leaves_owned_tmp_dirs_and_removes_orphans(tmp_path):
+    parent = tmp_path / "steps"
+    owned = layout.make_tmp_dir(parent, 5)
+    (owned / "x").write_bytes(b"1")
+    orphan = parent / f"{layout.TMP_PREFIX}6-deadbeef"  # what a killed writer leaves: no lock holder
+    orphan.mkdir()
+    trash = parent / f"{layout.TRASH_PREFIX}3-cafe"
+    (trash / "sub").mkdir(parents=True)
+    assert layout.tmp_dir_is_owned(owned) and not layout.tmp_dir_is_owned(orphan)
+    removed = layout.remove_tmp_dirs(parent)
+    assert sorted(p.name for p in removed) == sorted([orphan.name, trash.name])
+    assert (owned / "x").read_bytes() == b"1"
+    # Once published the lock is gone with the temporary name.
+    size, crc = layout.file_crc32c(owned / "x")
+    layout.write_manifest(owned, _manifest(step=5, files=(layout.FileEntry("x", size, crc),), arrays=()))
+    layout.commit_dir(owned, parent / "5")
+    assert layout.committed_steps(parent) == [5]
+    assert not layout._OWNED
+
+
+def test_cleanup_in_another_process_spares_owned_tmp_dir(tmp_path):
+    import subprocess
+    import sys
+
+    parent = tmp_path / "steps"
+    owned = layout.make_tmp_dir(parent, 5)
+    orphan = parent / f"{layout.TMP_PREFIX}6-deadbeef"
+    orphan.mkdir()
+    code = "import sys; from sidecar import layout; layout.remove_tmp_dirs(sys.argv[1])"
+    subprocess.run([sys.executable, "-c", code, str(parent)], check=True, timeout=60)
+    assert owned.is_dir() and not orphan.exists()
+    layout.delete_step(owned)
+
+
+def test_commit_refuses_missing_or_short_listed_file(tmp_path):
+    parent = tmp_path / "steps"
+    tmp = layout.make_tmp_dir(parent, 2)
+    (tmp / "a").write_bytes(b"12345")
+    m = _manifest(step=2, files=(layout.FileEntry("a", 5, 1), layout.FileEntry("b", 3, 2)), arrays=())
+    layout.write_manifest(tmp, m)
+    with pytest.raises(layout.ChecksumError, match="missing"):
+        layout.commit_dir(tmp, parent / "2")
+    (tmp / "b").write_bytes(b"1")
+    with pytest.raises(layout.ChecksumError, match="size"):
+        layout.commit_dir(tmp, parent / "2")
+    assert layout.committed_steps(parent) == []
+
+
+def test_delete_is_rename_first_and_debris_does_not_block_resave(tmp_path):
+    parent = tmp_path / "steps"
+    _committed(parent, 4)
+    layout.delete_step(parent / "4")
+    assert sorted(os.listdir(parent)) == []
+    # Debris of an old-style half-deleted step (no manifest) under the step's name.
+    (parent / "4").mkdir()
+    (parent / "4" / "a").write_bytes(b"old")
+    _committed(parent, 4)
+    layout.verify_step_dir(parent / "4")
+    assert [p for p in os.listdir(parent) if p != "4"] == []
+
+
+def test_replace_committed_step_atomically(tmp_path):
+    parent = tmp_path / "steps"
+    _committed(parent, 4, {"a": b"old"})
+    tmp = layout.make_tmp_dir(parent, 4)
+    (tmp / "a").write_bytes(b"new!")
+    m = _manifest(step=4, files=(layout.FileEntry("a", 4, layout.crc32c(b"new!")),), arrays=())
+    layout.write_manifest(tmp, m)
+    with pytest.raises(FileExistsError):
+        layout.commit_dir(tmp, parent / "4")
+    layout.commit_dir(tmp, parent / "4", replace=True)
+    assert (parent / "4" / "a").read_bytes() == b"new!"
+    assert layout.read_manifest(parent / "4") == m
+    assert sorted(os.listdir(parent)) == ["4"]  # the old copy is gone, no trash left
+
+
+_GC_CHILD = r"""
+import os, sys, time
+from pathlib import Path
+from sidecar import layout
+real_unlink = os.unlink
+count = [0]
+def slow_unlink(path, *a, **kw):
+    count[0] += 1
+    if count[0] == 5:
+        print("deleting", flush=True)
+    if count[0] >= 5:
+        time.sleep(0.05)
+    return real_unlink(path, *a, **kw)
+os.unlink = slow_unlink
+layout.delete_step(Path(sys.argv[1]))
+print("done", flush=True)
+"""
+
+
+def test_sigkill_during_gc_leaves_no_half_deleted_step_and_step_is_resavable(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    parent = tmp_path / "steps"
+    _committed(parent, 9, {f"f{i}": bytes([i]) * 100 for i in range(200)})
+    _committed(parent, 10)
+    proc = subprocess.Popen([sys.executable, "-c", _GC_CHILD, str(parent / "9")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "deleting"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    # Not listed, not under its name: only trash, which start-up cleanup removes.
+    assert layout.committed_steps(parent) == [10]
+    assert not (parent / "9").exists()
+    leftovers = [p for p in os.listdir(parent) if p != "10"]
+    assert len(leftovers) == 1 and leftovers[0].startswith(layout.TRASH_PREFIX)
+    _committed(parent, 9)  # re-savable before any cleanup
+    layout.verify_step_dir(parent / "9")
+    layout.remove_tmp_dirs(parent)
+    assert sorted(os.listdir(parent)) == ["10", "9"]
+
+
+# --------------------------------------------------------------------------- page recycling (#9.6)
+
+
+def test_deleted_step_pages_are_recycled_into_the_next_write(tmp_path):
+    import numpy as np
+
+    root = tmp_path / "ram"
+    parent = layout.steps_dir(root)
+    big = bytes(range(256)) * (layout.RECYCLE_MIN_BYTES // 256 + 17)
+    _committed(parent, 1, {"big": big, "small": b"s"})
+    ino = os.stat(parent / "1" / "big").st_ino
+    layout.delete_step(parent / "1", spare=layout.spare_dir(root))
+    assert layout.committed_steps(parent) == []
+    assert layout.spare_bytes(layout.spare_dir(root)) == len(big)  # the small file was just deleted
+    pool = layout.SparePool(layout.spare_dir(root))
+    tmp = layout.make_tmp_dir(parent, 2)
+    new = np.full(layout.RECYCLE_MIN_BYTES + 5, 7, dtype=np.uint8)
+    assert pool.take(tmp / "x", new.nbytes)
+    assert os.stat(tmp / "x").st_ino == ino and os.stat(tmp / "x").st_size == new.nbytes
+    assert not pool.take(tmp / "y", new.nbytes)  # the pool is empty now
+    assert layout.spare_bytes(layout.spare_dir(root)) == 0
+    layout.delete_step(tmp)
+
+
+def test_pool_holds_one_step_and_mapped_files_are_never_recycled(tmp_path):
+    import gc
+
+    root = tmp_path / "ram"
+    parent = layout.steps_dir(root)
+    size = layout.RECYCLE_MIN_BYTES
+    data = bytes([5]) * size
+    _committed(parent, 1, {"a": data, "b": data})
+    _committed(parent, 2, {"c": data})
+    # A restored array maps step 1's file "a" (zero copy): its bytes must never change under it.
+    mapped = layout.map_verified(parent / "1" / "a", size, layout.crc32c(data))
+    layout.delete_step(parent / "1", spare=layout.spare_dir(root))
+    assert layout.spare_bytes(layout.spare_dir(root)) == size  # only "b"; "a" is leased
+    layout.delete_step(parent / "2", spare=layout.spare_dir(root))
+    assert layout.spare_bytes(layout.spare_dir(root)) == size  # one step's worth: "c" replaced "b"
+    pool = layout.SparePool(layout.spare_dir(root))
+    tmp = layout.make_tmp_dir(parent, 3)
+    assert pool.take(tmp / "x", size)
+    with open(tmp / "x", "r+b") as f:
+        f.write(bytes([9]) * size)
+    assert bytes(mapped[:16]) == bytes([5]) * 16 and layout.crc32c(mapped) == layout.crc32c(data)
+    del mapped
+    gc.collect()
+    layout.delete_step(tmp)

@@ -82,7 +82,8 @@ class Trainer:
         return out
 
 
-def _status(cl: LocalCluster) -> dict | None:
+def _status(cl: LocalCluster):
+    """The coordinator's typed status (GetStatusResponse), or None when it does not answer."""
     c = CoordinatorClient(cl.coordinator, rpc_timeout_seconds=5)
     try:
         return c.status()
@@ -97,11 +98,11 @@ def _settled(cl: LocalCluster) -> int | None:
     st = _status(cl)
     if not st:
         return None
-    complete = [int(s) for s, v in st.get("steps", {}).items() if v.get("complete")]
+    complete = [s for s in st.steps if s.complete]
     if not complete:
         return None
-    newest = max(complete)
-    return newest if st["steps"][str(newest)].get("redundant") else None
+    newest = max(complete, key=lambda s: s.step)
+    return newest.step if newest.redundant else None
 
 
 def test_soak_12_hosts_random_sigkills() -> None:

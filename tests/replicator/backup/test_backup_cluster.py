@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 def backups(cluster) -> list[int]:
     try:
-        return status(cluster)["backup"]["committed_steps"]
+        return list(status(cluster).backup.committed_steps)
     except Exception:
         return []
 
@@ -47,8 +47,8 @@ def test_local_folder_backup_retention_and_restore_after_losing_all_ram(cluster_
         trees.update(save_steps(mgr, [s]))
         wait_for(lambda s=s: s in backups(cl), what=f"backup of step {s}", timeout=60)
     assert backups(cl) == [4, 6]  # --backup-keep 2
-    st = status(cl)["backup"]
-    assert st["failures"] == 0 and st["in_progress"] is None
+    st = status(cl).backup
+    assert st.failures == 0 and st.in_progress_step == -1
     # Data-parallel replicas share content: each distinct piece is stored once.
     data_dirs = list((bucket / "t" / "steps" / "6" / "data").iterdir())
     assert len(data_dirs) == 2, data_dirs
@@ -91,9 +91,9 @@ def test_slow_backup_makes_the_next_one_a_recorded_skip(cluster_factory):
         mgr.save(step, {"w": jax.device_put(np.full((2048, 4096), step, np.float32), s)})
         mgr.wait_until_finished()
         wait_for(lambda step=step: mgr.latest_step() == step, what=f"step {step} complete")
-    st = wait_for(lambda: status(cl)["backup"] if status(cl)["backup"]["skipped"] else None,
+    st = wait_for(lambda: status(cl).backup if status(cl).backup.skipped else None,
                   what="a recorded skip", timeout=60)
-    assert st["skipped"] >= 1
+    assert st.skipped >= 1
     # The skipped work is not lost: once the slow backup ends, the newest step is backed up.
     wait_for(lambda: 3 in backups(cl), what="backup of step 3", timeout=120)
     mgr.close()

@@ -35,7 +35,7 @@ class Clock:
 
 def beat(svc, rank, holdings):
     req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
-                              holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=t)
+                              full_report=True, holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=t)
                                         for o, s, h, t in holdings])
     return svc.Heartbeat(req, Ctx())
 
@@ -46,7 +46,8 @@ RING = {0: [(0, 5, "A", "local"), (1, 5, "B", "peer")], 1: [(1, 5, "B", "local")
 
 def make(backup=None):
     clock = Clock()
-    coord = Coordinator(JobTopology(2, 1, 1), "t", heartbeat_seconds=1.0, clock=clock, backup=backup)
+    coord = Coordinator(JobTopology(2, 1, 1), "t", heartbeat_seconds=1.0, clock=clock, backup=backup,
+                        host_lost_seconds=5.0)
     admin = AdminServicer(coord)
     return coord, admin, admin.wrap(coord), clock
 
@@ -74,7 +75,9 @@ def test_healthy_then_lost_host_is_degraded() -> None:
     clock.now += 6.0  # > max(5 heartbeats, 5 s) without a word from rank 1
     beat(svc, 0, RING[0])
     s = admin.GetSummary(apb.GetSummaryRequest(), Ctx())
-    assert s.degraded and list(s.lost_ranks) == [1] and "hosts lost" in s.problems[0]
+    assert s.degraded and list(s.lost_ranks) == [1] and any("hosts lost" in p for p in s.problems)
+    # A lost host's copies stop counting: the newest step is no longer redundant.
+    assert not s.newest_redundant
     assert cluster_view(coord).hosts_lost == 1
 
 
@@ -121,6 +124,35 @@ def test_bad_copy_is_hidden_deleted_and_forgotten() -> None:
     assert not resp.deletions and coord.state.is_redundant(5)
     with pytest.raises(grpc.RpcError, match="INVALID_ARGUMENT"):
         admin.ReportBadCopy(apb.ReportBadCopyRequest(step=5, owner_rank=9, holder_rank=0, tier="peer"), Ctx())
+
+
+def test_bad_copy_with_delta_heartbeats() -> None:
+    from replicator.coordinator.planner import Holding, inventory_digest
+
+    coord, admin, svc, _ = make()
+    digests = {}
+    for r in (0, 1):
+        digests[r] = inventory_digest([Holding(o, s, h, 10, t) for o, s, h, t in RING[r]])
+        req = pb.HeartbeatRequest(job="t", rank=r, incarnation=1, address=f"127.0.0.1:{7000 + r}",
+                                  full_report=True, inventory_digest=digests[r],
+                                  holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=t)
+                                            for o, s, h, t in RING[r]])
+        assert svc.Heartbeat(req, Ctx()).acked_digest == digests[r]
+
+    def quiet(r, removed=()):
+        req = pb.HeartbeatRequest(job="t", rank=r, incarnation=1, base_digest=digests[r],
+                                  inventory_digest=digests[r],
+                                  removed=[pb.Deletion(owner_rank=o, step=s) for o, s in removed])
+        return svc.Heartbeat(req, Ctx())
+
+    admin.ReportBadCopy(apb.ReportBadCopyRequest(step=5, owner_rank=1, holder_rank=0, tier="peer"), Ctx())
+    resp = quiet(0)  # nothing new from host 0: the bad copy still goes, and stops counting at once
+    assert [(d.owner_rank, d.step) for d in resp.deletions] == [(1, 5)]
+    assert coord.state.holding(0, (1, 5)) is None and not coord.state.is_redundant(5)
+    assert [(d.owner_rank, d.step) for d in quiet(0).deletions] == [(1, 5)]  # until the host deletes it
+    digests[0] = inventory_digest([Holding(o, s, h, 10, t) for o, s, h, t in RING[0][:1]])
+    assert not quiet(0, removed=[(1, 5)]).deletions and not admin.bad.filter(
+        pb.HeartbeatRequest(rank=0, full_report=True))[1]
 
 
 def test_pins_gc_plan_and_steps() -> None:

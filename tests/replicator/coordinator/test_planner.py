@@ -460,6 +460,9 @@ def rebuild(st):
             events.append(lambda s=step, b=ranks: fresh.report_backup_ranks(s, b))
     for step in st._backups_in_progress:
         events.append(lambda s=step: fresh.mark_backup_in_progress(s))
+    # A host that stays silent is declared lost by the fresh coordinator too (after --host-lost-seconds).
+    for rank, since in st.lost.items():
+        events.append(lambda r=rank, t=since: fresh.forget_host(r, t))
     for step in st._pinned:
         events.append(lambda s=step: fresh.pin(s))
     rng.shuffle(events)

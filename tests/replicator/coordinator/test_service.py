@@ -20,7 +20,7 @@ class Ctx:
 
 def beat(coord, rank, holdings):
     req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
-                              newest_saved_step=3,
+                              newest_saved_step=3, full_report=True,
                               holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=t)
                                         for o, s, h, t in holdings])
     return coord.Heartbeat(req, Ctx())
@@ -56,3 +56,171 @@ def test_unknown_rank_and_wrong_job_are_rejected():
     with pytest.raises(grpc.RpcError, match="FAILED_PRECONDITION"):
         coord.Heartbeat(pb.HeartbeatRequest(job="x", rank=0, incarnation=1), Ctx())
     assert coord.state.registered == {}
+
+
+# ----------------------------------------------------------------------- digests, liveness, failover, limits
+
+from replicator.coordinator.planner import Holding, inventory_digest  # noqa: E402
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+class LateCtx(Ctx):
+    def time_remaining(self):
+        return -0.5
+
+
+def pb_holdings(rank, items):
+    return [pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=t) for o, s, h, t in items]
+
+
+def digest(items):
+    return inventory_digest([Holding(o, s, h, 10, t) for o, s, h, t in items])
+
+
+def full(coord, rank, items, epoch=0):
+    req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
+                              newest_saved_step=-1, full_report=True, holdings=pb_holdings(rank, items),
+                              inventory_digest=digest(items), known_epoch=epoch)
+    return coord.Heartbeat(req, Ctx())
+
+
+def delta(coord, rank, base, items, added=(), removed=(), ctx=None):
+    req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, newest_saved_step=-1, base_digest=base,
+                              inventory_digest=digest(items), holdings=pb_holdings(rank, added),
+                              removed=[pb.Deletion(owner_rank=o, step=s) for o, s in removed])
+    return coord.Heartbeat(req, ctx or Ctx())
+
+
+def test_unchanged_heartbeat_is_a_digest_and_a_mismatch_asks_for_a_full_report():
+    coord = Coordinator(JobTopology(4, 2, 1), "t")
+    for r in range(4):
+        assert full(coord, r, HOLDINGS[r]).acked_digest == digest(HOLDINGS[r])
+    v = coord.state.version
+    resp = delta(coord, 2, digest(HOLDINGS[2]), HOLDINGS[2])
+    assert resp.acked_digest == digest(HOLDINGS[2]) and coord.state.version == v
+    # A delta: rank 2 committed step 4.
+    new = [*HOLDINGS[2], (2, 4, "A4", "local")]
+    assert delta(coord, 2, digest(HOLDINGS[2]), new, added=[(2, 4, "A4", "local")]).acked_digest == digest(new)
+    assert coord.state.holding(2, (2, 4)) is not None
+    # A base the coordinator does not hold (e.g. after its restart): nothing applied, full report asked.
+    resp = delta(coord, 2, "bogus", new, removed=[(2, 4)])
+    assert resp.acked_digest == "" and not resp.copies and not resp.deletions
+    assert coord.state.holding(2, (2, 4)) is not None
+
+
+def test_expired_heartbeat_is_dropped_unanswered():
+    coord = Coordinator(JobTopology(2, 1, 1), "t")
+    req = pb.HeartbeatRequest(job="t", rank=0, incarnation=1, full_report=True)
+    with pytest.raises(grpc.RpcError, match="DEADLINE_EXCEEDED"):
+        coord.Heartbeat(req, LateCtx())
+    assert coord.state.registered == {}
+
+
+def test_silent_hosts_are_lost_and_restore_does_not_wait_for_them():
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", heartbeat_seconds=1.0, host_lost_seconds=5.0, clock=clock)
+    for r in range(4):
+        full(coord, r, HOLDINGS[r])
+    for _ in range(2):
+        clock.t += 3.0
+        for r in (0, 1):
+            full(coord, r, HOLDINGS[r])
+    st = coord.GetStatus(pb.GetStatusRequest(hosts=True), Ctx())
+    assert [h.rank for h in coord.GetStatus(pb.GetStatusRequest(hosts=True, rank_first=3, rank_count=1),
+                                            Ctx()).hosts] == [3]
+    assert st.hosts_lost == 2 and st.lost_ranks == "2-3" and st.lost[0].ranks == "2-3"
+    assert [h.rank for h in st.hosts if h.lost] == [2, 3]
+    assert coord.state.newest_complete_step() == 3  # 0 and 1 attest their replicas' step 3
+    resp = coord.PrepareRestore(pb.PrepareRestoreRequest(step=-1, wait_seconds=300), Ctx())
+    assert resp.step == 3 and resp.ready and list(resp.lost_ranks) == [2, 3]
+    assert "lost hosts not waited for: ranks 2-3" in resp.reason
+    # Rank 3 returns: a new registration, counted.
+    full(coord, 3, [])
+    st = coord.GetStatus(pb.GetStatusRequest(), Ctx())
+    assert st.hosts_lost == 1 and st.hosts_reregistered == 1
+
+
+def test_standby_and_deposed_coordinators_answer_unavailable():
+    coord = Coordinator(JobTopology(2, 1, 1), "t", active=False)
+    with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*standby"):
+        full(coord, 0, [])
+    coord.activate(50)
+    assert full(coord, 0, []).epoch == 50
+    with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*deposed"):
+        full(coord, 1, [], epoch=60)
+    assert not coord.active
+    coord.activate(10)  # re-activation: above every epoch seen
+    assert coord.epoch == 61
+
+
+def test_waiters_are_bounded_and_oversized_reports_refused():
+    coord = Coordinator(JobTopology(2, 1, 1), "t", max_waiters=0)
+    with pytest.raises(grpc.RpcError, match="RESOURCE_EXHAUSTED"):
+        coord.PrepareRestore(pb.PrepareRestoreRequest(step=-1, wait_seconds=1), Ctx())
+    assert coord.GetSteps(pb.GetStepsRequest(wait_seconds=0), Ctx()).newest_complete_step == -1
+    limit = coord.max_pieces_per_host()
+    many = [(0, s, f"h{s}", "local") for s in range(limit + 1)]
+    with pytest.raises(grpc.RpcError, match="INVALID_ARGUMENT.*at most"):
+        full(coord, 0, many)
+    assert coord.state.registered == {}
+
+
+def test_client_fails_over_to_the_serving_candidate_and_honours_retry_advice():
+    import time as _time
+
+    from mtc_rpc import coordinator_pb2_grpc as pb_grpc
+    from replicator.coordinator.client import CoordinatorClient
+    from replicator.net import rpc
+
+    standby = Coordinator(JobTopology(2, 1, 1), "t", active=False)
+    busy = Coordinator(JobTopology(2, 1, 1), "t", heartbeat_seconds=0.3, max_waiters=0, address="busy")
+    servers = []
+    addrs = []
+    for c in (standby, busy):
+        server, port = rpc.create_server("127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, c)])
+        server.start()
+        servers.append(server)
+        addrs.append(f"127.0.0.1:{port}")
+    dead = "127.0.0.1:1"  # nothing listens: refused at once
+    client = CoordinatorClient(",".join([dead, *addrs]), rpc_timeout_seconds=2, failover_seconds=1.5)
+    try:
+        st = client.status()
+        assert st.coordinator_address == "busy" and client.serving_address == addrs[1]
+        t0 = _time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            client.prepare_restore(None, wait_seconds=0)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(e.value.trailing_metadata())["retry-after-seconds"] == "0.50"
+        assert _time.monotonic() - t0 >= 0.5  # retried after the advised delay before giving up
+    finally:
+        client.close()
+        for s in servers:
+            s.stop(0)
+
+
+def test_an_unchanged_heartbeat_rederives_nothing(monkeypatch):
+    from replicator.coordinator.planner import CoordinatorState
+
+    coord = Coordinator(JobTopology(8, 2, 1), "t")
+    items = {r: [(r, 1, f"h{r % 4}", "local")] for r in range(8)}
+    for r in range(8):
+        full(coord, r, items[r])
+    for r in range(8):  # hand out (and forget) the first answers: views now derived
+        delta(coord, r, digest(items[r]), items[r])
+    calls = []
+    real = CoordinatorState._derive
+    monkeypatch.setattr(CoordinatorState, "_derive", lambda self, *a: (calls.append(a), real(self, *a))[1])
+    for _ in range(5):
+        for r in range(8):
+            assert delta(coord, r, digest(items[r]), items[r]).acked_digest == digest(items[r])
+    assert calls == []
+    new = [*items[5], (5, 2, "x", "local")]
+    delta(coord, 5, digest(items[5]), new, added=[(5, 2, "x", "local")])
+    assert calls == [(2, 1)]  # one new fact: only rank 5's replica group of step 2 is re-derived

@@ -309,3 +309,69 @@ def test_create_server_on_busy_port_fails_clearly(peer: tuple[str, Path]) -> Non
     address, _ = peer
     with pytest.raises(OSError, match="cannot bind"):
         rpc.create_server(address, [])
+
+
+# --------------------------------------------------------------------------- secure by default (#12.5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_replicator(tmp_path: Path, *args: str, wait_seconds: float = 3.0) -> tuple[int | None, str]:
+    """Start the real ``mtc-replicator``; (exit code or None if still running after ``wait_seconds``, stderr)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "replicator.main", "--local-dir", str(tmp_path / "ram"), "--rank", "0",
+           "--nodes", "1", "--job", "t", *args]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        rc = proc.wait(timeout=wait_seconds)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+    return rc, proc.stderr.read() if proc.stderr else ""
+
+
+def test_replicator_beyond_loopback_without_token_or_tls_refuses_to_start(tmp_path: Path) -> None:
+    rc, err = _run_replicator(tmp_path, "--listen", f"0.0.0.0:{_free_port()}", wait_seconds=60)
+    assert rc == 2, err
+    assert "--insecure" in err and "--token-file" in err
+    assert not (tmp_path / "ram" / "replicator.sock").exists()
+
+
+def test_replicator_beyond_loopback_starts_with_token_or_insecure(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    for extra in (["--token-file", str(token)], ["--insecure"]):
+        rc, err = _run_replicator(tmp_path, "--listen", f"0.0.0.0:{_free_port()}", *extra, wait_seconds=8)
+        assert rc is None, f"{extra}: exited {rc}: {err}"
+
+
+def test_exposure_rule_in_options(tmp_path: Path) -> None:
+    from replicator.options import ConfigError, ReplicatorOptions
+
+    def opts(**kw: object) -> ReplicatorOptions:
+        return ReplicatorOptions(local_dir=tmp_path, rank=0, nodes=1, **kw)  # type: ignore[arg-type]
+
+    for listen in ("127.0.0.1:0", "localhost:7070", "[::1]:7070", "127.0.0.2:1"):
+        opts(listen=listen).check_exposure()
+    for listen in ("0.0.0.0:7070", "[::]:7070", "10.0.0.5:7070", "myhost:7070"):
+        with pytest.raises(ConfigError, match="--insecure"):
+            opts(listen=listen).check_exposure()
+        opts(listen=listen, insecure=True).check_exposure()
+        opts(listen=listen, token_file=str(tmp_path / "t")).check_exposure()

@@ -359,15 +359,21 @@ def test_data_port_unreachable_falls_back_to_stream(tmp_path: Path) -> None:
         h.stop()
 
 
-def test_stop_abandons_in_flight_transfer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recycled", [False, True])
+def test_stop_abandons_in_flight_transfer(tmp_path: Path, recycled: bool) -> None:
     h = PeerHost(tmp_path / "src", server_throttle=peer_protocol.Throttle(bytes_per_second=8 << 20))
     make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 64 << 20})
     dest = tmp_path / "d"
+    spare = layout.spare_dir(tmp_path / "root") if recycled else None
+    if spare is not None:  # a collected step's file: received into through a mapping
+        spare.mkdir(parents=True)
+        with open(spare / f"{64 << 20}-abc", "wb") as f:
+            f.truncate(64 << 20)
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            peer_client.fetch_step(h.address, 1, 7, dest, token=TOKEN, timeout_seconds=60)
+            peer_client.fetch_step(h.address, 1, 7, dest, token=TOKEN, timeout_seconds=60, spare_dir=spare)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -532,7 +538,8 @@ def test_manifest_checks_on_the_client(host: PeerHost, tmp_path: Path) -> None:
     # A (hostile) manifest naming a file MANIFEST.json would shadow the manifest written at commit.
     make_step(layout.steps_dir(host.root), 1, 8, {layout.MANIFEST_NAME + ".x": 1})
     mpath = layout.steps_dir(host.root) / "8" / layout.MANIFEST_NAME
-    mpath.write_text(mpath.read_text().replace(layout.MANIFEST_NAME + ".x", layout.MANIFEST_NAME))
+    d = json.loads(mpath.read_text().replace(layout.MANIFEST_NAME + ".x", layout.MANIFEST_NAME))
+    mpath.write_text(json.dumps(layout.seal_manifest_dict(d)))  # a hostile peer seals what it sends
     with pytest.raises(layout.ManifestError, match="named"):
         peer_client.fetch_step(host.address, 1, 8, dest, token=TOKEN)
     assert not dest.exists()
@@ -599,3 +606,164 @@ def test_fetch_deadline(tmp_path: Path) -> None:
         assert list(dest.iterdir()) == []
     finally:
         h.stop()
+
+
+# --------------------------------------------------------------------------- bounded data port (#12.4)
+
+
+def _ticket(h: PeerHost, rank: int = 1, step: int = 7) -> peer_pb2.OpenTransferResponse:
+    ch, stub = h.stub()
+    with ch:
+        return stub.OpenTransfer(peer_pb2.OpenTransferRequest(rank=rank, step=step), timeout=10)
+
+
+def _read_all(s: socket.socket, timeout: float = 30.0) -> bytes:
+    s.settimeout(timeout)
+    out = bytearray()
+    while True:
+        try:
+            k = s.recv(1 << 20)
+        except (ConnectionResetError, BrokenPipeError):
+            break
+        if not k:
+            break
+        out += k
+    return bytes(out)
+
+
+def test_header_deadline_counts_from_accept_not_per_byte(tmp_path: Path) -> None:
+    h = PeerHost(tmp_path / "src")
+    h.ts.stop()
+    h.ts = peer_server.TransferServer(header_timeout_seconds=1.0)
+    h.ts.start()
+    h.servicer.transfer_server = h.ts
+    try:
+        make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 1000})
+        t = _ticket(h)
+        header = peer_protocol.DATA_MAGIC + t.ticket
+        with socket.create_connection(("127.0.0.1", t.data_port), timeout=10) as s:
+            # One byte every 0.2 s: each recv on the server sees data well within any per-call timeout.
+            sent = 0
+            t0 = time.monotonic()
+            with pytest.raises(OSError):
+                for b in header:
+                    s.sendall(bytes([b]))
+                    sent += 1
+                    time.sleep(0.2)
+                    if time.monotonic() - t0 > 20:
+                        break
+                s.settimeout(5)
+                if s.recv(1) in (b"", b"\1"):
+                    raise ConnectionResetError("cut")  # cut after the last byte: also fine
+            assert sent < len(header), "the trickling client completed its header: no deadline"
+        assert h.ts.connections_cut >= 1
+        # The port keeps serving well-behaved clients.
+        assert peer_client.fetch_step(h.address, 1, 7, tmp_path / "d", token=TOKEN).step == 7
+    finally:
+        h.stop()
+
+
+def test_idle_connections_cost_no_thread_and_are_bounded(tmp_path: Path) -> None:
+    h = PeerHost(tmp_path / "src")
+    h.ts.stop()
+    h.ts = peer_server.TransferServer(header_timeout_seconds=30.0, max_header_connections=50)
+    h.ts.start()
+    h.servicer.transfer_server = h.ts
+    idle: list[socket.socket] = []
+    try:
+        m = make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 4 << 20})
+        threads_before = threading.active_count()
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", h.ts.port), timeout=10))
+        # Every idle connection beyond the limit gets cut (oldest first), without a thread per connection.
+        deadline = time.monotonic() + 30
+        while h.ts.connections_cut < 250 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert h.ts.connections_cut >= 250
+        assert threading.active_count() <= threads_before + 2
+        # A real transfer still goes through the data port while idle connections are held.
+        d = tmp_path / "d"
+        assert peer_client.fetch_step(h.address, 1, 7, d, token=TOKEN) == m
+        assert h.ts.transfers_completed == 1
+        closed = 0
+        for s in idle:
+            s.settimeout(0.01)
+            try:
+                closed += s.recv(1) in (b"", b"\1")
+            except TimeoutError:
+                pass
+            except OSError:
+                closed += 1
+        assert closed >= 250
+    finally:
+        for s in idle:
+            s.close()
+        h.stop()
+
+
+def test_slow_readers_with_valid_tickets_do_not_block_others(tmp_path: Path) -> None:
+    h = PeerHost(tmp_path / "src")
+    h.ts.stop()
+    h.ts = peer_server.TransferServer(min_bytes_per_second=4 << 20, min_rate_grace_seconds=1.0)
+    h.ts.start()
+    h.servicer.transfer_server = h.ts
+    slow: list[socket.socket] = []
+    try:
+        size = 64 << 20
+        m = make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": size})
+        # Two clients take both transfer slots (default max_streams=2) and then read nothing.
+        for _ in range(2):
+            t = _ticket(h)
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.settimeout(10)
+            s.connect(("127.0.0.1", t.data_port))
+            s.sendall(peer_protocol.DATA_MAGIC + t.ticket)
+            assert s.recv(1) == b"\0"
+            slow.append(s)
+        d = tmp_path / "d"
+        assert peer_client.fetch_step(h.address, 1, 7, d, token=TOKEN, timeout_seconds=60) == m
+        layout.verify_step_dir(d / "7")
+        # The slow ones were cut: they can never get the whole step.
+        for s in slow:
+            assert len(_read_all(s)) < size
+        assert h.ts.connections_cut >= 2
+    finally:
+        for s in slow:
+            s.close()
+        h.stop()
+
+
+def test_tampered_manifest_on_server_is_data_loss(host: PeerHost, tmp_path: Path) -> None:
+    make_step(layout.steps_dir(host.root), 1, 4, {"a.bin": 10})
+    mpath = layout.steps_dir(host.root) / "4" / layout.MANIFEST_NAME
+    d = json.loads(mpath.read_bytes())
+    d["files"][0]["crc32c"] ^= 1  # well-formed, but not what was written
+    mpath.write_text(json.dumps(d))
+    dest = tmp_path / "d"
+    with pytest.raises(grpc.RpcError) as ei:
+        peer_client.fetch_step(host.address, 1, 4, dest, token=TOKEN)
+    assert ei.value.code() == grpc.StatusCode.DATA_LOSS
+    assert "checksum" in (ei.value.details() or "")
+    assert not dest.exists() or list(dest.iterdir()) == []
+    assert [s.step for s in peer_client.list_steps(host.address, token=TOKEN)] == []
+
+
+@pytest.mark.parametrize("use_data_port", [True, False])
+def test_copy_overwrites_recycled_pages_bit_exact(host: PeerHost, tmp_path: Path, use_data_port: bool) -> None:
+    root = tmp_path / "dst-root"
+    dest = root / "peer" / "1"
+    spare = layout.spare_dir(root)
+    old = make_step(layout.steps_dir(host.root), 1, 4, {"a.bin": 3 << 20, "b.bin": 2 << 20}, seed=1)
+    peer_client.fetch_step(host.address, 1, 4, dest, token=TOKEN, spare_dir=spare, use_data_port=use_data_port)
+    inodes = {os.stat(dest / "4" / f.name).st_ino for f in old.files}
+    layout.delete_step(dest / "4", spare=spare)  # what GC does
+    assert layout.spare_bytes(spare) == 5 << 20
+    new = make_step(layout.steps_dir(host.root), 1, 5, {"a.bin": (3 << 20) - 7, "c.bin": 4 << 20}, seed=2)
+    assert peer_client.fetch_step(
+        host.address, 1, 5, dest, token=TOKEN, spare_dir=spare, use_data_port=use_data_port
+    ) == new
+    assert {os.stat(dest / "5" / f.name).st_ino for f in new.files} == inodes  # the same pages, reused
+    layout.verify_step_dir(dest / "5")
+    assert_same_files(layout.steps_dir(host.root) / "5", dest / "5", new)
+    assert layout.spare_bytes(spare) == 0

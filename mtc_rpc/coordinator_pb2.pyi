@@ -245,7 +245,7 @@ class Topology(_message.Message):
     def __init__(self, nodes: _Optional[int] = ..., data_parallelism: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class StepSummary(_message.Message):
-    __slots__ = ("step", "complete", "redundant", "ranks_covered", "missing_ranks", "ranks_backed_up", "backed_up", "pinned", "backing_up")
+    __slots__ = ("step", "complete", "redundant", "ranks_covered", "missing_ranks", "ranks_backed_up", "backed_up", "pinned", "backing_up", "savers")
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     REDUNDANT_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class StepSummary(_message.Message):
     BACKED_UP_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     BACKING_UP_FIELD_NUMBER: _ClassVar[int]
+    SAVERS_FIELD_NUMBER: _ClassVar[int]
     step: int
     complete: bool
     redundant: bool
@@ -264,7 +265,8 @@ class StepSummary(_message.Message):
     backed_up: bool
     pinned: bool
     backing_up: bool
-    def __init__(self, step: _Optional[int] = ..., complete: _Optional[bool] = ..., redundant: _Optional[bool] = ..., ranks_covered: _Optional[int] = ..., missing_ranks: _Optional[str] = ..., ranks_backed_up: _Optional[int] = ..., backed_up: _Optional[bool] = ..., pinned: _Optional[bool] = ..., backing_up: _Optional[bool] = ...) -> None: ...
+    savers: str
+    def __init__(self, step: _Optional[int] = ..., complete: _Optional[bool] = ..., redundant: _Optional[bool] = ..., ranks_covered: _Optional[int] = ..., missing_ranks: _Optional[str] = ..., ranks_backed_up: _Optional[int] = ..., backed_up: _Optional[bool] = ..., pinned: _Optional[bool] = ..., backing_up: _Optional[bool] = ..., savers: _Optional[str] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
     __slots__ = ("kind", "holder_rank", "owner_rank")

@@ -331,8 +331,8 @@ class Replicator:
         while not finished and time.monotonic() < deadline:
             self._wake.set()
             try:
-                resp = self._coord.GetSteps(cpb.GetStepsRequest(wait_seconds=0),
-                                            timeout=max(0.5, min(self.opts.rpc_timeout_seconds,
+                resp = self.call_coordinator("GetSteps", cpb.GetStepsRequest(wait_seconds=0),
+                                             timeout=max(0.5, min(self.opts.rpc_timeout_seconds,
                                                                  deadline - time.monotonic())))
                 step = resp.newest_complete_step
                 if step < 0:
@@ -365,7 +365,8 @@ class Replicator:
         """The ranks that saved ``step`` and the save's generation, as the coordinator knows them."""
         layout.step_name(step)
         try:
-            resp = self._coord.LocateStep(cpb.LocateStepRequest(step=step), timeout=self.opts.rpc_timeout_seconds)
+            resp = self.call_coordinator("LocateStep", cpb.LocateStepRequest(step=step),
+                                         self.opts.rpc_timeout_seconds)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 raise FileNotFoundError(_details(e)) from None
@@ -391,8 +392,8 @@ class Replicator:
         elif (m := self.store.manifest(owner, step)) is not None:
             rel = self.store.step_dir(owner, step).relative_to(self.store.root).as_posix()
             return (("", m.to_json()) if manifest_only else (rel, b""))
-        resp = self._coord.LocateStep(cpb.LocateStepRequest(step=step, owners=[owner]),
-                                      timeout=self.opts.rpc_timeout_seconds)
+        resp = self.call_coordinator("LocateStep", cpb.LocateStepRequest(step=step, owners=[owner]),
+                                     self.opts.rpc_timeout_seconds)
         srcs = list(resp.ranks[0].sources) if resp.ranks else []
         errors = []
         for src in srcs:

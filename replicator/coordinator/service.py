@@ -558,13 +558,16 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         for step in st.known_steps():
             covered = st.covered_count(step)
             backed = st.backup_rank_count(step)
-            if backed == t.nodes:
+            savers = st.expected_ranks(step)  # elastic: the ranks that saved the step
+            backed_up = set(savers) <= set(st.backup_ranks(step))
+            if backed_up:
                 resp.backed_up_steps.append(step)
+            missing = st.missing_ranks(step)
             resp.steps.append(pb.StepSummary(
-                step=step, complete=covered == t.nodes, redundant=st.is_redundant(step), ranks_covered=covered,
-                missing_ranks="" if covered == t.nodes else ranges(st.missing_ranks(step)),
-                ranks_backed_up=backed, backed_up=backed == t.nodes, pinned=step in pinned,
-                backing_up=step in backing))
+                step=step, complete=st.is_complete(step), redundant=st.is_redundant(step), ranks_covered=covered,
+                missing_ranks=ranges(missing) if missing else "",
+                ranks_backed_up=backed, backed_up=backed_up, pinned=step in pinned,
+                backing_up=step in backing, savers=ranges(savers)))
         b = self.backup.status()
         if b:
             cur = b.get("in_progress") or {}

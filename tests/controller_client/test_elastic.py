@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
 from sidecar import layout
-from tests.kits.cluster import assert_equal, status, wait_for
+from tests.kits.cluster import assert_equal, status, step_summary, wait_for
 from tests.replicator.conftest import cluster_factory  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -88,8 +88,8 @@ def test_reshard_restores_across_meshes_from_peers_and_one_slice(cluster_factory
     small.wait_until_finished()
     assert small.latest_step() == 6
     assert mgr.latest_step() == 6
-    wait_for(lambda: status(cl)["steps"].get("6", {}).get("complete"), what="coordinator: step 6 complete")
-    assert status(cl)["steps"]["6"]["savers"] == "0-1"
+    wait_for(lambda: (s := step_summary(status(cl), 6)) and s.complete, what="coordinator: step 6 complete")
+    assert step_summary(status(cl), 6).savers == "0-1"
     assert_equal(t6, mgr.restore(6, target_on(t6, devs, (2, 4))))
     for m in (mgr, small, other):
         m.close()
@@ -115,7 +115,7 @@ def test_rollback_then_save_forward(cluster_factory):  # noqa: F811
     assert mgr.latest_step() == 6
     assert_equal(new6, mgr.restore(6, target_on(new6, devs, (4, 2))))
     # The coordinator agrees: the newer save supersedes the abandoned one.
-    wait_for(lambda: status(cl)["newest_complete_step"] == 6, what="coordinator newest 6")
+    wait_for(lambda: status(cl).newest_complete_step == 6, what="coordinator newest 6")
     fresh = mgr_for(cl)
     assert_equal(new6, fresh.restore(None, target_on(new6, devs, (2, 4))))
     fresh.close()
@@ -132,7 +132,7 @@ def test_bad_shard_healed_within_one_restore(cluster_factory, damage):  # noqa: 
     mgr.save(8, tree)
     mgr.wait_until_finished()
     # Wait until rank 0's data has a copy on another host.
-    wait_for(lambda: status(cl)["steps"].get("8", {}).get("redundant"), what="step 8 redundant", timeout=60)
+    wait_for(lambda: (lambda x: bool(x and x.redundant))(step_summary(status(cl), 8)), what="step 8 redundant", timeout=60)
     step_dir = cl.ram(0) / "steps" / "8"
     m = layout.read_manifest(step_dir)
     victim = step_dir / m.files[0].name
@@ -168,7 +168,7 @@ def test_sigterm_flushes_newest_step_to_bucket_then_resume_on_empty_ram(cluster_
     mgr.save(10, tree)
     mgr.wait_until_finished()
     assert not mgr.reached_preemption(10)
-    wait_for(lambda: status(cl)["newest_complete_step"] == 10, what="step 10 complete")
+    wait_for(lambda: status(cl).newest_complete_step == 10, what="step 10 complete")
     # Rank 3 gets the notice first: every host learns of it through the coordinator.
     cl.procs[3].proc.send_signal(signal.SIGTERM)
     wait_for(lambda: mgr.reached_preemption(10), what="preemption noticed by the controller", timeout=30)
@@ -205,7 +205,7 @@ def test_bad_shard_healed_from_the_bucket(cluster_factory):  # noqa: F811
     tree = fsdp_state(5, devs)
     mgr.save(5, tree)
     mgr.wait_until_finished()
-    wait_for(lambda: 5 in status(cl)["backup"]["committed_steps"], what="backup of step 5", timeout=60)
+    wait_for(lambda: 5 in status(cl).backup.committed_steps, what="backup of step 5", timeout=60)
     assert not list(cl.ram(0).glob("peer/*/5")) and not list(cl.ram(2).glob("peer/0/5"))
     step_dir = cl.ram(0) / "steps" / "5"
     victim = step_dir / layout.read_manifest(step_dir).files[0].name
@@ -270,13 +270,13 @@ def test_backup_now_skips_the_interval(cluster_factory):  # noqa: F811
     mgr = mgr_for(cl)
     mgr.save(1, fsdp_state(1, devs))  # the first backup goes out at once (no previous one)
     mgr.wait_until_finished()
-    wait_for(lambda: 1 in status(cl)["backup"]["committed_steps"], what="backup of step 1", timeout=60)
+    wait_for(lambda: 1 in status(cl).backup.committed_steps, what="backup of step 1", timeout=60)
     tree = fsdp_state(2, devs)
     mgr.save(2, tree)
     mgr.wait_until_finished()
-    assert 2 not in status(cl)["backup"]["committed_steps"]  # 60 minutes to go
+    assert 2 not in status(cl).backup.committed_steps  # 60 minutes to go
     mgr.backup_now()
-    wait_for(lambda: 2 in status(cl)["backup"]["committed_steps"], what="backup_now of step 2", timeout=60)
+    wait_for(lambda: 2 in status(cl).backup.committed_steps, what="backup_now of step 2", timeout=60)
     mgr.close()
 
 
@@ -309,7 +309,7 @@ def test_unreadable_own_manifest_healed_within_one_restore(cluster_factory):  # 
     tree = fsdp_state(4, devs)
     mgr.save(4, tree)
     mgr.wait_until_finished()
-    wait_for(lambda: status(cl)["steps"].get("4", {}).get("redundant"), what="step 4 redundant", timeout=60)
+    wait_for(lambda: (lambda x: bool(x and x.redundant))(step_summary(status(cl), 4)), what="step 4 redundant", timeout=60)
     manifest = cl.ram(0) / "steps" / "4" / layout.MANIFEST_NAME
     good = layout.read_manifest(manifest.parent)
     manifest.write_bytes(manifest.read_bytes()[:40])  # no longer valid JSON
@@ -327,7 +327,7 @@ def test_job_restarted_on_fewer_hosts_is_accepted(cluster_factory):  # noqa: F81
     mgr = mgr_for(cl)
     mgr.save(2, fsdp_state(2, devs))
     mgr.wait_until_finished()
-    wait_for(lambda: status(cl)["steps"].get("2", {}).get("redundant"), what="step 2 redundant", timeout=60)
+    wait_for(lambda: (lambda x: bool(x and x.redundant))(step_summary(status(cl), 2)), what="step 2 redundant", timeout=60)
     mgr.close()
     assert any(cl.ram(r).glob("peer/[23]/2") for r in (0, 1))  # copies of ranks 2, 3 on slice 0
     cl.stop_all()
@@ -335,8 +335,7 @@ def test_job_restarted_on_fewer_hosts_is_accepted(cluster_factory):  # noqa: F81
     # heartbeat rejected ("holding of unknown rank").
     cl.nodes, cl.data_parallelism = 2, 1
     cl.start_all()
-    wait_for(lambda: all(h["inventory_reported"] for h in status(cl)["hosts"].values())
-             and len(status(cl)["hosts"]) == 2, what="both hosts reporting", timeout=30)
+    wait_for(lambda: status(cl).hosts_reported == 2, what="both hosts reporting", timeout=30)
     topo = HostTopology.simulated(devs[:4], 1, 2)
     opts = CheckpointManagerOptions(local_directory=cl.local_template, job_name="t",
                                     coordinator_address=cl.coordinator, rpc_timeout_seconds=10)

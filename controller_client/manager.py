@@ -175,6 +175,18 @@ class CheckpointManager:
         if self._coordinator is not None and self._last_saved is not None:
             self._await_coordinator(self._last_saved)
 
+    def _pin(self, step: int) -> None:
+        """Best effort: the coordinator keeps ``step`` from GC while we restore it and has every host
+        refill its data in the background; the restore itself fetches what it lacks either way."""
+        import grpc
+
+        try:
+            resp = self._coordinator.pin_restore(step)
+            if resp.step != step:
+                log.info("coordinator did not pin step %d: %s", step, resp.reason)
+        except grpc.RpcError as e:
+            log.warning("coordinator unreachable to pin step %d (%s); restoring anyway", step, e.code())
+
     def _await_coordinator(self, step: int) -> None:
         """Have the coordinator count ``step`` complete before returning, so that ``latest_step`` is truthful
         from any host set at once (an elastic event right after a save must not roll back past it)."""
@@ -292,6 +304,8 @@ class CheckpointManager:
 
     def _restore(self, step: int, target: Any) -> Any:
         layout.step_name(step)
+        if self._coordinator is not None:
+            self._pin(step)
         leaves, treedef = tree.flatten(target)
         all_paths = [p for p, _ in leaves]
         requests, positions = [], []

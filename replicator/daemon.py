@@ -365,8 +365,8 @@ class Replicator:
         """The ranks that saved ``step`` and the save's generation, as the coordinator knows them."""
         layout.step_name(step)
         try:
-            resp = self.call_coordinator("LocateStep", cpb.LocateStepRequest(step=step),
-                                         self.opts.rpc_timeout_seconds)
+            resp = self.call_coordinator_until("LocateStep", cpb.LocateStepRequest(step=step),
+                                               self._failover_window())
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 raise FileNotFoundError(_details(e)) from None
@@ -392,8 +392,8 @@ class Replicator:
         elif (m := self.store.manifest(owner, step)) is not None:
             rel = self.store.step_dir(owner, step).relative_to(self.store.root).as_posix()
             return (("", m.to_json()) if manifest_only else (rel, b""))
-        resp = self.call_coordinator("LocateStep", cpb.LocateStepRequest(step=step, owners=[owner]),
-                                     self.opts.rpc_timeout_seconds)
+        resp = self.call_coordinator_until("LocateStep", cpb.LocateStepRequest(step=step, owners=[owner]),
+                                           self._failover_window())
         srcs = list(resp.ranks[0].sources) if resp.ranks else []
         errors = []
         for src in srcs:
@@ -460,6 +460,18 @@ class Replicator:
         if self._cands is None:
             raise RuntimeError("the replicator is not started")
         return self._cands.call(method, request, timeout, probe_timeout=self._probe_timeout())
+
+    def call_coordinator_until(self, method: str, request: Any, within_seconds: float) -> Any:
+        """:meth:`call_coordinator`, retried (with backoff) across a coordinator failover for ``within_seconds``."""
+        if self._cands is None:
+            raise RuntimeError("the replicator is not started")
+        return self._cands.call_until(method, request, self.opts.rpc_timeout_seconds,
+                                      time.monotonic() + within_seconds)
+
+    def _failover_window(self) -> float:
+        """How long a restore waits for another coordinator candidate to take over."""
+        lost = self.coordinator.lost_after() if self.coordinator is not None else 10 * self.opts.heartbeat_seconds
+        return max(3 * self.opts.rpc_timeout_seconds, lost + 4 * self.opts.heartbeat_seconds)
 
     def _probe_timeout(self) -> float:
         return min(self.opts.rpc_timeout_seconds, max(0.5, self.opts.heartbeat_seconds))

@@ -192,6 +192,11 @@ class CoordinatorClient:
         log.info("coordinator prepared restore: %s", resp.reason)
         return resp.step
 
+    def pin_restore(self, step: int) -> pb.PrepareRestoreResponse:
+        """Pin ``step`` for a restore and make it every host's restore target, without waiting for the
+        hosts (an elastic restore fetches what it lacks itself); the answer says which ranks are ready."""
+        return self._call("PrepareRestore", pb.PrepareRestoreRequest(step=step, wait_seconds=0), self.timeout)
+
     def status(self, hosts: bool = False, detail_steps: Sequence[int] = (), rank_first: int = 0,
                rank_count: int = 0) -> pb.GetStatusResponse:
         """The typed status: summary by default; per-host / per-step detail on request for ranks

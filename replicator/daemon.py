@@ -392,9 +392,16 @@ class Replicator:
         elif (m := self.store.manifest(owner, step)) is not None:
             rel = self.store.step_dir(owner, step).relative_to(self.store.root).as_posix()
             return (("", m.to_json()) if manifest_only else (rel, b""))
-        resp = self.call_coordinator_until("LocateStep", cpb.LocateStepRequest(step=step, owners=[owner]),
-                                           self._failover_window())
-        srcs = list(resp.ranks[0].sources) if resp.ranks else []
+        # A coordinator that just took over learns the holdings from the next heartbeats: ask again a while.
+        deadline = time.monotonic() + min(max(timeout_seconds, 1.0), self._failover_window())
+        while True:
+            resp = self.call_coordinator_until("LocateStep", cpb.LocateStepRequest(step=step, owners=[owner]),
+                                               self._failover_window())
+            srcs = [x for x in (resp.ranks[0].sources if resp.ranks else [])
+                    if x.kind == "bucket" or x.holder_rank != self.rank]
+            if srcs or time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.5, self.opts.heartbeat_seconds))
         errors = []
         for src in srcs:
             if src.kind != "bucket" and src.holder_rank == self.rank:

@@ -42,6 +42,12 @@ from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
 
+def new_incarnation() -> int:
+    """A random 63-bit nonce naming this process to the coordinator (not a clock reading: a host whose clock
+    was stepped back must not look older than its previous run)."""
+    return int.from_bytes(os.urandom(8), "big") >> 1 or 1
+
+
 class _NoCoordinator(RuntimeError):
     """No coordinator candidate answered this heartbeat."""
 
@@ -145,7 +151,7 @@ class Replicator:
         self.store = store if store is not None else RamDiskStore(opts.local_dir, rank)
         self.token = opts.token()
         self.backup = backup
-        self.incarnation = time.time_ns()
+        self.incarnation = new_incarnation()
         logs.set_context(job=job, rank=rank, incarnation=self.incarnation)
         self.coordinator: Coordinator | None = None
         # Coordinator failover: every candidate serves a (standby) coordinator; the lowest-ranked live one
@@ -253,7 +259,7 @@ class Replicator:
                 addrs[self._my_candidate] = self.address
             self.coordinator.address = addrs[self._my_candidate]
             if self._my_candidate == 0:
-                self.coordinator.activate(time.time_ns())
+                self.coordinator.activate(max(time.time_ns(), self.epoch + 1))
         tls, token, mmb = self._tls(), self.token, self.opts.max_message_bytes
         self._cands = Candidates(addrs, lambda a: rpc.make_channel(a, token=token, tls=tls,
                                                                    max_message_bytes=mmb))
@@ -448,6 +454,13 @@ class Replicator:
             except (grpc.RpcError, _NoCoordinator) as e:
                 failures += 1
                 self.counters.add("heartbeat_failures")
+                if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # Our incarnation was superseded (a report under our rank registered after us, e.g.
+                    # a forged one or a brief double start): take a new one and report everything again,
+                    # so no other process can lock this host out.
+                    self.incarnation = new_incarnation()
+                    self._acked = None
+                    logs.set_context(job=self.job, rank=self.rank, incarnation=self.incarnation)
                 if failures % 10 == 1:
                     log.warning("heartbeat to the coordinator failed: %s",
                                 e.details() if isinstance(e, grpc.RpcError) else e)

@@ -44,6 +44,9 @@ class NotRegisteredError(LookupError):
     """A host reported before registering (e.g. the coordinator restarted): register and re-report."""
 
 
+RETIRED_INCARNATIONS_KEPT = 8  # per rank: bounds memory; older stale processes are long gone
+
+
 class StaleIncarnationError(ValueError):
     """A report or registration from an older incarnation of a host than the one registered."""
 
@@ -226,6 +229,8 @@ class CoordinatorState:
             tuple(s * h + i for s in range(topology.data_parallelism)) for i in range(h)
         ]
         self._incarnation: dict[int, int] = {}
+        # rank -> incarnations that a newer registration superseded (bounded): their reports are stale.
+        self._retired: dict[int, collections.deque[int]] = {}
         self._reported: set[int] = set()
         self._holdings: dict[int, dict[Key, Holding]] = {}
         # step -> owner_rank -> holder_rank -> Holding (the same objects as in _holdings).
@@ -259,17 +264,23 @@ class CoordinatorState:
     def register(self, rank: int, incarnation: int) -> bool:
         """Register a host's process. Returns True when it is a new incarnation (it must report inventory).
 
-        A newer incarnation drops what the host held before (its RAM disk may not have survived);
-        an older one raises :class:`StaleIncarnationError`; the same one is a no-op. A host declared
-        lost registers again as a new incarnation, whatever number it brings.
+        Incarnations are random nonces, not clock readings (a host restarted with its clock stepped back
+        must not be refused, and no number can outrank every future one): the registration that arrives
+        last wins. Another incarnation than the registered one drops what the host held before (its RAM
+        disk may not have survived); one that a later registration superseded raises
+        :class:`StaleIncarnationError` (the process should pick a new nonce and report everything again);
+        the same one is a no-op. A host declared lost registers again as a new incarnation.
         """
         self.topology.check_rank(rank)
         _check_int("incarnation", incarnation)
         known = self._incarnation.get(rank)
-        if known is not None and incarnation < known:
-            raise StaleIncarnationError(f"rank {rank}: incarnation {incarnation} < registered {known}")
         if known == incarnation:
             return False
+        retired = self._retired.setdefault(rank, collections.deque(maxlen=RETIRED_INCARNATIONS_KEPT))
+        if incarnation in retired:
+            raise StaleIncarnationError(f"rank {rank}: incarnation {incarnation} was superseded by {known}")
+        if known is not None:
+            retired.append(known)
         self._drop_holdings(rank)
         self._reported.discard(rank)
         self._incarnation[rank] = incarnation

@@ -178,6 +178,34 @@ def test_bad_requests_are_rejected_and_change_nothing(cluster_factory, tmp_path)
     assert before == after
 
 
+def test_a_forged_registration_cannot_lock_a_host_out(cluster_factory):
+    """Incarnations are nonces: a report under a host's rank with another incarnation (forged, or a brief
+    double start) supersedes it, and the real host takes a new incarnation and reports everything again."""
+    from replicator.coordinator.client import CoordinatorClient
+
+    cl = cluster_factory(nodes=2, data_parallelism=1)
+    cl.start_all()
+    mgr = manager(cl, 1, 2)
+    save_steps(mgr, [1], replicated_over_slices=False)
+    wait_for(lambda: redundant(cl, 1), what="step 1 redundant", timeout=60)
+    client = CoordinatorClient(cl.coordinator, rpc_timeout_seconds=5)
+
+    def host1():
+        return next(h for h in client.status(hosts=True).hosts if h.rank == 1)
+
+    real = host1().incarnation
+    with grpc.insecure_channel(cl.coordinator) as ch:
+        # 2**63 - 1: with clock-ordered incarnations this would have outranked every later restart.
+        forged = cpb.HeartbeatRequest(job="t", rank=1, incarnation=2**63 - 1, full_report=True)
+        cpb_grpc.CoordinatorStub(ch).Heartbeat(forged, timeout=5)
+    assert host1().incarnation == 2**63 - 1 and host1().pieces == 0
+    wait_for(lambda: host1().incarnation not in (real, 2**63 - 1) and host1().pieces > 0,
+             what="host 1 registered again with its inventory", timeout=30)
+    wait_for(lambda: redundant(cl, 1), what="step 1 redundant again", timeout=30)
+    client.close()
+    mgr.close()
+
+
 def test_bad_configuration_exits_with_one_line(tmp_path):
     import subprocess
     import sys

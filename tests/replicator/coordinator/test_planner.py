@@ -390,13 +390,21 @@ def test_registration_and_incarnations():
     assert st.register(0, 5) is False
     st.report_committed(0, Holding(0, 1, "h"))
     with pytest.raises(StaleIncarnationError):
-        st.register(0, 4)
-    with pytest.raises(StaleIncarnationError):
         st.report_committed(0, Holding(0, 2, "h"), incarnation=4)
     assert st.holdings_of(0) == [Holding(0, 1, "h")]
     assert st.register(0, 5) is False and st.holdings_of(0) == [Holding(0, 1, "h")]
-    assert st.register(0, 6) is True  # restarted: must report its inventory again
+    # Incarnations are nonces, not clock readings: a smaller number is a new process (a host restarted
+    # with its clock stepped back), which must report its inventory again.
+    assert st.register(0, 4) is True
     assert st.holdings_of(0) == []
+    # The superseded process is stale from now on (it picks a new nonce and registers again).
+    with pytest.raises(StaleIncarnationError):
+        st.register(0, 5)
+    with pytest.raises(StaleIncarnationError):
+        st.report_committed(0, Holding(0, 2, "h"), incarnation=5)
+    assert st.register(0, 6) is True
+    with pytest.raises(StaleIncarnationError):
+        st.register(0, 4)
     with pytest.raises(ValueError):
         st.register(2, 1)
     with pytest.raises(ValueError):

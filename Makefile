@@ -9,7 +9,7 @@ export JAX_PLATFORMS ?= cpu
 .PHONY: demo test lint proto bench clean constraints
 
 # Everything the demo and the suite need, at the exact versions of constraints.txt.
-EXTRAS := jax,dev
+EXTRAS := jax,elastic,dev
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -334,12 +334,17 @@ class Replicator:
         if self.backup is not None:
             self.backup.backup._limiter = None  # emergency: no upload throttle
         step, finished, why = -1, self.backup is None, "no backup tier configured" if self.backup is None else ""
+        # The bucket commit is the coordinator's: once no candidate has answered for a while (long enough
+        # for a standby to take over), waiting out the rest of the grace cannot help and only delays exit.
+        unreachable_limit = max(3.0, 4 * self._interval)
+        unreachable_since: float | None = None
         while not finished and time.monotonic() < deadline:
             self._wake.set()
             try:
                 resp = self.call_coordinator("GetSteps", cpb.GetStepsRequest(wait_seconds=0),
                                              timeout=max(0.5, min(self.opts.rpc_timeout_seconds,
                                                                  deadline - time.monotonic())))
+                unreachable_since = None
                 step = resp.newest_complete_step
                 if step < 0:
                     finished, why = True, "no complete step to back up"
@@ -347,6 +352,11 @@ class Replicator:
                     finished, why = True, f"step {step} is in the bucket"
             except grpc.RpcError as e:
                 why = f"coordinator unreachable: {_details(e)}"
+                now = time.monotonic()
+                unreachable_since = now if unreachable_since is None else unreachable_since
+                if now - unreachable_since >= unreachable_limit:
+                    why += f" for {now - unreachable_since:.1f}s: gave up"
+                    break
             if not finished:
                 time.sleep(0.1)
         if not finished and not why:

@@ -60,9 +60,17 @@ class ReplicatorProcess:
         return self.address
 
     def stop(self, sig: int = signal.SIGTERM, timeout_seconds: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        self.signal(sig)
+        self.wait(timeout_seconds)
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout_seconds: float = 30.0) -> None:
+        """Wait for the process to exit after a signal; SIGKILL it when it does not within the timeout."""
+        if self.proc is None:
             return
-        self.proc.send_signal(sig)
         try:
             self.proc.wait(timeout=timeout_seconds)
         except subprocess.TimeoutExpired:
@@ -127,8 +135,12 @@ class LocalCluster:
             self.start(r)
 
     def stop_all(self, sig: int = signal.SIGTERM) -> None:
+        """Signal every replicator at once, then wait for each (as Kubernetes stops a job's Pods: on SIGTERM
+        they flush the newest complete step to the bucket together, the coordinator among them)."""
         for p in self.procs.values():
-            p.stop(sig)
+            p.signal(sig)
+        for p in self.procs.values():
+            p.wait()
 
     def wipe(self, rank: int) -> None:
         shutil.rmtree(self.ram(rank), ignore_errors=True)

@@ -237,6 +237,14 @@ class OrbaxMode:
         registered = False
         last_error = "no answer"
         while not self.stopping.is_set() and time.monotonic() < deadline:
+            # A plan made before every host reported may miss data ("nothing to restore", or an older step
+            # from the bucket while a newer one sits on the RAM disks of hosts not yet heard): ask only once
+            # every host has reported, so the plan is made on all of them.
+            registered = self._all_registered(daemon, opts, cfg)
+            if not registered:
+                last_error = "not every host has reported to the coordinator"
+                self.stopping.wait(0.1)
+                continue
             wait = max(0.0, min(PREPARE_SLICE_SECONDS, deadline - time.monotonic() - 0.5))
             try:
                 resp = daemon.call_coordinator("PrepareRestore", cpb.PrepareRestoreRequest(step=-1, wait_seconds=wait),
@@ -248,11 +256,9 @@ class OrbaxMode:
                 advice = retry_after_seconds(e)
                 self.stopping.wait(advice * random.uniform(1.0, 1.5) if advice is not None else 0.2)
                 continue
-            # A plan made before every host reported may miss data ("nothing to restore", an older step).
-            registered = self._all_registered(daemon, opts, cfg)
-            if registered and (resp.step < 0 or (resp.ready and cfg.node_rank in resp.ready_ranks)):
+            if resp.step < 0 or (resp.ready and cfg.node_rank in resp.ready_ranks):
                 break
-            last_error = resp.reason if registered else "not every host has reported to the coordinator"
+            last_error = resp.reason
             self.stopping.wait(0.1)
         if self.stopping.is_set():
             return None, None

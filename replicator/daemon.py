@@ -26,7 +26,7 @@ from mtc_rpc import control_pb2, control_pb2_grpc, peer_pb2_grpc
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
 from replicator import logs
-from replicator.coordinator.client import FAILOVER_CODES, Candidates, backoff_seconds
+from replicator.coordinator.client import FAILOVER_CODES, Candidates
 from replicator.coordinator.planner import inventory_digest
 from replicator.coordinator.service import BackupScheduler, Coordinator
 from replicator.coordinator.topology import JobTopology
@@ -437,9 +437,7 @@ class Replicator:
                     if self.store.has(src.owner_rank, step):
                         self.store.delete(src.owner_rank, step)  # a stale copy of an older save
                     if src.kind == "bucket":
-                        if self.backup is None:
-                            raise RuntimeError("no backup tier configured")
-                        self.backup.download(step, src.owner_rank, self.store.step_dir(src.owner_rank, step).parent)
+                        self._download(src.owner_rank, step)
                     else:
                         self._fetch(src.holder_address, src.owner_rank, step, src.content_hash or None)
                 self._wake.set()
@@ -478,7 +476,7 @@ class Replicator:
                 # coordinator. A candidate watching for a takeover keeps the plain interval.
                 watching = self._my_candidate is not None and isinstance(e, _NoCoordinator)
                 delay = self._interval * random.uniform(0.8, 1.2) if watching else \
-                    max(self._interval, backoff_seconds(failures, self._interval))
+                    max(self._interval, retry.backoff_seconds(failures, self._interval))
             except Exception:  # keep the daemon alive; the next heartbeat retries
                 log.exception("heartbeat handling failed")
                 delay = self._interval
@@ -660,8 +658,29 @@ class Replicator:
                 self._in_flight.discard(key)
 
     def _fetch(self, address: str, owner: int, step: int, content_hash: str | None) -> layout.StepManifest:
-        """Fetch ``owner``'s ``step`` once: a copy task and a restore may want the same directory at the
-        same time; the second waits for the first instead of moving the bytes twice."""
+        """Fetch ``owner``'s ``step`` from the peer at ``address`` (single-flight, see :meth:`_once`)."""
+        return self._once(owner, step, content_hash, lambda: self._fetch_now(address, owner, step, content_hash))
+
+    def _download(self, owner: int, step: int) -> layout.StepManifest:
+        """Fetch ``owner``'s ``step`` from the bucket (single-flight, see :meth:`_once`)."""
+        if self.backup is None:
+            raise RuntimeError("no backup tier configured")
+        parent = self.store.step_dir(owner, step).parent
+
+        def download() -> layout.StepManifest:
+            self.backup.download(step, owner, parent)
+            m = self.store.manifest(owner, step)
+            if m is None:
+                raise RuntimeError(f"the download of rank {owner} step {step} left no committed copy")
+            return m
+
+        return self._once(owner, step, None, download)
+
+    def _once(self, owner: int, step: int, content_hash: str | None,
+              fetch: Callable[[], layout.StepManifest]) -> layout.StepManifest:
+        """Bring ``owner``'s ``step`` here once, from whichever tier: a copy task, a restore and a sidecar's
+        fetch may want the same directory at the same time; later callers wait for the first instead of
+        moving the bytes twice (and colliding on its commit)."""
         key = (owner, step)
         with self._lock:
             running = self._fetching.get(key)
@@ -674,7 +693,7 @@ class Replicator:
                 raise RuntimeError(f"concurrent fetch of rank {owner} step {step} did not produce it")
             return m
         try:
-            return self._fetch_now(address, owner, step, content_hash)
+            return fetch()
         finally:
             with self._lock:
                 self._fetching.pop(key).set()
@@ -712,10 +731,7 @@ class Replicator:
             try:
                 t1 = time.monotonic()
                 if src.kind == "bucket":
-                    if self.backup is None:
-                        raise RuntimeError("no backup tier configured")
-                    self.backup.download(task.step, src.owner_rank, self.store.step_dir(src.owner_rank,
-                                                                                         task.step).parent)
+                    self._download(src.owner_rank, task.step)
                 else:
                     if self.store.has(src.owner_rank, task.step):
                         # A stale copy under the same name (e.g. an older save of this step): replace it.

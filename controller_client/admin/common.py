@@ -33,15 +33,9 @@ def console(stderr: bool = False) -> Any:
 
 def ranges(ranks: Iterable[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``; ``-`` when empty."""
-    rs = sorted(set(ranks))
-    parts, i = [], 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ",".join(parts) or "-"
+    from replicator.coordinator.planner import ranges as rank_ranges_text
+
+    return rank_ranges_text(ranks) or "-"
 
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

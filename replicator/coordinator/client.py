@@ -20,6 +20,7 @@ import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
+from replicator.net.retry import backoff_seconds
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +36,6 @@ def parse_addresses(value: str | Sequence[str]) -> list[str]:
     if not out:
         raise ValueError(f"no coordinator address in {value!r}")
     return out
-
-
-def backoff_seconds(failures: int, base: float, cap_factor: float = 8.0) -> float:
-    """Jittered exponential backoff: ``base * min(2**(failures-1), cap_factor) * U(0.5, 1.5)``."""
-    return base * min(2.0 ** max(0, failures - 1), cap_factor) * random.uniform(0.5, 1.5)
 
 
 def retry_after_seconds(e: grpc.RpcError) -> float | None:

@@ -594,7 +594,7 @@ class CoordinatorState:
             missing = self.missing_ranks(force_step)
             if missing:
                 raise ValueError(
-                    f"step {force_step} is not recoverable: no tier holds ranks {_ranges(missing)}"
+                    f"step {force_step} is not recoverable: no tier holds ranks {ranges(missing)}"
                 )
             step = force_step
         else:
@@ -605,7 +605,7 @@ class CoordinatorState:
                     newest = known[-1]
                     reason = (
                         f"no step is recoverable for every rank; newest known step {newest} lacks ranks "
-                        f"{_ranges(self.missing_ranks(newest))}"
+                        f"{ranges(self.missing_ranks(newest))}"
                     )
                 else:
                     reason = "no step is recoverable for every rank: nothing reported on any tier"
@@ -745,7 +745,7 @@ class CoordinatorState:
             steps[step] = {
                 "complete": self.is_complete(step),
                 "redundant": self.is_redundant(step),
-                "savers": _ranges(self.expected_ranks(step)),
+                "savers": ranges(self.expected_ranks(step)),
                 "missing_ranks": [r for r in self.expected_ranks(step) if r not in found],
                 "ranks": {
                     r: [{"kind": str(s.kind), "holder": s.holder_rank, "owner": s.owner_rank} for s in srcs]
@@ -1078,8 +1078,8 @@ def inventory_digest(holdings: Iterable[Holding]) -> str:
 
 
 def ranges(ranks: Iterable[int]) -> str:
-    """Sorted rank ranges, e.g. ``"0-63,128"`` (public for the status messages)."""
-    return _ranges(sorted(ranks))
+    """Sorted rank ranges, e.g. ``"0-63,128"``: readable even for thousands of ranks."""
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in rank_ranges(ranks))
 
 
 def rank_ranges(ranks: Iterable[int]) -> tuple[tuple[int, int], ...]:
@@ -1099,16 +1099,3 @@ def _carries_bytes(h: Holding) -> bool:
 
 def _holder_id(s: Source) -> int | str:
     return _BUCKET_HOLDER if s.holder_rank is None else s.holder_rank
-
-
-def _ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"``: readable even for thousands of ranks."""
-    parts = []
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(parts)

@@ -139,6 +139,12 @@ def call_with_retry(fn: Callable[[int], T], *, what: str, policy: RetryPolicy) -
             attempt += 1
 
 
+def backoff_seconds(failures: int, base: float, cap_factor: float = 8.0, rng: Any = random) -> float:
+    """Jittered exponential backoff after ``failures`` consecutive failures:
+    ``min(base * 2**(failures-1), base * cap_factor) * U(0.5, 1.5)`` (many callers never retry in lockstep)."""
+    return base * min(2.0 ** min(max(0, failures - 1), 62), cap_factor) * rng.uniform(0.5, 1.5)
+
+
 class KeyedBackoff:
     """Per-key exponential backoff with jitter for tasks retried by a periodic loop (copies, restores).
 
@@ -169,7 +175,7 @@ class KeyedBackoff:
         now = time.monotonic() if now is None else now
         with self._lock:
             n = self._state.get(key, (0, 0.0))[0] + 1
-            delay = min(self.max_seconds, self.base_seconds * 2 ** min(n - 1, 30)) * self._rng.uniform(0.5, 1.5)
+            delay = backoff_seconds(n, self.base_seconds, self.max_seconds / self.base_seconds, self._rng)
             self._state[key] = (n, now + delay)
             if len(self._state) > 4096:  # keys of long-gone steps: keep the newest failures only
                 for k in sorted(self._state, key=lambda k: self._state[k][1])[:1024]:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from replicator.coordinator.client import backoff_seconds, parse_addresses
+from replicator.coordinator.client import parse_addresses
+from replicator.net.retry import backoff_seconds
 
 
 def test_candidates_parse_in_order_with_or_without_ranks():

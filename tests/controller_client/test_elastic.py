@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
+from replicator.backup.bucket import BackupStore
+from replicator.backup.storage import open_store
 from sidecar import layout
 from tests.kits.cluster import assert_equal, status, step_summary, wait_for
 from tests.replicator.conftest import cluster_factory  # noqa: F401  (fixture)
@@ -119,6 +121,51 @@ def test_rollback_then_save_forward(cluster_factory):  # noqa: F811
     fresh = mgr_for(cl)
     assert_equal(new6, fresh.restore(None, target_on(new6, devs, (2, 4))))
     fresh.close()
+    mgr.close()
+
+
+def test_rollback_backs_up_the_new_save_of_a_step_already_in_the_bucket(cluster_factory):  # noqa: F811
+    """Step 6 is in the bucket; the job rolls back to 4 and saves 6 again with other data: the new save
+    supersedes the abandoned backup (never skipped because step 6 "is already backed up", never mixed), and
+    a restore from the bucket alone returns the new contents."""
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    bucket = cl.base / "bucket"
+    cl.extra = ["--backup-url", f"file://{bucket}", "--backup-interval-steps", "1"]
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    trees = {}
+    for s in (2, 4, 6):
+        trees[s] = fsdp_state(s, devs)
+        mgr.save(s, trees[s])
+        mgr.wait_until_finished()
+    wait_for(lambda: 6 in status(cl).backup.committed_steps, what="backup of the first step 6", timeout=60)
+    store = BackupStore(open_store(f"file://{bucket}"), "t")
+    old = {r: store.read_manifest(6, r).content_hash for r in range(4)}
+    assert_equal(trees[4], mgr.restore(4, target_on(trees[4], devs, (2, 4))))
+    new6 = fsdp_state(60, devs)
+    new6["step"] = 6
+    assert mgr.save(6, new6)
+    mgr.wait_until_finished()
+    fresh = {r: layout.read_manifest(cl.ram(r) / "steps" / "6").content_hash for r in range(4)}
+    assert all(fresh[r] != old[r] for r in range(4))
+
+    def bucket_hashes() -> dict[int, str] | None:
+        try:
+            return {r: store.read_manifest(6, r).content_hash for r in range(4)}
+        except (OSError, layout.ManifestError):
+            return None  # between the superseded backup's removal and the new commit
+
+    wait_for(lambda: bucket_hashes() == fresh, what="the new save of step 6 in the bucket", timeout=60)
+    assert store.committed_steps()[-1] == 6
+    mgr.close()
+    cl.stop_all(signal.SIGKILL)  # no preemption flush: the bucket alone must hold the new step 6
+    for r in range(4):
+        cl.wipe(r)
+    cl.start_all()
+    mgr = mgr_for(cl)
+    wait_for(lambda: mgr.latest_step() == 6, what="step 6 known from the bucket", timeout=60)
+    assert_equal(new6, mgr.restore(None, target_on(new6, devs, (4, 2))))
     mgr.close()
 
 

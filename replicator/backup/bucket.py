@@ -11,6 +11,11 @@ Bucket layout under the store root (the URL's prefix)::
 A backup is visible only once committed: by the atomic rename of its staging folder to ``steps/<step>``
 (hierarchical-namespace buckets, POSIX directories), or else by a commit record written last with a
 create-only precondition. Readers only ever look at committed steps.
+
+A step number saved again after a rollback (a newer ``generation``, see ``sidecar.layout.StepManifest``)
+supersedes its abandoned backup: the commit removes the older backup (commit record first, so it is never
+half-visible) and then commits the new one. At every moment the bucket holds either the old save of the
+step, none, or the new one, each whole; a crash in between leaves none, and the next backup brings it.
 """
 
 from __future__ import annotations
@@ -149,6 +154,9 @@ class BackupCommit:
     total_bytes: int
     committed_unix: float
     format_version: int = BACKUP_FORMAT_VERSION
+    # The save's generation (every rank's manifest carries the same one); 0 in records written before it
+    # was recorded (then the manifests tell, see BackupStore.committed_generation).
+    generation: int = 0
 
     def to_json(self) -> bytes:
         d = dataclasses.asdict(self)
@@ -170,12 +178,15 @@ class BackupCommit:
                 rank_hashes=tuple(str(h) for h in d["rank_hashes"]),
                 total_bytes=int(d["total_bytes"]),
                 committed_unix=float(d["committed_unix"]),
+                generation=int(d.get("generation", 0)),
             )
         except ManifestError:
             raise
         except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"malformed commit record: {e}") from e
         _check_staging_id(c.staging_id, c.step)
+        if c.generation < 0:
+            raise ManifestError(f"commit record has a bad generation {c.generation}")
         # "" = the rank did not save this step (elastic training); at least one rank did.
         if len(c.rank_hashes) != c.nodes or not any(c.rank_hashes) or not all(
                 h == "" or re.fullmatch(r"[0-9a-f]{64}", h) for h in c.rank_hashes):
@@ -397,8 +408,10 @@ class BackupStore:
     def commit(self, staging: Staging) -> int:
         """Verify every rank's manifest and data are in ``staging``, then make the backup visible atomically.
 
-        IncompleteBackupError names what is missing (nothing changes); FileExistsError when the step is
-        already committed. Returns the committed step.
+        IncompleteBackupError names what is missing (nothing changes); ManifestError when the ranks'
+        manifests are of different saves (generations) of the step; FileExistsError when the step is already
+        committed from this save or a newer one. An older save of the step (abandoned by a rollback) is
+        superseded: removed, then this one committed (see the module docstring). Returns the committed step.
         """
         strategy = self._strategy()
         base = self._staging_prefix(staging.staging_id)
@@ -410,6 +423,7 @@ class BackupStore:
         missing: list[str] = []
         total = 0
         expected = set(begin.expected_ranks)
+        generations: set[int] = set()
         for rank in range(staging.nodes):
             if rank not in expected:
                 hashes.append("")  # did not save this step
@@ -421,6 +435,7 @@ class BackupStore:
             m = StepManifest.from_json(self.store.read(name))
             if m.step != staging.step or m.rank != rank:
                 raise ManifestError(f"{name} is step {m.step} rank {m.rank}")
+            generations.add(m.generation)
             h = m.content_hash
             hashes.append(h)
             total += m.total_bytes
@@ -431,8 +446,18 @@ class BackupStore:
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise IncompleteBackupError(f"cannot commit {self.job} step {staging.step}: missing {shown}")
+        if len(generations) > 1:
+            raise ManifestError(f"cannot commit {self.job} step {staging.step}: its ranks' manifests are of "
+                                f"different saves (generations {sorted(generations)})")
+        generation = generations.pop() if generations else 0
         if staging.step in self.committed_steps():
-            raise FileExistsError(f"{self.job} step {staging.step} already has a committed backup")
+            old = self.committed_generation(staging.step)
+            if old >= generation:
+                raise FileExistsError(f"{self.job} step {staging.step} already has a committed backup "
+                                      f"(generation {old}, this one {generation})")
+            log.warning("backup of %s step %d: superseding the abandoned save (generation %d) by generation %d",
+                        self.job, staging.step, old, generation)
+            self._delete_backup(staging.step)
         record = BackupCommit(
             self.job,
             staging.step,
@@ -442,6 +467,7 @@ class BackupStore:
             tuple(hashes),
             total,
             time.time(),
+            generation=generation,
         )
         faults.point("backup.commit.before_record")
         if strategy == STRATEGY_RENAME:
@@ -522,6 +548,15 @@ class BackupStore:
                 raise ManifestError(f"{record_name} describes {rec.job} step {rec.step}")
             return rec, base or self._staging_prefix(rec.staging_id)
         raise FileNotFoundError(f"{self.store.url}: {self.job} step {step} has no committed backup")
+
+    def committed_generation(self, step: int) -> int:
+        """The generation of the save committed as ``step`` (FileNotFoundError if none is)."""
+        rec, _ = self.commit_record(step)
+        if rec.generation:
+            return rec.generation
+        # A record written before generations were recorded: every rank's manifest carries it.
+        rank = next(r for r, h in enumerate(rec.rank_hashes) if h)
+        return self.read_manifest(step, rank).generation
 
     def read_manifest(self, step: int, rank: int) -> StepManifest:
         """Rank ``rank``'s manifest of committed step ``step``, checked against the commit record."""

@@ -31,6 +31,15 @@ from replicator.coordinator.topology import JobTopology
 
 log = logging.getLogger(__name__)
 
+
+def in_bucket(st: CoordinatorState, step: int) -> bool:
+    """Every saver's data of ``step`` is in the bucket as saved now -- not an older save of the step number
+    that a rollback abandoned (its content hashes differ from the current save's)."""
+    savers = st.expected_ranks(step)
+    if not set(savers) <= set(st.backup_ranks(step)):
+        return False
+    return all(any(s.kind is Tier.BUCKET for s in st.rank_sources(step, r)) for r in savers)
+
 # Default bound on the heartbeats per second the coordinator plans for: the interval it hands out grows
 # as nodes / this (10,000 hosts -> 50 s). Measured (bench.scale): an unchanged heartbeat costs ~1.1x a
 # no-op gRPC call, ~0.6 ms CPU, so 200/s keep the coordinator near 0.1 of a core.
@@ -430,8 +439,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             wait = min(max(0.0, request.wait_seconds), self.lost_after() + 2 * self.heartbeat_interval())
             self._wait(self._clock() + wait, self._all_reported, context)
             complete = self.state.globally_complete_steps()
-            backed = [s for s in self.state.known_steps()
-                      if set(self.state.expected_ranks(s)) <= set(self.state.backup_ranks(s))]
+            backed = [s for s in self.state.known_steps() if in_bucket(self.state, s)]
             target = self.restore_target()
             forced = -1
             if target is not None and self._restore_step is not None and target == self._restore_step:
@@ -559,7 +567,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             covered = st.covered_count(step)
             backed = st.backup_rank_count(step)
             savers = st.expected_ranks(step)  # elastic: the ranks that saved the step
-            backed_up = set(savers) <= set(st.backup_ranks(step))
+            backed_up = in_bucket(st, step)
             if backed_up:
                 resp.backed_up_steps.append(step)
             missing = st.missing_ranks(step)

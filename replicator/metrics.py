@@ -32,6 +32,8 @@ CounterName = Literal[
     "copy_failures",
     "restores",  # this rank's data of a restore step fetched from a peer or the bucket
     "restore_bytes",
+    "reshard_files",  # files of other ranks' steps fetched for a restore onto another mesh (FetchFiles)
+    "reshard_bytes",
     "hash_only",  # data-parallel replicas recorded without moving bytes
     "deletions",  # pieces deleted on the coordinator's GC word
     "heartbeat_failures",

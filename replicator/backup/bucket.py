@@ -24,11 +24,12 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,11 @@ from sidecar import faults
 from sidecar.layout import (
     STEP_PATTERN,
     ChecksumError,
+    FileEntry,
     ManifestError,
     StepManifest,
     commit_dir,
+    crc32c_extend,
     file_crc32c,
     make_tmp_dir,
     parse_step_name,
@@ -67,6 +70,8 @@ STRATEGY_MARKER = "marker"
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _STAGING_RE = re.compile(f"^{STEP_PATTERN}-[0-9a-f]{{12}}$")
 _MAX_RECORD_BYTES = 16 << 20
+# Ranged reads of fetch_files: large enough to amortise a request, small enough to bound memory per thread.
+RANGE_BYTES = 16 << 20
 
 
 class BackupError(RuntimeError):
@@ -622,6 +627,63 @@ class BackupStore:
             self.job, step, rank, got, secs, got / max(secs, 1e-9) / 2**20,
         )  # fmt: skip
         return final
+
+    def fetch_files(self, step: int, rank: int, entries: Sequence[FileEntry], dest_dir: Path) -> int:
+        """Copy some files of rank's committed ``step`` into the existing ``dest_dir`` with ranged reads.
+
+        ``entries`` must be listed identically (name, size, crc32c) by the backup's manifest, else
+        ManifestError (it is another save). Each file is read in ``RANGE_BYTES`` ranges into a part file and
+        gets its name only once its crc32c matched (ChecksumError otherwise; the part is removed). Files
+        already present in ``dest_dir`` are left alone. Returns the bytes read.
+        """
+        t0 = time.monotonic()
+        rec, base = self.commit_record(step)
+        manifest = self.read_manifest(step, rank)
+        listed = set(manifest.files)
+        for e in entries:
+            if e not in listed:
+                raise ManifestError(f"{self.job} step {step} rank {rank} in the bucket does not list {e.name} "
+                                    f"as asked (size {e.size}, crc32c {e.crc32c:08x}): another save")
+        key = self._data_key(manifest)
+        dest_dir = Path(dest_dir)
+
+        def fetch(f: FileEntry) -> int:
+            final = resolve_under(dest_dir, f.name)
+            if final.exists():
+                return 0
+            final.parent.mkdir(parents=True, exist_ok=True)
+            part = final.with_name(final.name + ".part")
+            name = self._data_name(base, key, f.name)
+            crc, got = 0, 0
+            try:
+                with open(part, "wb") as out:
+                    while got < f.size:
+                        chunk = self.store.read(name, got, min(RANGE_BYTES, f.size - got))
+                        if not chunk:
+                            raise EOFError(f"{self.store.url}/{name} ended after {got} of {f.size} bytes")
+                        crc = crc32c_extend(crc, chunk)
+                        out.write(chunk)
+                        got += len(chunk)
+                    out.flush()
+                    os.fsync(out.fileno())
+                if crc != f.crc32c:
+                    raise ChecksumError(f"{self.store.url}/{name}", f.crc32c, crc)
+                os.rename(part, final)
+            except BaseException:
+                part.unlink(missing_ok=True)
+                raise
+            return got
+
+        todo = list(entries)
+        got = 0
+        if todo:
+            workers = min(self.options.max_parallel_downloads, len(todo))
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="backup-range") as pool:
+                got = sum(pool.map(fetch, todo))
+        secs = time.monotonic() - t0
+        log.info("read %d files (%d bytes) of %s step %d rank %d from the bucket in %.2fs",
+                 len(todo), got, self.job, step, rank, secs)
+        return got
 
     # ------------------------------------------------------------------ garbage collection
 

@@ -480,8 +480,9 @@ class Replicator:
         """Bring only ``entries`` (files of ``owner``'s ``step``, as the caller's copy of its manifest lists
         them) into the caller's scratch directory ``dest_rel``: from a peer's RAM disk through the peer
         service, else the bucket with ranged reads. A source whose manifest does not list every entry
-        identically (another save, or a replica that names its files differently) is skipped; each file gets
-        its name only once its crc32c matched, and a source that fails mid-way leaves the rest to the next.
+        identically (another save, or a replica that names its files differently) fails and the next is tried;
+        each file gets its name only once its crc32c matched, and a source that fails mid-way leaves the rest to
+        the next.
         Returns (where from, bytes moved)."""
         layout.step_name(step)
         if not 0 <= owner < self.nodes:
@@ -504,13 +505,9 @@ class Replicator:
                         raise RuntimeError("no backup tier configured")
                     moved += self.backup.backup.fetch_files(step, src.owner_rank, todo, dest)
                 else:
+                    # No manifest round trip: the peer offers the files as its manifest lists them (a mismatch
+                    # is refused), and each file must match the asked-for crc32c on arrival.
                     addr = src.holder_address
-                    m = peer_client.get_manifest(addr, src.owner_rank, step, token=self.token, tls=self._tls(),
-                                                 timeout_seconds=self.opts.rpc_timeout_seconds)
-                    listed = set(m.files)
-                    if any(e not in listed for e in todo):
-                        raise layout.ManifestError(f"its manifest of rank {src.owner_rank} step {step} does not "
-                                                   "list the files asked for (another save)")
                     moved += peer_client.fetch_files(addr, src.owner_rank, step, todo, dest, token=self.token,
                                                      tls=self._tls(), throttle=self._throttle,
                                                      timeout_seconds=self.opts.transfer_timeout_seconds)

@@ -162,10 +162,13 @@ class BucketScheduler(BackupScheduler):
         log.info("bucket holds committed backups of steps %s", steps)
 
     # ------------------------------------------------------------------ scheduling
+    def is_current(self, state: CoordinatorState, step: int) -> bool:
+        return self.committed_gen.get(step, 0) >= state.step_generation(step)
+
     def _backed_up(self, state: CoordinatorState, step: int) -> bool:
         """The bucket holds ``step`` as saved now: committed, and not an older save of the step number
         (abandoned by a rollback; then the step is backed up again, superseding it). O(1)."""
-        return step in self.committed and self.committed_gen.get(step, 0) >= state.step_generation(step)
+        return step in self.committed and self.is_current(state, step)
 
     def request(self, steps: list[int]) -> None:
         """Back these steps up as soon as they are the newest complete step (unless already committed)."""

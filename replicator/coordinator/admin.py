@@ -140,6 +140,8 @@ class FilteredCoordinator:
         return getattr(self._inner, name)
 
     def Heartbeat(self, request: cpb.HeartbeatRequest, context: grpc.ServicerContext) -> cpb.HeartbeatResponse:
+        # A report the caller's certificate may not make (mutual TLS) must not touch the filter's state either.
+        self._inner.authorize_report(request.rank, context)
         request, doomed = self._bad.filter(request)
         resp = self._inner.Heartbeat(request, context)
         if doomed:

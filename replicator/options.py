@@ -70,9 +70,13 @@ class ReplicatorOptions:
     backup_keep: int = _opt('committed backups kept (default 3)', 3)
     restore_from_backup: int | None = _opt('force restoring this backed-up step', None)
     token_file: str = _opt('file with the shared bearer token; RPCs without it are rejected', "")
-    tls_cert: str = _opt('TLS certificate (PEM)', "")
+    tls_cert: str = _opt(
+        "TLS certificate (PEM), as server and as client; under mutual TLS its URI SAN mtc://JOB/rank/N "
+        "names this host's rank (docs/security.md)", "")
     tls_key: str = _opt('TLS private key (PEM)', "")
-    tls_ca: str = _opt('CA bundle (PEM): enables mutual TLS', "")
+    tls_ca: str = _opt(
+        "CA bundle (PEM): enables mutual TLS (every caller presents a certificate it signed; reports are "
+        "bound to the rank a certificate names)", "")
     tls_rank_identity: str = _opt(
         "mutual TLS: a certificate naming mtc://JOB/rank/N may report only for rank N, an admin one "
         "(mtc://JOB/admin) never; one naming no rank is refused when this is 'require', or with 'auto' "

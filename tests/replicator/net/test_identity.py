@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
+import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mtc_rpc import coordinator_pb2 as cpb
+from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
+from replicator.coordinator.service import Coordinator
+from replicator.coordinator.topology import JobTopology
+from replicator.net import rpc
 from replicator.net.security import (
     IdentityError,
     PeerIdentity,
@@ -125,3 +133,40 @@ def test_own_certificate_decides_auto_mode_and_is_checked(tmp_path: Path) -> Non
         rank_authorizer(mutual(admin), "t", rank=0)
     with pytest.raises(ValueError):
         RankIdentityMode("sometimes")
+
+
+def _docs_recipe() -> str:
+    text = (Path(__file__).resolve().parents[3] / "docs" / "security.md").read_text()
+    after = text.split("<!-- openssl-recipe", 1)[1]
+    return after.split("```bash\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_the_documented_openssl_recipe_issues_working_rank_certificates(tmp_path: Path) -> None:
+    subprocess.run(["bash", "-euo", "pipefail", "-c", _docs_recipe()], cwd=tmp_path, check=True,
+                   capture_output=True, timeout=120)
+    tls = {n: TlsOptions(tmp_path / f"{n}.crt", tmp_path / f"{n}.key", tmp_path / "ca.crt")
+           for n in ("rank-0", "rank-1", "admin")}
+    assert identity_from_cert_file(tmp_path / "rank-1.crt") == PeerIdentity("t", 1)
+    assert identity_from_cert_file(tmp_path / "admin.crt") == PeerIdentity("t", None)
+    # A real mutual-TLS coordinator serving with rank 0's certificate (auto mode: identities required).
+    coord = Coordinator(JobTopology(2, 1, 1), "t", authorizer=rank_authorizer(tls["rank-0"], "t", rank=0))
+    server, port = rpc.create_server("127.0.0.1:0", [(cpb_grpc.add_CoordinatorServicer_to_server, coord)],
+                                     tls=tls["rank-0"])
+    server.start()
+    try:
+        def beat(who: str, rank: int) -> grpc.StatusCode:
+            with rpc.make_channel(f"localhost:{port}", tls=tls[who]) as ch:
+                try:
+                    cpb_grpc.CoordinatorStub(ch).Heartbeat(
+                        cpb.HeartbeatRequest(job="t", rank=rank, incarnation=1, full_report=True), timeout=10)
+                except grpc.RpcError as e:
+                    return e.code()
+            return grpc.StatusCode.OK
+
+        assert beat("rank-1", 1) == grpc.StatusCode.OK
+        assert beat("rank-1", 0) == grpc.StatusCode.PERMISSION_DENIED
+        assert beat("admin", 0) == grpc.StatusCode.PERMISSION_DENIED
+        assert sorted(coord.state.registered) == [1]
+    finally:
+        server.stop(0)

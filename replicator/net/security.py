@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hmac
 import logging
 import re
@@ -298,10 +299,16 @@ def identity_from_auth_context(auth_context: Mapping[str, Iterable[Any]] | None)
 
     None when the call has no client certificate or its certificate names no mtc identity.
     """
-    uris: list[str] = []
-    for key in _URI_KEYS:
-        uris += _texts((auth_context or {}).get(key))
-    return identity_from_uris(uris)
+    ctx = auth_context or {}
+    raw = tuple(v for key in _URI_KEYS for v in ctx.get(key) or ())
+    return _identity_of(raw)
+
+
+@functools.lru_cache(maxsize=65536)
+def _identity_of(raw: tuple[Any, ...]) -> PeerIdentity | None:
+    # Memoised: every heartbeat of a host presents the same certificate (about one entry per host and
+    # certificate rotation; 65,536 covers 10,000 hosts without thrashing the LRU).
+    return identity_from_uris(_texts(raw))
 
 
 def describe_certificate(auth_context: Mapping[str, Iterable[Any]] | None) -> str:

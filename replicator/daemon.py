@@ -33,7 +33,7 @@ from replicator.coordinator.topology import JobTopology
 from replicator.local.store import RamDiskStore
 from replicator.metrics import ReplicatorMetrics, TimedCoordinator
 from replicator.net import priority, retry, rpc
-from replicator.net.security import TlsOptions, rank_authorizer
+from replicator.net.security import AdminGate, TlsOptions, rank_authorizer
 from replicator.options import ConfigError, ReplicatorOptions
 from replicator.peer import client as peer_client
 from replicator.peer import protocol as peer_protocol
@@ -242,13 +242,16 @@ class Replicator:
         servicers = [(peer_pb2_grpc.add_PeerServicer_to_server, peer)]
         if self.coordinator is not None:
             from mtc_rpc import admin_pb2_grpc
-            from replicator.coordinator.admin import AdminServicer
+            from replicator.coordinator.admin import ADMIN_ACTIONS, AdminServicer
 
             admin = AdminServicer(self.coordinator)
             timed = TimedCoordinator(admin.wrap(self.coordinator), self.metrics)
             admin.coord = timed  # `mtc restore` plans through the same (timed) PrepareRestore
             servicers.append((cpb_grpc.add_CoordinatorServicer_to_server, timed))
-            servicers.append((admin_pb2_grpc.add_AdminServicer_to_server, _ServingOnly(admin, self.coordinator)))
+            gated: Any = admin
+            if self.coordinator.authorizer is not None:  # mutual TLS: actions need the admin certificate
+                gated = AdminGate(admin, self.coordinator.authorizer, ADMIN_ACTIONS)
+            servicers.append((admin_pb2_grpc.add_AdminServicer_to_server, _ServingOnly(gated, self.coordinator)))
         self._server, port = rpc.create_server(
             self.opts.listen, servicers, token=self.token, tls=tls,
             max_message_bytes=self.opts.max_message_bytes, max_workers=16)

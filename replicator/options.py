@@ -80,7 +80,8 @@ class ReplicatorOptions:
     tls_rank_identity: str = _opt(
         "mutual TLS: a certificate naming mtc://JOB/rank/N may report only for rank N, an admin one "
         "(mtc://JOB/admin) never; one naming no rank is refused when this is 'require', or with 'auto' "
-        "(default) when this replicator's own certificate names a rank (docs/security.md)",
+        "(default) when this replicator's own certificate names a rank; then admin actions (pin, restore, "
+        "backup now, bad-copy reports) need the admin certificate too (docs/security.md)",
         "auto", choices=("auto", "require"))
     insecure: bool = _opt(
         'allow listening beyond loopback without --token-file or TLS (refused otherwise; docs/security.md)',

@@ -159,6 +159,11 @@ class FilteredCoordinator:
         return resp
 
 
+# RPCs that change what the job keeps, restores or deletes: under mutual TLS with rank identities they need
+# the admin certificate (replicator.net.security.AdminGate; docs/security.md). The rest only read.
+ADMIN_ACTIONS = frozenset({"Pin", "Unpin", "RestoreStep", "BackupNow", "ReportBadCopy"})
+
+
 class AdminServicer(pb_grpc.AdminServicer):
     """``mtc``'s questions and actions, answered from the coordinator ``coord``."""
 

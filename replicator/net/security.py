@@ -376,6 +376,48 @@ class RankAuthorizer:
                     f"rank {ident.rank}'s certificate may report only for rank {ident.rank}")
         return None
 
+    def admin_refusal(self, auth_context: Mapping[str, Iterable[Any]] | None, action: str) -> str | None:
+        """Why an administrative action (pin, restore, backup, bad-copy report) is refused, or None.
+
+        With identities required only the job's admin certificate may; otherwise (one certificate for the
+        whole job) any certificate of the CA may, as before.
+        """
+        if not self.require:
+            return None
+        try:
+            ident = identity_from_auth_context(auth_context)
+        except IdentityError as e:
+            ident, detail = None, f"{describe_certificate(auth_context)}: {e}"
+        else:
+            detail = ident.uri if ident is not None else f"{describe_certificate(auth_context)} names no identity"
+        if ident is not None and ident.is_admin and ident.job == self.job:
+            return None
+        return (f"{action} refused: it needs the job's admin certificate ({admin_identity(self.job).uri}), "
+                f"the caller presented {detail}")
+
+
+class AdminGate:
+    """Wraps a servicer so that its methods in ``actions`` need the admin identity (:meth:`RankAuthorizer.admin_refusal`)."""
+
+    def __init__(self, inner: Any, authorizer: RankAuthorizer, actions: Iterable[str]):
+        self._inner = inner
+        self._authorizer = authorizer
+        self._actions = frozenset(actions)
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._inner, name)
+        if name not in self._actions:
+            return fn
+
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            why = self._authorizer.admin_refusal(context.auth_context(), name)
+            if why is not None:
+                log.warning("%s (peer %s)", why, context.peer())
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+            return fn(request, context)
+
+        return call
+
 
 def rank_authorizer(
     tls: TlsOptions | None, job: str, mode: RankIdentityMode | str = RankIdentityMode.AUTO,

@@ -3,6 +3,7 @@
 A client with rank 1's certificate may heartbeat as rank 1 only; an admin certificate reads status but
 never reports; a certificate naming no rank is refused for reports when the job requires identities.
 A refused report changes nothing: not the planner's state, not the admin layer's bad-copy list.
+Admin actions (pin, restore, backup, bad-copy reports) need the admin certificate then.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import pytest
 from mtc_rpc import admin_pb2, admin_pb2_grpc
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
-from replicator.coordinator.admin import AdminServicer
+from replicator.coordinator.admin import ADMIN_ACTIONS, AdminServicer
 from replicator.coordinator.service import Coordinator
 from replicator.coordinator.topology import JobTopology
 from replicator.net import rpc
-from replicator.net.security import RankAuthorizer, TlsOptions
+from replicator.net.security import AdminGate, RankAuthorizer, TlsOptions
 from tests.kits.certs import CertAuthority, CertPair
 
 NODES = 3
@@ -35,7 +36,9 @@ class Served:
         tls = TlsOptions(server_cert.cert, server_cert.key, self.ca.ca_file if server_tls == "mutual" else None)
         self.server, port = rpc.create_server(
             "127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, self.admin.wrap(self.coord)),
-                            (admin_pb2_grpc.add_AdminServicer_to_server, self.admin)], tls=tls)
+                            (admin_pb2_grpc.add_AdminServicer_to_server,
+                             AdminGate(self.admin, authorizer, ADMIN_ACTIONS) if authorizer else self.admin)],
+            tls=tls)
         self.server.start()
         self.address = f"127.0.0.1:{port}"
         self.channels: list[grpc.Channel] = []
@@ -131,6 +134,23 @@ def test_admin_certificate_reads_status_and_calls_admin_rpcs(served: Served) -> 
     assert admin_stub.GetSummary(admin_pb2.GetSummaryRequest(), timeout=10).job == "t"
     # Hosts read too (Orbax mode and multi-controller managers plan restores with their own certificate).
     assert coord_stub.GetStatus(pb.GetStatusRequest(), timeout=10).hosts_registered == 1
+    assert list(admin_stub.Pin(admin_pb2.PinRequest(step=5), timeout=10).pinned_steps) == [5]
+
+
+def test_admin_actions_need_the_admin_certificate(served: Served) -> None:
+    for pair in (served.ca.issue_rank("t", 1), served.ca.issue("plain-host"), served.ca.issue_admin("u")):
+        _, admin_stub = served.stubs(pair)
+        for call, req in ((admin_stub.Pin, admin_pb2.PinRequest(step=5)),
+                          (admin_stub.ReportBadCopy, admin_pb2.ReportBadCopyRequest(
+                              tier="peer", holder_rank=2, owner_rank=2, step=5))):
+            with pytest.raises(grpc.RpcError) as e:
+                call(req, timeout=10)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "needs the job's admin certificate (mtc://t/admin)" in e.value.details()
+        # Reads stay open to every certificate of the CA.
+        assert admin_stub.GetSummary(admin_pb2.GetSummaryRequest(), timeout=10).job == "t"
+    assert served.coord.state.pinned_steps() == []
+    assert served.admin.bad._bad == {}
 
 
 def test_a_job_wide_certificate_reports_for_any_rank_when_identities_are_not_required(tmp_path: Path) -> None:
@@ -140,6 +160,9 @@ def test_a_job_wide_certificate_reports_for_any_rank_when_identities_are_not_req
         for r in range(NODES):
             beat(shared, r)
         assert s.coord.state.reported_count == NODES
+        # One certificate for the whole job: it may also pin (as before rank identities).
+        _, shared_admin = s.stubs(s.ca.issue("job-wide-2"))
+        assert list(shared_admin.Pin(admin_pb2.PinRequest(step=5), timeout=10).pinned_steps) == [5]
         # A certificate that does name a rank stays bound to it.
         named, _ = s.stubs(s.ca.issue_rank("t", 1))
         with pytest.raises(grpc.RpcError) as e:

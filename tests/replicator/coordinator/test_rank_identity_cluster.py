@@ -2,7 +2,7 @@
 
 Hosts with their own rank's certificate save, replicate and report end to end; the controller uses an
 admin certificate; a client holding rank 1's certificate cannot report as rank 0 and changes nothing;
-a replicator given another rank's certificate refuses to start.
+admin actions need the admin certificate; a replicator given another rank's certificate refuses to start.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
+from mtc_rpc import admin_pb2, admin_pb2_grpc
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
 from replicator.coordinator.client import CoordinatorClient
@@ -93,6 +94,15 @@ def test_per_rank_certificates_end_to_end_and_a_foreign_report_is_denied(cluster
                 assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert hosts(status) == before
         assert "report for rank 0 refused" in (cluster.base / "logs" / "replicator-0.log").read_text()
+
+        # Admin actions need the admin certificate: a host's cannot pin (or report others' copies bad).
+        with rpc.make_channel(cluster.coordinator, tls=cluster.certs[1].tls(ca.ca_file)) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                admin_pb2_grpc.AdminStub(ch).Pin(admin_pb2.PinRequest(step=1), timeout=10)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert list(status.status().pinned_steps) == []
+        with rpc.make_channel(cluster.coordinator, tls=admin.tls(ca.ca_file)) as ch:
+            assert list(admin_pb2_grpc.AdminStub(ch).Pin(admin_pb2.PinRequest(step=1), timeout=10).pinned_steps) == [1]
     finally:
         mgr.close()
         status.close()

@@ -109,6 +109,15 @@ def test_lenient_authorizer_accepts_only_identityless_certificates_for_any_rank(
     assert auth.refusal(_ctx("mtc://t/rank/x"), 2) is not None
 
 
+def test_admin_actions_need_the_admin_identity_only_when_identities_are_required() -> None:
+    strict, lenient = RankAuthorizer("t", require=True), RankAuthorizer("t", require=False)
+    assert strict.admin_refusal(_ctx("mtc://t/admin"), "Pin") is None
+    for ctx in (_ctx("mtc://t/rank/0"), _ctx("mtc://u/admin"), _ctx(cn="mtc-host"), {}, _ctx("mtc://t/x")):
+        why = strict.admin_refusal(ctx, "Pin")
+        assert why is not None and why.startswith("Pin refused: it needs the job's admin certificate (mtc://t/admin)")
+        assert lenient.admin_refusal(ctx, "Pin") is None
+
+
 def test_own_certificate_decides_auto_mode_and_is_checked(tmp_path: Path) -> None:
     ca = CertAuthority(tmp_path)
     r1, plain, admin = ca.issue_rank("t", 1), ca.issue("plain"), ca.issue_admin("t")

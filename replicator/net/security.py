@@ -312,7 +312,7 @@ def _identity_of(raw: tuple[Any, ...]) -> PeerIdentity | None:
 
 
 def describe_certificate(auth_context: Mapping[str, Iterable[Any]] | None) -> str:
-    """A short description of a call's client certificate for error messages (subject, or "none")."""
+    """A short description of a call's client certificate for error messages (its subject, or "no client certificate")."""
     ctx = auth_context or {}
     subject = _texts(ctx.get("x509_subject")) or _texts(ctx.get("x509_common_name"))
     if subject:
@@ -322,7 +322,7 @@ def describe_certificate(auth_context: Mapping[str, Iterable[Any]] | None) -> st
 
 def identity_from_cert_file(path: Path) -> PeerIdentity | None:
     """The mtc identity in a PEM certificate file's URI SANs (the first certificate of a chain)."""
-    from cryptography import x509  # a dependency of google-auth, declared in pyproject
+    from cryptography import x509  # a core dependency (pyproject); imported only under mutual TLS
 
     cert = x509.load_pem_x509_certificate(Path(path).read_bytes())
     try:

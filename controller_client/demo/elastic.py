@@ -177,8 +177,8 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
                     # The iterator state is a str leaf: the target's (a fresh iterator's) only gives its type.
                     state = ckpt.restore(None, {**target(mesh), "data": data.get_state()})
                     data.set_state(state["data"])
-                    events.append(f"restored step {state['step']} onto {len(slices)} slice(s)")
-                    log.info("data iterator restored from step %d: %s", state["step"], state["data"])
+                    events.append(f"restored step {state['step']} onto {len(slices)} slice(s), "
+                                  f"data iterator state {state['data']}")
                 params, step = state["params"], state["step"]
 
                 def checkpoint() -> dict[str, Any]:

@@ -41,6 +41,7 @@ from replicator.coordinator.client import retry_after_seconds
 from replicator.coordinator.topology import JobTopology
 from replicator.options import ConfigError, ReplicatorOptions
 from replicator.orbax import contract as oc
+from replicator.orbax import elastic
 from replicator.orbax.store import OrbaxStore
 from sidecar import faults, layout
 
@@ -180,8 +181,15 @@ class OrbaxMode:
             return
         daemon = None
         try:
+            remapped = self._adopt_layout(cfg, opts)
             store = OrbaxStore(self.local, cfg.node_rank, job=cfg.job_name, nodes=cfg.nodes, on_error=self._error)
             store.ingest()
+            if remapped.changed:
+                store.forget_replicas(remapped.steps)
+            for owner, step, content_hash in remapped.attest:
+                store.attest_replica(owner, step, content_hash)
+            elastic.write_layout(self.local, elastic.Layout(cfg.job_name, cfg.node_rank, cfg.nodes,
+                                                            opts.data_parallelism))
             faults.point("orbax.after_ingest")
             daemon = self._build(opts, store=store)
             daemon.start()
@@ -222,6 +230,26 @@ class OrbaxMode:
             return
         log.info("handshake %d done in %.2fs: %s", self.handshakes, time.monotonic() - t0,
                  "nothing to restore" if step is None else f"restore step {step} from {target}")
+
+    def _adopt_layout(self, cfg: oc.ReplicatorConfig, opts: ReplicatorOptions) -> elastic.RemapReport:
+        """A changed node count or rank (an elastic event): re-label what this host holds (see elastic.py).
+
+        Steps Orbax committed under the previous layout are ingested under it first, so that their
+        manifests say whose data they are.
+        """
+        new = elastic.Layout(cfg.job_name, cfg.node_rank, cfg.nodes, opts.data_parallelism)
+        prev = elastic.read_layout(self.local)
+        if prev is not None and (prev.rank, prev.nodes) != (new.rank, new.nodes):
+            OrbaxStore(self.local, prev.rank, job=prev.job, nodes=prev.nodes, on_error=self._error).ingest()
+        report = elastic.remap(self.local, new, prev)
+        if report.unmapped:
+            self._error(f"rank {cfg.node_rank}: steps {sorted(report.steps)} of the previous layout cannot be "
+                        f"restored ({report.unmapped}); moved to {self.local / elastic.UNMAPPED_DIR}")
+        elif report.changed:
+            log.info("elastic: rank %d/%d (was %s): %d piece(s) re-labelled, %d dropped, %d new rank(s) attested",
+                     new.rank, new.nodes, f"{prev.rank}/{prev.nodes}" if prev else "unrecorded",
+                     len(report.relabelled), len(report.dropped), len(report.attest))
+        return report
 
     def _clean_links(self) -> None:
         """Unlink every ``<local>/<N>`` link: earlier restores, pointing into the store (data stays there)."""

@@ -113,6 +113,7 @@ class OrbaxMode:
         self.store: OrbaxStore | None = None
         self.handshakes = 0
         self._announced = False
+        self._jax_info_written = False
         if build is None:
             from replicator.daemon import build_replicator
 
@@ -142,10 +143,13 @@ class OrbaxMode:
         self._stop_daemon()
 
     def _ensure_jax_init_info(self) -> None:
+        """Written at start (a file of an earlier daemon may name another process id: the host's place in
+        the job changed) and again whenever it is missing."""
         if not self.opts.jax_coordinator:
             return
-        if not (self.local / oc.JAX_INIT_INFO_FILE).exists():
+        if not self._jax_info_written or not (self.local / oc.JAX_INIT_INFO_FILE).exists():
             oc.write_jax_init_info(self.local, self.opts.jax_process_id, self.opts.jax_coordinator)
+            self._jax_info_written = True
 
     def _stop_daemon(self) -> None:
         d, self.daemon = self.daemon, None

@@ -132,20 +132,12 @@ class OrbaxStore(RamDiskStore):
         return True
 
     def inventory(self) -> list[Holding]:
-        """Ingest first, so a step Orbax just committed is reported (and replicated) in this heartbeat.
-
-        Pieces of ranks outside this job's ``0..nodes-1`` (left by another layout; the handshake re-labels
-        them, see elastic.py) are never reported: the coordinator would reject the whole report.
-        """
+        """Ingest first, so a step Orbax just committed is reported (and replicated) in this heartbeat."""
         try:
             self.ingest()
         except OSError as e:  # the local directory vanished under us (host wiped): report what is left
             log.warning("ingesting Orbax steps failed: %s", e)
-        held = super().inventory()
-        out = [h for h in held if h.owner_rank < self.nodes]
-        if len(out) != len(held):
-            log.warning("not reporting %d piece(s) of ranks outside 0..%d", len(held) - len(out), self.nodes - 1)
-        return out
+        return super().inventory()
 
     def forget_replicas(self, steps: set[int]) -> None:
         """Drop the replica attestations of ``steps`` and of ranks outside the job (after a re-labelling)."""

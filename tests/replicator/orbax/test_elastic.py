@@ -70,9 +70,10 @@ def test_remap_shrink_relabels_own_data_by_position_and_drops_what_has_no_slot(t
     assert not (tmp_path / "peer" / "2").exists() or not any((tmp_path / "peer" / "2").iterdir())
     assert rep.dropped == [(7, 1)] and not (tmp_path / elastic.STAGING_DIR).exists()
     assert sorted(rep.relabelled) == [(7, 2, 0), (7, 3, 1)] and rep.attest == []
-    # The store reports only ranks of the new job; old attestations are dropped by the handshake.
+    # Old attestations (of old ranks) are dropped by the handshake; the store reports the new ranks only.
     store = OrbaxStore(tmp_path, 1, job="j", nodes=2)
     store.forget_replicas(rep.steps)
+    assert store._load_replicas() == {}
     held = {(h.owner_rank, h.step, str(h.tier)) for h in store.inventory()}
     assert held == {(1, 7, "local"), (0, 7, "peer")}
     assert store.data_dir_for(7) == tmp_path / "steps" / "7"
@@ -146,6 +147,14 @@ def _ingested(cl: OrbaxCluster, hosts: list[int], step: int) -> None:
              what=f"step {step} ingested on hosts {hosts}")
 
 
+def _replica_attested(cl: OrbaxCluster, holder: int, owner: int, step: int) -> bool:
+    try:
+        entries = json.loads((cl.local(holder) / "replica-of.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any(o == owner and s == step for o, s, _ in entries)
+
+
 def _lose(cl: OrbaxCluster, hosts: list[int]) -> None:
     """Hosts gone for good (a slice lost): daemon killed, RAM disk gone."""
     for h in hosts:
@@ -175,6 +184,9 @@ def test_orbax_shrinks_to_the_surviving_slice_and_grows_back(cluster_base, lost_
 
     gone = [0, 1] if lost_slice == 0 else [2, 3]
     survivors = [h for h in range(4) if h not in gone]
+    # The survivors attested that their data equals the lost slice's (replica holdings of ranks that the
+    # 2-node job does not have: what made the new coordinator reject every heartbeat).
+    wait_for(lambda: all(_replica_attested(cl, h, (h + 2) % 4, 2) for h in survivors), what="replicas attested")
     _lose(cl, gone)
     cl.set_members(survivors)
     if lost_slice == 0:
@@ -187,7 +199,7 @@ def test_orbax_shrinks_to_the_surviving_slice_and_grows_back(cluster_base, lost_
         # The host's own old data, re-labelled as its new rank's: no transfer.
         assert (cl.local(h) / "2").resolve() == (cl.local(h) / "steps" / "2").resolve(), cl.describe(second)
         m = layout.verify_step_dir(cl.local(h) / "steps" / "2")
-        assert (m.rank, m.nodes) == (rank, 2)
+        assert (m.rank, m.nodes) == (rank, 2), cl.describe(second)
         assert "elastic scale up/down" in second.results[rank].get("orbax_restore_error", ""), second.results
         assert not (cl.local(h) / oc.FAILED_FILE).exists()
     _ingested(cl, survivors, 3)

@@ -21,6 +21,11 @@ is what Orbax's ``peer-ranks`` say), so a saved piece of old rank ``o`` is the d
   byte-identical copy);
 * the layout is recorded in ``<local>/orbax-layout.json`` so the next handshake knows what changed.
 
+The coordinator plans over one node count and cannot use a backup saved by another. So a host whose RAM
+disk holds nothing, when the newest backup in the bucket was saved by another node count, downloads its
+position's data of that backup (:func:`bucket_source_rank`) before the re-labelling, which then makes it
+this host's own data like any other piece.
+
 A crash in the middle leaves pieces in ``<local>/elastic-remap/`` with a valid manifest; the next handshake
 finishes the job (the re-labelling is idempotent).
 """
@@ -228,3 +233,32 @@ def remap(local: Path, new: Layout, previous: Layout | None) -> RemapReport:
                     report.attest.append((q, step, fresh.content_hash))
     shutil.rmtree(staging, ignore_errors=True)
     return report
+
+
+def holds_nothing(local: Path) -> bool:
+    """No committed step of any rank in the store (a new or wiped host), nothing left to re-label."""
+    local = Path(local)
+    staging = local / STAGING_DIR
+    if staging.is_dir() and any(staging.iterdir()):
+        return False
+    if layout.committed_steps(layout.steps_dir(local)) if layout.steps_dir(local).is_dir() else []:
+        return False
+    peer = local / layout.PEER_DIR
+    return not any(layout.committed_steps(d) for d in (peer.iterdir() if peer.is_dir() else []) if d.is_dir())
+
+
+def bucket_source_rank(saved_nodes: int, rank_hashes: tuple[str, ...], new: Layout) -> int:
+    """The rank of a backup saved by ``saved_nodes`` hosts whose data is ``new.rank``'s (same position).
+
+    The same rank number when it has that position and saved the step, else the lowest that did.
+    ValueError naming what is missing when none can be used.
+    """
+    h = new.hosts_per_slice
+    if saved_nodes % h:
+        raise ValueError(f"the backup was saved by {saved_nodes} nodes, not a multiple of this job's {h} hosts "
+                         "per slice: Orbax cannot restore one host's shards onto another number of hosts per slice")
+    p = new.position(new.rank)
+    ranks = [r for r in range(p, saved_nodes, h) if r < len(rank_hashes) and rank_hashes[r]]
+    if not ranks:
+        raise ValueError(f"the backup holds no rank of in-slice position {p} (saved by {saved_nodes} nodes)")
+    return new.rank if new.rank in ranks else ranks[0]

@@ -245,6 +245,8 @@ class OrbaxMode:
         prev = elastic.read_layout(self.local)
         if prev is not None and (prev.rank, prev.nodes) != (new.rank, new.nodes):
             OrbaxStore(self.local, prev.rank, job=prev.job, nodes=prev.nodes, on_error=self._error).ingest()
+        if opts.backup_url and elastic.holds_nothing(self.local):
+            self._fetch_other_layout_backup(opts, new)
         report = elastic.remap(self.local, new, prev)
         if report.unmapped:
             self._error(f"rank {cfg.node_rank}: steps {sorted(report.steps)} of the previous layout cannot be "
@@ -254,6 +256,34 @@ class OrbaxMode:
                      new.rank, new.nodes, f"{prev.rank}/{prev.nodes}" if prev else "unrecorded",
                      len(report.relabelled), len(report.dropped), len(report.attest))
         return report
+
+    def _fetch_other_layout_backup(self, opts: ReplicatorOptions, new: elastic.Layout) -> None:
+        """An empty host, and the newest backup was saved by another node count (which the coordinator
+        cannot plan with): download this host's position's data of it; :func:`elastic.remap` re-labels it."""
+        from replicator.backup.bucket import BackupStore
+        from replicator.backup.storage import open_store
+
+        backup = BackupStore(open_store(opts.backup_url), new.job)
+        steps = backup.committed_steps()
+        if not steps:
+            return
+        rec, _ = backup.commit_record(steps[-1])
+        if rec.nodes == new.nodes:
+            return  # the coordinator plans it like any backup
+        try:
+            source = elastic.bucket_source_rank(rec.nodes, rec.rank_hashes, new)
+        except ValueError as e:
+            self._error(f"rank {new.rank}: cannot use backup step {rec.step}: {e}")
+            return
+        staging = self.local / elastic.STAGING_DIR
+        staging.mkdir(exist_ok=True)
+        try:
+            backup.download_rank(rec.step, source, staging)
+        except Exception as e:
+            raise RuntimeError(f"cannot download rank {source} of backup step {rec.step} ({rec.nodes} nodes) "
+                               f"from {opts.backup_url}: {type(e).__name__}: {e}") from e
+        log.info("elastic: downloaded rank %d of backup step %d (%d nodes) for rank %d/%d", source, rec.step,
+                 rec.nodes, new.rank, new.nodes)
 
     def _clean_links(self) -> None:
         """Unlink every ``<local>/<N>`` link: earlier restores, pointing into the store (data stays there)."""

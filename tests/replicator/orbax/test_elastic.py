@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from replicator.backup.bucket import BackupStore
+from replicator.backup.storage import open_store
 from replicator.orbax import contract as oc
 from replicator.orbax import elastic
 from replicator.orbax.store import OrbaxStore
@@ -113,6 +115,19 @@ def test_remap_finishes_an_interrupted_remap(tmp_path: Path) -> None:
     assert layout.verify_step_dir(tmp_path / "steps" / "9").rank == 0
 
 
+def test_bucket_source_rank_by_position() -> None:
+    hashes = ("a" * 64, "b" * 64, "", "d" * 64)  # 4 nodes, 2 per slice; rank 2 did not save
+    new = elastic.Layout("j", 1, 2, 1)
+    assert elastic.bucket_source_rank(4, hashes, new) == 1  # same number, same position
+    assert elastic.bucket_source_rank(4, hashes, elastic.Layout("j", 0, 2, 1)) == 0
+    assert elastic.bucket_source_rank(2, hashes[:2], elastic.Layout("j", 2, 4, 2)) == 0  # grown: position 0
+    with pytest.raises(ValueError, match="no rank of in-slice position 0"):
+        elastic.bucket_source_rank(4, ("", "b" * 64, "", "d" * 64), elastic.Layout("j", 0, 2, 1))
+    with pytest.raises(ValueError, match="hosts per slice"):
+        elastic.bucket_source_rank(3, hashes[:3], new)
+    assert elastic.holds_nothing(Path("/nonexistent-dir-for-test"))
+
+
 # --------------------------------------------------------------------------- real Orbax, real daemons
 
 slow = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -128,9 +143,9 @@ def cluster_base() -> Iterator[tuple[Path, list[OrbaxCluster]]]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _cluster(base, hosts: int, members: list[int]) -> OrbaxCluster:
+def _cluster(base, hosts: int, members: list[int], extra: list[str] = ()) -> OrbaxCluster:
     root, clusters = base
-    c = OrbaxCluster(root / f"c{len(clusters)}", hosts, [], members=members)
+    c = OrbaxCluster(root / f"c{len(clusters)}", hosts, list(extra), members=members)
     clusters.append(c)
     c.start_all()
     return c
@@ -217,3 +232,40 @@ def test_orbax_shrinks_to_the_surviving_slice_and_grows_back(cluster_base, lost_
         layout.verify_step_dir(link)
     print(f"lost slice {lost_slice}: 3 incarnations in {time.monotonic() - t0:.1f}s; init "
           f"{[round(x.results[0]['init_seconds'], 1) for x in (first, second, third)]}s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_orbax_changed_node_count_restores_from_a_backup_of_the_other_layout(cluster_base) -> None:
+    """Every RAM disk lost across a shrink (4 -> 2) and again across a grow (2 -> 4): each host downloads
+    its in-slice position's data of the newest backup, saved by the other node count."""
+    bucket = f"file://{cluster_base[0]}/bucket"
+    cl = _cluster(cluster_base, 4, [0, 1, 2, 3], ["--backup-url", bucket])
+
+    def backed(step: int) -> bool:
+        return step in BackupStore(open_store(bucket), "elb").committed_steps()
+
+    first = cl.run_job("elb", slices=2, save_steps="1,2", backup_interval_steps=1)
+    assert all(rc == 0 for rc in first.returncodes), cl.describe(first)
+    wait_for(lambda: backed(2), timeout=60, what="step 2 in the bucket")
+
+    _lose(cl, [0, 1])
+    for h in (2, 3):  # the survivors' RAM disks are lost too: only the bucket holds step 2
+        cl.daemons.pop(h).stop()
+        cl.wipe(h)
+    cl.set_members([2, 3])
+    _restart(cl, [2, 3])
+    second = cl.run_job("elb", slices=1, restore_step=2, save_steps="3", backup_interval_steps=1, elastic=True)
+    _restored(cl, second, 2)
+    for rank, h in enumerate([2, 3]):
+        m = layout.verify_step_dir((cl.local(h) / "2").resolve())
+        assert (m.rank, m.nodes) == (rank, 2), cl.describe(second)
+    wait_for(lambda: backed(3), timeout=60, what="step 3 in the bucket")
+
+    for h in (2, 3):
+        cl.daemons.pop(h).stop()
+        cl.wipe(h)
+    cl.set_members([0, 1, 2, 3])
+    _restart(cl, [0, 1, 2, 3])
+    third = cl.run_job("elb", slices=2, restore_step=3, elastic=True)
+    _restored(cl, third, 3)

@@ -184,34 +184,37 @@ def _restart(cl: OrbaxCluster, hosts: list[int]) -> None:
         cl.start(h)
 
 
-@pytest.mark.parametrize("lost_slice", [1, 0])
+@pytest.mark.parametrize("gone", [[2, 3], [0, 1], [0, 3]], ids=["slice1", "slice0", "mixed"])
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_orbax_shrinks_to_the_surviving_slice_and_grows_back(cluster_base, lost_slice: int) -> None:
-    """2 slices x 2 hosts save; one slice is lost for good; Orbax re-initialises on the 2 survivors (their
+def test_orbax_shrinks_to_the_surviving_hosts_and_grows_back(cluster_base, gone: list[int]) -> None:
+    """2 slices x 2 hosts save; 2 hosts are lost for good; Orbax re-initialises on the 2 survivors (their
     RAM disks hold old-rank data), restores, saves; then 2 empty hosts join again (4 nodes) and get the
-    data from the survivors."""
+    data from the survivors.
+
+    slice1: the survivors keep ranks 0 and 1 and their daemons stay up (the issue's case). slice0: hosts 2
+    and 3 become ranks 0 and 1 (same in-slice positions). mixed: hosts 1 and 2 become ranks 0 and 1, so
+    each holds the other's position: they swap data through the peer service.
+    """
     t0 = time.monotonic()
     cl = _cluster(cluster_base, 4, [0, 1, 2, 3])
     first = cl.run_job("el", slices=2, save_steps="1,2")
     assert all(rc == 0 for rc in first.returncodes), cl.describe(first)
     _ingested(cl, [0, 1, 2, 3], 2)
 
-    gone = [0, 1] if lost_slice == 0 else [2, 3]
     survivors = [h for h in range(4) if h not in gone]
     # The survivors attested that their data equals the lost slice's (replica holdings of ranks that the
     # 2-node job does not have: what made the new coordinator reject every heartbeat).
     wait_for(lambda: all(_replica_attested(cl, h, (h + 2) % 4, 2) for h in survivors), what="replicas attested")
     _lose(cl, gone)
     cl.set_members(survivors)
-    if lost_slice == 0:
-        # Hosts 2 and 3 become ranks 0 and 1: their daemons learn the new rank -> address map.
-        _restart(cl, survivors)
-    # (lost_slice 1: the survivors keep ranks 0 and 1 and their daemons stay up, as in the issue.)
+    renumbered = survivors != [0, 1]
+    if renumbered:
+        _restart(cl, survivors)  # the daemons learn the new rank -> address map
     second = cl.run_job("el", slices=1, restore_step=2, save_steps="3", elastic=True)
     _restored(cl, second, 2)
     for rank, h in enumerate(survivors):
-        # The host's own old data, re-labelled as its new rank's: no transfer.
+        # The host's own old data re-labelled as its new rank's (mixed: the other survivor's, fetched).
         assert (cl.local(h) / "2").resolve() == (cl.local(h) / "steps" / "2").resolve(), cl.describe(second)
         m = layout.verify_step_dir(cl.local(h) / "steps" / "2")
         assert (m.rank, m.nodes) == (rank, 2), cl.describe(second)
@@ -221,7 +224,7 @@ def test_orbax_shrinks_to_the_surviving_slice_and_grows_back(cluster_base, lost_
 
     # Scale back up: the lost hosts return with empty RAM disks as ranks 2 and 3 (a new slice).
     cl.set_members(survivors + gone)
-    _restart(cl, gone if lost_slice == 1 else survivors + gone)
+    _restart(cl, survivors + gone if renumbered else gone)
     third = cl.run_job("el", slices=2, restore_step=3, elastic=True)
     _restored(cl, third, 3)
     for rank, h in enumerate(gone, start=2):
@@ -230,7 +233,7 @@ def test_orbax_shrinks_to_the_surviving_slice_and_grows_back(cluster_base, lost_
         link = (cl.local(h) / "3").resolve()
         assert link == (cl.local(h) / "peer" / str(src) / "3").resolve(), cl.describe(third)
         layout.verify_step_dir(link)
-    print(f"lost slice {lost_slice}: 3 incarnations in {time.monotonic() - t0:.1f}s; init "
+    print(f"lost hosts {gone}: 3 incarnations in {time.monotonic() - t0:.1f}s; init "
           f"{[round(x.results[0]['init_seconds'], 1) for x in (first, second, third)]}s")
 
 

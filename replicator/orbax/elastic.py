@@ -16,8 +16,8 @@ is what Orbax's ``peer-ranks`` say), so a saved piece of old rank ``o`` is the d
   filesystems (renames) and are not rewritten; only the manifest is replaced (tmp + rename);
 * replica attestations of re-labelled steps are dropped (they name old ranks; the coordinator re-verifies
   replicas by hash) and, for a step saved by fewer nodes than now (the job grew), this host attests that
-  its own data is that of every new rank of its position that did not exist then: the coordinator then
-  plans those ranks' restores from this host, like a replaced host's (Orbax restores from a replica's
+  its own data is that of every other rank of its position: the coordinator then plans the restores of
+  the new hosts among them from this host, like a replaced host's (Orbax restores from a replica's
   byte-identical copy);
 * the layout is recorded in ``<local>/orbax-layout.json`` so the next handshake knows what changed.
 
@@ -226,10 +226,12 @@ def remap(local: Path, new: Layout, previous: Layout | None) -> RemapReport:
         log.info("elastic: step %d of old rank %d (of %d nodes) is now %s of rank %d", step, m.rank, m.nodes,
                  "the own data" if owner == new.rank else "a copy", owner)
         if owner == new.rank and m.nodes < new.nodes:
-            # The job grew: new ranks of this position that did not exist at the save have no data of
-            # their own; this host's data is theirs (Orbax restores a replica's identical copy).
+            # The job grew: some ranks of this position (which ones depends on the new numbering) are new
+            # hosts without data; this host's data is theirs (Orbax restores a replica's identical copy).
+            # For a rank that does hold its own data the claim is redundant (same hash) or, if its data
+            # differs, outvoted by its own definitive copy.
             for q in new.ranks_at(p):
-                if q != new.rank and q >= m.nodes:
+                if q != new.rank:
                     report.attest.append((q, step, fresh.content_hash))
     shutil.rmtree(staging, ignore_errors=True)
     return report

@@ -94,6 +94,11 @@ def test_remap_grow_attests_new_ranks_and_ignores_current_pieces(tmp_path: Path)
     store = OrbaxStore(tmp_path, 1, job="j", nodes=4)
     assert store.attest_replica(3, 5, h)
     assert {(x.owner_rank, str(x.tier)) for x in store.inventory()} == {(1, "local"), (3, "replica")}
+    # The new slice may come first: this host (rank 0 of 2) becomes rank 2 of 4; rank 0 is the new host.
+    other = tmp_path / "other"
+    h0 = _saved(other, 0, 2, 5, position=0)
+    rep = elastic.remap(other, elastic.Layout("j", 2, 4, 2), elastic.Layout("j", 0, 2, 1))
+    assert rep.relabelled == [(5, 0, 2)] and rep.attest == [(0, 5, h0)]
 
 
 def test_remap_other_hosts_per_slice_moves_old_data_aside(tmp_path: Path) -> None:

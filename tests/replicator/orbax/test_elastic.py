@@ -133,6 +133,33 @@ def test_bucket_source_rank_by_position() -> None:
     assert elastic.holds_nothing(Path("/nonexistent-dir-for-test"))
 
 
+def test_nothing_restorable_although_steps_are_held_is_reported_to_orbax(tmp_path: Path) -> None:
+    """E.g. both survivors of a shrink held position 0: rank 1's data is nowhere. Orbax starts from
+    scratch, and replicator.errors names what is missing instead of a silent "nothing to restore"."""
+    from mtc_rpc import coordinator_pb2 as cpb
+    from replicator.options import ReplicatorOptions
+    from replicator.orbax.mode import OrbaxMode
+
+    reason = "no step is recoverable for every rank; newest known step 7 lacks ranks 1"
+
+    class FakeDaemon:
+        def call_coordinator(self, method, request, timeout):
+            if method == "GetStatus":
+                return cpb.GetStatusResponse(hosts_reported=2)
+            return cpb.PrepareRestoreResponse(step=-1, reason=reason)
+
+    opts = ReplicatorOptions(local_dir=tmp_path, peers={0: "127.0.0.1:1", 1: "127.0.0.1:2"}).validate()
+    mode = OrbaxMode(opts, build=lambda *a, **k: None)
+    cfg = oc.ReplicatorConfig("j", "orbax", 1, 0, 2, (), backup_interval_minutes=30)
+    store = OrbaxStore(tmp_path, 0, job="j", nodes=2)
+    assert mode._plan(FakeDaemon(), store, cfg, opts) == (None, None)
+    assert not (tmp_path / oc.ERRORS_FILE).exists()  # a host holding nothing: nothing to say
+    _saved(tmp_path, 0, 2, 7, position=0)
+    assert mode._plan(FakeDaemon(), store, cfg, opts) == (None, None)
+    text = (tmp_path / oc.ERRORS_FILE).read_text()
+    assert "holds steps [7]" in text and "lacks ranks 1" in text
+
+
 # --------------------------------------------------------------------------- real Orbax, real daemons
 
 slow = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -33,8 +33,8 @@ from replicator.coordinator.topology import JobTopology
 from replicator.local.store import RamDiskStore
 from replicator.metrics import ReplicatorMetrics, TimedCoordinator
 from replicator.net import priority, retry, rpc
-from replicator.net.security import TlsOptions
-from replicator.options import ReplicatorOptions
+from replicator.net.security import AdminGate, TlsOptions, rank_authorizer
+from replicator.options import ConfigError, ReplicatorOptions
 from replicator.peer import client as peer_client
 from replicator.peer import protocol as peer_protocol
 from replicator.peer import server as peer_server
@@ -158,9 +158,20 @@ class Replicator:
         # is active (docs/coordinator.md).
         self.candidates = opts.coordinator_candidate_list()
         self._my_candidate = next((i for i, (r, _) in enumerate(self.candidates) if r == rank), None)
+        # Mutual TLS: reports are bound to the rank the client certificate names (docs/security.md); this
+        # also refuses to start with a certificate issued for another rank or job.
+        try:
+            authorizer = rank_authorizer(self._tls(), job, opts.tls_rank_identity, rank)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if authorizer is not None and self._my_candidate is not None:
+            log.info("mutual TLS: a certificate naming mtc://%s/rank/N reports only for rank N; one naming no "
+                     "rank is %s", job, "refused" if authorizer.require else
+                     "accepted for any rank (this replicator's own names none: one certificate for the whole job)")
         if self._my_candidate is not None:
             factory = (lambda: backup_scheduler_factory(self.topology)) if backup_scheduler_factory else None
             self.coordinator = Coordinator(self.topology, job, keep_local=opts.keep_local,
+                                           authorizer=authorizer,
                                            heartbeat_seconds=opts.heartbeat_seconds, backup_factory=factory,
                                            force_restore_step=opts.restore_from_backup,
                                            host_lost_seconds=opts.host_lost_seconds,
@@ -231,13 +242,16 @@ class Replicator:
         servicers = [(peer_pb2_grpc.add_PeerServicer_to_server, peer)]
         if self.coordinator is not None:
             from mtc_rpc import admin_pb2_grpc
-            from replicator.coordinator.admin import AdminServicer
+            from replicator.coordinator.admin import ADMIN_ACTIONS, AdminServicer
 
             admin = AdminServicer(self.coordinator)
             timed = TimedCoordinator(admin.wrap(self.coordinator), self.metrics)
             admin.coord = timed  # `mtc restore` plans through the same (timed) PrepareRestore
             servicers.append((cpb_grpc.add_CoordinatorServicer_to_server, timed))
-            servicers.append((admin_pb2_grpc.add_AdminServicer_to_server, _ServingOnly(admin, self.coordinator)))
+            gated: Any = admin
+            if self.coordinator.authorizer is not None:  # mutual TLS: actions need the admin certificate
+                gated = AdminGate(admin, self.coordinator.authorizer, ADMIN_ACTIONS)
+            servicers.append((admin_pb2_grpc.add_AdminServicer_to_server, _ServingOnly(gated, self.coordinator)))
         self._server, port = rpc.create_server(
             self.opts.listen, servicers, token=self.token, tls=tls,
             max_message_bytes=self.opts.max_message_bytes, max_workers=16)

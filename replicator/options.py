@@ -70,9 +70,19 @@ class ReplicatorOptions:
     backup_keep: int = _opt('committed backups kept (default 3)', 3)
     restore_from_backup: int | None = _opt('force restoring this backed-up step', None)
     token_file: str = _opt('file with the shared bearer token; RPCs without it are rejected', "")
-    tls_cert: str = _opt('TLS certificate (PEM)', "")
+    tls_cert: str = _opt(
+        "TLS certificate (PEM), as server and as client; under mutual TLS its URI SAN mtc://JOB/rank/N "
+        "names this host's rank (docs/security.md)", "")
     tls_key: str = _opt('TLS private key (PEM)', "")
-    tls_ca: str = _opt('CA bundle (PEM): enables mutual TLS', "")
+    tls_ca: str = _opt(
+        "CA bundle (PEM): enables mutual TLS (every caller presents a certificate it signed; reports are "
+        "bound to the rank a certificate names)", "")
+    tls_rank_identity: str = _opt(
+        "mutual TLS: a certificate naming mtc://JOB/rank/N may report only for rank N, an admin one "
+        "(mtc://JOB/admin) never; one naming no rank is refused when this is 'require', or with 'auto' "
+        "(default) when this replicator's own certificate names a rank; then admin actions (pin, restore, "
+        "backup now, bad-copy reports) need the admin certificate too (docs/security.md)",
+        "auto", choices=("auto", "require"))
     insecure: bool = _opt(
         'allow listening beyond loopback without --token-file or TLS (refused otherwise; docs/security.md)',
         False)
@@ -219,6 +229,8 @@ class ReplicatorOptions:
             v = getattr(self, name)
             if v and not Path(v).is_file():
                 raise ConfigError(f"--{name.replace('_', '-')} {v}: no such file")
+        if self.tls_rank_identity == "require" and not (self.tls_ca and self.tls_cert):
+            raise ConfigError("--tls-rank-identity require needs mutual TLS: --tls-cert, --tls-key and --tls-ca")
         _host_port(self.listen, "--listen")
         if not 0 <= self.data_port <= 65535:
             raise ConfigError(f"--data-port must be 0..65535, got {self.data_port}")

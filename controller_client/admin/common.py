@@ -98,7 +98,8 @@ def add_connection(p: argparse.ArgumentParser, required: bool = True) -> None:
                         f"(default ${ENV_COORDINATOR})")
     g.add_argument("--token-file", default=os.environ.get(ENV_TOKEN_FILE, ""),
                    help=f"file with the bearer token (default ${ENV_TOKEN_FILE})")
-    g.add_argument("--tls-cert", help="client certificate (PEM), for mutual TLS")
+    g.add_argument("--tls-cert", help="client certificate (PEM), for mutual TLS: the job's admin "
+                   "certificate (URI SAN mtc://JOB/admin; docs/security.md)")
     g.add_argument("--tls-key", help="client key (PEM)")
     g.add_argument("--tls-ca", help="CA bundle (PEM) that signed the replicators' certificates")
     g.add_argument("--timeout-seconds", type=float, default=10.0, help="deadline of each call (default 10)")

@@ -140,6 +140,8 @@ class FilteredCoordinator:
         return getattr(self._inner, name)
 
     def Heartbeat(self, request: cpb.HeartbeatRequest, context: grpc.ServicerContext) -> cpb.HeartbeatResponse:
+        # A report the caller's certificate may not make (mutual TLS) must not touch the filter's state either.
+        self._inner.authorize_report(request.rank, context)
         request, doomed = self._bad.filter(request)
         resp = self._inner.Heartbeat(request, context)
         if doomed:
@@ -155,6 +157,11 @@ class FilteredCoordinator:
         if self._completed is not None:
             self._completed.note(resp.newest_complete_step)
         return resp
+
+
+# RPCs that change what the job keeps, restores or deletes: under mutual TLS with rank identities they need
+# the admin certificate (replicator.net.security.AdminGate; docs/security.md). The rest only read.
+ADMIN_ACTIONS = frozenset({"Pin", "Unpin", "RestoreStep", "BackupNow", "ReportBadCopy"})
 
 
 class AdminServicer(pb_grpc.AdminServicer):

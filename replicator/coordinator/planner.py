@@ -246,11 +246,16 @@ class CoordinatorState:
         self.reregistered = 0
         # Derived views, refreshed lazily per dirty (step, replica group).
         self.version = 0
-        self._dirty: dict[int, set[int]] = {}
+        self._dirty: dict[int, set[int]] = {}  # step -> groups whose coverage (and then tasks) changed
+        self._tasks_dirty: dict[int, set[int]] = {}  # step -> groups whose copy tasks must be re-derived
         self._stale_all = False
         self._auth: dict[int, dict[int, _Auth]] = {}
         self._cov: dict[int, dict[int, tuple[Source, ...]]] = {}
         self._complete: set[int] = set()
+        # Completeness, kept incrementally: step -> (what its expected ranks are keyed by, that set, how
+        # many of them no tier covers). Re-deriving a group adjusts the count by its own members only.
+        self._expected: dict[int, tuple[Any, frozenset[int]]] = {}
+        self._uncovered: dict[int, int] = {}
         self._tasks: dict[int, dict[int, tuple[CopyTask, ...]]] = {}  # step -> group -> tasks
         self._by_dest: dict[int, dict[int, dict[int, tuple[CopyTask, ...]]]] = {}  # step -> dest -> group -> tasks
         self._memo: dict[Any, Any] = {}
@@ -543,14 +548,14 @@ class CoordinatorState:
         drop out).
         """
         _check_int("step", step)
-        self._refresh()
+        self._refresh(tasks=True)
         tasks = [t for group in self._tasks.get(step, {}).values() for t in group]
         tasks.sort(key=lambda t: (t.owner_rank, not t.hash_only, t.dest_rank))
         return tasks
 
     def tasks_for(self, dest: int, step: int) -> list[CopyTask]:
         """The copy tasks of ``step`` whose destination is host ``dest`` (O(its tasks))."""
-        self._refresh()
+        self._refresh(tasks=True)
         groups = self._by_dest.get(step, {}).get(dest, {})
         out = [t for g in groups.values() for t in g]
         out.sort(key=lambda t: (t.owner_rank, not t.hash_only, t.dest_rank))
@@ -783,11 +788,13 @@ class CoordinatorState:
         import copy
 
         other = copy.deepcopy(self)
-        for name in ("_auth", "_cov", "_tasks", "_by_dest", "_memo"):
+        for name in ("_auth", "_cov", "_tasks", "_by_dest", "_memo", "_expected", "_uncovered"):
             getattr(other, name).clear()
         other._complete.clear()
         other._memo_version = -1
         other._dirty = {}
+        other._tasks_dirty = {}
+        other._stale_all = False
         for step in other.known_steps():
             other._touch_all_groups(step)
         return other
@@ -890,35 +897,74 @@ class CoordinatorState:
 
     def _replan_all(self) -> None:
         """The set of lost hosts changed: copy destinations of every group may change (O(1) now; the
-        next query re-derives everything once, however many hosts were lost meanwhile)."""
+        next query for copy tasks re-derives them once, however many hosts were lost meanwhile).
+        Coverage, completeness and restore plans do not depend on it and stay as they are."""
         self.version += 1
         self._stale_all = True
 
-    def _refresh(self) -> None:
+    def _refresh(self, tasks: bool = False) -> None:
+        """Bring the derived views up to date: coverage and completeness always, copy tasks when asked
+        (only :meth:`replication_plan` and :meth:`tasks_for` read them, so a restore right after a slice
+        is lost does not wait for every group's copy plan)."""
+        if self._dirty:
+            dirty, self._dirty = self._dirty, {}
+            for step, groups in dirty.items():
+                self._refresh_coverage(step, groups)
+        if not tasks:
+            return
         if self._stale_all:
             self._stale_all = False
             every = set(range(self.topology.hosts_per_slice))
             for step in self.known_steps():
-                self._dirty[step] = set(every)
-        if not self._dirty:
-            return
-        dirty, self._dirty = self._dirty, {}
-        for step, groups in dirty.items():
-            if step not in self._index and step not in self._bucket:
-                for view in (self._auth, self._cov, self._tasks, self._by_dest):
-                    view.pop(step, None)
-                self._complete.discard(step)
-                continue
-            for g in groups:
-                self._derive(step, g)
-            cov = self._cov.get(step, {})
-            if all(r in cov for r in self.expected_ranks(step)):
-                self._complete.add(step)
-            else:
-                self._complete.discard(step)
+                self._tasks_dirty[step] = set(every)
+        if self._tasks_dirty:
+            dirty, self._tasks_dirty = self._tasks_dirty, {}
+            for step, groups in dirty.items():
+                for g in groups:
+                    self._derive_tasks(step, g)
 
-    def _derive(self, step: int, group: int) -> None:
-        """Recompute the views of one replica group of one step from the facts."""
+    def _refresh_coverage(self, step: int, groups: set[int]) -> None:
+        if step not in self._index and step not in self._bucket:
+            for view in (self._auth, self._cov, self._tasks, self._by_dest, self._expected, self._uncovered,
+                         self._tasks_dirty):
+                view.pop(step, None)
+            self._complete.discard(step)
+            return
+        self._tasks_dirty.setdefault(step, set()).update(groups)
+        key = self._expected_key(step)
+        cached = self._expected.get(step)
+        cov = self._cov.setdefault(step, {})
+        if cached is None or cached[0] != key or step not in self._uncovered:
+            for g in groups:
+                self._derive_coverage(step, g)
+            expected = frozenset(self.expected_ranks(step))
+            self._expected[step] = (key, expected)
+            uncovered = sum(1 for r in expected if r not in cov)
+        else:
+            expected = cached[1]
+            uncovered = self._uncovered[step]
+            for g in groups:
+                members = self._members[g]
+                before = sum(1 for r in members if r in expected and r in cov)
+                self._derive_coverage(step, g)
+                uncovered -= sum(1 for r in members if r in expected and r in cov) - before
+        self._uncovered[step] = uncovered
+        if uncovered == 0:
+            self._complete.add(step)
+        else:
+            self._complete.discard(step)
+
+    def _expected_key(self, step: int) -> Any:
+        """What :meth:`expected_ranks` of ``step`` depends on, cheaply (a bucket-only step: its ranks)."""
+        gens = self._generations.get(step)
+        if gens:
+            gen = max(gens)
+            return ("saved", gen, self._savers.get((step, gen), ()))
+        bucket = self._bucket.get(step)
+        return ("bucket", frozenset(bucket) if bucket else None)
+
+    def _derive_coverage(self, step: int, group: int) -> None:
+        """Recompute the accepted hashes and sources of one replica group of one step from the facts."""
         members = self._members[group]
         by_owner = self._index.get(step, {})
         bucket = self._bucket.get(step, {})
@@ -937,6 +983,10 @@ class CoordinatorState:
                 cov[r] = tuple(found)
             else:
                 cov.pop(r, None)
+
+    def _derive_tasks(self, step: int, group: int) -> None:
+        """Recompute the copy tasks of one replica group of one step (its coverage is current)."""
+        auth = self._auth.get(step, {})
         by_dest = self._by_dest.setdefault(step, {})
         for t in self._tasks.get(step, {}).get(group, ()):
             slot = by_dest.get(t.dest_rank)

@@ -28,6 +28,7 @@ from replicator.coordinator.planner import (
     ranges,
 )
 from replicator.coordinator.topology import JobTopology
+from replicator.net.security import RankAuthorizer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     """Global view of which step is complete where; hands every host its copies, deletions and restores.
 
     ``active=False`` makes a standby candidate: every RPC answers UNAVAILABLE until :meth:`activate`.
+    ``authorizer`` (mutual TLS): a heartbeat is accepted only from a client certificate that may report
+    for its rank (:class:`replicator.net.security.RankAuthorizer`); refused ones change nothing.
     """
 
     def __init__(
@@ -101,8 +104,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         epoch: int = 1,
         address: str = "",
         max_waiters: int = MAX_WAITERS,
+        authorizer: RankAuthorizer | None = None,
     ):
         self.topology = topology
+        self.authorizer = authorizer
         self.job = job
         self.keep_local = keep_local
         self.heartbeat_seconds = heartbeat_seconds
@@ -189,6 +194,18 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if not 0 <= rank < self.topology.nodes:
             self._abort_bad(context, f"unknown rank {rank}: the job has ranks 0..{self.topology.nodes - 1}",
                             grpc.StatusCode.NOT_FOUND)
+
+    def authorize_report(self, rank: int, context: grpc.ServicerContext) -> None:
+        """Abort with PERMISSION_DENIED unless the caller's certificate may report for ``rank`` (mutual TLS).
+
+        Called before anything reads or changes state (also by the admin layer's heartbeat filter).
+        """
+        if self.authorizer is None:
+            return
+        why = self.authorizer.refusal(context.auth_context(), rank)
+        if why is not None:
+            log.warning("%s (peer %s)", why, context.peer())
+            self._abort_bad(context, why, grpc.StatusCode.PERMISSION_DENIED)
 
     def max_pieces_per_host(self) -> int:
         """Bound on what one host may report holding: its ``keep_local`` newest steps plus protected ones
@@ -280,6 +297,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if _expired(context):
             self._abort_bad(context, "deadline passed before the heartbeat was handled",
                             grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.authorize_report(request.rank, context)
         self._check(request.job, request.rank, context)
         self._check_active(context)
         rank = request.rank

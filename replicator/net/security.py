@@ -6,14 +6,21 @@
   Kubernetes gRPC probes cannot send metadata, and health answers reveal nothing but SERVING.
 - TLS from PEM files (``--tls-cert/--tls-key/--tls-ca``); giving a CA turns on mutual TLS (the server
   demands a client certificate signed by it, the client verifies the server with it).
+- Identities under mutual TLS: a certificate names who it is by a URI subject alternative name,
+  ``mtc://<job>/rank/<N>`` (a host of the job) or ``mtc://<job>/admin`` (the controller, ``mtc``).
+  :class:`RankAuthorizer` lets a rank certificate report only for its own rank (docs/security.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import hmac
 import logging
-from collections.abc import Callable, Iterable
+import re
+import urllib.parse
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +209,238 @@ class TlsOptions:
         if self.server_name_override:
             return [("grpc.ssl_target_name_override", self.server_name_override)]
         return []
+
+
+# --------------------------------------------------------------------------- identities under mutual TLS
+
+IDENTITY_SCHEME = "mtc"
+# mtc://<job>/rank/<N> or mtc://<job>/admin; the job is percent-encoded (quote(job, safe="")).
+_IDENTITY_RE = re.compile(r"mtc://(?P<job>[^/?#]+)/(?:rank/(?P<rank>0|[1-9][0-9]{0,8})|(?P<admin>admin))")
+# Auth-context keys (grpc core) holding a client certificate's URI SANs: gRPC >= 1.39 lists them under
+# peer_uri; every version lists all SANs (DNS, IP, URI) under x509_subject_alternative_name.
+_URI_KEYS = ("peer_uri", "x509_subject_alternative_name")
+
+
+class IdentityError(ValueError):
+    """A certificate's mtc:// identity is malformed or ambiguous (names two different identities)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerIdentity:
+    """Who a client certificate says it is: host ``rank`` of ``job``, or an administrator (``rank`` None)."""
+
+    job: str
+    rank: int | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.rank is None
+
+    @property
+    def uri(self) -> str:
+        """The URI SAN naming this identity (what a certificate carries)."""
+        job = urllib.parse.quote(self.job, safe="")
+        return f"{IDENTITY_SCHEME}://{job}/admin" if self.rank is None else f"{IDENTITY_SCHEME}://{job}/rank/{self.rank}"
+
+    def __str__(self) -> str:
+        return self.uri
+
+
+def rank_identity(job: str, rank: int) -> PeerIdentity:
+    """The identity a host certificate of ``job``'s ``rank`` carries (``PeerIdentity(job, rank).uri``)."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 10**9:
+        raise ValueError(f"rank must be an int in 0..999999999, got {rank!r}")
+    if not job:
+        raise ValueError("job must be non-empty")
+    return PeerIdentity(job, rank)
+
+
+def admin_identity(job: str) -> PeerIdentity:
+    """The identity of ``job``'s administrators and controller (``mtc``, ``CheckpointManager``)."""
+    if not job:
+        raise ValueError("job must be non-empty")
+    return PeerIdentity(job, None)
+
+
+def parse_identity_uri(uri: str) -> PeerIdentity | None:
+    """The identity named by a URI SAN; None for a URI of another scheme (e.g. a SPIFFE id).
+
+    Raises :class:`IdentityError` for an ``mtc://`` URI that does not follow the rule (never a guess).
+    """
+    if not uri.lower().startswith(IDENTITY_SCHEME + "://"):
+        return None
+    m = _IDENTITY_RE.fullmatch(uri)
+    if m is None:
+        raise IdentityError(f"{uri!r} is not an mtc identity: expected mtc://<job>/rank/<N> or mtc://<job>/admin")
+    job = urllib.parse.unquote(m["job"])
+    return PeerIdentity(job, None if m["admin"] else int(m["rank"]))
+
+
+def _texts(values: Iterable[Any] | None) -> list[str]:
+    out = []
+    for v in values or ():
+        out.append(v.decode("utf-8", "replace") if isinstance(v, bytes | bytearray) else str(v))
+    return out
+
+
+def identity_from_uris(uris: Iterable[str]) -> PeerIdentity | None:
+    """The one mtc identity among a certificate's URI SANs; None when it has none.
+
+    Raises :class:`IdentityError` when one is malformed or two name different identities.
+    """
+    found = {i for u in uris if (i := parse_identity_uri(u)) is not None}
+    if len(found) > 1:
+        raise IdentityError("the certificate names several identities: " + ", ".join(sorted(map(str, found))))
+    return next(iter(found), None)
+
+
+def identity_from_auth_context(auth_context: Mapping[str, Iterable[Any]] | None) -> PeerIdentity | None:
+    """The mtc identity of a call's client certificate, from gRPC's ``context.auth_context()``.
+
+    None when the call has no client certificate or its certificate names no mtc identity.
+    """
+    ctx = auth_context or {}
+    raw = tuple(v for key in _URI_KEYS for v in ctx.get(key) or ())
+    return _identity_of(raw)
+
+
+@functools.lru_cache(maxsize=65536)
+def _identity_of(raw: tuple[Any, ...]) -> PeerIdentity | None:
+    # Memoised: every heartbeat of a host presents the same certificate (about one entry per host and
+    # certificate rotation; 65,536 covers 10,000 hosts without thrashing the LRU).
+    return identity_from_uris(_texts(raw))
+
+
+def describe_certificate(auth_context: Mapping[str, Iterable[Any]] | None) -> str:
+    """A short description of a call's client certificate for error messages (its subject, or "no client certificate")."""
+    ctx = auth_context or {}
+    subject = _texts(ctx.get("x509_subject")) or _texts(ctx.get("x509_common_name"))
+    if subject:
+        return f"certificate {subject[0]!r}"
+    return "no client certificate"
+
+
+def identity_from_cert_file(path: Path) -> PeerIdentity | None:
+    """The mtc identity in a PEM certificate file's URI SANs (the first certificate of a chain)."""
+    from cryptography import x509  # a core dependency (pyproject); imported only under mutual TLS
+
+    cert = x509.load_pem_x509_certificate(Path(path).read_bytes())
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    return identity_from_uris(san.get_values_for_type(x509.UniformResourceIdentifier))
+
+
+class RankIdentityMode(enum.StrEnum):
+    """``--tls-rank-identity``: what the coordinator does with a report whose certificate names no rank."""
+
+    # Refuse it when this replicator's own certificate names a rank (the job issues per-rank
+    # certificates), accept it otherwise (one certificate for the whole job).
+    AUTO = "auto"
+    # Always refuse it.
+    REQUIRE = "require"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankAuthorizer:
+    """Under mutual TLS: may the caller of a rank-scoped RPC (a heartbeat) act for the rank it claims?
+
+    A certificate naming ``mtc://<job>/rank/<N>`` may act only for rank N of that job; an admin
+    certificate (``mtc://<job>/admin``) never; one naming no identity only when ``require`` is False.
+    """
+
+    job: str
+    require: bool = True
+
+    def refusal(self, auth_context: Mapping[str, Iterable[Any]] | None, rank: int) -> str | None:
+        """Why a report claiming ``rank`` is refused (PERMISSION_DENIED), or None when it is allowed."""
+        try:
+            ident = identity_from_auth_context(auth_context)
+        except IdentityError as e:
+            return f"report for rank {rank} refused: {describe_certificate(auth_context)}: {e}"
+        if ident is None:
+            if not self.require:
+                return None
+            return (f"report for rank {rank} refused: {describe_certificate(auth_context)} names no rank; "
+                    f"under mutual TLS a host's certificate must carry the URI SAN "
+                    f"{rank_identity(self.job, rank).uri} (docs/security.md)")
+        if ident.job != self.job:
+            return (f"report for rank {rank} refused: the certificate names {ident.uri}, a member of job "
+                    f"{ident.job!r}, but this coordinator serves job {self.job!r}")
+        if ident.is_admin:
+            return (f"report for rank {rank} refused: the certificate {ident.uri} is an administrator's; it "
+                    "may call status and admin RPCs but not report as a rank")
+        if ident.rank != rank:
+            return (f"report for rank {rank} refused: the certificate names rank {ident.rank} ({ident.uri}); "
+                    f"rank {ident.rank}'s certificate may report only for rank {ident.rank}")
+        return None
+
+    def admin_refusal(self, auth_context: Mapping[str, Iterable[Any]] | None, action: str) -> str | None:
+        """Why an administrative action (pin, restore, backup, bad-copy report) is refused, or None.
+
+        With identities required only the job's admin certificate may; otherwise (one certificate for the
+        whole job) any certificate of the CA may, as before.
+        """
+        if not self.require:
+            return None
+        try:
+            ident = identity_from_auth_context(auth_context)
+        except IdentityError as e:
+            ident, detail = None, f"{describe_certificate(auth_context)}: {e}"
+        else:
+            detail = ident.uri if ident is not None else f"{describe_certificate(auth_context)} names no identity"
+        if ident is not None and ident.is_admin and ident.job == self.job:
+            return None
+        return (f"{action} refused: it needs the job's admin certificate ({admin_identity(self.job).uri}), "
+                f"the caller presented {detail}")
+
+
+class AdminGate:
+    """Wraps a servicer so that its methods in ``actions`` need the admin identity (:meth:`RankAuthorizer.admin_refusal`)."""
+
+    def __init__(self, inner: Any, authorizer: RankAuthorizer, actions: Iterable[str]):
+        self._inner = inner
+        self._authorizer = authorizer
+        self._actions = frozenset(actions)
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._inner, name)
+        if name not in self._actions:
+            return fn
+
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            why = self._authorizer.admin_refusal(context.auth_context(), name)
+            if why is not None:
+                log.warning("%s (peer %s)", why, context.peer())
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+            return fn(request, context)
+
+        return call
+
+
+def rank_authorizer(
+    tls: TlsOptions | None, job: str, mode: RankIdentityMode | str = RankIdentityMode.AUTO,
+    rank: int | None = None,
+) -> RankAuthorizer | None:
+    """The coordinator's :class:`RankAuthorizer` for a replicator's TLS options; None without mutual TLS.
+
+    Also checks this replicator's own certificate: one that names another job, another rank than
+    ``rank`` or an administrator raises ValueError (the host would be refused on every report).
+    """
+    mode = RankIdentityMode(mode)
+    if tls is None or not tls.mutual:
+        if mode is RankIdentityMode.REQUIRE:
+            raise ValueError("--tls-rank-identity require needs mutual TLS (--tls-ca with --tls-cert/--tls-key)")
+        return None
+    own = identity_from_cert_file(tls.cert_file) if tls.cert_file is not None else None
+    if own is not None:
+        where = f"--tls-cert {tls.cert_file} names {own.uri}"
+        if own.job != job:
+            raise ValueError(f"{where}, a member of job {own.job!r}; this replicator serves job {job!r}")
+        if own.is_admin:
+            raise ValueError(f"{where}, an administrator's certificate; a replicator needs its rank's")
+        if rank is not None and own.rank != rank:
+            raise ValueError(f"{where} but this replicator is rank {rank}")
+    require = mode is RankIdentityMode.REQUIRE or own is not None
+    return RankAuthorizer(job, require=require)

@@ -47,12 +47,18 @@ def event(n: int):
     rank = st.integers(0, n - 1)
     step = st.sampled_from(STEPS)
     tier = st.sampled_from([Tier.LOCAL, Tier.PEER, Tier.REPLICA])
-    holding = st.builds(lambda o, s, h, t: (o, s, h, t), rank, step, st.sampled_from(HASHES), tier)
+    # Elastic saves too: a generation (a re-save after a rollback) and the savers' rank ranges.
+    savers = st.sampled_from([(), ((0, 0),), ((0, n // 2 - 1),), ((n // 2, n - 1),), ((0, 0), (2, n - 1))])
+    holding = st.builds(lambda o, s, h, t, g, sv: (o, s, h, t, g, sv), rank, step, st.sampled_from(HASHES), tier,
+                        st.sampled_from([0, 0, 1, 2]), savers)
     return st.one_of(
         st.tuples(st.just("register"), rank, st.integers(1, 3)),
         st.tuples(st.just("commit"), rank, holding),
         st.tuples(st.just("commit"), rank, holding),
         st.tuples(st.just("commit"), rank, holding),
+        # A whole save: every rank of a range commits its own data of a step (so steps often complete).
+        st.tuples(st.just("save"), step, st.sampled_from(HASHES), st.sampled_from([0, 0, 1]), savers),
+        st.tuples(st.just("save"), step, st.sampled_from(HASHES), st.just(0), st.just(())),
         st.tuples(st.just("remove"), rank, st.lists(st.tuples(rank, step), max_size=3)),
         st.tuples(st.just("inventory"), rank, st.lists(holding, max_size=4)),
         st.tuples(st.just("forget"), rank),
@@ -69,12 +75,20 @@ def apply(s: CoordinatorState, ev: tuple) -> None:
     if kind == "register":
         s.register(ev[1], ev[2])
     elif kind == "commit":
-        o, step, h, t = ev[2]
-        s.report_committed(ev[1], Holding(o, step, h, 10, t))
+        o, step, h, t, g, sv = ev[2]
+        s.report_committed(ev[1], Holding(o, step, h, 10, t, g, sv))
+    elif kind == "save":
+        _, step, h, g, sv = ev
+        ranks = [r for a, b in sv for r in range(a, b + 1)] or range(s.topology.nodes)
+        for r in ranks:
+            try:
+                s.report_committed(r, Holding(r, step, f"{h}{r}", 10, Tier.LOCAL, g, sv))
+            except NotRegisteredError:
+                pass
     elif kind == "remove":
         s.report_removed(ev[1], ev[2])
     elif kind == "inventory":
-        s.report_inventory(ev[1], [Holding(o, step, h, 10, t) for o, step, h, t in ev[2]])
+        s.report_inventory(ev[1], [Holding(o, step, h, 10, t, g, sv) for o, step, h, t, g, sv in ev[2]])
     elif kind == "forget":
         s.forget_host(ev[1], 1.0)
     elif kind == "backup":
@@ -94,7 +108,7 @@ def apply(s: CoordinatorState, ev: tuple) -> None:
 @st.composite
 def scenario(draw):
     topo = draw(st.sampled_from(TOPOLOGIES))
-    return topo, draw(st.lists(event(topo.nodes), min_size=1, max_size=40))
+    return topo, draw(st.lists(event(topo.nodes), min_size=8, max_size=40))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -215,12 +215,15 @@ def test_an_unchanged_heartbeat_rederives_nothing(monkeypatch):
     for r in range(8):  # hand out (and forget) the first answers: views now derived
         delta(coord, r, digest(items[r]), items[r])
     calls = []
-    real = CoordinatorState._derive
-    monkeypatch.setattr(CoordinatorState, "_derive", lambda self, *a: (calls.append(a), real(self, *a))[1])
+    for name in ("_derive_coverage", "_derive_tasks"):
+        real = getattr(CoordinatorState, name)
+        monkeypatch.setattr(CoordinatorState, name,
+                            lambda self, *a, n=name, f=real: (calls.append((n, *a)), f(self, *a))[1])
     for _ in range(5):
         for r in range(8):
             assert delta(coord, r, digest(items[r]), items[r]).acked_digest == digest(items[r])
     assert calls == []
     new = [*items[5], (5, 2, "x", "local")]
     delta(coord, 5, digest(items[5]), new, added=[(5, 2, "x", "local")])
-    assert calls == [(2, 1)]  # one new fact: only rank 5's replica group of step 2 is re-derived
+    # One new fact: only rank 5's replica group of step 2 is re-derived.
+    assert sorted(calls) == [("_derive_coverage", 2, 1), ("_derive_tasks", 2, 1)]

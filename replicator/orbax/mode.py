@@ -328,7 +328,7 @@ class OrbaxMode:
             raise HandshakeError(f"no restore plan within {opts.handshake_timeout_seconds}s: {last_error}")
         if resp.step < 0:
             log.info("nothing to restore: %s", resp.reason)
-            held = sorted({s for s in store.own_steps()} | {s for _, s in store.peer_steps()})
+            held = sorted(set(store.own_steps()) | {s for _, s in store.peer_steps()})
             if held:
                 # Orbax starts from scratch: say so, and what is missing (e.g. after an elastic event no
                 # survivor held some in-slice position's data), instead of a silent "nothing".

@@ -162,9 +162,6 @@ def test_nothing_restorable_although_steps_are_held_is_reported_to_orbax(tmp_pat
 
 # --------------------------------------------------------------------------- real Orbax, real daemons
 
-slow = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
 @pytest.fixture
 def cluster_base() -> Iterator[tuple[Path, list[OrbaxCluster]]]:
     d = Path(tempfile.mkdtemp(prefix="mtc-orbax-el-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))

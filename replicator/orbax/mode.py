@@ -81,6 +81,13 @@ def replicator_options(opts: ReplicatorOptions, cfg: oc.ReplicatorConfig, listen
         log.warning("peer-ranks %s of rank %d/%d are not slice-major; replicas are not paired by slice",
                     list(cfg.peer_ranks), cfg.node_rank, cfg.nodes)
         slices = 1
+    listed = [r for r, a in opts.peers.items() if a == listen and r != cfg.node_rank]
+    if listed and opts.peers.get(cfg.node_rank) != listen:
+        # Orbax renumbered the hosts (an elastic event): the address map is by the old ranks. Serving
+        # would advertise another host's address, and nobody would find the coordinator.
+        raise ConfigError(f"--peers lists this host ({listen}) as rank {listed[0]}, but replicator.yaml makes "
+                          f"it rank {cfg.node_rank} of {cfg.nodes}: Orbax renumbered the hosts; start the "
+                          "daemon with the new rank -> address map")
     if cfg.assume_data_parallelism != slices:
         log.info("assume-data-parallelism %d, %d slice(s) from peer-ranks: replicas are paired by slice",
                  cfg.assume_data_parallelism, slices)

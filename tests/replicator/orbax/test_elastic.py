@@ -160,6 +160,21 @@ def test_nothing_restorable_although_steps_are_held_is_reported_to_orbax(tmp_pat
     assert "holds steps [7]" in text and "lacks ranks 1" in text
 
 
+def test_a_renumbered_host_with_the_old_address_map_is_a_clear_error(tmp_path: Path) -> None:
+    from replicator.options import ConfigError, ReplicatorOptions
+    from replicator.orbax.mode import replicator_options
+
+    peers = {r: f"127.0.0.1:{7000 + r}" for r in range(4)}
+    opts = ReplicatorOptions(local_dir=tmp_path, peers=peers).validate()
+    # Survivors keeping their ranks (the last slice lost): the old map still fits.
+    kept = oc.ReplicatorConfig("j", "orbax", 1, 1, 2, (), backup_interval_minutes=30)
+    assert replicator_options(opts, kept, "127.0.0.1:7001").advertise == "127.0.0.1:7001"
+    # Host 3 made rank 1 of 2: its daemon still has the old map.
+    moved = oc.ReplicatorConfig("j", "orbax", 1, 1, 2, (), backup_interval_minutes=30)
+    with pytest.raises(ConfigError, match=r"lists this host \(127.0.0.1:7003\) as rank 3.*rank 1 of 2"):
+        replicator_options(opts, moved, "127.0.0.1:7003")
+
+
 # --------------------------------------------------------------------------- real Orbax, real daemons
 
 @pytest.fixture
@@ -239,6 +254,17 @@ def test_orbax_shrinks_to_the_surviving_hosts_and_grows_back(cluster_base, gone:
     cl.set_members(survivors)
     renumbered = survivors != [0, 1]
     if renumbered:
+        if gone == [0, 1]:
+            # Daemons still running with the old rank -> address map (the cluster hands JAX the new process
+            # ids): every host's handshake fails at once with a clear error, rather than waiting for a
+            # coordinator at the address of a lost host.
+            for rank, h in enumerate(survivors):
+                oc.write_jax_init_info(cl.local(h), rank, f"127.0.0.1:{cl.jax_port}")
+            stale = cl.run_job("el", slices=1, restore_step=2, elastic=True)
+            assert stale.returncodes == [3, 3], cl.describe(stale)
+            for rank, r in enumerate(stale.results):
+                assert "Orbax renumbered the hosts" in r["init_error"], r
+                assert f"as rank {survivors[rank]}, but replicator.yaml makes it rank {rank} of 2" in r["init_error"]
         _restart(cl, survivors)  # the daemons learn the new rank -> address map
     second = cl.run_job("el", slices=1, restore_step=2, save_steps="3", elastic=True)
     _restored(cl, second, 2)

@@ -166,13 +166,13 @@ def remap(local: Path, new: Layout, previous: Layout | None) -> RemapReport:
         report.unmapped = (
             f"the saved data has {previous.hosts_per_slice} hosts per slice ({previous.nodes} nodes, "
             f"{previous.slices} slices), replicator.yaml {h} hosts per slice ({new.nodes} nodes, {new.slices} "
-            "slices): Orbax "
-            "restores each host's own shards and cannot re-split them across another number of hosts per slice"
+            "slices): Orbax restores each host's own shards and cannot re-split them across another number "
+            "of hosts per slice"
         )
         aside = local / UNMAPPED_DIR
         aside.mkdir(exist_ok=True)
-        for d, m, own in _pieces(local, new):
-            os.rename(d, aside / f"{m.step}-{m.rank}-{'own' if own else 'peer'}-{m.nodes}-{os.getpid()}")
+        for i, (d, m, own) in enumerate(_pieces(local, new)):
+            os.rename(d, aside / f"{m.step}-{m.rank}-{'own' if own else 'peer'}-{m.nodes}-{i}-{os.getpid()}")
             report.dropped.append((m.step, m.rank))
             report.steps.add(m.step)
         return report

@@ -19,6 +19,8 @@ its own data of 2 steps plus the attestation of its replica's identical data (st
   whole slice (the worse of the two; both are reported too).
 - ``status_bytes_10k``: default ``GetStatus`` answer size with a slice lost (``status_hosts_bytes_10k``:
   with per-host detail).
+- ``round_during_backup_vs_quiet_10k``: CPU of a quiet round while a backup of the newest step runs (every
+  heartbeat asks the bucket scheduler for its upload task) / a quiet round without one, at the largest N.
 """
 
 from __future__ import annotations
@@ -137,6 +139,38 @@ def _round_seconds(n: int, reps: int = 3) -> tuple[float, Sim]:
     return best, sim
 
 
+def _round_during_backup(sim: Sim, reps: int = 3) -> float:
+    """Quiet rounds while a backup runs (nobody reports an upload, so it stays in progress) / without."""
+    import tempfile
+
+    from replicator.backup.bucket import BackupStore
+    from replicator.backup.storage.filesystem import FileStore
+    from replicator.backup.tier import BucketScheduler
+
+    def best() -> float:
+        out = math.inf
+        for _ in range(reps):
+            gc.collect()
+            t0 = time.process_time()
+            sim.quiet_round()
+            out = min(out, time.process_time() - t0)
+        return out
+
+    quiet = best()
+    with tempfile.TemporaryDirectory(prefix="mtc-bench-scale-") as d:
+        sched = BucketScheduler(BackupStore(FileStore(d), JOB), sim.topo, interval_steps=1)
+        before = sim.coord.backup
+        sim.coord.backup = sched
+        try:
+            sim.beat(0)  # starts the backup of the newest complete step
+            assert sched.current is not None, sched.last_error
+            during = best()
+        finally:
+            sim.coord.backup = before
+            sim.coord.state.clear_backup_in_progress(sched.current.step)
+    return during / quiet
+
+
 def _restore_plan(sim: Sim) -> tuple[float, float]:
     st = sim.coord.state
     n, h = sim.topo.nodes, sim.topo.hosts_per_slice
@@ -251,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     interval = sim.coord.heartbeat_interval()
     result[f"heartbeat_interval_seconds_{tag}"] = round(interval, 2)
     result[f"coordinator_core_fraction_{tag}"] = round(hb * big / interval, 4)
+    result[f"round_during_backup_vs_quiet_{tag}"] = round(_round_during_backup(sim), 3)
     t_one, t_slice = _restore_plan(sim)
     result[f"restore_plan_seconds_{tag}_one_host"] = round(t_one, 3)
     result[f"restore_plan_seconds_{tag}_one_slice"] = round(t_slice, 3)

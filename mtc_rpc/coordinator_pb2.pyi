@@ -147,16 +147,18 @@ class RestoreTask(_message.Message):
     def __init__(self, step: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[RestoreSource, _Mapping]]] = ...) -> None: ...
 
 class BackupTask(_message.Message):
-    __slots__ = ("step", "staging", "nodes", "ranks")
+    __slots__ = ("step", "staging", "nodes", "ranks", "source_owner_ranks")
     STEP_FIELD_NUMBER: _ClassVar[int]
     STAGING_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_OWNER_RANKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     staging: str
     nodes: int
     ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., staging: _Optional[str] = ..., nodes: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    source_owner_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., staging: _Optional[str] = ..., nodes: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., source_owner_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("copies", "deletions", "restore", "backup", "newest_complete_step", "heartbeat_interval_ms", "acked_digest", "epoch", "preemption_noticed")

@@ -24,6 +24,7 @@ from replicator.coordinator.planner import CoordinatorState, Tier
 from replicator.coordinator.service import BackupScheduler
 from replicator.coordinator.topology import JobTopology
 from replicator.options import ReplicatorOptions
+from sidecar.layout import read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,17 @@ class BackupAgent:
         staging = self.backup.open_staging(task.staging)
         done, error = [], ""
         try:
-            for rank in task.ranks:
-                step_dir = store.step_dir(rank, task.step)
-                res = self.backup.upload_rank(staging, rank, step_dir)
+            owners = list(task.source_owner_ranks) or list(task.ranks)
+            if len(owners) != len(task.ranks):
+                raise ValueError(f"backup task: {len(owners)} source owners for {len(task.ranks)} ranks")
+            for rank, owner in zip(task.ranks, owners, strict=True):
+                step_dir = store.step_dir(owner, task.step)
+                manifest = read_manifest(step_dir)
+                if owner != rank:
+                    # A byte-identical replica's data stands in for a rank whose own copies are gone
+                    # (the coordinator proved the content hashes equal): the backup holds it as that rank.
+                    manifest = dataclasses.replace(manifest, rank=rank)
+                res = self.backup.upload_rank(staging, rank, step_dir, manifest)
                 self.uploaded_bytes += res.bytes_uploaded
                 done.append(rank)
                 if self.on_upload is not None:
@@ -84,6 +93,29 @@ class BackupRun:
     done: set[int] = dataclasses.field(default_factory=set)  # ranks whose upload was reported
     attempts: dict[int, int] = dataclasses.field(default_factory=dict)  # host rank -> failed reports
     savers: list[int] = dataclasses.field(default_factory=list)  # the ranks that saved the step (all: every rank)
+    # owner rank -> whose directory on the assigned host holds its data (itself, or an identical replica)
+    source_owner: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Derived once at the start (O(1) per heartbeat at 10,000 hosts): host -> the ranks it uploads, and
+    # how many primaries / savers are not uploaded yet.
+    by_holder: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    primaries_left: int = 0
+    savers_left: int = 0
+
+    def __post_init__(self) -> None:
+        for r in sorted(self.assign):
+            self.by_holder.setdefault(self.assign[r], []).append(r)
+        self.primaries_left = len(self.primaries - self.done)
+        self.savers_left = len(set(self.savers) - self.done)
+
+    def mark_done(self, ranks: list[int]) -> None:
+        savers = self.assign  # every saver has exactly one assignment
+        for r in ranks:
+            if r in self.done or r not in savers:
+                continue
+            self.done.add(r)
+            self.savers_left -= 1
+            if r in self.primaries:
+                self.primaries_left -= 1
 
 
 class BucketScheduler(BackupScheduler):
@@ -193,20 +225,25 @@ class BucketScheduler(BackupScheduler):
         assign: dict[int, int] = {}
         primaries: set[int] = set()
         seen_hash: set[str] = set()
+        source_owner: dict[int, int] = {}
         for rank in savers:
             holders = [s for s in sources.get(rank, []) if s.kind in (Tier.LOCAL, Tier.PEER)
-                       and s.owner_rank == rank and s.holder_rank is not None]
+                       and s.holder_rank is not None]
             if not holders:
-                raise RuntimeError(f"no host holds rank {rank}'s data of step {step}")
-            local = [s for s in holders if s.kind is Tier.LOCAL]
-            assign[rank] = (local or holders)[0].holder_rank
-            h = holders[0].content_hash
+                raise RuntimeError(f"no live host holds rank {rank}'s data of step {step} (nor an identical "
+                                   "replica of it)")
+            # The rank's own directory first (local to its host, then a peer copy), else an identical
+            # replica's (the planner lists those only when their content hash equals the rank's).
+            pick = min(holders, key=lambda s, r=rank: (s.owner_rank != r, s.kind is not Tier.LOCAL))
+            assign[rank] = pick.holder_rank
+            source_owner[rank] = pick.owner_rank
+            h = pick.content_hash
             if h not in seen_hash:
                 seen_hash.add(h)
                 primaries.add(rank)
         state.mark_backup_in_progress(step)
         self.current = BackupRun(step=step, staging=staging, assign=assign, primaries=primaries,
-                                 started=self.clock(), savers=list(savers))
+                                 started=self.clock(), savers=list(savers), source_owner=source_owner)
         self.last_start = self.clock()
         self.last_step = step
         self.requested.discard(step)
@@ -236,21 +273,21 @@ class BucketScheduler(BackupScheduler):
         cur = self.current
         if cur is None:
             return None
-        phase = [r for r in sorted(cur.primaries) if r not in cur.done]
-        if not phase:
-            phase = [r for r in cur.savers if r not in cur.done]
-        mine = [r for r in phase if cur.assign.get(r) == rank]
+        # Primaries (one rank per distinct content) first; then the replicas, which find their files there.
+        primaries_only = cur.primaries_left > 0
+        mine = [r for r in cur.by_holder.get(rank, ())
+                if r not in cur.done and (not primaries_only or r in cur.primaries)]
         if not mine:
             return None
         return pb.BackupTask(step=cur.step, staging=cur.staging.staging_id, nodes=self.topology.nodes,
-                             ranks=mine)
+                             ranks=mine, source_owner_ranks=[cur.source_owner.get(r, r) for r in mine])
 
     def report(self, state: CoordinatorState, rank: int, reports: list[pb.BackupReport]) -> None:
         cur = self.current
         for rep in reports:
             if cur is None or rep.step != cur.step:
                 continue
-            cur.done.update(rep.uploaded_ranks)
+            cur.mark_done(list(rep.uploaded_ranks))
             if rep.error:
                 self.failures += 1
                 self.last_error = f"rank {rank}: {rep.error}"
@@ -260,7 +297,7 @@ class BucketScheduler(BackupScheduler):
                     log.warning("backup of step %d abandoned after repeated failures: %s", cur.step, rep.error)
                     self._abandon(state)
                     return
-        if cur is not None and set(cur.savers) <= cur.done and self._commit_thread is None:
+        if cur is not None and cur.savers_left <= 0 and self._commit_thread is None:
             staging = cur.staging
             self._commit_thread = threading.Thread(target=self._commit, args=(staging,), daemon=True,
                                                    name="mtc-backup-commit")

@@ -183,3 +183,36 @@ def test_coordinator_killed_mid_restore_completes_through_the_next_candidate(fai
     assert 3 not in [h.rank for h in status(cl, hosts=True).hosts if h.lost]
     assert 1 in layout.committed_steps(cl.ram(3) / "steps")
     mgr.close()
+
+
+def test_a_lost_slice_of_identical_replicas_is_backed_up_from_the_survivors(failover_cluster, tmp_path):
+    # Replicated state: ranks 0/1 hold the same bytes as ranks 2/3. After slice 0 is lost for good, ranks
+    # 0 and 1 live on only as their replicas' directories; the backup must still hold every rank.
+    bucket = tmp_path / "bucket"
+    cl = failover_cluster(extra=["--backup-url", f"file://{bucket}", "--backup-interval-steps", "100"])
+    cl.start_all()
+    mgr = _manager(cl)
+    trees = save_steps(mgr, [1], replicated_over_slices=True)
+    wait_for(lambda: 1 in status(cl).backup.committed_steps, what="first backup (step 1)", timeout=60)
+    trees.update(save_steps(mgr, [2], replicated_over_slices=True))
+    wait_for(lambda: status(cl).newest_complete_step == 2, what="step 2 complete", timeout=30)
+    assert 2 not in status(cl).backup.committed_steps  # not due for 100 steps
+    cl.procs[0].kill()
+    cl.procs[1].kill()
+    wait_for(lambda: _status_if(cl, lambda s: s.hosts_lost == 2), timeout=30, what="slice 0 declared lost")
+    with grpc.insecure_channel(cl.candidate_addresses[2]) as ch:
+        resp = apb_grpc.AdminStub(ch).BackupNow(apb.BackupNowRequest(step=2), timeout=10)
+    assert resp.step == 2 and resp.state in ("requested", "running"), resp
+    wait_for(lambda: 2 in status(cl).backup.committed_steps, what="backup of step 2 from the survivors",
+             timeout=60)
+    assert status(cl).backup.failures == 0
+    # Every RAM disk gone, the job restarts: step 2 comes back from the bucket, every rank included.
+    mgr.close()
+    cl.stop_all(signal.SIGKILL)
+    for r in range(4):
+        cl.wipe(r)
+    cl.start_all()
+    mgr = _manager(cl)
+    assert mgr.latest_step() == 2
+    assert_equal(trees[2], mgr.restore(None, target(trees[2])))
+    mgr.close()

@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", help="directory for the simulated hosts' RAM dirs (default: a temp dir "
                    "under /dev/shm, removed afterwards)")
     d.add_argument("--keep", action="store_true", help="keep the working directory")
-    d.add_argument("--elastic", action="store_true", help="instead: the Pathways elastic loop (pathwaysutils) "
-                   "on 2 simulated slices; slice 1 fails and returns, replicated and FSDP state")
+    d.add_argument("--elastic", action="store_true", help="instead: the Pathways elastic loop (pathwaysutils, "
+                   "a grain ElasticIterator input pipeline) on 2 simulated slices; slice 1 fails and returns, "
+                   "replicated and FSDP state")
     logs.add_arguments(d, default=argparse.SUPPRESS)
     d.set_defaults(func=_demo)
 

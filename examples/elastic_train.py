@@ -7,7 +7,9 @@ Same as ``mtc demo --elastic``. The loop itself is ``controller_client.demo.elas
 devices, a restore at the start of each attempt, a save every few steps, and a scale-up when
 ``available_inactive_slices`` is non-empty. Slice 1 fails (a simulated ``DATA_LOSS`` slice-down error),
 training continues on slice 0 from the newest complete step, slice 1 returns and training goes on on both;
-the losses equal an uninterrupted run's. Needs the ``[elastic]`` extra (pathwaysutils).
+the losses equal an uninterrupted run's. The data is a grain pipeline read through grain's
+``ElasticIterator``, one shard per active slice; its state is saved with the train state and restored
+with it onto however many slices are active. Needs the ``[elastic]`` extra (pathwaysutils, grain).
 """
 
 from __future__ import annotations

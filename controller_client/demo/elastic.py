@@ -9,8 +9,13 @@ full topology (ranks never change) and ``devices=`` the active devices.
 What is simulated (CPU devices have no ``slice_index``, and nothing fails by itself): pathwaysutils' slice
 grouping and health check are patched (:class:`SimulatedSlices`); slice 1 "fails" by raising the error a
 Pathways slice-down raises (``jax.errors.JaxRuntimeError("DATA_LOSS: ...")``) and comes back later.
-Replicators are real processes on loopback. Data depends only on the step index, so the loss trajectory
-equals an uninterrupted run's whatever the mesh.
+Replicators are real processes on loopback.
+
+The data is a grain pipeline read through grain's ``ElasticIterator`` (:mod:`.elastic_data`), one shard per
+active slice. Its state (the global index of the next record) is saved with the train state, as a string
+leaf of the checkpointed tree, and restored from the checkpoint at the start of each attempt onto however
+many slices are active: step ``s`` trains on the same records on one slice or two, so the loss trajectory
+equals an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -115,9 +120,10 @@ def _model(kind: str):
         return {"params": {k: jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=sh[k]) for k in ("w", "m")},
                 "step": 0}
 
-    def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
-        x = np.random.default_rng(1000 + step).standard_normal((64, 32)).astype(np.float32)
-        return x, x @ w_true
+    def dataset():
+        from controller_client.demo.elastic_data import make_dataset
+
+        return make_dataset(w_true)
 
     @jax.jit
     def train_step(params, x, y):
@@ -128,7 +134,7 @@ def _model(kind: str):
         m = 0.9 * params["m"] + g
         return {"w": params["w"] - 0.01 * m, "m": m}, loss
 
-    return init, target, batch, train_step
+    return init, target, dataset, train_step
 
 
 def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSlices,
@@ -139,11 +145,12 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
     from jax.sharding import Mesh
     from pathwaysutils.elastic import manager as elastic_manager
 
+    from controller_client.demo.elastic_data import ElasticBatches
     from controller_client.manager import CheckpointManager, CheckpointManagerOptions
     from controller_client.topology import HostTopology
 
     events = events if events is not None else []
-    init, target, batch, train_step = _model(kind)
+    init, target, dataset, train_step = _model(kind)
     devices = sim.devices
     # The full allocation: ranks are (slice, host) places and never change.
     topology = HostTopology.simulated(devices, SLICES, HOSTS_PER_SLICE)
@@ -161,16 +168,25 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
                                             save_interval_steps=schedule.save_every,
                                             coordinator_address=cluster.coordinator, restore_wait_seconds=60)
             ckpt = CheckpointManager(opts, devices=active, topology=topology)
+            # One data shard per active slice; its position comes from the checkpoint, never from `step`.
+            data = ElasticBatches(dataset(), mesh)
             try:
                 if ckpt.latest_step() is None:
                     state = init(mesh)
                 else:
-                    state = ckpt.restore(None, target(mesh))
-                    events.append(f"restored step {state['step']} onto {len(slices)} slice(s)")
+                    # The iterator state is a str leaf: the target's (a fresh iterator's) only gives its type.
+                    state = ckpt.restore(None, {**target(mesh), "data": data.get_state()})
+                    data.set_state(state["data"])
+                    events.append(f"restored step {state['step']} onto {len(slices)} slice(s), "
+                                  f"data iterator state {state['data']}")
                 params, step = state["params"], state["step"]
+
+                def checkpoint() -> dict[str, Any]:
+                    return {"params": params, "step": step, "data": data.get_state()}
+
                 while step < schedule.total_steps:
                     if elastic.available_inactive_slices:
-                        ckpt.save(step, {"params": params, "step": step}, force=True)
+                        ckpt.save(step, checkpoint(), force=True)
                         ckpt.wait_until_finished()
                         events.append(f"scale up at step {step}: slices {sorted(elastic.available_inactive_slices)}")
                         raise elastic_manager.ScaleUpSignalError()
@@ -183,13 +199,14 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
                         events.append(f"slice 1 is back before step {step + 1}")
                         _wait(lambda: elastic.available_inactive_slices, 30, "the monitor to see slice 1")
                         continue
-                    x, y = batch(step + 1)
-                    params, loss = train_step(params, x, y)
+                    b = next(data)
+                    params, loss = train_step(params, b["x"], b["y"])
                     step += 1
                     losses[step] = float(loss)
-                    if ckpt.save(step, {"params": params, "step": step}):
+                    if ckpt.save(step, checkpoint()):
                         ckpt.wait_until_finished()
             finally:
+                data.close()
                 ckpt.close()
 
         run()
@@ -201,14 +218,20 @@ def train_plain(kind: str, total_steps: int, devices: list[Any]) -> dict[int, fl
     import numpy as np
     from jax.sharding import Mesh
 
-    init, _, batch, train_step = _model(kind)
+    from controller_client.demo.elastic_data import ElasticBatches
+
+    init, _, dataset, train_step = _model(kind)
     mesh = Mesh(np.array(devices).reshape(SLICES, DEVICES_PER_SLICE), ("data", "model"))
     params = init(mesh)["params"]
     losses = {}
-    for step in range(1, total_steps + 1):
-        x, y = batch(step)
-        params, loss = train_step(params, x, y)
-        losses[step] = float(loss)
+    data = ElasticBatches(dataset(), mesh)
+    try:
+        for step in range(1, total_steps + 1):
+            b = next(data)
+            params, loss = train_step(params, b["x"], b["y"])
+            losses[step] = float(loss)
+    finally:
+        data.close()
     return losses
 
 

@@ -41,6 +41,7 @@ from replicator.coordinator.client import retry_after_seconds
 from replicator.coordinator.topology import JobTopology
 from replicator.options import ConfigError, ReplicatorOptions
 from replicator.orbax import contract as oc
+from replicator.orbax import elastic
 from replicator.orbax.store import OrbaxStore
 from sidecar import faults, layout
 
@@ -80,6 +81,13 @@ def replicator_options(opts: ReplicatorOptions, cfg: oc.ReplicatorConfig, listen
         log.warning("peer-ranks %s of rank %d/%d are not slice-major; replicas are not paired by slice",
                     list(cfg.peer_ranks), cfg.node_rank, cfg.nodes)
         slices = 1
+    listed = [r for r, a in opts.peers.items() if a == listen and r != cfg.node_rank]
+    if listed and opts.peers.get(cfg.node_rank) != listen:
+        # Orbax renumbered the hosts (an elastic event): the address map is by the old ranks. Serving
+        # would advertise another host's address, and nobody would find the coordinator.
+        raise ConfigError(f"--peers lists this host ({listen}) as rank {listed[0]}, but replicator.yaml makes "
+                          f"it rank {cfg.node_rank} of {cfg.nodes}: Orbax renumbered the hosts; start the "
+                          "daemon with the new rank -> address map")
     if cfg.assume_data_parallelism != slices:
         log.info("assume-data-parallelism %d, %d slice(s) from peer-ranks: replicas are paired by slice",
                  cfg.assume_data_parallelism, slices)
@@ -112,6 +120,7 @@ class OrbaxMode:
         self.store: OrbaxStore | None = None
         self.handshakes = 0
         self._announced = False
+        self._jax_info_written = False
         if build is None:
             from replicator.daemon import build_replicator
 
@@ -141,10 +150,13 @@ class OrbaxMode:
         self._stop_daemon()
 
     def _ensure_jax_init_info(self) -> None:
+        """Written at start (a file of an earlier daemon may name another process id: the host's place in
+        the job changed) and again whenever it is missing."""
         if not self.opts.jax_coordinator:
             return
-        if not (self.local / oc.JAX_INIT_INFO_FILE).exists():
+        if not self._jax_info_written or not (self.local / oc.JAX_INIT_INFO_FILE).exists():
             oc.write_jax_init_info(self.local, self.opts.jax_process_id, self.opts.jax_coordinator)
+            self._jax_info_written = True
 
     def _stop_daemon(self) -> None:
         d, self.daemon = self.daemon, None
@@ -180,8 +192,15 @@ class OrbaxMode:
             return
         daemon = None
         try:
+            remapped = self._adopt_layout(cfg, opts)
             store = OrbaxStore(self.local, cfg.node_rank, job=cfg.job_name, nodes=cfg.nodes, on_error=self._error)
             store.ingest()
+            if remapped.changed:
+                store.forget_replicas(remapped.steps)
+            for owner, step, content_hash in remapped.attest:
+                store.attest_replica(owner, step, content_hash)
+            elastic.write_layout(self.local, elastic.Layout(cfg.job_name, cfg.node_rank, cfg.nodes,
+                                                            opts.data_parallelism))
             faults.point("orbax.after_ingest")
             daemon = self._build(opts, store=store)
             daemon.start()
@@ -222,6 +241,56 @@ class OrbaxMode:
             return
         log.info("handshake %d done in %.2fs: %s", self.handshakes, time.monotonic() - t0,
                  "nothing to restore" if step is None else f"restore step {step} from {target}")
+
+    def _adopt_layout(self, cfg: oc.ReplicatorConfig, opts: ReplicatorOptions) -> elastic.RemapReport:
+        """A changed node count or rank (an elastic event): re-label what this host holds (see elastic.py).
+
+        Steps Orbax committed under the previous layout are ingested under it first, so that their
+        manifests say whose data they are.
+        """
+        new = elastic.Layout(cfg.job_name, cfg.node_rank, cfg.nodes, opts.data_parallelism)
+        prev = elastic.read_layout(self.local)
+        if prev is not None and (prev.rank, prev.nodes) != (new.rank, new.nodes):
+            OrbaxStore(self.local, prev.rank, job=prev.job, nodes=prev.nodes, on_error=self._error).ingest()
+        if opts.backup_url and elastic.holds_nothing(self.local):
+            self._fetch_other_layout_backup(opts, new)
+        report = elastic.remap(self.local, new, prev)
+        if report.unmapped:
+            self._error(f"rank {cfg.node_rank}: steps {sorted(report.steps)} of the previous layout cannot be "
+                        f"restored ({report.unmapped}); moved to {self.local / elastic.UNMAPPED_DIR}")
+        elif report.changed:
+            log.info("elastic: rank %d/%d (was %s): %d piece(s) re-labelled, %d dropped, %d new rank(s) attested",
+                     new.rank, new.nodes, f"{prev.rank}/{prev.nodes}" if prev else "unrecorded",
+                     len(report.relabelled), len(report.dropped), len(report.attest))
+        return report
+
+    def _fetch_other_layout_backup(self, opts: ReplicatorOptions, new: elastic.Layout) -> None:
+        """An empty host, and the newest backup was saved by another node count (which the coordinator
+        cannot plan with): download this host's position's data of it; :func:`elastic.remap` re-labels it."""
+        from replicator.backup.bucket import BackupStore
+        from replicator.backup.storage import open_store
+
+        backup = BackupStore(open_store(opts.backup_url), new.job)
+        steps = backup.committed_steps()
+        if not steps:
+            return
+        rec, _ = backup.commit_record(steps[-1])
+        if rec.nodes == new.nodes:
+            return  # the coordinator plans it like any backup
+        try:
+            source = elastic.bucket_source_rank(rec.nodes, rec.rank_hashes, new)
+        except ValueError as e:
+            self._error(f"rank {new.rank}: cannot use backup step {rec.step}: {e}")
+            return
+        staging = self.local / elastic.STAGING_DIR
+        staging.mkdir(exist_ok=True)
+        try:
+            backup.download_rank(rec.step, source, staging)
+        except Exception as e:
+            raise RuntimeError(f"cannot download rank {source} of backup step {rec.step} ({rec.nodes} nodes) "
+                               f"from {opts.backup_url}: {type(e).__name__}: {e}") from e
+        log.info("elastic: downloaded rank %d of backup step %d (%d nodes) for rank %d/%d", source, rec.step,
+                 rec.nodes, new.rank, new.nodes)
 
     def _clean_links(self) -> None:
         """Unlink every ``<local>/<N>`` link: earlier restores, pointing into the store (data stays there)."""
@@ -266,6 +335,12 @@ class OrbaxMode:
             raise HandshakeError(f"no restore plan within {opts.handshake_timeout_seconds}s: {last_error}")
         if resp.step < 0:
             log.info("nothing to restore: %s", resp.reason)
+            held = sorted(set(store.own_steps()) | {s for _, s in store.peer_steps()})
+            if held:
+                # Orbax starts from scratch: say so, and what is missing (e.g. after an elastic event no
+                # survivor held some in-slice position's data), instead of a silent "nothing".
+                self._error(f"rank {cfg.node_rank}: nothing to restore although this host holds steps "
+                            f"{held}: {resp.reason}")
             return None, None
         if not resp.ready:
             if cfg.node_rank not in resp.ready_ranks:

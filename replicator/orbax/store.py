@@ -139,6 +139,15 @@ class OrbaxStore(RamDiskStore):
             log.warning("ingesting Orbax steps failed: %s", e)
         return super().inventory()
 
+    def forget_replicas(self, steps: set[int]) -> None:
+        """Drop the replica attestations of ``steps`` and of ranks outside the job (after a re-labelling)."""
+        with self._lock:
+            gone = [k for k in self._replica_of if k[1] in steps or k[0] >= self.nodes]
+            for k in gone:
+                del self._replica_of[k]
+            if gone:
+                self._save_replicas()
+
     # ------------------------------------------------------------------ restore sources and requests
     def data_dir_for(self, step: int, owners: set[int] | None = None) -> Path | None:
         """The directory on this host holding this rank's data of ``step``, or None.

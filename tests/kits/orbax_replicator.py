@@ -74,12 +74,17 @@ class JobResult:
 
 
 class OrbaxCluster:
-    """``nodes`` hosts, each with a replicator daemon in Orbax mode; ``run_job`` runs one job incarnation."""
+    """``nodes`` hosts, each with a replicator daemon in Orbax mode; ``run_job`` runs one job incarnation.
 
-    def __init__(self, base: Path, nodes: int, extra: list[str] = ()):
+    ``members`` (default: every host) are the hosts of the current job in rank order: rank ``r`` is host
+    ``members[r]`` (its directory, daemon and address); :meth:`set_members` changes them (an elastic event).
+    """
+
+    def __init__(self, base: Path, nodes: int, extra: list[str] = (), members: list[int] | None = None):
         self.base = base
         self.nodes = nodes
         self.extra = list(extra)
+        self.members = list(range(nodes)) if members is None else list(members)
         self.ports = [free_port() for _ in range(nodes)]
         self.jax_port = free_port()
         self.daemons: dict[int, Daemon] = {}
@@ -91,11 +96,15 @@ class OrbaxCluster:
     def address(self, rank: int) -> str:
         return f"127.0.0.1:{self.ports[rank]}"
 
-    def daemon_args(self, rank: int) -> list[str]:
-        peers = ",".join(f"{r}={self.address(r)}" for r in range(self.nodes))
+    def set_members(self, hosts: list[int]) -> None:
+        self.members = list(hosts)
+
+    def daemon_args(self, host: int) -> list[str]:
+        """Host ``host``'s daemon: its rank and the peers' addresses follow :attr:`members`."""
+        peers = ",".join(f"{r}={self.address(h)}" for r, h in enumerate(self.members))
         return [
-            "--local-dir", str(self.local(rank)), "--listen", self.address(rank), "--peers", peers,
-            "--jax-coordinator", f"127.0.0.1:{self.jax_port}", "--jax-process-id", str(rank),
+            "--local-dir", str(self.local(host)), "--listen", self.address(host), "--peers", peers,
+            "--jax-coordinator", f"127.0.0.1:{self.jax_port}", "--jax-process-id", str(self.members.index(host)),
             "--heartbeat-seconds", "0.2", "--rpc-timeout-seconds", "5", "--transfer-timeout-seconds", "30",
             "--handshake-timeout-seconds", "40", *self.extra,
         ]  # fmt: skip
@@ -106,8 +115,8 @@ class OrbaxCluster:
         d.start()
 
     def start_all(self) -> None:
-        for r in range(self.nodes):
-            self.start(r)
+        for h in self.members:
+            self.start(h)
 
     def stop(self, rank: int) -> int | None:
         return self.daemons[rank].stop()
@@ -120,20 +129,22 @@ class OrbaxCluster:
 
     def run_job(self, job: str, *, slices: int, save_steps: str = "", restore_step: int = -1,
                 save_sleep: float = 0.0, backup_interval_steps: int = 0, backup_interval_minutes: int = 0,
-                processes: int | None = None, colocated: bool = False, timeout: float = 120.0) -> JobResult:
+                processes: int | None = None, colocated: bool = False, elastic: bool = False,
+                timeout: float = 120.0) -> JobResult:
         """One incarnation of the job: one JAX process per host, unchanged Orbax calls; waits for all."""
-        n = self.nodes if processes is None else processes
+        n = len(self.members) if processes is None else processes
         t0 = time.monotonic()
         jobs = []
         for rank in range(n):
             result = self.base / f"result{rank}.json"
             result.unlink(missing_ok=True)
             cmd = [
-                sys.executable, str(WORKER), "--local-dir", str(self.local(rank)), "--job", job,
+                sys.executable, str(WORKER), "--local-dir", str(self.local(self.members[rank])), "--job", job,
                 "--slices", str(slices), "--save-steps", save_steps, "--save-sleep", str(save_sleep),
                 "--restore-step", str(restore_step), "--backup-interval-steps", str(backup_interval_steps),
                 "--backup-interval-minutes", str(backup_interval_minutes),
                 "--init-timeout", str(INIT_TIMEOUT_SECONDS), "--colocated", "1" if colocated else "0",
+                "--elastic", "1" if elastic else "0",
                 "--result", str(result),
             ]  # fmt: skip
             env = worker_env(rank, n, 8 if colocated else DEVICES_PER_PROCESS, f"127.0.0.1:{self.jax_port}")

@@ -1,0 +1,329 @@
+"""Orbax mode after an elastic event: replicator.yaml with fewer or more nodes (issue #10 item 6).
+
+The real-Orbax tests run the unchanged pinned Orbax in 2 or 4 JAX CPU processes against real daemon
+processes on loopback (``tests/kits/orbax_replicator.py``). Every host keeps its directory (its RAM disk)
+for the life of the test unless it is lost for good; ranks follow Orbax's numbering of the current job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from replicator.backup.bucket import BackupStore
+from replicator.backup.storage import open_store
+from replicator.orbax import contract as oc
+from replicator.orbax import elastic
+from replicator.orbax.store import OrbaxStore
+from sidecar import layout
+from tests.kits.orbax_replicator import OrbaxCluster, wait_for
+
+# --------------------------------------------------------------------------- in-process: the re-labelling
+
+
+def _fake_orbax_step(d: Path, payload: bytes) -> None:
+    """A committed Orbax-like step without OCDBT (hashed byte by byte by orbax_content_hash)."""
+    (d / "state").mkdir(parents=True)
+    (d / "_CHECKPOINT_METADATA").write_text(json.dumps({"init_timestamp_nsecs": time.time_ns()}))
+    (d / "state" / "_METADATA").write_bytes(payload)
+    (d / "commit_success.txt").write_text("done")
+
+
+def _saved(local: Path, rank: int, nodes: int, step: int, position: int) -> str:
+    """Host ``local`` saved ``step`` as ``rank`` of ``nodes``; data depends only on the in-slice position."""
+    _fake_orbax_step(local / str(step), payload=f"position {position} step {step}".encode())
+    OrbaxStore(local, rank, job="j", nodes=nodes).ingest()
+    return layout.read_manifest(local / "steps" / str(step)).content_hash
+
+
+def _peer_copy(local: Path, holder: int, owner: int, nodes: int, step: int, position: int) -> None:
+    """A ring copy of ``owner``'s step on host ``holder`` (as the peer client commits it)."""
+    src = local / "scratch"
+    _fake_orbax_step(src / str(step), payload=f"position {position} step {step}".encode())
+    OrbaxStore(src, owner, job="j", nodes=nodes).ingest()
+    dest = layout.peer_dir(local, owner)
+    dest.mkdir(parents=True, exist_ok=True)
+    os.rename(src / "steps" / str(step), dest / str(step))
+    shutil.rmtree(src)
+
+
+def test_remap_shrink_relabels_own_data_by_position_and_drops_what_has_no_slot(tmp_path: Path) -> None:
+    # Old job: 4 nodes = 2 slices x 2 hosts. This host was rank 3 (position 1) and now is rank 1 of 2.
+    h3 = _saved(tmp_path, 3, 4, 7, position=1)
+    _peer_copy(tmp_path, 3, 2, 4, 7, position=0)  # a copy of old rank 2 (position 0)
+    _peer_copy(tmp_path, 3, 1, 4, 7, position=1)  # old rank 1: position 1 again, a duplicate of ours
+    (tmp_path / "replica-of.json").write_text(json.dumps([[1, 7, h3]]))
+    prev = elastic.Layout("j", 3, 4, 2)
+    new = elastic.Layout("j", 1, 2, 1)
+    rep = elastic.remap(tmp_path, new, prev)
+
+    own = layout.verify_step_dir(tmp_path / "steps" / "7")
+    assert (own.rank, own.nodes, own.content_hash) == (1, 2, h3)  # our own data, now rank 1's
+    copy = layout.verify_step_dir(tmp_path / "peer" / "0" / "7")
+    assert (copy.rank, copy.nodes) == (0, 2)  # old rank 2's data is new rank 0's (position 0)
+    assert not (tmp_path / "peer" / "2").exists() or not any((tmp_path / "peer" / "2").iterdir())
+    assert rep.dropped == [(7, 1)] and not (tmp_path / elastic.STAGING_DIR).exists()
+    assert sorted(rep.relabelled) == [(7, 2, 0), (7, 3, 1)] and rep.attest == []
+    # Old attestations (of old ranks) are dropped by the handshake; the store reports the new ranks only.
+    store = OrbaxStore(tmp_path, 1, job="j", nodes=2)
+    store.forget_replicas(rep.steps)
+    assert store._load_replicas() == {}
+    held = {(h.owner_rank, h.step, str(h.tier)) for h in store.inventory()}
+    assert held == {(1, 7, "local"), (0, 7, "peer")}
+    assert store.data_dir_for(7) == tmp_path / "steps" / "7"
+    # Idempotent: a second handshake with the same layout changes nothing.
+    assert not elastic.remap(tmp_path, new, new).changed
+
+
+def test_remap_grow_attests_new_ranks_and_ignores_current_pieces(tmp_path: Path) -> None:
+    # Old job: 2 nodes in 1 slice; this host was rank 1 and stays rank 1 of 4 (2 slices).
+    h = _saved(tmp_path, 1, 2, 5, position=1)
+    rep = elastic.remap(tmp_path, elastic.Layout("j", 1, 4, 2), elastic.Layout("j", 1, 2, 1))
+    m = layout.verify_step_dir(tmp_path / "steps" / "5")
+    assert (m.rank, m.nodes) == (1, 4)
+    # New rank 3 (position 1 of the new slice) did not exist at the save: this host's data is its data.
+    assert rep.attest == [(3, 5, h)]
+    store = OrbaxStore(tmp_path, 1, job="j", nodes=4)
+    assert store.attest_replica(3, 5, h)
+    assert {(x.owner_rank, str(x.tier)) for x in store.inventory()} == {(1, "local"), (3, "replica")}
+    # The new slice may come first: this host (rank 0 of 2) becomes rank 2 of 4; rank 0 is the new host.
+    other = tmp_path / "other"
+    h0 = _saved(other, 0, 2, 5, position=0)
+    rep = elastic.remap(other, elastic.Layout("j", 2, 4, 2), elastic.Layout("j", 0, 2, 1))
+    assert rep.relabelled == [(5, 0, 2)] and rep.attest == [(0, 5, h0)]
+
+
+def test_remap_other_hosts_per_slice_moves_old_data_aside(tmp_path: Path) -> None:
+    _saved(tmp_path, 0, 4, 3, position=0)
+    rep = elastic.remap(tmp_path, elastic.Layout("j", 0, 3, 1), elastic.Layout("j", 0, 4, 2))
+    assert "2 hosts per slice" in rep.unmapped and "3 hosts per slice" in rep.unmapped
+    assert layout.committed_steps(tmp_path / "steps") == []
+    assert len(list((tmp_path / elastic.UNMAPPED_DIR).iterdir())) == 1
+
+
+def test_remap_finishes_an_interrupted_remap(tmp_path: Path) -> None:
+    """A crash between the two phases leaves pieces (with their old manifests) in the staging dir."""
+    _saved(tmp_path, 2, 4, 9, position=0)
+    staging = tmp_path / elastic.STAGING_DIR
+    staging.mkdir()
+    os.rename(tmp_path / "steps" / "9", staging / "9-2-own-0-1")
+    rep = elastic.remap(tmp_path, elastic.Layout("j", 0, 2, 1), None)
+    assert rep.relabelled == [(9, 2, 0)] and not staging.exists()
+    assert layout.verify_step_dir(tmp_path / "steps" / "9").rank == 0
+
+
+def test_bucket_source_rank_by_position() -> None:
+    hashes = ("a" * 64, "b" * 64, "", "d" * 64)  # 4 nodes, 2 per slice; rank 2 did not save
+    new = elastic.Layout("j", 1, 2, 1)
+    assert elastic.bucket_source_rank(4, hashes, new) == 1  # same number, same position
+    assert elastic.bucket_source_rank(4, hashes, elastic.Layout("j", 0, 2, 1)) == 0
+    assert elastic.bucket_source_rank(2, hashes[:2], elastic.Layout("j", 2, 4, 2)) == 0  # grown: position 0
+    with pytest.raises(ValueError, match="no rank of in-slice position 0"):
+        elastic.bucket_source_rank(4, ("", "b" * 64, "", "d" * 64), elastic.Layout("j", 0, 2, 1))
+    with pytest.raises(ValueError, match="hosts per slice"):
+        elastic.bucket_source_rank(3, hashes[:3], new)
+    assert elastic.holds_nothing(Path("/nonexistent-dir-for-test"))
+
+
+def test_nothing_restorable_although_steps_are_held_is_reported_to_orbax(tmp_path: Path) -> None:
+    """E.g. both survivors of a shrink held position 0: rank 1's data is nowhere. Orbax starts from
+    scratch, and replicator.errors names what is missing instead of a silent "nothing to restore"."""
+    from mtc_rpc import coordinator_pb2 as cpb
+    from replicator.options import ReplicatorOptions
+    from replicator.orbax.mode import OrbaxMode
+
+    reason = "no step is recoverable for every rank; newest known step 7 lacks ranks 1"
+
+    class FakeDaemon:
+        def call_coordinator(self, method, request, timeout):
+            if method == "GetStatus":
+                return cpb.GetStatusResponse(hosts_reported=2)
+            return cpb.PrepareRestoreResponse(step=-1, reason=reason)
+
+    opts = ReplicatorOptions(local_dir=tmp_path, peers={0: "127.0.0.1:1", 1: "127.0.0.1:2"}).validate()
+    mode = OrbaxMode(opts, build=lambda *a, **k: None)
+    cfg = oc.ReplicatorConfig("j", "orbax", 1, 0, 2, (), backup_interval_minutes=30)
+    store = OrbaxStore(tmp_path, 0, job="j", nodes=2)
+    assert mode._plan(FakeDaemon(), store, cfg, opts) == (None, None)
+    assert not (tmp_path / oc.ERRORS_FILE).exists()  # a host holding nothing: nothing to say
+    _saved(tmp_path, 0, 2, 7, position=0)
+    assert mode._plan(FakeDaemon(), store, cfg, opts) == (None, None)
+    text = (tmp_path / oc.ERRORS_FILE).read_text()
+    assert "holds steps [7]" in text and "lacks ranks 1" in text
+
+
+def test_a_renumbered_host_with_the_old_address_map_is_a_clear_error(tmp_path: Path) -> None:
+    from replicator.options import ConfigError, ReplicatorOptions
+    from replicator.orbax.mode import replicator_options
+
+    peers = {r: f"127.0.0.1:{7000 + r}" for r in range(4)}
+    opts = ReplicatorOptions(local_dir=tmp_path, peers=peers).validate()
+    # Survivors keeping their ranks (the last slice lost): the old map still fits.
+    kept = oc.ReplicatorConfig("j", "orbax", 1, 1, 2, (), backup_interval_minutes=30)
+    assert replicator_options(opts, kept, "127.0.0.1:7001").advertise == "127.0.0.1:7001"
+    # Host 3 made rank 1 of 2: its daemon still has the old map.
+    moved = oc.ReplicatorConfig("j", "orbax", 1, 1, 2, (), backup_interval_minutes=30)
+    with pytest.raises(ConfigError, match=r"lists this host \(127.0.0.1:7003\) as rank 3.*rank 1 of 2"):
+        replicator_options(opts, moved, "127.0.0.1:7003")
+
+
+# --------------------------------------------------------------------------- real Orbax, real daemons
+
+@pytest.fixture
+def cluster_base() -> Iterator[tuple[Path, list[OrbaxCluster]]]:
+    d = Path(tempfile.mkdtemp(prefix="mtc-orbax-el-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    clusters: list[OrbaxCluster] = []
+    yield d, clusters
+    for c in clusters:
+        c.stop_all(signal.SIGKILL)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _cluster(base, hosts: int, members: list[int], extra: list[str] = ()) -> OrbaxCluster:
+    root, clusters = base
+    c = OrbaxCluster(root / f"c{len(clusters)}", hosts, list(extra), members=members)
+    clusters.append(c)
+    c.start_all()
+    return c
+
+
+def _restored(cl: OrbaxCluster, res, step: int) -> None:
+    assert all(rc == 0 for rc in res.returncodes), cl.describe(res)
+    for r in res.results:
+        assert r["latest_at_start"] == step and r["restore_bit_exact"] is True, cl.describe(res)
+
+
+def _ingested(cl: OrbaxCluster, hosts: list[int], step: int) -> None:
+    wait_for(lambda: all((cl.local(h) / "steps" / str(step) / layout.MANIFEST_NAME).is_file() for h in hosts),
+             what=f"step {step} ingested on hosts {hosts}")
+
+
+def _replica_attested(cl: OrbaxCluster, holder: int, owner: int, step: int) -> bool:
+    try:
+        entries = json.loads((cl.local(holder) / "replica-of.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any(o == owner and s == step for o, s, _ in entries)
+
+
+def _lose(cl: OrbaxCluster, hosts: list[int]) -> None:
+    """Hosts gone for good (a slice lost): daemon killed, RAM disk gone."""
+    for h in hosts:
+        cl.daemons.pop(h).stop(signal.SIGKILL)
+        cl.wipe(h)
+
+
+def _restart(cl: OrbaxCluster, hosts: list[int]) -> None:
+    for h in hosts:
+        if h in cl.daemons:
+            cl.daemons[h].stop()
+        cl.start(h)
+
+
+@pytest.mark.parametrize("gone", [[2, 3], [0, 1], [0, 3]], ids=["slice1", "slice0", "mixed"])
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_orbax_shrinks_to_the_surviving_hosts_and_grows_back(cluster_base, gone: list[int]) -> None:
+    """2 slices x 2 hosts save; 2 hosts are lost for good; Orbax re-initialises on the 2 survivors (their
+    RAM disks hold old-rank data), restores, saves; then 2 empty hosts join again (4 nodes) and get the
+    data from the survivors.
+
+    slice1: the survivors keep ranks 0 and 1 and their daemons stay up (the issue's case). slice0: hosts 2
+    and 3 become ranks 0 and 1 (same in-slice positions). mixed: hosts 1 and 2 become ranks 0 and 1, so
+    each holds the other's position: they swap data through the peer service.
+    """
+    t0 = time.monotonic()
+    cl = _cluster(cluster_base, 4, [0, 1, 2, 3])
+    first = cl.run_job("el", slices=2, save_steps="1,2")
+    assert all(rc == 0 for rc in first.returncodes), cl.describe(first)
+    _ingested(cl, [0, 1, 2, 3], 2)
+
+    survivors = [h for h in range(4) if h not in gone]
+    # The survivors attested that their data equals the lost slice's (replica holdings of ranks that the
+    # 2-node job does not have: what made the new coordinator reject every heartbeat).
+    wait_for(lambda: all(_replica_attested(cl, h, (h + 2) % 4, 2) for h in survivors), what="replicas attested")
+    _lose(cl, gone)
+    cl.set_members(survivors)
+    renumbered = survivors != [0, 1]
+    if renumbered:
+        if gone == [0, 1]:
+            # Daemons still running with the old rank -> address map (the cluster hands JAX the new process
+            # ids): every host's handshake fails at once with a clear error, rather than waiting for a
+            # coordinator at the address of a lost host.
+            for rank, h in enumerate(survivors):
+                oc.write_jax_init_info(cl.local(h), rank, f"127.0.0.1:{cl.jax_port}")
+            stale = cl.run_job("el", slices=1, restore_step=2, elastic=True)
+            assert stale.returncodes == [3, 3], cl.describe(stale)
+            for rank, r in enumerate(stale.results):
+                assert "Orbax renumbered the hosts" in r["init_error"], r
+                assert f"as rank {survivors[rank]}, but replicator.yaml makes it rank {rank} of 2" in r["init_error"]
+        _restart(cl, survivors)  # the daemons learn the new rank -> address map
+    second = cl.run_job("el", slices=1, restore_step=2, save_steps="3", elastic=True)
+    _restored(cl, second, 2)
+    for rank, h in enumerate(survivors):
+        # The host's own old data re-labelled as its new rank's (mixed: the other survivor's, fetched).
+        assert (cl.local(h) / "2").resolve() == (cl.local(h) / "steps" / "2").resolve(), cl.describe(second)
+        m = layout.verify_step_dir(cl.local(h) / "steps" / "2")
+        assert (m.rank, m.nodes) == (rank, 2), cl.describe(second)
+        assert "elastic scale up/down" in second.results[rank].get("orbax_restore_error", ""), second.results
+        assert not (cl.local(h) / oc.FAILED_FILE).exists()
+    _ingested(cl, survivors, 3)
+
+    # Scale back up: the lost hosts return with empty RAM disks as ranks 2 and 3 (a new slice).
+    cl.set_members(survivors + gone)
+    _restart(cl, survivors + gone if renumbered else gone)
+    third = cl.run_job("el", slices=2, restore_step=3, elastic=True)
+    _restored(cl, third, 3)
+    for rank, h in enumerate(gone, start=2):
+        # Fetched from the survivor of the same in-slice position (rank - 2), verified, then restored.
+        src = rank - 2
+        link = (cl.local(h) / "3").resolve()
+        assert link == (cl.local(h) / "peer" / str(src) / "3").resolve(), cl.describe(third)
+        layout.verify_step_dir(link)
+    print(f"lost hosts {gone}: 3 incarnations in {time.monotonic() - t0:.1f}s; init "
+          f"{[round(x.results[0]['init_seconds'], 1) for x in (first, second, third)]}s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_orbax_changed_node_count_restores_from_a_backup_of_the_other_layout(cluster_base) -> None:
+    """Every RAM disk lost across a shrink (4 -> 2) and again across a grow (2 -> 4): each host downloads
+    its in-slice position's data of the newest backup, saved by the other node count."""
+    bucket = f"file://{cluster_base[0]}/bucket"
+    cl = _cluster(cluster_base, 4, [0, 1, 2, 3], ["--backup-url", bucket])
+
+    def backed(step: int) -> bool:
+        return step in BackupStore(open_store(bucket), "elb").committed_steps()
+
+    first = cl.run_job("elb", slices=2, save_steps="1,2", backup_interval_steps=1)
+    assert all(rc == 0 for rc in first.returncodes), cl.describe(first)
+    wait_for(lambda: backed(2), timeout=60, what="step 2 in the bucket")
+
+    _lose(cl, [0, 1])
+    for h in (2, 3):  # the survivors' RAM disks are lost too: only the bucket holds step 2
+        cl.daemons.pop(h).stop()
+        cl.wipe(h)
+    cl.set_members([2, 3])
+    _restart(cl, [2, 3])
+    second = cl.run_job("elb", slices=1, restore_step=2, save_steps="3", backup_interval_steps=1, elastic=True)
+    _restored(cl, second, 2)
+    for rank, h in enumerate([2, 3]):
+        m = layout.verify_step_dir((cl.local(h) / "2").resolve())
+        assert (m.rank, m.nodes) == (rank, 2), cl.describe(second)
+    wait_for(lambda: backed(3), timeout=60, what="step 3 in the bucket")
+
+    for h in (2, 3):
+        cl.daemons.pop(h).stop()
+        cl.wipe(h)
+    cl.set_members([0, 1, 2, 3])
+    _restart(cl, [0, 1, 2, 3])
+    third = cl.run_job("elb", slices=2, restore_step=3, elastic=True)
+    _restored(cl, third, 3)

@@ -108,8 +108,59 @@ class GetLocalStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LocalPiece(_message.Message):
+    __slots__ = ("owner_rank", "step")
+    OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    owner_rank: int
+    step: int
+    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class LocalTask(_message.Message):
+    __slots__ = ("kind", "owner_rank", "step")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    owner_rank: int
+    step: int
+    def __init__(self, kind: _Optional[str] = ..., owner_rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
 class GetLocalStatusResponse(_message.Message):
-    __slots__ = ("status_json",)
-    STATUS_JSON_FIELD_NUMBER: _ClassVar[int]
-    status_json: str
-    def __init__(self, status_json: _Optional[str] = ...) -> None: ...
+    __slots__ = ("job", "rank", "nodes", "address", "metrics_address", "own_steps", "peer_steps", "newest_complete_step", "in_flight", "counters", "recent_errors", "has_backup", "backup_uploaded_bytes", "backup_last_error")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OWN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PEER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_COMPLETE_STEP_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    HAS_BACKUP_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_UPLOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    nodes: int
+    address: str
+    metrics_address: str
+    own_steps: _containers.RepeatedScalarFieldContainer[int]
+    peer_steps: _containers.RepeatedCompositeFieldContainer[LocalPiece]
+    newest_complete_step: int
+    in_flight: _containers.RepeatedCompositeFieldContainer[LocalTask]
+    counters: _containers.ScalarMap[str, int]
+    recent_errors: _containers.RepeatedScalarFieldContainer[str]
+    has_backup: bool
+    backup_uploaded_bytes: int
+    backup_last_error: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., nodes: _Optional[int] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., own_steps: _Optional[_Iterable[int]] = ..., peer_steps: _Optional[_Iterable[_Union[LocalPiece, _Mapping]]] = ..., newest_complete_step: _Optional[int] = ..., in_flight: _Optional[_Iterable[_Union[LocalTask, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., recent_errors: _Optional[_Iterable[str]] = ..., has_backup: _Optional[bool] = ..., backup_uploaded_bytes: _Optional[int] = ..., backup_last_error: _Optional[str] = ...) -> None: ...

@@ -82,7 +82,7 @@ class _Control(control_pb2_grpc.LocalControlServicer):
         return control_pb2.StepCommittedResponse()
 
     def GetLocalStatus(self, request, context):
-        return control_pb2.GetLocalStatusResponse(status_json=json.dumps(self.daemon.local_status()))
+        return self.daemon.local_status()
 
     def LocateStep(self, request, context):
         try:
@@ -867,18 +867,24 @@ class Replicator:
                  seconds, nbytes / max(seconds, 1e-9) / 2**20)
 
     # ------------------------------------------------------------------ status
-    def local_status(self) -> dict[str, Any]:
+    def local_status(self) -> control_pb2.GetLocalStatusResponse:
+        """This host's view, typed (``mtc status --local-dir``, probes under TLS, tests)."""
         with self._lock:
-            in_flight = sorted(f"{k}:{o}:{s}" for k, o, s in self._in_flight)
-        st = {
-            "job": self.job, "rank": self.rank, "nodes": self.nodes, "address": self.address,
-            "own_steps": self.store.own_steps(), "peer_steps": self.store.peer_steps(),
-            "newest_complete_step": self.newest_complete, "in_flight": in_flight,
-            "counters": self.counters.snapshot(), "recent_errors": list(self.errors),
-            "metrics_address": self.metrics.metrics_address,
-        }
+            in_flight = sorted(self._in_flight)
+        st = control_pb2.GetLocalStatusResponse(
+            job=self.job, rank=self.rank, nodes=self.nodes, address=self.address or "",
+            metrics_address=self.metrics.metrics_address or "",
+            own_steps=self.store.own_steps(),
+            peer_steps=[control_pb2.LocalPiece(owner_rank=o, step=s) for o, s in self.store.peer_steps()],
+            newest_complete_step=self.newest_complete,
+            in_flight=[control_pb2.LocalTask(kind=k, owner_rank=o, step=s) for k, o, s in in_flight],
+            counters=self.counters.snapshot(), recent_errors=list(self.errors),
+        )
         if self.backup is not None:
-            st["backup"] = self.backup.status()
+            b = self.backup.status()
+            st.has_backup = True
+            st.backup_uploaded_bytes = int(b.get("uploaded_bytes", 0))
+            st.backup_last_error = str(b.get("last_error", ""))
         return st
 
 

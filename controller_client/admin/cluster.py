@@ -58,20 +58,39 @@ def _local_status(args: argparse.Namespace) -> int:
     except grpc.RpcError as e:
         print(f"mtc status: no replicator answers on {sock}: {e.code().name}", file=sys.stderr)
         return EXIT_ERROR
-    doc = json.loads(resp.status_json)
+    doc = local_status_doc(resp)
     if args.output == "json":
         emit_json(doc)
         return EXIT_OK
-    t = table(f"replicator rank {doc.get('rank')} of job {doc.get('job')}", ["", ""])
+    t = table(f"replicator rank {resp.rank} of job {resp.job}", ["", ""])
     t.show_header = False
     for k in ("address", "metrics_address", "own_steps", "peer_steps", "newest_complete_step", "in_flight"):
-        t.add_row(k, json.dumps(doc.get(k)))
-    for k, v in sorted(doc.get("counters", {}).items()):
+        t.add_row(k, json.dumps(doc[k]))
+    for k, v in sorted(resp.counters.items()):
         t.add_row(k, str(v))
-    if doc.get("recent_errors"):
-        t.add_row("recent errors", "\n".join(doc["recent_errors"][-5:]))
+    if resp.has_backup:
+        t.add_row("backup uploaded bytes", str(resp.backup_uploaded_bytes))
+        if resp.backup_last_error:
+            t.add_row("backup last error", resp.backup_last_error)
+    if resp.recent_errors:
+        t.add_row("recent errors", "\n".join(list(resp.recent_errors)[-5:]))
     console().print(t)
     return EXIT_OK
+
+
+def local_status_doc(resp: Any) -> dict[str, Any]:
+    """``mtc status --local-dir -o json``: the typed answer as plain data (a stable, documented shape)."""
+    doc: dict[str, Any] = {
+        "job": resp.job, "rank": resp.rank, "nodes": resp.nodes, "address": resp.address,
+        "metrics_address": resp.metrics_address or None, "own_steps": list(resp.own_steps),
+        "peer_steps": [[p.owner_rank, p.step] for p in resp.peer_steps],
+        "newest_complete_step": resp.newest_complete_step if resp.newest_complete_step >= 0 else None,
+        "in_flight": [f"{t.kind}:{t.owner_rank}:{t.step}" for t in resp.in_flight],
+        "counters": dict(sorted(resp.counters.items())), "recent_errors": list(resp.recent_errors),
+    }
+    if resp.has_backup:
+        doc["backup"] = {"uploaded_bytes": resp.backup_uploaded_bytes, "last_error": resp.backup_last_error}
+    return doc
 
 def cmd_status(args: argparse.Namespace, conn: Conn | None) -> int:
     from mtc_rpc import admin_pb2 as pb

@@ -30,11 +30,9 @@ def value(samples: dict, name: str, **labels: str) -> float | None:
 
 
 def metrics_address(local_dir) -> str:
-    import json
-
     with grpc.insecure_channel(f"unix:{control_socket(local_dir)}") as ch:
         resp = control_pb2_grpc.LocalControlStub(ch).GetLocalStatus(control_pb2.GetLocalStatusRequest(), timeout=5)
-    return json.loads(resp.status_json)["metrics_address"]
+    return resp.metrics_address
 
 
 def test_counters_are_typed_and_locked() -> None:

@@ -156,8 +156,11 @@ class Replicator:
         self.coordinator: Coordinator | None = None
         # Coordinator failover: every candidate serves a (standby) coordinator; the lowest-ranked live one
         # is active (docs/coordinator.md).
+        # Candidates are labelled by rank, or in Orbax mode by allocation index (stable when Orbax renumbers
+        # the hosts at an elastic event; docs/orbax.md).
         self.candidates = opts.coordinator_candidate_list()
-        self._my_candidate = next((i for i, (r, _) in enumerate(self.candidates) if r == rank), None)
+        self._me = opts.allocation_index if opts.allocation_index is not None else rank
+        self._my_candidate = next((i for i, (r, _) in enumerate(self.candidates) if r == self._me), None)
         # Mutual TLS: reports are bound to the rank the client certificate names (docs/security.md); this
         # also refuses to start with a certificate issued for another rank or job.
         try:
@@ -267,7 +270,7 @@ class Replicator:
         self._control_server.add_insecure_port(f"unix:{sock}")
         self._control_server.start()
         os.chmod(sock, 0o600)
-        addrs = [a or (self.address if r == self.rank else "") for r, a in self.candidates]
+        addrs = [a or (self.address if r == self._me else "") for r, a in self.candidates]
         if self.coordinator is not None:
             if not self.opts.coordinator_candidates and not self.opts.coordinator:
                 addrs[self._my_candidate] = self.address

@@ -160,6 +160,10 @@ class Replicator:
         # the hosts at an elastic event; docs/orbax.md).
         self.candidates = opts.coordinator_candidate_list()
         self._me = opts.allocation_index if opts.allocation_index is not None else rank
+        # Orbax mode: the node count changes between incarnations (elastic); reports carry it, so that a
+        # coordinator of a previous incarnation (another node count) is skipped like a standby. Native mode
+        # has one node count for the job's life: a mismatch there is a misconfiguration, not a failover.
+        self._fence_nodes = nodes if opts.allocation_index is not None else 0
         self._my_candidate = next((i for i, (r, _) in enumerate(self.candidates) if r == self._me), None)
         # Mutual TLS: reports are bound to the rank the client certificate names (docs/security.md); this
         # also refuses to start with a certificate issued for another rank or job.
@@ -564,7 +568,7 @@ class Replicator:
             job=self.job, rank=self.rank, incarnation=self.incarnation, address=self.address,
             newest_saved_step=own[-1] if own else -1,
             backup_requests=self.store.backup_requests(),
-            inventory_digest=digest, known_epoch=self.epoch, preempting=self.preempting,
+            inventory_digest=digest, known_epoch=self.epoch, preempting=self.preempting, nodes=self._fence_nodes,
         )
         if self._backup_now:
             self._backup_now = False

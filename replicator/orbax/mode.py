@@ -323,8 +323,8 @@ class OrbaxMode:
                 continue
             wait = max(0.0, min(PREPARE_SLICE_SECONDS, deadline - time.monotonic() - 0.5))
             try:
-                resp = daemon.call_coordinator("PrepareRestore", cpb.PrepareRestoreRequest(step=-1, wait_seconds=wait),
-                                               wait + opts.rpc_timeout_seconds)
+                req = cpb.PrepareRestoreRequest(step=-1, wait_seconds=wait, nodes=cfg.nodes)
+                resp = daemon.call_coordinator("PrepareRestore", req, wait + opts.rpc_timeout_seconds)
             except grpc.RpcError as e:
                 last_error = f"coordinator {opts.coordinator_address()}: {e.code().name} {e.details()}"
                 resp = None
@@ -353,7 +353,7 @@ class OrbaxMode:
             if cfg.node_rank not in resp.ready_ranks:
                 raise HandshakeError(f"step {resp.step}: {resp.reason}")
             self._error(f"restoring step {resp.step}, but {resp.reason}")
-        owners = self._valid_owners(daemon, opts, resp.step, cfg.node_rank)
+        owners = self._valid_owners(daemon, opts, resp.step, cfg)
         target = store.data_dir_for(resp.step, owners)
         if target is None:
             raise HandshakeError(f"the coordinator planned step {resp.step}, but this host holds no data of "
@@ -371,9 +371,9 @@ class OrbaxMode:
         yaml yet, or serves an older job): its plan would be over the wrong ranks.
         """
         try:
-            st = self._status(daemon, opts)
+            st = self._status(daemon, opts, nodes=cfg.nodes)
         except grpc.RpcError as e:
-            return f"no status from the coordinator: {e.code().name}"
+            return f"no status from the coordinator: {e.code().name} {e.details()}"
         if st.HasField("topology") and st.topology.nodes != cfg.nodes:
             return (f"the coordinator at {st.coordinator_address or '?'} serves {st.topology.nodes} hosts, "
                     f"replicator.yaml says {cfg.nodes} (a previous incarnation)")
@@ -381,10 +381,11 @@ class OrbaxMode:
             return f"not every host has reported to the coordinator ({st.hosts_reported} of {cfg.nodes})"
         return ""
 
-    def _valid_owners(self, daemon: Any, opts: ReplicatorOptions, step: int, rank: int) -> set[int]:
-        """Owners whose data of ``step`` on this host the coordinator accepts for ``rank`` (hash-checked)."""
+    def _valid_owners(self, daemon: Any, opts: ReplicatorOptions, step: int, cfg: oc.ReplicatorConfig) -> set[int]:
+        """Owners whose data of ``step`` on this host the coordinator accepts for its rank (hash-checked)."""
+        rank = cfg.node_rank
         try:
-            st = self._status(daemon, opts, detail_steps=[step], rank_first=rank, rank_count=1)
+            st = self._status(daemon, opts, detail_steps=[step], rank_first=rank, rank_count=1, nodes=cfg.nodes)
         except grpc.RpcError as e:
             log.warning("no status from the coordinator (%s): restoring own data only", e.code().name)
             return {rank}

@@ -47,7 +47,9 @@ class ReplicatorOptions:
     job: str = _opt('job name (default mtc)', "mtc")
     rank: int | None = _opt("this host's rank (omit with --nodes for Orbax mode)", None)
     nodes: int | None = _opt('number of hosts', None)
-    peers: dict[int, str] = _opt('static peer map RANK=HOST:PORT,RANK=HOST:PORT,...', factory=dict)
+    peers: dict[int, str] = _opt(
+        'static peer map RANK=HOST:PORT,RANK=HOST:PORT,... (Orbax mode: the whole allocation, by allocation index)',
+        factory=dict)
     peer_address_template: str = _opt(
         'peer address template with {job}, {rank}, {slice}, {host} (index in slice), e.g. '
         '{job}-workers-{slice}-{host}.{job}:7070',
@@ -109,7 +111,7 @@ class ReplicatorOptions:
     coordinator_candidates: str = _opt(
         "ordered RANK=HOST:PORT,... of the hosts that may serve the coordinator; the first live one serves "
         "(default: each slice's first host when --peers or --peer-address-template give addresses, else "
-        "--coordinator-rank); see docs/coordinator.md",
+        "--coordinator-rank; Orbax mode: labelled by allocation index); see docs/coordinator.md",
         "")
     allocation_index: int | None = _opt(
         "Orbax mode: this host's place in the full allocation (slice-major, stable for the job's life), which "

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x06mtc.v1\"\"\n\x12LocalLocateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"9\n\x13LocalLocateResponse\x12\x0e\n\x06savers\x18\x01 \x03(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"{\n\x10\x46\x65tchStepRequest\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rmanifest_only\x18\x03 \x01(\x08\x12\x15\n\rreplace_local\x18\x04 \x01(\x08\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\"<\n\x11\x46\x65tchStepResponse\x12\x10\n\x08step_dir\x18\x01 \x01(\t\x12\x15\n\rmanifest_json\x18\x02 \x01(\x0c\"\x16\n\x14GetPreemptionRequest\"=\n\x15GetPreemptionResponse\x12\x13\n\x0bnotice_step\x18\x01 \x01(\x03\x12\x0f\n\x07noticed\x18\x02 \x01(\x08\"\x12\n\x10\x42\x61\x63kupNowRequest\"\x13\n\x11\x42\x61\x63kupNowResponse\"$\n\x14StepCommittedRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x17\n\x15StepCommittedResponse\"\x17\n\x15GetLocalStatusRequest\"-\n\x16GetLocalStatusResponse\x12\x13\n\x0bstatus_json\x18\x01 \x01(\t2\xc6\x03\n\x0cLocalControl\x12L\n\rStepCommitted\x12\x1c.mtc.v1.StepCommittedRequest\x1a\x1d.mtc.v1.StepCommittedResponse\x12O\n\x0eGetLocalStatus\x12\x1d.mtc.v1.GetLocalStatusRequest\x1a\x1e.mtc.v1.GetLocalStatusResponse\x12\x45\n\nLocateStep\x12\x1a.mtc.v1.LocalLocateRequest\x1a\x1b.mtc.v1.LocalLocateResponse\x12@\n\tFetchStep\x12\x18.mtc.v1.FetchStepRequest\x1a\x19.mtc.v1.FetchStepResponse\x12L\n\rGetPreemption\x12\x1c.mtc.v1.GetPreemptionRequest\x1a\x1d.mtc.v1.GetPreemptionResponse\x12@\n\tBackupNow\x12\x18.mtc.v1.BackupNowRequest\x1a\x19.mtc.v1.BackupNowResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x06mtc.v1\"\"\n\x12LocalLocateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"9\n\x13LocalLocateResponse\x12\x0e\n\x06savers\x18\x01 \x03(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"{\n\x10\x46\x65tchStepRequest\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rmanifest_only\x18\x03 \x01(\x08\x12\x15\n\rreplace_local\x18\x04 \x01(\x08\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\"<\n\x11\x46\x65tchStepResponse\x12\x10\n\x08step_dir\x18\x01 \x01(\t\x12\x15\n\rmanifest_json\x18\x02 \x01(\x0c\"6\n\x08StepFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\"\x81\x01\n\x11\x46\x65tchFilesRequest\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1f\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x10.mtc.v1.StepFile\x12\x10\n\x08\x64\x65st_dir\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\"3\n\x12\x46\x65tchFilesResponse\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"\x16\n\x14GetPreemptionRequest\"=\n\x15GetPreemptionResponse\x12\x13\n\x0bnotice_step\x18\x01 \x01(\x03\x12\x0f\n\x07noticed\x18\x02 \x01(\x08\"\x12\n\x10\x42\x61\x63kupNowRequest\"\x13\n\x11\x42\x61\x63kupNowResponse\"$\n\x14StepCommittedRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x17\n\x15StepCommittedResponse\"\x17\n\x15GetLocalStatusRequest\"-\n\x16GetLocalStatusResponse\x12\x13\n\x0bstatus_json\x18\x01 \x01(\t2\x8b\x04\n\x0cLocalControl\x12L\n\rStepCommitted\x12\x1c.mtc.v1.StepCommittedRequest\x1a\x1d.mtc.v1.StepCommittedResponse\x12O\n\x0eGetLocalStatus\x12\x1d.mtc.v1.GetLocalStatusRequest\x1a\x1e.mtc.v1.GetLocalStatusResponse\x12\x45\n\nLocateStep\x12\x1a.mtc.v1.LocalLocateRequest\x1a\x1b.mtc.v1.LocalLocateResponse\x12@\n\tFetchStep\x12\x18.mtc.v1.FetchStepRequest\x1a\x19.mtc.v1.FetchStepResponse\x12\x43\n\nFetchFiles\x12\x19.mtc.v1.FetchFilesRequest\x1a\x1a.mtc.v1.FetchFilesResponse\x12L\n\rGetPreemption\x12\x1c.mtc.v1.GetPreemptionRequest\x1a\x1d.mtc.v1.GetPreemptionResponse\x12@\n\tBackupNow\x12\x18.mtc.v1.BackupNowRequest\x1a\x19.mtc.v1.BackupNowResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,22 +39,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHSTEPREQUEST']._serialized_end=243
   _globals['_FETCHSTEPRESPONSE']._serialized_start=245
   _globals['_FETCHSTEPRESPONSE']._serialized_end=305
-  _globals['_GETPREEMPTIONREQUEST']._serialized_start=307
-  _globals['_GETPREEMPTIONREQUEST']._serialized_end=329
-  _globals['_GETPREEMPTIONRESPONSE']._serialized_start=331
-  _globals['_GETPREEMPTIONRESPONSE']._serialized_end=392
-  _globals['_BACKUPNOWREQUEST']._serialized_start=394
-  _globals['_BACKUPNOWREQUEST']._serialized_end=412
-  _globals['_BACKUPNOWRESPONSE']._serialized_start=414
-  _globals['_BACKUPNOWRESPONSE']._serialized_end=433
-  _globals['_STEPCOMMITTEDREQUEST']._serialized_start=435
-  _globals['_STEPCOMMITTEDREQUEST']._serialized_end=471
-  _globals['_STEPCOMMITTEDRESPONSE']._serialized_start=473
-  _globals['_STEPCOMMITTEDRESPONSE']._serialized_end=496
-  _globals['_GETLOCALSTATUSREQUEST']._serialized_start=498
-  _globals['_GETLOCALSTATUSREQUEST']._serialized_end=521
-  _globals['_GETLOCALSTATUSRESPONSE']._serialized_start=523
-  _globals['_GETLOCALSTATUSRESPONSE']._serialized_end=568
-  _globals['_LOCALCONTROL']._serialized_start=571
-  _globals['_LOCALCONTROL']._serialized_end=1025
+  _globals['_STEPFILE']._serialized_start=307
+  _globals['_STEPFILE']._serialized_end=361
+  _globals['_FETCHFILESREQUEST']._serialized_start=364
+  _globals['_FETCHFILESREQUEST']._serialized_end=493
+  _globals['_FETCHFILESRESPONSE']._serialized_start=495
+  _globals['_FETCHFILESRESPONSE']._serialized_end=546
+  _globals['_GETPREEMPTIONREQUEST']._serialized_start=548
+  _globals['_GETPREEMPTIONREQUEST']._serialized_end=570
+  _globals['_GETPREEMPTIONRESPONSE']._serialized_start=572
+  _globals['_GETPREEMPTIONRESPONSE']._serialized_end=633
+  _globals['_BACKUPNOWREQUEST']._serialized_start=635
+  _globals['_BACKUPNOWREQUEST']._serialized_end=653
+  _globals['_BACKUPNOWRESPONSE']._serialized_start=655
+  _globals['_BACKUPNOWRESPONSE']._serialized_end=674
+  _globals['_STEPCOMMITTEDREQUEST']._serialized_start=676
+  _globals['_STEPCOMMITTEDREQUEST']._serialized_end=712
+  _globals['_STEPCOMMITTEDRESPONSE']._serialized_start=714
+  _globals['_STEPCOMMITTEDRESPONSE']._serialized_end=737
+  _globals['_GETLOCALSTATUSREQUEST']._serialized_start=739
+  _globals['_GETLOCALSTATUSREQUEST']._serialized_end=762
+  _globals['_GETLOCALSTATUSRESPONSE']._serialized_start=764
+  _globals['_GETLOCALSTATUSRESPONSE']._serialized_end=809
+  _globals['_LOCALCONTROL']._serialized_start=812
+  _globals['_LOCALCONTROL']._serialized_end=1335
 # @@protoc_insertion_point(module_scope)

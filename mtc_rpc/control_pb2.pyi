@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -41,6 +41,38 @@ class FetchStepResponse(_message.Message):
     step_dir: str
     manifest_json: bytes
     def __init__(self, step_dir: _Optional[str] = ..., manifest_json: _Optional[bytes] = ...) -> None: ...
+
+class StepFile(_message.Message):
+    __slots__ = ("name", "size", "crc32c")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    crc32c: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class FetchFilesRequest(_message.Message):
+    __slots__ = ("owner_rank", "step", "files", "dest_dir", "timeout_seconds")
+    OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    DEST_DIR_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    owner_rank: int
+    step: int
+    files: _containers.RepeatedCompositeFieldContainer[StepFile]
+    dest_dir: str
+    timeout_seconds: float
+    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., files: _Optional[_Iterable[_Union[StepFile, _Mapping]]] = ..., dest_dir: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class FetchFilesResponse(_message.Message):
+    __slots__ = ("source", "bytes")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    bytes: int
+    def __init__(self, source: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class GetPreemptionRequest(_message.Message):
     __slots__ = ()

@@ -54,6 +54,11 @@ class LocalControlStub:
                 request_serializer=control__pb2.FetchStepRequest.SerializeToString,
                 response_deserializer=control__pb2.FetchStepResponse.FromString,
                 _registered_method=True)
+        self.FetchFiles = channel.unary_unary(
+                '/mtc.v1.LocalControl/FetchFiles',
+                request_serializer=control__pb2.FetchFilesRequest.SerializeToString,
+                response_deserializer=control__pb2.FetchFilesResponse.FromString,
+                _registered_method=True)
         self.GetPreemption = channel.unary_unary(
                 '/mtc.v1.LocalControl/GetPreemption',
                 request_serializer=control__pb2.GetPreemptionRequest.SerializeToString,
@@ -98,6 +103,14 @@ class LocalControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchFiles(self, request, context):
+        """Fetch only some files of another rank's step (those holding the shards a restore onto another mesh
+        needs) into a scratch directory of the caller, from the fastest tier holding them, each verified.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetPreemption(self, request, context):
         """A preemption notice (SIGTERM) reached some host of the job, and what the emergency backup did.
         """
@@ -134,6 +147,11 @@ def add_LocalControlServicer_to_server(servicer, server):
                     servicer.FetchStep,
                     request_deserializer=control__pb2.FetchStepRequest.FromString,
                     response_serializer=control__pb2.FetchStepResponse.SerializeToString,
+            ),
+            'FetchFiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchFiles,
+                    request_deserializer=control__pb2.FetchFilesRequest.FromString,
+                    response_serializer=control__pb2.FetchFilesResponse.SerializeToString,
             ),
             'GetPreemption': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPreemption,
@@ -254,6 +272,33 @@ class LocalControl:
             '/mtc.v1.LocalControl/FetchStep',
             control__pb2.FetchStepRequest.SerializeToString,
             control__pb2.FetchStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.v1.LocalControl/FetchFiles',
+            control__pb2.FetchFilesRequest.SerializeToString,
+            control__pb2.FetchFilesResponse.FromString,
             options,
             channel_credentials,
             insecure,

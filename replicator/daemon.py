@@ -112,6 +112,24 @@ class _Control(control_pb2_grpc.LocalControlServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, _details(e))
         return control_pb2.FetchStepResponse(step_dir=rel, manifest_json=manifest)
 
+    def FetchFiles(self, request, context):
+        try:
+            entries = [layout.FileEntry.from_dict({"name": f.name, "size": f.size, "crc32c": f.crc32c})
+                       for f in request.files]
+            source, nbytes = self.daemon.fetch_files_for_sidecar(request.owner_rank, request.step, entries,
+                                                                 request.dest_dir, request.timeout_seconds)
+        except FileNotFoundError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:  # ManifestError included: a malformed file list
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except grpc.RpcError as e:
+            code = e.code() if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) \
+                else grpc.StatusCode.UNAVAILABLE
+            context.abort(code, f"coordinator: {_details(e)}")
+        except (RuntimeError, OSError) as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, _details(e))
+        return control_pb2.FetchFilesResponse(source=source, bytes=nbytes)
+
     def GetPreemption(self, request, context):
         noticed = self.daemon.preemption_noticed
         return control_pb2.GetPreemptionResponse(noticed=noticed, notice_step=self.daemon.newest_complete
@@ -429,16 +447,7 @@ class Replicator:
         elif (m := self.store.manifest(owner, step)) is not None:
             rel = self.store.step_dir(owner, step).relative_to(self.store.root).as_posix()
             return (("", m.to_json()) if manifest_only else (rel, b""))
-        # A coordinator that just took over learns the holdings from the next heartbeats: ask again a while.
-        deadline = time.monotonic() + min(max(timeout_seconds, 1.0), self._failover_window())
-        while True:
-            resp = self.call_coordinator_until("LocateStep", cpb.LocateStepRequest(step=step, owners=[owner]),
-                                               self._failover_window())
-            srcs = [x for x in (resp.ranks[0].sources if resp.ranks else [])
-                    if x.kind == "bucket" or x.holder_rank != self.rank]
-            if srcs or time.monotonic() >= deadline:
-                break
-            time.sleep(min(0.5, self.opts.heartbeat_seconds))
+        srcs, savers = self._other_sources(owner, step, timeout_seconds)
         errors = []
         for src in srcs:
             if src.kind != "bucket" and src.holder_rank == self.rank:
@@ -470,8 +479,72 @@ class Replicator:
                 errors.append(f"{where}: {type(e).__name__}: {_details(e)}")
         if not srcs:
             raise FileNotFoundError(f"rank {owner}'s data of step {step} is on no tier the coordinator knows "
-                                    f"(savers {list(resp.savers)})")
+                                    f"(savers {savers})")
         raise RuntimeError(f"rank {owner}'s data of step {step} is unreachable: " + "; ".join(errors))
+
+    def _other_sources(self, owner: int, step: int, timeout_seconds: float) -> tuple[list[Any], list[int]]:
+        """(the coordinator's sources of ``owner``'s ``step`` data beyond this host's RAM disk, fastest
+        first; the step's savers)."""
+        # A coordinator that just took over learns the holdings from the next heartbeats: ask again a while.
+        deadline = time.monotonic() + min(max(timeout_seconds, 1.0), self._failover_window())
+        while True:
+            resp = self.call_coordinator_until("LocateStep", cpb.LocateStepRequest(step=step, owners=[owner]),
+                                               self._failover_window())
+            srcs = [x for x in (resp.ranks[0].sources if resp.ranks else [])
+                    if x.kind == "bucket" or x.holder_rank != self.rank]
+            if srcs or time.monotonic() >= deadline:
+                return srcs, list(resp.savers)
+            time.sleep(min(0.5, self.opts.heartbeat_seconds))
+
+    def fetch_files_for_sidecar(self, owner: int, step: int, entries: list[layout.FileEntry], dest_rel: str,
+                                timeout_seconds: float) -> tuple[str, int]:
+        """Bring only ``entries`` (files of ``owner``'s ``step``, as the caller's copy of its manifest lists
+        them) into the caller's scratch directory ``dest_rel``: from a peer's RAM disk through the peer
+        service, else the bucket with ranged reads. A source whose manifest does not list every entry
+        identically (another save, or a replica that names its files differently) fails and the next is tried;
+        each file gets its name only once its crc32c matched, and a source that fails mid-way leaves the rest to
+        the next.
+        Returns (where from, bytes moved)."""
+        layout.step_name(step)
+        if not 0 <= owner < self.nodes:
+            raise ValueError(f"unknown rank {owner}: the job has ranks 0..{self.nodes - 1}")
+        if not entries:
+            raise ValueError("no files asked for")
+        dest = layout.check_fetch_dir(self.store.root, dest_rel)
+        layout.remove_tmp_dirs(dest.parent)  # scratch directories of readers that died (unlocked ones)
+        t0 = time.monotonic()
+        srcs, savers = self._other_sources(owner, step, timeout_seconds)
+        errors, moved = [], 0
+        for src in srcs:
+            todo = [e for e in entries if not (dest / e.name).exists()]
+            if not todo:
+                break
+            where = "bucket" if src.kind == "bucket" else f"peer rank {src.holder_rank}"
+            try:
+                if src.kind == "bucket":
+                    if self.backup is None:
+                        raise RuntimeError("no backup tier configured")
+                    moved += self.backup.backup.fetch_files(step, src.owner_rank, todo, dest)
+                else:
+                    # No manifest round trip: the peer offers the files as its manifest lists them (a mismatch
+                    # is refused), and each file must match the asked-for crc32c on arrival.
+                    addr = src.holder_address
+                    moved += peer_client.fetch_files(addr, src.owner_rank, step, todo, dest, token=self.token,
+                                                     tls=self._tls(), throttle=self._throttle,
+                                                     timeout_seconds=self.opts.transfer_timeout_seconds)
+                self.counters.add("reshard_files", len(todo))
+                self.counters.add("reshard_bytes", sum(e.size for e in todo))
+                log.info("%d files (%d bytes) of rank %d step %d fetched for the sidecar from %s in %.3fs",
+                         len(todo), sum(e.size for e in todo), owner, step, where, time.monotonic() - t0)
+                return where, moved
+            except Exception as e:  # the next tier
+                log.warning("fetching %d files of rank %d step %d from %s failed: %s", len(todo), owner, step,
+                            where, e)
+                errors.append(f"{where}: {type(e).__name__}: {_details(e)}")
+        if not srcs:
+            raise FileNotFoundError(f"rank {owner}'s data of step {step} is on no tier the coordinator knows "
+                                    f"(savers {savers})")
+        raise RuntimeError(f"files of rank {owner}'s step {step} are unreachable: " + "; ".join(errors))
 
     # ------------------------------------------------------------------ heartbeat loop
     def _loop(self) -> None:

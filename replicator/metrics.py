@@ -32,6 +32,8 @@ CounterName = Literal[
     "copy_failures",
     "restores",  # this rank's data of a restore step fetched from a peer or the bucket
     "restore_bytes",
+    "reshard_files",  # files of other ranks' steps fetched for a restore onto another mesh (FetchFiles)
+    "reshard_bytes",
     "hash_only",  # data-parallel replicas recorded without moving bytes
     "deletions",  # pieces deleted on the coordinator's GC word
     "heartbeat_failures",
@@ -213,6 +215,7 @@ class _Collector:
         copy_bytes = CounterMetricFamily("mtc_copy_bytes", "Bytes this host moved, by kind", labels=["kind"])
         copy_bytes.add_metric(["peer_copy"], c["copy_bytes"])
         copy_bytes.add_metric(["restore"], c["restore_bytes"])
+        copy_bytes.add_metric(["reshard"], c["reshard_bytes"])
         copy_bytes.add_metric(["backup_upload"], c["backup_upload_bytes"])
         yield copy_bytes
         yield _counter("mtc_saves", "Own steps committed on this host's RAM disk", c["saves"])
@@ -220,6 +223,8 @@ class _Collector:
         yield _counter("mtc_copies", "Peer copies fetched by this host", c["copies"])
         yield _counter("mtc_copy_failures", "Failed peer copies", c["copy_failures"])
         yield _counter("mtc_restores", "Restore fetches (peer or bucket) of this host's rank", c["restores"])
+        yield _counter("mtc_reshard_files", "Files of other ranks' steps fetched for restores onto another mesh",
+                       c["reshard_files"])
         yield _counter("mtc_hash_only_replicas", "Data-parallel replicas recorded by hash", c["hash_only"])
         yield _counter("mtc_deletions", "Pieces deleted on the coordinator's GC word", c["deletions"])
         yield _counter("mtc_heartbeat_failures", "Heartbeats to the coordinator that failed",

@@ -164,7 +164,7 @@ def open_step(config: HostConfig, rank: int, step: int) -> reader.StepSource:
         from sidecar.remote import ReplicatorFetcher
 
         fetcher = ReplicatorFetcher(config.root(rank), config.fetch_timeout_seconds)
-    return reader.StepSource(step, config.read_roots(rank), fetcher=fetcher, drop_bad=True)
+    return reader.StepSource(step, config.read_roots(rank), fetcher=fetcher, drop_bad=True, own_rank=rank)
 
 
 def check_structure(src: reader.StepSource, paths: Sequence[str]) -> None:
@@ -183,6 +183,15 @@ def restore_on_hosts(
     """Build each leaf's arrays from the verified saved shards; each rank fills its own devices only."""
     writer.raise_failures([writer.writer_for(config.root(r), config.write_threads) for r in ranks], wait=True)
     sources = {r: open_step(config, r, step) for r in ranks}
+    try:
+        return _restore_leaves(config, sources, leaves, all_paths)
+    finally:
+        for src in sources.values():
+            src.close()  # the scratch copies of other hosts' files: the arrays hold what they need
+
+
+def _restore_leaves(config: HostConfig, sources: dict[int, reader.StepSource], leaves: Sequence[RestoreLeaf],
+                    all_paths: Sequence[str]) -> list[Any]:
     for src in sources.values():
         check_structure(src, all_paths)
     _prefetch(config, sources, leaves)
@@ -232,24 +241,29 @@ def restore_on_hosts(
 
 
 def _prefetch(config: HostConfig, sources: dict[int, reader.StepSource], leaves: Sequence[RestoreLeaf]) -> None:
-    """Fetch, in parallel, every other rank's data the hosts need for their target shards (a restore onto
-    another mesh or onto other slices), instead of one rank at a time as the reads reach them."""
-    wanted: set[tuple[int, int]] = set()
+    """Fetch, in parallel, the files of other ranks' data the hosts need for their target shards (a restore
+    onto another mesh or onto other slices) -- only the saved shards overlapping them -- instead of one
+    shard at a time as the reads reach them."""
+    wanted: dict[tuple[int, int], set[str]] = {}
+
+    def need(r: int, idx: tuple[tuple[int, int], ...], path: str) -> None:
+        for o, files in sources[r].remote_files_for(path, idx).items():
+            wanted.setdefault((r, o), set()).update(files)
+
     for leaf in leaves:
         if leaf.as_bytes:
             full = tuple((0, n) for n in leaf.shape)
-            for r, src in sources.items():
-                wanted.update((r, o) for o in src.remote_owners_for(leaf.path, full))
+            for r in sources:
+                need(r, full, leaf.path)
             continue
         for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
             r = config.device_rank.get(device.id)
             if r in sources:
-                idx = reader.normalize_index(index, leaf.shape)
-                wanted.update((r, o) for o in sources[r].remote_owners_for(leaf.path, idx))
+                need(r, reader.normalize_index(index, leaf.shape), leaf.path)
     if not wanted:
         return
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(wanted))) as pool:
-        futs = [pool.submit(sources[r].prefetch, o) for r, o in sorted(wanted)]
+        futs = [pool.submit(sources[r].prefetch, o, files) for (r, o), files in sorted(wanted.items())]
         for f in futs:
             try:
                 f.result()

@@ -9,6 +9,8 @@ A host's local directory (the RAM disk) looks like::
     <root>/steps/.tmp-<N>-<nonce>/      a step being written (never read; flock-ed by its live writer)
     <root>/steps/.trash-<N>-<nonce>/    a step being deleted (renamed out of sight first)
     <root>/peer/<rank>/<N>/...          copies of other ranks' steps, same layout
+    <root>/fetch/.tmp-<N>-<nonce>/      files of other ranks' steps fetched for one restore (never a step:
+                                        no manifest; flock-ed by the reading process, removed after use)
     <root>/.spare/<size>-<nonce>        files of deleted steps kept for their tmpfs pages (never read)
 
 A step directory is visible only once complete: written under a temporary sibling name, fsynced, then
@@ -54,6 +56,7 @@ MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_CHECKSUM_KEY = "manifest_sha256"
 STEPS_DIR = "steps"
 PEER_DIR = "peer"
+FETCH_DIR = "fetch"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 CONTROL_SOCKET = "replicator.sock"  # the host replicator's local control socket, in the root
@@ -191,6 +194,21 @@ def control_socket(root: Path | str) -> Path:
 
 def peer_dir(root: Path, rank: int) -> Path:
     return Path(root) / PEER_DIR / str(int(rank))
+
+
+def fetch_dir(root: Path) -> Path:
+    """Where a reader's scratch directories of fetched files live (see the module docstring)."""
+    return Path(root) / FETCH_DIR
+
+
+def check_fetch_dir(root: Path, rel: str) -> Path:
+    """The scratch directory ``rel`` (relative to ``root``) names, if it is one: a ``.tmp-*`` directory
+    directly under :func:`fetch_dir`, no symlink on the way. ValueError otherwise (nothing is written)."""
+    path = resolve_under(root, rel)
+    parent = Path(os.path.realpath(fetch_dir(root)))
+    if path.parent != parent or not path.name.startswith(TMP_PREFIX) or not path.is_dir():
+        raise ValueError(f"{rel!r} is not a fetch directory under {fetch_dir(root)}")
+    return path
 
 
 # --------------------------------------------------------------------------- manifest
@@ -524,6 +542,12 @@ def make_tmp_dir(parent: Path, step: int) -> Path:
             _OWNED[tmp] = fd
         return tmp
     raise OSError(errno.EAGAIN, f"could not create an owned temporary directory under {parent}")
+
+
+def remove_owned_dir(path: Path) -> None:
+    """Remove a temporary directory this process made with :func:`make_tmp_dir` and release its lock."""
+    shutil.rmtree(path, ignore_errors=True)
+    _release_owned(Path(path))
 
 
 def tmp_dir_is_owned(path: Path) -> bool:

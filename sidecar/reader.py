@@ -11,7 +11,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -73,6 +73,11 @@ class Fetcher(Protocol):
 
         ``replace``: the local copy is bad; fetch another one from a peer or the bucket."""
 
+    def fetch_files(self, owner: int, step: int, files: Sequence[layout.FileEntry]) -> Path:
+        """Bring only ``files`` of ``owner``'s ``step`` (as its manifest lists them) onto this host, each
+        verified by its crc32c: a new scratch directory of this process holding just them (no manifest), for
+        the reader to remove with ``layout.remove_owned_dir`` when done."""
+
 
 class BadCopyError(layout.ChecksumError):
     """A copy of a shard is unusable (checksum mismatch, short or missing file); other copies may be fine."""
@@ -84,11 +89,18 @@ class StepSource:
 
     Only the newest save of the step is used: after a rollback a step number may have been saved again
     (higher ``generation``), and copies of the abandoned save are ignored.
+
+    Another rank's data that no local copy holds is fetched file by file: only the files of the saved shards
+    a read overlaps (one file per saved shard, see ``sidecar.writer``), into scratch directories that
+    :meth:`close` removes.
     """
 
     def __init__(self, step: int, roots: Iterable[Path], fetcher: Fetcher | None = None,
-                 drop_bad: bool = False):
+                 drop_bad: bool = False, own_rank: int | None = None):
         self.step = step
+        # The rank whose RAM disk ``roots[0]`` is: its own data, when fetched, is fetched whole (the host's
+        # copy of its own step must be complete again), other ranks' file by file.
+        self.own_rank = own_rank
         self.roots = list(roots)
         self.fetcher = fetcher
         self.drop_bad = drop_bad
@@ -105,6 +117,9 @@ class StepSource:
         self._copy_at: dict[Path, int] = {}
         self._heal = threading.RLock()
         self.unreachable: dict[int, str] = {}  # rank -> why its data could not be fetched
+        self._remote: dict[int, layout.StepManifest] = {}  # manifests of ranks with no copy on this host
+        self._scratch: dict[Path, int] = {}  # scratch directory of fetched files -> owner rank
+        self._have: dict[tuple[int, str], Path] = {}  # (owner, file) -> scratch directory holding it
         found = []
         for root in self.roots:
             for d in step_dirs_in(root, step):
@@ -195,6 +210,7 @@ class StepSource:
 
     def _remote_layout(self, m: layout.StepManifest) -> None:
         """Record where a remote rank's shards are (no bytes yet): a virtual location fetched on demand."""
+        self._remote[m.rank] = m
         for v in m.values:
             self.values.setdefault(v.path, v.value)
         for a in m.arrays:
@@ -205,13 +221,16 @@ class StepSource:
                 sa.shards.setdefault(s.index, []).append(SavedShard(Path(f"remote:{m.rank}"), s))
 
     def _materialise(self, loc: SavedShard, replace_dir: Path | None = None) -> list[SavedShard]:
-        """Fetch the remote rank a virtual location names (or a replacement of a bad local copy)."""
+        """Fetch the file of the shard a virtual location names, or the whole step of the rank whose local
+        copy in ``replace_dir`` is bad (it is this host's copy: it must be whole again)."""
         if self.fetcher is None:
             return []
         if replace_dir is not None:
             owner, replace = self._owner_of(replace_dir), True
         else:
             owner, replace = int(str(loc.step_dir).split(":", 1)[1]), False
+            if loc.entry is not None and owner in self._remote and owner != self.own_rank:
+                return self.fetch_files(owner, {loc.entry.file})
         if owner is None:
             return []
         with self._heal:  # one fetch at a time; a concurrent reader never deletes a fresh replacement
@@ -226,26 +245,93 @@ class StepSource:
         log.info("rank %d's data of step %d now at %s (%.3fs)", owner, self.step, d, time.monotonic() - t0)
         return [SavedShard(d, s) for a in m.arrays for s in a.shards]
 
-    def remote_owners_for(self, path: str, index: tuple[tuple[int, int], ...]) -> set[int]:
-        """Remote ranks whose data a read of ``index`` of ``path`` will need (shards no local copy covers)."""
+    def remote_files_for(self, path: str, index: tuple[tuple[int, int], ...]) -> dict[int, set[str]]:
+        """Remote rank -> its files a read of ``index`` of ``path`` will need (the saved shards overlapping
+        ``index`` that no copy on this host holds)."""
         arr = self.arrays.get(path)
         if arr is None or self.fetcher is None:
-            return set()
+            return {}
         size = math.prod(b - a for a, b in index)
         if self._covered(arr, index, local_only=True) >= size:
-            return set()
-        out = set()
+            return {}
+        out: dict[int, set[str]] = {}
         for sidx, locs in arr.shards.items():
             if not locs or not all(str(sl.step_dir).startswith("remote:") for sl in locs):
                 continue
             inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, sidx, strict=True)]
             if all(lo < hi for lo, hi in inter):
-                out.add(int(str(locs[0].step_dir).split(":", 1)[1]))
+                out.setdefault(int(str(locs[0].step_dir).split(":", 1)[1]), set()).add(locs[0].entry.file)
         return out
 
-    def prefetch(self, owner: int) -> None:
-        """Fetch ``owner``'s data now (restores fetch every needed rank in parallel before reading)."""
+    def remote_owners_for(self, path: str, index: tuple[tuple[int, int], ...]) -> set[int]:
+        """Remote ranks whose data a read of ``index`` of ``path`` will need (shards no local copy covers)."""
+        return set(self.remote_files_for(path, index))
+
+    def prefetch(self, owner: int, files: Iterable[str] | None = None) -> None:
+        """Fetch ``files`` of ``owner``'s data now (all of it when None): restores fetch what every host
+        needs in parallel before reading."""
+        if files is not None and owner in self._remote and owner != self.own_rank:
+            self.fetch_files(owner, files)
+            return
         self._materialise(SavedShard(Path(f"remote:{owner}"), None))  # type: ignore[arg-type]
+
+    def fetch_files(self, owner: int, files: Iterable[str]) -> list[SavedShard]:
+        """Fetch the named files of remote rank ``owner`` (those not fetched already) and make the shards
+        they hold readable here; returns the new locations."""
+        if self.fetcher is None:
+            return []
+        m = self._remote[owner]
+        with self._heal:  # one fetch at a time per source; concurrent readers wait for the files they need
+            want = sorted(f for f in set(files) if (owner, f) not in self._have)
+            if not want:
+                return []
+            by_name = {f.name: f for f in m.files}
+            t0 = time.monotonic()
+            d = self.fetcher.fetch_files(owner, self.step, [by_name[f] for f in want])
+            new = []
+            with self._lock:
+                self._scratch[d] = owner
+                self._copies += 1
+                self._copy_at[d] = copy = self._copies
+                names = set(want)
+                for a in m.arrays:
+                    sa = self.arrays[a.path]
+                    for sh in a.shards:
+                        if sh.file in names:
+                            loc = SavedShard(d, sh, copy)
+                            sa.shards.setdefault(sh.index, []).append(loc)
+                            new.append(loc)
+                for f in want:
+                    self._have[(owner, f)] = d
+        log.info("%d files (%d bytes) of rank %d's step %d fetched to %s (%.3fs)", len(want),
+                 sum(by_name[f].size for f in want), owner, self.step, d, time.monotonic() - t0)
+        return new
+
+    def _drop_fetched(self, d: Path, file: str) -> None:
+        """A fetched file turned out bad: forget (and delete) it, so that a read fetches it again."""
+        with self._heal, self._lock:
+            owner = self._scratch[d]
+            for sa in self.arrays.values():
+                for idx in list(sa.shards):
+                    sa.shards[idx] = [x for x in sa.shards[idx] if x.step_dir != d or x.entry.file != file]
+            if self._have.get((owner, file)) == d:
+                del self._have[(owner, file)]
+            try:
+                layout.resolve_under(d, file).unlink()
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        """Remove the scratch directories of fetched files (arrays already built from them stay valid:
+        their bytes are mapped or copied)."""
+        with self._heal, self._lock:
+            for d in self._scratch:
+                layout.remove_owned_dir(d)
+                for sa in self.arrays.values():
+                    for idx in list(sa.shards):
+                        sa.shards[idx] = [x for x in sa.shards[idx] if x.step_dir != d]
+            self._scratch.clear()
+            self._have.clear()
 
     def _owner_of(self, step_dir: Path) -> int | None:
         for d, m in self.manifests:
@@ -272,6 +358,7 @@ class StepSource:
         dtype = tree.dtype_from_name(arr.dtype)
         errors: list[BaseException] = []
         tried: set[tuple[Path, int]] = set()
+        refetches = 0
         for _ in range(len(arr.shards.get(index, [])) + 8):
             locs = sorted(arr.shards.get(index, []), key=lambda sl: str(sl.step_dir).startswith("remote:"))
             locs = [sl for sl in locs if (sl.step_dir, sl.copy) not in tried]
@@ -302,6 +389,13 @@ class StepSource:
                     f"{loc.step_dir}/{e.file} ({type(err).__name__}: {err})", e.crc32c, 0)
                 log.warning("bad copy of %s%s in %s: %s", arr.path, index, loc.step_dir, err)
                 errors.append(bad)
+                owner = self._scratch.get(loc.step_dir)
+                if owner is not None:  # a fetched file: fetch it again (the replicator checks every tier)
+                    self._drop_fetched(loc.step_dir, e.file)
+                    if refetches < 2:
+                        refetches += 1
+                        tried.discard((Path(f"remote:{owner}"), 0))
+                    continue
                 self._drop(loc.step_dir, bad, loc.copy)
                 if not arr.shards.get(index):
                     try:

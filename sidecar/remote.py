@@ -8,6 +8,7 @@ copy under ``<root>/peer/<owner>/<step>``. The sidecar then reads it like any lo
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -55,6 +56,23 @@ class ReplicatorFetcher:
         resp = self._call("FetchStep", control_pb2.FetchStepRequest(owner_rank=owner, step=step, manifest_only=True,
                                                                     timeout_seconds=self.timeout), self.timeout + 5)
         return layout.StepManifest.from_json(resp.manifest_json)
+
+    def fetch_files(self, owner: int, step: int, files: Sequence[layout.FileEntry]) -> Path:
+        """Bring only ``files`` of ``owner``'s ``step`` into a new scratch directory of this process under
+        ``<root>/fetch`` (each verified by its crc32c before it gets its name); the caller removes it with
+        ``layout.remove_owned_dir`` once read."""
+        dest = layout.make_tmp_dir(layout.fetch_dir(self.root), step)
+        try:
+            rel = dest.relative_to(self.root).as_posix()
+            req = control_pb2.FetchFilesRequest(
+                owner_rank=owner, step=step, dest_dir=rel, timeout_seconds=self.timeout,
+                files=[control_pb2.StepFile(name=f.name, size=f.size, crc32c=f.crc32c) for f in files])
+            resp = self._call("FetchFiles", req, self.timeout + 5)
+        except BaseException:
+            layout.remove_owned_dir(dest)
+            raise
+        log.debug("%d files of rank %d step %d from %s", len(files), owner, step, resp.source)
+        return dest
 
     def fetch(self, owner: int, step: int, replace: bool = False) -> Path:
         resp = self._call("FetchStep", control_pb2.FetchStepRequest(owner_rank=owner, step=step, replace_local=replace,

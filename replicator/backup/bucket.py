@@ -11,6 +11,11 @@ Bucket layout under the store root (the URL's prefix)::
 A backup is visible only once committed: by the atomic rename of its staging folder to ``steps/<step>``
 (hierarchical-namespace buckets, POSIX directories), or else by a commit record written last with a
 create-only precondition. Readers only ever look at committed steps.
+
+A step number saved again after a rollback (a newer ``generation``, see ``sidecar.layout.StepManifest``)
+supersedes its abandoned backup: the commit removes the older backup (commit record first, so it is never
+half-visible) and then commits the new one. At every moment the bucket holds either the old save of the
+step, none, or the new one, each whole; a crash in between leaves none, and the next backup brings it.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,9 +39,11 @@ from sidecar import faults
 from sidecar.layout import (
     STEP_PATTERN,
     ChecksumError,
+    FileEntry,
     ManifestError,
     StepManifest,
     commit_dir,
+    crc32c_extend,
     file_crc32c,
     make_tmp_dir,
     parse_step_name,
@@ -62,6 +70,8 @@ STRATEGY_MARKER = "marker"
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _STAGING_RE = re.compile(f"^{STEP_PATTERN}-[0-9a-f]{{12}}$")
 _MAX_RECORD_BYTES = 16 << 20
+# Ranged reads of fetch_files: large enough to amortise a request, small enough to bound memory per thread.
+RANGE_BYTES = 16 << 20
 
 
 class BackupError(RuntimeError):
@@ -149,6 +159,9 @@ class BackupCommit:
     total_bytes: int
     committed_unix: float
     format_version: int = BACKUP_FORMAT_VERSION
+    # The save's generation (every rank's manifest carries the same one); 0 in records written before it
+    # was recorded (then the manifests tell, see BackupStore.committed_generation).
+    generation: int = 0
 
     def to_json(self) -> bytes:
         d = dataclasses.asdict(self)
@@ -170,12 +183,15 @@ class BackupCommit:
                 rank_hashes=tuple(str(h) for h in d["rank_hashes"]),
                 total_bytes=int(d["total_bytes"]),
                 committed_unix=float(d["committed_unix"]),
+                generation=int(d.get("generation", 0)),
             )
         except ManifestError:
             raise
         except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"malformed commit record: {e}") from e
         _check_staging_id(c.staging_id, c.step)
+        if c.generation < 0:
+            raise ManifestError(f"commit record has a bad generation {c.generation}")
         # "" = the rank did not save this step (elastic training); at least one rank did.
         if len(c.rank_hashes) != c.nodes or not any(c.rank_hashes) or not all(
                 h == "" or re.fullmatch(r"[0-9a-f]{64}", h) for h in c.rank_hashes):
@@ -397,8 +413,10 @@ class BackupStore:
     def commit(self, staging: Staging) -> int:
         """Verify every rank's manifest and data are in ``staging``, then make the backup visible atomically.
 
-        IncompleteBackupError names what is missing (nothing changes); FileExistsError when the step is
-        already committed. Returns the committed step.
+        IncompleteBackupError names what is missing (nothing changes); ManifestError when the ranks'
+        manifests are of different saves (generations) of the step; FileExistsError when the step is already
+        committed from this save or a newer one. An older save of the step (abandoned by a rollback) is
+        superseded: removed, then this one committed (see the module docstring). Returns the committed step.
         """
         strategy = self._strategy()
         base = self._staging_prefix(staging.staging_id)
@@ -410,6 +428,7 @@ class BackupStore:
         missing: list[str] = []
         total = 0
         expected = set(begin.expected_ranks)
+        generations: set[int] = set()
         for rank in range(staging.nodes):
             if rank not in expected:
                 hashes.append("")  # did not save this step
@@ -421,6 +440,7 @@ class BackupStore:
             m = StepManifest.from_json(self.store.read(name))
             if m.step != staging.step or m.rank != rank:
                 raise ManifestError(f"{name} is step {m.step} rank {m.rank}")
+            generations.add(m.generation)
             h = m.content_hash
             hashes.append(h)
             total += m.total_bytes
@@ -431,8 +451,18 @@ class BackupStore:
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise IncompleteBackupError(f"cannot commit {self.job} step {staging.step}: missing {shown}")
+        if len(generations) > 1:
+            raise ManifestError(f"cannot commit {self.job} step {staging.step}: its ranks' manifests are of "
+                                f"different saves (generations {sorted(generations)})")
+        generation = generations.pop() if generations else 0
         if staging.step in self.committed_steps():
-            raise FileExistsError(f"{self.job} step {staging.step} already has a committed backup")
+            old = self.committed_generation(staging.step)
+            if old >= generation:
+                raise FileExistsError(f"{self.job} step {staging.step} already has a committed backup "
+                                      f"(generation {old}, this one {generation})")
+            log.warning("backup of %s step %d: superseding the abandoned save (generation %d) by generation %d",
+                        self.job, staging.step, old, generation)
+            self._delete_backup(staging.step)
         record = BackupCommit(
             self.job,
             staging.step,
@@ -442,6 +472,7 @@ class BackupStore:
             tuple(hashes),
             total,
             time.time(),
+            generation=generation,
         )
         faults.point("backup.commit.before_record")
         if strategy == STRATEGY_RENAME:
@@ -523,6 +554,15 @@ class BackupStore:
             return rec, base or self._staging_prefix(rec.staging_id)
         raise FileNotFoundError(f"{self.store.url}: {self.job} step {step} has no committed backup")
 
+    def committed_generation(self, step: int) -> int:
+        """The generation of the save committed as ``step`` (FileNotFoundError if none is)."""
+        rec, _ = self.commit_record(step)
+        if rec.generation:
+            return rec.generation
+        # A record written before generations were recorded: every rank's manifest carries it.
+        rank = next(r for r, h in enumerate(rec.rank_hashes) if h)
+        return self.read_manifest(step, rank).generation
+
     def read_manifest(self, step: int, rank: int) -> StepManifest:
         """Rank ``rank``'s manifest of committed step ``step``, checked against the commit record."""
         rec, base = self.commit_record(step)
@@ -587,6 +627,63 @@ class BackupStore:
             self.job, step, rank, got, secs, got / max(secs, 1e-9) / 2**20,
         )  # fmt: skip
         return final
+
+    def fetch_files(self, step: int, rank: int, entries: Sequence[FileEntry], dest_dir: Path) -> int:
+        """Copy some files of rank's committed ``step`` into the existing ``dest_dir`` with ranged reads.
+
+        ``entries`` must be listed identically (name, size, crc32c) by the backup's manifest, else
+        ManifestError (it is another save). Each file is read in ``RANGE_BYTES`` ranges into a part file and
+        gets its name only once its crc32c matched (ChecksumError otherwise; the part is removed). Files
+        already present in ``dest_dir`` are left alone. Returns the bytes read.
+        """
+        t0 = time.monotonic()
+        rec, base = self.commit_record(step)
+        manifest = self.read_manifest(step, rank)
+        listed = set(manifest.files)
+        for e in entries:
+            if e not in listed:
+                raise ManifestError(f"{self.job} step {step} rank {rank} in the bucket does not list {e.name} "
+                                    f"as asked (size {e.size}, crc32c {e.crc32c:08x}): another save")
+        key = self._data_key(manifest)
+        dest_dir = Path(dest_dir)
+
+        def fetch(f: FileEntry) -> int:
+            final = resolve_under(dest_dir, f.name)
+            if final.exists():
+                return 0
+            final.parent.mkdir(parents=True, exist_ok=True)
+            part = final.with_name(final.name + ".part")
+            name = self._data_name(base, key, f.name)
+            crc, got = 0, 0
+            try:
+                with open(part, "wb") as out:
+                    while got < f.size:
+                        chunk = self.store.read(name, got, min(RANGE_BYTES, f.size - got))
+                        if not chunk:
+                            raise EOFError(f"{self.store.url}/{name} ended after {got} of {f.size} bytes")
+                        crc = crc32c_extend(crc, chunk)
+                        out.write(chunk)
+                        got += len(chunk)
+                    out.flush()
+                    os.fsync(out.fileno())
+                if crc != f.crc32c:
+                    raise ChecksumError(f"{self.store.url}/{name}", f.crc32c, crc)
+                os.rename(part, final)
+            except BaseException:
+                part.unlink(missing_ok=True)
+                raise
+            return got
+
+        todo = list(entries)
+        got = 0
+        if todo:
+            workers = min(self.options.max_parallel_downloads, len(todo))
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="backup-range") as pool:
+                got = sum(pool.map(fetch, todo))
+        secs = time.monotonic() - t0
+        log.info("read %d files (%d bytes) of %s step %d rank %d from the bucket in %.2fs",
+                 len(todo), got, self.job, step, rank, secs)
+        return got
 
     # ------------------------------------------------------------------ garbage collection
 

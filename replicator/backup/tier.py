@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -145,6 +146,9 @@ class BucketScheduler(BackupScheduler):
         self.last_start: float | None = None
         self.last_step: int | None = None
         self.committed: list[int] = []
+        # step -> generation of the save committed as that step (a rollback saves a step number again; the
+        # newer save is backed up over the abandoned one, see BackupStore.commit).
+        self.committed_gen: dict[int, int] = {}
         self.skipped = 0
         self.failures = 0
         self.last_error = ""
@@ -152,7 +156,7 @@ class BucketScheduler(BackupScheduler):
         self.requested: set[int] = set()
         self._loaded = False
         self._commit_thread: threading.Thread | None = None
-        self._commit_result: tuple[int, list[str] | None, str] | None = None
+        self._commit_result: tuple[int, list[str] | None, str, int] | None = None
         self._due_while_busy = False
         self.emergency_step: int | None = None
 
@@ -172,11 +176,13 @@ class BucketScheduler(BackupScheduler):
         for step in steps:
             try:
                 rec, _ = self.backup.commit_record(step)
+                self.committed_gen[step] = self.backup.committed_generation(step)
                 state.report_backup(step, committed=True,
                                     content_hashes={r: h for r, h in enumerate(rec.rank_hashes) if h})
                 newest_unix = rec.committed_unix
             except Exception as e:
                 log.warning("ignoring unreadable backup of step %d: %s", step, e)
+                self.committed_gen[step] = sys.maxsize  # never "superseded" in a loop of failing commits
         self.committed = steps
         if steps:
             self.last_step = steps[-1]
@@ -188,6 +194,14 @@ class BucketScheduler(BackupScheduler):
         log.info("bucket holds committed backups of steps %s", steps)
 
     # ------------------------------------------------------------------ scheduling
+    def is_current(self, state: CoordinatorState, step: int) -> bool:
+        return self.committed_gen.get(step, 0) >= state.step_generation(step)
+
+    def _backed_up(self, state: CoordinatorState, step: int) -> bool:
+        """The bucket holds ``step`` as saved now: committed, and not an older save of the step number
+        (abandoned by a rollback; then the step is backed up again, superseding it). O(1)."""
+        return step in self.committed and self.is_current(state, step)
+
     def request(self, steps: list[int]) -> None:
         """Back these steps up as soon as they are the newest complete step (unless already committed)."""
         self.requested.update(s for s in steps if s not in self.committed and s != self.last_step)
@@ -196,18 +210,20 @@ class BucketScheduler(BackupScheduler):
         """A preemption notice: ``step`` (the newest complete) goes to the bucket now — no interval; the
         hosts upload it unthrottled at normal priority (they know of the notice from their own signal or
         the heartbeat answer). A backup of an older step still running is not interrupted: the emergency
-        one starts when it ends."""
-        if step is None or step in self.committed:
+        one starts when it ends. (An emergency step already in the bucket is left out by :meth:`_due`.)"""
+        if step is None:
             return
         if self.emergency_step != step:
             log.warning("emergency backup of step %d requested (preemption)", step)
             self.emergency_step = step
         self.requested.add(step)
 
-    def _due(self, newest_complete: int | None) -> int | None:
-        if newest_complete is None or newest_complete in self.committed:
+    def _due(self, state: CoordinatorState, newest_complete: int | None) -> int | None:
+        if newest_complete is None or self._backed_up(state, newest_complete):
             return None
-        if newest_complete in self.requested:
+        if newest_complete in self.requested or newest_complete in self.committed:
+            # Requested; or the bucket holds an abandoned save of this step number, which restores must not
+            # get: replace it now, whatever the interval.
             return newest_complete
         if self.interval_steps:
             if self.last_step is None or newest_complete >= self.last_step + self.interval_steps:
@@ -254,7 +270,7 @@ class BucketScheduler(BackupScheduler):
         self._load(state)
         self._finish_commit(state)
         newest = state.newest_complete_step()
-        due = self._due(newest)
+        due = self._due(state, newest)
         if self.current is None and self._commit_thread is None:
             if due is not None:
                 try:
@@ -318,16 +334,17 @@ class BucketScheduler(BackupScheduler):
             rec, _ = self.backup.commit_record(step)
             deleted = self.backup.apply_retention(self.keep)
             self.backup.clean_stale_staging(self.stale_staging_seconds)
-            self._commit_result = (step, list(rec.rank_hashes), f"deleted {deleted}" if deleted else "")
+            self._commit_result = (step, list(rec.rank_hashes), f"deleted {deleted}" if deleted else "",
+                                   rec.generation)
         except Exception as e:
-            self._commit_result = (staging.step, None, f"{type(e).__name__}: {e}")
+            self._commit_result = (staging.step, None, f"{type(e).__name__}: {e}", 0)
 
     def _finish_commit(self, state: CoordinatorState) -> None:
         t = self._commit_thread
         if t is None or t.is_alive():
             return
         self._commit_thread = None
-        step, hashes, note = self._commit_result or (-1, None, "no result")
+        step, hashes, note, generation = self._commit_result or (-1, None, "no result", 0)
         self._commit_result = None
         cur, self.current = self.current, None
         if cur is not None:
@@ -339,11 +356,13 @@ class BucketScheduler(BackupScheduler):
             log.warning("%s", self.last_error)
             return
         state.report_backup(step, committed=True, content_hashes={r: h for r, h in enumerate(hashes) if h})
+        self.committed_gen[step] = generation
         self.last_success_unix = time.time()
         try:
             self.committed = self.backup.committed_steps()
         except Exception:
             self.committed = sorted(set(self.committed) | {step})
+        self.committed_gen = {s: g for s, g in self.committed_gen.items() if s in self.committed}
         for gone in set(state.known_steps()) - set(self.committed):
             if state.backup_ranks(gone):
                 state.report_backup(gone, committed=False)

@@ -268,7 +268,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 savers = st.expected_ranks(step)  # elastic: the ranks that saved the step
                 info = pb.StepInfo(step=step, complete=st.is_complete(step), redundant=st.is_redundant(step),
                                    pinned=step in pinned, backing_up=step in backing,
-                                   backed_up=set(savers) <= set(st.backup_ranks(step)),
+                                   backed_up=coord.in_bucket(step),
                                    restore_target=step == target)
                 for r in savers:
                     kinds = {s.kind for s in found.get(r, [])}

@@ -66,6 +66,10 @@ class BackupScheduler:
         """A preemption notice: back ``step`` (the newest complete one) up at once, unthrottled."""
         return None
 
+    def is_current(self, state: CoordinatorState, step: int) -> bool:
+        """The bucket's backup of ``step`` (if any) is of its current save, not of one a rollback abandoned."""
+        return True
+
     def status(self) -> dict[str, Any]:
         return {}
 
@@ -452,6 +456,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         finally:
             self._release_waiter()
 
+    def in_bucket(self, step: int) -> bool:
+        """Every saver's data of ``step`` is in the bucket, from the step's current save."""
+        st = self.state
+        return set(st.expected_ranks(step)) <= set(st.backup_ranks(step)) and self.backup.is_current(st, step)
+
     def _get_steps(self, request: pb.GetStepsRequest, context: grpc.ServicerContext) -> pb.GetStepsResponse:
         with self._lock:
             self._check_active(context)
@@ -459,8 +468,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             wait = min(max(0.0, request.wait_seconds), self.lost_after() + 2 * self.heartbeat_interval())
             self._wait(self._clock() + wait, self._all_reported, context)
             complete = self.state.globally_complete_steps()
-            backed = [s for s in self.state.known_steps()
-                      if set(self.state.expected_ranks(s)) <= set(self.state.backup_ranks(s))]
+            backed = [s for s in self.state.known_steps() if self.in_bucket(s)]
             target = self.restore_target()
             forced = -1
             if target is not None and self._restore_step is not None and target == self._restore_step:
@@ -590,7 +598,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             covered = st.covered_count(step)
             backed = st.backup_rank_count(step)
             savers = st.expected_ranks(step)  # elastic: the ranks that saved the step
-            backed_up = set(savers) <= set(st.backup_ranks(step))
+            backed_up = self.in_bucket(step)
             if backed_up:
                 resp.backed_up_steps.append(step)
             missing = st.missing_ranks(step)

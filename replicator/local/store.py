@@ -38,6 +38,7 @@ class RamDiskStore:
         layout.remove_tmp_dirs(layout.steps_dir(self.root))
         for d in self._peer_owner_dirs():
             layout.remove_tmp_dirs(d)
+        layout.remove_tmp_dirs(layout.fetch_dir(self.root))  # of readers that died mid-restore
 
     # ------------------------------------------------------------------ paths
     def step_dir(self, owner: int, step: int) -> Path:

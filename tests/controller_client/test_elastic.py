@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -15,6 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
+from replicator.backup.bucket import BackupStore
+from replicator.backup.storage import open_store
 from sidecar import layout
 from tests.kits.cluster import assert_equal, status, step_summary, wait_for
 from tests.replicator.conftest import cluster_factory  # noqa: F401  (fixture)
@@ -95,6 +98,96 @@ def test_reshard_restores_across_meshes_from_peers_and_one_slice(cluster_factory
         m.close()
 
 
+def swapped_target(x: np.ndarray, step: int) -> dict:
+    """Devices 0 (host 0) and 2 (host 1) swap places in the saved 2x4 FSDP mesh: host 0 needs exactly one
+    shard of host 1's step (rows 0-8, column block 2) and host 1 one of host 0's; hosts 2 and 3 none."""
+    devs = jax.devices()
+    swapped = Mesh(np.array([devs[i] for i in (2, 1, 0, 3, 4, 5, 6, 7)]).reshape(2, 4), ("data", "model"))
+    return {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(swapped, FSDP)), "step": step}
+
+
+def spy_fetches(monkeypatch) -> list:
+    """Record every call the sidecars make to their replicators: (root, method, request, response)."""
+    from sidecar.remote import ReplicatorFetcher
+
+    calls = []
+    orig = ReplicatorFetcher._call
+
+    def spy(self, method, request, timeout):
+        resp = orig(self, method, request, timeout)
+        calls.append((Path(self.root).resolve(), method, request, resp))
+        return resp
+
+    monkeypatch.setattr(ReplicatorFetcher, "_call", spy)
+    return calls
+
+
+def shard_file(cl, rank: int, step: int, index) -> layout.FileEntry:
+    m = layout.read_manifest(cl.ram(rank) / "steps" / str(step))
+    name = next(s.file for a in m.arrays for s in a.shards if s.index == index)
+    return next(f for f in m.files if f.name == name)
+
+
+def fetched_files(cl, calls) -> dict:
+    """host rank -> [(owner, [file names], source)] of its FetchFiles calls."""
+    out: dict = {}
+    for root, method, req, resp in calls:
+        if method == "FetchFiles":
+            host = next(r for r in range(cl.nodes) if cl.ram(r).resolve() == root)
+            out.setdefault(host, []).append((req.owner_rank, sorted(f.name for f in req.files), resp.source))
+    return out
+
+
+def test_reshard_fetches_only_the_files_of_the_shards_it_needs(cluster_factory, monkeypatch):  # noqa: F811
+    cl = cluster_factory(nodes=4, data_parallelism=2, replicas=0)  # no peer copies: only host 1 has rank 1's
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    x = np.random.default_rng(3).standard_normal((16, 4096)).astype(np.float32)
+    tree = {"w": jax.device_put(x, NamedSharding(Mesh(np.array(devs).reshape(2, 4), ("data", "model")), FSDP)),
+            "step": 3}
+    mgr.save(3, tree)
+    mgr.wait_until_finished()
+    calls = spy_fetches(monkeypatch)
+    assert_equal(tree, mgr.restore(3, swapped_target(x, 3)))
+    need0 = shard_file(cl, 1, 3, ((0, 8), (2048, 3072)))  # host 0's device 0 now holds this shard of rank 1
+    need1 = shard_file(cl, 0, 3, ((0, 8), (0, 1024)))
+    assert need0.size == 8 * 1024 * 4
+    assert fetched_files(cl, calls) == {0: [(1, [need0.name], "peer rank 1")],
+                                        1: [(0, [need1.name], "peer rank 0")]}
+    assert not [c for c in calls if c[1] == "FetchStep" and not c[2].manifest_only]  # never a whole step
+    assert len(layout.read_manifest(cl.ram(1) / "steps" / "3").files) == 2  # of which one was fetched
+    for r in range(4):  # no step copy was made for the restore, and its scratch files are gone
+        assert not list(cl.ram(r).glob("peer/*/3"))
+        assert not list(cl.ram(r).glob("fetch/*"))
+    mgr.close()
+
+
+def test_reshard_fetch_heals_a_corrupt_peer_file_from_the_bucket(cluster_factory, monkeypatch):  # noqa: F811
+    cl = cluster_factory(nodes=4, data_parallelism=2, replicas=0)
+    cl.extra = ["--backup-url", f"file://{cl.base / 'bucket'}", "--backup-interval-steps", "1"]
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    x = np.random.default_rng(4).standard_normal((16, 4096)).astype(np.float32)
+    tree = {"w": jax.device_put(x, NamedSharding(Mesh(np.array(devs).reshape(2, 4), ("data", "model")), FSDP)),
+            "step": 5}
+    mgr.save(5, tree)
+    mgr.wait_until_finished()
+    wait_for(lambda: 5 in status(cl).backup.committed_steps, what="backup of step 5", timeout=60)
+    # Host 1's copy of the one shard host 0 will fetch goes bad (host 1 itself does not read it).
+    need0 = shard_file(cl, 1, 5, ((0, 8), (2048, 3072)))
+    victim = cl.ram(1) / "steps" / "5" / need0.name
+    data = bytearray(victim.read_bytes())
+    data[100] ^= 0x04
+    victim.write_bytes(bytes(data))
+    calls = spy_fetches(monkeypatch)
+    assert_equal(tree, mgr.restore(5, swapped_target(x, 5)))
+    # The peer's bytes failed their crc32c on arrival; the same file came from the bucket (ranged reads).
+    assert fetched_files(cl, calls)[0] == [(1, [need0.name], "bucket")]
+    mgr.close()
+
+
 def test_rollback_then_save_forward(cluster_factory):  # noqa: F811
     cl = cluster_factory(nodes=4, data_parallelism=2)
     cl.start_all()
@@ -119,6 +212,51 @@ def test_rollback_then_save_forward(cluster_factory):  # noqa: F811
     fresh = mgr_for(cl)
     assert_equal(new6, fresh.restore(None, target_on(new6, devs, (2, 4))))
     fresh.close()
+    mgr.close()
+
+
+def test_rollback_backs_up_the_new_save_of_a_step_already_in_the_bucket(cluster_factory):  # noqa: F811
+    """Step 6 is in the bucket; the job rolls back to 4 and saves 6 again with other data: the new save
+    supersedes the abandoned backup (never skipped because step 6 "is already backed up", never mixed), and
+    a restore from the bucket alone returns the new contents."""
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    bucket = cl.base / "bucket"
+    cl.extra = ["--backup-url", f"file://{bucket}", "--backup-interval-steps", "1"]
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    trees = {}
+    for s in (2, 4, 6):
+        trees[s] = fsdp_state(s, devs)
+        mgr.save(s, trees[s])
+        mgr.wait_until_finished()
+    wait_for(lambda: 6 in status(cl).backup.committed_steps, what="backup of the first step 6", timeout=60)
+    store = BackupStore(open_store(f"file://{bucket}"), "t")
+    old = {r: store.read_manifest(6, r).content_hash for r in range(4)}
+    assert_equal(trees[4], mgr.restore(4, target_on(trees[4], devs, (2, 4))))
+    new6 = fsdp_state(60, devs)
+    new6["step"] = 6
+    assert mgr.save(6, new6)
+    mgr.wait_until_finished()
+    fresh = {r: layout.read_manifest(cl.ram(r) / "steps" / "6").content_hash for r in range(4)}
+    assert all(fresh[r] != old[r] for r in range(4))
+
+    def bucket_hashes() -> dict[int, str] | None:
+        try:
+            return {r: store.read_manifest(6, r).content_hash for r in range(4)}
+        except (OSError, layout.ManifestError):
+            return None  # between the superseded backup's removal and the new commit
+
+    wait_for(lambda: bucket_hashes() == fresh, what="the new save of step 6 in the bucket", timeout=60)
+    assert store.committed_steps()[-1] == 6
+    mgr.close()
+    cl.stop_all(signal.SIGKILL)  # no preemption flush: the bucket alone must hold the new step 6
+    for r in range(4):
+        cl.wipe(r)
+    cl.start_all()
+    mgr = mgr_for(cl)
+    wait_for(lambda: mgr.latest_step() == 6, what="step 6 known from the bucket", timeout=60)
+    assert_equal(new6, mgr.restore(None, target_on(new6, devs, (4, 2))))
     mgr.close()
 
 

@@ -283,16 +283,16 @@ class HnsGcsStore(GcsStore):
 
 
 def make_step(
-    parent: Path, step: int, rank: int, nodes: int, files: dict[str, bytes], job: str = "job"
+    parent: Path, step: int, rank: int, nodes: int, files: dict[str, bytes], job: str = "job", generation: int = 0
 ) -> Path:
-    """A committed local step directory as the sidecar would leave it."""
+    """A committed local step directory as the sidecar would leave it (``generation``: of the save)."""
     from sidecar.layout import StepManifest, commit_dir, make_tmp_dir, scan_files, write_manifest
 
     tmp = make_tmp_dir(parent, step)
     for name, data in files.items():
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_bytes(data)
-    write_manifest(tmp, StepManifest(job, step, rank, nodes, scan_files(tmp)))
+    write_manifest(tmp, StepManifest(job, step, rank, nodes, scan_files(tmp), generation=generation))
     final = parent / str(step)
     commit_dir(tmp, final)
     return final

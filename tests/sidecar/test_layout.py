@@ -400,3 +400,19 @@ def test_pool_holds_one_step_and_mapped_files_are_never_recycled(tmp_path):
     del mapped
     gc.collect()
     layout.delete_step(tmp)
+
+
+def test_check_fetch_dir_accepts_only_a_scratch_dir_under_fetch(tmp_path):
+    root = tmp_path / "ram"
+    scratch = layout.make_tmp_dir(layout.fetch_dir(root), 3)
+    rel = scratch.relative_to(root).as_posix()
+    assert layout.check_fetch_dir(root, rel) == scratch.resolve()
+    (root / "steps" / "3").mkdir(parents=True)
+    (layout.fetch_dir(root) / "plain").mkdir()
+    os.symlink(root / "steps", layout.fetch_dir(root) / ".tmp-9-link")
+    for bad in ("steps/3", "fetch/plain", "fetch", f"{rel}/..", "/etc", "../x", "fetch/.tmp-9-link/3",
+                "fetch/.tmp-9-link", "fetch/.tmp-1-missing"):
+        with pytest.raises(ValueError):
+            layout.check_fetch_dir(root, bad)
+    layout.remove_owned_dir(scratch)
+    assert not scratch.exists()

@@ -51,3 +51,56 @@ def test_no_good_copy_left_is_a_checksum_error_not_eof(tmp_path):
     victim.write_bytes(victim.read_bytes()[:5])
     with pytest.raises(layout.ChecksumError, match="EOFError|short|expected"):
         mgr.restore(1, {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=tree["w"].sharding)})
+
+
+class FilesFetcher:
+    """A Fetcher over other hosts' directories in one tmp dir; the first copy of each file it brings is
+    corrupt (a bad byte on the way), the next ones good."""
+
+    def __init__(self, base, root):
+        self.base, self.root = base, root
+        self.calls: list[tuple[int, list[str]]] = []
+
+    def manifest(self, owner, step):
+        return layout.read_manifest(self.base / str(owner) / "steps" / str(step))
+
+    def fetch(self, owner, step, replace=False):
+        raise AssertionError("a whole step was fetched")
+
+    def fetch_files(self, owner, step, files):
+        self.calls.append((owner, [f.name for f in files]))
+        dest = layout.make_tmp_dir(layout.fetch_dir(self.root), step)
+        for f in files:
+            data = bytearray((self.base / str(owner) / "steps" / str(step) / f.name).read_bytes())
+            if len(self.calls) == 1:
+                data[len(data) // 2] ^= 0x40
+            (dest / f.name).write_bytes(bytes(data))
+        return dest
+
+
+def test_only_the_needed_file_of_another_rank_is_fetched_and_a_bad_one_fetched_again(tmp_path):
+    from sidecar import reader
+
+    devs = jax.devices()
+    mesh = Mesh(np.array(devs).reshape(2, 4), ("data", "model"))
+    x = np.random.default_rng(1).standard_normal((16, 64)).astype(np.float32)
+    tree = {"w": jax.device_put(x, NamedSharding(mesh, P("data", "model")))}  # FSDP: every shard unique
+    opts = CheckpointManagerOptions(local_directory=str(tmp_path / "{host}"), job_name="t")
+    mgr = CheckpointManager(opts, devices=devs, topology=HostTopology.simulated(devs, 2, 2))
+    mgr.save(1, tree)
+    mgr.wait_until_finished()
+    m1 = layout.read_manifest(tmp_path / "1" / "steps" / "1")
+    [arr] = m1.arrays
+    wanted = next(s for s in arr.shards if s.index == ((0, 8), (32, 48)))  # one of rank 1's two shards
+    fetcher = FilesFetcher(tmp_path, tmp_path / "0")
+    src = reader.StepSource(1, [tmp_path / "0"], fetcher=fetcher, drop_bad=True, own_rank=0)
+    assert arr.path in src.paths  # every saver's manifest is known; no bytes moved yet
+    assert fetcher.calls == []
+    assert src.remote_files_for(arr.path, wanted.index) == {1: {wanted.file}}
+    got = src.assemble(arr.path, wanted.index)
+    np.testing.assert_array_equal(got, x[0:8, 32:48])
+    # Only that shard's file, twice: the corrupt copy was detected by its crc32c and fetched again.
+    assert fetcher.calls == [(1, [wanted.file]), (1, [wanted.file])]
+    assert len(m1.files) > 1
+    src.close()
+    assert list(layout.fetch_dir(tmp_path / "0").iterdir()) == []

@@ -22,7 +22,7 @@ from replicator.backup.bucket import (
 )
 from replicator.backup.storage import Store
 from replicator.backup.storage.memory import MemoryStore
-from sidecar.layout import ChecksumError, read_manifest, verify_step_dir
+from sidecar.layout import ChecksumError, ManifestError, read_manifest, verify_step_dir
 from tests.kits.storage import EXPECTED_STRATEGY, FakeStorageControl, HnsGcsStore, make_step
 
 REPO = Path(__file__).resolve().parents[3]
@@ -101,6 +101,51 @@ def test_second_commit_of_same_step_fails(backup_target: Store, tmp_path: Path) 
     with pytest.raises(FileExistsError):
         b.commit(s2)
     assert b.read_manifest(4, 0) == read_manifest(d_a)
+
+
+def test_newer_save_of_a_step_supersedes_its_backup(backup_target: Store, tmp_path: Path) -> None:
+    """A rollback saved step 4 again (newer generation): its backup replaces the abandoned one whole."""
+    b = BackupStore(backup_target, "job")
+    old = [make_step(tmp_path / f"old{r}", 4, r, 2, files_for(r), generation=5) for r in range(2)]
+    new = [make_step(tmp_path / f"new{r}", 4, r, 2, files_for(10 + r), generation=9) for r in range(2)]
+    s1 = b.begin(4, 2)
+    for r in range(2):
+        b.upload_rank(s1, r, old[r])
+    b.commit(s1)
+    assert b.committed_generation(4) == 5
+    s2 = b.begin(4, 2)
+    for r in range(2):
+        b.upload_rank(s2, r, new[r])
+    assert b.read_manifest(4, 1) == read_manifest(old[1])  # the old backup stays whole until the commit
+    assert b.commit(s2) == 4
+    assert b.committed_steps() == [4] and b.committed_generation(4) == 9
+    for r in range(2):
+        assert b.read_manifest(4, r) == read_manifest(new[r])
+        out = b.download_rank(4, r, tmp_path / f"restore{r}")
+        for f in read_manifest(new[r]).files:
+            assert (out / f.name).read_bytes() == (new[r] / f.name).read_bytes()
+    # Nothing of the abandoned save is left in the bucket.
+    keys = {name.split("/data/")[1].split("/")[0] for name in data_objects(backup_target)}
+    assert keys == {read_manifest(d).content_hash for d in new}
+    # The same or an older save never replaces a newer one.
+    for dirs in (old, new):
+        s = b.begin(4, 2)
+        for r in range(2):
+            b.upload_rank(s, r, dirs[r])
+        with pytest.raises(FileExistsError, match="generation 9"):
+            b.commit(s)
+        b.abort(s)
+    assert b.read_manifest(4, 0) == read_manifest(new[0])
+
+
+def test_ranks_of_different_saves_are_never_committed_together(backup_target: Store, tmp_path: Path) -> None:
+    b = BackupStore(backup_target, "job")
+    s = b.begin(6, 2)
+    b.upload_rank(s, 0, make_step(tmp_path / "a", 6, 0, 2, files_for(1), generation=5))
+    b.upload_rank(s, 1, make_step(tmp_path / "b", 6, 1, 2, files_for(2), generation=9))
+    with pytest.raises(ManifestError, match="different saves"):
+        b.commit(s)
+    assert b.committed_steps() == []
 
 
 def test_concurrent_commits_exactly_one_wins_on_fake_gcs(fake_gcs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

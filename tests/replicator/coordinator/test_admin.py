@@ -63,6 +63,7 @@ def fake_scheduler(**kw):
     ns.report = lambda *a: None
     ns.request = lambda steps: ns.requested.update(steps)
     ns.status = lambda: {}
+    ns.is_current = lambda *a: True
     return ns
 
 

@@ -71,7 +71,7 @@ class BackupReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uploaded_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("job", "rank", "incarnation", "address", "holdings", "backups", "backup_requests", "newest_saved_step", "inventory_digest", "full_report", "base_digest", "removed", "known_epoch", "preempting")
+    __slots__ = ("job", "rank", "incarnation", "address", "holdings", "backups", "backup_requests", "newest_saved_step", "inventory_digest", "full_report", "base_digest", "removed", "known_epoch", "preempting", "nodes")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class HeartbeatRequest(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     KNOWN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREEMPTING_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     incarnation: int
@@ -100,7 +101,8 @@ class HeartbeatRequest(_message.Message):
     removed: _containers.RepeatedCompositeFieldContainer[Deletion]
     known_epoch: int
     preempting: bool
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., holdings: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ..., backups: _Optional[_Iterable[_Union[BackupReport, _Mapping]]] = ..., backup_requests: _Optional[_Iterable[int]] = ..., newest_saved_step: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., full_report: _Optional[bool] = ..., base_digest: _Optional[str] = ..., removed: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., known_epoch: _Optional[int] = ..., preempting: _Optional[bool] = ...) -> None: ...
+    nodes: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., holdings: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ..., backups: _Optional[_Iterable[_Union[BackupReport, _Mapping]]] = ..., backup_requests: _Optional[_Iterable[int]] = ..., newest_saved_step: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., full_report: _Optional[bool] = ..., base_digest: _Optional[str] = ..., removed: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., known_epoch: _Optional[int] = ..., preempting: _Optional[bool] = ..., nodes: _Optional[int] = ...) -> None: ...
 
 class CopyTask(_message.Message):
     __slots__ = ("owner_rank", "step", "source_rank", "source_address", "content_hash")
@@ -201,12 +203,14 @@ class GetStepsResponse(_message.Message):
     def __init__(self, newest_complete_step: _Optional[int] = ..., complete_steps: _Optional[_Iterable[int]] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., forced_restore_step: _Optional[int] = ...) -> None: ...
 
 class PrepareRestoreRequest(_message.Message):
-    __slots__ = ("step", "wait_seconds")
+    __slots__ = ("step", "wait_seconds", "nodes")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
     step: int
     wait_seconds: float
-    def __init__(self, step: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    nodes: int
+    def __init__(self, step: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., nodes: _Optional[int] = ...) -> None: ...
 
 class PrepareRestoreResponse(_message.Message):
     __slots__ = ("step", "reason", "ready_ranks", "ready", "lost_ranks", "unreachable")
@@ -225,16 +229,18 @@ class PrepareRestoreResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ..., ready_ranks: _Optional[_Iterable[int]] = ..., ready: _Optional[bool] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., unreachable: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
-    __slots__ = ("hosts", "detail_steps", "rank_first", "rank_count")
+    __slots__ = ("hosts", "detail_steps", "rank_first", "rank_count", "nodes")
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_STEPS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIRST_FIELD_NUMBER: _ClassVar[int]
     RANK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
     hosts: bool
     detail_steps: _containers.RepeatedScalarFieldContainer[int]
     rank_first: int
     rank_count: int
-    def __init__(self, hosts: _Optional[bool] = ..., detail_steps: _Optional[_Iterable[int]] = ..., rank_first: _Optional[int] = ..., rank_count: _Optional[int] = ...) -> None: ...
+    nodes: int
+    def __init__(self, hosts: _Optional[bool] = ..., detail_steps: _Optional[_Iterable[int]] = ..., rank_first: _Optional[int] = ..., rank_count: _Optional[int] = ..., nodes: _Optional[int] = ...) -> None: ...
 
 class Topology(_message.Message):
     __slots__ = ("nodes", "data_parallelism", "replicas")

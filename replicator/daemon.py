@@ -174,8 +174,15 @@ class Replicator:
         self.coordinator: Coordinator | None = None
         # Coordinator failover: every candidate serves a (standby) coordinator; the lowest-ranked live one
         # is active (docs/coordinator.md).
+        # Candidates are labelled by rank, or in Orbax mode by allocation index (stable when Orbax renumbers
+        # the hosts at an elastic event; docs/orbax.md).
         self.candidates = opts.coordinator_candidate_list()
-        self._my_candidate = next((i for i, (r, _) in enumerate(self.candidates) if r == rank), None)
+        self._me = opts.allocation_index if opts.allocation_index is not None else rank
+        # Orbax mode: the node count changes between incarnations (elastic); reports carry it, so that a
+        # coordinator of a previous incarnation (another node count) is skipped like a standby. Native mode
+        # has one node count for the job's life: a mismatch there is a misconfiguration, not a failover.
+        self._fence_nodes = nodes if opts.allocation_index is not None else 0
+        self._my_candidate = next((i for i, (r, _) in enumerate(self.candidates) if r == self._me), None)
         # Mutual TLS: reports are bound to the rank the client certificate names (docs/security.md); this
         # also refuses to start with a certificate issued for another rank or job.
         try:
@@ -285,7 +292,7 @@ class Replicator:
         self._control_server.add_insecure_port(f"unix:{sock}")
         self._control_server.start()
         os.chmod(sock, 0o600)
-        addrs = [a or (self.address if r == self.rank else "") for r, a in self.candidates]
+        addrs = [a or (self.address if r == self._me else "") for r, a in self.candidates]
         if self.coordinator is not None:
             if not self.opts.coordinator_candidates and not self.opts.coordinator:
                 addrs[self._my_candidate] = self.address
@@ -634,7 +641,7 @@ class Replicator:
             job=self.job, rank=self.rank, incarnation=self.incarnation, address=self.address,
             newest_saved_step=own[-1] if own else -1,
             backup_requests=self.store.backup_requests(),
-            inventory_digest=digest, known_epoch=self.epoch, preempting=self.preempting,
+            inventory_digest=digest, known_epoch=self.epoch, preempting=self.preempting, nodes=self._fence_nodes,
         )
         if self._backup_now:
             self._backup_now = False

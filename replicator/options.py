@@ -47,7 +47,9 @@ class ReplicatorOptions:
     job: str = _opt('job name (default mtc)', "mtc")
     rank: int | None = _opt("this host's rank (omit with --nodes for Orbax mode)", None)
     nodes: int | None = _opt('number of hosts', None)
-    peers: dict[int, str] = _opt('static peer map RANK=HOST:PORT,RANK=HOST:PORT,...', factory=dict)
+    peers: dict[int, str] = _opt(
+        'static peer map RANK=HOST:PORT,RANK=HOST:PORT,... (Orbax mode: the whole allocation, by allocation index)',
+        factory=dict)
     peer_address_template: str = _opt(
         'peer address template with {job}, {rank}, {slice}, {host} (index in slice), e.g. '
         '{job}-workers-{slice}-{host}.{job}:7070',
@@ -109,8 +111,14 @@ class ReplicatorOptions:
     coordinator_candidates: str = _opt(
         "ordered RANK=HOST:PORT,... of the hosts that may serve the coordinator; the first live one serves "
         "(default: each slice's first host when --peers or --peer-address-template give addresses, else "
-        "--coordinator-rank); see docs/coordinator.md",
+        "--coordinator-rank; Orbax mode: labelled by allocation index); see docs/coordinator.md",
         "")
+    allocation_index: int | None = _opt(
+        "Orbax mode: this host's place in the full allocation (slice-major, stable for the job's life), which "
+        "--peers, --peer-address-template and --coordinator-candidates are keyed by; Orbax's rank may change "
+        "at an elastic event, this does not (default: the --peers/template entry equal to --advertise or "
+        "--listen, or naming this host; see docs/orbax.md)",
+        None)
     host_lost_seconds: float = _opt(
         "declare a host lost after N seconds without a report (default 0 = four heartbeat intervals, "
         "at least 10 s)",
@@ -213,9 +221,13 @@ class ReplicatorOptions:
             raise ConfigError("backup intervals must be >= 0")
         if self.keep_local < 1 or self.backup_keep < 1 or self.replicas < 0:
             raise ConfigError("--keep-local and --backup-keep must be >= 1, --replicas >= 0")
+        if self.allocation_index is not None and self.allocation_index < 0:
+            raise ConfigError(f"--allocation-index must be >= 0, got {self.allocation_index}")
         if self.coordinator_candidates:
             cands = parse_peers(self.coordinator_candidates)
-            if self.nodes is not None and any(not 0 <= r < self.nodes for r in cands):
+            # Labelled by allocation index (Orbax mode) they may lie beyond the current node count.
+            if self.nodes is not None and self.allocation_index is None and any(
+                    not 0 <= r < self.nodes for r in cands):
                 raise ConfigError(f"--coordinator-candidates ranks must be within 0..{self.nodes - 1}")
         if self.host_lost_seconds < 0:
             raise ConfigError("--host-lost-seconds must be >= 0")

@@ -235,6 +235,16 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         with self._waiters_lock:
             self._waiters -= 1
 
+    def _check_nodes(self, nodes: int, context: grpc.ServicerContext) -> None:
+        """A caller of another node count belongs to another incarnation of an elastic job (Orbax mode).
+
+        UNAVAILABLE, like a standby: the caller tries the next candidate, and this coordinator's state
+        (registrations, epoch) is not touched by a host whose ranks mean something else.
+        """
+        if nodes and nodes != self.topology.nodes:
+            self._abort_bad(context, f"this coordinator serves {self.topology.nodes} hosts, the caller's job "
+                            f"{nodes} (another incarnation): try the next candidate", grpc.StatusCode.UNAVAILABLE)
+
     def _check_active(self, context: grpc.ServicerContext) -> None:
         if not self.active:
             self._abort_bad(context, "standby coordinator candidate: try the next candidate",
@@ -302,6 +312,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self._abort_bad(context, "deadline passed before the heartbeat was handled",
                             grpc.StatusCode.DEADLINE_EXCEEDED)
         self.authorize_report(request.rank, context)
+        self._check_nodes(request.nodes, context)
         self._check(request.job, request.rank, context)
         self._check_active(context)
         rank = request.rank
@@ -470,6 +481,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: grpc.ServicerContext) -> pb.PrepareRestoreResponse:
+        self._check_nodes(request.nodes, context)
         self._admit_waiter(context)
         try:
             return self._prepare_restore(request, context)
@@ -554,6 +566,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         return resp
 
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
+        self._check_nodes(request.nodes, context)
         with self._lock:
             self._check_active(context)
             self._expire()

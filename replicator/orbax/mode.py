@@ -40,8 +40,8 @@ from mtc_rpc import coordinator_pb2 as cpb
 from replicator.coordinator.client import retry_after_seconds
 from replicator.coordinator.topology import JobTopology
 from replicator.options import ConfigError, ReplicatorOptions
+from replicator.orbax import allocation, elastic
 from replicator.orbax import contract as oc
-from replicator.orbax import elastic
 from replicator.orbax.store import OrbaxStore
 from sidecar import faults, layout
 
@@ -81,13 +81,6 @@ def replicator_options(opts: ReplicatorOptions, cfg: oc.ReplicatorConfig, listen
         log.warning("peer-ranks %s of rank %d/%d are not slice-major; replicas are not paired by slice",
                     list(cfg.peer_ranks), cfg.node_rank, cfg.nodes)
         slices = 1
-    listed = [r for r, a in opts.peers.items() if a == listen and r != cfg.node_rank]
-    if listed and opts.peers.get(cfg.node_rank) != listen:
-        # Orbax renumbered the hosts (an elastic event): the address map is by the old ranks. Serving
-        # would advertise another host's address, and nobody would find the coordinator.
-        raise ConfigError(f"--peers lists this host ({listen}) as rank {listed[0]}, but replicator.yaml makes "
-                          f"it rank {cfg.node_rank} of {cfg.nodes}: Orbax renumbered the hosts; start the "
-                          "daemon with the new rank -> address map")
     if cfg.assume_data_parallelism != slices:
         log.info("assume-data-parallelism %d, %d slice(s) from peer-ranks: replicas are paired by slice",
                  cfg.assume_data_parallelism, slices)
@@ -101,10 +94,23 @@ def replicator_options(opts: ReplicatorOptions, cfg: oc.ReplicatorConfig, listen
         backup_interval_minutes=float(cfg.backup_interval_minutes or 0),
         backup_interval_steps=int(cfg.backup_interval_steps or 0),
     )
+    # Our address flags describe the allocation (stable), Orbax's ranks the current incarnation: a host
+    # Orbax renumbered (an elastic event) keeps its address and its place among the coordinator candidates.
+    hosts_per_slice = cfg.nodes // slices
+    me = allocation.find_self(resolved, listen, hosts_per_slice)
+    if me is None:
+        me = cfg.node_rank  # the flags do not say which host this is: assume Orbax's ranks never change
+    resolved = dataclasses.replace(resolved, allocation_index=me)
+    if me != cfg.node_rank:
+        log.info("allocation host %d is rank %d of %d in this incarnation", me, cfg.node_rank, cfg.nodes)
     if not opts.advertise:
-        own = resolved.peer_address(cfg.node_rank)
+        own = resolved.peer_address(me)
         if own:
             resolved = dataclasses.replace(resolved, advertise=own)
+    if not opts.coordinator_candidates and not opts.coordinator:
+        cands = allocation.candidates(resolved, me, slices, hosts_per_slice)
+        if cands:
+            resolved = dataclasses.replace(resolved, coordinator_candidates=cands)
     return resolved.validate()
 
 
@@ -309,15 +315,16 @@ class OrbaxMode:
             # A plan made before every host reported may miss data ("nothing to restore", or an older step
             # from the bucket while a newer one sits on the RAM disks of hosts not yet heard): ask only once
             # every host has reported, so the plan is made on all of them.
-            registered = self._all_registered(daemon, opts, cfg)
-            if not registered:
-                last_error = "not every host has reported to the coordinator"
+            waiting = self._not_registered(daemon, opts, cfg)
+            registered = not waiting
+            if waiting:
+                last_error = waiting
                 self.stopping.wait(0.1)
                 continue
             wait = max(0.0, min(PREPARE_SLICE_SECONDS, deadline - time.monotonic() - 0.5))
             try:
-                resp = daemon.call_coordinator("PrepareRestore", cpb.PrepareRestoreRequest(step=-1, wait_seconds=wait),
-                                               wait + opts.rpc_timeout_seconds)
+                req = cpb.PrepareRestoreRequest(step=-1, wait_seconds=wait, nodes=cfg.nodes)
+                resp = daemon.call_coordinator("PrepareRestore", req, wait + opts.rpc_timeout_seconds)
             except grpc.RpcError as e:
                 last_error = f"coordinator {opts.coordinator_address()}: {e.code().name} {e.details()}"
                 resp = None
@@ -346,7 +353,7 @@ class OrbaxMode:
             if cfg.node_rank not in resp.ready_ranks:
                 raise HandshakeError(f"step {resp.step}: {resp.reason}")
             self._error(f"restoring step {resp.step}, but {resp.reason}")
-        owners = self._valid_owners(daemon, opts, resp.step, cfg.node_rank)
+        owners = self._valid_owners(daemon, opts, resp.step, cfg)
         target = store.data_dir_for(resp.step, owners)
         if target is None:
             raise HandshakeError(f"the coordinator planned step {resp.step}, but this host holds no data of "
@@ -356,21 +363,29 @@ class OrbaxMode:
     def _status(self, daemon: Any, opts: ReplicatorOptions, **request: Any) -> cpb.GetStatusResponse:
         return daemon.call_coordinator("GetStatus", cpb.GetStatusRequest(**request), opts.rpc_timeout_seconds)
 
-    def _all_registered(self, daemon: Any, opts: ReplicatorOptions, cfg: oc.ReplicatorConfig) -> bool:
-        """Every host has reported since the coordinator took over: only then is "nothing" trustworthy.
+    def _not_registered(self, daemon: Any, opts: ReplicatorOptions, cfg: oc.ReplicatorConfig) -> str:
+        """Why the coordinator's plan cannot be trusted yet ("" once every host has reported to it).
 
         Orbax restores every process together, so a lost host is waited for (its replacement), not skipped.
+        A coordinator of another node count is a previous incarnation's (its host has not seen its new
+        yaml yet, or serves an older job): its plan would be over the wrong ranks.
         """
         try:
-            st = self._status(daemon, opts)
-        except grpc.RpcError:
-            return False
-        return st.hosts_reported >= cfg.nodes
+            st = self._status(daemon, opts, nodes=cfg.nodes)
+        except grpc.RpcError as e:
+            return f"no status from the coordinator: {e.code().name} {e.details()}"
+        if st.HasField("topology") and st.topology.nodes != cfg.nodes:
+            return (f"the coordinator at {st.coordinator_address or '?'} serves {st.topology.nodes} hosts, "
+                    f"replicator.yaml says {cfg.nodes} (a previous incarnation)")
+        if st.hosts_reported < cfg.nodes:
+            return f"not every host has reported to the coordinator ({st.hosts_reported} of {cfg.nodes})"
+        return ""
 
-    def _valid_owners(self, daemon: Any, opts: ReplicatorOptions, step: int, rank: int) -> set[int]:
-        """Owners whose data of ``step`` on this host the coordinator accepts for ``rank`` (hash-checked)."""
+    def _valid_owners(self, daemon: Any, opts: ReplicatorOptions, step: int, cfg: oc.ReplicatorConfig) -> set[int]:
+        """Owners whose data of ``step`` on this host the coordinator accepts for its rank (hash-checked)."""
+        rank = cfg.node_rank
         try:
-            st = self._status(daemon, opts, detail_steps=[step], rank_first=rank, rank_count=1)
+            st = self._status(daemon, opts, detail_steps=[step], rank_first=rank, rank_count=1, nodes=cfg.nodes)
         except grpc.RpcError as e:
             log.warning("no status from the coordinator (%s): restoring own data only", e.code().name)
             return {rank}

@@ -100,8 +100,9 @@ class OrbaxCluster:
         self.members = list(hosts)
 
     def daemon_args(self, host: int) -> list[str]:
-        """Host ``host``'s daemon: its rank and the peers' addresses follow :attr:`members`."""
-        peers = ",".join(f"{r}={self.address(h)}" for r, h in enumerate(self.members))
+        """Host ``host``'s daemon: ``--peers`` is the whole allocation (keyed by host index, which Orbax's
+        ranks equal until an elastic event renumbers the hosts); its JAX process id follows :attr:`members`."""
+        peers = ",".join(f"{h}={self.address(h)}" for h in range(self.nodes))
         return [
             "--local-dir", str(self.local(host)), "--listen", self.address(host), "--peers", peers,
             "--jax-coordinator", f"127.0.0.1:{self.jax_port}", "--jax-process-id", str(self.members.index(host)),

@@ -120,3 +120,14 @@ def test_core_distribution_declares_no_jax() -> None:
     assert project["scripts"]["mtc-replicator"] == "replicator.main:main"
     pins = [ln for ln in (REPO / "constraints.txt").read_text().splitlines() if ln and not ln.startswith("#")]
     assert pins and all("==" in ln for ln in pins), "constraints.txt pins exact versions"
+
+
+def test_coordinator_candidates_by_allocation_index_may_lie_beyond_the_node_count(tmp_path: Path) -> None:
+    """Orbax mode after a shrink: the candidates are the allocation's (host 2 of 4) while the job has 2 nodes."""
+    base = ["--local-dir", str(tmp_path), "--rank", "0", "--nodes", "2", "--coordinator-candidates", "0=h:1,2=h:3"]
+    with pytest.raises(ConfigError, match=r"--coordinator-candidates ranks must be within 0..1"):
+        _opts(base)
+    o = _opts([*base, "--allocation-index", "2"])
+    assert o.coordinator_candidate_list() == [(0, "h:1"), (2, "h:3")] and o.allocation_index == 2
+    with pytest.raises(ConfigError, match="--allocation-index must be >= 0, got -1"):
+        _opts(["--local-dir", str(tmp_path), "--peers", "0=h:1", "--allocation-index", "-1"])

@@ -160,6 +160,26 @@ def test_standby_and_deposed_coordinators_answer_unavailable():
     assert coord.epoch == 61
 
 
+def test_callers_of_another_node_count_are_sent_to_the_next_candidate():
+    """Orbax mode: a coordinator left from an incarnation with another node count (e.g. on a host of a lost
+    slice) is skipped like a standby; its registrations and epoch are not touched by the other job's hosts."""
+    coord = Coordinator(JobTopology(4, 2, 1), "t", active=False)
+    coord.activate(50)
+    req = pb.HeartbeatRequest(job="t", rank=1, incarnation=1, address="127.0.0.1:7001", full_report=True,
+                              known_epoch=99, nodes=2)
+    with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*serves 4 hosts, the caller's job 2"):
+        coord.Heartbeat(req, Ctx())
+    assert coord.state.registered == {} and coord.active and coord.epoch == 50
+    for method, request in (("GetStatus", pb.GetStatusRequest(nodes=2)),
+                            ("PrepareRestore", pb.PrepareRestoreRequest(step=-1, nodes=2))):
+        with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*serves 4 hosts"):
+            getattr(coord, method)(request, Ctx())
+    # The same node count, or none said (native hosts, the CLI): served as before.
+    req.nodes, req.known_epoch = 4, 0
+    assert coord.Heartbeat(req, Ctx()).epoch == 50
+    assert coord.GetStatus(pb.GetStatusRequest(), Ctx()).topology.nodes == 4
+
+
 def test_waiters_are_bounded_and_oversized_reports_refused():
     coord = Coordinator(JobTopology(2, 1, 1), "t", max_waiters=0)
     with pytest.raises(grpc.RpcError, match="RESOURCE_EXHAUSTED"):

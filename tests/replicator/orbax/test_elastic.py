@@ -160,19 +160,88 @@ def test_nothing_restorable_although_steps_are_held_is_reported_to_orbax(tmp_pat
     assert "holds steps [7]" in text and "lacks ranks 1" in text
 
 
-def test_a_renumbered_host_with_the_old_address_map_is_a_clear_error(tmp_path: Path) -> None:
-    from replicator.options import ConfigError, ReplicatorOptions
+def _yaml(rank: int, nodes: int, slices: int) -> oc.ReplicatorConfig:
+    h = nodes // slices
+    peers = tuple(r for r in range(rank % h, nodes, h) if r != rank)
+    return oc.ReplicatorConfig("j", "orbax", slices, rank, nodes, peers, backup_interval_minutes=30)
+
+
+def test_a_renumbered_host_keeps_its_address_and_its_coordinator_candidacy(tmp_path: Path) -> None:
+    """--peers is the full allocation (by allocation index): a host Orbax renumbers needs no new map."""
+    from replicator.daemon import Replicator
+    from replicator.options import ReplicatorOptions
     from replicator.orbax.mode import replicator_options
 
-    peers = {r: f"127.0.0.1:{7000 + r}" for r in range(4)}
-    opts = ReplicatorOptions(local_dir=tmp_path, peers=peers).validate()
-    # Survivors keeping their ranks (the last slice lost): the old map still fits.
-    kept = oc.ReplicatorConfig("j", "orbax", 1, 1, 2, (), backup_interval_minutes=30)
-    assert replicator_options(opts, kept, "127.0.0.1:7001").advertise == "127.0.0.1:7001"
-    # Host 3 made rank 1 of 2: its daemon still has the old map.
-    moved = oc.ReplicatorConfig("j", "orbax", 1, 1, 2, (), backup_interval_minutes=30)
-    with pytest.raises(ConfigError, match=r"lists this host \(127.0.0.1:7003\) as rank 3.*rank 1 of 2"):
-        replicator_options(opts, moved, "127.0.0.1:7003")
+    addr = {r: f"127.0.0.1:{7000 + r}" for r in range(4)}
+    opts = ReplicatorOptions(local_dir=tmp_path, peers=addr).validate()
+    first = replicator_options(opts, _yaml(3, 4, 2), addr[3])
+    assert (first.rank, first.allocation_index, first.advertise) == (3, 3, addr[3])
+    assert first.coordinator_candidate_list() == [(0, addr[0]), (2, addr[2])]  # each slice's first host
+    # Slice 0 lost: Orbax makes hosts 2, 3 ranks 0, 1 of 2 (one slice). Each keeps its own address, and the
+    # candidates stay the allocation's: host 2 (now rank 0) is the second one, the first live one.
+    roles = {}
+    for host, rank in ((2, 0), (3, 1)):
+        o = replicator_options(opts, _yaml(rank, 2, 1), addr[host])
+        assert (o.rank, o.nodes, o.allocation_index, o.advertise) == (rank, 2, host, addr[host])
+        assert o.coordinator_candidate_list() == [(0, addr[0]), (2, addr[2])]
+        d = Replicator(o, rank=o.rank, nodes=o.nodes, job=o.job, store=None)
+        roles[host] = (d._my_candidate, d.coordinator is not None)
+        d._pool.shutdown()
+    assert roles == {2: (1, True), 3: (None, False)}
+    # Mixed loss (hosts 0 and 3): host 1 is rank 0 and not a candidate, host 2 (rank 1) is.
+    o = replicator_options(opts, _yaml(0, 2, 1), addr[1])
+    assert (o.allocation_index, o.advertise) == (1, addr[1])
+    # Flags that do not say which host this is: Orbax's rank is assumed to be the allocation index.
+    legacy = replicator_options(opts, _yaml(1, 2, 1), "127.0.0.1:9")
+    assert (legacy.allocation_index, legacy.advertise) == (1, addr[1])
+
+
+def test_allocation_index_from_a_template_by_advertise_or_host_name(tmp_path: Path, monkeypatch) -> None:
+    from replicator.options import ReplicatorOptions
+    from replicator.orbax import allocation
+    from replicator.orbax.mode import replicator_options
+
+    tpl = "{job}-w-{slice}-{host}.{job}:7070"
+    opts = ReplicatorOptions(local_dir=tmp_path, peer_address_template=tpl, listen="0.0.0.0:7070",
+                             advertise="j-w-1-0.j:7070").validate()
+    o = replicator_options(opts, _yaml(0, 2, 1), "0.0.0.0:7070")  # allocation host 2 (slice 1) is rank 0
+    assert (o.allocation_index, o.advertise) == (2, "j-w-1-0.j:7070")
+    # The template has no size: the candidates run up to this host's own slice (a prefix every host shares).
+    assert o.coordinator_candidate_list() == [(0, "j-w-0-0.j:7070"), (2, "j-w-1-0.j:7070")]
+    # No --advertise: the entry naming this host (a Pod's host name is the first label of its DNS name).
+    monkeypatch.setattr(allocation.socket, "gethostname", lambda: "j-w-1-1")
+    bare = ReplicatorOptions(local_dir=tmp_path, peer_address_template=tpl, listen="0.0.0.0:7070").validate()
+    o = replicator_options(bare, _yaml(1, 2, 1), "0.0.0.0:7070")
+    assert (o.allocation_index, o.advertise) == (3, "j-w-1-1.j:7070")
+    # --allocation-index wins over everything.
+    given = ReplicatorOptions(local_dir=tmp_path, peer_address_template=tpl, allocation_index=1).validate()
+    assert replicator_options(given, _yaml(1, 4, 2), "0.0.0.0:7070").advertise == "j-w-0-1.j:7070"
+
+
+def test_a_coordinator_of_another_node_count_is_not_trusted_for_the_plan(tmp_path: Path) -> None:
+    """The previous incarnation's coordinator (its host has not seen the new yaml yet) would plan over the
+    old ranks: the handshake waits for one of the yaml's node count, and says so if none comes."""
+    from mtc_rpc import coordinator_pb2 as cpb
+    from replicator.options import ReplicatorOptions
+    from replicator.orbax.mode import HandshakeError, OrbaxMode
+
+    asked = []
+
+    class OldCoordinator:
+        def call_coordinator(self, method, request, timeout):
+            asked.append(method)
+            if method == "GetStatus":
+                return cpb.GetStatusResponse(hosts_reported=4, topology=cpb.Topology(nodes=4),
+                                             coordinator_address="127.0.0.1:7000")
+            return cpb.PrepareRestoreResponse(step=-1, reason="nothing")
+
+    opts = ReplicatorOptions(local_dir=tmp_path, peers={0: "127.0.0.1:1", 1: "127.0.0.1:2"},
+                             handshake_timeout_seconds=0.5).validate()
+    mode = OrbaxMode(opts, build=lambda *a, **k: None)
+    store = OrbaxStore(tmp_path, 0, job="j", nodes=2)
+    with pytest.raises(HandshakeError, match=r"127.0.0.1:7000 serves 4 hosts, replicator.yaml says 2"):
+        mode._plan(OldCoordinator(), store, _yaml(0, 2, 1), opts)
+    assert "PrepareRestore" not in asked and "GetStatus" in asked
 
 
 # --------------------------------------------------------------------------- real Orbax, real daemons
@@ -228,17 +297,21 @@ def _restart(cl: OrbaxCluster, hosts: list[int]) -> None:
         cl.start(h)
 
 
-@pytest.mark.parametrize("gone", [[2, 3], [0, 1], [0, 3]], ids=["slice1", "slice0", "mixed"])
+@pytest.mark.parametrize(("gone", "restart"), [([2, 3], False), ([0, 1], False), ([0, 1], True), ([0, 3], False)],
+                         ids=["slice1", "slice0", "slice0-restarted", "mixed"])
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_orbax_shrinks_to_the_surviving_hosts_and_grows_back(cluster_base, gone: list[int]) -> None:
+def test_orbax_shrinks_to_the_surviving_hosts_and_grows_back(cluster_base, gone: list[int], restart: bool) -> None:
     """2 slices x 2 hosts save; 2 hosts are lost for good; Orbax re-initialises on the 2 survivors (their
     RAM disks hold old-rank data), restores, saves; then 2 empty hosts join again (4 nodes) and get the
-    data from the survivors.
+    data from the survivors. The daemons stay up throughout (``--peers`` is the whole allocation), except
+    in ``slice0-restarted``, where the survivors' daemons are restarted before the shrink (RAM disks kept).
 
-    slice1: the survivors keep ranks 0 and 1 and their daemons stay up (the issue's case). slice0: hosts 2
-    and 3 become ranks 0 and 1 (same in-slice positions). mixed: hosts 1 and 2 become ranks 0 and 1, so
-    each holds the other's position: they swap data through the peer service.
+    slice1: the survivors keep ranks 0 and 1 (the issue's case). slice0: hosts 2 and 3 become ranks 0
+    and 1 (same in-slice positions; the coordinator moves to host 2, the first live candidate). mixed:
+    hosts 1 and 2 become ranks 0 and 1, so each holds the other's position: they swap data through the
+    peer service; and the lost hosts' daemons stay up through the shrink (only their workers failed), so
+    host 0 still serves the 4-node job's coordinator: the 2-node job's hosts skip it (another node count).
     """
     t0 = time.monotonic()
     cl = _cluster(cluster_base, 4, [0, 1, 2, 3])
@@ -250,22 +323,18 @@ def test_orbax_shrinks_to_the_surviving_hosts_and_grows_back(cluster_base, gone:
     # The survivors attested that their data equals the lost slice's (replica holdings of ranks that the
     # 2-node job does not have: what made the new coordinator reject every heartbeat).
     wait_for(lambda: all(_replica_attested(cl, h, (h + 2) % 4, 2) for h in survivors), what="replicas attested")
-    _lose(cl, gone)
+    stale = gone == [0, 3]
+    if not stale:
+        _lose(cl, gone)
     cl.set_members(survivors)
+    pids = {h: cl.daemons[h].proc.pid for h in survivors}
     renumbered = survivors != [0, 1]
     if renumbered:
-        if gone == [0, 1]:
-            # Daemons still running with the old rank -> address map (the cluster hands JAX the new process
-            # ids): every host's handshake fails at once with a clear error, rather than waiting for a
-            # coordinator at the address of a lost host.
-            for rank, h in enumerate(survivors):
-                oc.write_jax_init_info(cl.local(h), rank, f"127.0.0.1:{cl.jax_port}")
-            stale = cl.run_job("el", slices=1, restore_step=2, elastic=True)
-            assert stale.returncodes == [3, 3], cl.describe(stale)
-            for rank, r in enumerate(stale.results):
-                assert "Orbax renumbered the hosts" in r["init_error"], r
-                assert f"as rank {survivors[rank]}, but replicator.yaml makes it rank {rank} of 2" in r["init_error"]
-        _restart(cl, survivors)  # the daemons learn the new rank -> address map
+        # The cluster (GKE's ranks service) hands JAX the new process ids; the daemons are not told.
+        for rank, h in enumerate(survivors):
+            oc.write_jax_init_info(cl.local(h), rank, f"127.0.0.1:{cl.jax_port}")
+    if restart:
+        _restart(cl, survivors)
     second = cl.run_job("el", slices=1, restore_step=2, save_steps="3", elastic=True)
     _restored(cl, second, 2)
     for rank, h in enumerate(survivors):
@@ -278,10 +347,15 @@ def test_orbax_shrinks_to_the_surviving_hosts_and_grows_back(cluster_base, gone:
     _ingested(cl, survivors, 3)
 
     # Scale back up: the lost hosts return with empty RAM disks as ranks 2 and 3 (a new slice).
+    if stale:
+        _lose(cl, gone)
     cl.set_members(survivors + gone)
-    _restart(cl, survivors + gone if renumbered else gone)
+    _restart(cl, gone)
     third = cl.run_job("el", slices=2, restore_step=3, elastic=True)
     _restored(cl, third, 3)
+    if not restart:  # the survivors answered all three handshakes with the daemons they started with
+        assert {h: cl.daemons[h].proc.pid for h in survivors} == pids
+        assert all(cl.daemons[h].proc.poll() is None for h in survivors)
     for rank, h in enumerate(gone, start=2):
         # Fetched from the survivor of the same in-slice position (rank - 2), verified, then restored.
         src = rank - 2

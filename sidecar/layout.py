@@ -115,6 +115,59 @@ def crc32c(data: Any) -> int:
     return int(google_crc32c.value(data))
 
 
+# crc32c (Castagnoli) polynomial, bit-reflected: what google_crc32c computes.
+_CRC32C_POLY = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the crc32c polynomial (reflected representation; zlib's ``multmodp``)."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    out, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        out.append(p)
+        p = _multmodp(p, p)
+    return out
+
+
+_X2N = _x2n_table()  # x^(2^n) modulo the polynomial
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32c of A+B from crc32c(A), crc32c(B) and len(B), without reading the bytes again (zlib's
+    ``crc32_combine``, for the Castagnoli polynomial)."""
+    op, k = 1 << 31, 3  # x^0; then x^(8 * len2)
+    while len2:
+        if len2 & 1:
+            op = _multmodp(_X2N[k & 31], op)
+        len2 >>= 1
+        k += 1
+    return _multmodp(op, crc1) ^ crc2
+
+
+def block_crc32cs(data: Any, block_size: int) -> tuple[int, tuple[int, ...]]:
+    """(crc32c of ``data``, crc32c of each ``block_size`` block of it) in one pass over the bytes."""
+    import numpy as np
+
+    flat = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8) if not isinstance(data, np.ndarray) \
+        else data.reshape(-1).view(np.uint8)
+    blocks = tuple(crc32c(flat[i : i + block_size]) for i in range(0, flat.nbytes, block_size))
+    whole = 0
+    for i, c in enumerate(blocks):
+        whole = crc32c_combine(whole, c, min(block_size, flat.nbytes - i * block_size))
+    return whole, blocks
+
+
 def crc32c_extend(crc: int, data: Any) -> int:
     """Continue a running crc32c over more bytes."""
     if isinstance(data, (bytearray, memoryview)):
@@ -245,30 +298,51 @@ class FileEntry:
         return cls(name, size, crc)
 
 
+# Shards larger than this also get a crc32c per block of this size (``ShardEntry.block_crc32c``): a restore
+# onto another mesh that needs part of a saved shard reads and verifies only the blocks covering it.
+BLOCK_BYTES = 4 << 20
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardEntry:
-    """One saved shard: its global index ([start, stop) per dimension) and where its bytes are."""
+    """One saved shard: its global index ([start, stop) per dimension) and where its bytes are.
+
+    ``block_size``/``block_crc32c``: when set, the crc32c of each ``block_size`` bytes of the shard (from its
+    ``offset``; the last block may be shorter), so that a part of it can be read verified. Manifests written
+    before blocks existed have none: their shards are read whole."""
 
     index: tuple[tuple[int, int], ...]
     file: str
     offset: int
     length: int
     crc32c: int
+    block_size: int = 0
+    block_crc32c: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "index": [list(p) for p in self.index],
             "file": self.file,
             "offset": self.offset,
             "length": self.length,
             "crc32c": self.crc32c,
         }
+        if self.block_size:
+            d["block_size"] = self.block_size
+            d["block_crc32c"] = list(self.block_crc32c)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShardEntry:
         f = str(d["file"])
         safe_relpath(f)
-        return cls(_as_index(d["index"]), f, int(d["offset"]), int(d["length"]), int(d["crc32c"]))
+        length = int(d["length"])
+        bs = int(d.get("block_size", 0))
+        blocks = tuple(int(c) for c in d.get("block_crc32c", ()))
+        if bs < 0 or (bs == 0 and blocks) or (bs and len(blocks) != -(-length // bs)) \
+                or any(not 0 <= c < 2**32 for c in blocks):
+            raise ManifestError(f"bad block crc32c list for shard in {f!r}")
+        return cls(_as_index(d["index"]), f, int(d["offset"]), length, int(d["crc32c"]), bs, blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -859,10 +933,29 @@ def aligned_empty(nbytes: int, align: int = 4096) -> Any:
     return raw[off : off + nbytes]
 
 
-def read_verified(path: Path, length: int, expected_crc: int, offset: int = 0, out: Any = None) -> Any:
+def _check(path: Path, buf: Any, expected_crc: int, blocks: tuple[int, int, Sequence[int]] | None) -> None:
+    """Verify ``buf`` against ``expected_crc``, or, with ``blocks`` = (block size, index of its first block,
+    their crc32cs), block by block."""
+    if blocks is None:
+        actual = crc32c(buf)
+        if actual != expected_crc:
+            raise ChecksumError(str(path), expected_crc, actual)
+        return
+    size, first, crcs = blocks
+    if -(-len(buf) // size) != len(crcs):
+        raise ValueError(f"{len(crcs)} block crc32cs for {len(buf)} bytes in blocks of {size}")
+    for k, want in enumerate(crcs):
+        actual = crc32c(buf[k * size : (k + 1) * size])
+        if actual != want:
+            raise ChecksumError(f"{path} (block {first + k})", want, actual)
+
+
+def read_verified(path: Path, length: int, expected_crc: int, offset: int = 0, out: Any = None,
+                  blocks: tuple[int, int, Sequence[int]] | None = None) -> Any:
     """Read ``length`` bytes at ``offset`` of ``path`` into ``out`` (a writable buffer) and verify crc32c.
 
-    Returns the buffer. Raises ChecksumError naming the file on mismatch, EOFError when short.
+    ``blocks``: verify per block instead (see :func:`read_blocks_verified`). Returns the buffer. Raises
+    ChecksumError naming the file on mismatch, EOFError when short.
     """
     import numpy as np
 
@@ -879,13 +972,12 @@ def read_verified(path: Path, length: int, expected_crc: int, offset: int = 0, o
             if not n:
                 raise EOFError(f"{path}: expected {length} bytes at offset {offset}, file ended after {got}")
             got += n
-    actual = crc32c(np.frombuffer(view, dtype=np.uint8))
-    if actual != expected_crc:
-        raise ChecksumError(str(path), expected_crc, actual)
+    _check(path, np.frombuffer(view, dtype=np.uint8), expected_crc, blocks)
     return buf
 
 
-def map_verified(path: Path, length: int, expected_crc: int, offset: int = 0) -> Any:
+def map_verified(path: Path, length: int, expected_crc: int, offset: int = 0,
+                 blocks: tuple[int, int, Sequence[int]] | None = None) -> Any:
     """Map ``length`` bytes of ``path`` copy-on-write, verify their crc32c, return them as a uint8 array.
 
     On tmpfs this reads nothing and allocates nothing: the page-cache pages are mapped (1 GiB in ~0.18 s
@@ -901,7 +993,7 @@ def map_verified(path: Path, length: int, expected_crc: int, offset: int = 0) ->
     import numpy as np
 
     if offset % mmap.ALLOCATIONGRANULARITY or length == 0:
-        return read_verified(path, length, expected_crc, offset)
+        return read_verified(path, length, expected_crc, offset, blocks=blocks)
     fd = os.open(path, os.O_RDONLY)
     lease = -1
     try:
@@ -922,12 +1014,34 @@ def map_verified(path: Path, length: int, expected_crc: int, offset: int = 0) ->
     else:
         os.close(fd)
     buf = np.frombuffer(mm, dtype=np.uint8)
-    actual = crc32c(buf)
-    if actual != expected_crc:
+    try:
+        _check(path, buf, expected_crc, blocks)
+    except ChecksumError:
         del buf
         mm.close()
-        raise ChecksumError(str(path), expected_crc, actual)
+        raise
     return buf
+
+
+def blocks_covering(entry: ShardEntry, start: int, stop: int) -> tuple[int, int] | None:
+    """The blocks [first, last) of ``entry`` covering its bytes [start, stop), or None when it has no block
+    crc32cs or they would cover the whole shard anyway (then read it whole)."""
+    if not entry.block_size or not 0 <= start < stop <= entry.length:
+        return None
+    first, last = start // entry.block_size, -(-stop // entry.block_size)
+    if first == 0 and last == len(entry.block_crc32c):
+        return None
+    return first, last
+
+
+def read_blocks_verified(path: Path, entry: ShardEntry, first: int, last: int, mapped: bool = True) -> Any:
+    """Blocks [first, last) of the shard ``entry`` describes, each verified by its own crc32c: a uint8 array
+    starting at byte ``first * entry.block_size`` of the shard (mapped like :func:`map_verified`, or read)."""
+    bs = entry.block_size
+    start, stop = first * bs, min(last * bs, entry.length)
+    blocks = (bs, first, entry.block_crc32c[first:last])
+    fn = map_verified if mapped else read_verified
+    return fn(path, stop - start, 0, entry.offset + start, blocks=blocks)
 
 
 def _mmap_type() -> Any:

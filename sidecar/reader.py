@@ -342,19 +342,28 @@ class StepSource:
         except (OSError, layout.ManifestError):
             return None
 
-    def read_shard(self, arr: SavedArray, index: tuple[tuple[int, int], ...]) -> np.ndarray:
+    def read_shard(self, arr: SavedArray, index: tuple[tuple[int, int], ...],
+                   rows: tuple[int, int] | None = None) -> np.ndarray:
         """The verified bytes of one saved shard, as an array of its shape.
+
+        ``rows``: only rows [r0, r1) of the shard's leading dimension (relative to the shard), a contiguous
+        byte range: of a copy with block crc32cs only the blocks covering it are read and verified (a copy
+        without them is read whole and sliced).
 
         Tries each copy in turn, local ones first; a bad copy (crc mismatch, short or missing file) is
         dropped and the next tier is tried — another local copy, then a peer or the bucket through the
         fetcher — within this call.
         """
-        key = (arr.path, index)
+        key = (arr.path, index, rows)
         with self._lock:
             hit = self._cache.get(key)
         if hit is not None:
             return hit
         shape = tuple(b - a for a, b in index)
+        part = None  # (byte start, byte stop) within the shard, and the shape of the rows
+        if rows is not None:
+            row_bytes = math.prod(shape[1:]) * tree.dtype_from_name(arr.dtype).itemsize
+            part = (rows[0] * row_bytes, rows[1] * row_bytes, (rows[1] - rows[0], *shape[1:]))
         dtype = tree.dtype_from_name(arr.dtype)
         errors: list[BaseException] = []
         tried: set[tuple[Path, int]] = set()
@@ -380,10 +389,17 @@ class StepSource:
                 continue
             try:
                 path = layout.resolve_under(loc.step_dir, e.file)
-                if e.length >= MAP_MIN_BYTES:
+                cover = None if part is None else layout.blocks_covering(e, part[0], part[1])
+                if cover is not None:
+                    buf = layout.read_blocks_verified(path, e, *cover, mapped=e.length >= MAP_MIN_BYTES)
+                    skip = cover[0] * e.block_size
+                    buf = buf[part[0] - skip : part[1] - skip]
+                elif e.length >= MAP_MIN_BYTES:
                     buf = layout.map_verified(path, e.length, e.crc32c, e.offset)
                 else:
                     buf = layout.read_verified(path, e.length, e.crc32c, e.offset)
+                if part is not None and cover is None:
+                    buf = buf[part[0] : part[1]]
             except (OSError, EOFError, layout.ChecksumError) as err:
                 bad = err if isinstance(err, layout.ChecksumError) else BadCopyError(
                     f"{loc.step_dir}/{e.file} ({type(err).__name__}: {err})", e.crc32c, 0)
@@ -404,7 +420,7 @@ class StepSource:
                         errors.append(ferr)
                         log.warning("no replacement for the bad copy in %s: %s", loc.step_dir, ferr)
                 continue
-            out = buf.view(dtype).reshape(shape)
+            out = buf.view(dtype).reshape(shape if part is None else part[2])
             with self._lock:
                 self._cache[key] = out
             return out
@@ -455,8 +471,13 @@ class StepSource:
             if any(lo >= hi for lo, hi in inter) and size > 0:
                 continue
             dst_sl = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, index, strict=True))
-            src = self.read_shard(arr, sidx)
             src_sl = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(inter, sidx, strict=True))
+            if src_sl and (src_sl[0].start, src_sl[0].stop) != (0, sidx[0][1] - sidx[0][0]) and size > 0:
+                # Part of the saved shard's rows: a contiguous byte range, read (and verified) alone.
+                src = self.read_shard(arr, sidx, rows=(src_sl[0].start, src_sl[0].stop))
+                src_sl = (slice(None), *src_sl[1:])
+            else:
+                src = self.read_shard(arr, sidx)
             out[dst_sl] = src[src_sl]
             covered += math.prod(hi - lo for lo, hi in inter)
         if covered < size:

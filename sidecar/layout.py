@@ -300,7 +300,7 @@ class FileEntry:
 
 # Shards larger than this also get a crc32c per block of this size (``ShardEntry.block_crc32c``): a restore
 # onto another mesh that needs part of a saved shard reads and verifies only the blocks covering it.
-BLOCK_BYTES = 4 << 20
+BLOCK_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -933,21 +933,21 @@ def aligned_empty(nbytes: int, align: int = 4096) -> Any:
     return raw[off : off + nbytes]
 
 
-def _check(path: Path, buf: Any, expected_crc: int, blocks: tuple[int, int, Sequence[int]] | None) -> None:
+def _mismatch(buf: Any, expected_crc: int, blocks: tuple[int, int, Sequence[int]] | None) -> tuple[str, int, int] | None:
     """Verify ``buf`` against ``expected_crc``, or, with ``blocks`` = (block size, index of its first block,
-    their crc32cs), block by block."""
+    their crc32cs), block by block: None when it matches, else (what, expected, actual). (Returned, not
+    raised: a traceback must not keep a mapped buffer alive.)"""
     if blocks is None:
         actual = crc32c(buf)
-        if actual != expected_crc:
-            raise ChecksumError(str(path), expected_crc, actual)
-        return
+        return None if actual == expected_crc else ("", expected_crc, actual)
     size, first, crcs = blocks
     if -(-len(buf) // size) != len(crcs):
         raise ValueError(f"{len(crcs)} block crc32cs for {len(buf)} bytes in blocks of {size}")
     for k, want in enumerate(crcs):
         actual = crc32c(buf[k * size : (k + 1) * size])
         if actual != want:
-            raise ChecksumError(f"{path} (block {first + k})", want, actual)
+            return f" (block {first + k})", want, actual
+    return None
 
 
 def read_verified(path: Path, length: int, expected_crc: int, offset: int = 0, out: Any = None,
@@ -972,7 +972,9 @@ def read_verified(path: Path, length: int, expected_crc: int, offset: int = 0, o
             if not n:
                 raise EOFError(f"{path}: expected {length} bytes at offset {offset}, file ended after {got}")
             got += n
-    _check(path, np.frombuffer(view, dtype=np.uint8), expected_crc, blocks)
+    bad = _mismatch(np.frombuffer(view, dtype=np.uint8), expected_crc, blocks)
+    if bad is not None:
+        raise ChecksumError(f"{path}{bad[0]}", bad[1], bad[2])
     return buf
 
 
@@ -1014,12 +1016,11 @@ def map_verified(path: Path, length: int, expected_crc: int, offset: int = 0,
     else:
         os.close(fd)
     buf = np.frombuffer(mm, dtype=np.uint8)
-    try:
-        _check(path, buf, expected_crc, blocks)
-    except ChecksumError:
+    bad = _mismatch(buf, expected_crc, blocks)
+    if bad is not None:
         del buf
         mm.close()
-        raise
+        raise ChecksumError(f"{path}{bad[0]}", bad[1], bad[2])
     return buf
 
 

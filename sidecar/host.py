@@ -194,56 +194,98 @@ def _restore_leaves(config: HostConfig, sources: dict[int, reader.StepSource], l
                     all_paths: Sequence[str]) -> list[Any]:
     for src in sources.values():
         check_structure(src, all_paths)
-    _prefetch(config, sources, leaves)
-    out: list[Any] = []
-    for leaf in leaves:
-        for src in sources.values():
-            _check_leaf(src, leaf)
-        if leaf.as_bytes:
-            # Host (numpy) leaves travel as raw bytes so that 64-bit dtypes survive JAX's default x32.
-            bufs = []
-            for device in leaf.sharding.addressable_devices:
-                r = config.device_rank.get(device.id)
-                if r in sources:
-                    full = sources[r].assemble(leaf.path, tuple((0, n) for n in leaf.shape))
-                    flat = np.array(full, copy=True).reshape(-1).view(np.uint8)  # one buffer per device
-                    bufs.append(jax.device_put(flat, device))
-            nbytes = math.prod(leaf.shape) * tree.dtype_from_name(leaf.dtype).itemsize
-            out.append(jax.make_array_from_single_device_arrays((nbytes,), leaf.sharding, bufs))
+    wanted = _prefetch_plan(config, sources, leaves)
+    if not wanted:
+        return [_restore_leaf(config, sources, leaf, _targets(config, sources, leaf), {}) for leaf in leaves]
+    # Other ranks' files (a restore onto another mesh) are fetched in the background while target shards that
+    # need none of them are read from this host's RAM disk (only meanwhile: the host memory held before the
+    # arrays are placed stays bounded); everything else is read leaf by leaf once the files are here.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-prefetch") as bg:
+        prefetch = bg.submit(_prefetch, sources, wanted)
+        plans = [_targets(config, sources, leaf) for leaf in leaves]
+        local_first = [(leaf.path, r, idx) for leaf, targets in zip(leaves, plans, strict=True)
+                       for r, idx in dict.fromkeys((r, idx) for _, r, idx in targets)
+                       if not sources[r].remote_files_for(leaf.path, idx)]
+        got: dict[tuple[str, int, tuple[tuple[int, int], ...]], np.ndarray] = {}
+        if local_first:
+            got.update(_assemble_all(config, sources, local_first, until=prefetch))
             for src in sources.values():
                 src.drop_cache()
-            continue
-        wanted = [(device, config.device_rank.get(device.id), reader.normalize_index(index, leaf.shape))
-                  for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items()]
-        wanted = [(d, r, idx) for d, r, idx in wanted if r in sources]
-        # Read distinct shards in parallel (reads and crc32c release the GIL), then place them.
-        distinct = list(dict.fromkeys((r, idx) for _, r, idx in wanted))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, config.write_threads)) as pool:
-            got = dict(zip(distinct, pool.map(lambda k, p=leaf.path: sources[k[0]].assemble(p, k[1]), distinct),
-                           strict=True))
-        buffers = []
-        placed: set[int] = set()
-        for d, r, idx in wanted:
-            data = got[(r, idx)]
-            if id(data) in placed:
-                # On CPU an aligned buffer becomes the device buffer itself; two devices must never share
-                # one (a donated input would be overwritten under the other).
-                data = data.copy()
-            placed.add(id(data))
-            buffers.append(jax.device_put(data, d))
-        arr = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, buffers)
-        if leaf.key_impl:
-            arr = jax.random.wrap_key_data(arr, impl=leaf.key_impl)
-        out.append(arr)
+        prefetch.result()
+        return [_restore_leaf(config, sources, leaf, targets, got) for leaf, targets in zip(leaves, plans, strict=True)]
+
+
+def _targets(config: HostConfig, sources: dict[int, reader.StepSource],
+             leaf: RestoreLeaf) -> list[tuple[Any, int, tuple[tuple[int, int], ...]]]:
+    """(device, rank, index) of each target shard of ``leaf`` the ranks of ``sources`` fill."""
+    if leaf.as_bytes:
+        return []
+    for src in sources.values():
+        _check_leaf(src, leaf)
+    wanted = [(device, config.device_rank.get(device.id), reader.normalize_index(index, leaf.shape))
+              for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items()]
+    return [(d, r, idx) for d, r, idx in wanted if r in sources]
+
+
+def _assemble_all(config: HostConfig, sources: dict[int, reader.StepSource],
+                  keys: Sequence[tuple[str, int, tuple[tuple[int, int], ...]]],
+                  until: concurrent.futures.Future | None = None) -> dict:
+    """Read distinct target shards (leaf path, rank, index) in parallel (reads and crc32c release the GIL);
+    with ``until``, only while it runs (the rest is left out of the result)."""
+    def one(k: tuple[str, int, tuple[tuple[int, int], ...]]) -> np.ndarray | None:
+        if until is not None and until.done():
+            return None
+        return sources[k[1]].assemble(k[0], k[2])
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, config.write_threads)) as pool:
+        got = dict(zip(keys, pool.map(one, keys), strict=True))
+    return {k: v for k, v in got.items() if v is not None}
+
+
+def _restore_leaf(config: HostConfig, sources: dict[int, reader.StepSource], leaf: RestoreLeaf,
+                  wanted: list[tuple[Any, int, tuple[tuple[int, int], ...]]], got: dict) -> Any:
+    for src in sources.values():
+        _check_leaf(src, leaf)
+    if leaf.as_bytes:
+        # Host (numpy) leaves travel as raw bytes so that 64-bit dtypes survive JAX's default x32.
+        bufs = []
+        for device in leaf.sharding.addressable_devices:
+            r = config.device_rank.get(device.id)
+            if r in sources:
+                full = sources[r].assemble(leaf.path, tuple((0, n) for n in leaf.shape))
+                flat = np.array(full, copy=True).reshape(-1).view(np.uint8)  # one buffer per device
+                bufs.append(jax.device_put(flat, device))
+        nbytes = math.prod(leaf.shape) * tree.dtype_from_name(leaf.dtype).itemsize
         for src in sources.values():
             src.drop_cache()
-    return out
+        return jax.make_array_from_single_device_arrays((nbytes,), leaf.sharding, bufs)
+    keys = list(dict.fromkeys((leaf.path, r, idx) for _, r, idx in wanted))
+    rest = [k for k in keys if k not in got]
+    if rest:
+        got.update(_assemble_all(config, sources, rest))
+    mine = {k: got.pop(k) for k in keys}
+    buffers = []
+    placed: set[int] = set()
+    for d, r, idx in wanted:
+        data = mine[(leaf.path, r, idx)]
+        if id(data) in placed:
+            # On CPU an aligned buffer becomes the device buffer itself; two devices must never share
+            # one (a donated input would be overwritten under the other).
+            data = data.copy()
+        placed.add(id(data))
+        buffers.append(jax.device_put(data, d))
+    arr = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, buffers)
+    if leaf.key_impl:
+        arr = jax.random.wrap_key_data(arr, impl=leaf.key_impl)
+    for src in sources.values():
+        src.drop_cache()
+    return arr
 
 
-def _prefetch(config: HostConfig, sources: dict[int, reader.StepSource], leaves: Sequence[RestoreLeaf]) -> None:
-    """Fetch, in parallel, the files of other ranks' data the hosts need for their target shards (a restore
-    onto another mesh or onto other slices) -- only the saved shards overlapping them -- instead of one
-    shard at a time as the reads reach them."""
+def _prefetch_plan(config: HostConfig, sources: dict[int, reader.StepSource],
+                   leaves: Sequence[RestoreLeaf]) -> dict[tuple[int, int], set[str]]:
+    """(reading rank, other rank) -> the files of the other rank's data the reading rank needs for its target
+    shards (a restore onto another mesh or onto other slices): only the saved shards overlapping them."""
     wanted: dict[tuple[int, int], set[str]] = {}
 
     def need(r: int, idx: tuple[tuple[int, int], ...], path: str) -> None:
@@ -260,8 +302,11 @@ def _prefetch(config: HostConfig, sources: dict[int, reader.StepSource], leaves:
             r = config.device_rank.get(device.id)
             if r in sources:
                 need(r, reader.normalize_index(index, leaf.shape), leaf.path)
-    if not wanted:
-        return
+    return wanted
+
+
+def _prefetch(sources: dict[int, reader.StepSource], wanted: dict[tuple[int, int], set[str]]) -> None:
+    """Fetch the planned files in parallel, instead of one shard at a time as the reads reach them."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(wanted))) as pool:
         futs = [pool.submit(sources[r].prefetch, o, files) for (r, o), files in sorted(wanted.items())]
         for f in futs:

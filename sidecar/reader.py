@@ -446,6 +446,20 @@ class StepSource:
                 total += math.prod(hi - lo for lo, hi in inter)
         return total
 
+    @staticmethod
+    def _partial_rows(arr: SavedArray, sidx: tuple[tuple[int, int], ...],
+                      src_sl: tuple[slice, ...]) -> tuple[int, int] | None:
+        """The rows [r0, r1) of saved shard ``sidx`` a read of ``src_sl`` of it needs, when reading just
+        those saves bytes (its copies carry block crc32cs and the rows do not cover all of its blocks)."""
+        if not src_sl or not arr.shards.get(sidx):
+            return None
+        r0, r1 = src_sl[0].start, src_sl[0].stop
+        entry = arr.shards[sidx][0].entry
+        row_bytes = entry.length // max(1, sidx[0][1] - sidx[0][0])
+        if layout.blocks_covering(entry, r0 * row_bytes, r1 * row_bytes) is None:
+            return None
+        return r0, r1
+
     def assemble(self, path: str, index: tuple[tuple[int, int], ...]) -> np.ndarray:
         """Build the region ``index`` of array ``path`` from the saved shards overlapping it."""
         arr = self.arrays[path]
@@ -472,9 +486,10 @@ class StepSource:
                 continue
             dst_sl = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, index, strict=True))
             src_sl = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(inter, sidx, strict=True))
-            if src_sl and (src_sl[0].start, src_sl[0].stop) != (0, sidx[0][1] - sidx[0][0]) and size > 0:
+            rows = self._partial_rows(arr, sidx, src_sl) if size > 0 else None
+            if rows is not None:
                 # Part of the saved shard's rows: a contiguous byte range, read (and verified) alone.
-                src = self.read_shard(arr, sidx, rows=(src_sl[0].start, src_sl[0].stop))
+                src = self.read_shard(arr, sidx, rows=rows)
                 src_sl = (slice(None), *src_sl[1:])
             else:
                 src = self.read_shard(arr, sidx)

@@ -1,0 +1,77 @@
+"""A restore onto another mesh reads the target shards it can build from this host's RAM disk while other
+ranks' files are still being fetched (instead of after the fetch)."""
+
+import threading
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from controller_client.manager import CheckpointManager, CheckpointManagerOptions
+from controller_client.topology import HostTopology
+from sidecar import host, layout, reader
+
+WAIT_SECONDS = 20.0
+
+
+class SlowFetcher:
+    """Fetches other hosts' files from their directories in one tmp dir, but only once a local read of the
+    fetching host happened (or after WAIT_SECONDS): records whether that read came first."""
+
+    def __init__(self, base, rank, local_read: threading.Event, log: list):
+        self.base, self.root, self.local_read, self.log = base, base / str(rank), local_read, log
+
+    def manifest(self, owner, step):
+        return layout.read_manifest(self.base / str(owner) / "steps" / str(step))
+
+    def fetch(self, owner, step, replace=False):
+        raise AssertionError("a whole step was fetched")
+
+    def fetch_files(self, owner, step, files):
+        self.log.append(self.local_read.wait(WAIT_SECONDS))
+        dest = layout.make_tmp_dir(layout.fetch_dir(self.root), step)
+        for f in files:
+            (dest / f.name).write_bytes((self.base / str(owner) / "steps" / str(step) / f.name).read_bytes())
+        return dest
+
+
+def test_local_target_shards_are_read_while_other_ranks_files_are_fetched(tmp_path, monkeypatch):
+    devs = jax.devices()
+    mesh = Mesh(np.array(devs).reshape(2, 4), ("a", "b"))
+    x = np.random.default_rng(3).standard_normal((64, 256)).astype(np.float32)
+    tree = {"w": jax.device_put(x, NamedSharding(mesh, P("a", "b")))}  # every saved shard unique
+    opts = CheckpointManagerOptions(local_directory=str(tmp_path / "{host}"), job_name="t")
+    mgr = CheckpointManager(opts, devices=devs, topology=HostTopology.simulated(devs, 2, 2))
+    mgr.save(1, tree)
+    mgr.wait_until_finished()
+
+    events = {r: threading.Event() for r in range(4)}
+    fetched_after_local_read: list[bool] = []
+    real_map, real_read = layout.map_verified, layout.read_verified
+
+    def mark(path):
+        for r, ev in events.items():
+            if str(path).startswith(str(tmp_path / str(r) / "steps")):
+                ev.set()
+
+    def map_verified(path, *a, **kw):
+        mark(path)
+        return real_map(path, *a, **kw)
+
+    def read_verified(path, *a, **kw):
+        mark(path)
+        return real_read(path, *a, **kw)
+
+    monkeypatch.setattr(layout, "map_verified", map_verified)
+    monkeypatch.setattr(layout, "read_verified", read_verified)
+    monkeypatch.setattr(host, "open_step", lambda config, rank, step: reader.StepSource(
+        step, [config.root(rank)], fetcher=SlowFetcher(tmp_path, rank, events[rank], fetched_after_local_read),
+        drop_bad=True, own_rank=rank))
+    # On a 4x2 mesh each host's first device needs only its own shards, its second one another host's.
+    other = Mesh(np.array(devs).reshape(4, 2), ("a", "b"))
+    out = mgr.restore(1, {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, P("a", "b")))})
+    np.testing.assert_array_equal(np.asarray(out["w"]), x)
+    assert len(fetched_after_local_read) == 4
+    assert all(fetched_after_local_read)
+    assert all(not any(layout.fetch_dir(tmp_path / str(r)).iterdir()) for r in range(4))

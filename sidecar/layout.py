@@ -50,7 +50,9 @@ from sidecar import faults
 log = logging.getLogger(__name__)
 
 # 2: the manifest carries ``manifest_sha256`` over its canonical encoding. Version 1 manifests had no
-# checksum and are refused (a flipped value in one would be restored silently as data).
+# checksum and are refused (a flipped value in one would be restored silently as data). Per-block crc32cs
+# of shards (``ShardEntry.block_crc32c``) are optional keys within version 2: readers without them ignore
+# them (the checksum covers the dict as read), and shards without them are read whole.
 FORMAT_VERSION = 2
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_CHECKSUM_KEY = "manifest_sha256"

@@ -32,7 +32,9 @@ class ReplicatorFetcher:
         sock = layout.control_socket(self.root)
         if not sock.exists():
             raise FileNotFoundError(f"no replicator serves {self.root} (no {sock}): cannot reach other tiers")
-        ch = grpc.insecure_channel(f"unix:{sock}")
+        # Manifests of large steps exceed gRPC's default 4 MiB (a block crc32c per MiB of shard data).
+        ch = grpc.insecure_channel(f"unix:{sock}", options=[
+            ("grpc.max_receive_message_length", layout.MAX_MANIFEST_BYTES + (1 << 20))])
         return ch, control_pb2_grpc.LocalControlStub(ch)
 
     def _call(self, method: str, request: object, timeout: float) -> object:

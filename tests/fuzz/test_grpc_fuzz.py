@@ -196,6 +196,8 @@ def _call(channel: grpc.Channel, method: _d.MethodDescriptor, request, raw: bool
         code = e.code()
         if raw and code == grpc.StatusCode.INTERNAL and "deserializ" in (e.details() or "").lower():
             return  # grpc's own answer to bytes that are no protobuf message
+        if code == grpc.StatusCode.UNAVAILABLE and "try the next candidate" in (e.details() or ""):
+            return  # the coordinator's deliberate redirect (a caller of another node count, Orbax mode)
         assert code in CLEAR, f"{path}: {code.name} {e.details()!r} for {request!r}"[:2000]
 
 

@@ -100,16 +100,8 @@ class _Control(control_pb2_grpc.LocalControlServicer):
         try:
             rel, manifest = self.daemon.fetch_for_sidecar(request.owner_rank, request.step, request.manifest_only,
                                                           request.replace_local, request.timeout_seconds)
-        except FileNotFoundError as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except grpc.RpcError as e:
-            code = e.code() if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) \
-                else grpc.StatusCode.UNAVAILABLE
-            context.abort(code, f"coordinator: {_details(e)}")
-        except (RuntimeError, OSError) as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, _details(e))
+        except (ValueError, grpc.RpcError, RuntimeError, OSError) as e:
+            _abort_fetch(context, e)
         return control_pb2.FetchStepResponse(step_dir=rel, manifest_json=manifest)
 
     def FetchFiles(self, request, context):
@@ -118,16 +110,8 @@ class _Control(control_pb2_grpc.LocalControlServicer):
                        for f in request.files]
             source, nbytes = self.daemon.fetch_files_for_sidecar(request.owner_rank, request.step, entries,
                                                                  request.dest_dir, request.timeout_seconds)
-        except FileNotFoundError as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except ValueError as e:  # ManifestError included: a malformed file list
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except grpc.RpcError as e:
-            code = e.code() if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) \
-                else grpc.StatusCode.UNAVAILABLE
-            context.abort(code, f"coordinator: {_details(e)}")
-        except (RuntimeError, OSError) as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, _details(e))
+        except (ValueError, grpc.RpcError, RuntimeError, OSError) as e:  # ManifestError: a malformed file list
+            _abort_fetch(context, e)
         return control_pb2.FetchFilesResponse(source=source, bytes=nbytes)
 
     def GetPreemption(self, request, context):
@@ -138,6 +122,20 @@ class _Control(control_pb2_grpc.LocalControlServicer):
     def BackupNow(self, request, context):
         self.daemon.request_backup_now()
         return control_pb2.BackupNowResponse()
+
+
+def _abort_fetch(context: grpc.ServicerContext, e: BaseException) -> None:
+    """The status of a failed fetch for the sidecar (it decides by the code): NOT_FOUND no tier has it,
+    INVALID_ARGUMENT a bad request, UNAVAILABLE anything transient (a peer, the bucket, the coordinator)."""
+    if isinstance(e, FileNotFoundError):
+        context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+    if isinstance(e, ValueError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    if isinstance(e, grpc.RpcError):
+        code = e.code() if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) \
+            else grpc.StatusCode.UNAVAILABLE
+        context.abort(code, f"coordinator: {_details(e)}")
+    context.abort(grpc.StatusCode.UNAVAILABLE, _details(e))
 
 
 def _details(e: BaseException) -> str:

@@ -194,15 +194,15 @@ def _restore_leaves(config: HostConfig, sources: dict[int, reader.StepSource], l
                     all_paths: Sequence[str]) -> list[Any]:
     for src in sources.values():
         check_structure(src, all_paths)
-    wanted = _prefetch_plan(config, sources, leaves)
+    plans = [_targets(config, sources, leaf) for leaf in leaves]
+    wanted = _prefetch_plan(sources, leaves, plans)
     if not wanted:
-        return [_restore_leaf(config, sources, leaf, _targets(config, sources, leaf), {}) for leaf in leaves]
+        return [_restore_leaf(config, sources, leaf, targets, {}) for leaf, targets in zip(leaves, plans, strict=True)]
     # Other ranks' files (a restore onto another mesh) are fetched in the background while target shards that
     # need none of them are read from this host's RAM disk (only meanwhile: the host memory held before the
     # arrays are placed stays bounded); everything else is read leaf by leaf once the files are here.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-prefetch") as bg:
         prefetch = bg.submit(_prefetch, sources, wanted)
-        plans = [_targets(config, sources, leaf) for leaf in leaves]
         local_first = [(leaf.path, r, idx) for leaf, targets in zip(leaves, plans, strict=True)
                        for r, idx in dict.fromkeys((r, idx) for _, r, idx in targets)
                        if not sources[r].remote_files_for(leaf.path, idx)]
@@ -217,11 +217,12 @@ def _restore_leaves(config: HostConfig, sources: dict[int, reader.StepSource], l
 
 def _targets(config: HostConfig, sources: dict[int, reader.StepSource],
              leaf: RestoreLeaf) -> list[tuple[Any, int, tuple[tuple[int, int], ...]]]:
-    """(device, rank, index) of each target shard of ``leaf`` the ranks of ``sources`` fill."""
-    if leaf.as_bytes:
-        return []
+    """(device, rank, index) of each target shard of ``leaf`` the ranks of ``sources`` fill (none for a
+    host leaf: every rank builds it whole); checks first that every source saved the leaf as the target says."""
     for src in sources.values():
         _check_leaf(src, leaf)
+    if leaf.as_bytes:
+        return []
     wanted = [(device, config.device_rank.get(device.id), reader.normalize_index(index, leaf.shape))
               for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items()]
     return [(d, r, idx) for d, r, idx in wanted if r in sources]
@@ -244,8 +245,8 @@ def _assemble_all(config: HostConfig, sources: dict[int, reader.StepSource],
 
 def _restore_leaf(config: HostConfig, sources: dict[int, reader.StepSource], leaf: RestoreLeaf,
                   wanted: list[tuple[Any, int, tuple[tuple[int, int], ...]]], got: dict) -> Any:
-    for src in sources.values():
-        _check_leaf(src, leaf)
+    """Build one leaf's array from its target shards ``wanted`` (from :func:`_targets`, which checked the
+    leaf); ``got``: shards already read."""
     if leaf.as_bytes:
         # Host (numpy) leaves travel as raw bytes so that 64-bit dtypes survive JAX's default x32.
         bufs = []
@@ -282,8 +283,9 @@ def _restore_leaf(config: HostConfig, sources: dict[int, reader.StepSource], lea
     return arr
 
 
-def _prefetch_plan(config: HostConfig, sources: dict[int, reader.StepSource],
-                   leaves: Sequence[RestoreLeaf]) -> dict[tuple[int, int], set[str]]:
+def _prefetch_plan(sources: dict[int, reader.StepSource], leaves: Sequence[RestoreLeaf],
+                   plans: Sequence[list[tuple[Any, int, tuple[tuple[int, int], ...]]]]
+                   ) -> dict[tuple[int, int], set[str]]:
     """(reading rank, other rank) -> the files of the other rank's data the reading rank needs for its target
     shards (a restore onto another mesh or onto other slices): only the saved shards overlapping them."""
     wanted: dict[tuple[int, int], set[str]] = {}
@@ -292,16 +294,13 @@ def _prefetch_plan(config: HostConfig, sources: dict[int, reader.StepSource],
         for o, files in sources[r].remote_files_for(path, idx).items():
             wanted.setdefault((r, o), set()).update(files)
 
-    for leaf in leaves:
+    for leaf, targets in zip(leaves, plans, strict=True):
         if leaf.as_bytes:
             full = tuple((0, n) for n in leaf.shape)
             for r in sources:
                 need(r, full, leaf.path)
-            continue
-        for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
-            r = config.device_rank.get(device.id)
-            if r in sources:
-                need(r, reader.normalize_index(index, leaf.shape), leaf.path)
+        for _, r, idx in targets:
+            need(r, idx, leaf.path)
     return wanted
 
 

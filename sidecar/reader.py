@@ -149,6 +149,11 @@ class StepSource:
         self.manifests.append((d, m))
         self._copies += 1
         self._copy_at[d] = copy = self._copies
+        self._index(m, d, copy)
+
+    def _index(self, m: layout.StepManifest, where: Path, copy: int = 0) -> None:
+        """Record ``m``'s values and where its shards are (a local step directory, or a remote rank's
+        virtual location); every rank must agree on each array's shape, dtype and key type."""
         for v in m.values:
             self.values.setdefault(v.path, v.value)
         for a in m.arrays:
@@ -158,7 +163,7 @@ class StepSource:
             elif (sa.global_shape, sa.dtype, sa.key_impl) != (a.global_shape, a.dtype, a.key_impl):
                 raise layout.ManifestError(f"ranks disagree on shape/dtype of {a.path!r} in step {self.step}")
             for s in a.shards:
-                sa.shards.setdefault(s.index, []).append(SavedShard(d, s, copy))
+                sa.shards.setdefault(s.index, []).append(SavedShard(where, s, copy))
 
     def _drop(self, step_dir: Path, why: BaseException, copy: int = 0) -> None:
         """A bad copy: forget it here and, when allowed, delete it so no inventory lists it any longer
@@ -211,14 +216,7 @@ class StepSource:
     def _remote_layout(self, m: layout.StepManifest) -> None:
         """Record where a remote rank's shards are (no bytes yet): a virtual location fetched on demand."""
         self._remote[m.rank] = m
-        for v in m.values:
-            self.values.setdefault(v.path, v.value)
-        for a in m.arrays:
-            sa = self.arrays.get(a.path)
-            if sa is None:
-                sa = self.arrays[a.path] = SavedArray(a.path, a.global_shape, a.dtype, a.key_impl, {})
-            for s in a.shards:
-                sa.shards.setdefault(s.index, []).append(SavedShard(Path(f"remote:{m.rank}"), s))
+        self._index(m, Path(f"remote:{m.rank}"))
 
     def _materialise(self, loc: SavedShard, replace_dir: Path | None = None) -> list[SavedShard]:
         """Fetch the file of the shard a virtual location names, or the whole step of the rank whose local

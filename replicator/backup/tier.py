@@ -109,9 +109,8 @@ class BackupRun:
         self.savers_left = len(set(self.savers) - self.done)
 
     def mark_done(self, ranks: list[int]) -> None:
-        savers = self.assign  # every saver has exactly one assignment
         for r in ranks:
-            if r in self.done or r not in savers:
+            if r in self.done or r not in self.assign:  # every saver has exactly one assignment
                 continue
             self.done.add(r)
             self.savers_left -= 1

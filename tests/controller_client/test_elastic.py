@@ -19,7 +19,7 @@ from controller_client.topology import HostTopology
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
 from sidecar import layout
-from tests.kits.cluster import assert_equal, status, step_summary, wait_for
+from tests.kits.cluster import assert_equal, redundant, status, step_summary, wait_for
 from tests.replicator.conftest import cluster_factory  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -270,7 +270,7 @@ def test_bad_shard_healed_within_one_restore(cluster_factory, damage):  # noqa: 
     mgr.save(8, tree)
     mgr.wait_until_finished()
     # Wait until rank 0's data has a copy on another host.
-    wait_for(lambda: (lambda x: bool(x and x.redundant))(step_summary(status(cl), 8)), what="step 8 redundant", timeout=60)
+    wait_for(lambda: redundant(cl, 8), what="step 8 redundant", timeout=60)
     step_dir = cl.ram(0) / "steps" / "8"
     m = layout.read_manifest(step_dir)
     victim = step_dir / m.files[0].name
@@ -448,7 +448,7 @@ def test_unreadable_own_manifest_healed_within_one_restore(cluster_factory):  # 
     tree = fsdp_state(4, devs)
     mgr.save(4, tree)
     mgr.wait_until_finished()
-    wait_for(lambda: (lambda x: bool(x and x.redundant))(step_summary(status(cl), 4)), what="step 4 redundant", timeout=60)
+    wait_for(lambda: redundant(cl, 4), what="step 4 redundant", timeout=60)
     manifest = cl.ram(0) / "steps" / "4" / layout.MANIFEST_NAME
     good = layout.read_manifest(manifest.parent)
     manifest.write_bytes(manifest.read_bytes()[:40])  # no longer valid JSON
@@ -466,7 +466,7 @@ def test_job_restarted_on_fewer_hosts_is_accepted(cluster_factory):  # noqa: F81
     mgr = mgr_for(cl)
     mgr.save(2, fsdp_state(2, devs))
     mgr.wait_until_finished()
-    wait_for(lambda: (lambda x: bool(x and x.redundant))(step_summary(status(cl), 2)), what="step 2 redundant", timeout=60)
+    wait_for(lambda: redundant(cl, 2), what="step 2 redundant", timeout=60)
     mgr.close()
     assert any(cl.ram(r).glob("peer/[23]/2") for r in (0, 1))  # copies of ranks 2, 3 on slice 0
     cl.stop_all()

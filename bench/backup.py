@@ -61,7 +61,9 @@ def start_fake_gcs(log_dir: Path) -> tuple[subprocess.Popen, str]:
 
 
 def make_rank(root: Path, total_bytes: int, files: int):  # type: ignore[no-untyped-def]
-    from sidecar.layout import StepManifest, commit_dir, make_tmp_dir, scan_files, write_manifest
+    from sidecar.checksums import scan_files
+    from sidecar.commit import commit_dir, make_tmp_dir, write_manifest
+    from sidecar.layout import StepManifest
 
     tmp = make_tmp_dir(root, 1)
     per = total_bytes // files

@@ -45,9 +45,9 @@ def _scratch_dir() -> Path:
 
 def make_step(root: Path, rank: int, step: int, total_bytes: int, files: int, nodes: int = 2) -> Any:
     """Commit a step of ``files`` random files totalling ``total_bytes`` under ``root/steps``."""
-    from sidecar import layout
+    from sidecar import checksums, commit, layout
 
-    tmp = layout.make_tmp_dir(layout.steps_dir(root), step)
+    tmp = commit.make_tmp_dir(layout.steps_dir(root), step)
     rng = np.random.default_rng(step)
     entries = []
     per = total_bytes // files
@@ -57,10 +57,10 @@ def make_step(root: Path, rank: int, step: int, total_bytes: int, files: int, no
         name = f"state/{i}.0.bin"
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         data.tofile(tmp / name)
-        entries.append(layout.FileEntry(name, size, layout.crc32c(data)))
+        entries.append(layout.FileEntry(name, size, checksums.crc32c(data)))
     manifest = layout.StepManifest(job="bench", step=step, rank=rank, nodes=nodes, files=tuple(entries))
-    layout.write_manifest(tmp, manifest)
-    layout.commit_dir(tmp, layout.steps_dir(root) / str(step))
+    commit.write_manifest(tmp, manifest)
+    commit.commit_dir(tmp, layout.steps_dir(root) / str(step))
     return manifest
 
 
@@ -130,7 +130,7 @@ def measure_peer_vs_tcp(
     total_bytes: int = DEFAULT_TOTAL_BYTES, files: int = DEFAULT_FILES, repeats: int = DEFAULT_REPEATS
 ) -> dict[str, Any]:
     from replicator.peer import client as peer_client
-    from sidecar import layout
+    from sidecar import checksums, commit, layout, spares
 
     scratch = _scratch_dir()
     parent_conn, child_conn = mp.get_context("spawn").Pipe()
@@ -156,14 +156,14 @@ def measure_peer_vs_tcp(
             _raw_receive(raw_port, nbytes, raw_file)
             return time.monotonic() - t0
 
-        spare = layout.spare_dir(scratch / "dst-root")
+        spare = spares.spare_dir(scratch / "dst-root")
 
         def fetch(use_data_port: bool, recycle: bool = True) -> float:
             # The previous copy goes the way GC removes a step on a replicator: its files' tmpfs pages
             # wait in the RAM disk's spare pool and the next copy overwrites them (recycle=False: fresh
             # pages, as on a host whose RAM disk never held a step).
             if recycle:
-                layout.delete_step(dst / "1", spare=spare)
+                commit.delete_step(dst / "1", spare=spare)
             else:
                 shutil.rmtree(dst, ignore_errors=True)
                 shutil.rmtree(spare, ignore_errors=True)
@@ -188,7 +188,7 @@ def measure_peer_vs_tcp(
         fresh_s = [fetch(True, recycle=False) for _ in range(max(1, repeats // 2))]
         for _ in range(max(1, repeats // 2)):
             stream_s.append(fetch(False))
-        layout.verify_step_dir(dst / "1")
+        checksums.verify_step_dir(dst / "1")
         gib = nbytes / 2**30
         peer, tcp, tcp_file, stream, fresh = (
             gib / statistics.median(x) for x in (peer_s, tcp_s, tcp_file_s, stream_s, fresh_s)

@@ -38,7 +38,7 @@ from replicator.options import ConfigError, ReplicatorOptions
 from replicator.peer import client as peer_client
 from replicator.peer import protocol as peer_protocol
 from replicator.peer import server as peer_server
-from sidecar import faults, layout
+from sidecar import commit, faults, layout, spares
 
 log = logging.getLogger(__name__)
 
@@ -337,9 +337,9 @@ class Replicator:
             self._cands.close()
         layout.control_socket(self.store.root).unlink(missing_ok=True)
         # Abandoned fetches leave only temporary directories: remove them now.
-        layout.remove_tmp_dirs(layout.steps_dir(self.store.root))
+        commit.remove_tmp_dirs(layout.steps_dir(self.store.root))
         for owner_dir in (self.store.root / layout.PEER_DIR).glob("*"):
-            layout.remove_tmp_dirs(owner_dir)
+            commit.remove_tmp_dirs(owner_dir)
 
     def wait_for_signal(self) -> None:
         done = threading.Event()
@@ -509,7 +509,7 @@ class Replicator:
         if not entries:
             raise ValueError("no files asked for")
         dest = layout.check_fetch_dir(self.store.root, dest_rel)
-        layout.remove_tmp_dirs(dest.parent)  # scratch directories of readers that died (unlocked ones)
+        commit.remove_tmp_dirs(dest.parent)  # scratch directories of readers that died (unlocked ones)
         t0 = time.monotonic()
         srcs, savers = self._other_sources(owner, step, timeout_seconds)
         errors, moved = [], 0
@@ -796,7 +796,7 @@ class Replicator:
         m = peer_client.fetch_step(address, owner, step, dest, token=self.token, tls=self._tls(),
                                 timeout_seconds=self.opts.transfer_timeout_seconds,
                                 throttle=self._throttle, expected_content_hash=content_hash,
-                                spare_dir=layout.spare_dir(self.store.root))
+                                spare_dir=spares.spare_dir(self.store.root))
         dt = time.monotonic() - t0
         log.info("copy: fetched rank %d step %d from %s: %d bytes in %.3fs (%.2f GiB/s)",
                  owner, step, address, m.total_bytes, dt, m.total_bytes / max(dt, 1e-9) / 2**30)

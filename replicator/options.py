@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from sidecar.layout import parse_int
+from sidecar.parse import parse_int
 
 ENV_PREFIX = "MTC_"
 

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar import faults, layout, reader, tree, writer
+from sidecar import commit, faults, layout, reader, tree, writer
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +336,7 @@ def query_on_hosts(config: HostConfig, ranks: Sequence[int], query: HostQuery | 
         writer.raise_failures(writers, arg, wait=query is HostQuery.WAIT)
     for r, w in zip(ranks, writers, strict=True):
         if query is HostQuery.STEPS:
-            result[r] = {"steps": layout.committed_steps(layout.steps_dir(w.root)), "in_flight": w.in_flight(),
+            result[r] = {"steps": commit.committed_steps(layout.steps_dir(w.root)), "in_flight": w.in_flight(),
                          "held": held_steps(config, r)}
         elif query is HostQuery.PREEMPTION:
             from sidecar.remote import preemption_noticed
@@ -372,7 +372,7 @@ def held_steps(config: HostConfig, rank: int) -> dict[str, list]:
         if peers.is_dir():
             dirs.extend(sorted(p for p in peers.iterdir() if p.is_dir()))
         for parent in dirs:
-            for step in layout.committed_steps(parent):
+            for step in commit.committed_steps(parent):
                 try:
                     m = layout.read_manifest(parent / layout.step_name(step))
                 except (OSError, layout.ManifestError):

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from sidecar import layout, tree
+from sidecar import checksums, commit, layout, tree
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +76,10 @@ class Fetcher(Protocol):
     def fetch_files(self, owner: int, step: int, files: Sequence[layout.FileEntry]) -> Path:
         """Bring only ``files`` of ``owner``'s ``step`` (as its manifest lists them) onto this host, each
         verified by its crc32c: a new scratch directory of this process holding just them (no manifest), for
-        the reader to remove with ``layout.remove_owned_dir`` when done."""
+        the reader to remove with ``commit.remove_owned_dir`` when done."""
 
 
-class BadCopyError(layout.ChecksumError):
+class BadCopyError(checksums.ChecksumError):
     """A copy of a shard is unusable (checksum mismatch, short or missing file); other copies may be fine."""
 
 
@@ -179,7 +179,7 @@ class StepSource:
             self._copy_at.pop(step_dir, None)
             if self.drop_bad:
                 log.warning("dropping the bad copy %s: %s", step_dir, why)
-                layout.delete_step(step_dir)
+                commit.delete_step(step_dir)
 
     @property
     def owners(self) -> set[int]:
@@ -324,7 +324,7 @@ class StepSource:
         their bytes are mapped or copied)."""
         with self._heal, self._lock:
             for d in self._scratch:
-                layout.remove_owned_dir(d)
+                commit.remove_owned_dir(d)
                 for sa in self.arrays.values():
                     for idx in list(sa.shards):
                         sa.shards[idx] = [x for x in sa.shards[idx] if x.step_dir != d]
@@ -387,19 +387,19 @@ class StepSource:
                 continue
             try:
                 path = layout.resolve_under(loc.step_dir, e.file)
-                cover = None if part is None else layout.blocks_covering(e, part[0], part[1])
+                cover = None if part is None else checksums.blocks_covering(e, part[0], part[1])
                 if cover is not None:
-                    buf = layout.read_blocks_verified(path, e, *cover, mapped=e.length >= MAP_MIN_BYTES)
+                    buf = checksums.read_blocks_verified(path, e, *cover, mapped=e.length >= MAP_MIN_BYTES)
                     skip = cover[0] * e.block_size
                     buf = buf[part[0] - skip : part[1] - skip]
                 elif e.length >= MAP_MIN_BYTES:
-                    buf = layout.map_verified(path, e.length, e.crc32c, e.offset)
+                    buf = checksums.map_verified(path, e.length, e.crc32c, e.offset)
                 else:
-                    buf = layout.read_verified(path, e.length, e.crc32c, e.offset)
+                    buf = checksums.read_verified(path, e.length, e.crc32c, e.offset)
                 if part is not None and cover is None:
                     buf = buf[part[0] : part[1]]
-            except (OSError, EOFError, layout.ChecksumError) as err:
-                bad = err if isinstance(err, layout.ChecksumError) else BadCopyError(
+            except (OSError, EOFError, checksums.ChecksumError) as err:
+                bad = err if isinstance(err, checksums.ChecksumError) else BadCopyError(
                     f"{loc.step_dir}/{e.file} ({type(err).__name__}: {err})", e.crc32c, 0)
                 log.warning("bad copy of %s%s in %s: %s", arr.path, index, loc.step_dir, err)
                 errors.append(bad)
@@ -422,7 +422,7 @@ class StepSource:
             with self._lock:
                 self._cache[key] = out
             return out
-        checksum = [e for e in errors if isinstance(e, layout.ChecksumError)]
+        checksum = [e for e in errors if isinstance(e, checksums.ChecksumError)]
         if checksum:
             raise checksum[0]
         if errors:
@@ -454,7 +454,7 @@ class StepSource:
         r0, r1 = src_sl[0].start, src_sl[0].stop
         entry = arr.shards[sidx][0].entry
         row_bytes = entry.length // max(1, sidx[0][1] - sidx[0][0])
-        if layout.blocks_covering(entry, r0 * row_bytes, r1 * row_bytes) is None:
+        if checksums.blocks_covering(entry, r0 * row_bytes, r1 * row_bytes) is None:
             return None
         return r0, r1
 
@@ -472,7 +472,7 @@ class StepSource:
         if self.fetcher is not None and self._covered(arr, index, local_only=False) < size:
             self.load_all_manifests()
         dtype = tree.dtype_from_name(arr.dtype)
-        out = layout.aligned_empty(size * dtype.itemsize).view(dtype).reshape(shape)
+        out = checksums.aligned_empty(size * dtype.itemsize).view(dtype).reshape(shape)
         # The saved shards of one step partition the array (every saver used the same sharding; replicas
         # share an index), so summing intersections counts each element once.
         covered = 0

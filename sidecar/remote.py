@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from mtc_rpc import control_pb2, control_pb2_grpc
-from sidecar import layout
+from sidecar import commit, layout
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ class ReplicatorFetcher:
     def fetch_files(self, owner: int, step: int, files: Sequence[layout.FileEntry]) -> Path:
         """Bring only ``files`` of ``owner``'s ``step`` into a new scratch directory of this process under
         ``<root>/fetch`` (each verified by its crc32c before it gets its name); the caller removes it with
-        ``layout.remove_owned_dir`` once read."""
-        dest = layout.make_tmp_dir(layout.fetch_dir(self.root), step)
+        ``commit.remove_owned_dir`` once read."""
+        dest = commit.make_tmp_dir(layout.fetch_dir(self.root), step)
         try:
             rel = dest.relative_to(self.root).as_posix()
             req = control_pb2.FetchFilesRequest(
@@ -71,7 +71,7 @@ class ReplicatorFetcher:
                 files=[control_pb2.StepFile(name=f.name, size=f.size, crc32c=f.crc32c) for f in files])
             resp = self._call("FetchFiles", req, self.timeout + 5)
         except BaseException:
-            layout.remove_owned_dir(dest)
+            commit.remove_owned_dir(dest)
             raise
         log.debug("%d files of rank %d step %d from %s", len(files), owner, step, resp.source)
         return dest

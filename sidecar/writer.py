@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar import faults, layout
+from sidecar import checksums, commit, faults, layout, spares
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,8 @@ def _write_file(path: Path, data: np.ndarray) -> tuple[int, tuple[int, ...]]:
     finally:
         os.close(fd)
     if flat.nbytes > layout.BLOCK_BYTES:
-        return layout.block_crc32cs(flat, layout.BLOCK_BYTES)
-    return layout.crc32c(flat), ()
+        return checksums.block_crc32cs(flat, layout.BLOCK_BYTES)
+    return checksums.crc32c(flat), ()
 
 
 def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
@@ -101,14 +101,14 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
     """
     sdir = layout.steps_dir(hs.root)
     final = sdir / layout.step_name(hs.step)
-    tmp = layout.make_tmp_dir(sdir, hs.step)
+    tmp = commit.make_tmp_dir(sdir, hs.step)
     faults.point("save.after_tmp_dir")
     t0 = time.monotonic()
     try:
         need = hs.nbytes
         st = os.statvfs(tmp)
-        pool = layout.SparePool(layout.spare_dir(hs.root))
-        free = st.f_bavail * st.f_frsize + layout.spare_bytes(layout.spare_dir(hs.root))
+        pool = spares.SparePool(spares.spare_dir(hs.root))
+        free = st.f_bavail * st.f_frsize + spares.spare_bytes(spares.spare_dir(hs.root))
         if need > free:
             raise OSError(
                 errno.ENOSPC,
@@ -147,15 +147,15 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
             generation=hs.generation,
         )
         faults.point("save.before_manifest")
-        layout.write_manifest(tmp, manifest)
+        commit.write_manifest(tmp, manifest)
         faults.point("save.after_manifest")
         faults.point("save.before_commit")
-        layout.commit_dir(tmp, final, replace=True)
+        commit.commit_dir(tmp, final, replace=True)
         faults.point("save.after_commit")
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if e.errno == errno.ENOSPC:  # the recycled pages were not enough: give them back for the retry
-            layout.drop_spares(layout.spare_dir(hs.root))
+            spares.drop_spares(spares.spare_dir(hs.root))
         if e.errno == errno.ENOSPC and "RAM disk full" not in str(e):
             raise OSError(errno.ENOSPC, f"RAM disk full while writing step {hs.step} to {hs.root}: {e}") from e
         raise
@@ -172,11 +172,11 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
 
 def gc_local_steps(root: Path, keep: int) -> list[int]:
     """Delete all but the newest ``keep`` committed steps (never the newest one)."""
-    steps = layout.committed_steps(layout.steps_dir(root))
+    steps = commit.committed_steps(layout.steps_dir(root))
     keep = max(1, keep)
     doomed = steps[:-keep] if len(steps) > keep else []
     for s in doomed:
-        layout.delete_step(layout.steps_dir(root) / layout.step_name(s), spare=layout.spare_dir(root))
+        commit.delete_step(layout.steps_dir(root) / layout.step_name(s), spare=spares.spare_dir(root))
     return doomed
 
 
@@ -192,7 +192,7 @@ class HostWriter:
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"mtc-writer-{self.root.name}", daemon=True)
         self.root.mkdir(parents=True, exist_ok=True)
-        layout.remove_tmp_dirs(layout.steps_dir(self.root))
+        commit.remove_tmp_dirs(layout.steps_dir(self.root))
         self._thread.start()
 
     def submit(self, hs: HostStep, keep: int | None, notify: bool = False) -> None:

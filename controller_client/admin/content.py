@@ -142,7 +142,7 @@ def _verify_on_host(conn: Conn, piece: Any, step: int) -> tuple[int, list[str]]:
     from mtc_rpc import peer_pb2, peer_pb2_grpc
     from replicator.net import rpc
     from replicator.peer import client as peer_client
-    from sidecar import layout
+    from sidecar import checksums
 
     m = peer_client.get_manifest(piece.address, piece.owner_rank, step, timeout_seconds=conn.timeout,
                                  token=conn.token, tls=conn.tls)
@@ -153,7 +153,7 @@ def _verify_on_host(conn: Conn, piece: Any, step: int) -> tuple[int, list[str]]:
         stream = peer_pb2_grpc.PeerStub(ch).ReadFiles(
             peer_pb2.ReadFilesRequest(rank=piece.owner_rank, step=step), timeout=max(60.0, conn.timeout * 30))
         for c in stream:
-            crcs[c.file_index] = layout.crc32c_extend(crcs[c.file_index], c.data)
+            crcs[c.file_index] = checksums.crc32c_extend(crcs[c.file_index], c.data)
             sizes[c.file_index] += len(c.data)
     finally:
         ch.close()
@@ -161,7 +161,7 @@ def _verify_on_host(conn: Conn, piece: Any, step: int) -> tuple[int, list[str]]:
     return sum(sizes), bad
 
 def _verify_bucket_rank(backup: Any, step: int, rank: int) -> tuple[int, list[str]]:
-    from sidecar.layout import ChecksumError
+    from sidecar.checksums import ChecksumError
 
     tmp = Path(tempfile.mkdtemp(prefix="mtc-verify-"))
     try:

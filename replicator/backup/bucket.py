@@ -36,21 +36,17 @@ from typing import Any
 
 from replicator.net.throttle import RateLimiter
 from sidecar import faults
+from sidecar.checksums import ChecksumError, crc32c_extend, file_crc32c
+from sidecar.commit import commit_dir, make_tmp_dir, write_manifest
 from sidecar.layout import (
     STEP_PATTERN,
-    ChecksumError,
     FileEntry,
     ManifestError,
     StepManifest,
-    commit_dir,
-    crc32c_extend,
-    file_crc32c,
-    make_tmp_dir,
     parse_step_name,
     read_manifest,
     resolve_under,
     step_name,
-    write_manifest,
 )
 
 from .storage.base import Store, UnsupportedOperation

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from sidecar.layout import parse_int
+from sidecar.parse import parse_int
 
 
 @dataclasses.dataclass(frozen=True)

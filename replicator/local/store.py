@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 from replicator.coordinator.planner import Holding, Tier, rank_ranges
-from sidecar import faults, layout
+from sidecar import commit, faults, layout, spares
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,10 @@ class RamDiskStore:
 
     def _startup_cleanup(self) -> None:
         """Remove what crashed writers and GCs left: unowned temporary directories and trash (layout)."""
-        layout.remove_tmp_dirs(layout.steps_dir(self.root))
+        commit.remove_tmp_dirs(layout.steps_dir(self.root))
         for d in self._peer_owner_dirs():
-            layout.remove_tmp_dirs(d)
-        layout.remove_tmp_dirs(layout.fetch_dir(self.root))  # of readers that died mid-restore
+            commit.remove_tmp_dirs(d)
+        commit.remove_tmp_dirs(layout.fetch_dir(self.root))  # of readers that died mid-restore
 
     # ------------------------------------------------------------------ paths
     def step_dir(self, owner: int, step: int) -> Path:
@@ -76,13 +76,13 @@ class RamDiskStore:
         return m
 
     def own_steps(self) -> list[int]:
-        return layout.committed_steps(layout.steps_dir(self.root))
+        return commit.committed_steps(layout.steps_dir(self.root))
 
     def peer_steps(self) -> list[tuple[int, int]]:
         out = []
         for d in self._peer_owner_dirs():
             owner = int(d.name)
-            out.extend((owner, s) for s in layout.committed_steps(d))
+            out.extend((owner, s) for s in commit.committed_steps(d))
         return out
 
     def has(self, owner: int, step: int, content_hash: str | None = None) -> bool:
@@ -157,7 +157,7 @@ class RamDiskStore:
     # ------------------------------------------------------------------ deletion
     def delete(self, owner: int, step: int) -> None:
         d = self.step_dir(owner, step)
-        layout.delete_step(d, spare=layout.spare_dir(self.root))  # pages kept for the next copy
+        commit.delete_step(d, spare=spares.spare_dir(self.root))  # pages kept for the next copy
         faults.point("gc.after_delete")
         with self._lock:
             self._cache.pop(d, None)

@@ -63,7 +63,7 @@ def is_retryable(exc: BaseException) -> bool:
     Everything else (404, 412, 403, checksum mismatches, bad names, other gRPC codes) is final: retrying
     the same call cannot help (a corrupt copy is a reason to try another *source*, which the caller decides).
     """
-    from sidecar.layout import ChecksumError
+    from sidecar.checksums import ChecksumError
 
     if isinstance(exc, (ChecksumError, FileNotFoundError, FileExistsError, PermissionError, ValueError)):
         return False

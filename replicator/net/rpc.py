@@ -22,7 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from replicator.net.security import BearerTokenClientInterceptor, TlsOptions, TokenAuthInterceptor
-from sidecar.layout import ChecksumError, ManifestError
+from sidecar.checksums import ChecksumError
+from sidecar.layout import ManifestError
 
 log = logging.getLogger(__name__)
 

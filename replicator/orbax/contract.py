@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from sidecar import layout
+from sidecar import layout, parse
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +96,11 @@ def _check_job_name(job: Any, what: str = "job-name") -> str:
 
 
 def _parse_int(value: Any, key: str, minimum: int) -> int:
-    return layout.parse_int(value, key, minimum)
+    return parse.parse_int(value, key, minimum)
 
 
 def _require_int(value: Any, key: str, minimum: int) -> int:
-    return layout.parse_int(value, key, minimum, strict=True)
+    return parse.parse_int(value, key, minimum, strict=True)
 
 
 @dataclasses.dataclass(frozen=True)

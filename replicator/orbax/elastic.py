@@ -39,7 +39,7 @@ import os
 import shutil
 from pathlib import Path
 
-from sidecar import layout
+from sidecar import commit, layout
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def _pieces(local: Path, new: Layout) -> list[tuple[Path, layout.StepManifest, b
     """Every committed step directory of another layout: (dir, manifest, is this host's own)."""
     out = []
     steps = layout.steps_dir(local)
-    for n in layout.committed_steps(steps) if steps.is_dir() else []:
+    for n in commit.committed_steps(steps) if steps.is_dir() else []:
         d = steps / layout.step_name(n)
         m = layout.read_manifest(d)
         if (m.rank, m.nodes) != (new.rank, new.nodes):
@@ -145,7 +145,7 @@ def _pieces(local: Path, new: Layout) -> list[tuple[Path, layout.StepManifest, b
     for od in sorted(peer.iterdir()) if peer.is_dir() else []:
         if not od.is_dir() or layout.parse_step_name(od.name) is None:
             continue
-        for n in layout.committed_steps(od):
+        for n in commit.committed_steps(od):
             d = od / layout.step_name(n)
             m = layout.read_manifest(d)
             if m.nodes != new.nodes or m.rank != int(od.name) or m.rank >= new.nodes:
@@ -194,7 +194,7 @@ def remap(local: Path, new: Layout, previous: Layout | None) -> RemapReport:
         dest = staging / f"{m.step}-{m.rank}-{'own' if own else 'peer'}-{i}-{os.getpid()}"
         os.rename(d, dest)
         staged.append((dest, m, own))
-    layout.fsync_dir(staging)
+    commit.fsync_dir(staging)
     # Phase 2: own position first (the host's own old data before a peer copy), then the rest.
     me = new.position(new.rank)
     staged.sort(key=lambda x: (x[1].step, new.position(x[1].rank) != me, not x[2], x[1].rank))
@@ -243,10 +243,10 @@ def holds_nothing(local: Path) -> bool:
     staging = local / STAGING_DIR
     if staging.is_dir() and any(staging.iterdir()):
         return False
-    if layout.committed_steps(layout.steps_dir(local)) if layout.steps_dir(local).is_dir() else []:
+    if commit.committed_steps(layout.steps_dir(local)) if layout.steps_dir(local).is_dir() else []:
         return False
     peer = local / layout.PEER_DIR
-    return not any(layout.committed_steps(d) for d in (peer.iterdir() if peer.is_dir() else []) if d.is_dir())
+    return not any(commit.committed_steps(d) for d in (peer.iterdir() if peer.is_dir() else []) if d.is_dir())
 
 
 def bucket_source_rank(saved_nodes: int, rank_hashes: tuple[str, ...], new: Layout) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 from replicator.coordinator.planner import Holding
 from replicator.local.store import RamDiskStore
 from replicator.orbax import contract as oc
-from sidecar import faults, layout
+from sidecar import checksums, commit, faults, layout
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class OrbaxStore(RamDiskStore):
         steps = layout.steps_dir(self.root)
         for tmp in sorted(steps.glob(layout.TMP_PREFIX + "*")):
             step = layout.parse_step_name(tmp.name[len(layout.TMP_PREFIX):].split("-", 1)[0])
-            if step is None or not (tmp / oc.COMMIT_SUCCESS_FILE).is_file() or layout.tmp_dir_is_owned(tmp):
+            if step is None or not (tmp / oc.COMMIT_SUCCESS_FILE).is_file() or commit.tmp_dir_is_owned(tmp):
                 continue
             dest = self.root / layout.step_name(step)
             if os.path.lexists(dest) or (steps / layout.step_name(step) / layout.MANIFEST_NAME).is_file():
@@ -95,7 +95,7 @@ class OrbaxStore(RamDiskStore):
             return False
         steps = layout.steps_dir(self.root)
         final = steps / layout.step_name(step)
-        tmp = layout.make_tmp_dir(steps, step)
+        tmp = commit.make_tmp_dir(steps, step)
         try:
             # rename(2) onto the fresh, empty temporary directory: same filesystem, O(1).
             os.rename(src, tmp)
@@ -106,16 +106,16 @@ class OrbaxStore(RamDiskStore):
             return False
         try:
             faults.point("orbax.ingest.after_move")
-            files = layout.scan_files(tmp, exclude=(layout.MANIFEST_NAME, oc.BACKUP_REQUESTED_FILE))
+            files = checksums.scan_files(tmp, exclude=(layout.MANIFEST_NAME, oc.BACKUP_REQUESTED_FILE))
             content_id = oc.orbax_content_hash(tmp)
             manifest = layout.StepManifest(job=self.job, step=step, rank=self.rank, nodes=self.nodes,
                                            files=files, kind=layout.KIND_ORBAX, content_id=content_id)
-            layout.write_manifest(tmp, manifest)
+            commit.write_manifest(tmp, manifest)
             if os.path.lexists(final):
                 # Orbax saved this step number again (e.g. after restoring an older step): the new save wins.
                 self.delete(self.rank, step)
             faults.point("orbax.ingest.before_commit")
-            layout.commit_dir(tmp, final)
+            commit.commit_dir(tmp, final)
         except (OSError, ValueError) as e:
             # Unreadable OCDBT data and the like: never publish it. Give the directory back to Orbax's
             # name so that nothing is lost, and do not retry it.
@@ -124,7 +124,7 @@ class OrbaxStore(RamDiskStore):
                 os.rename(tmp, src)
                 self._failed.add((step, src.stat().st_ino))
             except OSError:
-                layout.remove_tmp_dirs(steps)
+                commit.remove_tmp_dirs(steps)
             self._on_error(f"cannot ingest Orbax step {step} of rank {self.rank}: {e}")
             return False
         log.info("ingested Orbax step %d of rank %d: %d files, %d bytes, content %s", step, self.rank,

@@ -48,8 +48,9 @@ from replicator.peer.protocol import (
     TransferRejected,
     recv_exact,
 )
-from sidecar import faults, layout
-from sidecar.layout import ChecksumError, FileEntry, ManifestError, StepManifest
+from sidecar import checksums, commit, faults, layout, spares
+from sidecar.checksums import ChecksumError
+from sidecar.layout import FileEntry, ManifestError, StepManifest
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class _FileSink:
     name only after its size and crc32c match its entry; ``abort()`` removes the parts.
     """
 
-    def __init__(self, dest_dir: Path, entries: Sequence[FileEntry], pool: layout.SparePool | None = None):
+    def __init__(self, dest_dir: Path, entries: Sequence[FileEntry], pool: spares.SparePool | None = None):
         self.dest_dir = Path(dest_dir)
         self.entries = list(entries)
         self.pool = pool
@@ -185,7 +186,7 @@ class _FileSink:
         if self._pos + n > self.entries[idx].size:
             raise ConnectionError(f"too much data for {self.entries[idx].name}")
         if n:
-            self._crc = layout.crc32c_extend(self._crc, view) if running_crc is None else running_crc
+            self._crc = checksums.crc32c_extend(self._crc, view) if running_crc is None else running_crc
             done = 0
             while done < n:
                 done += os.pwrite(self._fd, view[done:], offset + done)
@@ -287,7 +288,7 @@ def _receive_tcp(
                         got += k
                     # crc32c here, while the chunk is still in cache; the writer only copies it to disk.
                     # Measured: this balances the two threads better than crc+write in the writer.
-                    crc = layout.crc32c_extend(crc, buf[:want])
+                    crc = checksums.crc32c_extend(crc, buf[:want])
                     full.put((idx, offset, buf, want, offset + want == e.size, crc))
                     offset += want
                 if errors:
@@ -312,9 +313,9 @@ def _receive_stream(
             if idx >= len(sink.entries):
                 raise ConnectionError(f"peer sent file index {idx} of {len(sink.entries)}")
             e = sink.entries[idx]
-            if chunk.crc32c != layout.crc32c(chunk.data):
+            if chunk.crc32c != checksums.crc32c(chunk.data):
                 raise ChecksumError(
-                    f"chunk at {chunk.offset} of {e.name} from peer", chunk.crc32c, layout.crc32c(chunk.data)
+                    f"chunk at {chunk.offset} of {e.name} from peer", chunk.crc32c, checksums.crc32c(chunk.data)
                 )
             limiter.acquire(len(chunk.data))
             sink.write(idx, chunk.offset, chunk.data)
@@ -373,7 +374,7 @@ def _fetch_files_on(
     deadline: float,
     throttle: Throttle | None,
     use_data_port: bool,
-    pool: layout.SparePool | None = None,
+    pool: spares.SparePool | None = None,
 ) -> int:
     limiter = RateLimiter((throttle or Throttle()).bytes_per_second)
     entries = list(entries)
@@ -439,13 +440,13 @@ def fetch_step(
 ) -> StepManifest:
     """Copy ``owner_rank``'s ``step`` from ``peer`` and commit it as ``dest_parent/<step>``.
 
-    ``spare_dir``: the destination RAM disk's pool of recycled files (``layout.spare_dir``), whose
+    ``spare_dir``: the destination RAM disk's pool of recycled files (``spares.spare_dir``), whose
     already-allocated pages are overwritten instead of allocating fresh ones.
 
     ``peer`` is a channel or a "host:port" address (then ``token``/``tls`` configure the channel).
     Everything is written into a temporary sibling directory and renamed into place only after every
     file's crc32c matched the manifest; on any error the temporary directory is removed, and a crash
-    leaves only a ``.tmp-*`` directory that ``layout.remove_tmp_dirs`` deletes. Raises FileExistsError
+    leaves only a ``.tmp-*`` directory that ``commit.remove_tmp_dirs`` deletes. Raises FileExistsError
     when the step is already committed there, ChecksumError on corrupt data, ManifestError on a bad
     manifest (or one whose content hash differs from ``expected_content_hash``), grpc.RpcError,
     ConnectionError or TimeoutError on transport failures.
@@ -469,7 +470,7 @@ def fetch_step(
                 f"rank {owner_rank} step {step}: content hash {manifest.content_hash[:12]} "
                 f"differs from the expected {expected_content_hash[:12]}"
             )
-        tmp = layout.make_tmp_dir(dest_parent, step)
+        tmp = commit.make_tmp_dir(dest_parent, step)
         faults.point("peer.fetch.after_tmp_dir")
         try:
             _fetch_files_on(
@@ -482,17 +483,17 @@ def fetch_step(
                 deadline,
                 throttle,
                 use_data_port and tls is None,
-                layout.SparePool(spare_dir) if spare_dir is not None else None,
+                spares.SparePool(spare_dir) if spare_dir is not None else None,
             )
             faults.point("peer.fetch.before_manifest")
-            layout.write_manifest(tmp, manifest)
+            commit.write_manifest(tmp, manifest)
             faults.point("peer.fetch.before_commit")
-            layout.commit_dir(tmp, final)
+            commit.commit_dir(tmp, final)
             faults.point("peer.fetch.after_commit")
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if spare_dir is not None and getattr(e, "errno", None) == errno.ENOSPC:
-                layout.drop_spares(spare_dir)  # the recycled pages were not enough: free them for the retry
+                spares.drop_spares(spare_dir)  # the recycled pages were not enough: free them for the retry
             raise
     return manifest
 

@@ -47,8 +47,9 @@ from replicator.peer.protocol import (
     RateLimiter,
     Throttle,
 )
-from sidecar import faults, layout
-from sidecar.layout import ChecksumError, FileEntry, ManifestError, StepManifest
+from sidecar import checksums, commit, faults, layout
+from sidecar.checksums import ChecksumError
+from sidecar.layout import FileEntry, ManifestError, StepManifest
 
 log = logging.getLogger(__name__)
 
@@ -592,7 +593,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return resp
 
     def _held(self) -> Iterator[tuple[int, int, Path]]:
-        for step in layout.committed_steps(layout.steps_dir(self.root)):
+        for step in commit.committed_steps(layout.steps_dir(self.root)):
             yield self.own_rank, step, layout.steps_dir(self.root) / layout.step_name(step)
         peer_root = self.root / layout.PEER_DIR
         if not peer_root.is_dir():
@@ -601,7 +602,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             rank = layout.parse_step_name(child.name)
             if rank is None or rank == self.own_rank or rank >= self.nodes or child.is_symlink():
                 continue
-            for step in layout.committed_steps(child):
+            for step in commit.committed_steps(child):
                 yield rank, step, child / layout.step_name(step)
 
     @rpc.map_errors
@@ -653,7 +654,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                             file_index=idx,
                             offset=offset,
                             data=data,
-                            crc32c=layout.crc32c(data),
+                            crc32c=checksums.crc32c(data),
                             name=e.name if first else "",
                             file_size=e.size if first else 0,
                         )

@@ -14,7 +14,7 @@ from controller_client.demo.cluster import REPO, LocalCluster
 from controller_client.export import build_tree, parse_path
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
-from sidecar import layout
+from sidecar import checksums
 from tests.kits.admin import mtc
 from tests.kits.cluster import manager, save_steps, wait_for
 
@@ -81,7 +81,7 @@ def test_backups_list_download_export_and_verify_after_the_job_is_gone(tmp_path)
     r = mtc("backups", "download", "4", "--backup-url", url, "--dest", str(dest), "-o", "json")
     assert r.code == 0 and r.json()["verified"], r
     for rank in range(4):
-        m = layout.verify_step_dir(dest / str(rank) / "steps" / "4")
+        m = checksums.verify_step_dir(dest / str(rank) / "steps" / "4")
         assert m.rank == rank
     r = mtc("backups", "download", "4", "--backup-url", url, "--dest", str(dest))
     assert r.code == 1 and "exists" in r.err, r
@@ -133,7 +133,7 @@ def test_backups_from_an_emulated_gcs_bucket(tmp_path) -> None:
         r = mtc("backups", "download", "2", "--backup-url", url, "--dest", str(tmp_path / "dl"), env=env)
         assert r.code == 0 and "every file verified" in r.out, r
         for rank in range(4):
-            layout.verify_step_dir(tmp_path / "dl" / str(rank) / "steps" / "2")
+            checksums.verify_step_dir(tmp_path / "dl" / str(rank) / "steps" / "2")
         r = mtc("verify", "2", "--tier", "bucket", "--backup-url", url, "-o", "json", env=env)
         assert r.code == 0 and len(r.json()["copies"]) == 4, r
     finally:

@@ -18,7 +18,7 @@ from controller_client.manager import CheckpointManager, CheckpointManagerOption
 from controller_client.topology import HostTopology
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
-from sidecar import layout
+from sidecar import checksums, layout
 from tests.kits.cluster import assert_equal, redundant, status, step_summary, wait_for
 from tests.replicator.conftest import cluster_factory  # noqa: F401  (fixture)
 
@@ -351,7 +351,7 @@ def test_bad_shard_healed_from_the_bucket(cluster_factory):  # noqa: F811
     data[0] ^= 0x01
     victim.write_bytes(bytes(data))
     assert_equal(tree, mgr.restore(5, target_on(tree, devs, (2, 4))))
-    layout.verify_step_dir(step_dir)  # the good copy from the bucket is back in place
+    checksums.verify_step_dir(step_dir)  # the good copy from the bucket is back in place
     mgr.close()
 
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from controller_client.dispatch import InProcessDispatcher
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
-from sidecar import layout, writer
+from sidecar import checksums, commit, layout, writer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,7 +125,7 @@ def test_every_host_writes_its_own_shards(ram_dir):
         w = next(a for a in m.arrays if a.path == "['params']['w']")
         # 2x4 mesh, 2 devices per host: each host holds 2 distinct (8x2)... shards of the (16, 8) array.
         assert len(w.shards) == 2
-        layout.verify_step_dir(ram_dir / str(rank) / "steps" / "1")
+        checksums.verify_step_dir(ram_dir / str(rank) / "steps" / "1")
 
 
 def test_save_interval_keep_and_latest(ram_dir):
@@ -197,7 +197,7 @@ def test_flipped_byte_is_detected(ram_dir, big):
         raw = bytearray((sdir / victim).read_bytes())
         raw[3] ^= 0x10
         (sdir / victim).write_bytes(bytes(raw))
-        with pytest.raises(layout.ChecksumError, match=victim):
+        with pytest.raises(checksums.ChecksumError, match=victim):
             mgr.restore(5, abstract(tree, mesh, spec))
 
 
@@ -324,7 +324,7 @@ def test_sigkill_mid_save_leaves_previous_step(ram_dir):
         proc.kill()
         proc.wait(timeout=30)
     for rank in range(4):
-        assert layout.committed_steps(ram_dir / str(rank) / "steps") == [1]
+        assert commit.committed_steps(ram_dir / str(rank) / "steps") == [1]
     with make_manager(ram_dir) as mgr:
         assert mgr.latest_step() == 1
         devs = jax.devices()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sidecar import faults, layout, reader, writer
+from sidecar import checksums, commit, faults, layout, reader, writer
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("child.py")
@@ -47,14 +47,14 @@ def save_step(root: Path, rank: int, nodes: int, step: int, job: str = "t") -> l
 
 def check_step_dir(d: Path, rank: int, step: int) -> None:
     """``d`` is a committed, verified copy of rank's data of ``step``, bit-exact."""
-    m = layout.verify_step_dir(d)
+    m = checksums.verify_step_dir(d)
     assert (m.rank, m.step) == (rank, step), f"{d} holds rank {m.rank} step {m.step}"
     expected = dict(arrays_for(rank, step))
     assert {a.path for a in m.arrays} == set(expected), d
     for a in m.arrays:
         want = expected[a.path]
         (shard,) = a.shards
-        got = layout.read_verified(layout.resolve_under(d, shard.file), shard.length, shard.crc32c, shard.offset)
+        got = checksums.read_verified(layout.resolve_under(d, shard.file), shard.length, shard.crc32c, shard.offset)
         assert bytes(got) == want.tobytes(), f"{d}: {a.path} differs"
     if d.parent.name == layout.STEPS_DIR:  # the restore path reads own steps through StepSource
         src = reader.StepSource(step, [d.parent.parent])
@@ -78,12 +78,12 @@ def check_step_dir(d: Path, rank: int, step: int) -> None:
 def listed(root: Path) -> dict[tuple[int, int], Path]:
     """Every committed step a host directory lists: (owner, step) -> directory (own steps: owner -1)."""
     root = Path(root)
-    out = {(-1, s): layout.steps_dir(root) / str(s) for s in layout.committed_steps(layout.steps_dir(root))}
+    out = {(-1, s): layout.steps_dir(root) / str(s) for s in commit.committed_steps(layout.steps_dir(root))}
     peers = root / layout.PEER_DIR
     if peers.is_dir():
         for od in peers.iterdir():
             if layout.parse_step_name(od.name) is not None:
-                for s in layout.committed_steps(od):
+                for s in commit.committed_steps(od):
                     out[(int(od.name), s)] = od / str(s)
     return out
 
@@ -97,7 +97,7 @@ def check_nothing_broken(root: Path, rank: int) -> list[int]:
             if (d / layout.MANIFEST_NAME).exists():
                 raise
             # GC deleted it while we read it (the manifest goes first): it is no longer listed.
-    return layout.committed_steps(layout.steps_dir(root))
+    return commit.committed_steps(layout.steps_dir(root))
 
 
 def fault_env(point: str | None, fired_file: Path | None) -> dict[str, str]:

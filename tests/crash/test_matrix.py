@@ -34,7 +34,7 @@ from replicator.backup.storage import open_store
 from replicator.coordinator.client import CoordinatorClient
 from replicator.local.store import RamDiskStore
 from replicator.orbax import contract as oc
-from sidecar import faults, layout
+from sidecar import checksums, commit, faults, layout
 from sidecar.notify import notify_step_committed
 from tests.crash import kit
 
@@ -163,8 +163,8 @@ def run_jax(point: str, case: Case, work: Path) -> None:
                          fired_file, timeout=120)
     kit.assert_killed_at(proc, point, fired_file)
     for r in range(4):
-        for s in layout.committed_steps(layout.steps_dir(work / "ram" / str(r))):
-            layout.verify_step_dir(layout.steps_dir(work / "ram" / str(r)) / str(s))
+        for s in commit.committed_steps(layout.steps_dir(work / "ram" / str(r))):
+            checksums.verify_step_dir(layout.steps_dir(work / "ram" / str(r)) / str(s))
     mgr = jax_state.manager(template)
     try:
         assert mgr.latest_step() == 2
@@ -348,7 +348,7 @@ def run_cluster(point: str, case: Case, work: Path) -> None:
         cl.stop_all()
         for r in range(cl.nodes):  # after a restart every step number not held can be saved again
             RamDiskStore(cl.ram(r), r)
-            own = layout.committed_steps(layout.steps_dir(cl.ram(r)))
+            own = commit.committed_steps(layout.steps_dir(cl.ram(r)))
             for step in range(1, newest + 1):
                 if step not in own:
                     kit.save_step(cl.ram(r), r, cl.nodes, step)
@@ -419,8 +419,8 @@ def run_orbax(point: str, case: Case, work: Path) -> None:
             rc = 0
         assert rc == -signal.SIGKILL and kit.fired(fired_file) == [point], (
             f"point {point} not reached: rc={rc}\n{log.read_text()[-3000:]}")
-        for s in layout.committed_steps(layout.steps_dir(local)):
-            layout.verify_step_dir(layout.steps_dir(local) / str(s))
+        for s in commit.committed_steps(layout.steps_dir(local)):
+            checksums.verify_step_dir(layout.steps_dir(local) / str(s))
         if not (local / oc.REPLICATOR_FILE).exists():
             _write_yaml(local)  # acknowledged before the crash: Orbax proceeded; the next job start asks again
         procs.append(_orbax_daemon(local, port, None, fired_file, log))
@@ -429,7 +429,7 @@ def run_orbax(point: str, case: Case, work: Path) -> None:
         markers = sorted(p for p in local.iterdir() if p.name.endswith(".restore"))
         assert [m.name for m in markers] == [oc.marker_name("j", 5, 0)] and markers[0].is_symlink(), markers
         target = markers[0].resolve()
-        layout.verify_step_dir(target)
+        checksums.verify_step_dir(target)
         assert (target / "state" / "_METADATA").read_bytes() == payload
         # Orbax takes the marker as <local>/5 and saves on; its next step is ingested like any other.
         os.rename(markers[0], local / "5")
@@ -437,7 +437,7 @@ def run_orbax(point: str, case: Case, work: Path) -> None:
         kit.wait_for(lambda: (layout.steps_dir(local) / "6" / layout.MANIFEST_NAME).is_file(), timeout=20,
                      what="step 6 ingested")
         d6 = layout.steps_dir(local) / "6"
-        layout.verify_step_dir(d6)
+        checksums.verify_step_dir(d6)
         assert (d6 / "state" / "_METADATA").read_bytes() == payload[::-1]
     except BaseException:
         print(log.read_text()[-5000:])
@@ -464,11 +464,11 @@ def test_trainer_killed_between_host_commits_saves_the_step_again(tmp_path: Path
     proc = kit.run_child("jax_save", {"template": template, "steps": [1, 2, 3]}, "save.after_commit@9",
                          fired_file, timeout=120)
     kit.assert_killed_at(proc, "save.after_commit", fired_file)
-    holders = [r for r in range(4) if 3 in layout.committed_steps(layout.steps_dir(tmp_path / "ram" / str(r)))]
+    holders = [r for r in range(4) if 3 in commit.committed_steps(layout.steps_dir(tmp_path / "ram" / str(r)))]
     assert holders, "step 3 committed nowhere"
     if len(holders) == 4:  # the writers run in parallel: all got there before the kill landed
         for r in holders[1:]:
-            layout.delete_step(layout.steps_dir(tmp_path / "ram" / str(r)) / "3")
+            commit.delete_step(layout.steps_dir(tmp_path / "ram" / str(r)) / "3")
     mgr = jax_state.manager(template)
     try:
         assert mgr.latest_step() == 2

@@ -286,7 +286,9 @@ def make_step(
     parent: Path, step: int, rank: int, nodes: int, files: dict[str, bytes], job: str = "job", generation: int = 0
 ) -> Path:
     """A committed local step directory as the sidecar would leave it (``generation``: of the save)."""
-    from sidecar.layout import StepManifest, commit_dir, make_tmp_dir, scan_files, write_manifest
+    from sidecar.checksums import scan_files
+    from sidecar.commit import commit_dir, make_tmp_dir, write_manifest
+    from sidecar.layout import StepManifest
 
     tmp = make_tmp_dir(parent, step)
     for name, data in files.items():

@@ -18,7 +18,7 @@ from controller_client.manager import CheckpointManager, CheckpointManagerOption
 from controller_client.topology import HostTopology
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
-from sidecar import layout
+from sidecar import checksums, commit, layout
 from tests.kits.cluster import REPO, assert_equal, manager, redundant, save_steps, status, target, wait_for
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def test_restart_everything_restores_newest_complete_step(cluster_factory):
     assert_equal(trees[3], mgr.restore(None, target(trees[3])))
     # keep_local=2: the older steps were collected on every host
     for r in range(4):
-        assert layout.committed_steps(cl.ram(r) / "steps") == [2, 3]
+        assert commit.committed_steps(cl.ram(r) / "steps") == [2, 3]
     mgr.close()
 
 
@@ -59,8 +59,8 @@ def test_wiped_host_restored_from_its_data_parallel_replica(cluster_factory):
     out = mgr.restore(None, target(trees[10]))
     assert_equal(trees[10], out)
     # Host 3 got its data from its replica (rank 1, same in-slice index in the other slice).
-    assert layout.committed_steps(cl.ram(3) / "peer" / "1") == [10]
-    layout.verify_step_dir(cl.ram(3) / "peer" / "1" / "10")
+    assert commit.committed_steps(cl.ram(3) / "peer" / "1") == [10]
+    checksums.verify_step_dir(cl.ram(3) / "peer" / "1" / "10")
     mgr.close()
 
 
@@ -76,7 +76,7 @@ def test_single_slice_ring_copy_restores_a_wiped_host(cluster_factory):
     cl.wipe(2)
     cl.start(2)
     assert_equal(trees[2], mgr.restore(None, target(trees[2])))
-    assert layout.committed_steps(cl.ram(2) / "steps") == [2]
+    assert commit.committed_steps(cl.ram(2) / "steps") == [2]
     mgr.close()
 
 
@@ -100,7 +100,7 @@ def test_sigkill_during_replication_leaves_no_partial_copy(cluster_factory):
     for owner_dir in (cl.ram(victim) / "peer").glob("*"):
         for d in owner_dir.iterdir():
             if layout.parse_step_name(d.name) is not None:
-                layout.verify_step_dir(d)
+                checksums.verify_step_dir(d)
     leftovers = list((cl.ram(victim) / "peer").glob("*/.tmp-*"))
     assert leftovers, "the killed replicator's partial copy should still be on disk"
     cl.start(victim)
@@ -114,7 +114,7 @@ def test_sigkill_during_replication_leaves_no_partial_copy(cluster_factory):
         for owner_dir in (cl.ram(r) / "peer").glob("*"):
             for d in owner_dir.iterdir():
                 if layout.parse_step_name(d.name) is not None:
-                    layout.verify_step_dir(d)
+                    checksums.verify_step_dir(d)
     mgr.close()
 
 

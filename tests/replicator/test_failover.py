@@ -25,7 +25,7 @@ from mtc_rpc import admin_pb2 as apb
 from mtc_rpc import admin_pb2_grpc as apb_grpc
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
-from sidecar import layout
+from sidecar import checksums, commit
 from tests.kits.cluster import assert_equal, redundant, save_steps, status, target, wait_for
 
 pytestmark = pytest.mark.slow
@@ -135,15 +135,15 @@ def test_losing_the_coordinator_slice_fails_over_and_rebuilds_redundancy(failove
     cl.wipe(1)
     cl.start(1)
     wait_for(lambda: status(cl).hosts_reregistered >= 1, what="rank 1 re-registered", timeout=30)
-    wait_for(lambda: 2 in layout.committed_steps(cl.ram(1) / "steps"), what="rank 1 refilled", timeout=60)
-    layout.verify_step_dir(cl.ram(1) / "steps" / "2")
+    wait_for(lambda: 2 in commit.committed_steps(cl.ram(1) / "steps"), what="rank 1 refilled", timeout=60)
+    checksums.verify_step_dir(cl.ram(1) / "steps" / "2")
     # The first candidate returns too: it serves again with a newer epoch, the second steps down.
     cl.wipe(0)
     cl.start(0)
     st2 = wait_for(lambda: _status_if(cl, lambda s: s.coordinator_address == cl.candidate_addresses[0]
                                       and s.hosts_reported == 4), timeout=30, what="candidate 0 serving again")
     assert st2.epoch > st.epoch and st2.hosts_lost == 0
-    wait_for(lambda: 2 in layout.committed_steps(cl.ram(0) / "steps"), what="rank 0 refilled", timeout=60)
+    wait_for(lambda: 2 in commit.committed_steps(cl.ram(0) / "steps"), what="rank 0 refilled", timeout=60)
     mgr.close()
 
 
@@ -181,7 +181,7 @@ def test_coordinator_killed_mid_restore_completes_through_the_next_candidate(fai
     st = status(cl)
     assert st.coordinator_address == cl.candidate_addresses[2]
     assert 3 not in [h.rank for h in status(cl, hosts=True).hosts if h.lost]
-    assert 1 in layout.committed_steps(cl.ram(3) / "steps")
+    assert 1 in commit.committed_steps(cl.ram(3) / "steps")
     mgr.close()
 
 

@@ -92,7 +92,7 @@ class Block:
         if name.split('.')[0] in ('jax', 'jaxlib', 'orbax'):
             raise ImportError('blocked: ' + name)
 sys.meta_path.insert(0, Block())
-import replicator, sidecar.layout, sidecar.notify, controller_client.cli
+import replicator, sidecar.layout, sidecar.checksums, sidecar.commit, sidecar.spares, sidecar.parse, sidecar.notify, controller_client.cli
 for m in pkgutil.walk_packages(replicator.__path__, 'replicator.'):
     importlib.import_module(m.name)
 sys.argv = ['mtc', 'replicator', '--help']

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
-from sidecar import layout, reader
+from sidecar import checksums, layout, reader
 
 BS = layout.BLOCK_BYTES
 
@@ -21,15 +21,15 @@ BS = layout.BLOCK_BYTES
 @settings(max_examples=60, deadline=None)
 @given(data=st.binary(min_size=0, max_size=5000), block=st.integers(1, 700), cut=st.integers(0, 5000))
 def test_block_crcs_and_combine_match_google_crc32c(data, block, cut):
-    whole, blocks = layout.block_crc32cs(data, block)
-    assert whole == layout.crc32c(data)
-    assert blocks == tuple(layout.crc32c(data[i : i + block]) for i in range(0, len(data), block))
+    whole, blocks = checksums.block_crc32cs(data, block)
+    assert whole == checksums.crc32c(data)
+    assert blocks == tuple(checksums.crc32c(data[i : i + block]) for i in range(0, len(data), block))
     a, b = data[:cut], data[cut:]
-    assert layout.crc32c_combine(layout.crc32c(a), layout.crc32c(b), len(b)) == layout.crc32c(data)
+    assert checksums.crc32c_combine(checksums.crc32c(a), checksums.crc32c(b), len(b)) == checksums.crc32c(data)
 
 
 def _entry(data: bytes, name="0.0.bin", block=BS) -> layout.ShardEntry:
-    whole, blocks = layout.block_crc32cs(data, block)
+    whole, blocks = checksums.block_crc32cs(data, block)
     return layout.ShardEntry(((0, len(data)),), name, 0, len(data), whole, block, blocks)
 
 
@@ -63,18 +63,18 @@ def test_read_blocks_verified_reads_only_the_covering_blocks(tmp_path, mapped):
     e = _entry(data, block=block)
     path = tmp_path / e.file
     path.write_bytes(data)
-    assert layout.blocks_covering(e, block + 5, 3 * block) == (1, 3)
-    assert layout.blocks_covering(e, 0, len(data)) is None  # all of it: read whole
-    got = layout.read_blocks_verified(path, e, 1, 3, mapped=mapped)
+    assert checksums.blocks_covering(e, block + 5, 3 * block) == (1, 3)
+    assert checksums.blocks_covering(e, 0, len(data)) is None  # all of it: read whole
+    got = checksums.read_blocks_verified(path, e, 1, 3, mapped=mapped)
     assert bytes(got) == data[block : 3 * block]
-    got = layout.read_blocks_verified(path, e, 5, 6, mapped=mapped)  # the short last block
+    got = checksums.read_blocks_verified(path, e, 5, 6, mapped=mapped)  # the short last block
     assert bytes(got) == data[5 * block :]
     bad = bytearray(data)
     bad[4 * block + 7] ^= 0x01  # a byte of block 4: outside the blocks read below
     path.write_bytes(bytes(bad))
-    assert bytes(layout.read_blocks_verified(path, e, 1, 3, mapped=mapped)) == data[block : 3 * block]
-    with pytest.raises(layout.ChecksumError, match="block 4"):
-        layout.read_blocks_verified(path, e, 3, 5, mapped=mapped)
+    assert bytes(checksums.read_blocks_verified(path, e, 1, 3, mapped=mapped)) == data[block : 3 * block]
+    with pytest.raises(checksums.ChecksumError, match="block 4"):
+        checksums.read_blocks_verified(path, e, 3, 5, mapped=mapped)
 
 
 # ---------------------------------------------------------------- the reader, with real JAX saves
@@ -108,7 +108,7 @@ def _save(tmp_path, strip_blocks=False):
 @pytest.fixture
 def spy(monkeypatch):
     calls: dict[str, list] = {"blocks": [], "whole": []}
-    real_blocks, real_map = layout.read_blocks_verified, layout.map_verified
+    real_blocks, real_map = checksums.read_blocks_verified, checksums.map_verified
 
     def blocks(path, entry, first, last, mapped=True):
         calls["blocks"].append((str(path), first, last))
@@ -119,8 +119,8 @@ def spy(monkeypatch):
             calls["whole"].append(str(path))
         return real_map(path, length, crc, offset, blocks)
 
-    monkeypatch.setattr(layout, "read_blocks_verified", blocks)
-    monkeypatch.setattr(layout, "map_verified", whole)
+    monkeypatch.setattr(checksums, "read_blocks_verified", blocks)
+    monkeypatch.setattr(checksums, "map_verified", whole)
     return calls
 
 
@@ -175,7 +175,7 @@ def test_bad_unneeded_block_is_not_read(tmp_path, spy):
     np.testing.assert_array_equal(got, np.asarray(_expected(tmp_path))[0:128])
     assert d0.exists()
     assert sorted((f, la) for _, f, la in spy["blocks"]) == [(0, 1)] * 4
-    with pytest.raises(layout.ChecksumError, match="block 3"):  # no other copy: a clear checksum error
+    with pytest.raises(checksums.ChecksumError, match="block 3"):  # no other copy: a clear checksum error
         reader.StepSource(1, [tmp_path / "0"]).assemble(m.arrays[0].path, ((384, 512), (0, COLS)))
 
 
@@ -196,13 +196,13 @@ def test_any_region_assembles_from_verified_blocks(tmp_path, monkeypatch):
     m = writer.write_step(hs)
     assert all(len(s.block_crc32c) == 4 for s in m.arrays[0].shards)
     read: list[int] = []
-    real = layout.read_blocks_verified
+    real = checksums.read_blocks_verified
 
     def spy_blocks(path, entry, first, last, mapped=True):
         read.append((last - first) * 4096)
         return real(path, entry, first, last, mapped)
 
-    monkeypatch.setattr(layout, "read_blocks_verified", spy_blocks)
+    monkeypatch.setattr(checksums, "read_blocks_verified", spy_blocks)
     src = reader.StepSource(1, [tmp_path])
 
     @settings(max_examples=80, deadline=None)

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from sidecar import layout
+from sidecar import checksums, commit, layout, spares
 
 
 @pytest.mark.parametrize("bad", ["", "/etc/passwd", "../x", "a/../b", "a//b", "./a", "a\\b", "a\x00b", "a/."])
@@ -88,68 +88,68 @@ def test_manifest_rejects_non_json():
 
 def test_commit_is_atomic_and_no_manifest_means_no_step(tmp_path):
     parent = tmp_path / "steps"
-    tmp = layout.make_tmp_dir(parent, 7)
+    tmp = commit.make_tmp_dir(parent, 7)
     (tmp / "a").write_bytes(b"x")
     # No manifest: refuses to commit, and nothing is listed.
     with pytest.raises(layout.ManifestError):
-        layout.commit_dir(tmp, parent / "7")
-    assert layout.committed_steps(parent) == []
-    size, crc = layout.file_crc32c(tmp / "a")
-    layout.write_manifest(tmp, _manifest(step=7, files=(layout.FileEntry("a", size, crc),), arrays=()))
-    layout.commit_dir(tmp, parent / "7")
-    assert layout.committed_steps(parent) == [7]
+        commit.commit_dir(tmp, parent / "7")
+    assert commit.committed_steps(parent) == []
+    size, crc = checksums.file_crc32c(tmp / "a")
+    commit.write_manifest(tmp, _manifest(step=7, files=(layout.FileEntry("a", size, crc),), arrays=()))
+    commit.commit_dir(tmp, parent / "7")
+    assert commit.committed_steps(parent) == [7]
     # A committed step is never replaced.
-    tmp2 = layout.make_tmp_dir(parent, 7)
-    layout.write_manifest(tmp2, _manifest(step=7, files=(), arrays=()))
+    tmp2 = commit.make_tmp_dir(parent, 7)
+    commit.write_manifest(tmp2, _manifest(step=7, files=(), arrays=()))
     with pytest.raises(FileExistsError):
-        layout.commit_dir(tmp2, parent / "7")
-    assert layout.remove_tmp_dirs(parent) == []  # still owned (locked) by this live writer
-    layout._release_owned(tmp2)  # as if the writer died
-    assert layout.remove_tmp_dirs(parent) == [tmp2]
+        commit.commit_dir(tmp2, parent / "7")
+    assert commit.remove_tmp_dirs(parent) == []  # still owned (locked) by this live writer
+    commit._release_owned(tmp2)  # as if the writer died
+    assert commit.remove_tmp_dirs(parent) == [tmp2]
     assert sorted(os.listdir(parent)) == ["7"]
-    layout.verify_step_dir(parent / "7")
+    checksums.verify_step_dir(parent / "7")
     (parent / "7" / "a").write_bytes(b"y")
-    with pytest.raises(layout.ChecksumError, match="a"):
-        layout.verify_step_dir(parent / "7")
+    with pytest.raises(checksums.ChecksumError, match="a"):
+        checksums.verify_step_dir(parent / "7")
 
 
 def test_read_verified_detects_flip(tmp_path):
     data = np.arange(1000, dtype=np.uint8)
     p = tmp_path / "f"
     p.write_bytes(data.tobytes())
-    crc = layout.crc32c(data)
-    assert (layout.read_verified(p, 1000, crc) == data).all()
+    crc = checksums.crc32c(data)
+    assert (checksums.read_verified(p, 1000, crc) == data).all()
     raw = bytearray(p.read_bytes())
     raw[500] ^= 1
     p.write_bytes(bytes(raw))
-    with pytest.raises(layout.ChecksumError, match=str(p)):
-        layout.read_verified(p, 1000, crc)
+    with pytest.raises(checksums.ChecksumError, match=str(p)):
+        checksums.read_verified(p, 1000, crc)
     with pytest.raises(EOFError):
-        layout.read_verified(p, 2000, crc)
+        checksums.read_verified(p, 2000, crc)
 
 
 def test_crc32c_accepts_buffers():
     b = bytes(range(256))
-    assert layout.crc32c(b) == layout.crc32c(bytearray(b)) == layout.crc32c(np.frombuffer(b, np.uint8))
-    assert layout.crc32c_extend(layout.crc32c(b[:100]), b[100:]) == layout.crc32c(b)
+    assert checksums.crc32c(b) == checksums.crc32c(bytearray(b)) == checksums.crc32c(np.frombuffer(b, np.uint8))
+    assert checksums.crc32c_extend(checksums.crc32c(b[:100]), b[100:]) == checksums.crc32c(b)
 
 
 def test_map_verified_detects_flip_and_writes_stay_private(tmp_path):
     data = np.random.default_rng(1).integers(0, 255, size=3 << 20, dtype=np.uint8)
     p = tmp_path / "big"
     p.write_bytes(data.tobytes())
-    crc = layout.crc32c(data)
-    m = layout.map_verified(p, data.nbytes, crc)
+    crc = checksums.crc32c(data)
+    m = checksums.map_verified(p, data.nbytes, crc)
     assert (m == data).all() and m.ctypes.data % 4096 == 0
     m[0] ^= 0xFF  # copy-on-write: the committed file never changes
     assert p.read_bytes()[:1] == data[:1].tobytes()
     raw = bytearray(p.read_bytes())
     raw[2 << 20] ^= 1
     p.write_bytes(bytes(raw))
-    with pytest.raises(layout.ChecksumError, match=str(p)):
-        layout.map_verified(p, data.nbytes, crc)
+    with pytest.raises(checksums.ChecksumError, match=str(p)):
+        checksums.map_verified(p, data.nbytes, crc)
     with pytest.raises(EOFError):
-        layout.map_verified(p, data.nbytes + 1, crc)
+        checksums.map_verified(p, data.nbytes + 1, crc)
 
 
 # --------------------------------------------------------------------------- manifest checksum (#12.1)
@@ -158,15 +158,15 @@ def test_map_verified_detects_flip_and_writes_stay_private(tmp_path):
 def _committed(parent, step, files=None):
     """Commit ``step`` under ``parent`` with small files {name: bytes}; returns the manifest."""
     files = files if files is not None else {"a": b"alpha", "b": b"beta"}
-    tmp = layout.make_tmp_dir(parent, step)
+    tmp = commit.make_tmp_dir(parent, step)
     entries = []
     for name, data in files.items():
         (tmp / name).write_bytes(data)
-        entries.append(layout.FileEntry(name, len(data), layout.crc32c(data)))
+        entries.append(layout.FileEntry(name, len(data), checksums.crc32c(data)))
     m = _manifest(step=step, files=tuple(entries), arrays=(),
                   values=(layout.ValueEntry("['step']", 3), layout.ValueEntry("['lr']", 0.5)))
-    layout.write_manifest(tmp, m)
-    layout.commit_dir(tmp, parent / str(step))
+    commit.write_manifest(tmp, m)
+    commit.commit_dir(tmp, parent / str(step))
     return m
 
 
@@ -197,7 +197,7 @@ def test_tampered_manifest_is_a_corrupt_copy(tmp_path, tamper):
     with pytest.raises(layout.ManifestChecksumError, match="checksum"):
         layout.read_manifest(parent / "4")
     with pytest.raises(layout.ManifestError):
-        layout.verify_step_dir(parent / "4")
+        checksums.verify_step_dir(parent / "4")
 
 
 def test_one_flipped_byte_in_a_manifest_value_is_detected(tmp_path):
@@ -232,22 +232,22 @@ def test_sealed_hand_made_manifest_is_accepted():
 
 def test_cleanup_leaves_owned_tmp_dirs_and_removes_orphans(tmp_path):
     parent = tmp_path / "steps"
-    owned = layout.make_tmp_dir(parent, 5)
+    owned = commit.make_tmp_dir(parent, 5)
     (owned / "x").write_bytes(b"1")
     orphan = parent / f"{layout.TMP_PREFIX}6-deadbeef"  # what a killed writer leaves: no lock holder
     orphan.mkdir()
     trash = parent / f"{layout.TRASH_PREFIX}3-cafe"
     (trash / "sub").mkdir(parents=True)
-    assert layout.tmp_dir_is_owned(owned) and not layout.tmp_dir_is_owned(orphan)
-    removed = layout.remove_tmp_dirs(parent)
+    assert commit.tmp_dir_is_owned(owned) and not commit.tmp_dir_is_owned(orphan)
+    removed = commit.remove_tmp_dirs(parent)
     assert sorted(p.name for p in removed) == sorted([orphan.name, trash.name])
     assert (owned / "x").read_bytes() == b"1"
     # Once published the lock is gone with the temporary name.
-    size, crc = layout.file_crc32c(owned / "x")
-    layout.write_manifest(owned, _manifest(step=5, files=(layout.FileEntry("x", size, crc),), arrays=()))
-    layout.commit_dir(owned, parent / "5")
-    assert layout.committed_steps(parent) == [5]
-    assert not layout._OWNED
+    size, crc = checksums.file_crc32c(owned / "x")
+    commit.write_manifest(owned, _manifest(step=5, files=(layout.FileEntry("x", size, crc),), arrays=()))
+    commit.commit_dir(owned, parent / "5")
+    assert commit.committed_steps(parent) == [5]
+    assert not commit._OWNED
 
 
 def test_cleanup_in_another_process_spares_owned_tmp_dir(tmp_path):
@@ -255,52 +255,52 @@ def test_cleanup_in_another_process_spares_owned_tmp_dir(tmp_path):
     import sys
 
     parent = tmp_path / "steps"
-    owned = layout.make_tmp_dir(parent, 5)
+    owned = commit.make_tmp_dir(parent, 5)
     orphan = parent / f"{layout.TMP_PREFIX}6-deadbeef"
     orphan.mkdir()
-    code = "import sys; from sidecar import layout; layout.remove_tmp_dirs(sys.argv[1])"
+    code = "import sys; from sidecar import commit; commit.remove_tmp_dirs(sys.argv[1])"
     subprocess.run([sys.executable, "-c", code, str(parent)], check=True, timeout=60)
     assert owned.is_dir() and not orphan.exists()
-    layout.delete_step(owned)
+    commit.delete_step(owned)
 
 
 def test_commit_refuses_missing_or_short_listed_file(tmp_path):
     parent = tmp_path / "steps"
-    tmp = layout.make_tmp_dir(parent, 2)
+    tmp = commit.make_tmp_dir(parent, 2)
     (tmp / "a").write_bytes(b"12345")
     m = _manifest(step=2, files=(layout.FileEntry("a", 5, 1), layout.FileEntry("b", 3, 2)), arrays=())
-    layout.write_manifest(tmp, m)
-    with pytest.raises(layout.ChecksumError, match="missing"):
-        layout.commit_dir(tmp, parent / "2")
+    commit.write_manifest(tmp, m)
+    with pytest.raises(checksums.ChecksumError, match="missing"):
+        commit.commit_dir(tmp, parent / "2")
     (tmp / "b").write_bytes(b"1")
-    with pytest.raises(layout.ChecksumError, match="size"):
-        layout.commit_dir(tmp, parent / "2")
-    assert layout.committed_steps(parent) == []
+    with pytest.raises(checksums.ChecksumError, match="size"):
+        commit.commit_dir(tmp, parent / "2")
+    assert commit.committed_steps(parent) == []
 
 
 def test_delete_is_rename_first_and_debris_does_not_block_resave(tmp_path):
     parent = tmp_path / "steps"
     _committed(parent, 4)
-    layout.delete_step(parent / "4")
+    commit.delete_step(parent / "4")
     assert sorted(os.listdir(parent)) == []
     # Debris of an old-style half-deleted step (no manifest) under the step's name.
     (parent / "4").mkdir()
     (parent / "4" / "a").write_bytes(b"old")
     _committed(parent, 4)
-    layout.verify_step_dir(parent / "4")
+    checksums.verify_step_dir(parent / "4")
     assert [p for p in os.listdir(parent) if p != "4"] == []
 
 
 def test_replace_committed_step_atomically(tmp_path):
     parent = tmp_path / "steps"
     _committed(parent, 4, {"a": b"old"})
-    tmp = layout.make_tmp_dir(parent, 4)
+    tmp = commit.make_tmp_dir(parent, 4)
     (tmp / "a").write_bytes(b"new!")
-    m = _manifest(step=4, files=(layout.FileEntry("a", 4, layout.crc32c(b"new!")),), arrays=())
-    layout.write_manifest(tmp, m)
+    m = _manifest(step=4, files=(layout.FileEntry("a", 4, checksums.crc32c(b"new!")),), arrays=())
+    commit.write_manifest(tmp, m)
     with pytest.raises(FileExistsError):
-        layout.commit_dir(tmp, parent / "4")
-    layout.commit_dir(tmp, parent / "4", replace=True)
+        commit.commit_dir(tmp, parent / "4")
+    commit.commit_dir(tmp, parent / "4", replace=True)
     assert (parent / "4" / "a").read_bytes() == b"new!"
     assert layout.read_manifest(parent / "4") == m
     assert sorted(os.listdir(parent)) == ["4"]  # the old copy is gone, no trash left
@@ -309,7 +309,7 @@ def test_replace_committed_step_atomically(tmp_path):
 _GC_CHILD = r"""
 import os, sys, time
 from pathlib import Path
-from sidecar import layout
+from sidecar import checksums, commit, layout, spares
 real_unlink = os.unlink
 count = [0]
 def slow_unlink(path, *a, **kw):
@@ -320,7 +320,7 @@ def slow_unlink(path, *a, **kw):
         time.sleep(0.05)
     return real_unlink(path, *a, **kw)
 os.unlink = slow_unlink
-layout.delete_step(Path(sys.argv[1]))
+commit.delete_step(Path(sys.argv[1]))
 print("done", flush=True)
 """
 
@@ -342,13 +342,13 @@ def test_sigkill_during_gc_leaves_no_half_deleted_step_and_step_is_resavable(tmp
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     # Not listed, not under its name: only trash, which start-up cleanup removes.
-    assert layout.committed_steps(parent) == [10]
+    assert commit.committed_steps(parent) == [10]
     assert not (parent / "9").exists()
     leftovers = [p for p in os.listdir(parent) if p != "10"]
     assert len(leftovers) == 1 and leftovers[0].startswith(layout.TRASH_PREFIX)
     _committed(parent, 9)  # re-savable before any cleanup
-    layout.verify_step_dir(parent / "9")
-    layout.remove_tmp_dirs(parent)
+    checksums.verify_step_dir(parent / "9")
+    commit.remove_tmp_dirs(parent)
     assert sorted(os.listdir(parent)) == ["10", "9"]
 
 
@@ -360,20 +360,20 @@ def test_deleted_step_pages_are_recycled_into_the_next_write(tmp_path):
 
     root = tmp_path / "ram"
     parent = layout.steps_dir(root)
-    big = bytes(range(256)) * (layout.RECYCLE_MIN_BYTES // 256 + 17)
+    big = bytes(range(256)) * (spares.RECYCLE_MIN_BYTES // 256 + 17)
     _committed(parent, 1, {"big": big, "small": b"s"})
     ino = os.stat(parent / "1" / "big").st_ino
-    layout.delete_step(parent / "1", spare=layout.spare_dir(root))
-    assert layout.committed_steps(parent) == []
-    assert layout.spare_bytes(layout.spare_dir(root)) == len(big)  # the small file was just deleted
-    pool = layout.SparePool(layout.spare_dir(root))
-    tmp = layout.make_tmp_dir(parent, 2)
-    new = np.full(layout.RECYCLE_MIN_BYTES + 5, 7, dtype=np.uint8)
+    commit.delete_step(parent / "1", spare=spares.spare_dir(root))
+    assert commit.committed_steps(parent) == []
+    assert spares.spare_bytes(spares.spare_dir(root)) == len(big)  # the small file was just deleted
+    pool = spares.SparePool(spares.spare_dir(root))
+    tmp = commit.make_tmp_dir(parent, 2)
+    new = np.full(spares.RECYCLE_MIN_BYTES + 5, 7, dtype=np.uint8)
     assert pool.take(tmp / "x", new.nbytes)
     assert os.stat(tmp / "x").st_ino == ino and os.stat(tmp / "x").st_size == new.nbytes
     assert not pool.take(tmp / "y", new.nbytes)  # the pool is empty now
-    assert layout.spare_bytes(layout.spare_dir(root)) == 0
-    layout.delete_step(tmp)
+    assert spares.spare_bytes(spares.spare_dir(root)) == 0
+    commit.delete_step(tmp)
 
 
 def test_pool_holds_one_step_and_mapped_files_are_never_recycled(tmp_path):
@@ -381,30 +381,30 @@ def test_pool_holds_one_step_and_mapped_files_are_never_recycled(tmp_path):
 
     root = tmp_path / "ram"
     parent = layout.steps_dir(root)
-    size = layout.RECYCLE_MIN_BYTES
+    size = spares.RECYCLE_MIN_BYTES
     data = bytes([5]) * size
     _committed(parent, 1, {"a": data, "b": data})
     _committed(parent, 2, {"c": data})
     # A restored array maps step 1's file "a" (zero copy): its bytes must never change under it.
-    mapped = layout.map_verified(parent / "1" / "a", size, layout.crc32c(data))
-    layout.delete_step(parent / "1", spare=layout.spare_dir(root))
-    assert layout.spare_bytes(layout.spare_dir(root)) == size  # only "b"; "a" is leased
-    layout.delete_step(parent / "2", spare=layout.spare_dir(root))
-    assert layout.spare_bytes(layout.spare_dir(root)) == size  # one step's worth: "c" replaced "b"
-    pool = layout.SparePool(layout.spare_dir(root))
-    tmp = layout.make_tmp_dir(parent, 3)
+    mapped = checksums.map_verified(parent / "1" / "a", size, checksums.crc32c(data))
+    commit.delete_step(parent / "1", spare=spares.spare_dir(root))
+    assert spares.spare_bytes(spares.spare_dir(root)) == size  # only "b"; "a" is leased
+    commit.delete_step(parent / "2", spare=spares.spare_dir(root))
+    assert spares.spare_bytes(spares.spare_dir(root)) == size  # one step's worth: "c" replaced "b"
+    pool = spares.SparePool(spares.spare_dir(root))
+    tmp = commit.make_tmp_dir(parent, 3)
     assert pool.take(tmp / "x", size)
     with open(tmp / "x", "r+b") as f:
         f.write(bytes([9]) * size)
-    assert bytes(mapped[:16]) == bytes([5]) * 16 and layout.crc32c(mapped) == layout.crc32c(data)
+    assert bytes(mapped[:16]) == bytes([5]) * 16 and checksums.crc32c(mapped) == checksums.crc32c(data)
     del mapped
     gc.collect()
-    layout.delete_step(tmp)
+    commit.delete_step(tmp)
 
 
 def test_check_fetch_dir_accepts_only_a_scratch_dir_under_fetch(tmp_path):
     root = tmp_path / "ram"
-    scratch = layout.make_tmp_dir(layout.fetch_dir(root), 3)
+    scratch = commit.make_tmp_dir(layout.fetch_dir(root), 3)
     rel = scratch.relative_to(root).as_posix()
     assert layout.check_fetch_dir(root, rel) == scratch.resolve()
     (root / "steps" / "3").mkdir(parents=True)
@@ -414,5 +414,5 @@ def test_check_fetch_dir_accepts_only_a_scratch_dir_under_fetch(tmp_path):
                 "fetch/.tmp-9-link", "fetch/.tmp-1-missing"):
         with pytest.raises(ValueError):
             layout.check_fetch_dir(root, bad)
-    layout.remove_owned_dir(scratch)
+    commit.remove_owned_dir(scratch)
     assert not scratch.exists()

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
-from sidecar import layout
+from sidecar import checksums, commit, layout
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
@@ -49,7 +49,7 @@ def test_no_good_copy_left_is_a_checksum_error_not_eof(tmp_path):
     step_dir = tmp_path / "0" / "steps" / "1"
     victim = step_dir / layout.read_manifest(step_dir).files[0].name
     victim.write_bytes(victim.read_bytes()[:5])
-    with pytest.raises(layout.ChecksumError, match="EOFError|short|expected"):
+    with pytest.raises(checksums.ChecksumError, match="EOFError|short|expected"):
         mgr.restore(1, {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=tree["w"].sharding)})
 
 
@@ -69,7 +69,7 @@ class FilesFetcher:
 
     def fetch_files(self, owner, step, files):
         self.calls.append((owner, [f.name for f in files]))
-        dest = layout.make_tmp_dir(layout.fetch_dir(self.root), step)
+        dest = commit.make_tmp_dir(layout.fetch_dir(self.root), step)
         for f in files:
             data = bytearray((self.base / str(owner) / "steps" / str(step) / f.name).read_bytes())
             if len(self.calls) == 1:

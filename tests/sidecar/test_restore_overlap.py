@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
-from sidecar import host, layout, reader
+from sidecar import checksums, commit, host, layout, reader
 
 WAIT_SECONDS = 20.0
 
@@ -30,7 +30,7 @@ class SlowFetcher:
 
     def fetch_files(self, owner, step, files):
         self.log.append(self.local_read.wait(WAIT_SECONDS))
-        dest = layout.make_tmp_dir(layout.fetch_dir(self.root), step)
+        dest = commit.make_tmp_dir(layout.fetch_dir(self.root), step)
         for f in files:
             (dest / f.name).write_bytes((self.base / str(owner) / "steps" / str(step) / f.name).read_bytes())
         return dest
@@ -48,7 +48,7 @@ def test_local_target_shards_are_read_while_other_ranks_files_are_fetched(tmp_pa
 
     events = {r: threading.Event() for r in range(4)}
     fetched_after_local_read: list[bool] = []
-    real_map, real_read = layout.map_verified, layout.read_verified
+    real_map, real_read = checksums.map_verified, checksums.read_verified
 
     def mark(path):
         for r, ev in events.items():
@@ -63,8 +63,8 @@ def test_local_target_shards_are_read_while_other_ranks_files_are_fetched(tmp_pa
         mark(path)
         return real_read(path, *a, **kw)
 
-    monkeypatch.setattr(layout, "map_verified", map_verified)
-    monkeypatch.setattr(layout, "read_verified", read_verified)
+    monkeypatch.setattr(checksums, "map_verified", map_verified)
+    monkeypatch.setattr(checksums, "read_verified", read_verified)
     monkeypatch.setattr(host, "open_step", lambda config, rank, step: reader.StepSource(
         step, [config.root(rank)], fetcher=SlowFetcher(tmp_path, rank, events[rank], fetched_after_local_read),
         drop_bad=True, own_rank=rank))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sidecar import layout, writer
+from sidecar import checksums, layout, spares, writer
 
 
 def _hs(root: Path, step: int, fill: float, n: int = 1 << 19) -> writer.HostStep:
@@ -35,10 +35,10 @@ def test_gc_recycles_pages_into_the_next_save(tmp_path: Path) -> None:
         writer.write_step(_hs(root, step, float(step)))
     ino = os.stat(layout.steps_dir(root) / "1" / layout.shard_file_name(0, 0)).st_ino
     assert writer.gc_local_steps(root, keep=1) == [1]
-    assert layout.spare_bytes(layout.spare_dir(root)) == 2 << 20
+    assert spares.spare_bytes(spares.spare_dir(root)) == 2 << 20
     writer.write_step(_hs(root, 3, 3.0))
     path = layout.steps_dir(root) / "3" / layout.shard_file_name(0, 0)
     assert os.stat(path).st_ino == ino  # the deleted step's file (its pages) was reused
-    layout.verify_step_dir(layout.steps_dir(root) / "3")
+    checksums.verify_step_dir(layout.steps_dir(root) / "3")
     assert (np.fromfile(path, dtype=np.float32) == 3.0).all()
-    assert layout.spare_bytes(layout.spare_dir(root)) == 0
+    assert spares.spare_bytes(spares.spare_dir(root)) == 0

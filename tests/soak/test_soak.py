@@ -28,7 +28,7 @@ from controller_client.demo.cluster import LocalCluster
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
 from replicator.coordinator.client import CoordinatorClient
-from sidecar import layout
+from sidecar import checksums
 from tests.crash import kit
 
 SOAK_SECONDS = float(os.environ.get("MTC_SOAK_SECONDS", "35"))
@@ -169,7 +169,7 @@ def test_soak_12_hosts_random_sigkills() -> None:
         newest = kit.wait_for(lambda: _settled(cl), timeout=60, what="the newest complete step redundant")
         for r in range(NODES):  # nothing broken is listed on any host
             for d in kit.listed(cl.ram(r)).values():
-                layout.verify_step_dir(d)
+                checksums.verify_step_dir(d)
         backups = BackupStore(open_store(bucket), "t").committed_steps()
         with tempfile.TemporaryDirectory(dir=base) as scratch:  # the newest backup restores, verified
             for r in range(NODES) if backups else ():

@@ -168,7 +168,7 @@ def copy_source(
     data: bytes | Path, sink: Callable[[memoryview], object], throttle: Throttle | None
 ) -> tuple[int, int]:
     """Stream ``data`` into ``sink`` chunk by chunk; return (size, crc32c) of what was streamed."""
-    from sidecar.layout import crc32c_extend, stream_crc32c
+    from sidecar.checksums import crc32c_extend, stream_crc32c
 
     if isinstance(data, Path):
         with open(data, "rb", buffering=0) as f:

@@ -9,7 +9,9 @@ import shutil
 import uuid
 from pathlib import Path
 
-from sidecar.layout import ChecksumError, fsync_dir, resolve_under, stream_crc32c
+from sidecar.checksums import ChecksumError, stream_crc32c
+from sidecar.commit import fsync_dir
+from sidecar.layout import resolve_under
 
 from .base import (
     TMP_MARKER,

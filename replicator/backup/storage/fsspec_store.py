@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sidecar.layout import ChecksumError, stream_crc32c
+from sidecar.checksums import ChecksumError, stream_crc32c
 
 from .base import (
     TMP_MARKER,

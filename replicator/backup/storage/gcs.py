@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from sidecar.layout import ChecksumError, crc32c_extend
+from sidecar.checksums import ChecksumError, crc32c_extend
 
 from .base import (
     Capabilities,
@@ -256,8 +256,8 @@ class GcsStore(Store):
         full = self._full(check_name(name))
         size = source_size(data)
         if crc32c is None:
-            from sidecar.layout import crc32c as crc_of
-            from sidecar.layout import file_crc32c
+            from sidecar.checksums import crc32c as crc_of
+            from sidecar.checksums import file_crc32c
 
             crc32c = file_crc32c(data)[1] if isinstance(data, Path) else crc_of(data)
         what = f"upload {self.url}/{name}"

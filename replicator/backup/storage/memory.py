@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from sidecar.layout import ChecksumError, crc32c
+from sidecar.checksums import ChecksumError, crc32c
 
 from .base import (
     Capabilities,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar import layout
+from sidecar import checksums
 from tests.kits.cluster import assert_equal, manager, save_steps, status, target, wait_for
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ def _lose_everything_and_restore(cl, trees, step, slices=2, hosts=2):
         dirs = [d for d in [cl.ram(r) / "steps" / str(step), *(cl.ram(r) / "peer").glob(f"*/{step}")] if d.is_dir()]
         assert dirs, f"host {r} holds nothing of step {step}"
         for d in dirs:
-            layout.verify_step_dir(d)
+            checksums.verify_step_dir(d)
     mgr.close()
 
 

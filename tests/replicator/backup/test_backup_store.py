@@ -22,7 +22,8 @@ from replicator.backup.bucket import (
 )
 from replicator.backup.storage import Store
 from replicator.backup.storage.memory import MemoryStore
-from sidecar.layout import ChecksumError, ManifestError, read_manifest, verify_step_dir
+from sidecar.checksums import ChecksumError, verify_step_dir
+from sidecar.layout import ManifestError, read_manifest
 from tests.kits.storage import EXPECTED_STRATEGY, FakeStorageControl, HnsGcsStore, make_step
 
 REPO = Path(__file__).resolve().parents[3]

@@ -12,7 +12,8 @@ import pytest
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import RetryPolicy, call_with_retry, is_retryable
 from replicator.backup.storage.gcs import GcsOptions, GcsStore
-from sidecar.layout import ChecksumError, crc32c, read_manifest
+from sidecar.checksums import ChecksumError, crc32c
+from sidecar.layout import read_manifest
 from tests.kits.storage import BUCKET, TEST_GCS_OPTIONS, make_step
 
 # 1 s read timeout; the proxy's "late" answers come after 2 s.

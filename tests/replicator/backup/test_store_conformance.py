@@ -12,7 +12,7 @@ from replicator.backup.storage.filesystem import FileStore
 from replicator.backup.storage.fsspec_store import FsspecStore
 from replicator.backup.storage.gcs import GcsStore
 from replicator.backup.storage.memory import MemoryStore
-from sidecar.layout import ChecksumError, crc32c
+from sidecar.checksums import ChecksumError, crc32c
 
 
 def test_write_read_stat_roundtrip(store: Store) -> None:

@@ -1,6 +1,6 @@
 """The RAM-disk store and the sidecar writer share a directory across processes: they must never race.
 
-A replicator (re)starting runs start-up cleanup (``RamDiskStore`` → ``layout.remove_tmp_dirs``) while
+A replicator (re)starting runs start-up cleanup (``RamDiskStore`` → ``commit.remove_tmp_dirs``) while
 the training process may be writing a step; that cleanup used to delete the writer's temporary
 directory, failing saves and committing steps with missing files.
 """
@@ -15,20 +15,20 @@ from pathlib import Path
 import numpy as np
 
 from replicator.local.store import RamDiskStore
-from sidecar import layout, writer
+from sidecar import checksums, commit, layout, writer
 
 # A "replicator" restarting in a tight loop: each iteration is what a daemon start does to the disk.
 _RESTARTER = r"""
 import sys, time
 from pathlib import Path
 from replicator.local.store import RamDiskStore
-from sidecar import layout
+from sidecar import checksums, commit, layout
 root, stop = Path(sys.argv[1]), Path(sys.argv[2])
 n = 0
 print("ready", flush=True)
 while not stop.exists():
     RamDiskStore(root, 0)
-    layout.remove_tmp_dirs(layout.steps_dir(root))  # and what a daemon stop does
+    commit.remove_tmp_dirs(layout.steps_dir(root))  # and what a daemon stop does
     n += 1
 print(n, flush=True)
 """
@@ -62,10 +62,10 @@ def test_restarting_replicator_never_breaks_a_save(tmp_path: Path) -> None:
         w.close()
     restarts = int(out.strip())
     assert restarts > 10, f"the cleanup loop ran only {restarts} times: the test proved nothing"
-    steps = layout.committed_steps(layout.steps_dir(root))
+    steps = commit.committed_steps(layout.steps_dir(root))
     assert steps == [28, 29, 30]
     for s in steps:
-        m = layout.verify_step_dir(layout.steps_dir(root) / str(s))  # every listed file present and intact
+        m = checksums.verify_step_dir(layout.steps_dir(root) / str(s))  # every listed file present and intact
         assert len(m.files) == 200
     assert [p.name for p in layout.steps_dir(root).iterdir() if not p.name.isdigit()] == []
 

@@ -18,8 +18,9 @@ from replicator.net import rpc, security
 from replicator.net.security import TlsOptions
 from replicator.peer import client as peer_client
 from replicator.peer import server as peer_server
-from sidecar import layout
-from sidecar.layout import ChecksumError, FileEntry, ManifestError, StepManifest
+from sidecar import checksums, commit, layout
+from sidecar.checksums import ChecksumError
+from sidecar.layout import FileEntry, ManifestError, StepManifest
 
 TOKEN = "tok-0123456789abcdef"
 NODES = 2
@@ -27,16 +28,16 @@ NODES = 2
 
 def make_step(root: Path, rank: int, step: int, sizes: dict[str, int]) -> StepManifest:
     parent = layout.steps_dir(root)
-    tmp = layout.make_tmp_dir(parent, step)
+    tmp = commit.make_tmp_dir(parent, step)
     rng = np.random.default_rng(step)
     entries = []
     for name, size in sizes.items():
         data = rng.integers(0, 256, size, dtype=np.uint8)
         data.tofile(tmp / name)
-        entries.append(FileEntry(name, size, layout.crc32c(data)))
+        entries.append(FileEntry(name, size, checksums.crc32c(data)))
     m = StepManifest(job="t", step=step, rank=rank, nodes=NODES, files=tuple(entries))
-    layout.write_manifest(tmp, m)
-    layout.commit_dir(tmp, parent / str(step))
+    commit.write_manifest(tmp, m)
+    commit.commit_dir(tmp, parent / str(step))
     return m
 
 
@@ -144,7 +145,7 @@ def test_right_token_works_and_health_is_open(peer: tuple[str, Path], tmp_path: 
     assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert not dest.exists() or list(dest.iterdir()) == []
     peer_client.fetch_step(address, 0, 5, dest, token=TOKEN)
-    layout.verify_step_dir(dest / "5")
+    checksums.verify_step_dir(dest / "5")
 
 
 def test_client_message_limit(peer: tuple[str, Path]) -> None:
@@ -265,7 +266,7 @@ def test_mutual_tls_round_trip(tmp_path: Path) -> None:
     try:
         got = peer_client.fetch_step(address, 0, 5, tmp_path / "d", token=TOKEN, tls=client_tls)
         assert got == m
-        layout.verify_step_dir(tmp_path / "d" / "5")
+        checksums.verify_step_dir(tmp_path / "d" / "5")
         # Token is still required on top of TLS.
         with pytest.raises(grpc.RpcError) as ei:
             peer_client.list_steps(address, tls=client_tls)

@@ -23,7 +23,7 @@ from replicator.backup.storage import open_store
 from replicator.orbax import contract as oc
 from replicator.orbax import elastic
 from replicator.orbax.store import OrbaxStore
-from sidecar import layout
+from sidecar import checksums, commit, layout
 from tests.kits.orbax_replicator import OrbaxCluster, wait_for
 
 # --------------------------------------------------------------------------- in-process: the re-labelling
@@ -65,9 +65,9 @@ def test_remap_shrink_relabels_own_data_by_position_and_drops_what_has_no_slot(t
     new = elastic.Layout("j", 1, 2, 1)
     rep = elastic.remap(tmp_path, new, prev)
 
-    own = layout.verify_step_dir(tmp_path / "steps" / "7")
+    own = checksums.verify_step_dir(tmp_path / "steps" / "7")
     assert (own.rank, own.nodes, own.content_hash) == (1, 2, h3)  # our own data, now rank 1's
-    copy = layout.verify_step_dir(tmp_path / "peer" / "0" / "7")
+    copy = checksums.verify_step_dir(tmp_path / "peer" / "0" / "7")
     assert (copy.rank, copy.nodes) == (0, 2)  # old rank 2's data is new rank 0's (position 0)
     assert not (tmp_path / "peer" / "2").exists() or not any((tmp_path / "peer" / "2").iterdir())
     assert rep.dropped == [(7, 1)] and not (tmp_path / elastic.STAGING_DIR).exists()
@@ -87,7 +87,7 @@ def test_remap_grow_attests_new_ranks_and_ignores_current_pieces(tmp_path: Path)
     # Old job: 2 nodes in 1 slice; this host was rank 1 and stays rank 1 of 4 (2 slices).
     h = _saved(tmp_path, 1, 2, 5, position=1)
     rep = elastic.remap(tmp_path, elastic.Layout("j", 1, 4, 2), elastic.Layout("j", 1, 2, 1))
-    m = layout.verify_step_dir(tmp_path / "steps" / "5")
+    m = checksums.verify_step_dir(tmp_path / "steps" / "5")
     assert (m.rank, m.nodes) == (1, 4)
     # New rank 3 (position 1 of the new slice) did not exist at the save: this host's data is its data.
     assert rep.attest == [(3, 5, h)]
@@ -105,7 +105,7 @@ def test_remap_other_hosts_per_slice_moves_old_data_aside(tmp_path: Path) -> Non
     _saved(tmp_path, 0, 4, 3, position=0)
     rep = elastic.remap(tmp_path, elastic.Layout("j", 0, 3, 1), elastic.Layout("j", 0, 4, 2))
     assert "2 hosts per slice" in rep.unmapped and "3 hosts per slice" in rep.unmapped
-    assert layout.committed_steps(tmp_path / "steps") == []
+    assert commit.committed_steps(tmp_path / "steps") == []
     assert len(list((tmp_path / elastic.UNMAPPED_DIR).iterdir())) == 1
 
 
@@ -117,7 +117,7 @@ def test_remap_finishes_an_interrupted_remap(tmp_path: Path) -> None:
     os.rename(tmp_path / "steps" / "9", staging / "9-2-own-0-1")
     rep = elastic.remap(tmp_path, elastic.Layout("j", 0, 2, 1), None)
     assert rep.relabelled == [(9, 2, 0)] and not staging.exists()
-    assert layout.verify_step_dir(tmp_path / "steps" / "9").rank == 0
+    assert checksums.verify_step_dir(tmp_path / "steps" / "9").rank == 0
 
 
 def test_bucket_source_rank_by_position() -> None:
@@ -340,7 +340,7 @@ def test_orbax_shrinks_to_the_surviving_hosts_and_grows_back(cluster_base, gone:
     for rank, h in enumerate(survivors):
         # The host's own old data re-labelled as its new rank's (mixed: the other survivor's, fetched).
         assert (cl.local(h) / "2").resolve() == (cl.local(h) / "steps" / "2").resolve(), cl.describe(second)
-        m = layout.verify_step_dir(cl.local(h) / "steps" / "2")
+        m = checksums.verify_step_dir(cl.local(h) / "steps" / "2")
         assert (m.rank, m.nodes) == (rank, 2), cl.describe(second)
         assert "elastic scale up/down" in second.results[rank].get("orbax_restore_error", ""), second.results
         assert not (cl.local(h) / oc.FAILED_FILE).exists()
@@ -361,7 +361,7 @@ def test_orbax_shrinks_to_the_surviving_hosts_and_grows_back(cluster_base, gone:
         src = rank - 2
         link = (cl.local(h) / "3").resolve()
         assert link == (cl.local(h) / "peer" / str(src) / "3").resolve(), cl.describe(third)
-        layout.verify_step_dir(link)
+        checksums.verify_step_dir(link)
     print(f"lost hosts {gone}: 3 incarnations in {time.monotonic() - t0:.1f}s; init "
           f"{[round(x.results[0]['init_seconds'], 1) for x in (first, second, third)]}s")
 
@@ -390,7 +390,7 @@ def test_orbax_changed_node_count_restores_from_a_backup_of_the_other_layout(clu
     second = cl.run_job("elb", slices=1, restore_step=2, save_steps="3", backup_interval_steps=1, elastic=True)
     _restored(cl, second, 2)
     for rank, h in enumerate([2, 3]):
-        m = layout.verify_step_dir((cl.local(h) / "2").resolve())
+        m = checksums.verify_step_dir((cl.local(h) / "2").resolve())
         assert (m.rank, m.nodes) == (rank, 2), cl.describe(second)
     wait_for(lambda: backed(3), timeout=60, what="step 3 in the bucket")
 

@@ -24,7 +24,7 @@ import pytest
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
 from replicator.orbax import contract as oc
-from sidecar import layout
+from sidecar import checksums, layout
 from tests.kits.orbax_replicator import REPO, OrbaxCluster, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -76,7 +76,7 @@ def _check_ingested(cl: OrbaxCluster, rank: int, step: int) -> layout.StepManife
     local = cl.local(rank)
     assert not (local / str(step)).is_dir() or (local / str(step)).is_symlink()
     d = local / "steps" / str(step)
-    m = layout.verify_step_dir(d)
+    m = checksums.verify_step_dir(d)
     assert (m.kind, m.step, m.rank) == (layout.KIND_ORBAX, step, rank)
     # The identity is Orbax's content hash of the directory as Orbax wrote it (without our manifest).
     bare = cl.base / "scratch" / f"{rank}-{step}"
@@ -124,7 +124,7 @@ def test_two_slices_restart_wipe_one_wipe_all_backup_every_n_steps(base) -> None
     _restored(cl, third, 5)
     link = cl.local(1) / "5"
     assert link.is_symlink() and link.resolve() == (cl.local(1) / "peer" / "0" / "5").resolve()
-    layout.verify_step_dir(cl.local(1) / "peer" / "0" / "5")
+    checksums.verify_step_dir(cl.local(1) / "peer" / "0" / "5")
 
     # Every host is lost: the newest backup comes back from the bucket.
     backed = _bucket_steps(bucket, "dp")
@@ -210,7 +210,7 @@ def test_single_slice_ring_copy_restores_a_wiped_host(base) -> None:
     )  # fmt: skip
     st = json.loads(out.stdout)
     assert (st["job"], st["rank"], st["nodes"], st["own_steps"][-1]) == ("ring", 0, 2, 2), out
-    layout.verify_step_dir(cl.local(0) / "peer" / "1" / "2")
+    checksums.verify_step_dir(cl.local(0) / "peer" / "1" / "2")
     # Host 1's RAM disk is wiped under its running daemon (which rewrites jax-init-info.txt and answers the
     # next handshake with a fresh store).
     cl.wipe(1)
@@ -290,7 +290,7 @@ def test_orbax_store_ingests_only_committed_real_step_dirs(tmp_path: Path) -> No
     assert store.ingest() == [5]
     assert not (tmp_path / "5").exists() and (tmp_path / "6").is_dir() and (tmp_path / "4").is_symlink()
     assert not os.path.lexists(tmp_path / "3")
-    m = layout.verify_step_dir(tmp_path / "steps" / "5")
+    m = checksums.verify_step_dir(tmp_path / "steps" / "5")
     assert (m.kind, m.rank, m.nodes, m.job) == (layout.KIND_ORBAX, 1, 2, "j")
     # Identity = Orbax's content hash: equal to a replica's (other timestamps), not to the file bytes.
     assert m.content_id == oc.orbax_content_hash(tmp_path / "elsewhere") == m.content_hash

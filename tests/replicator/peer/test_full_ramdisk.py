@@ -25,7 +25,7 @@ from replicator.backup.storage.memory import MemoryStore
 from replicator.net import retry, rpc
 from replicator.peer import client as peer_client
 from replicator.peer import server as peer_server
-from sidecar import layout, writer
+from sidecar import checksums, commit, layout, spares, writer
 
 TOKEN = "tok"
 SMALL_BYTES = 8 << 20
@@ -61,15 +61,15 @@ def full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
 
 
 def _commit(parent: Path, rank: int, step: int, size: int, files: int = 1) -> layout.StepManifest:
-    tmp = layout.make_tmp_dir(parent, step)
+    tmp = commit.make_tmp_dir(parent, step)
     entries = []
     for i in range(files):
         data = np.random.default_rng(step * 100 + i).integers(0, 256, size // files, dtype=np.uint8)
         data.tofile(tmp / f"{i}.bin")
-        entries.append(layout.FileEntry(f"{i}.bin", data.nbytes, layout.crc32c(data)))
+        entries.append(layout.FileEntry(f"{i}.bin", data.nbytes, checksums.crc32c(data)))
     m = layout.StepManifest("t", step, rank, 2, tuple(entries))
-    layout.write_manifest(tmp, m)
-    layout.commit_dir(tmp, parent / str(step))
+    commit.write_manifest(tmp, m)
+    commit.commit_dir(tmp, parent / str(step))
     return m
 
 
@@ -97,7 +97,7 @@ def test_peer_copy_into_full_ramdisk_leaves_nothing(tmp_path: Path, full_disk: P
         # The server is fine and a step that fits goes through afterwards.
         _commit(layout.steps_dir(src), 1, 6, 1 << 20)
         peer_client.fetch_step(f"127.0.0.1:{port}", 1, 6, dest, token=TOKEN, use_data_port=use_data_port)
-        assert layout.committed_steps(dest) == [6]
+        assert commit.committed_steps(dest) == [6]
         assert _leftovers(dest) == ["6"]
     finally:
         ts.stop()
@@ -188,17 +188,17 @@ def test_recycled_pages_are_given_back_when_the_disk_is_full(tmp_path: Path, ful
     server.start()
     try:
         root = full_disk / "root"
-        dest, spare = root / "peer" / "1", layout.spare_dir(root)
+        dest, spare = root / "peer" / "1", spares.spare_dir(root)
         addr = f"127.0.0.1:{port}"
         peer_client.fetch_step(addr, 1, 5, dest, token=TOKEN, spare_dir=spare)
-        layout.delete_step(dest / "5", spare=spare)
-        assert layout.spare_bytes(spare) == 3 << 20
+        commit.delete_step(dest / "5", spare=spare)
+        assert spares.spare_bytes(spare) == 3 << 20
         with pytest.raises(OSError) as ei:  # 3 MiB of spares + 6 MiB of new pages > 8 MiB
             peer_client.fetch_step(addr, 1, 6, dest, token=TOKEN, spare_dir=spare)
         assert ei.value.errno == errno.ENOSPC
-        assert layout.spare_bytes(spare) == 0 and _leftovers(dest) == []
+        assert spares.spare_bytes(spare) == 0 and _leftovers(dest) == []
         peer_client.fetch_step(addr, 1, 6, dest, token=TOKEN, spare_dir=spare)  # the retry fits
-        layout.verify_step_dir(dest / "6")
+        checksums.verify_step_dir(dest / "6")
     finally:
         ts.stop()
         rpc.stop_server(server, 0.5)

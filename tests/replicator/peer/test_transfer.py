@@ -22,8 +22,9 @@ from replicator.net import rpc
 from replicator.peer import client as peer_client
 from replicator.peer import protocol as peer_protocol
 from replicator.peer import server as peer_server
-from sidecar import layout
-from sidecar.layout import ChecksumError, FileEntry, StepManifest
+from sidecar import checksums, commit, layout, spares
+from sidecar.checksums import ChecksumError
+from sidecar.layout import FileEntry, StepManifest
 
 REPO = Path(__file__).resolve().parents[3]
 TOKEN = "s3cret-token"
@@ -32,7 +33,7 @@ NODES = 4
 
 def make_step(parent: Path, rank: int, step: int, sizes: dict[str, int], seed: int = 0) -> StepManifest:
     """Commit a step with random files of the given sizes under ``parent/<step>``."""
-    tmp = layout.make_tmp_dir(parent, step)
+    tmp = commit.make_tmp_dir(parent, step)
     rng = np.random.default_rng(seed + step)
     entries = []
     for name, size in sizes.items():
@@ -40,10 +41,10 @@ def make_step(parent: Path, rank: int, step: int, sizes: dict[str, int], seed: i
         path.parent.mkdir(parents=True, exist_ok=True)
         data = rng.integers(0, 256, size, dtype=np.uint8)
         data.tofile(path)
-        entries.append(FileEntry(name, size, layout.crc32c(data)))
+        entries.append(FileEntry(name, size, checksums.crc32c(data)))
     m = StepManifest(job="t", step=step, rank=rank, nodes=NODES, files=tuple(entries))
-    layout.write_manifest(tmp, m)
-    layout.commit_dir(tmp, parent / str(step))
+    commit.write_manifest(tmp, m)
+    commit.commit_dir(tmp, parent / str(step))
     return m
 
 
@@ -138,9 +139,9 @@ def test_fetch_round_trip_bit_exact(host: PeerHost, tmp_path: Path, use_data_por
         host.address, 1, 7, dest, token=TOKEN, timeout_seconds=60, use_data_port=use_data_port
     )
     assert got == m
-    assert layout.committed_steps(dest) == [7]
+    assert commit.committed_steps(dest) == [7]
     assert layout.read_manifest(dest / "7") == m
-    layout.verify_step_dir(dest / "7")
+    checksums.verify_step_dir(dest / "7")
     assert_same_files(layout.steps_dir(host.root) / "7", dest / "7", m)
     assert sorted(p.name for p in dest.iterdir()) == ["7"]  # no tmp dir, no part files left
     assert not list((dest / "7").rglob("*" + peer_protocol.PART_SUFFIX))
@@ -204,7 +205,7 @@ def test_corrupted_file_on_server_commits_nothing(
     dest = tmp_path / "d"
     with pytest.raises(ChecksumError, match="b.bin"):
         peer_client.fetch_step(host.address, 1, 4, dest, token=TOKEN, use_data_port=use_data_port)
-    assert layout.committed_steps(dest) == []
+    assert commit.committed_steps(dest) == []
     assert list(dest.iterdir()) == []  # the temporary directory was removed too
 
 
@@ -241,7 +242,7 @@ def test_bad_requests_rejected_and_nothing_changes(host: PeerHost, tmp_path: Pat
     (step_dir / "evil.bin").symlink_to(outside)
     m = layout.read_manifest(step_dir)
     m2 = StepManifest(
-        m.job, m.step, m.rank, m.nodes, (*m.files, FileEntry("evil.bin", 6, layout.crc32c(b"secret")))
+        m.job, m.step, m.rank, m.nodes, (*m.files, FileEntry("evil.bin", 6, checksums.crc32c(b"secret")))
     )
     (step_dir / layout.MANIFEST_NAME).write_bytes(m2.to_json())
     before = tree(host.root)
@@ -353,7 +354,7 @@ def test_data_port_unreachable_falls_back_to_stream(tmp_path: Path) -> None:
     try:
         m = make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 2 << 20})
         assert peer_client.fetch_step(h.address, 1, 7, tmp_path / "d", token=TOKEN) == m
-        layout.verify_step_dir(tmp_path / "d" / "7")
+        checksums.verify_step_dir(tmp_path / "d" / "7")
         assert h.ts is not None and h.ts.transfers_completed == 0
     finally:
         h.stop()
@@ -364,7 +365,7 @@ def test_stop_abandons_in_flight_transfer(tmp_path: Path, recycled: bool) -> Non
     h = PeerHost(tmp_path / "src", server_throttle=peer_protocol.Throttle(bytes_per_second=8 << 20))
     make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 64 << 20})
     dest = tmp_path / "d"
-    spare = layout.spare_dir(tmp_path / "root") if recycled else None
+    spare = spares.spare_dir(tmp_path / "root") if recycled else None
     if spare is not None:  # a collected step's file: received into through a mapping
         spare.mkdir(parents=True)
         with open(spare / f"{64 << 20}-abc", "wb") as f:
@@ -429,8 +430,8 @@ def test_fetch_step_from_any(tmp_path: Path) -> None:
         holders = [dead_addr, bad.address, good.address]
         dest = tmp_path / "d"
         got = peer_client.fetch_step_from_any(holders, 1, 7, dest, token=TOKEN, timeout_seconds=10)
-        assert got == m and layout.committed_steps(dest) == [7]
-        layout.verify_step_dir(dest / "7")
+        assert got == m and commit.committed_steps(dest) == [7]
+        checksums.verify_step_dir(dest / "7")
         # Rotation: starting at the good holder touches nobody else.
         assert bad.ts is not None and good.ts is not None
         served_bad = bad.ts.transfers_completed
@@ -490,14 +491,14 @@ def test_sigkilled_fetcher_leaves_no_visible_step(host: PeerHost, tmp_path: Path
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
-    assert layout.committed_steps(dest) == []
+    assert commit.committed_steps(dest) == []
     assert not (dest / "7").exists()
     leftovers = [p.name for p in dest.iterdir()]
     assert len(leftovers) == 1 and leftovers[0].startswith(layout.TMP_PREFIX)
-    assert layout.remove_tmp_dirs(dest) and list(dest.iterdir()) == []
+    assert commit.remove_tmp_dirs(dest) and list(dest.iterdir()) == []
     # The server is unharmed and a retry commits the step.
     assert peer_client.fetch_step(host.address, 1, 7, dest, token=TOKEN) == m
-    layout.verify_step_dir(dest / "7")
+    checksums.verify_step_dir(dest / "7")
 
 
 def test_server_max_streams_queues_transfers(tmp_path: Path) -> None:
@@ -723,7 +724,7 @@ def test_slow_readers_with_valid_tickets_do_not_block_others(tmp_path: Path) -> 
             slow.append(s)
         d = tmp_path / "d"
         assert peer_client.fetch_step(h.address, 1, 7, d, token=TOKEN, timeout_seconds=60) == m
-        layout.verify_step_dir(d / "7")
+        checksums.verify_step_dir(d / "7")
         # The slow ones were cut: they can never get the whole step.
         for s in slow:
             assert len(_read_all(s)) < size
@@ -753,17 +754,17 @@ def test_tampered_manifest_on_server_is_data_loss(host: PeerHost, tmp_path: Path
 def test_copy_overwrites_recycled_pages_bit_exact(host: PeerHost, tmp_path: Path, use_data_port: bool) -> None:
     root = tmp_path / "dst-root"
     dest = root / "peer" / "1"
-    spare = layout.spare_dir(root)
+    spare = spares.spare_dir(root)
     old = make_step(layout.steps_dir(host.root), 1, 4, {"a.bin": 3 << 20, "b.bin": 2 << 20}, seed=1)
     peer_client.fetch_step(host.address, 1, 4, dest, token=TOKEN, spare_dir=spare, use_data_port=use_data_port)
     inodes = {os.stat(dest / "4" / f.name).st_ino for f in old.files}
-    layout.delete_step(dest / "4", spare=spare)  # what GC does
-    assert layout.spare_bytes(spare) == 5 << 20
+    commit.delete_step(dest / "4", spare=spare)  # what GC does
+    assert spares.spare_bytes(spare) == 5 << 20
     new = make_step(layout.steps_dir(host.root), 1, 5, {"a.bin": (3 << 20) - 7, "c.bin": 4 << 20}, seed=2)
     assert peer_client.fetch_step(
         host.address, 1, 5, dest, token=TOKEN, spare_dir=spare, use_data_port=use_data_port
     ) == new
     assert {os.stat(dest / "5" / f.name).st_ino for f in new.files} == inodes  # the same pages, reused
-    layout.verify_step_dir(dest / "5")
+    checksums.verify_step_dir(dest / "5")
     assert_same_files(layout.steps_dir(host.root) / "5", dest / "5", new)
-    assert layout.spare_bytes(spare) == 0
+    assert spares.spare_bytes(spare) == 0

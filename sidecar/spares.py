@@ -1,0 +1,115 @@
+"""The spare-page pool: files of deleted steps kept on the RAM disk for the next write to overwrite."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import uuid
+from pathlib import Path
+
+# Writing into fresh tmpfs pages is the slow part of a save or a peer copy: on our VMs a write into a new
+# file runs at ~2.6 GiB/s against ~4.9 GiB/s overwriting an existing one, and pages freed a moment ago
+# are sometimes handed back by the hypervisor and must be faulted in again (the bimodal copy times of
+# bench.peer: 0.33 s vs 1.2 s for the same 512 MiB). So the files of a deleted step are not unlinked:
+# they wait under <root>/.spare/ (named "<size>-<nonce>") and the next writer renames one into place
+# and overwrites it. The pool holds at most the files of the most recently deleted step, so the RAM disk
+# never holds more than it did before (a new step is complete before GC frees the older one), and its
+# bytes count as free space for the writer's capacity check.
+
+SPARE_DIR = ".spare"
+# Smaller files are not worth the bookkeeping (and an Orbax step has many tiny ones).
+RECYCLE_MIN_BYTES = 1 << 20
+
+
+def spare_dir(root: Path) -> Path:
+    """The RAM disk's pool of recycled files (see the section comment)."""
+    return Path(root) / SPARE_DIR
+
+
+def _spare_entries(spare: Path) -> list[tuple[int, str]]:
+    out = []
+    try:
+        names = os.listdir(spare)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        size, sep, _ = name.partition("-")
+        if sep and size.isdigit():
+            out.append((int(size), name))
+    return out
+
+
+def spare_bytes(spare: Path) -> int:
+    """Bytes held by the pool (they are reused by the next write, so they count as free space)."""
+    return sum(size for size, _ in _spare_entries(Path(spare)))
+
+
+def drop_spares(spare: Path) -> int:
+    """Unlink every file of the pool (after ENOSPC: its pages are needed for real data); returns bytes freed."""
+    freed = 0
+    for size, name in _spare_entries(Path(spare)):
+        try:
+            os.unlink(Path(spare) / name)
+            freed += size
+        except FileNotFoundError:
+            pass
+    return freed
+
+
+def recycle_files(trash: Path, spare: Path) -> None:
+    """Move the large files of ``trash`` (a step being deleted) into the pool, replacing what it held."""
+    files = []
+    for dirpath, _, filenames in os.walk(trash):
+        for fn in filenames:
+            path = os.path.join(dirpath, fn)
+            st = os.lstat(path)
+            if st.st_size >= RECYCLE_MIN_BYTES and (st.st_mode & 0o170000) == 0o100000 and st.st_nlink == 1:
+                files.append((path, st.st_size))
+    if not files:
+        return
+    spare.mkdir(exist_ok=True)
+    drop_spares(spare)  # the pool keeps one step's worth: the newest
+    for path, size in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            try:  # a reader's mapping holds a shared lease: such a file is only unlinked, never reused
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            os.rename(path, spare / f"{size}-{uuid.uuid4().hex[:12]}")  # still locked: see map_verified
+        finally:
+            os.close(fd)
+
+
+class SparePool:
+    """Takes recycled files out of a RAM disk's pool for one step's writes (thread-safe)."""
+
+    def __init__(self, spare: Path | None):
+        self.dir = None if spare is None else Path(spare)
+        self._entries: list[tuple[int, str]] | None = None
+        self._lock = threading.Lock()
+        self.reused_bytes = 0
+
+    def take(self, dest: Path, size: int) -> bool:
+        """Move a spare file to ``dest`` (a fresh name in a directory this process owns) and set its size
+        to ``size``; False when the pool has nothing suitable (then write a new file as usual)."""
+        if self.dir is None or size < RECYCLE_MIN_BYTES:
+            return False
+        while True:
+            with self._lock:
+                if self._entries is None:  # one listing per step, not per file
+                    self._entries = sorted(_spare_entries(self.dir))
+                if not self._entries:
+                    return False
+                # The smallest file that is large enough, else the largest one.
+                i = next((k for k, (n, _) in enumerate(self._entries) if n >= size), len(self._entries) - 1)
+                have, name = self._entries.pop(i)
+            try:
+                os.rename(self.dir / name, dest)
+            except FileNotFoundError:  # taken or dropped by another process meanwhile
+                continue
+            os.truncate(dest, size)
+            with self._lock:
+                self.reused_bytes += min(have, size)
+            return True

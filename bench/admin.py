@@ -18,7 +18,7 @@ from typing import Any
 
 from mtc_rpc import admin_pb2 as apb
 from replicator.coordinator.admin import AdminServicer, cluster_view
-from replicator.coordinator.planner import Holding, Tier
+from replicator.coordinator.model import Holding, Tier
 from replicator.coordinator.service import Coordinator
 from replicator.coordinator.topology import JobTopology
 

@@ -39,7 +39,7 @@ import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
-from replicator.coordinator.planner import Holding, Tier, inventory_digest
+from replicator.coordinator.model import Holding, Tier, inventory_digest
 from replicator.coordinator.service import Coordinator
 from replicator.coordinator.topology import JobTopology
 

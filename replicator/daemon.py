@@ -27,7 +27,7 @@ from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
 from replicator import logs
 from replicator.coordinator.client import FAILOVER_CODES, Candidates
-from replicator.coordinator.planner import inventory_digest
+from replicator.coordinator.model import inventory_digest
 from replicator.coordinator.service import BackupScheduler, Coordinator
 from replicator.coordinator.topology import JobTopology
 from replicator.local.store import RamDiskStore

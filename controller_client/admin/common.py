@@ -33,7 +33,7 @@ def console(stderr: bool = False) -> Any:
 
 def ranges(ranks: Iterable[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``; ``-`` when empty."""
-    from replicator.coordinator.planner import ranges as rank_ranges_text
+    from replicator.coordinator.model import ranges as rank_ranges_text
 
     return rank_ranges_text(ranks) or "-"
 

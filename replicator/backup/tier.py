@@ -21,7 +21,8 @@ from typing import Any
 from mtc_rpc import coordinator_pb2 as pb
 from replicator.backup.bucket import BackupOptions, BackupStore, Staging
 from replicator.backup.storage import open_store
-from replicator.coordinator.planner import CoordinatorState, Tier
+from replicator.coordinator.model import Tier
+from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.service import BackupScheduler
 from replicator.coordinator.topology import JobTopology
 from replicator.options import ReplicatorOptions

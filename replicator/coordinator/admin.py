@@ -18,7 +18,7 @@ import grpc
 from mtc_rpc import admin_pb2 as pb
 from mtc_rpc import admin_pb2_grpc as pb_grpc
 from mtc_rpc import coordinator_pb2 as cpb
-from replicator.coordinator.planner import Tier
+from replicator.coordinator.model import Tier
 from replicator.metrics import ClusterView
 
 log = logging.getLogger(__name__)

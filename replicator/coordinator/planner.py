@@ -11,192 +11,39 @@ test_incremental.py`` checks them against a from-scratch recomputation. Rules ar
 Vocabulary: a piece of data is one rank's (``owner_rank``) data for one ``step``, identified by the
 ``content_hash`` of its manifest (:attr:`sidecar.layout.StepManifest.content_hash`). Data-parallel
 replicas of a rank usually hold data with the same hash; such a replica counts as a verified copy.
+The value objects it takes and returns (:class:`~replicator.coordinator.model.Holding`, ``Tier``,
+``CopyTask``, ``RestorePlan`` ...) are in :mod:`replicator.coordinator.model`.
+
+Why one ~950-line module: it is one class whose derived views (per-group completeness, copy plans, the
+restorable step, GC pins) are updated together on every event; split across modules they would share
+private state, which is what the incremental-vs-recomputed test guards.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from replicator.coordinator.model import (
+    CopyTask,
+    Holding,
+    Key,
+    NotRegisteredError,
+    RestorePlan,
+    Source,
+    StaleIncarnationError,
+    Tier,
+    check_hash,
+    check_int,
+    ranges,
+)
 from replicator.coordinator.topology import JobTopology
 
-Key = tuple[int, int]  # (owner_rank, step)
 _BUCKET_HOLDER = "bucket"
-
-
-class Tier(enum.StrEnum):
-    """Where a piece of data lives, fastest first."""
-
-    LOCAL = "local"  # the host's own rank's data, on its RAM disk
-    PEER = "peer"  # a copy of another rank's data on this host's RAM disk
-    # An attestation, not bytes: this host's own LOCAL data of the step was verified (by hash) to be
-    # identical to ``owner_rank``'s, a data-parallel replica of it. Reporting it keeps that knowledge
-    # alive after the owner's host is lost and across a coordinator restart.
-    REPLICA = "replica"
-    BUCKET = "bucket"  # a committed backup
-
-
-class NotRegisteredError(LookupError):
-    """A host reported before registering (e.g. the coordinator restarted): register and re-report."""
-
-
 RETIRED_INCARNATIONS_KEPT = 8  # per rank: bounds memory; older stale processes are long gone
-
-
-class StaleIncarnationError(ValueError):
-    """A report or registration from an older incarnation of a host than the one registered."""
-
-
-def _check_int(name: str, value: object, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_hash(value: object, *, optional: bool = False) -> str | None:
-    if value is None and optional:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"content_hash must be a non-empty str, got {value!r}")
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class Holding:
-    """One piece of data a host reports holding: ``owner_rank``'s ``step``, hash, bytes and tier."""
-
-    owner_rank: int
-    step: int
-    content_hash: str
-    size: int = 0
-    tier: Tier = Tier.LOCAL
-    # Elastic training (see "savers and generations" below): the save's generation and the ranks that
-    # saved the step, as inclusive ranges ((first, last), ...); empty = every rank.
-    generation: int = 0
-    savers: tuple[tuple[int, int], ...] = ()
-
-    def __post_init__(self) -> None:
-        _check_int("owner_rank", self.owner_rank)
-        _check_int("generation", self.generation)
-        ranges = tuple((int(a), int(b)) for a, b in self.savers)
-        if any(a < 0 or b < a for a, b in ranges):
-            raise ValueError(f"bad savers ranges {self.savers!r}")
-        object.__setattr__(self, "savers", ranges)
-        _check_int("step", self.step)
-        _check_hash(self.content_hash)
-        _check_int("size", self.size)
-        try:
-            tier = Tier(self.tier)
-        except ValueError:
-            raise ValueError(f"unknown tier {self.tier!r}") from None
-        if tier is Tier.BUCKET:
-            raise ValueError("a host cannot hold the bucket tier; use report_backup / report_backup_ranks")
-        object.__setattr__(self, "tier", tier)
-
-    @property
-    def key(self) -> Key:
-        return (self.owner_rank, self.step)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "owner_rank": self.owner_rank,
-            "step": self.step,
-            "content_hash": self.content_hash,
-            "size": self.size,
-            "tier": str(self.tier),
-            "generation": self.generation,
-            "savers": [list(r) for r in self.savers],
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Holding:
-        try:
-            return cls(
-                d["owner_rank"], d["step"], d["content_hash"], d.get("size", 0), d.get("tier", "local"),
-                d.get("generation", 0), tuple(tuple(r) for r in d.get("savers", ())),
-            )
-        except KeyError as e:
-            raise ValueError(f"holding lacks field {e}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class CopyTask:
-    """Copy ``owner_rank``'s ``step`` from ``source_rank``'s RAM disk to ``dest_rank``'s, then verify.
-
-    ``hash_only``: ``dest_rank`` is a data-parallel replica whose own local step already has this
-    ``content_hash`` (``source_rank == dest_rank``); no bytes move. The destination only records
-    that fact and reports it as a :attr:`Tier.REPLICA` holding, so it outlives the owner's host and
-    a coordinator restart.
-    """
-
-    owner_rank: int
-    step: int
-    source_rank: int
-    dest_rank: int
-    content_hash: str
-    size: int = 0
-    hash_only: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """Where a restoring rank gets its data.
-
-    ``kind`` LOCAL: already on the restoring host (``holder_rank`` == the rank); PEER: fetch from
-    ``holder_rank``; BUCKET: download (``holder_rank`` is None). ``owner_rank`` is whose data it is:
-    the rank itself or a byte-identical data-parallel replica (then the data is that rank's directory).
-    ``content_hash`` is None only for a bucket copy whose hash nobody reported.
-    """
-
-    kind: Tier
-    holder_rank: int | None
-    owner_rank: int
-    content_hash: str | None
-    size: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": str(self.kind),
-            "holder_rank": self.holder_rank,
-            "owner_rank": self.owner_rank,
-            "content_hash": self.content_hash,
-            "size": self.size,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class RestorePlan:
-    """The step every rank restores (None: nothing recoverable) and, per rank, where its data comes from.
-
-    ``waiting_for`` lists registered hosts that have not reported an inventory yet: a plan made
-    before they report may pick an older step than necessary.
-    """
-
-    step: int | None
-    sources: Mapping[int, Source]
-    reason: str
-    waiting_for: tuple[int, ...] = ()
-
-    @property
-    def empty(self) -> bool:
-        return self.step is None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "reason": self.reason,
-            "waiting_for": list(self.waiting_for),
-            "sources": {r: s.to_dict() for r, s in sorted(self.sources.items())},
-        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +124,7 @@ class CoordinatorState:
         the same one is a no-op. A host declared lost registers again as a new incarnation.
         """
         self.topology.check_rank(rank)
-        _check_int("incarnation", incarnation)
+        check_int("incarnation", incarnation)
         known = self._incarnation.get(rank)
         if known == incarnation:
             return False
@@ -368,7 +215,7 @@ class CoordinatorState:
             if not isinstance(key, tuple | list) or len(key) != 2:
                 raise ValueError(f"key must be (owner_rank, step), got {key!r}")
             self.topology.check_rank(key[0])
-            checked.append((key[0], _check_int("step", key[1])))
+            checked.append((key[0], check_int("step", key[1])))
         for key in checked:
             self._remove(rank, key)
 
@@ -379,7 +226,7 @@ class CoordinatorState:
 
         Either way the step is no longer being backed up.
         """
-        _check_int("step", step)
+        check_int("step", step)
         if committed:
             hashes = self._validated_bucket_hashes(content_hashes or {})
             # A backup of a step saved by some ranks only (elastic training) holds just those ranks.
@@ -393,7 +240,7 @@ class CoordinatorState:
 
     def report_backup_ranks(self, step: int, content_hashes: Mapping[int, str | None]) -> None:
         """The bucket holds committed data of these ranks for ``step`` (hash None: not known)."""
-        _check_int("step", step)
+        check_int("step", step)
         hashes = self._validated_bucket_hashes(content_hashes)
         if hashes:
             self._bucket.setdefault(step, {}).update(hashes)
@@ -402,20 +249,20 @@ class CoordinatorState:
 
     def mark_backup_in_progress(self, step: int) -> None:
         """``step`` is being uploaded: GC must not touch it until :meth:`report_backup` or the clear call."""
-        self._backups_in_progress.add(_check_int("step", step))
+        self._backups_in_progress.add(check_int("step", step))
         self.version += 1
 
     def clear_backup_in_progress(self, step: int) -> None:
-        self._backups_in_progress.discard(_check_int("step", step))
+        self._backups_in_progress.discard(check_int("step", step))
         self.version += 1
 
     def pin(self, step: int) -> None:
         """An active restore uses ``step``: GC keeps every copy of it until :meth:`unpin`."""
-        self._pinned.add(_check_int("step", step))
+        self._pinned.add(check_int("step", step))
         self.version += 1
 
     def unpin(self, step: int) -> None:
-        self._pinned.discard(_check_int("step", step))
+        self._pinned.discard(check_int("step", step))
         self.version += 1
 
     # ---------------------------------------------------------------------------------------- queries
@@ -468,7 +315,7 @@ class CoordinatorState:
 
     def sources(self, step: int) -> dict[int, list[Source]]:
         """Every usable source of every rank's data for ``step``, fastest tier first (ranks without any omitted)."""
-        _check_int("step", step)
+        check_int("step", step)
         self._refresh()
         return {r: list(s) for r, s in sorted(self._cov.get(step, {}).items())}
 
@@ -484,7 +331,7 @@ class CoordinatorState:
 
     def missing_ranks(self, step: int) -> list[int]:
         """Ranks whose ``step`` data is on no tier."""
-        _check_int("step", step)
+        check_int("step", step)
         self._refresh()
         found = self._cov.get(step, {})
         return [r for r in self.expected_ranks(step) if r not in found]
@@ -519,7 +366,7 @@ class CoordinatorState:
         A daemon may persist these on the replica and report them as ``Tier.REPLICA`` holdings, so the
         equivalence survives the owner's loss and a coordinator restart.
         """
-        _check_int("step", step)
+        check_int("step", step)
         by_owner = self._index.get(step, {})
         out = []
         for owner in range(self.topology.nodes):
@@ -547,7 +394,7 @@ class CoordinatorState:
         The answer depends only on the current state; call it again after reports arrive (done tasks
         drop out).
         """
-        _check_int("step", step)
+        check_int("step", step)
         self._refresh(tasks=True)
         tasks = [t for group in self._tasks.get(step, {}).values() for t in group]
         tasks.sort(key=lambda t: (t.owner_rank, not t.hash_only, t.dest_rank))
@@ -576,7 +423,7 @@ class CoordinatorState:
         :attr:`version`.
         """
         if force_step is not None:
-            _check_int("force_step", force_step)
+            check_int("force_step", force_step)
         self._refresh()
         memo = self._memos()
         key = ("restore", force_step)
@@ -663,7 +510,7 @@ class CoordinatorState:
 
     def gc_for(self, holder: int, keep_local: int) -> list[Key]:
         """:meth:`gc_plan` for one host, in O(what it holds)."""
-        _check_int("keep_local", keep_local, 1)
+        check_int("keep_local", keep_local, 1)
         held = self._holdings.get(holder)
         if not held:
             return []
@@ -814,7 +661,7 @@ class CoordinatorState:
             raise NotRegisteredError(
                 f"rank {rank} is not registered; register and report the inventory again"
             )
-        if incarnation is not None and _check_int("incarnation", incarnation) != known:
+        if incarnation is not None and check_int("incarnation", incarnation) != known:
             raise StaleIncarnationError(
                 f"rank {rank}: report from incarnation {incarnation}, registered {known}"
             )
@@ -842,7 +689,7 @@ class CoordinatorState:
     def _validated_bucket_hashes(self, hashes: Mapping[int, str | None]) -> dict[int, str | None]:
         if not isinstance(hashes, Mapping):
             raise ValueError(f"content_hashes must be a mapping rank -> hash, got {type(hashes).__name__}")
-        return {self.topology.check_rank(r): _check_hash(h, optional=True) for r, h in hashes.items()}
+        return {self.topology.check_rank(r): check_hash(h, optional=True) for r, h in hashes.items()}
 
     def _add(self, holder: int, h: Holding) -> None:
         self._holdings.setdefault(holder, {})[h.key] = h
@@ -1116,31 +963,6 @@ class CoordinatorState:
         order = {Tier.LOCAL: 0, Tier.PEER: 1, Tier.BUCKET: 2}
         found.sort(key=lambda s: (order[s.kind], s.owner_rank != rank, s.holder_rank or 0, s.owner_rank))
         return found
-
-
-def inventory_digest(holdings: Iterable[Holding]) -> str:
-    """A digest of a host's whole inventory (order-free): equal digests = the coordinator's view is current."""
-    import hashlib
-
-    lines = sorted(f"{h.owner_rank}/{h.step}/{h.content_hash}/{h.size}/{h.tier}/{h.generation}/{h.savers}"
-                   for h in holdings)
-    return hashlib.blake2b("\n".join(lines).encode(), digest_size=16).hexdigest()
-
-
-def ranges(ranks: Iterable[int]) -> str:
-    """Sorted rank ranges, e.g. ``"0-63,128"``: readable even for thousands of ranks."""
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in rank_ranges(ranks))
-
-
-def rank_ranges(ranks: Iterable[int]) -> tuple[tuple[int, int], ...]:
-    """``[0, 1, 2, 5]`` -> ``((0, 2), (5, 5))``: a set of ranks as inclusive ranges (compact at any scale)."""
-    out: list[tuple[int, int]] = []
-    for r in sorted(set(ranks)):
-        if out and out[-1][1] == r - 1:
-            out[-1] = (out[-1][0], r)
-        else:
-            out.append((r, r))
-    return tuple(out)
 
 
 def _carries_bytes(h: Holding) -> bool:

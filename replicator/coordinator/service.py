@@ -18,8 +18,7 @@ import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
-from replicator.coordinator.planner import (
-    CoordinatorState,
+from replicator.coordinator.model import (
     Holding,
     NotRegisteredError,
     Source,
@@ -27,6 +26,7 @@ from replicator.coordinator.planner import (
     Tier,
     ranges,
 )
+from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.topology import JobTopology
 from replicator.net.security import RankAuthorizer
 

@@ -8,7 +8,7 @@ import os
 import threading
 from pathlib import Path
 
-from replicator.coordinator.planner import Holding, Tier, rank_ranges
+from replicator.coordinator.model import Holding, Tier, rank_ranges
 from sidecar import commit, faults, layout, spares
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from replicator.coordinator.planner import Holding
+from replicator.coordinator.model import Holding
 from replicator.local.store import RamDiskStore
 from replicator.orbax import contract as oc
 from sidecar import checksums, commit, faults, layout

@@ -128,7 +128,7 @@ def test_bad_copy_is_hidden_deleted_and_forgotten() -> None:
 
 
 def test_bad_copy_with_delta_heartbeats() -> None:
-    from replicator.coordinator.planner import Holding, inventory_digest
+    from replicator.coordinator.model import Holding, inventory_digest
 
     coord, admin, svc, _ = make()
     digests = {}

@@ -5,13 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replicator.coordinator.planner import (
-    CoordinatorState,
-    Holding,
-    NotRegisteredError,
-    StaleIncarnationError,
-    Tier,
-)
+from replicator.coordinator.model import Holding, NotRegisteredError, StaleIncarnationError, Tier
+from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.topology import JobTopology
 
 TOPOLOGIES = [JobTopology(4, 2, 1), JobTopology(6, 3, 1), JobTopology(4, 1, 2), JobTopology(6, 2, 0)]

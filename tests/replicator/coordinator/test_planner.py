@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from replicator.coordinator.planner import (
-    CoordinatorState,
+from replicator.coordinator.model import (
     CopyTask,
     Holding,
     NotRegisteredError,
@@ -17,6 +16,7 @@ from replicator.coordinator.planner import (
     StaleIncarnationError,
     Tier,
 )
+from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.topology import JobTopology
 
 SIZE = 100

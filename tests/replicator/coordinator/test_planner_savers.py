@@ -1,6 +1,7 @@
 """The planner's elastic rules: completeness over each step's savers, newer saves supersede older ones."""
 
-from replicator.coordinator.planner import CoordinatorState, Holding, Tier, rank_ranges
+from replicator.coordinator.model import Holding, Tier, rank_ranges
+from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.topology import JobTopology
 
 

@@ -60,7 +60,7 @@ def test_unknown_rank_and_wrong_job_are_rejected():
 
 # ----------------------------------------------------------------------- digests, liveness, failover, limits
 
-from replicator.coordinator.planner import Holding, inventory_digest  # noqa: E402
+from replicator.coordinator.model import Holding, inventory_digest  # noqa: E402
 
 
 class Clock:

@@ -1,0 +1,206 @@
+"""The coordinator's value objects: tiers, holdings, copy tasks, restore sources and plans, their validation.
+
+Frozen dataclasses with ``to_dict``/``from_dict`` where they cross a boundary; the rules that act on them
+live in :mod:`replicator.coordinator.planner`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+Key = tuple[int, int]  # (owner_rank, step)
+
+
+class Tier(enum.StrEnum):
+    """Where a piece of data lives, fastest first."""
+
+    LOCAL = "local"  # the host's own rank's data, on its RAM disk
+    PEER = "peer"  # a copy of another rank's data on this host's RAM disk
+    # An attestation, not bytes: this host's own LOCAL data of the step was verified (by hash) to be
+    # identical to ``owner_rank``'s, a data-parallel replica of it. Reporting it keeps that knowledge
+    # alive after the owner's host is lost and across a coordinator restart.
+    REPLICA = "replica"
+    BUCKET = "bucket"  # a committed backup
+
+
+class NotRegisteredError(LookupError):
+    """A host reported before registering (e.g. the coordinator restarted): register and re-report."""
+
+
+class StaleIncarnationError(ValueError):
+    """A report or registration from an older incarnation of a host than the one registered."""
+
+
+def check_int(name: str, value: object, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_hash(value: object, *, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"content_hash must be a non-empty str, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """One piece of data a host reports holding: ``owner_rank``'s ``step``, hash, bytes and tier."""
+
+    owner_rank: int
+    step: int
+    content_hash: str
+    size: int = 0
+    tier: Tier = Tier.LOCAL
+    # Elastic training (see "savers and generations" below): the save's generation and the ranks that
+    # saved the step, as inclusive ranges ((first, last), ...); empty = every rank.
+    generation: int = 0
+    savers: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        check_int("owner_rank", self.owner_rank)
+        check_int("generation", self.generation)
+        ranges = tuple((int(a), int(b)) for a, b in self.savers)
+        if any(a < 0 or b < a for a, b in ranges):
+            raise ValueError(f"bad savers ranges {self.savers!r}")
+        object.__setattr__(self, "savers", ranges)
+        check_int("step", self.step)
+        check_hash(self.content_hash)
+        check_int("size", self.size)
+        try:
+            tier = Tier(self.tier)
+        except ValueError:
+            raise ValueError(f"unknown tier {self.tier!r}") from None
+        if tier is Tier.BUCKET:
+            raise ValueError("a host cannot hold the bucket tier; use report_backup / report_backup_ranks")
+        object.__setattr__(self, "tier", tier)
+
+    @property
+    def key(self) -> Key:
+        return (self.owner_rank, self.step)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "owner_rank": self.owner_rank,
+            "step": self.step,
+            "content_hash": self.content_hash,
+            "size": self.size,
+            "tier": str(self.tier),
+            "generation": self.generation,
+            "savers": [list(r) for r in self.savers],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Holding:
+        try:
+            return cls(
+                d["owner_rank"], d["step"], d["content_hash"], d.get("size", 0), d.get("tier", "local"),
+                d.get("generation", 0), tuple(tuple(r) for r in d.get("savers", ())),
+            )
+        except KeyError as e:
+            raise ValueError(f"holding lacks field {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyTask:
+    """Copy ``owner_rank``'s ``step`` from ``source_rank``'s RAM disk to ``dest_rank``'s, then verify.
+
+    ``hash_only``: ``dest_rank`` is a data-parallel replica whose own local step already has this
+    ``content_hash`` (``source_rank == dest_rank``); no bytes move. The destination only records
+    that fact and reports it as a :attr:`Tier.REPLICA` holding, so it outlives the owner's host and
+    a coordinator restart.
+    """
+
+    owner_rank: int
+    step: int
+    source_rank: int
+    dest_rank: int
+    content_hash: str
+    size: int = 0
+    hash_only: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a restoring rank gets its data.
+
+    ``kind`` LOCAL: already on the restoring host (``holder_rank`` == the rank); PEER: fetch from
+    ``holder_rank``; BUCKET: download (``holder_rank`` is None). ``owner_rank`` is whose data it is:
+    the rank itself or a byte-identical data-parallel replica (then the data is that rank's directory).
+    ``content_hash`` is None only for a bucket copy whose hash nobody reported.
+    """
+
+    kind: Tier
+    holder_rank: int | None
+    owner_rank: int
+    content_hash: str | None
+    size: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": str(self.kind),
+            "holder_rank": self.holder_rank,
+            "owner_rank": self.owner_rank,
+            "content_hash": self.content_hash,
+            "size": self.size,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+    """The step every rank restores (None: nothing recoverable) and, per rank, where its data comes from.
+
+    ``waiting_for`` lists registered hosts that have not reported an inventory yet: a plan made
+    before they report may pick an older step than necessary.
+    """
+
+    step: int | None
+    sources: Mapping[int, Source]
+    reason: str
+    waiting_for: tuple[int, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return self.step is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "reason": self.reason,
+            "waiting_for": list(self.waiting_for),
+            "sources": {r: s.to_dict() for r, s in sorted(self.sources.items())},
+        }
+
+
+def inventory_digest(holdings: Iterable[Holding]) -> str:
+    """A digest of a host's whole inventory (order-free): equal digests = the coordinator's view is current."""
+    lines = sorted(f"{h.owner_rank}/{h.step}/{h.content_hash}/{h.size}/{h.tier}/{h.generation}/{h.savers}"
+                   for h in holdings)
+    return hashlib.blake2b("\n".join(lines).encode(), digest_size=16).hexdigest()
+
+
+def ranges(ranks: Iterable[int]) -> str:
+    """Sorted rank ranges, e.g. ``"0-63,128"``: readable even for thousands of ranks."""
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in rank_ranges(ranks))
+
+
+def rank_ranges(ranks: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """``[0, 1, 2, 5]`` -> ``((0, 2), (5, 5))``: a set of ranks as inclusive ranges (compact at any scale)."""
+    out: list[tuple[int, int]] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1][1] == r - 1:
+            out[-1] = (out[-1][0], r)
+        else:
+            out.append((r, r))
+    return tuple(out)

@@ -20,6 +20,7 @@ import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
+from replicator.coordinator.admission import RETRY_AFTER_KEY
 from replicator.net.retry import backoff_seconds
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def retry_after_seconds(e: grpc.RpcError) -> float | None:
     """The coordinator's ``retry-after-seconds`` advice on a refused call, if any."""
     try:
         for key, value in e.trailing_metadata() or ():
-            if key == "retry-after-seconds":
+            if key == RETRY_AFTER_KEY:
                 return float(value)
     except (AttributeError, ValueError):
         pass

@@ -1,5 +1,12 @@
-"""The coordinator's gRPC service: a thin, locked layer over :class:`replicator.coordinator.planner.CoordinatorState`.
+"""The coordinator's gRPC service: a locked layer over :class:`replicator.coordinator.planner.CoordinatorState`.
 
+The servicer validates and authorises requests, translates them to and from the planner's value objects
+under one lock, and waits where a call asks to. Its own state is in named parts: the epoch fence
+(:mod:`replicator.coordinator.fence`), waiter admission (:mod:`replicator.coordinator.admission`), and
+the restore target and first-seen times of steps (:mod:`replicator.coordinator.step_tracking`); what it
+still keeps itself is per-host transport facts (addresses, acknowledged digests, newest saved steps).
+Over 600 lines because it is one servicer of five RPCs plus the queries of the admin service; each
+handler is validation, one locked call into the planner, and the translation of its answer.
 Hosts report by heartbeat (an inventory digest plus deltas) and receive their work in the answer;
 nothing is pushed, so a restarted or failed-over coordinator rebuilds its whole state from the next
 round of heartbeats. Every candidate host runs one; only the active one answers (see
@@ -8,6 +15,7 @@ round of heartbeats. Every candidate host runs one; only the active one answers 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -18,6 +26,8 @@ import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
+from replicator.coordinator.admission import MAX_WAITERS, WaiterGate
+from replicator.coordinator.fence import EpochFence
 from replicator.coordinator.model import (
     Holding,
     NotRegisteredError,
@@ -27,6 +37,7 @@ from replicator.coordinator.model import (
     ranges,
 )
 from replicator.coordinator.planner import CoordinatorState
+from replicator.coordinator.step_tracking import FirstSeen, RestoreTarget
 from replicator.coordinator.topology import JobTopology
 from replicator.net.security import RankAuthorizer
 
@@ -39,11 +50,6 @@ MAX_HEARTBEATS_PER_SECOND = 200.0
 # Waiters (GetSteps, PrepareRestore) poll the state at this period instead of being woken by every
 # heartbeat (at 10,000 hosts a wake-up per heartbeat would cost more than the heartbeats).
 _POLL_SECONDS = 0.1
-# Calls that wait (GetSteps, PrepareRestore with a wait) hold a server thread each; beyond this many the
-# next one is refused with RESOURCE_EXHAUSTED and a retry delay, so heartbeats always find a thread
-# (the daemon's server has 16).
-MAX_WAITERS = 8
-RETRY_AFTER_KEY = "retry-after-seconds"
 
 
 class BackupScheduler:
@@ -123,12 +129,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._force_restore_step = force_restore_step
         self._clock = clock
         self._lock = threading.Condition()
-        self.max_waiters = max_waiters
-        self._waiters = 0
-        self._waiters_lock = threading.Lock()
-        self.active = False
-        self.epoch = 0
-        self.max_epoch_seen = 0
+        self._gate = WaiterGate(max_waiters)
+        self._fence = EpochFence()
         self._reset()
         if active:
             self.activate(epoch)
@@ -143,34 +145,41 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._addresses: dict[int, str] = {}
         self._digest: dict[int, str] = {}
         self._newest_saved: dict[int, int] = {}
-        self._first_seen: dict[int, float] = {}
-        # Pinned by PrepareRestore (or the operator's --restore-from-backup) until a newer step completes.
-        self._restore_step: int | None = self._force_restore_step
-        # The pin is released once a step newer than every step known when it was served completes
-        # (training resumed and saved); None = not served yet, keep it.
-        self._restore_floor: int | None = None
-        if self._force_restore_step is not None:
-            self.state.pin(self._force_restore_step)
+        self._first_seen = FirstSeen()
+        self._restore = RestoreTarget(self.state, self._force_restore_step)
         self._started = self._clock()
         self.state.watch(range(self.topology.nodes), self._started)
         self.preemption_noticed = False
 
     # ------------------------------------------------------------------ failover
+    @property
+    def active(self) -> bool:
+        """This candidate serves (False: a standby, or deposed by a newer epoch)."""
+        return self._fence.active
+
+    @property
+    def epoch(self) -> int:
+        return self._fence.epoch
+
+    @property
+    def max_epoch_seen(self) -> int:
+        """The highest epoch any host reported accepting."""
+        return self._fence.max_seen
+
     def activate(self, epoch: int) -> None:
         """Start serving with ``epoch`` (higher than any epoch a host may have accepted before)."""
         with self._lock:
             if self.active:
                 return
             self._reset()
-            self.epoch = max(int(epoch), self.max_epoch_seen + 1)
-            self.active = True
+            self._fence.activate(epoch)
             log.info("coordinator active (epoch %d) for %d hosts", self.epoch, self.topology.nodes)
 
     def deactivate(self, why: str) -> None:
         with self._lock:
             if self.active:
                 log.warning("coordinator (epoch %d) steps down: %s", self.epoch, why)
-            self.active = False
+            self._fence.deactivate()
 
     # ------------------------------------------------------------------ helpers
     def heartbeat_interval(self) -> float:
@@ -218,22 +227,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         t = self.topology
         return 4 * (self.keep_local + 3) * (1 + t.replicas + t.data_parallelism)
 
-    def _admit_waiter(self, context: grpc.ServicerContext) -> None:
-        with self._waiters_lock:
-            if self._waiters < self.max_waiters:
-                self._waiters += 1
-                return
-        retry = max(0.5, self.heartbeat_interval())
-        try:
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{retry:.2f}"),))
-        except AttributeError:
-            pass
-        self._abort_bad(context, f"{self.max_waiters} calls already wait on this coordinator; retry in "
-                        f"{retry:.1f}s", grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-    def _release_waiter(self) -> None:
-        with self._waiters_lock:
-            self._waiters -= 1
+    def _admitted(self, context: grpc.ServicerContext) -> contextlib.AbstractContextManager[None]:
+        """A waiting call's place (RESOURCE_EXHAUSTED, retry in a heartbeat interval, when all are taken)."""
+        return self._gate.admitted(context, max(0.5, self.heartbeat_interval()))
 
     def _check_nodes(self, nodes: int, context: grpc.ServicerContext) -> None:
         """A caller of another node count belongs to another incarnation of an elastic job (Orbax mode).
@@ -274,14 +270,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def restore_target(self) -> int | None:
         """The step every host should hold locally: a pinned restore, else the newest complete step."""
-        newest = self.state.newest_complete_step()
-        if self._restore_step is not None:
-            if self._restore_floor is not None and newest is not None and newest > self._restore_floor:
-                self.state.unpin(self._restore_step)
-                self._restore_step = self._restore_floor = None
-            else:
-                return self._restore_step
-        return newest
+        return self._restore.current()
 
     def _restore_task(self, rank: int) -> pb.RestoreTask | None:
         step = self.restore_target()
@@ -334,9 +323,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             if _expired(context):  # waited too long for the lock: the caller has given up
                 self._abort_bad(context, "deadline passed while queued", grpc.StatusCode.DEADLINE_EXCEEDED)
             self._check_active(context)
-            self.max_epoch_seen = max(self.max_epoch_seen, request.known_epoch)
-            if request.known_epoch > self.epoch:
-                self.active = False
+            if self._fence.observe(request.known_epoch):
                 log.warning("coordinator (epoch %d) steps down: rank %d accepted epoch %d", self.epoch, rank,
                             request.known_epoch)
                 self._abort_bad(context, f"deposed: epoch {request.known_epoch} is newer than {self.epoch}",
@@ -403,9 +390,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         grace = 2 * self.heartbeat_interval() + 1.0
         for step in st.known_steps():
             if step < floor:
-                self._first_seen.pop(step, None)
+                self._first_seen.forget(step)
                 continue
-            first = self._first_seen.setdefault(step, now)
+            first = self._first_seen.note(step, now)
             tasks = st.tasks_for(rank, step)
             if not tasks:
                 continue
@@ -450,11 +437,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def GetSteps(self, request: pb.GetStepsRequest, context: grpc.ServicerContext) -> pb.GetStepsResponse:
         if request.wait_seconds <= 0:
             return self._get_steps(request, context)
-        self._admit_waiter(context)
-        try:
+        with self._admitted(context):
             return self._get_steps(request, context)
-        finally:
-            self._release_waiter()
 
     def in_bucket(self, step: int) -> bool:
         """Every saver's data of ``step`` is in the bucket, from the step's current save."""
@@ -469,24 +453,16 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self._wait(self._clock() + wait, self._all_reported, context)
             complete = self.state.globally_complete_steps()
             backed = [s for s in self.state.known_steps() if self.in_bucket(s)]
-            target = self.restore_target()
-            forced = -1
-            if target is not None and self._restore_step is not None and target == self._restore_step:
-                forced = target
-                if self._restore_floor is None:  # served: released once a newer step completes
-                    known = self.state.known_steps()
-                    self._restore_floor = max(known[-1], target) if known else target
+            served = self._restore.served()  # a forced restore: released once a newer step completes
+            forced = -1 if served is None else served
         return pb.GetStepsResponse(newest_complete_step=complete[-1] if complete else -1,
                                    complete_steps=complete, backed_up_steps=backed, forced_restore_step=forced)
 
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: grpc.ServicerContext) -> pb.PrepareRestoreResponse:
         self._check_nodes(request.nodes, context)
-        self._admit_waiter(context)
-        try:
+        with self._admitted(context):
             return self._prepare_restore(request, context)
-        finally:
-            self._release_waiter()
 
     def _prepare_restore(self, request: pb.PrepareRestoreRequest,
                          context: grpc.ServicerContext) -> pb.PrepareRestoreResponse:
@@ -511,11 +487,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             if plan.empty:
                 return pb.PrepareRestoreResponse(step=-1, reason=plan.reason, lost_ranks=sorted(self.state.lost))
             step = plan.step
-            if self._restore_step is not None and self._restore_step != step:
-                self.state.unpin(self._restore_step)
-            self._restore_step = step
-            known = self.state.known_steps()
-            self._restore_floor = max(known[-1], step) if known else step
+            self._restore.pin(step)
 
             def not_ready() -> list[int]:
                 lost = self.state.lost
@@ -670,16 +642,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def steps_first_seen(self) -> dict[int, float]:
         """step -> seconds since the coordinator first heard of it (steps it tracks for replication)."""
         with self._lock:
-            now = self._clock()
-            return {s: now - t for s, t in sorted(self._first_seen.items())}
+            return self._first_seen.ages(self._clock())
 
     def release_restore_pin(self, step: int) -> bool:
         """Forget a restore pinned on ``step`` (the next restore takes the newest step again)."""
         with self._lock:
-            if self._restore_step != step:
-                return False
-            self.state.unpin(step)
-            self._restore_step = self._restore_floor = None
-            return True
+            return self._restore.release(step)
 
 

@@ -39,6 +39,7 @@ from sidecar import faults
 from sidecar.checksums import ChecksumError, crc32c_extend, file_crc32c
 from sidecar.commit import commit_dir, make_tmp_dir, write_manifest
 from sidecar.layout import (
+    MANIFEST_NAME,
     STEP_PATTERN,
     FileEntry,
     ManifestError,
@@ -577,15 +578,16 @@ class BackupStore:
     def download_rank(self, step: int, rank: int, dest_parent: Path) -> Path:
         """Restore rank's data of committed ``step`` as ``dest_parent/<step>`` (verified, then renamed in).
 
-        Raises ChecksumError on any corrupt file and leaves nothing behind; FileExistsError when
-        ``dest_parent/<step>`` exists already.
+        Raises ChecksumError on any corrupt file and leaves nothing behind; FileExistsError when a committed
+        step (one with its manifest) is at ``dest_parent/<step>`` already. A directory there without a
+        manifest is debris of a killed writer or of a deleter that walked into it; the commit replaces it.
         """
         t0 = time.monotonic()
         rec, base = self.commit_record(step)
         manifest = self.read_manifest(step, rank)
         dest_parent = Path(dest_parent)
         final = dest_parent / step_name(step)
-        if final.exists():
+        if (final / MANIFEST_NAME).is_file():
             raise FileExistsError(f"{final} already exists")
         tmp = make_tmp_dir(dest_parent, step)
         content_hash = self._data_key(manifest)

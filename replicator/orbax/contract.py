@@ -8,8 +8,11 @@ orbax-checkpoint 0.12.8, ``experimental/emergency/multi_tier_checkpointing/initi
 * It then reads ``replicator.errors`` (logged, deleted) and ``replicator.failed`` (deleted, then
   ``RuntimeError`` -- only when the file is non-empty).
 * It then waits, polling once a second for a fixed 300 s, for ``*.restore`` markers: an empty regular file
-  ``<job>-s0-n<rank>-w0.restore`` means "nothing to restore"; a symlink ``<job>-s<N>-n<rank>-w0.restore``
-  to a directory is renamed (the link itself, ``os.replace``) to ``<local>/<N>`` and restored from there.
+  ``<job>-s0-n<rank>-w0.restore`` means "nothing to restore"; any other ``<job>-s<N>-n<rank>-w0.restore``
+  (a symlink to a directory, or a directory) is renamed (``os.replace``) to ``<local>/<N>`` and restored
+  from there. We write a directory of hard links to our copy's files: Orbax's step deleter (``delete(N)``,
+  preservation policies) then unlinks only the links, never our copy (it walks through a symlink and
+  unlinks the target's files).
 * ``jax-init-info.txt`` (``<process id>\\n<coordinator host:port>\\n``) gives JAX its process id when the
   user keeps ``use_mtc_process_ids=True``.
 
@@ -353,12 +356,16 @@ def write_no_restore_marker(local_dir: Path, job: str, rank: int) -> Path:
 
 
 def write_restore_marker(local_dir: Path, job: str, step: int, rank: int, target_dir: Path) -> Path:
-    """Tell Orbax to restore ``step``: symlink ``<job>-s<step>-n<rank>-w0.restore`` -> ``target_dir``.
+    """Tell Orbax to restore ``step``: the directory ``<job>-s<step>-n<rank>-w0.restore`` of hard links.
 
     ``target_dir`` must be a finalized Orbax step directory (holding ``_CHECKPOINT_METADATA`` and
-    ``commit_success.txt``) with this rank's data or a byte-identical replica's, outside ``<local>/<step>``;
-    Orbax renames the link itself to ``<local>/<step>``, so the data stays where it is. ``<local>/<step>``
-    must not exist yet (see prepare_for_restore).
+    ``commit_success.txt``) with this rank's data or a byte-identical replica's, outside ``<local>/<step>``,
+    on the same filesystem as ``local_dir``. The marker mirrors its tree with a hard link per file (our
+    ``MANIFEST.json`` left out), built under a hidden temporary name and renamed into place, so Orbax sees
+    a complete marker or none; Orbax renames it to ``<local>/<step>``. Orbax deleting that directory
+    later removes links only: our copy keeps every byte (see :func:`is_restored_copy`). Where a file
+    cannot be linked (another filesystem) it is copied. ``<local>/<step>`` must not exist yet (see
+    prepare_for_restore).
     """
     local_dir = Path(local_dir)
     name = marker_name(job, step, rank)
@@ -380,9 +387,52 @@ def write_restore_marker(local_dir: Path, job: str, step: int, rank: int, target
         raise ValueError(f"restore target {target} must not be {local_dir} or one of its step directories")
     _no_other_marker(local_dir)
     path = local_dir / name
-    os.symlink(target, path, target_is_directory=True)
-    log.info("wrote restore marker %s -> %s", path, target)
+    tmp = local_dir / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        copied = _link_tree(target, tmp)
+        layout.fsync_dir(tmp)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    layout.fsync_dir(local_dir)
+    log.info("wrote restore marker %s: hard links to %s%s", path, target,
+             f" ({copied} files copied: not linkable)" if copied else "")
     return path
+
+
+def _link_tree(src: Path, dest: Path) -> int:
+    """Mirror ``src`` as ``dest`` with a hard link per file; returns how many files had to be copied."""
+    copied = 0
+    for here, dirnames, filenames in os.walk(src):
+        rel = Path(here).relative_to(src)
+        (dest / rel).mkdir(exist_ok=rel != Path("."))
+        for n in dirnames + filenames:
+            if (Path(here) / n).is_symlink():
+                raise ValueError(f"restore target {src} contains a symlink {rel / n}: not an Orbax step")
+        for n in filenames:
+            if rel == Path(".") and n == layout.MANIFEST_NAME:
+                continue
+            try:
+                os.link(Path(here) / n, dest / rel / n)
+            except OSError:  # EXDEV, EPERM (no hard links here): a copy still protects our files
+                shutil.copy2(Path(here) / n, dest / rel / n)
+                copied += 1
+    return copied
+
+
+def is_restored_copy(step_dir: Path) -> bool:
+    """Whether ``<local>/<N>`` is a restore marker Orbax renamed: a symlink, or files shared with our copy.
+
+    Orbax writes every file of a save anew, so a ``commit_success.txt`` with more than one link is ours.
+    """
+    step_dir = Path(step_dir)
+    if step_dir.is_symlink():
+        return True
+    try:
+        return (step_dir / COMMIT_SUCCESS_FILE).stat().st_nlink > 1
+    except OSError:
+        return False
 
 
 def _remove_path(path: Path) -> None:

@@ -10,8 +10,9 @@ it runs one handshake, without a process restart:
 3. ask the coordinator which step every host restores (``PrepareRestore``: it pins one step for all hosts
    and waits until each holds its data locally, fetching from peers or the bucket);
 4. clean ``<local>`` (stale markers, interrupted saves, links of earlier restores, steps at or above the
-   restore step), write exactly one marker -- the symlink ``<job>-s<N>-n<rank>-w0.restore`` to the
-   directory holding this rank's data of N, or the empty step-0 file when nothing is restorable -- and only
+   restore step), write exactly one marker -- the directory ``<job>-s<N>-n<rank>-w0.restore`` of hard links
+   to the files of this rank's data of N (Orbax deleting the restored step later removes only the links),
+   or the empty step-0 file when nothing is restorable -- and only
    then acknowledge by deleting ``replicator.yaml`` (Orbax looks for markers only after the ack, so the
    planning is bounded by its ``jax_initialization_timeout_seconds``, not by its fixed 300 s marker wait).
 
@@ -26,6 +27,7 @@ import dataclasses
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import sys
@@ -299,10 +301,14 @@ class OrbaxMode:
                  rec.nodes, new.rank, new.nodes)
 
     def _clean_links(self) -> None:
-        """Unlink every ``<local>/<N>`` link: earlier restores, pointing into the store (data stays there)."""
+        """Remove every ``<local>/<N>`` an earlier restore left (links into the store: the data stays there)."""
         for child in self.local.iterdir():
-            if layout.parse_step_name(child.name) is not None and child.is_symlink():
+            if layout.parse_step_name(child.name) is None or not oc.is_restored_copy(child):
+                continue
+            if child.is_symlink():
                 child.unlink()
+            else:
+                shutil.rmtree(child)  # hard links: our copy keeps its own
 
     def _plan(self, daemon: Any, store: OrbaxStore, cfg: oc.ReplicatorConfig,
               opts: ReplicatorOptions) -> tuple[int | None, Path | None]:

@@ -67,8 +67,10 @@ class OrbaxStore(RamDiskStore):
     def ingest(self) -> list[int]:
         """Move every committed ``<local>/<N>`` (a real directory) into the store; returns the steps moved.
 
-        Links (``<local>/<N>`` left by a restore: Orbax renamed our marker, so it points into the store) are
-        not ingested again; a link whose target is gone (collected) is removed, so Orbax never lists it.
+        A restore's ``<local>/<N>`` (Orbax renamed our marker: hard links to a store copy, or an older
+        daemon's symlink into the store) is not ingested again; a symlink whose target is gone (collected)
+        is removed, so Orbax never lists it. A hard-link copy whose store copy was collected holds the only
+        links left to those bytes: it is an ordinary Orbax step then, and ingested.
         """
         moved = []
         with self._ingest_lock:
@@ -80,6 +82,8 @@ class OrbaxStore(RamDiskStore):
                     if not child.exists():
                         child.unlink(missing_ok=True)
                         log.info("removed %s: its target was collected", child)
+                    continue
+                if oc.is_restored_copy(child):
                     continue
                 if not child.is_dir() or not (child / oc.COMMIT_SUCCESS_FILE).is_file():
                     continue  # not a committed Orbax step (Orbax renames the tmp dir only when done)

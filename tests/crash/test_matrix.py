@@ -427,8 +427,9 @@ def run_orbax(point: str, case: Case, work: Path) -> None:
         kit.wait_for(lambda: not (local / oc.REPLICATOR_FILE).exists(), timeout=40, what="handshake ack")
         assert not (local / "replicator.failed").exists(), (local / "replicator.failed").read_text()
         markers = sorted(p for p in local.iterdir() if p.name.endswith(".restore"))
-        assert [m.name for m in markers] == [oc.marker_name("j", 5, 0)] and markers[0].is_symlink(), markers
-        target = markers[0].resolve()
+        assert [m.name for m in markers] == [oc.marker_name("j", 5, 0)] and markers[0].is_dir(), markers
+        target = layout.steps_dir(local) / "5"
+        assert os.path.samefile(markers[0] / oc.COMMIT_SUCCESS_FILE, target / oc.COMMIT_SUCCESS_FILE)
         checksums.verify_step_dir(target)
         assert (target / "state" / "_METADATA").read_bytes() == payload
         # Orbax takes the marker as <local>/5 and saves on; its next step is ingested like any other.

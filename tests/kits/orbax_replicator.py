@@ -131,7 +131,7 @@ class OrbaxCluster:
     def run_job(self, job: str, *, slices: int, save_steps: str = "", restore_step: int = -1,
                 save_sleep: float = 0.0, backup_interval_steps: int = 0, backup_interval_minutes: int = 0,
                 processes: int | None = None, colocated: bool = False, elastic: bool = False,
-                timeout: float = 120.0) -> JobResult:
+                keep_latest: int = 0, delete_restored: bool = False, timeout: float = 120.0) -> JobResult:
         """One incarnation of the job: one JAX process per host, unchanged Orbax calls; waits for all."""
         n = len(self.members) if processes is None else processes
         t0 = time.monotonic()
@@ -145,7 +145,8 @@ class OrbaxCluster:
                 "--restore-step", str(restore_step), "--backup-interval-steps", str(backup_interval_steps),
                 "--backup-interval-minutes", str(backup_interval_minutes),
                 "--init-timeout", str(INIT_TIMEOUT_SECONDS), "--colocated", "1" if colocated else "0",
-                "--elastic", "1" if elastic else "0",
+                "--elastic", "1" if elastic else "0", "--keep-latest", str(keep_latest),
+                "--delete-restored", "1" if delete_restored else "0",
                 "--result", str(result),
             ]  # fmt: skip
             env = worker_env(rank, n, 8 if colocated else DEVICES_PER_PROCESS, f"127.0.0.1:{self.jax_port}")
@@ -163,6 +164,14 @@ class OrbaxCluster:
         for p in sorted((self.base / "logs").glob("replicator-*.log")):
             out.append(f"--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-30:]))
         return "\n".join(out)
+
+
+def restored_from(restored: Path, copy: Path) -> bool:
+    """Whether Orbax's restored ``<local>/<N>`` is the marker we made of ``copy`` (its hard links)."""
+    try:
+        return os.path.samefile(Path(restored) / "commit_success.txt", Path(copy) / "commit_success.txt")
+    except FileNotFoundError:
+        return False
 
 
 def wait_for(pred, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):

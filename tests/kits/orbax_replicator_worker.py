@@ -70,6 +70,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--init-timeout", type=int, default=60)
     p.add_argument("--colocated", type=int, default=0)
     p.add_argument("--elastic", type=int, default=0, help="the process count changed since the save")
+    p.add_argument("--keep-latest", type=int, default=0, help="Orbax preservation policy LatestN (0: none)")
+    p.add_argument("--delete-restored", type=int, default=0, help="mgr.delete() the restored step")
     p.add_argument("--result", required=True)
     args = p.parse_args(argv)
 
@@ -118,8 +120,9 @@ def main(argv: list[str]) -> int:
             k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in tree.items()
         }
 
+    policy = ocp.checkpoint_managers.LatestN(args.keep_latest) if args.keep_latest else None
     options = replicator_checkpoint_manager.ReplicatorCheckpointManagerOptions(
-        save_interval_steps=1, use_colocated_python=bool(args.colocated)
+        save_interval_steps=1, use_colocated_python=bool(args.colocated), preservation_policy=policy
     )
     mgr = replicator_checkpoint_manager.ReplicatorCheckpointManager(local_dir, options, global_mesh=mesh)
     result["latest_at_start"] = mgr.latest_step()
@@ -147,6 +150,10 @@ def main(argv: list[str]) -> int:
                 if got.dtype != v.dtype or got.tobytes() != v[shard.index].tobytes():
                     ok = False
         result["restore_bit_exact"] = ok
+        if args.delete_restored:
+            restored_step = mgr.latest_step()
+            mgr.delete(restored_step)  # Orbax's own step deleter on the restored <local>/<N>
+            result["events"].append(["delete", restored_step])
     for i, step in enumerate(int(s) for s in args.save_steps.split(",") if s):
         if i and args.save_sleep:
             time.sleep(args.save_sleep)

@@ -72,6 +72,24 @@ def test_round_trip_dedup_commit_download(backup_target: Store, backup_backend: 
         b.download_rank(7, 0, tmp_path / "restore0")
 
 
+def test_download_replaces_debris_without_a_manifest(backup_target: Store, tmp_path: Path) -> None:
+    """A leftover step directory without MANIFEST.json (a killed writer, or a deleter that walked through
+    a symlink into it) never blocks a restore from the bucket: the commit replaces it."""
+    b = BackupStore(backup_target, "job")
+    d = make_step(tmp_path / "h0", 7, 0, 1, files_for(2))
+    s = b.begin(7, 1)
+    b.upload_rank(s, 0, d)
+    b.commit(s)
+    parent = tmp_path / "restore"
+    debris = parent / "7" / "state"
+    debris.mkdir(parents=True)
+    (debris / "stale.bin").write_bytes(b"half")
+    out = b.download_rank(7, 0, parent)
+    verify_step_dir(out)
+    assert not (out / "state" / "stale.bin").exists()
+    assert sorted(p.name for p in parent.iterdir()) == ["7"]
+
+
 def test_commit_refuses_incomplete_staging(backup_target: Store, tmp_path: Path) -> None:
     b = BackupStore(backup_target, "job")
     staging = b.begin(3, 2)

@@ -186,11 +186,39 @@ def test_restore_marker_is_renamed_by_orbax(tmp_path: Path) -> None:
         oc.write_restore_marker(local, "job", 7, 0, local / "6")
     shutil.rmtree(local / "6")
     marker = oc.write_restore_marker(local, "job", 7, 0, target)
-    assert marker.is_symlink() and marker.name == "job-s7-n0-w0.restore"
+    assert marker.is_dir() and not marker.is_symlink() and marker.name == "job-s7-n0-w0.restore"
     assert sorted(p.name for p in local.iterdir()) == [marker.name]
     assert orbax_init._block_and_process_restore_dir(local, timeout_seconds=2) is True
-    assert (local / "7").is_symlink() and (local / "7").resolve() == target.resolve()
+    assert (local / "7").is_dir() and oc.is_restored_copy(local / "7")
+    assert os.path.samefile(local / "7" / oc.COMMIT_SUCCESS_FILE, target / oc.COMMIT_SUCCESS_FILE)
     assert oc.committed_orbax_steps(local) == [7]
+
+
+@pytest.mark.parametrize("num_threads", [None, 4])
+def test_orbax_deleting_a_restored_step_keeps_our_copy(tmp_path: Path, num_threads: int | None) -> None:
+    """Orbax's own step deleter (``CheckpointManager.delete``, preservation policies; threaded on hosts with
+    >= 4 CPUs) on a restored ``<local>/<N>`` removes only links: our copy keeps every file, manifest included.
+    With a symlink marker it walked into the target and unlinked our files."""
+    from orbax.checkpoint._src.path import deleter as orbax_deleter
+    from orbax.checkpoint._src.path import step as step_lib
+
+    target = _fake_step(tmp_path / "store" / "steps" / "3")
+    (target / "state" / "ocdbt.process_0" / "d").mkdir(parents=True)
+    (target / "state" / "ocdbt.process_0" / "d" / "blob").write_bytes(b"x" * 4096)
+    (target / "MANIFEST.json").write_text("{}")
+    before = {p.relative_to(target): p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    local = tmp_path / "local"
+    local.mkdir()
+    oc.write_restore_marker(local, "job", 3, 0, target)
+    assert orbax_init._block_and_process_restore_dir(local, timeout_seconds=2) is True
+    assert not (local / "3" / "MANIFEST.json").exists()  # Orbax sees Orbax's files only
+    d = orbax_deleter.create_checkpoint_deleter(local, name_format=step_lib.standard_name_format(),
+                                                primary_host=None, num_threads=num_threads)
+    d.delete(3)
+    d.close()
+    assert not os.path.lexists(local / "3")
+    after = {p.relative_to(target): p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    assert after == before
 
 
 def test_orbax_rename_collides_with_an_existing_step_dir(tmp_path: Path) -> None:

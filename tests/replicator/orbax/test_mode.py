@@ -24,8 +24,8 @@ import pytest
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
 from replicator.orbax import contract as oc
-from sidecar import checksums, layout
-from tests.kits.orbax_replicator import REPO, OrbaxCluster, wait_for
+from sidecar import checksums, commit, layout
+from tests.kits.orbax_replicator import REPO, OrbaxCluster, restored_from, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -74,7 +74,7 @@ def _replica_attested(cl: OrbaxCluster, holder: int, owner: int, step: int) -> b
 def _check_ingested(cl: OrbaxCluster, rank: int, step: int) -> layout.StepManifest:
     """Orbax's <local>/<step> was moved into the store as a committed, verified step of kind orbax."""
     local = cl.local(rank)
-    assert not (local / str(step)).is_dir() or (local / str(step)).is_symlink()
+    assert not (local / str(step)).is_dir() or oc.is_restored_copy(local / str(step))
     d = local / "steps" / str(step)
     m = checksums.verify_step_dir(d)
     assert (m.kind, m.step, m.rank) == (layout.KIND_ORBAX, step, rank)
@@ -85,6 +85,25 @@ def _check_ingested(cl: OrbaxCluster, rank: int, step: int) -> layout.StepManife
     assert m.content_id == oc.orbax_content_hash(bare) and m.content_hash == m.content_id
     assert {f.name for f in m.files} >= {"_CHECKPOINT_METADATA", "commit_success.txt", "state/_METADATA"}
     return m
+
+
+def test_orbax_preservation_policy_and_delete_keep_our_copies(base) -> None:
+    """Orbax code with a preservation policy (LatestN) that also deletes the restored step trains, restarts
+    and restores through our replicator: Orbax's deleter removes only the restore marker's hard links."""
+    cl = _cluster(base, 2)
+    _ok(cl, cl.run_job("pp", slices=2, save_steps="1,2,3", keep_latest=1))
+    wait_for(lambda: all((cl.local(r) / "steps" / "3" / layout.MANIFEST_NAME).is_file() for r in range(2)),
+             what="step 3 ingested")
+    second = cl.run_job("pp", slices=2, restore_step=3, save_steps="4,5", keep_latest=1, delete_restored=True)
+    _restored(cl, second, 3)  # and close() did not raise (rc 0)
+    for r in range(2):
+        assert ["delete", 3] in second.results[r]["events"], cl.describe(second)
+        assert not os.path.lexists(cl.local(r) / "3")
+        holders = [cl.local(r) / "steps" / "3", *cl.local(r).glob("peer/*/3")]
+        assert holders and all(layout.verify_step_dir(h) for h in holders if h.is_dir())
+    wait_for(lambda: all((cl.local(r) / "steps" / "5" / layout.MANIFEST_NAME).is_file() for r in range(2)),
+             what="step 5 ingested")
+    _restored(cl, cl.run_job("pp", slices=2, restore_step=5, keep_latest=1), 5)
 
 
 def test_two_slices_restart_wipe_one_wipe_all_backup_every_n_steps(base) -> None:
@@ -113,7 +132,7 @@ def test_two_slices_restart_wipe_one_wipe_all_backup_every_n_steps(base) -> None
     _restored(cl, second, 4)
     for r in range(2):
         link = cl.local(r) / "4"
-        assert link.is_symlink() and link.resolve() == (cl.local(r) / "steps" / "4").resolve()
+        assert restored_from(link, cl.local(r) / "steps" / "4")
     wait_for(lambda: _replica_attested(cl, 0, 1, 5), what="rank 1's step 5 attested on host 0")
 
     # Host 1 is replaced: its directory is wiped; it gets step 5 from its data-parallel replica (host 0).
@@ -123,7 +142,7 @@ def test_two_slices_restart_wipe_one_wipe_all_backup_every_n_steps(base) -> None
     third = cl.run_job("dp", slices=2, restore_step=5)
     _restored(cl, third, 5)
     link = cl.local(1) / "5"
-    assert link.is_symlink() and link.resolve() == (cl.local(1) / "peer" / "0" / "5").resolve()
+    assert restored_from(link, cl.local(1) / "peer" / "0" / "5")
     checksums.verify_step_dir(cl.local(1) / "peer" / "0" / "5")
 
     # Every host is lost: the newest backup comes back from the bucket.
@@ -138,9 +157,9 @@ def test_two_slices_restart_wipe_one_wipe_all_backup_every_n_steps(base) -> None
     # from that host (a peer is faster than the bucket) or download its own.
     n = str(backed[-1])
     for r in range(2):
-        assert (cl.local(r) / n).resolve() in ((cl.local(r) / "steps" / n).resolve(),
-                                               (cl.local(r) / "peer" / str(1 - r) / n).resolve())
-    assert any((cl.local(r) / n).resolve() == (cl.local(r) / "steps" / n).resolve() for r in range(2))
+        assert any(restored_from(cl.local(r) / n, c)
+                   for c in (cl.local(r) / "steps" / n, cl.local(r) / "peer" / str(1 - r) / n))
+    assert any(restored_from(cl.local(r) / n, cl.local(r) / "steps" / n) for r in range(2))
     print(f"2 processes: 4 incarnations in {time.monotonic() - t0:.1f}s; backups {backed}; init "
           f"{[round(x.results[0]['init_seconds'], 1) for x in (first, second, third, fourth)]}s")
 
@@ -167,7 +186,7 @@ def test_four_processes_two_slices_minutes_backup_request_wipe_one_and_all(base)
     cl.start(3)
     second = cl.run_job("quad", slices=2, restore_step=3, save_steps="4")
     _restored(cl, second, 3)
-    assert (cl.local(3) / "3").resolve() == (cl.local(3) / "peer" / "1" / "3").resolve()
+    assert restored_from(cl.local(3) / "3", cl.local(3) / "peer" / "1" / "3")
     wait_for(lambda: all((cl.local(r) / "steps" / "4" / layout.MANIFEST_NAME).is_file() for r in range(4)),
              what="step 4 ingested")
     # The minute runs on across the restarted coordinator (from the backup's commit time): no new backup.
@@ -188,9 +207,9 @@ def test_four_processes_two_slices_minutes_backup_request_wipe_one_and_all(base)
     third = cl.run_job("quad", slices=2, restore_step=4)
     _restored(cl, third, 4)
     for r in range(4):
-        assert (cl.local(r) / "4").resolve() in ((cl.local(r) / "steps" / "4").resolve(),
-                                                 (cl.local(r) / "peer" / str((r + 2) % 4) / "4").resolve())
-    assert any((cl.local(r) / "4").resolve() == (cl.local(r) / "steps" / "4").resolve() for r in range(4))
+        assert any(restored_from(cl.local(r) / "4", c)
+                   for c in (cl.local(r) / "steps" / "4", cl.local(r) / "peer" / str((r + 2) % 4) / "4"))
+    assert any(restored_from(cl.local(r) / "4", cl.local(r) / "steps" / "4") for r in range(4))
     print(f"4 processes: 3 incarnations in {time.monotonic() - t0:.1f}s; init "
           f"{[round(x.results[0]['init_seconds'], 1) for x in (first, second, third)]}s")
 
@@ -217,7 +236,7 @@ def test_single_slice_ring_copy_restores_a_wiped_host(base) -> None:
     second = cl.run_job("ring", slices=1, restore_step=2)
     _restored(cl, second, 2)
     # Fetched back from host 0 into host 1's own store.
-    assert (cl.local(1) / "2").resolve() == (cl.local(1) / "steps" / "2").resolve()
+    assert restored_from(cl.local(1) / "2", cl.local(1) / "steps" / "2")
     assert _check_ingested(cl, 1, 2).content_id == m1.content_id
 
 
@@ -284,12 +303,15 @@ def test_orbax_store_ingests_only_committed_real_step_dirs(tmp_path: Path) -> No
     _fake_orbax_step(tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", tmp_path / "4")  # an earlier restore's link: never ingested
     os.symlink(tmp_path / "gone", tmp_path / "3")  # its target was collected: removed
+    _fake_orbax_step(tmp_path / "kept")
+    oc.write_restore_marker(tmp_path, "j", 2, 1, tmp_path / "kept")
+    os.rename(tmp_path / oc.marker_name("j", 2, 1), tmp_path / "2")  # Orbax's rename: hard links, not ingested
     _fake_orbax_step(tmp_path / "8")
     (tmp_path / "8" / "state" / "ocdbt.process_1").mkdir()  # per-process OCDBT without a root: unreadable
 
     assert store.ingest() == [5]
     assert not (tmp_path / "5").exists() and (tmp_path / "6").is_dir() and (tmp_path / "4").is_symlink()
-    assert not os.path.lexists(tmp_path / "3")
+    assert not os.path.lexists(tmp_path / "3") and oc.is_restored_copy(tmp_path / "2")
     m = checksums.verify_step_dir(tmp_path / "steps" / "5")
     assert (m.kind, m.rank, m.nodes, m.job) == (layout.KIND_ORBAX, 1, 2, "j")
     # Identity = Orbax's content hash: equal to a replica's (other timestamps), not to the file bytes.

@@ -55,8 +55,8 @@ def test_save_then_restart_restores_bit_exact(tmp_path: Path) -> None:
         r = second.results[rank]
         assert r["steps_at_start"] == [1, 2] and r["latest_before_restore"] == 2, r
         assert r["restore_bit_exact"] is True, r
-        # Orbax renamed our symlink marker to <local>/2; the data never moved out of the store.
-        assert (local / "2").is_symlink() and (local / "2").resolve() == targets[rank].resolve()
+        # Orbax renamed our marker (hard links) to <local>/2; the data never moved out of the store.
+        assert os.path.samefile(local / "2" / oc.COMMIT_SUCCESS_FILE, targets[rank] / oc.COMMIT_SUCCESS_FILE)
         assert oc.orbax_content_hash(local / "2") == oc.orbax_content_hash(targets[rank])
         assert oc.committed_orbax_steps(local) == [1, 2, 3]
         assert not (local / "9").exists() and not (local / "3.orbax-checkpoint-tmp").exists()

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from sidecar.layout import check_job_name
+
 MODES = ("pathways", "multi-controller")
 RAMDISKS = ("csi", "hostpath", "memory")
 # GKE Multi-Tier Checkpointing's node RAM disk: a tmpfs owned by the node, kept across workload Pods.
@@ -148,7 +150,8 @@ class ManifestOptions:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.ramdisk not in ("",) + RAMDISKS:
             raise ValueError(f"--ramdisk must be one of {', '.join(RAMDISKS)}, got {self.ramdisk!r}")
-        if not _DNS_LABEL.match(self.job):
+        check_job_name(self.job, "--job")
+        if not _DNS_LABEL.match(self.job):  # Kubernetes names its objects after the job: a DNS label
             raise ValueError(f"--job {self.job!r} is not a DNS label (lower-case letters, digits, '-')")
         if self.slices < 1 or self.hosts_per_slice < 1:
             raise ValueError(f"need at least one slice and one host, got {self.slices} x {self.hosts_per_slice}")

@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from replicator.net.rpc import MAX_MESSAGE_BYTES
+from sidecar.layout import check_job_name
 from sidecar.parse import parse_int
 
 ENV_PREFIX = "MTC_"
@@ -93,7 +95,7 @@ class ReplicatorOptions:
     transfer_timeout_seconds: float = _opt('deadline of one step copy (default 600)', 600.0)
     max_bytes_per_second: int = _opt('throttle for replication and backup, 0 = none', 0)
     transfer_threads: int = _opt('parallel transfers (default 2)', 2)
-    max_message_bytes: int = _opt('bound on gRPC message size (default 8 MiB)', 8 << 20)
+    max_message_bytes: int = _opt('bound on gRPC message size (default 64 MiB)', MAX_MESSAGE_BYTES)
     jax_coordinator: str = _opt('HOST:PORT written to jax-init-info.txt in Orbax mode (outside GKE)', "")
     nice: int = _opt(
         "raise the daemon's niceness by N so that copies and uploads yield the CPU to training "
@@ -194,6 +196,10 @@ class ReplicatorOptions:
         return [(self.coordinator_rank, self.coordinator_address())]
 
     def validate(self) -> ReplicatorOptions:
+        try:
+            check_job_name(self.job, "--job")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if (self.rank is None) != (self.nodes is None):
             raise ConfigError("--rank and --nodes go together (neither = Orbax mode, from replicator.yaml)")
         if self.nodes is not None:

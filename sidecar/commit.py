@@ -38,6 +38,25 @@ from sidecar.spares import recycle_files
 
 log = logging.getLogger(__name__)
 
+TMP_SUFFIX = ".tmp-"  # ".<name>.tmp-<nonce>": a small file being written by write_file_atomic
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """THE atomic small-file write: ``data`` to a unique sibling temporary name, fsynced, renamed over
+    ``path``, directory fsynced. A crash leaves the old file or the new one, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{TMP_SUFFIX}{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
 
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

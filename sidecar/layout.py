@@ -51,6 +51,10 @@ KIND_NATIVE = "native"
 KIND_ORBAX = "orbax"
 STEP_PATTERN = r"(0|[1-9][0-9]{0,17})"  # THE step-name rule: a plain decimal, no sign or leading zero
 _STEP_RE = re.compile(f"^{STEP_PATTERN}$")
+# THE job-name rule (a job name becomes file names and a bucket prefix): 1-128 of letters, digits, ".",
+# "_", "-", starting with a letter or digit. Kubernetes manifests further need a DNS label.
+JOB_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+_JOB_RE = re.compile(f"^{JOB_PATTERN}$")
 # Largest manifest we agree to parse: a guard against a hostile or corrupt peer.
 MAX_MANIFEST_BYTES = 256 << 20
 
@@ -87,6 +91,13 @@ def step_name(step: int) -> str:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     return str(step)
+
+
+def check_job_name(job: Any, what: str = "job name") -> str:
+    """``job`` if it follows the job-name rule (:data:`JOB_PATTERN`); a ValueError starting with ``what`` if not."""
+    if not isinstance(job, str) or not _JOB_RE.match(job):
+        raise ValueError(f"{what} must match {JOB_PATTERN} (letters, digits, '.', '_', '-'), got {job!r}")
+    return job
 
 
 def parse_step_name(name: str) -> int | None:

@@ -1,6 +1,6 @@
 """Write one host's shards of a step to its RAM directory: preallocated files, crc32c, atomic commit.
 
-Saving is split in two: :func:`take_host_copy` (the only part ``save`` blocks on) copies the host's
+Saving is split in two: :func:`host_copy` (the only part ``save`` blocks on) copies each of the host's
 addressable shards to host memory; :class:`HostWriter` writes them in the background.
 """
 

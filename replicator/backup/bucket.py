@@ -44,6 +44,7 @@ from sidecar.layout import (
     FileEntry,
     ManifestError,
     StepManifest,
+    check_job_name,
     parse_step_name,
     read_manifest,
     resolve_under,
@@ -64,7 +65,6 @@ BEGIN_NAME = "BEGIN.json"
 COMMIT_NAME = "COMMIT.json"
 STRATEGY_RENAME = "rename"
 STRATEGY_MARKER = "marker"
-_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _STAGING_RE = re.compile(f"^{STEP_PATTERN}-[0-9a-f]{{12}}$")
 _MAX_RECORD_BYTES = 16 << 20
 # Ranged reads of fetch_files: large enough to amortise a request, small enough to bound memory per thread.
@@ -232,8 +232,7 @@ class BackupStore:
     """
 
     def __init__(self, store: Store, job: str, options: BackupOptions | None = None):
-        if not isinstance(job, str) or not _JOB_RE.match(job):
-            raise ValueError(f"job name must match {_JOB_RE.pattern}, got {job!r}")
+        check_job_name(job)
         self.store = store
         self.job = job
         self.options = options or BackupOptions()

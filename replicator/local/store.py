@@ -140,9 +140,8 @@ class RamDiskStore:
             return {}
 
     def _save_replicas(self) -> None:
-        tmp = self._replica_path().with_suffix(".tmp")
-        tmp.write_text(json.dumps([[o, s, h] for (o, s), h in sorted(self._replica_of.items())]))
-        os.replace(tmp, self._replica_path())
+        data = json.dumps([[o, s, h] for (o, s), h in sorted(self._replica_of.items())]).encode()
+        commit.write_file_atomic(self._replica_path(), data)
 
     def attest_replica(self, owner: int, step: int, content_hash: str) -> bool:
         """Record that our own step ``step`` is byte-identical to ``owner``'s (hash compared, no copy)."""

@@ -37,7 +37,8 @@ HEALTH_TIMEOUT_SECONDS = 2.0
 TRANSFER_TIMEOUT_SECONDS = 600.0
 # Grace period given to in-flight RPCs by ``stop_server``.
 SHUTDOWN_GRACE_SECONDS = 5.0
-# Largest gRPC message either end accepts (manifests of very large steps, 1 MiB data chunks).
+# THE default bound on a gRPC message, either end (`--max-message-bytes`): manifests of very large steps
+# (thousands of shards with block crc32cs) and 1 MiB data chunks fit.
 MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_MAX_WORKERS = 8
 

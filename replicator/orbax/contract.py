@@ -29,7 +29,6 @@ import logging
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 import yaml
 
 from sidecar import layout, parse
+from sidecar.commit import write_file_atomic
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +90,6 @@ _KNOWN_KEYS = frozenset(
 # --------------------------------------------------------------------------- replicator.yaml
 
 
-def _check_job_name(job: Any, what: str = "job-name") -> str:
-    if not isinstance(job, str) or not job:
-        raise ValueError(f"{what} must be a non-empty string, got {job!r}")
-    if "/" in job or "\x00" in job or any(c.isspace() for c in job) or job in (".", ".."):
-        raise ValueError(f"{what} {job!r} must not contain '/', NUL or whitespace (it becomes a file name)")
-    return job
-
-
 def _parse_int(value: Any, key: str, minimum: int) -> int:
     return parse.parse_int(value, key, minimum)
 
@@ -124,7 +116,7 @@ class ReplicatorConfig:
     backup_interval_steps: int | None = None
 
     def __post_init__(self) -> None:
-        _check_job_name(self.job_name)
+        layout.check_job_name(self.job_name, "job-name")
         if self.framework != "orbax":
             raise ValueError(f"framework must be 'orbax', got {self.framework!r}")
         _require_int(self.assume_data_parallelism, "assume-data-parallelism", 1)
@@ -260,19 +252,6 @@ def acknowledge(
     log.info("acknowledged Orbax handshake in %s", local_dir)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _check_text(text: Any, what: str) -> str:
     if not isinstance(text, str) or not text.strip():
         # Orbax ignores (and deletes) an empty report: an empty text would be lost silently.
@@ -295,7 +274,7 @@ def report_error(local_dir: Path, text: str) -> None:
         old = b""
     if old and not old.endswith(b"\n"):
         old += b"\n"
-    _write_atomic(path, old + text.encode())
+    write_file_atomic(path, old + text.encode())
     log.warning("reported replicator error to Orbax in %s: %s", local_dir, text.strip())
 
 
@@ -306,7 +285,7 @@ def report_fatal(local_dir: Path, text: str) -> None:
     (Orbax 0.12.8 deletes an empty ``replicator.failed`` without raising).
     """
     text = _check_text(text, "fatal error")
-    _write_atomic(Path(local_dir) / FAILED_FILE, text.encode())
+    write_file_atomic(Path(local_dir) / FAILED_FILE, text.encode())
     log.error("reported fatal replicator error to Orbax in %s: %s", local_dir, text.strip())
 
 
@@ -315,7 +294,7 @@ def report_fatal(local_dir: Path, text: str) -> None:
 
 def marker_name(job: str, step: int, rank: int) -> str:
     """``<job>-s<step>-n<rank>-w0.restore``, the only marker name Orbax accepts."""
-    _check_job_name(job, "job")
+    layout.check_job_name(job, "job")
     layout.step_name(step)
     _parse_int(rank, "rank", 0)
     return f"{job}-s{step}-n{rank}-w0{RESTORE_SUFFIX}"
@@ -632,6 +611,6 @@ def write_jax_init_info(local_dir: Path, process_id: int, coordinator_address: s
     if not 1 <= int(port) <= 65535:
         raise ValueError(f"coordinator port out of range in {coordinator_address!r}")
     path = Path(local_dir) / JAX_INIT_INFO_FILE
-    _write_atomic(path, f"{pid}\n{coordinator_address}\n".encode())
+    write_file_atomic(path, f"{pid}\n{coordinator_address}\n".encode())
     log.info("wrote %s: process %d, coordinator %s", path, pid, coordinator_address)
     return path

@@ -97,10 +97,7 @@ def read_layout(local: Path) -> Layout | None:
 
 
 def write_layout(local: Path, lay: Layout) -> None:
-    path = Path(local) / LAYOUT_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(lay.to_dict()))
-    os.replace(tmp, path)
+    commit.write_file_atomic(Path(local) / LAYOUT_FILE, json.dumps(lay.to_dict()).encode())
 
 
 @dataclasses.dataclass
@@ -123,13 +120,7 @@ class RemapReport:
 
 def _replace_manifest(d: Path, m: layout.StepManifest) -> None:
     """Replace ``d``'s manifest atomically (tmp + rename): a crash leaves the old one or the new one."""
-    tmp = d / (layout.MANIFEST_NAME + ".remap-tmp")
-    tmp.unlink(missing_ok=True)
-    with open(tmp, "wb") as f:
-        f.write(m.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, d / layout.MANIFEST_NAME)
+    commit.write_file_atomic(d / layout.MANIFEST_NAME, m.to_json())
 
 
 def _pieces(local: Path, new: Layout) -> list[tuple[Path, layout.StepManifest, bool]]:

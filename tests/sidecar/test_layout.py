@@ -416,3 +416,20 @@ def test_check_fetch_dir_accepts_only_a_scratch_dir_under_fetch(tmp_path):
             layout.check_fetch_dir(root, bad)
     commit.remove_owned_dir(scratch)
     assert not scratch.exists()
+
+
+def test_write_file_atomic_replaces_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "small.json"
+    commit.write_file_atomic(path, b"old")
+    commit.write_file_atomic(path, b"new")
+    assert path.read_bytes() == b"new"
+    assert [p.name for p in tmp_path.iterdir()] == ["small.json"]
+
+
+def test_write_file_atomic_failure_keeps_the_old_file(tmp_path):
+    path = tmp_path / "small.json"
+    commit.write_file_atomic(path, b"old")
+    with pytest.raises(TypeError):
+        commit.write_file_atomic(path, "not bytes")  # type: ignore[arg-type]
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["small.json"]

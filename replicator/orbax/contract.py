@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import yaml
 
 from sidecar import layout, parse
-from sidecar.commit import write_file_atomic
+from sidecar.commit import fsync_dir, write_file_atomic
 
 log = logging.getLogger(__name__)
 
@@ -369,12 +370,12 @@ def write_restore_marker(local_dir: Path, job: str, step: int, rank: int, target
     tmp = local_dir / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         copied = _link_tree(target, tmp)
-        layout.fsync_dir(tmp)
+        fsync_dir(tmp)
         os.rename(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    layout.fsync_dir(local_dir)
+    fsync_dir(local_dir)
     log.info("wrote restore marker %s: hard links to %s%s", path, target,
              f" ({copied} files copied: not linkable)" if copied else "")
     return path

@@ -24,7 +24,7 @@ import pytest
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
 from replicator.orbax import contract as oc
-from sidecar import checksums, commit, layout
+from sidecar import checksums, layout
 from tests.kits.orbax_replicator import REPO, OrbaxCluster, restored_from, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -100,7 +100,7 @@ def test_orbax_preservation_policy_and_delete_keep_our_copies(base) -> None:
         assert ["delete", 3] in second.results[r]["events"], cl.describe(second)
         assert not os.path.lexists(cl.local(r) / "3")
         holders = [cl.local(r) / "steps" / "3", *cl.local(r).glob("peer/*/3")]
-        assert holders and all(layout.verify_step_dir(h) for h in holders if h.is_dir())
+        assert holders and all(checksums.verify_step_dir(h) for h in holders if h.is_dir())
     wait_for(lambda: all((cl.local(r) / "steps" / "5" / layout.MANIFEST_NAME).is_file() for r in range(2)),
              what="step 5 ingested")
     _restored(cl, cl.run_job("pp", slices=2, restore_step=5, keep_latest=1), 5)

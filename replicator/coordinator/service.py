@@ -456,6 +456,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         finally:
             self._release_waiter()
 
+    def _reached(self, request: pb.GetStepsRequest) -> bool:
+        """A GetSteps long poll's ``min_step`` (when set) or a newer step is globally complete."""
+        if not request.HasField("min_step"):
+            return True
+        newest = self.state.newest_complete_step()
+        return newest is not None and newest >= request.min_step
+
     def in_bucket(self, step: int) -> bool:
         """Every saver's data of ``step`` is in the bucket, from the step's current save."""
         st = self.state
@@ -466,7 +473,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self._check_active(context)
             # Bounded in heartbeats: a host silent that long is declared lost and not waited for.
             wait = min(max(0.0, request.wait_seconds), self.lost_after() + 2 * self.heartbeat_interval())
-            self._wait(self._clock() + wait, self._all_reported, context)
+            self._wait(self._clock() + wait, lambda: self._all_reported() and self._reached(request), context)
             complete = self.state.globally_complete_steps()
             backed = [s for s in self.state.known_steps() if self.in_bucket(s)]
             target = self.restore_target()

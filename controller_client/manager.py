@@ -79,7 +79,7 @@ class CheckpointManager:
     failure surfaces at the next call or at :meth:`wait_until_finished`.
 
     Cost of a restore right after a save, in dispatcher fan-outs (one call reaching every host; counted
-    by tests/controller_client/test_manager.py, see docs/restore.md): without a coordinator ``WAIT``, ``STEPS``
+    by tests/controller_client/test_manager.py, see docs/elastic.md): without a coordinator ``WAIT``, ``STEPS``
     (only when ``step`` is not given) and the restore itself, which returns arrays and plain values
     together: 3 (2 with ``step``). With a coordinator one ``WAKE`` more (4, or 3 with ``step``), plus
     coordinator calls, not fan-outs: one long-polling ``GetSteps(wait, min_step)``, ``GetSteps`` for a

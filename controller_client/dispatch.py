@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sidecar import host
 
-# Size of the per-device answer buffer of a colocated query (JSON, one row per device).
+# Size of the per-device answer buffer of a colocated query or of a restore's plain values (JSON, one row per
+# device). A host's answer does not grow with the job's size (ranks travel as ranges, see sidecar.saves): a
+# STEPS answer is ~100 bytes per held step at any node count.
 QUERY_BYTES = 1 << 16
 
 
@@ -36,12 +39,12 @@ class Dispatcher(abc.ABC):
         """Start saving (returns once host copies are taken)."""
 
     @abc.abstractmethod
-    def restore(self, step: int, leaves: Sequence[host.RestoreLeaf], all_paths: Sequence[str]) -> list[Any]:
-        """Arrays for each leaf, sharded as asked."""
+    def restore(self, step: int, leaves: Sequence[host.RestoreLeaf], all_paths: Sequence[str]) -> host.RestoreResult:
+        """Arrays for each leaf, sharded as asked, and the step's plain values: one fan-out."""
 
     @abc.abstractmethod
     def query(self, query: host.HostQuery, arg: Any = None) -> dict[int, Any]:
-        """Every rank's JSON-able answer to ``query``."""
+        """Every rank's answer to ``query`` (see :class:`sidecar.host.HostQuery`)."""
 
 
 class InProcessDispatcher(Dispatcher):
@@ -63,11 +66,11 @@ class InProcessDispatcher(Dispatcher):
             return local
         from jax.experimental import multihost_utils
 
-        mine = host.encode_result({str(k): v for k, v in local.items()}, QUERY_BYTES)
+        mine = host.encode_result(query, local, QUERY_BYTES)
         rows = np.asarray(multihost_utils.process_allgather(mine))
         out: dict[int, Any] = {}
         for row in rows.reshape(-1, QUERY_BYTES):
-            out.update({int(k): v for k, v in host.decode_result(row).items()})
+            out.update(host.decode_result(query, row))
         return out
 
 
@@ -81,9 +84,29 @@ def _coloc_save(handle, arrays, *, config, step, metas, host_arrays, values, gen
     return handle
 
 
-def _coloc_restore(handle, *, config, step, leaves, all_paths):
+def _coloc_restore(handle, rows, *, config, step, leaves, all_paths):
     ranks = host.ranks_of(config, [s.device for s in handle.addressable_shards])
-    return host.restore_on_hosts(config, ranks, step, leaves, all_paths)
+    res = host.restore_on_hosts(config, ranks, step, leaves, all_paths)
+    # The plain values travel back in the same call, one row per device (every rank read the same values).
+    row = encode_values(res.values)
+    bufs = [jax.device_put(row[None], s.device) for s in rows.addressable_shards]
+    return res.arrays, jax.make_array_from_single_device_arrays(rows.shape, rows.sharding, bufs)
+
+
+def encode_values(values: dict[str, Any]) -> np.ndarray:
+    """A restore's plain values as one row (length-prefixed JSON; they are JSON-able by construction)."""
+    data = json.dumps(values).encode()
+    if len(data) > QUERY_BYTES - 4:
+        raise ValueError(f"the plain values of the step take {len(data)} bytes, more than {QUERY_BYTES - 4}")
+    buf = np.zeros(QUERY_BYTES, dtype=np.uint8)
+    buf[:4] = np.frombuffer(len(data).to_bytes(4, "little"), dtype=np.uint8)
+    buf[4 : 4 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return buf
+
+
+def decode_values(row: np.ndarray) -> dict[str, Any]:
+    n = int.from_bytes(bytes(row[:4]), "little")
+    return json.loads(bytes(row[4 : 4 + n])) if n else {}
 
 
 def _coloc_query(rows, *, config, query, arg):
@@ -92,7 +115,7 @@ def _coloc_query(rows, *, config, query, arg):
     bufs = []
     for s in rows.addressable_shards:
         r = config.device_rank[s.device.id]
-        bufs.append(jax.device_put(host.encode_result({str(r): answers[r]}, QUERY_BYTES)[None], s.device))
+        bufs.append(jax.device_put(host.encode_result(query, {r: answers[r]}, QUERY_BYTES)[None], s.device))
     return jax.make_array_from_single_device_arrays(rows.shape, rows.sharding, bufs)
 
 
@@ -144,10 +167,12 @@ class ColocatedDispatcher(Dispatcher):
         cpu_leaves = [dataclasses.replace(lf, sharding=self.cpu_sharding(lf.sharding)) for lf in leaves]
         fn = functools.partial(_coloc_restore, config=self.cpu_config, step=step, leaves=cpu_leaves,
                                all_paths=list(all_paths))
-        out = self._cp.colocated_python(fn)(self._handle())
-        if self._same_devices:
-            return out
-        return [jax.device_put(x, lf.sharding) for x, lf in zip(out, leaves, strict=True)]
+        rows = jax.device_put(np.zeros((len(self.cpu_devices), QUERY_BYTES), np.uint8), self._rows_sharding)
+        out, vals = self._cp.colocated_python(fn)(self._handle(), rows)
+        values = decode_values(np.asarray(vals.addressable_shards[0].data)[0])
+        if not self._same_devices:
+            out = [jax.device_put(x, lf.sharding) for x, lf in zip(out, leaves, strict=True)]
+        return host.RestoreResult(list(out), values)
 
     def query(self, query, arg=None):
         rows = jax.device_put(np.zeros((len(self.cpu_devices), QUERY_BYTES), np.uint8), self._rows_sharding)
@@ -155,5 +180,5 @@ class ColocatedDispatcher(Dispatcher):
         res = self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: _spec(rows))(rows)
         out: dict[int, Any] = {}
         for row in np.asarray(res):
-            out.update({int(k): v for k, v in host.decode_result(row).items()})
+            out.update(host.decode_result(query, row))
         return out

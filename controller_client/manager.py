@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from controller_client.dispatch import ColocatedDispatcher, Dispatcher, InProcessDispatcher
 from controller_client.topology import HostTopology
-from sidecar import host, layout, tree
+from sidecar import host, layout, saves, tree
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,14 @@ class CheckpointManager:
 
     ``save`` returns once a host copy of the data is taken; the files are written in the background and a
     failure surfaces at the next call or at :meth:`wait_until_finished`.
+
+    Cost of a restore right after a save, in dispatcher fan-outs (one call reaching every host; counted
+    by tests/controller_client/test_manager.py, see docs/elastic.md): without a coordinator ``WAIT``, ``STEPS``
+    (only when ``step`` is not given) and the restore itself, which returns arrays and plain values
+    together: 3 (2 with ``step``). With a coordinator one ``WAKE`` more (4, or 3 with ``step``), plus
+    coordinator calls, not fan-outs: one long-polling ``GetSteps(wait, min_step)``, ``GetSteps`` for a
+    forced step and for the complete steps, ``PinRestore``. An unrestorable newest step adds one restore
+    fan-out per older step tried.
     """
 
     def __init__(
@@ -171,9 +179,15 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Block until every host has committed its queued saves; raise the first background failure."""
+        self._wait_until_finished()
+
+    def _wait_until_finished(self) -> bool:
+        """:meth:`wait_until_finished`; True when it woke every host's replicator (a ``WAKE`` fan-out)."""
         self.dispatcher.query(host.HostQuery.WAIT, self.options.wait_timeout_seconds)
         if self._coordinator is not None and self._last_saved is not None:
             self._await_coordinator(self._last_saved)
+            return True
+        return False
 
     def _pin(self, step: int) -> None:
         """Best effort: the coordinator keeps ``step`` from GC while we restore it and has every host
@@ -192,23 +206,24 @@ class CheckpointManager:
         from any host set at once (an elastic event right after a save must not roll back past it)."""
         import grpc
 
+        # One WAKE (every replicator reports now), then the coordinator long-polls until it counts the step
+        # complete; its wait per call is bounded, so a few calls may cover the deadline (no host fan-out).
+        self.dispatcher.query(host.HostQuery.WAKE)
         deadline = time.monotonic() + self.options.rpc_timeout_seconds
-        while time.monotonic() < deadline:
-            self.dispatcher.query(host.HostQuery.WAKE)
+        while (left := deadline - time.monotonic()) > 0:
             try:
-                resp = self._coordinator.steps(wait_seconds=0)
+                resp = self._coordinator.steps(wait_seconds=left, min_step=step)
             except grpc.RpcError as e:  # the hosts' own RAM disks still answer latest_step
                 log.warning("coordinator unreachable after saving step %d: %s", step, e.code())
                 return
             if step in resp.complete_steps or resp.newest_complete_step > step:
                 self._last_saved = None
                 return
-            time.sleep(0.02)
         log.warning("the coordinator does not count step %d complete after %.0fs", step,
                     self.options.rpc_timeout_seconds)
 
     # ------------------------------------------------------------------ steps
-    def _host_steps(self) -> dict[int, Any]:
+    def _host_steps(self) -> dict[int, host.StepsAnswer]:
         answers = self.dispatcher.query(host.HostQuery.STEPS)
         missing = set(self.active_ranks) - set(answers)
         if missing:
@@ -218,18 +233,7 @@ class CheckpointManager:
     def _held_complete_steps(self) -> list[int]:
         """Steps whose every saver's data the active hosts can read right now (their RAM disks, and other
         hosts' directories when ``cross_host_reads``): complete without asking anybody else."""
-        best: dict[int, tuple[int, list[int], set[int]]] = {}
-        for answer in self._host_steps().values():
-            for name, (gen, savers, ranks) in answer["held"].items():
-                step = int(name)
-                cur = best.get(step)
-                if cur is None or gen > cur[0]:
-                    best[step] = cur = (gen, savers, set())
-                if gen == cur[0]:
-                    cur[2].update(ranks)
-        out = [step for step, (_, savers, ranks) in sorted(best.items()) if set(savers) <= ranks]
-        # Drop steps that a later save of a lower step number abandoned (checked over every step seen).
-        return [s for s in out if not any(t < s and best[t][0] > best[s][0] for t in best)]
+        return saves.complete_steps(s for answer in self._host_steps().values() for s in answer.held)
 
     def all_steps(self) -> list[int]:
         """Complete steps, ascending: every rank that saved the step has its data on some tier.
@@ -277,8 +281,8 @@ class CheckpointManager:
         ``target`` (a pytree of ``jax.ShapeDtypeStruct`` with shardings, or of concrete arrays)."""
         if target is None:
             raise ValueError("restore needs a target pytree (jax.ShapeDtypeStruct leaves with shardings)")
-        self.wait_until_finished()
-        if self._coordinator is not None:
+        woke = self._wait_until_finished()
+        if self._coordinator is not None and not woke:
             # Have every host report now: what it lacks is located through the coordinator.
             self.dispatcher.query(host.HostQuery.WAKE)
         if step is None and self._coordinator is not None:
@@ -315,8 +319,8 @@ class CheckpointManager:
                 positions.append(i)
         t0 = time.monotonic()
         try:
-            arrays = self.dispatcher.restore(step, requests, all_paths)
-            values = next(iter(self.dispatcher.query(host.HostQuery.VALUES, step).values()))["values"]
+            restored = self.dispatcher.restore(step, requests, all_paths)
+            arrays, values = restored.arrays, restored.values
         except FileNotFoundError as e:
             raise FileNotFoundError(f"restore of step {step} onto hosts {self.active_ranks}: {e}") from e
         out = [None] * len(leaves)

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar import commit, faults, layout, reader, tree, writer
+from sidecar import commit, faults, layout, reader, saves, tree, writer
 
 log = logging.getLogger(__name__)
 
@@ -156,14 +156,18 @@ def _check_leaf(src: reader.StepSource, leaf: RestoreLeaf) -> reader.SavedArray:
     return sa
 
 
-def open_step(config: HostConfig, rank: int, step: int) -> reader.StepSource:
+def open_step(config: HostConfig, rank: int, step: int,
+              located: dict[int, tuple[tuple[int, ...], int]] | None = None) -> reader.StepSource:
     """The committed data of ``step`` that ``rank`` may read (its own directory first); with
-    ``remote_fetch``, also what the host's replicator can bring from peers or the bucket."""
+    ``remote_fetch``, also what the host's replicator can bring from peers or the bucket.
+
+    ``located``: where the step's savers were already located during this restore (shared by the ranks
+    of one call, so that one restore asks the coordinator ``LocateStep`` once, not once per rank)."""
     fetcher = None
     if config.remote_fetch:
         from sidecar.remote import ReplicatorFetcher
 
-        fetcher = ReplicatorFetcher(config.root(rank), config.fetch_timeout_seconds)
+        fetcher = ReplicatorFetcher(config.root(rank), config.fetch_timeout_seconds, located=located)
     return reader.StepSource(step, config.read_roots(rank), fetcher=fetcher, drop_bad=True, own_rank=rank)
 
 
@@ -177,14 +181,25 @@ def check_structure(src: reader.StepSource, paths: Sequence[str]) -> None:
         raise ValueError(f"step {src.step} has leaf {extra[0]!r} that the target lacks")
 
 
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+    """What one restore fan-out returns: each leaf's array, and the step's plain (non-array) values."""
+
+    arrays: list[Any]
+    values: dict[str, Any]
+
+
 def restore_on_hosts(
     config: HostConfig, ranks: Sequence[int], step: int, leaves: Sequence[RestoreLeaf], all_paths: Sequence[str]
-) -> list[Any]:
+) -> RestoreResult:
     """Build each leaf's arrays from the verified saved shards; each rank fills its own devices only."""
     writer.raise_failures([writer.writer_for(config.root(r), config.write_threads) for r in ranks], wait=True)
-    sources = {r: open_step(config, r, step) for r in ranks}
+    located: dict[int, tuple[tuple[int, ...], int]] = {}
+    sources = {r: open_step(config, r, step, located) for r in ranks}
     try:
-        return _restore_leaves(config, sources, leaves, all_paths)
+        arrays = _restore_leaves(config, sources, leaves, all_paths)
+        values = next(iter(sources.values())).values if sources else {}
+        return RestoreResult(arrays, dict(values))
     finally:
         for src in sources.values():
             src.close()  # the scratch copies of other hosts' files: the arrays hold what they need
@@ -316,14 +331,35 @@ def _prefetch(sources: dict[int, reader.StepSource], wanted: dict[tuple[int, int
 
 
 class HostQuery(enum.Enum):
-    """The small questions a dispatcher asks every rank (answers are JSON-able, see :func:`query_on_hosts`)."""
+    """The small questions a dispatcher asks every rank (answers: see :func:`query_on_hosts`)."""
 
-    STEPS = "steps"  # arg: timeout (s) for surfacing failed saves -> {"steps": [...], "in_flight": [...]}
+    STEPS = "steps"  # arg: timeout (s) for surfacing failed saves -> StepsAnswer
     WAIT = "wait"  # arg: timeout (s): wait for every queued save -> True
     WAKE = "wake"  # ask the host's replicator to report now -> whether it answered
-    VALUES = "values"  # arg: step -> {"values": [...], "paths": [...]}
     PREEMPTION = "preemption"  # has the host's replicator seen a preemption notice -> bool
     BACKUP_NOW = "backup_now"  # ask the host's replicator for an immediate backup -> whether it answered
+
+
+@dataclasses.dataclass(frozen=True)
+class StepsAnswer:
+    """One rank's answer to ``STEPS``; its size does not grow with the job's (ranks travel as ranges).
+
+    ``steps``: committed steps in its own directory; ``in_flight``: saves still being written; ``held``:
+    every save it can read (see :func:`held_steps`).
+    """
+
+    steps: tuple[int, ...]
+    in_flight: int
+    held: tuple[saves.StepSave, ...]
+
+    def to_wire(self) -> list[Any]:
+        return [list(self.steps), self.in_flight, [h.to_wire() for h in self.held]]
+
+    @classmethod
+    def from_wire(cls, data: Any) -> StepsAnswer:
+        steps, in_flight, held = data
+        return cls(tuple(int(s) for s in steps), int(in_flight),
+                   tuple(saves.StepSave.from_wire(h) for h in held))
 
 
 def query_on_hosts(config: HostConfig, ranks: Sequence[int], query: HostQuery | str,
@@ -336,8 +372,8 @@ def query_on_hosts(config: HostConfig, ranks: Sequence[int], query: HostQuery | 
         writer.raise_failures(writers, arg, wait=query is HostQuery.WAIT)
     for r, w in zip(ranks, writers, strict=True):
         if query is HostQuery.STEPS:
-            result[r] = {"steps": commit.committed_steps(layout.steps_dir(w.root)), "in_flight": w.in_flight(),
-                         "held": held_steps(config, r)}
+            result[r] = StepsAnswer(tuple(commit.committed_steps(layout.steps_dir(w.root))), w.in_flight(),
+                                    held_steps(config, r))
         elif query is HostQuery.PREEMPTION:
             from sidecar.remote import preemption_noticed
 
@@ -348,24 +384,22 @@ def query_on_hosts(config: HostConfig, ranks: Sequence[int], query: HostQuery | 
             result[r] = backup_now(w.root)
         elif query is HostQuery.WAIT:
             result[r] = True
-        elif query is HostQuery.WAKE:
+        else:
             from sidecar.notify import notify_step_committed
 
             result[r] = notify_step_committed(w.root, -1)
-        else:
-            src = open_step(config, r, int(arg))
-            result[r] = {"values": src.values, "paths": sorted(src.paths)}
     return result
 
 
-def held_steps(config: HostConfig, rank: int) -> dict[str, list]:
-    """Every step whose data this host can read, as ``{step: [generation, savers, ranks held]}``.
+def held_steps(config: HostConfig, rank: int) -> tuple[saves.StepSave, ...]:
+    """Every save this host can read, newest generation per step, ascending by step.
 
     Ranks held are those whose committed data of the step (at that generation) is on this host's RAM disk
     (its own, peer copies) or in another host's directory it may read; the controller unions the answers
-    to decide which steps are complete without a coordinator, and before the coordinator has heard.
+    (:func:`sidecar.saves.complete_steps`) to decide which steps are complete without a coordinator, and
+    before the coordinator has heard.
     """
-    out: dict[int, list] = {}
+    seen: list[saves.StepSave] = []
     for root in config.read_roots(rank):
         dirs = [layout.steps_dir(root)]
         peers = root / layout.PEER_DIR
@@ -377,16 +411,23 @@ def held_steps(config: HostConfig, rank: int) -> dict[str, list]:
                     m = layout.read_manifest(parent / layout.step_name(step))
                 except (OSError, layout.ManifestError):
                     continue
-                cur = out.get(step)
-                if cur is None or m.generation > cur[0]:
-                    out[step] = cur = [m.generation, list(m.expected_ranks), []]
-                if m.generation == cur[0] and m.rank not in cur[2]:
-                    cur[2].append(m.rank)
-    return {str(s): v for s, v in sorted(out.items())}
+                savers = saves.RankRanges.of(m.savers) if m.savers else saves.RankRanges.every(m.nodes)
+                seen.append(saves.StepSave(step, m.generation, savers, saves.RankRanges.of((m.rank,))))
+    return tuple(s for _, s in sorted(saves.merge(seen).items()))
 
 
-def encode_result(obj: Any, size: int) -> np.ndarray:
-    data = json.dumps(obj).encode()
+def _to_wire(query: HostQuery, answer: Any) -> Any:
+    return answer.to_wire() if query is HostQuery.STEPS else bool(answer)
+
+
+def _from_wire(query: HostQuery, data: Any) -> Any:
+    return StepsAnswer.from_wire(data) if query is HostQuery.STEPS else bool(data)
+
+
+def encode_result(query: HostQuery | str, answers: dict[int, Any], size: int) -> np.ndarray:
+    """``answers`` (rank -> answer to ``query``) as a fixed-size byte row (length-prefixed JSON)."""
+    query = HostQuery(query)
+    data = json.dumps([[r, _to_wire(query, a)] for r, a in sorted(answers.items())]).encode()
     if len(data) > size - 4:
         raise ValueError(f"host answer of {len(data)} bytes exceeds {size - 4}")
     buf = np.zeros(size, dtype=np.uint8)
@@ -395,6 +436,10 @@ def encode_result(obj: Any, size: int) -> np.ndarray:
     return buf
 
 
-def decode_result(buf: np.ndarray) -> Any:
+def decode_result(query: HostQuery | str, buf: np.ndarray) -> dict[int, Any]:
+    """The answers :func:`encode_result` encoded (an all-zero row: none)."""
+    query = HostQuery(query)
     n = int.from_bytes(bytes(buf[:4]), "little")
-    return json.loads(bytes(buf[4 : 4 + n]))
+    if n == 0:
+        return {}
+    return {int(r): _from_wire(query, a) for r, a in json.loads(bytes(buf[4 : 4 + n]))}

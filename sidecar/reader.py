@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from sidecar import checksums, commit, layout, tree
+from sidecar import checksums, commit, layout, saves, tree
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,15 @@ MAP_MIN_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
+class RemoteRank:
+    """Where a shard is when no copy on this host holds it: remote rank ``rank``'s data, fetched on demand."""
+
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
 class SavedShard:
-    step_dir: Path
+    step_dir: Path | RemoteRank  # a committed step directory (or scratch directory) on this host, or remote
     entry: layout.ShardEntry
     copy: int = 0  # which load of ``step_dir`` (a bad copy replaced under the same name is a new one)
 
@@ -134,7 +141,7 @@ class StepSource:
             raise FileNotFoundError(
                 f"step {step} not found in {', '.join(str(r) for r in self.roots) or 'no directory'}"
             )
-        newest = max((m.generation for _, m in found), default=self.generation)
+        newest = saves.newest_generation((m.generation for _, m in found), default=self.generation)
         for d, m in found:
             if m.step != step:
                 raise layout.ManifestError(f"{d} holds step {m.step}, expected {step}")
@@ -151,7 +158,7 @@ class StepSource:
         self._copy_at[d] = copy = self._copies
         self._index(m, d, copy)
 
-    def _index(self, m: layout.StepManifest, where: Path, copy: int = 0) -> None:
+    def _index(self, m: layout.StepManifest, where: Path | RemoteRank, copy: int = 0) -> None:
         """Record ``m``'s values and where its shards are (a local step directory, or a remote rank's
         virtual location); every rank must agree on each array's shape, dtype and key type."""
         for v in m.values:
@@ -216,7 +223,7 @@ class StepSource:
     def _remote_layout(self, m: layout.StepManifest) -> None:
         """Record where a remote rank's shards are (no bytes yet): a virtual location fetched on demand."""
         self._remote[m.rank] = m
-        self._index(m, Path(f"remote:{m.rank}"))
+        self._index(m, RemoteRank(m.rank))
 
     def _materialise(self, loc: SavedShard, replace_dir: Path | None = None) -> list[SavedShard]:
         """Fetch the file of the shard a virtual location names, or the whole step of the rank whose local
@@ -225,10 +232,12 @@ class StepSource:
             return []
         if replace_dir is not None:
             owner, replace = self._owner_of(replace_dir), True
-        else:
-            owner, replace = int(str(loc.step_dir).split(":", 1)[1]), False
+        elif isinstance(loc.step_dir, RemoteRank):
+            owner, replace = loc.step_dir.rank, False
             if loc.entry is not None and owner in self._remote and owner != self.own_rank:
                 return self.fetch_files(owner, {loc.entry.file})
+        else:
+            return []  # a local copy is only replaced through ``replace_dir``
         if owner is None:
             return []
         with self._heal:  # one fetch at a time; a concurrent reader never deletes a fresh replacement
@@ -254,11 +263,11 @@ class StepSource:
             return {}
         out: dict[int, set[str]] = {}
         for sidx, locs in arr.shards.items():
-            if not locs or not all(str(sl.step_dir).startswith("remote:") for sl in locs):
+            if not locs or not all(isinstance(sl.step_dir, RemoteRank) for sl in locs):
                 continue
             inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, sidx, strict=True)]
             if all(lo < hi for lo, hi in inter):
-                out.setdefault(int(str(locs[0].step_dir).split(":", 1)[1]), set()).add(locs[0].entry.file)
+                out.setdefault(locs[0].step_dir.rank, set()).add(locs[0].entry.file)
         return out
 
     def remote_owners_for(self, path: str, index: tuple[tuple[int, int], ...]) -> set[int]:
@@ -271,7 +280,7 @@ class StepSource:
         if files is not None and owner in self._remote and owner != self.own_rank:
             self.fetch_files(owner, files)
             return
-        self._materialise(SavedShard(Path(f"remote:{owner}"), None))  # type: ignore[arg-type]
+        self._materialise(SavedShard(RemoteRank(owner), None))  # type: ignore[arg-type]
 
     def fetch_files(self, owner: int, files: Iterable[str]) -> list[SavedShard]:
         """Fetch the named files of remote rank ``owner`` (those not fetched already) and make the shards
@@ -367,18 +376,18 @@ class StepSource:
         tried: set[tuple[Path, int]] = set()
         refetches = 0
         for _ in range(len(arr.shards.get(index, [])) + 8):
-            locs = sorted(arr.shards.get(index, []), key=lambda sl: str(sl.step_dir).startswith("remote:"))
+            locs = sorted(arr.shards.get(index, []), key=lambda sl: isinstance(sl.step_dir, RemoteRank))
             locs = [sl for sl in locs if (sl.step_dir, sl.copy) not in tried]
             if not locs:
                 break
             loc = locs[0]
             tried.add((loc.step_dir, loc.copy))
-            if str(loc.step_dir).startswith("remote:"):
+            if isinstance(loc.step_dir, RemoteRank):
                 try:
                     self._materialise(loc)
                 except (OSError, layout.ManifestError, RuntimeError) as err:
                     errors.append(err)
-                    self.unreachable.setdefault(int(str(loc.step_dir).split(":", 1)[1]), str(err))
+                    self.unreachable.setdefault(loc.step_dir.rank, str(err))
                     log.warning("could not fetch %s for %s%s: %s", loc.step_dir, arr.path, index, err)
                 continue
             e = loc.entry
@@ -408,7 +417,7 @@ class StepSource:
                     self._drop_fetched(loc.step_dir, e.file)
                     if refetches < 2:
                         refetches += 1
-                        tried.discard((Path(f"remote:{owner}"), 0))
+                        tried.discard((RemoteRank(owner), 0))
                     continue
                 self._drop(loc.step_dir, bad, loc.copy)
                 if not arr.shards.get(index):
@@ -437,7 +446,7 @@ class StepSource:
         """Elements of ``index`` covered by saved shards (counting overlaps between them once per shard)."""
         total = 0
         for sidx, locs in arr.shards.items():
-            if not locs or (local_only and all(str(sl.step_dir).startswith("remote:") for sl in locs)):
+            if not locs or (local_only and all(isinstance(sl.step_dir, RemoteRank) for sl in locs)):
                 continue
             inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, sidx, strict=True)]
             if all(lo < hi for lo, hi in inter):

@@ -24,9 +24,12 @@ LOCATE_TIMEOUT_SECONDS = 30.0
 class ReplicatorFetcher:
     """:class:`sidecar.reader.Fetcher` over the host replicator's ``LocateStep``/``FetchStep`` calls."""
 
-    def __init__(self, root: Path, timeout_seconds: float = 300.0):
+    def __init__(self, root: Path, timeout_seconds: float = 300.0,
+                 located: dict[int, tuple[tuple[int, ...], int]] | None = None):
         self.root = Path(root)
         self.timeout = timeout_seconds
+        # step -> (savers, generation), shared by the fetchers of one restore: one LocateStep per restore.
+        self.located = {} if located is None else located
 
     def _stub(self) -> tuple[grpc.Channel, control_pb2_grpc.LocalControlStub]:
         sock = layout.control_socket(self.root)
@@ -51,8 +54,12 @@ class ReplicatorFetcher:
             ch.close()
 
     def locate(self, step: int) -> tuple[tuple[int, ...], int]:
+        hit = self.located.get(step)
+        if hit is not None:
+            return hit
         resp = self._call("LocateStep", control_pb2.LocalLocateRequest(step=step), LOCATE_TIMEOUT_SECONDS)
-        return tuple(resp.savers), int(resp.generation)
+        self.located[step] = found = (tuple(resp.savers), int(resp.generation))
+        return found
 
     def manifest(self, owner: int, step: int) -> layout.StepManifest:
         resp = self._call("FetchStep", control_pb2.FetchStepRequest(owner_rank=owner, step=step, manifest_only=True,

@@ -167,9 +167,11 @@ class CoordinatorClient:
         i = self._candidates.serving
         return None if i is None else self.addresses[i]
 
-    def steps(self, wait_seconds: float | None = None) -> pb.GetStepsResponse:
+    def steps(self, wait_seconds: float | None = None, min_step: int | None = None) -> pb.GetStepsResponse:
+        """The complete steps; ``min_step``: long-poll up to ``wait_seconds`` until it (or newer) is complete."""
         wait = self.timeout / 2 if wait_seconds is None else wait_seconds
-        return self._call("GetSteps", pb.GetStepsRequest(wait_seconds=wait), wait + self.timeout)
+        req = pb.GetStepsRequest(wait_seconds=wait, min_step=min_step)
+        return self._call("GetSteps", req, wait + self.timeout)
 
     def complete_steps(self) -> list[int]:
         return list(self.steps().complete_steps)

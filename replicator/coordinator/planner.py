@@ -41,6 +41,7 @@ from replicator.coordinator.model import (
     ranges,
 )
 from replicator.coordinator.topology import JobTopology
+from sidecar import saves
 
 _BUCKET_HOLDER = "bucket"
 RETIRED_INCARNATIONS_KEPT = 8  # per rank: bounds memory; older stale processes are long gone
@@ -541,8 +542,7 @@ class CoordinatorState:
     # step is abandoned when an older step number was saved later (the job rolled back past it).
 
     def step_generation(self, step: int) -> int:
-        gens = self._generations.get(step)
-        return max(gens) if gens else 0
+        return saves.newest_generation(self._generations.get(step, ()), default=0)
 
     def expected_ranks(self, step: int) -> list[int]:
         """The ranks whose data make up ``step``: its newest save's savers (a bucket-only step: the
@@ -560,8 +560,8 @@ class CoordinatorState:
 
     def is_abandoned(self, step: int) -> bool:
         """An older step number carries a newer save: the job rolled back past ``step``."""
-        gen = self.step_generation(step)
-        return any(s < step and max(gens) > gen for s, gens in self._generations.items())
+        newest = {s: saves.newest_generation(gens) for s, gens in self._generations.items()}
+        return saves.rolled_back(step, self.step_generation(step), newest)
 
     def _current(self, h: Holding) -> bool:
         return h.generation >= self.step_generation(h.step)

@@ -440,6 +440,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         with self._admitted(context):
             return self._get_steps(request, context)
 
+    def _reached(self, request: pb.GetStepsRequest) -> bool:
+        """A GetSteps long poll's ``min_step`` (when set) or a newer step is globally complete."""
+        if not request.HasField("min_step"):
+            return True
+        newest = self.state.newest_complete_step()
+        return newest is not None and newest >= request.min_step
+
     def in_bucket(self, step: int) -> bool:
         """Every saver's data of ``step`` is in the bucket, from the step's current save."""
         st = self.state
@@ -450,7 +457,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self._check_active(context)
             # Bounded in heartbeats: a host silent that long is declared lost and not waited for.
             wait = min(max(0.0, request.wait_seconds), self.lost_after() + 2 * self.heartbeat_interval())
-            self._wait(self._clock() + wait, self._all_reported, context)
+            self._wait(self._clock() + wait, lambda: self._all_reported() and self._reached(request), context)
             complete = self.state.globally_complete_steps()
             backed = [s for s in self.state.known_steps() if self.in_bucket(s)]
             served = self._restore.served()  # a forced restore: released once a newer step completes

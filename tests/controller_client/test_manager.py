@@ -350,3 +350,81 @@ def test_restored_shards_never_share_memory(ram_dir):
     y = jax.jit(lambda a: a + 1, donate_argnums=0)(out["w"])
     for sh in y.addressable_shards:
         np.testing.assert_array_equal(np.asarray(sh.data), np.arange(1 << 16, dtype=np.float32) + 1)
+
+
+def test_host_queries_stay_small_at_10000_hosts(ram_dir):
+    """8 real hosts of a 10,000-host job: a STEPS answer carries rank ranges, not every rank, so it fits
+    (before, the savers of an all-rank save travelled as range(nodes) and overflowed the 64 KiB buffer)."""
+    import dataclasses
+
+    from controller_client.dispatch import QUERY_BYTES, ColocatedDispatcher
+    from sidecar import host, saves
+
+    devs = sorted(jax.devices(), key=lambda d: d.id)
+    topo = HostTopology({d.id: i for i, d in enumerate(devs)}, slices=1250, hosts_per_slice=8)
+    assert topo.nodes == 10_000
+    opts = CheckpointManagerOptions(local_directory=str(ram_dir / "{host}"), job_name="t")
+    mesh = Mesh(np.array(devs), ("x",))
+    x = jax.device_put(np.arange(64, dtype=np.float32), NamedSharding(mesh, P("x")))
+    with CheckpointManager(opts, devices=devs, topology=topo) as mgr:
+        # Two saves by every rank of the job (savers "all"), of which only these 8 hosts' data exist here.
+        every = ColocatedDispatcher(dataclasses.replace(mgr.config, savers=()), devs)
+        for step in (1, 2):
+            every.save(step, [x], [host.ArrayMeta("x", None)], [], [], generation=step)
+        every.query(host.HostQuery.WAIT, 30.0)
+        assert mgr.all_steps() == []  # 9,992 savers' data are nowhere: incomplete, and no ValueError
+        answers = mgr.dispatcher.query(host.HostQuery.STEPS)
+        assert sorted(answers) == list(range(8))
+        for r, a in answers.items():
+            assert [h.step for h in a.held] == [1, 2]
+            assert all(h.savers == saves.RankRanges.every(10_000) for h in a.held)
+            assert len(host.encode_result(host.HostQuery.STEPS, {r: a}, 1024)) == 1024  # fits in 1 KiB
+        # The controller's rule over 10,000 hosts' answers (as the dispatcher decodes them): complete once
+        # every saver's data is held somewhere.
+        row = answers[0]
+        rows = {r: host.decode_result(host.HostQuery.STEPS, host.encode_result(host.HostQuery.STEPS, {r: dataclasses.replace(
+                row, held=tuple(dataclasses.replace(h, held=saves.RankRanges.of([r])) for h in row.held))},
+                QUERY_BYTES))[r] for r in range(10_000)}
+        assert saves.complete_steps(h for a in rows.values() for h in a.held) == [1, 2]
+        del rows[4321]
+        assert saves.complete_steps(h for a in rows.values() for h in a.held) == []
+        # A save by the 8 active hosts (savers 0..7) is complete from their own answers.
+        mgr.save(3, {"x": x}, force=True)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3]
+
+
+class CountingDispatcher:
+    """Wraps a real dispatcher and counts its fan-outs (each call reaches every host)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def save(self, *a, **k):
+        self.calls.append("save")
+        return self.inner.save(*a, **k)
+
+    def restore(self, *a, **k):
+        self.calls.append("restore")
+        return self.inner.restore(*a, **k)
+
+    def query(self, query, arg=None):
+        self.calls.append(query.name)
+        return self.inner.query(query, arg)
+
+
+def test_restore_right_after_a_save_makes_few_fan_outs(ram_dir):
+    """Documented in docs/elastic.md and CheckpointManager's docstring: WAIT, STEPS, one restore fan-out
+    returning arrays and plain values (before, a VALUES query opened the whole step a second time)."""
+    devs = jax.devices()
+    mesh, spec = MESHES["2x4"](devs)
+    tree = make_tree(mesh, spec)
+    with make_manager(ram_dir) as mgr:
+        mgr.dispatcher = counting = CountingDispatcher(mgr.dispatcher)
+        mgr.save(1, tree, force=True)
+        counting.calls.clear()
+        assert_same(mgr.restore(target=abstract(tree, mesh, spec)), tree)
+        assert counting.calls == ["WAIT", "STEPS", "restore"]
+        counting.calls.clear()
+        assert_same(mgr.restore(1, target=abstract(tree, mesh, spec)), tree)
+        assert counting.calls == ["WAIT", "restore"]

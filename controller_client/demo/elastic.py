@@ -57,6 +57,7 @@ class SimulatedSlices:
         self.devices = sorted(devices, key=lambda d: d.id)
         self.per_slice = per_slice
         self.down: set[int] = set()
+        self.history: list[str] = []  # what the loop has simulated already (so each event happens once)
         self._lock = threading.Lock()
 
     def slice_of(self, device: Any) -> int:
@@ -92,6 +93,35 @@ class SimulatedSlices:
             yield
         finally:
             elastic.get_slice_to_devices, elastic.get_active_slice_indices = saved
+
+
+class _OneLineSimulatedFailure(logging.Filter):
+    """pathwaysutils logs every slice-down error it retries with ``_logger.exception`` (a full traceback);
+    for a failure the demo simulated that reads as a crash. Keep it to one line; real errors keep theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and SIMULATED in str(exc):
+            message = record.getMessage()
+            record.msg, record.args = "%s: %s", (message, str(exc).splitlines()[0])
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+SIMULATED = "(simulated)"
+
+
+@contextlib.contextmanager
+def quiet_simulated_failures() -> Iterator[None]:
+    """While the demo runs, the retried simulated slice failures are logged as one line each."""
+    target = logging.getLogger("pathwaysutils.elastic.manager")
+    f = _OneLineSimulatedFailure()
+    target.addFilter(f)
+    try:
+        yield
+    finally:
+        target.removeFilter(f)
 
 
 def _model(kind: str):
@@ -155,7 +185,7 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
     # The full allocation: ranks are (slice, host) places and never change.
     topology = HostTopology.simulated(devices, SLICES, HOSTS_PER_SLICE)
     losses: dict[int, float] = {}
-    with sim.patched():
+    with sim.patched(), quiet_simulated_failures():
         elastic = elastic_manager.Manager(devices)
 
         @elastic.elastic_retry(minimum_slice_count=1, poll_interval=0.2, timeout=120)
@@ -193,7 +223,7 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
                     if step + 1 == schedule.fail_at and 1 in slices:
                         sim.fail(1)
                         events.append(f"slice 1 fails before step {step + 1}")
-                        raise jax.errors.JaxRuntimeError("DATA_LOSS: slice 1 is down (simulated)")
+                        raise jax.errors.JaxRuntimeError(f"DATA_LOSS: slice 1 is down {SIMULATED}")
                     if step + 1 == schedule.return_at and 1 not in slices:
                         sim.heal(1)
                         events.append(f"slice 1 is back before step {step + 1}")
@@ -245,8 +275,10 @@ def _wait(pred: Any, timeout_seconds: float, what: str) -> None:
 
 
 def run_elastic_demo(workdir: str | None = None, keep: bool = False, kinds: tuple[str, ...] = ("replicated", "fsdp"),
-                     schedule: Schedule | None = None) -> int:
-    """Run the elastic loop for each kind of state; 0 when every loss trajectory matches."""
+                     schedule: Schedule | None = None, snapshotter: bool = False, pause_resume: bool = False) -> int:
+    """Run the elastic loop for each kind of state; 0 when every loss trajectory matches. ``snapshotter``:
+    the Pathways guide's loop with Orbax's in-memory Snapshotter (:mod:`.elastic_snapshot`);
+    ``pause_resume``: its pause-and-resume mode (``minimum_slice_count=None``)."""
     from controller_client.demo.run import _setup_jax
 
     _setup_jax()
@@ -263,6 +295,11 @@ def run_elastic_demo(workdir: str | None = None, keep: bool = False, kinds: tupl
                                             dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     ok = True
     try:
+        if snapshotter:
+            from controller_client.demo.elastic_snapshot import run_snapshot_demo
+
+            ok = run_snapshot_demo(base, kinds, minimum_slice_count=None if pause_resume else 1)
+            kinds = ()
         for kind in kinds:
             cluster = LocalCluster(base / kind, nodes=SLICES * HOSTS_PER_SLICE, data_parallelism=SLICES)
             try:

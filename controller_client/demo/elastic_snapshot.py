@@ -161,8 +161,13 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
                     params, loss = train_step(params, b["x"], b["y"])
                     step += 1
                     losses[step] = float(loss)
-                    if ckpt.save(step, {"params": params, "step": step, "data": data.get_state()}):
+                    checkpointed = {"params": params, "step": step, "data": data.get_state()}
+                    if ckpt.save(step, checkpointed):
                         ckpt.wait_until_finished()
+                        if ckpt.reached_preemption(step):  # suspend-resume: the checkpoint tier outlives us
+                            ckpt.backup_now()
+                            events.append(f"preemption notice: step {step} backed up, exiting")
+                            return
             finally:
                 data.close()
 

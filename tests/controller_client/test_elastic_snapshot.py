@@ -154,3 +154,27 @@ def test_guide_loop_pause_and_resume(cluster_factory):  # noqa: F811
     assert not any("scale up" in e for e in events)
     assert events[-1] == "restored step 12 from the checkpoint onto 2 slice(s)", events
     _assert_losses_equal(got, "replicated", sched.total_steps)
+
+
+def test_a_simulated_slice_failure_is_logged_as_one_line_a_real_error_with_its_traceback():
+    import io
+    import logging
+
+    from controller_client.demo.elastic import quiet_simulated_failures
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    pw = logging.getLogger("pathwaysutils.elastic.manager")  # where elastic_retry logs what it retries
+    pw.addHandler(handler)
+    try:
+        with quiet_simulated_failures():
+            for text in ("DATA_LOSS: slice 1 is down (simulated)", "DATA_LOSS: slice 1 is down"):
+                try:
+                    raise jax.errors.JaxRuntimeError(text)
+                except jax.errors.JaxRuntimeError:
+                    pw.exception("Elastic event detected")
+    finally:
+        pw.removeHandler(handler)
+    simulated, real = out.getvalue().split("Elastic event detected", 2)[1:]
+    assert simulated == ": DATA_LOSS: slice 1 is down (simulated)\n"
+    assert "Traceback" in real

@@ -104,6 +104,7 @@ class _OneLineSimulatedFailure(logging.Filter):
         if exc is not None and SIMULATED in str(exc):
             message = record.getMessage()
             record.msg, record.args = "%s: %s", (message, str(exc).splitlines()[0])
+            record.levelno, record.levelname = logging.WARNING, "WARNING"  # expected: not an error
             record.exc_info = None
             record.exc_text = None
         return True

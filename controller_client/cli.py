@@ -18,11 +18,14 @@ def _version() -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.elastic and args.snapshotter:
+        from controller_client.demo.elastic_snapshot import run_snapshot_demo
+
+        return run_snapshot_demo(args.workdir, keep=args.keep, pause_resume=args.pause_resume)
     if args.elastic:
         from controller_client.demo.elastic import run_elastic_demo
 
-        return run_elastic_demo(args.workdir, keep=args.keep, snapshotter=args.snapshotter,
-                                pause_resume=args.pause_resume)
+        return run_elastic_demo(args.workdir, keep=args.keep)
     from controller_client.demo.run import run_demo
 
     return run_demo(args.workdir, keep=args.keep)

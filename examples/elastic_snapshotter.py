@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from controller_client.demo.elastic import run_elastic_demo
+from controller_client.demo.elastic_snapshot import run_snapshot_demo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the working directory")
     args = p.parse_args(argv)
     kinds = ("replicated", "fsdp") if args.state == "both" else (args.state,)
-    return run_elastic_demo(args.workdir, keep=args.keep, kinds=kinds, snapshotter=True,
-                            pause_resume=args.pause_resume)
+    return run_snapshot_demo(args.workdir, keep=args.keep, kinds=kinds, pause_resume=args.pause_resume)
 
 
 if __name__ == "__main__":

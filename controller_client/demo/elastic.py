@@ -276,10 +276,8 @@ def _wait(pred: Any, timeout_seconds: float, what: str) -> None:
 
 
 def run_elastic_demo(workdir: str | None = None, keep: bool = False, kinds: tuple[str, ...] = ("replicated", "fsdp"),
-                     schedule: Schedule | None = None, snapshotter: bool = False, pause_resume: bool = False) -> int:
-    """Run the elastic loop for each kind of state; 0 when every loss trajectory matches. ``snapshotter``:
-    the Pathways guide's loop with Orbax's in-memory Snapshotter (:mod:`.elastic_snapshot`);
-    ``pause_resume``: its pause-and-resume mode (``minimum_slice_count=None``)."""
+                     schedule: Schedule | None = None) -> int:
+    """Run the elastic loop for each kind of state; 0 when every loss trajectory matches."""
     from controller_client.demo.run import _setup_jax
 
     _setup_jax()
@@ -296,11 +294,6 @@ def run_elastic_demo(workdir: str | None = None, keep: bool = False, kinds: tupl
                                             dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     ok = True
     try:
-        if snapshotter:
-            from controller_client.demo.elastic_snapshot import run_snapshot_demo
-
-            ok = run_snapshot_demo(base, kinds, minimum_slice_count=None if pause_resume else 1)
-            kinds = ()
         for kind in kinds:
             cluster = LocalCluster(base / kind, nodes=SLICES * HOSTS_PER_SLICE, data_parallelism=SLICES)
             try:

@@ -207,9 +207,19 @@ def _wait_redundant(cluster: Any, timeout_seconds: float = 60) -> int:
         client.close()
 
 
-def run_snapshot_demo(cluster_base: Any, kinds: tuple[str, ...], schedule: SnapshotSchedule | None = None,
-                      minimum_slice_count: int | None = 1) -> bool:
-    """Run the loop for each kind of state, print the events and whether the losses match; True if all do."""
+def run_snapshot_demo(workdir: str | None = None, keep: bool = False,
+                      kinds: tuple[str, ...] = ("replicated", "fsdp"), schedule: SnapshotSchedule | None = None,
+                      pause_resume: bool = False) -> int:
+    """Run the loop for each kind of state, print the events and whether the losses match; 0 if all do.
+    ``pause_resume``: ``minimum_slice_count=None`` (wait for every slice) instead of shrinking."""
+    from controller_client.demo.run import _setup_jax
+
+    _setup_jax()
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
     import jax
     import numpy as np
 
@@ -218,22 +228,31 @@ def run_snapshot_demo(cluster_base: Any, kinds: tuple[str, ...], schedule: Snaps
 
     schedule = schedule or SnapshotSchedule()
     devices = jax.devices()[: SLICES * DEVICES_PER_SLICE]
+    if len(devices) < SLICES * DEVICES_PER_SLICE:
+        raise SystemExit("mtc demo --elastic needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    base = Path(workdir or tempfile.mkdtemp(prefix="mtc-elastic-",
+                                            dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     ok = True
-    for kind in kinds:
-        cluster = LocalCluster(cluster_base / kind, nodes=SLICES * HOSTS_PER_SLICE, data_parallelism=SLICES)
-        events: list[str] = []
-        try:
-            cluster.start_all()
-            got = train_with_snapshots(cluster, kind, schedule, SimulatedSlices(devices), events, minimum_slice_count)
-        finally:
-            cluster.stop_all()
-        ref = train_plain(kind, schedule.total_steps, devices)
-        same = sorted(got) == sorted(ref) and all(np.isclose(got[s], ref[s], rtol=1e-5, atol=1e-6) for s in ref)
-        ok = ok and same
-        print(f"-- {kind} state (snapshots + checkpoints):")
-        for e in events:
-            print(f"   {e}")
-        print(f"{'OK  ' if same else 'FAIL'} {kind}: losses of steps 1..{schedule.total_steps} equal the "
-              f"uninterrupted run's (max relative difference "
-              f"{max(abs(got.get(s, np.inf) - ref[s]) / max(abs(ref[s]), 1e-12) for s in ref):.2e})")
-    return ok
+    try:
+        for kind in kinds:
+            cluster = LocalCluster(base / kind, nodes=SLICES * HOSTS_PER_SLICE, data_parallelism=SLICES)
+            events: list[str] = []
+            try:
+                cluster.start_all()
+                got = train_with_snapshots(cluster, kind, schedule, SimulatedSlices(devices), events,
+                                           None if pause_resume else 1)
+            finally:
+                cluster.stop_all()
+            ref = train_plain(kind, schedule.total_steps, devices)
+            same = sorted(got) == sorted(ref) and all(np.isclose(got[s], ref[s], rtol=1e-5, atol=1e-6) for s in ref)
+            ok = ok and same
+            print(f"-- {kind} state (snapshots + checkpoints):")
+            for e in events:
+                print(f"   {e}")
+            print(f"{'OK  ' if same else 'FAIL'} {kind}: losses of steps 1..{schedule.total_steps} equal the "
+                  f"uninterrupted run's (max relative difference "
+                  f"{max(abs(got.get(s, np.inf) - ref[s]) / max(abs(ref[s]), 1e-12) for s in ref):.2e})")
+    finally:
+        if not keep and workdir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    return 0 if ok else 1

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test lint proto bench clean constraints
+.PHONY: demo test lint proto bench clean constraints smoke-newest
 
 # Everything the demo and the suite need, at the exact versions of constraints.txt.
 EXTRAS := jax,elastic,dev
@@ -41,5 +41,21 @@ constraints:
 	{ sed -n '1,3p' constraints.txt; .venv-pin/bin/pip freeze --exclude-editable | sort -f; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt && rm -rf .venv-pin
 
+# The newest releases the [jax] and [elastic] ranges allow (no constraints.txt), in a venv of their own:
+# the demo, the elastic demo with Orbax's Snapshotter, and the Orbax drop-in against our replicator.
+# `make test` stays on the pinned versions; CI runs both. See docs/testing.md, "JAX versions".
+NEWEST := .venv-newest
+smoke-newest:
+	rm -rf $(NEWEST) && $(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install --quiet --upgrade pip
+	$(NEWEST)/bin/python -m pip install --quiet '.[$(EXTRAS)]'
+	$(NEWEST)/bin/python -c "import jax, orbax.checkpoint as o, pathwaysutils as p; \
+	  print('newest: jax', jax.__version__, 'orbax-checkpoint', o.__version__, 'pathwaysutils', p.__version__)"
+	$(NEWEST)/bin/mtc demo
+	$(NEWEST)/bin/mtc demo --elastic --snapshotter
+	$(NEWEST)/bin/python -m pytest -q -p no:cacheprovider \
+	  tests/replicator/orbax/test_orbax_multiprocess.py::test_save_then_restart_restores_bit_exact \
+	  tests/replicator/orbax/test_mode.py::test_two_slices_restart_wipe_one_wipe_all_backup_every_n_steps
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(NEWEST) build *.egg-info .pytest_cache

@@ -18,6 +18,10 @@ def _version() -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.elastic and args.snapshotter:
+        from controller_client.demo.elastic_snapshot import run_snapshot_demo
+
+        return run_snapshot_demo(args.workdir, keep=args.keep, pause_resume=args.pause_resume)
     if args.elastic:
         from controller_client.demo.elastic import run_elastic_demo
 
@@ -42,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--elastic", action="store_true", help="instead: the Pathways elastic loop (pathwaysutils, "
                    "a grain ElasticIterator input pipeline) on 2 simulated slices; slice 1 fails and returns, "
                    "replicated and FSDP state")
+    d.add_argument("--snapshotter", action="store_true", help="with --elastic: the Pathways guide's loop, Orbax's "
+                   "in-memory Snapshotter for elastic events and our checkpoints for the rest (slice lost, "
+                   "in-place scale-up, controller restart, slice replaced empty)")
+    d.add_argument("--pause-resume", action="store_true", help="with --elastic --snapshotter: pause and resume "
+                   "on the same mesh (minimum_slice_count=None) instead of shrinking")
     logs.add_arguments(d, default=argparse.SUPPRESS)
     d.set_defaults(func=_demo)
 

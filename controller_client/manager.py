@@ -337,6 +337,12 @@ class CheckpointManager:
         self._restored_step = step
         return tree.unflatten(treedef, out)
 
+    def mark_restored(self, step: int) -> None:
+        """The train state is now ``step``, restored from elsewhere (an in-memory snapshot): saving forward
+        replaces the abandoned newer steps, as after ``restore(step)``, instead of ``FileExistsError``."""
+        layout.step_name(step)
+        self._restored_step = step
+
     # ------------------------------------------------------------------ suspend-resume
     def reached_preemption(self, step: int) -> bool:
         """True once any host's replicator has seen a preemption notice (SIGTERM): save ``step`` now,

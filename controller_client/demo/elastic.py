@@ -57,6 +57,7 @@ class SimulatedSlices:
         self.devices = sorted(devices, key=lambda d: d.id)
         self.per_slice = per_slice
         self.down: set[int] = set()
+        self.history: list[str] = []  # what the loop has simulated already (so each event happens once)
         self._lock = threading.Lock()
 
     def slice_of(self, device: Any) -> int:
@@ -92,6 +93,36 @@ class SimulatedSlices:
             yield
         finally:
             elastic.get_slice_to_devices, elastic.get_active_slice_indices = saved
+
+
+class _OneLineSimulatedFailure(logging.Filter):
+    """pathwaysutils logs every slice-down error it retries with ``_logger.exception`` (a full traceback);
+    for a failure the demo simulated that reads as a crash. Keep it to one line; real errors keep theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and SIMULATED in str(exc):
+            message = record.getMessage()
+            record.msg, record.args = "%s: %s", (message, str(exc).splitlines()[0])
+            record.levelno, record.levelname = logging.WARNING, "WARNING"  # expected: not an error
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+SIMULATED = "(simulated)"
+
+
+@contextlib.contextmanager
+def quiet_simulated_failures() -> Iterator[None]:
+    """While the demo runs, the retried simulated slice failures are logged as one line each."""
+    target = logging.getLogger("pathwaysutils.elastic.manager")
+    f = _OneLineSimulatedFailure()
+    target.addFilter(f)
+    try:
+        yield
+    finally:
+        target.removeFilter(f)
 
 
 def _model(kind: str):
@@ -155,7 +186,7 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
     # The full allocation: ranks are (slice, host) places and never change.
     topology = HostTopology.simulated(devices, SLICES, HOSTS_PER_SLICE)
     losses: dict[int, float] = {}
-    with sim.patched():
+    with sim.patched(), quiet_simulated_failures():
         elastic = elastic_manager.Manager(devices)
 
         @elastic.elastic_retry(minimum_slice_count=1, poll_interval=0.2, timeout=120)
@@ -193,7 +224,7 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
                     if step + 1 == schedule.fail_at and 1 in slices:
                         sim.fail(1)
                         events.append(f"slice 1 fails before step {step + 1}")
-                        raise jax.errors.JaxRuntimeError("DATA_LOSS: slice 1 is down (simulated)")
+                        raise jax.errors.JaxRuntimeError(f"DATA_LOSS: slice 1 is down {SIMULATED}")
                     if step + 1 == schedule.return_at and 1 not in slices:
                         sim.heal(1)
                         events.append(f"slice 1 is back before step {step + 1}")

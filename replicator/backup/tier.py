@@ -14,7 +14,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,25 +25,37 @@ from replicator.coordinator.planner import CoordinatorState, Tier
 from replicator.coordinator.service import BackupScheduler
 from replicator.coordinator.topology import JobTopology
 from replicator.options import ReplicatorOptions
-from sidecar.layout import read_manifest
+from sidecar.layout import FileEntry, StepManifest, read_manifest
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentStatus:
+    """One host's backup work so far (its local status)."""
+
+    uploaded_bytes: int
+    last_error: str
+
+
+# (step, rank, bytes, seconds, error) after each rank's upload (rank -1 and an error: the task failed).
+UploadObserver = Callable[[int, int, int, float, str], None]
 
 
 class BackupAgent:
     """One host's side: upload assigned ranks, download from the bucket, report results."""
 
-    def __init__(self, backup: BackupStore):
-        self.backup = backup
+    def __init__(self, bucket: BackupStore):
+        self.bucket = bucket
         self._reports: list[pb.BackupReport] = []
         self._lock = threading.Lock()
         self.uploaded_bytes = 0
         self.last_error = ""
-        # (step, rank, bytes, seconds, error) after each rank's upload: the daemon's metrics and logs.
-        self.on_upload: Callable[..., None] | None = None
+        # Called after each rank's upload: the daemon's metrics and logs.
+        self.on_upload: UploadObserver | None = None
 
     def run_task(self, task: pb.BackupTask, store: Any) -> None:
-        staging = self.backup.open_staging(task.staging)
+        staging = self.bucket.open_staging(task.staging)
         done, error = [], ""
         try:
             owners = list(task.source_owner_ranks) or list(task.ranks)
@@ -56,11 +68,11 @@ class BackupAgent:
                     # A byte-identical replica's data stands in for a rank whose own copies are gone
                     # (the coordinator proved the content hashes equal): the backup holds it as that rank.
                     manifest = dataclasses.replace(manifest, rank=rank)
-                res = self.backup.upload_rank(staging, rank, step_dir, manifest)
+                res = self.bucket.upload_rank(staging, rank, step_dir, manifest)
                 self.uploaded_bytes += res.bytes_uploaded
                 done.append(rank)
                 if self.on_upload is not None:
-                    self.on_upload(task.step, rank, res.bytes_uploaded, res.seconds)
+                    self.on_upload(task.step, rank, res.bytes_uploaded, res.seconds, "")
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             self.last_error = error
@@ -71,15 +83,28 @@ class BackupAgent:
             self._reports.append(pb.BackupReport(step=task.step, uploaded_ranks=done, error=error))
 
     def download(self, step: int, rank: int, dest_parent: Path) -> Path:
-        return self.backup.download_rank(step, rank, dest_parent)
+        """``rank``'s committed backup of ``step`` into ``dest_parent`` (committed there, verified)."""
+        return self.bucket.download_rank(step, rank, dest_parent)
+
+    def read_manifest(self, step: int, rank: int) -> StepManifest:
+        """The manifest of ``rank``'s committed backup of ``step``."""
+        return self.bucket.read_manifest(step, rank)
+
+    def fetch_files(self, step: int, rank: int, entries: Sequence[FileEntry], dest_dir: Path) -> int:
+        """Only ``entries`` of ``rank``'s backup of ``step`` into ``dest_dir`` (ranged reads); bytes moved."""
+        return self.bucket.fetch_files(step, rank, entries, dest_dir)
+
+    def unthrottle(self) -> None:
+        """A preemption notice: upload at full speed from now on."""
+        self.bucket.unthrottle()
 
     def drain_reports(self) -> list[pb.BackupReport]:
         with self._lock:
             out, self._reports = self._reports, []
         return out
 
-    def status(self) -> dict[str, Any]:
-        return {"uploaded_bytes": self.uploaded_bytes, "last_error": self.last_error}
+    def status(self) -> AgentStatus:
+        return AgentStatus(uploaded_bytes=self.uploaded_bytes, last_error=self.last_error)
 
 
 @dataclasses.dataclass

@@ -21,6 +21,7 @@ from typing import Any
 from mtc_rpc import coordinator_pb2 as pb
 from replicator.backup.bucket import BackupOptions, BackupStore, Staging
 from replicator.backup.storage import open_store
+from replicator.coordinator.backup_status import BackupSchedulerStatus
 from replicator.coordinator.planner import CoordinatorState, Tier
 from replicator.coordinator.service import BackupScheduler
 from replicator.coordinator.topology import JobTopology
@@ -148,7 +149,7 @@ class BucketScheduler(BackupScheduler):
 
     def __init__(
         self,
-        backup: BackupStore,
+        bucket: BackupStore,
         topology: JobTopology,
         *,
         interval_steps: int = 0,
@@ -158,7 +159,7 @@ class BucketScheduler(BackupScheduler):
         force_restore_step: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.backup = backup
+        self.bucket = bucket
         self.topology = topology
         self.interval_steps = interval_steps
         self.interval_minutes = interval_minutes
@@ -191,7 +192,7 @@ class BucketScheduler(BackupScheduler):
             return
         self._loaded = True
         try:
-            steps = self.backup.committed_steps()
+            steps = self.bucket.committed_steps()
         except Exception as e:
             self.last_error = f"cannot list backups: {e}"
             log.warning("%s", self.last_error)
@@ -199,8 +200,8 @@ class BucketScheduler(BackupScheduler):
         newest_unix = None
         for step in steps:
             try:
-                rec, _ = self.backup.commit_record(step)
-                self.committed_gen[step] = self.backup.committed_generation(step)
+                rec, _ = self.bucket.commit_record(step)
+                self.committed_gen[step] = self.bucket.committed_generation(step)
                 state.report_backup(step, committed=True,
                                     content_hashes={r: h for r, h in enumerate(rec.rank_hashes) if h})
                 newest_unix = rec.committed_unix
@@ -260,7 +261,7 @@ class BucketScheduler(BackupScheduler):
 
     def _start(self, state: CoordinatorState, step: int) -> None:
         savers = state.expected_ranks(step)
-        staging = self.backup.begin(step, self.topology.nodes, savers)
+        staging = self.bucket.begin(step, self.topology.nodes, savers)
         sources = state.sources(step)
         assign: dict[int, int] = {}
         primaries: set[int] = set()
@@ -348,16 +349,16 @@ class BucketScheduler(BackupScheduler):
         if cur is not None:
             state.clear_backup_in_progress(cur.step)
             try:
-                self.backup.abort(cur.staging)
+                self.bucket.abort(cur.staging)
             except Exception as e:
                 log.warning("could not remove staging %s: %s", cur.staging.staging_id, e)
 
     def _commit(self, staging: Any) -> None:
         try:
-            step = self.backup.commit(staging)
-            rec, _ = self.backup.commit_record(step)
-            deleted = self.backup.apply_retention(self.keep)
-            self.backup.clean_stale_staging(self.stale_staging_seconds)
+            step = self.bucket.commit(staging)
+            rec, _ = self.bucket.commit_record(step)
+            deleted = self.bucket.apply_retention(self.keep)
+            self.bucket.clean_stale_staging(self.stale_staging_seconds)
             self._commit_result = (step, list(rec.rank_hashes), f"deleted {deleted}" if deleted else "",
                                    rec.generation)
         except Exception as e:
@@ -383,7 +384,7 @@ class BucketScheduler(BackupScheduler):
         self.committed_gen[step] = generation
         self.last_success_unix = time.time()
         try:
-            self.committed = self.backup.committed_steps()
+            self.committed = self.bucket.committed_steps()
         except Exception:
             self.committed = sorted(set(self.committed) | {step})
         self.committed_gen = {s: g for s, g in self.committed_gen.items() if s in self.committed}
@@ -393,21 +394,20 @@ class BucketScheduler(BackupScheduler):
         log.info("backup of step %d committed in %.2fs %s", step,
                  self.clock() - (cur.started if cur else self.clock()), note)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> BackupSchedulerStatus:
         cur = self.current
-        return {
-            "url": self.backup.store.url,
-            "committed_steps": list(self.committed),
-            "in_progress": None if cur is None else {"step": cur.step, "done_ranks": sorted(cur.done)},
-            "skipped": self.skipped,
-            "failures": self.failures,
-            "last_error": self.last_error,
-            "interval_steps": self.interval_steps,
-            "interval_minutes": self.interval_minutes,
-            "keep": self.keep,
-            "emergency_step": self.emergency_step,
-            "emergency_done": self.emergency_step is not None and self.emergency_step in self.committed,
-        }
+        return BackupSchedulerStatus(
+            url=self.bucket.store.url, committed_steps=tuple(self.committed),
+            in_progress_step=-1 if cur is None else cur.step,
+            in_progress_done_ranks=() if cur is None else tuple(sorted(cur.done)),
+            skipped=self.skipped, failures=self.failures, last_error=self.last_error,
+            interval_steps=self.interval_steps, interval_minutes=self.interval_minutes, keep=self.keep,
+            last_success_unix=self.last_success_unix, emergency_step=self.emergency_step,
+            emergency_done=self.emergency_step is not None and self.emergency_step in self.committed)
+
+    def commit_record(self, step: int) -> tuple[float, int]:
+        rec, _ = self.bucket.commit_record(step)
+        return rec.committed_unix, rec.total_bytes
 
 
 def make_backup(opts: ReplicatorOptions, job: str, rank: int, nodes: int
@@ -416,15 +416,15 @@ def make_backup(opts: ReplicatorOptions, job: str, rank: int, nodes: int
     store = open_store(opts.backup_url)
     bopts = BackupOptions(max_parallel_uploads=max(1, opts.transfer_threads),
                           max_bytes_per_second=float(opts.max_bytes_per_second) or None)
-    backup = BackupStore(store, job, bopts)
-    backup.check_capabilities()
-    agent = BackupAgent(backup)
+    bucket = BackupStore(store, job, bopts)
+    bucket.check_capabilities()
+    agent = BackupAgent(bucket)
 
     def factory(topology: JobTopology) -> BucketScheduler:
         minutes = opts.backup_interval_minutes
         if not minutes and not opts.backup_interval_steps:
             minutes = 30.0
-        return BucketScheduler(backup, topology, interval_steps=opts.backup_interval_steps,
+        return BucketScheduler(bucket, topology, interval_steps=opts.backup_interval_steps,
                                interval_minutes=minutes, keep=opts.backup_keep,
                                force_restore_step=opts.restore_from_backup)
 

@@ -12,12 +12,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
+from replicator.coordinator.backup_status import BackupSchedulerStatus
 from replicator.coordinator.planner import (
     CoordinatorState,
     Holding,
@@ -70,8 +70,13 @@ class BackupScheduler:
         """The bucket's backup of ``step`` (if any) is of its current save, not of one a rollback abandoned."""
         return True
 
-    def status(self) -> dict[str, Any]:
-        return {}
+    def status(self) -> BackupSchedulerStatus | None:
+        """The scheduler's state (None: no bucket configured)."""
+        return None
+
+    def commit_record(self, step: int) -> tuple[float, int]:
+        """(commit time, total bytes) of the bucket's backup of ``step``; ``FileNotFoundError`` if none."""
+        raise FileNotFoundError(f"no backup tier: no backup of step {step}")
 
 
 def _expired(context: grpc.ServicerContext) -> bool:
@@ -608,14 +613,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 ranks_backed_up=backed, backed_up=backed_up, pinned=step in pinned,
                 backing_up=step in backing, savers=ranges(savers)))
         b = self.backup.status()
-        if b:
-            cur = b.get("in_progress") or {}
+        if b is not None:
             resp.backup.CopyFrom(pb.BackupStatus(
-                url=str(b.get("url", "")), committed_steps=b.get("committed_steps", []),
-                in_progress_step=cur.get("step", -1), in_progress_done_ranks=len(cur.get("done_ranks", [])),
-                skipped=b.get("skipped", 0), failures=b.get("failures", 0), last_error=b.get("last_error", ""),
-                interval_steps=b.get("interval_steps", 0), interval_minutes=b.get("interval_minutes", 0.0),
-                keep=b.get("keep", 0)))
+                url=b.url, committed_steps=b.committed_steps, in_progress_step=b.in_progress_step,
+                in_progress_done_ranks=len(b.in_progress_done_ranks), skipped=b.skipped, failures=b.failures,
+                last_error=b.last_error, interval_steps=b.interval_steps, interval_minutes=b.interval_minutes,
+                keep=b.keep))
         first = max(0, request.rank_first)
         last = t.nodes - 1 if request.rank_count <= 0 else min(first + request.rank_count, t.nodes) - 1
         detail = range(first, last + 1)

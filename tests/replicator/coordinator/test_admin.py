@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import types
 
 import grpc
 import pytest
@@ -13,7 +12,8 @@ from hypothesis import strategies as st
 from mtc_rpc import admin_pb2 as apb
 from mtc_rpc import coordinator_pb2 as pb
 from replicator.coordinator.admin import AdminServicer, cluster_view
-from replicator.coordinator.service import Coordinator
+from replicator.coordinator.backup_status import BackupSchedulerStatus
+from replicator.coordinator.service import BackupScheduler, Coordinator
 from replicator.coordinator.topology import JobTopology
 
 
@@ -52,19 +52,26 @@ def make(backup=None):
     return coord, admin, admin.wrap(coord), clock
 
 
+class FakeScheduler(BackupScheduler):
+    """A bucket scheduler with a fixed typed status (the real one needs a bucket)."""
+
+    def __init__(self, committed=(), last_success_unix=None, interval_minutes=0.0, interval_steps=0, keep=3):
+        self.requested: set[int] = set()
+        self._status = BackupSchedulerStatus(
+            url="file:///b", committed_steps=tuple(committed), in_progress_step=-1, in_progress_done_ranks=(),
+            skipped=0, failures=0, last_error="", interval_steps=interval_steps,
+            interval_minutes=interval_minutes, keep=keep, last_success_unix=last_success_unix,
+            emergency_step=None, emergency_done=False)
+
+    def request(self, steps):
+        self.requested.update(steps)
+
+    def status(self):
+        return self._status
+
+
 def fake_scheduler(**kw):
-    """What the admin service reads of a BucketScheduler (the real one needs a bucket)."""
-    base = dict(committed=[], backup=types.SimpleNamespace(store=types.SimpleNamespace(url="file:///b")),
-                last_success_unix=None, interval_minutes=0.0, interval_steps=0, skipped=0, failures=0,
-                last_error="", current=None, keep=3, requested=set())
-    base.update(kw)
-    ns = types.SimpleNamespace(**base)
-    ns.task_for = lambda *a: None
-    ns.report = lambda *a: None
-    ns.request = lambda steps: ns.requested.update(steps)
-    ns.status = lambda: {}
-    ns.is_current = lambda *a: True
-    return ns
+    return FakeScheduler(**kw)
 
 
 def test_healthy_then_lost_host_is_degraded() -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import grpc
 
@@ -18,16 +19,27 @@ from mtc_rpc import control_pb2, control_pb2_grpc
 from replicator.net.rpc import map_errors_as_unavailable
 from sidecar import faults, layout
 
-if TYPE_CHECKING:
-    from pathlib import Path
 
-    from replicator.daemon import Replicator
+class ControlTarget(Protocol):
+    """What the service asks of its daemon (:class:`replicator.daemon.Replicator`)."""
+
+    preemption_noticed: bool
+    newest_complete: int
+
+    def wake(self) -> None: ...
+    def local_status(self) -> control_pb2.GetLocalStatusResponse: ...
+    def locate(self, step: int) -> tuple[list[int], int]: ...
+    def fetch_for_sidecar(self, owner: int, step: int, manifest_only: bool, replace_local: bool,
+                          timeout_seconds: float) -> tuple[str, bytes]: ...
+    def fetch_files_for_sidecar(self, owner: int, step: int, entries: list[layout.FileEntry], dest_rel: str,
+                                timeout_seconds: float) -> tuple[str, int]: ...
+    def request_backup_now(self) -> None: ...
 
 
 class LocalControl(control_pb2_grpc.LocalControlServicer):
     """Thin servicer over the daemon."""
 
-    def __init__(self, daemon: Replicator):
+    def __init__(self, daemon: ControlTarget):
         self.daemon = daemon
 
     def StepCommitted(self, request, context):
@@ -68,7 +80,7 @@ class LocalControl(control_pb2_grpc.LocalControlServicer):
         return control_pb2.BackupNowResponse()
 
 
-def serve_control(daemon: Replicator, root: Path) -> grpc.Server:
+def serve_control(daemon: ControlTarget, root: Path) -> grpc.Server:
     """Start the local control service on ``<root>``'s control socket (replacing a stale one)."""
     sock = layout.control_socket(root)
     sock.unlink(missing_ok=True)

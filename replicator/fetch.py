@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mtc_rpc import coordinator_pb2 as cpb
 from replicator.coordinator.planner import Tier
+from replicator.coordinator.tier_wire import from_wire
 from replicator.local.store import RamDiskStore
 from replicator.metrics import ReplicatorMetrics
 from replicator.net.rpc import Unavailable, details
@@ -58,7 +59,7 @@ class PeerSource:
 
     def __init__(self, fetcher: Fetcher, src: cpb.RestoreSource):
         self._f = fetcher
-        self.tier = Tier(src.kind)
+        self.tier = from_wire(src.kind)
         self.owner_rank, self.holder_rank = src.owner_rank, src.holder_rank
         self.address = src.holder_address
         self.content_hash = src.content_hash or None
@@ -121,7 +122,7 @@ class Fetcher:
 
     def source(self, src: cpb.RestoreSource) -> Source:
         """The fetchable tier a coordinator's source names."""
-        return BucketSource(self, src) if Tier(src.kind) is Tier.BUCKET else PeerSource(self, src)
+        return BucketSource(self, src) if from_wire(src.kind) is Tier.BUCKET else PeerSource(self, src)
 
     def fetch_from(self, sources: Sequence[Source], attempt: Callable[[Source], T], *, what: str,
                    missing: str) -> T:
@@ -265,4 +266,4 @@ class Fetcher:
 
 def other_sources(sources: Sequence[Any], rank: int) -> list[Any]:
     """The sources that are not this host's own RAM disk (absent or bad when asked for)."""
-    return [x for x in sources if Tier(x.kind) is Tier.BUCKET or x.holder_rank != rank]
+    return [x for x in sources if from_wire(x.kind) is Tier.BUCKET or x.holder_rank != rank]

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -19,11 +20,16 @@ from mtc_rpc import coordinator_pb2 as cpb
 from replicator import logs
 from replicator.coordinator.client import FAILOVER_CODES, Candidates
 from replicator.coordinator.planner import Tier, inventory_digest
+from replicator.coordinator.service import Coordinator
+from replicator.coordinator.tier_wire import to_wire
+from replicator.fetch import Fetcher
+from replicator.local.store import RamDiskStore
+from replicator.metrics import HostCounters, ReplicatorMetrics
 from replicator.net import retry, rpc
+from replicator.net.security import TlsOptions
+from replicator.options import ReplicatorOptions
+from replicator.tasks import TaskRunner
 from sidecar import faults
-
-if TYPE_CHECKING:
-    from replicator.daemon import Replicator
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +46,42 @@ class NoCoordinator(RuntimeError):
     """No coordinator candidate answered this heartbeat."""
 
 
+class Host(Protocol):
+    """What the heartbeat reads and drives of its daemon (:class:`replicator.daemon.Replicator`)."""
+
+    opts: ReplicatorOptions
+    store: RamDiskStore
+    rank: int
+    nodes: int
+    job: str
+    incarnation: int
+    address: str
+    token: str | None
+    coordinator: Coordinator | None
+    my_candidate: int | None
+    fence_nodes: int
+    bucket: Any  # replicator.backup.tier.BackupAgent | None
+    tasks: TaskRunner
+    fetcher: Fetcher
+    metrics: ReplicatorMetrics
+    counters: HostCounters
+    stopping: threading.Event
+    preempting: bool
+    preemption_noticed: bool
+    newest_complete: int
+
+    def tls(self) -> TlsOptions | None: ...
+    def wake(self) -> None: ...
+    def wait_for_wake(self, seconds: float) -> None: ...
+    def take_backup_now(self) -> bool: ...
+    def restored_among(self, steps: set[int]) -> set[int]: ...
+    def restore(self, task: cpb.RestoreTask) -> None: ...
+
+
 class Heartbeat:
     """The heartbeat loop and the coordinator link of one :class:`~replicator.daemon.Replicator`."""
 
-    def __init__(self, daemon: Replicator):
+    def __init__(self, daemon: Host):
         self.d = daemon
         opts = daemon.opts
         self.opts = opts
@@ -150,7 +188,7 @@ class Heartbeat:
             req.removed.extend(cpb.Deletion(owner_rank=o, step=s) for o, s in acked if (o, s) not in current)
         for h in changed:
             pbh = req.holdings.add(owner_rank=h.owner_rank, step=h.step, content_hash=h.content_hash,
-                                   size=h.size, tier=str(h.tier), generation=h.generation)
+                                   size=h.size, tier=to_wire(h.tier), generation=h.generation)
             for a, b in h.savers:
                 pbh.savers.add(first=a, last=b)
         if d.bucket is not None:

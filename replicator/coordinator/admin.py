@@ -20,6 +20,7 @@ from mtc_rpc import admin_pb2_grpc as pb_grpc
 from mtc_rpc import coordinator_pb2 as cpb
 from replicator.coordinator.backup_status import BackupSchedulerStatus
 from replicator.coordinator.planner import Tier
+from replicator.coordinator.tier_wire import from_wire, to_wire
 from replicator.metrics import ClusterView
 
 log = logging.getLogger(__name__)
@@ -321,12 +322,12 @@ class AdminServicer(pb_grpc.AdminServicer):
                     if h.step != request.step or h.tier is Tier.REPLICA:
                         continue
                     resp.pieces.append(pb.Piece(owner_rank=h.owner_rank, holder_rank=holder,
-                                                address=addresses.get(holder, ""), tier=str(h.tier),
+                                                address=addresses.get(holder, ""), tier=to_wire(h.tier),
                                                 content_hash=h.content_hash, size=h.size))
             for rank, srcs in sorted(st.sources(request.step).items()):
                 resp.ranks.append(pb.RankData(rank=rank, owner_rank=srcs[0].owner_rank))
             for rank, digest in st.backup_ranks(request.step).items():
-                resp.pieces.append(pb.Piece(owner_rank=rank, holder_rank=-1, tier="bucket",
+                resp.pieces.append(pb.Piece(owner_rank=rank, holder_rank=-1, tier=to_wire(Tier.BUCKET),
                                             content_hash=digest or ""))
             sched = _backup(coord)
             if sched is not None:
@@ -405,12 +406,12 @@ class AdminServicer(pb_grpc.AdminServicer):
                         why = f"older than the host's {keep} newest steps (--keep-local {keep})"
                     else:
                         why = "stale copy: its content hash differs from the owner's"
-                    items.append(pb.GcItem(tier=str(h.tier) if h else "peer", holder_rank=holder, owner_rank=owner,
+                    items.append(pb.GcItem(tier=to_wire(h.tier if h else Tier.PEER), holder_rank=holder, owner_rank=owner,
                                            step=step, size=h.size if h else 0, reason=why))
             sched = _backup(coord)
             if sched is not None and sched.keep < len(sched.committed_steps):
                 for step in sched.committed_steps[:-sched.keep]:
-                    items.append(pb.GcItem(tier="bucket", holder_rank=-1, owner_rank=-1, step=step,
+                    items.append(pb.GcItem(tier=to_wire(Tier.BUCKET), holder_rank=-1, owner_rank=-1, step=step,
                                            reason=f"bucket retention keeps the newest {sched.keep} backups"))
         return pb.GcPlanResponse(items=items, protected_steps=sorted(protected))
 
@@ -419,17 +420,21 @@ class AdminServicer(pb_grpc.AdminServicer):
         nodes = self.coord.topology.nodes
         if not 0 <= request.owner_rank < nodes or request.step < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad rank {request.owner_rank} or step {request.step}")
-        if request.tier == "bucket":
+        try:
+            tier = from_wire(request.tier)
+        except ValueError:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown tier {request.tier!r}")
+        if tier is Tier.BUCKET:
             with self.coord.lock:
                 self.coord.state.report_backup(request.step, committed=False)
             action = f"the bucket copy of step {request.step} is no longer used for restores"
-        elif request.tier in ("local", "peer"):
+        elif tier in (Tier.LOCAL, Tier.PEER):
             if not 0 <= request.holder_rank < nodes:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad holder rank {request.holder_rank}")
             self.bad.add(request.holder_rank, request.owner_rank, request.step)
             action = (f"host {request.holder_rank} deletes its copy of rank {request.owner_rank} step "
                       f"{request.step}; other tiers heal it")
         else:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown tier {request.tier!r}")
-        log.warning("operator reported a bad copy (%s, file %s): %s", request.tier, request.file or "?", action)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown tier {tier}")
+        log.warning("operator reported a bad copy (%s, file %s): %s", tier, request.file or "?", action)
         return pb.ReportBadCopyResponse(action=action)

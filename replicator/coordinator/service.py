@@ -27,6 +27,7 @@ from replicator.coordinator.planner import (
     Tier,
     ranges,
 )
+from replicator.coordinator.tier_wire import from_wire, to_wire
 from replicator.coordinator.topology import JobTopology
 from replicator.net.security import RankAuthorizer
 
@@ -302,7 +303,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             if s.kind is Tier.PEER and s.holder_rank not in self._addresses:
                 continue
             out.append(pb.RestoreSource(
-                kind=str(s.kind), holder_rank=-1 if s.holder_rank is None else s.holder_rank,
+                kind=to_wire(s.kind), holder_rank=-1 if s.holder_rank is None else s.holder_rank,
                 holder_address=self._addresses.get(s.holder_rank, "") if s.holder_rank is not None else "",
                 owner_rank=s.owner_rank, content_hash=s.content_hash or ""))
         return pb.RestoreTask(step=step, sources=out) if out else None
@@ -322,7 +323,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._check_active(context)
         rank = request.rank
         try:
-            holdings = [Holding(h.owner_rank, h.step, h.content_hash, h.size, h.tier, h.generation,
+            holdings = [Holding(h.owner_rank, h.step, h.content_hash, h.size, from_wire(h.tier), h.generation,
                                 tuple((r.first, r.last) for r in h.savers)) for h in request.holdings]
             removed = [(d.owner_rank, d.step) for d in request.removed]
         except ValueError as e:
@@ -565,7 +566,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     addr = self._addresses.get(src.holder_rank, "") if src.holder_rank is not None else ""
                     if src.kind is not Tier.BUCKET and not addr:
                         continue
-                    rs.sources.add(kind=str(src.kind), holder_rank=-1 if src.holder_rank is None else src.holder_rank,
+                    rs.sources.add(kind=to_wire(src.kind), holder_rank=-1 if src.holder_rank is None else src.holder_rank,
                                    holder_address=addr, owner_rank=src.owner_rank,
                                    content_hash=src.content_hash or "")
         return resp
@@ -639,7 +640,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             for r in detail:
                 srcs = st.rank_sources(step, r)
                 d.ranks.append(pb.RankSources(rank=r, sources=[
-                    pb.SourceInfo(kind=str(s.kind), holder_rank=-1 if s.holder_rank is None else s.holder_rank,
+                    pb.SourceInfo(kind=to_wire(s.kind), holder_rank=-1 if s.holder_rank is None else s.holder_rank,
                                   owner_rank=s.owner_rank) for s in srcs]))
         return resp
 

@@ -1,7 +1,7 @@
 """Bringing a step's data to this host from the other tiers: a peer's RAM disk or the bucket.
 
 Every fetch — a copy task, a restore, a sidecar's whole-step or file-subset fetch — walks the
-coordinator's sources (fastest first) through one ladder, :meth:`Fetcher.fetch_from`. A source is a
+coordinator's sources (fastest first) through one ladder, :func:`fetch_from`. A source is a
 :class:`PeerSource` or a :class:`BucketSource` behind one small interface (``bring`` the whole step,
 read its ``manifest``, fetch some ``files``); which one is decided once, in :meth:`Fetcher.source`.
 """
@@ -109,6 +109,24 @@ class BucketSource:
         return self._agent().fetch_files(step, self.owner_rank, entries, dest)
 
 
+def fetch_from(sources: Sequence[Source], attempt: Callable[[Source], T], *, what: str, missing: str) -> T:
+    """``attempt(source)`` for each source in turn (fastest first) until one succeeds: its answer.
+
+    Raises ``FileNotFoundError(missing)`` when there is no source at all, :class:`Unavailable` naming every
+    source's error when none served.
+    """
+    errors = []
+    for src in sources:
+        try:
+            return attempt(src)
+        except Exception as e:  # the next tier
+            log.warning("%s from %s failed: %s", what, src.where, e)
+            errors.append(f"{src.where}: {type(e).__name__}: {details(e)}")
+    if not sources:
+        raise FileNotFoundError(missing)
+    raise Unavailable(f"{what} is unreachable: " + "; ".join(errors))
+
+
 class Fetcher:
     """The daemon's transfers into this host's store, single-flight through the :class:`TaskRunner`."""
 
@@ -123,24 +141,6 @@ class Fetcher:
     def source(self, src: cpb.RestoreSource) -> Source:
         """The fetchable tier a coordinator's source names."""
         return BucketSource(self, src) if from_wire(src.kind) is Tier.BUCKET else PeerSource(self, src)
-
-    def fetch_from(self, sources: Sequence[Source], attempt: Callable[[Source], T], *, what: str,
-                   missing: str) -> T:
-        """``attempt(source)`` for each source in turn (fastest first) until one succeeds: its answer.
-
-        Raises ``FileNotFoundError(missing)`` when there is no source at all, :class:`Unavailable` naming
-        every source's error when none served.
-        """
-        errors = []
-        for src in sources:
-            try:
-                return attempt(src)
-            except Exception as e:  # the next tier
-                log.warning("%s from %s failed: %s", what, src.where, e)
-                errors.append(f"{src.where}: {type(e).__name__}: {details(e)}")
-        if not sources:
-            raise FileNotFoundError(missing)
-        raise Unavailable(f"{what} is unreachable: " + "; ".join(errors))
 
     # ------------------------------------------------------------------ whole steps, single-flight
     def fetch_peer(self, address: str, owner: int, step: int, content_hash: str | None) -> layout.StepManifest:
@@ -215,7 +215,7 @@ class Fetcher:
             log.info("restore: rank %d now holds its data of step %d from %s rank %d: %d bytes in %.3fs",
                      rank, task.step, src.tier, src.holder_rank, nbytes, now - t0)
 
-        self.fetch_from([self.source(s) for s in task.sources], attempt,
+        fetch_from([self.source(s) for s in task.sources], attempt,
                         what=f"restore of rank {rank} step {task.step}", missing="")
 
     # ------------------------------------------------------------------ for the sidecar
@@ -235,7 +235,7 @@ class Fetcher:
             log.info("rank %d's data of step %d fetched for the sidecar from %s", owner, step, src.where)
             return rel, b""
 
-        return self.fetch_from([self.source(s) for s in sources], attempt,
+        return fetch_from([self.source(s) for s in sources], attempt,
                                what=f"rank {owner}'s data of step {step}",
                                missing=f"rank {owner}'s data of step {step} is on no tier the coordinator knows "
                                        f"(savers {savers})")
@@ -258,7 +258,7 @@ class Fetcher:
                          len(todo), sum(e.size for e in todo), owner, step, src.where, time.monotonic() - t0)
             return src.where, moved
 
-        return self.fetch_from([self.source(s) for s in sources], attempt,
+        return fetch_from([self.source(s) for s in sources], attempt,
                                what=f"files of rank {owner}'s step {step}",
                                missing=f"rank {owner}'s data of step {step} is on no tier the coordinator knows "
                                        f"(savers {savers})")

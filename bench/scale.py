@@ -41,6 +41,7 @@ from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
 from replicator.coordinator.model import Holding, Tier, inventory_digest
 from replicator.coordinator.service import Coordinator
+from replicator.coordinator.tier_wire import to_wire
 from replicator.coordinator.topology import JobTopology
 
 JOB = "bench"
@@ -70,7 +71,7 @@ def _holdings(topo: JobTopology, rank: int, steps: list[int]) -> list[Holding]:
 
 def _pb(hs: list[Holding]) -> list[pb.Holding]:
     return [pb.Holding(owner_rank=h.owner_rank, step=h.step, content_hash=h.content_hash, size=h.size,
-                       tier=str(h.tier)) for h in hs]
+                       tier=to_wire(h.tier)) for h in hs]
 
 
 class Sim:

@@ -22,61 +22,62 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from mtc_rpc import tier_pb2 as tier__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61\x64min.proto\x12\x0cmtc.admin.v1\"\x13\n\x11GetSummaryRequest\"\x86\x04\n\x12GetSummaryResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x18\n\x10hosts_registered\x18\x03 \x01(\x03\x12\x12\n\nlost_ranks\x18\x04 \x03(\x03\x12\x1c\n\x14newest_complete_step\x18\x05 \x01(\x03\x12\x18\n\x10newest_redundant\x18\x06 \x01(\x08\x12\x14\n\x0cpinned_steps\x18\x07 \x03(\x03\x12\x16\n\x0erestore_target\x18\x08 \x01(\x03\x12\x12\n\nbackup_url\x18\t \x01(\t\x12\x1a\n\x12newest_backup_step\x18\n \x01(\x03\x12 \n\x18\x62\x61\x63kup_last_success_unix\x18\x0b \x01(\x01\x12\x1f\n\x17\x62\x61\x63kup_interval_seconds\x18\x0c \x01(\x01\x12\x1d\n\x15\x62\x61\x63kup_interval_steps\x18\r \x01(\x03\x12\x16\n\x0e\x62\x61\x63kup_skipped\x18\x0e \x01(\x03\x12\x17\n\x0f\x62\x61\x63kup_failures\x18\x0f \x01(\x03\x12\x19\n\x11\x62\x61\x63kup_last_error\x18\x10 \x01(\t\x12\x1f\n\x17\x62\x61\x63kup_in_progress_step\x18\x11 \x01(\x03\x12\x10\n\x08\x64\x65graded\x18\x12 \x01(\x08\x12\x10\n\x08problems\x18\x13 \x03(\t\x12\x1d\n\x15newest_complete_bytes\x18\x14 \x01(\x04\"\x12\n\x10ListStepsRequest\"\xb6\x02\n\x08StepInfo\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\x12\x11\n\tredundant\x18\x03 \x01(\x08\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\x12\n\nbacking_up\x18\x05 \x01(\x08\x12\x11\n\tbacked_up\x18\x06 \x01(\x08\x12\x13\n\x0blocal_ranks\x18\x07 \x03(\x03\x12\x12\n\npeer_ranks\x18\x08 \x03(\x03\x12\x14\n\x0c\x62ucket_ranks\x18\t \x03(\x03\x12\x15\n\rmissing_ranks\x18\n \x03(\x03\x12\r\n\x05\x62ytes\x18\x0b \x01(\x04\x12\x17\n\x0f\x66irst_seen_unix\x18\x0c \x01(\x01\x12\x13\n\x0b\x62\x61\x63kup_unix\x18\r \x01(\x01\x12\x16\n\x0erestore_target\x18\x0e \x01(\x08\x12\x15\n\rcomplete_unix\x18\x0f \x01(\x01\"t\n\x11ListStepsResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x1c\n\x14newest_complete_step\x18\x03 \x01(\x03\x12%\n\x05steps\x18\x04 \x03(\x0b\x32\x16.mtc.admin.v1.StepInfo\"9\n\x10ListHostsRequest\x12\x12\n\nfirst_rank\x18\x01 \x01(\x03\x12\x11\n\tlast_rank\x18\x02 \x01(\x03\"\x98\x01\n\x08HostInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\x1c\n\x14seconds_since_report\x18\x04 \x01(\x01\x12\x0c\n\x04lost\x18\x05 \x01(\x08\x12\r\n\x05steps\x18\x06 \x03(\x03\x12\x0e\n\x06pieces\x18\x07 \x01(\x04\x12\r\n\x05\x62ytes\x18\x08 \x01(\x04\":\n\x11ListHostsResponse\x12%\n\x05hosts\x18\x01 \x03(\x0b\x32\x16.mtc.admin.v1.HostInfo\"!\n\x11LocateStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"s\n\x05Piece\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x13\n\x0bholder_rank\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\x12\x0c\n\x04size\x18\x06 \x01(\x04\",\n\x08RankData\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x12\n\nowner_rank\x18\x02 \x01(\x03\"\x9e\x01\n\x12LocateStepResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12#\n\x06pieces\x18\x04 \x03(\x0b\x32\x13.mtc.admin.v1.Piece\x12\x12\n\nbackup_url\x18\x05 \x01(\t\x12%\n\x05ranks\x18\x06 \x03(\x0b\x32\x16.mtc.admin.v1.RankData\"\x1a\n\nPinRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"#\n\x0bPinResponse\x12\x14\n\x0cpinned_steps\x18\x01 \x03(\x03\"8\n\x12RestoreStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"f\n\x13RestoreStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x13\n\x0bready_ranks\x18\x03 \x03(\x03\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\" \n\x10\x42\x61\x63kupNowRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"0\n\x11\x42\x61\x63kupNowResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05state\x18\x02 \x01(\t\"\x0f\n\rGcPlanRequest\"k\n\x06GcItem\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x13\n\x0bholder_rank\x18\x02 \x01(\x03\x12\x12\n\nowner_rank\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\"N\n\x0eGcPlanResponse\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.mtc.admin.v1.GcItem\x12\x17\n\x0fprotected_steps\x18\x02 \x03(\x03\"i\n\x14ReportBadCopyRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\nowner_rank\x18\x02 \x01(\x03\x12\x13\n\x0bholder_rank\x18\x03 \x01(\x03\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x0c\n\x04\x66ile\x18\x05 \x01(\t\"\'\n\x15ReportBadCopyResponse\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t2\x80\x06\n\x05\x41\x64min\x12O\n\nGetSummary\x12\x1f.mtc.admin.v1.GetSummaryRequest\x1a .mtc.admin.v1.GetSummaryResponse\x12L\n\tListSteps\x12\x1e.mtc.admin.v1.ListStepsRequest\x1a\x1f.mtc.admin.v1.ListStepsResponse\x12L\n\tListHosts\x12\x1e.mtc.admin.v1.ListHostsRequest\x1a\x1f.mtc.admin.v1.ListHostsResponse\x12O\n\nLocateStep\x12\x1f.mtc.admin.v1.LocateStepRequest\x1a .mtc.admin.v1.LocateStepResponse\x12:\n\x03Pin\x12\x18.mtc.admin.v1.PinRequest\x1a\x19.mtc.admin.v1.PinResponse\x12<\n\x05Unpin\x12\x18.mtc.admin.v1.PinRequest\x1a\x19.mtc.admin.v1.PinResponse\x12R\n\x0bRestoreStep\x12 .mtc.admin.v1.RestoreStepRequest\x1a!.mtc.admin.v1.RestoreStepResponse\x12L\n\tBackupNow\x12\x1e.mtc.admin.v1.BackupNowRequest\x1a\x1f.mtc.admin.v1.BackupNowResponse\x12\x43\n\x06GcPlan\x12\x1b.mtc.admin.v1.GcPlanRequest\x1a\x1c.mtc.admin.v1.GcPlanResponse\x12X\n\rReportBadCopy\x12\".mtc.admin.v1.ReportBadCopyRequest\x1a#.mtc.admin.v1.ReportBadCopyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61\x64min.proto\x12\x0cmtc.admin.v1\x1a\ntier.proto\"\x13\n\x11GetSummaryRequest\"\x86\x04\n\x12GetSummaryResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x18\n\x10hosts_registered\x18\x03 \x01(\x03\x12\x12\n\nlost_ranks\x18\x04 \x03(\x03\x12\x1c\n\x14newest_complete_step\x18\x05 \x01(\x03\x12\x18\n\x10newest_redundant\x18\x06 \x01(\x08\x12\x14\n\x0cpinned_steps\x18\x07 \x03(\x03\x12\x16\n\x0erestore_target\x18\x08 \x01(\x03\x12\x12\n\nbackup_url\x18\t \x01(\t\x12\x1a\n\x12newest_backup_step\x18\n \x01(\x03\x12 \n\x18\x62\x61\x63kup_last_success_unix\x18\x0b \x01(\x01\x12\x1f\n\x17\x62\x61\x63kup_interval_seconds\x18\x0c \x01(\x01\x12\x1d\n\x15\x62\x61\x63kup_interval_steps\x18\r \x01(\x03\x12\x16\n\x0e\x62\x61\x63kup_skipped\x18\x0e \x01(\x03\x12\x17\n\x0f\x62\x61\x63kup_failures\x18\x0f \x01(\x03\x12\x19\n\x11\x62\x61\x63kup_last_error\x18\x10 \x01(\t\x12\x1f\n\x17\x62\x61\x63kup_in_progress_step\x18\x11 \x01(\x03\x12\x10\n\x08\x64\x65graded\x18\x12 \x01(\x08\x12\x10\n\x08problems\x18\x13 \x03(\t\x12\x1d\n\x15newest_complete_bytes\x18\x14 \x01(\x04\"\x12\n\x10ListStepsRequest\"\xb6\x02\n\x08StepInfo\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\x12\x11\n\tredundant\x18\x03 \x01(\x08\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\x12\n\nbacking_up\x18\x05 \x01(\x08\x12\x11\n\tbacked_up\x18\x06 \x01(\x08\x12\x13\n\x0blocal_ranks\x18\x07 \x03(\x03\x12\x12\n\npeer_ranks\x18\x08 \x03(\x03\x12\x14\n\x0c\x62ucket_ranks\x18\t \x03(\x03\x12\x15\n\rmissing_ranks\x18\n \x03(\x03\x12\r\n\x05\x62ytes\x18\x0b \x01(\x04\x12\x17\n\x0f\x66irst_seen_unix\x18\x0c \x01(\x01\x12\x13\n\x0b\x62\x61\x63kup_unix\x18\r \x01(\x01\x12\x16\n\x0erestore_target\x18\x0e \x01(\x08\x12\x15\n\rcomplete_unix\x18\x0f \x01(\x01\"t\n\x11ListStepsResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x1c\n\x14newest_complete_step\x18\x03 \x01(\x03\x12%\n\x05steps\x18\x04 \x03(\x0b\x32\x16.mtc.admin.v1.StepInfo\"9\n\x10ListHostsRequest\x12\x12\n\nfirst_rank\x18\x01 \x01(\x03\x12\x11\n\tlast_rank\x18\x02 \x01(\x03\"\x98\x01\n\x08HostInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\x1c\n\x14seconds_since_report\x18\x04 \x01(\x01\x12\x0c\n\x04lost\x18\x05 \x01(\x08\x12\r\n\x05steps\x18\x06 \x03(\x03\x12\x0e\n\x06pieces\x18\x07 \x01(\x04\x12\r\n\x05\x62ytes\x18\x08 \x01(\x04\":\n\x11ListHostsResponse\x12%\n\x05hosts\x18\x01 \x03(\x0b\x32\x16.mtc.admin.v1.HostInfo\"!\n\x11LocateStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x81\x01\n\x05Piece\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x13\n\x0bholder_rank\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x1a\n\x04tier\x18\x04 \x01(\x0e\x32\x0c.mtc.v1.Tier\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\x12\x0c\n\x04size\x18\x06 \x01(\x04\",\n\x08RankData\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x12\n\nowner_rank\x18\x02 \x01(\x03\"\x9e\x01\n\x12LocateStepResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12#\n\x06pieces\x18\x04 \x03(\x0b\x32\x13.mtc.admin.v1.Piece\x12\x12\n\nbackup_url\x18\x05 \x01(\t\x12%\n\x05ranks\x18\x06 \x03(\x0b\x32\x16.mtc.admin.v1.RankData\"\x1a\n\nPinRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"#\n\x0bPinResponse\x12\x14\n\x0cpinned_steps\x18\x01 \x03(\x03\"8\n\x12RestoreStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"f\n\x13RestoreStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x13\n\x0bready_ranks\x18\x03 \x03(\x03\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\" \n\x10\x42\x61\x63kupNowRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"0\n\x11\x42\x61\x63kupNowResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05state\x18\x02 \x01(\t\"\x0f\n\rGcPlanRequest\"y\n\x06GcItem\x12\x1a\n\x04tier\x18\x01 \x01(\x0e\x32\x0c.mtc.v1.Tier\x12\x13\n\x0bholder_rank\x18\x02 \x01(\x03\x12\x12\n\nowner_rank\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\"N\n\x0eGcPlanResponse\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.mtc.admin.v1.GcItem\x12\x17\n\x0fprotected_steps\x18\x02 \x03(\x03\"w\n\x14ReportBadCopyRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\nowner_rank\x18\x02 \x01(\x03\x12\x13\n\x0bholder_rank\x18\x03 \x01(\x03\x12\x1a\n\x04tier\x18\x04 \x01(\x0e\x32\x0c.mtc.v1.Tier\x12\x0c\n\x04\x66ile\x18\x05 \x01(\t\"\'\n\x15ReportBadCopyResponse\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t2\x80\x06\n\x05\x41\x64min\x12O\n\nGetSummary\x12\x1f.mtc.admin.v1.GetSummaryRequest\x1a .mtc.admin.v1.GetSummaryResponse\x12L\n\tListSteps\x12\x1e.mtc.admin.v1.ListStepsRequest\x1a\x1f.mtc.admin.v1.ListStepsResponse\x12L\n\tListHosts\x12\x1e.mtc.admin.v1.ListHostsRequest\x1a\x1f.mtc.admin.v1.ListHostsResponse\x12O\n\nLocateStep\x12\x1f.mtc.admin.v1.LocateStepRequest\x1a .mtc.admin.v1.LocateStepResponse\x12:\n\x03Pin\x12\x18.mtc.admin.v1.PinRequest\x1a\x19.mtc.admin.v1.PinResponse\x12<\n\x05Unpin\x12\x18.mtc.admin.v1.PinRequest\x1a\x19.mtc.admin.v1.PinResponse\x12R\n\x0bRestoreStep\x12 .mtc.admin.v1.RestoreStepRequest\x1a!.mtc.admin.v1.RestoreStepResponse\x12L\n\tBackupNow\x12\x1e.mtc.admin.v1.BackupNowRequest\x1a\x1f.mtc.admin.v1.BackupNowResponse\x12\x43\n\x06GcPlan\x12\x1b.mtc.admin.v1.GcPlanRequest\x1a\x1c.mtc.admin.v1.GcPlanResponse\x12X\n\rReportBadCopy\x12\".mtc.admin.v1.ReportBadCopyRequest\x1a#.mtc.admin.v1.ReportBadCopyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GETSUMMARYREQUEST']._serialized_start=29
-  _globals['_GETSUMMARYREQUEST']._serialized_end=48
-  _globals['_GETSUMMARYRESPONSE']._serialized_start=51
-  _globals['_GETSUMMARYRESPONSE']._serialized_end=569
-  _globals['_LISTSTEPSREQUEST']._serialized_start=571
-  _globals['_LISTSTEPSREQUEST']._serialized_end=589
-  _globals['_STEPINFO']._serialized_start=592
-  _globals['_STEPINFO']._serialized_end=902
-  _globals['_LISTSTEPSRESPONSE']._serialized_start=904
-  _globals['_LISTSTEPSRESPONSE']._serialized_end=1020
-  _globals['_LISTHOSTSREQUEST']._serialized_start=1022
-  _globals['_LISTHOSTSREQUEST']._serialized_end=1079
-  _globals['_HOSTINFO']._serialized_start=1082
-  _globals['_HOSTINFO']._serialized_end=1234
-  _globals['_LISTHOSTSRESPONSE']._serialized_start=1236
-  _globals['_LISTHOSTSRESPONSE']._serialized_end=1294
-  _globals['_LOCATESTEPREQUEST']._serialized_start=1296
-  _globals['_LOCATESTEPREQUEST']._serialized_end=1329
-  _globals['_PIECE']._serialized_start=1331
-  _globals['_PIECE']._serialized_end=1446
-  _globals['_RANKDATA']._serialized_start=1448
-  _globals['_RANKDATA']._serialized_end=1492
-  _globals['_LOCATESTEPRESPONSE']._serialized_start=1495
-  _globals['_LOCATESTEPRESPONSE']._serialized_end=1653
-  _globals['_PINREQUEST']._serialized_start=1655
-  _globals['_PINREQUEST']._serialized_end=1681
-  _globals['_PINRESPONSE']._serialized_start=1683
-  _globals['_PINRESPONSE']._serialized_end=1718
-  _globals['_RESTORESTEPREQUEST']._serialized_start=1720
-  _globals['_RESTORESTEPREQUEST']._serialized_end=1776
-  _globals['_RESTORESTEPRESPONSE']._serialized_start=1778
-  _globals['_RESTORESTEPRESPONSE']._serialized_end=1880
-  _globals['_BACKUPNOWREQUEST']._serialized_start=1882
-  _globals['_BACKUPNOWREQUEST']._serialized_end=1914
-  _globals['_BACKUPNOWRESPONSE']._serialized_start=1916
-  _globals['_BACKUPNOWRESPONSE']._serialized_end=1964
-  _globals['_GCPLANREQUEST']._serialized_start=1966
-  _globals['_GCPLANREQUEST']._serialized_end=1981
-  _globals['_GCITEM']._serialized_start=1983
-  _globals['_GCITEM']._serialized_end=2090
-  _globals['_GCPLANRESPONSE']._serialized_start=2092
-  _globals['_GCPLANRESPONSE']._serialized_end=2170
-  _globals['_REPORTBADCOPYREQUEST']._serialized_start=2172
-  _globals['_REPORTBADCOPYREQUEST']._serialized_end=2277
-  _globals['_REPORTBADCOPYRESPONSE']._serialized_start=2279
-  _globals['_REPORTBADCOPYRESPONSE']._serialized_end=2318
-  _globals['_ADMIN']._serialized_start=2321
-  _globals['_ADMIN']._serialized_end=3089
+  _globals['_GETSUMMARYREQUEST']._serialized_start=41
+  _globals['_GETSUMMARYREQUEST']._serialized_end=60
+  _globals['_GETSUMMARYRESPONSE']._serialized_start=63
+  _globals['_GETSUMMARYRESPONSE']._serialized_end=581
+  _globals['_LISTSTEPSREQUEST']._serialized_start=583
+  _globals['_LISTSTEPSREQUEST']._serialized_end=601
+  _globals['_STEPINFO']._serialized_start=604
+  _globals['_STEPINFO']._serialized_end=914
+  _globals['_LISTSTEPSRESPONSE']._serialized_start=916
+  _globals['_LISTSTEPSRESPONSE']._serialized_end=1032
+  _globals['_LISTHOSTSREQUEST']._serialized_start=1034
+  _globals['_LISTHOSTSREQUEST']._serialized_end=1091
+  _globals['_HOSTINFO']._serialized_start=1094
+  _globals['_HOSTINFO']._serialized_end=1246
+  _globals['_LISTHOSTSRESPONSE']._serialized_start=1248
+  _globals['_LISTHOSTSRESPONSE']._serialized_end=1306
+  _globals['_LOCATESTEPREQUEST']._serialized_start=1308
+  _globals['_LOCATESTEPREQUEST']._serialized_end=1341
+  _globals['_PIECE']._serialized_start=1344
+  _globals['_PIECE']._serialized_end=1473
+  _globals['_RANKDATA']._serialized_start=1475
+  _globals['_RANKDATA']._serialized_end=1519
+  _globals['_LOCATESTEPRESPONSE']._serialized_start=1522
+  _globals['_LOCATESTEPRESPONSE']._serialized_end=1680
+  _globals['_PINREQUEST']._serialized_start=1682
+  _globals['_PINREQUEST']._serialized_end=1708
+  _globals['_PINRESPONSE']._serialized_start=1710
+  _globals['_PINRESPONSE']._serialized_end=1745
+  _globals['_RESTORESTEPREQUEST']._serialized_start=1747
+  _globals['_RESTORESTEPREQUEST']._serialized_end=1803
+  _globals['_RESTORESTEPRESPONSE']._serialized_start=1805
+  _globals['_RESTORESTEPRESPONSE']._serialized_end=1907
+  _globals['_BACKUPNOWREQUEST']._serialized_start=1909
+  _globals['_BACKUPNOWREQUEST']._serialized_end=1941
+  _globals['_BACKUPNOWRESPONSE']._serialized_start=1943
+  _globals['_BACKUPNOWRESPONSE']._serialized_end=1991
+  _globals['_GCPLANREQUEST']._serialized_start=1993
+  _globals['_GCPLANREQUEST']._serialized_end=2008
+  _globals['_GCITEM']._serialized_start=2010
+  _globals['_GCITEM']._serialized_end=2131
+  _globals['_GCPLANRESPONSE']._serialized_start=2133
+  _globals['_GCPLANRESPONSE']._serialized_end=2211
+  _globals['_REPORTBADCOPYREQUEST']._serialized_start=2213
+  _globals['_REPORTBADCOPYREQUEST']._serialized_end=2332
+  _globals['_REPORTBADCOPYRESPONSE']._serialized_start=2334
+  _globals['_REPORTBADCOPYRESPONSE']._serialized_end=2373
+  _globals['_ADMIN']._serialized_start=2376
+  _globals['_ADMIN']._serialized_end=3144
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from mtc_rpc import tier_pb2 as _tier_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -155,10 +156,10 @@ class Piece(_message.Message):
     owner_rank: int
     holder_rank: int
     address: str
-    tier: str
+    tier: _tier_pb2.Tier
     content_hash: str
     size: int
-    def __init__(self, owner_rank: _Optional[int] = ..., holder_rank: _Optional[int] = ..., address: _Optional[str] = ..., tier: _Optional[str] = ..., content_hash: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    def __init__(self, owner_rank: _Optional[int] = ..., holder_rank: _Optional[int] = ..., address: _Optional[str] = ..., tier: _Optional[_Union[_tier_pb2.Tier, str]] = ..., content_hash: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RankData(_message.Message):
     __slots__ = ("rank", "owner_rank")
@@ -244,13 +245,13 @@ class GcItem(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
-    tier: str
+    tier: _tier_pb2.Tier
     holder_rank: int
     owner_rank: int
     step: int
     size: int
     reason: str
-    def __init__(self, tier: _Optional[str] = ..., holder_rank: _Optional[int] = ..., owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., size: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, tier: _Optional[_Union[_tier_pb2.Tier, str]] = ..., holder_rank: _Optional[int] = ..., owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., size: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GcPlanResponse(_message.Message):
     __slots__ = ("items", "protected_steps")
@@ -270,9 +271,9 @@ class ReportBadCopyRequest(_message.Message):
     step: int
     owner_rank: int
     holder_rank: int
-    tier: str
+    tier: _tier_pb2.Tier
     file: str
-    def __init__(self, step: _Optional[int] = ..., owner_rank: _Optional[int] = ..., holder_rank: _Optional[int] = ..., tier: _Optional[str] = ..., file: _Optional[str] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., owner_rank: _Optional[int] = ..., holder_rank: _Optional[int] = ..., tier: _Optional[_Union[_tier_pb2.Tier, str]] = ..., file: _Optional[str] = ...) -> None: ...
 
 class ReportBadCopyResponse(_message.Message):
     __slots__ = ("action",)

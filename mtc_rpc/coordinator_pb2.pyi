@@ -1,3 +1,4 @@
+from mtc_rpc import tier_pb2 as _tier_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -47,10 +48,10 @@ class Holding(_message.Message):
     step: int
     content_hash: str
     size: int
-    tier: str
+    tier: _tier_pb2.Tier
     generation: int
     savers: _containers.RepeatedCompositeFieldContainer[RankRange]
-    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., content_hash: _Optional[str] = ..., size: _Optional[int] = ..., tier: _Optional[str] = ..., generation: _Optional[int] = ..., savers: _Optional[_Iterable[_Union[RankRange, _Mapping]]] = ...) -> None: ...
+    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., content_hash: _Optional[str] = ..., size: _Optional[int] = ..., tier: _Optional[_Union[_tier_pb2.Tier, str]] = ..., generation: _Optional[int] = ..., savers: _Optional[_Iterable[_Union[RankRange, _Mapping]]] = ...) -> None: ...
 
 class RankRange(_message.Message):
     __slots__ = ("first", "last")
@@ -133,12 +134,12 @@ class RestoreSource(_message.Message):
     HOLDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
-    kind: str
+    kind: _tier_pb2.Tier
     holder_rank: int
     holder_address: str
     owner_rank: int
     content_hash: str
-    def __init__(self, kind: _Optional[str] = ..., holder_rank: _Optional[int] = ..., holder_address: _Optional[str] = ..., owner_rank: _Optional[int] = ..., content_hash: _Optional[str] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[_tier_pb2.Tier, str]] = ..., holder_rank: _Optional[int] = ..., holder_address: _Optional[str] = ..., owner_rank: _Optional[int] = ..., content_hash: _Optional[str] = ...) -> None: ...
 
 class RestoreTask(_message.Message):
     __slots__ = ("step", "sources")
@@ -283,10 +284,10 @@ class SourceInfo(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     HOLDER_RANK_FIELD_NUMBER: _ClassVar[int]
     OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
-    kind: str
+    kind: _tier_pb2.Tier
     holder_rank: int
     owner_rank: int
-    def __init__(self, kind: _Optional[str] = ..., holder_rank: _Optional[int] = ..., owner_rank: _Optional[int] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[_tier_pb2.Tier, str]] = ..., holder_rank: _Optional[int] = ..., owner_rank: _Optional[int] = ...) -> None: ...
 
 class RankSources(_message.Message):
     __slots__ = ("rank", "sources")

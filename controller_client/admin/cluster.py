@@ -24,6 +24,7 @@ from controller_client.admin.common import (
     table,
     when,
 )
+from replicator.coordinator.tier_wire import tier_name
 
 
 def summary_doc(s: Any) -> dict[str, Any]:
@@ -269,7 +270,7 @@ def cmd_gc(args: argparse.Namespace, conn: Conn) -> int:
     if not args.dry_run:
         raise UsageError("only `mtc gc --dry-run` exists: collection runs on its own on every host")
     resp = conn.admin.GcPlan(pb.GcPlanRequest(), timeout=conn.timeout)
-    items = [{"tier": i.tier, "holder_rank": i.holder_rank if i.holder_rank >= 0 else None,
+    items = [{"tier": tier_name(i.tier), "holder_rank": i.holder_rank if i.holder_rank >= 0 else None,
               "owner_rank": i.owner_rank if i.owner_rank >= 0 else None, "step": i.step, "bytes": i.size,
               "reason": i.reason} for i in resp.items]
     if args.output == "json":

@@ -23,6 +23,8 @@ from controller_client.admin.common import (
     ranges,
     table,
 )
+from replicator.coordinator.model import Tier
+from replicator.coordinator.tier_wire import from_wire, to_wire
 
 
 def _cluster_pieces(conn: Conn, step: int) -> Any:
@@ -37,9 +39,10 @@ def manifests_from_cluster(conn: Conn, step: int) -> dict[int, Any]:
     loc = _cluster_pieces(conn, step)
     best: dict[int, Any] = {}
     for p in loc.pieces:
-        if p.tier == "bucket" or not p.address:
+        if from_wire(p.tier) is Tier.BUCKET or not p.address:
             continue
-        if p.owner_rank not in best or (p.tier == "local" and best[p.owner_rank].tier != "local"):
+        if p.owner_rank not in best or (from_wire(p.tier) is Tier.LOCAL
+                                        and from_wire(best[p.owner_rank].tier) is not Tier.LOCAL):
             best[p.owner_rank] = p
     owners = {r.rank: r.owner_rank for r in loc.ranks}
     if any(o not in best for o in owners.values()) and loc.backup_url:
@@ -175,8 +178,8 @@ def _verify_bucket_rank(backup: Any, step: int, rank: int) -> tuple[int, list[st
 def cmd_verify(args: argparse.Namespace, conn: Conn | None) -> int:
     from mtc_rpc import admin_pb2 as pb
 
-    tiers = [args.tier] if args.tier else ["local", "peer", "bucket"]
-    jobs: list[tuple[str, int, int, Callable[[], tuple[int, list[str]]]]] = []  # tier, holder, owner, fn
+    tiers = [Tier(args.tier)] if args.tier else [Tier.LOCAL, Tier.PEER, Tier.BUCKET]
+    jobs: list[tuple[Tier, int, int, Callable[[], tuple[int, list[str]]]]] = []  # tier, holder, owner, fn
     backup_url = args.backup_url
     job = args.job
     if conn is not None:
@@ -184,25 +187,26 @@ def cmd_verify(args: argparse.Namespace, conn: Conn | None) -> int:
         backup_url = backup_url or loc.backup_url
         job = job or loc.job
         for p in loc.pieces:
-            if p.tier in tiers and p.tier != "bucket":
-                jobs.append((p.tier, p.holder_rank, p.owner_rank, lambda p=p: _verify_on_host(conn, p, args.step)))
-    elif set(tiers) != {"bucket"}:
+            tier = from_wire(p.tier)
+            if tier in tiers and tier is not Tier.BUCKET:
+                jobs.append((tier, p.holder_rank, p.owner_rank, lambda p=p: _verify_on_host(conn, p, args.step)))
+    elif set(tiers) != {Tier.BUCKET}:
         raise UsageError("without --coordinator only --tier bucket (with --backup-url) can be verified")
-    if "bucket" in tiers and backup_url:
+    if Tier.BUCKET in tiers and backup_url:
         backup = open_backup(backup_url, job)
         try:
             rec, _ = backup.commit_record(args.step)
         except FileNotFoundError:
             rec = None
-            if args.tier == "bucket":
+            if tiers == [Tier.BUCKET]:
                 raise
         if rec is not None:
             for r in range(rec.nodes):
-                jobs.append(("bucket", -1, r, lambda r=r: _verify_bucket_rank(backup, args.step, r)))
-    elif args.tier == "bucket":
+                jobs.append((Tier.BUCKET, -1, r, lambda r=r: _verify_bucket_rank(backup, args.step, r)))
+    elif tiers == [Tier.BUCKET]:
         raise UsageError("no bucket: give --backup-url (or a coordinator with a backup tier)")
     if not jobs:
-        print(f"mtc verify: step {args.step} has no copy on tier(s) {', '.join(tiers)}", file=sys.stderr)
+        print(f"mtc verify: step {args.step} has no copy on tier(s) {', '.join(map(str, tiers))}", file=sys.stderr)
         return EXIT_ERROR
     results = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
@@ -214,7 +218,7 @@ def cmd_verify(args: argparse.Namespace, conn: Conn | None) -> int:
                 err = ""
             except Exception as e:  # an unreachable host or unreadable copy is a failure too
                 nbytes, bad, err = 0, [], f"{type(e).__name__}: {e}"
-            results.append({"tier": tier, "holder_rank": holder if holder >= 0 else None, "owner_rank": owner,
+            results.append({"tier": str(tier), "holder_rank": holder if holder >= 0 else None, "owner_rank": owner,
                             "bytes": nbytes, "bad_files": bad, "error": err, "ok": not bad and not err})
     results.sort(key=lambda x: (x["tier"], x["owner_rank"], x["holder_rank"] or -1))
     reported = []
@@ -223,7 +227,7 @@ def cmd_verify(args: argparse.Namespace, conn: Conn | None) -> int:
             if x["bad_files"]:
                 resp = conn.admin.ReportBadCopy(pb.ReportBadCopyRequest(
                     step=args.step, owner_rank=x["owner_rank"],
-                    holder_rank=-1 if x["holder_rank"] is None else x["holder_rank"], tier=x["tier"],
+                    holder_rank=-1 if x["holder_rank"] is None else x["holder_rank"], tier=to_wire(x["tier"]),
                     file=x["bad_files"][0]), timeout=conn.timeout)
                 reported.append(resp.action)
     ok = all(x["ok"] for x in results)

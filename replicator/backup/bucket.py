@@ -242,6 +242,10 @@ class BackupStore:
         )
         self._report: CapabilityReport | None = None
 
+    def unthrottle(self) -> None:
+        """Upload at full speed from now on (an emergency backup on a preemption notice)."""
+        self._limiter = None
+
     # ------------------------------------------------------------------ names
 
     def _staging_prefix(self, staging_id: str) -> str:

@@ -14,37 +14,50 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mtc_rpc import coordinator_pb2 as pb
 from replicator.backup.bucket import BackupOptions, BackupStore, Staging
 from replicator.backup.storage import open_store
+from replicator.coordinator.backup_status import BackupSchedulerStatus
 from replicator.coordinator.model import Tier
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.service import BackupScheduler
 from replicator.coordinator.topology import JobTopology
 from replicator.options import ReplicatorOptions
-from sidecar.layout import read_manifest
+from sidecar.layout import FileEntry, StepManifest, read_manifest
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentStatus:
+    """One host's backup work so far (its local status)."""
+
+    uploaded_bytes: int
+    last_error: str
+
+
+# (step, rank, bytes, seconds, error) after each rank's upload (rank -1 and an error: the task failed).
+UploadObserver = Callable[[int, int, int, float, str], None]
 
 
 class BackupAgent:
     """One host's side: upload assigned ranks, download from the bucket, report results."""
 
-    def __init__(self, backup: BackupStore):
-        self.backup = backup
+    def __init__(self, bucket: BackupStore):
+        self.bucket = bucket
         self._reports: list[pb.BackupReport] = []
         self._lock = threading.Lock()
         self.uploaded_bytes = 0
         self.last_error = ""
-        # (step, rank, bytes, seconds, error) after each rank's upload: the daemon's metrics and logs.
-        self.on_upload: Callable[..., None] | None = None
+        # Called after each rank's upload: the daemon's metrics and logs.
+        self.on_upload: UploadObserver | None = None
 
     def run_task(self, task: pb.BackupTask, store: Any) -> None:
-        staging = self.backup.open_staging(task.staging)
+        staging = self.bucket.open_staging(task.staging)
         done, error = [], ""
         try:
             owners = list(task.source_owner_ranks) or list(task.ranks)
@@ -57,11 +70,11 @@ class BackupAgent:
                     # A byte-identical replica's data stands in for a rank whose own copies are gone
                     # (the coordinator proved the content hashes equal): the backup holds it as that rank.
                     manifest = dataclasses.replace(manifest, rank=rank)
-                res = self.backup.upload_rank(staging, rank, step_dir, manifest)
+                res = self.bucket.upload_rank(staging, rank, step_dir, manifest)
                 self.uploaded_bytes += res.bytes_uploaded
                 done.append(rank)
                 if self.on_upload is not None:
-                    self.on_upload(task.step, rank, res.bytes_uploaded, res.seconds)
+                    self.on_upload(task.step, rank, res.bytes_uploaded, res.seconds, "")
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             self.last_error = error
@@ -72,15 +85,28 @@ class BackupAgent:
             self._reports.append(pb.BackupReport(step=task.step, uploaded_ranks=done, error=error))
 
     def download(self, step: int, rank: int, dest_parent: Path) -> Path:
-        return self.backup.download_rank(step, rank, dest_parent)
+        """``rank``'s committed backup of ``step`` into ``dest_parent`` (committed there, verified)."""
+        return self.bucket.download_rank(step, rank, dest_parent)
+
+    def read_manifest(self, step: int, rank: int) -> StepManifest:
+        """The manifest of ``rank``'s committed backup of ``step``."""
+        return self.bucket.read_manifest(step, rank)
+
+    def fetch_files(self, step: int, rank: int, entries: Sequence[FileEntry], dest_dir: Path) -> int:
+        """Only ``entries`` of ``rank``'s backup of ``step`` into ``dest_dir`` (ranged reads); bytes moved."""
+        return self.bucket.fetch_files(step, rank, entries, dest_dir)
+
+    def unthrottle(self) -> None:
+        """A preemption notice: upload at full speed from now on."""
+        self.bucket.unthrottle()
 
     def drain_reports(self) -> list[pb.BackupReport]:
         with self._lock:
             out, self._reports = self._reports, []
         return out
 
-    def status(self) -> dict[str, Any]:
-        return {"uploaded_bytes": self.uploaded_bytes, "last_error": self.last_error}
+    def status(self) -> AgentStatus:
+        return AgentStatus(uploaded_bytes=self.uploaded_bytes, last_error=self.last_error)
 
 
 @dataclasses.dataclass
@@ -124,7 +150,7 @@ class BucketScheduler(BackupScheduler):
 
     def __init__(
         self,
-        backup: BackupStore,
+        bucket: BackupStore,
         topology: JobTopology,
         *,
         interval_steps: int = 0,
@@ -134,7 +160,7 @@ class BucketScheduler(BackupScheduler):
         force_restore_step: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.backup = backup
+        self.bucket = bucket
         self.topology = topology
         self.interval_steps = interval_steps
         self.interval_minutes = interval_minutes
@@ -167,7 +193,7 @@ class BucketScheduler(BackupScheduler):
             return
         self._loaded = True
         try:
-            steps = self.backup.committed_steps()
+            steps = self.bucket.committed_steps()
         except Exception as e:
             self.last_error = f"cannot list backups: {e}"
             log.warning("%s", self.last_error)
@@ -175,8 +201,8 @@ class BucketScheduler(BackupScheduler):
         newest_unix = None
         for step in steps:
             try:
-                rec, _ = self.backup.commit_record(step)
-                self.committed_gen[step] = self.backup.committed_generation(step)
+                rec, _ = self.bucket.commit_record(step)
+                self.committed_gen[step] = self.bucket.committed_generation(step)
                 state.report_backup(step, committed=True,
                                     content_hashes={r: h for r, h in enumerate(rec.rank_hashes) if h})
                 newest_unix = rec.committed_unix
@@ -236,7 +262,7 @@ class BucketScheduler(BackupScheduler):
 
     def _start(self, state: CoordinatorState, step: int) -> None:
         savers = state.expected_ranks(step)
-        staging = self.backup.begin(step, self.topology.nodes, savers)
+        staging = self.bucket.begin(step, self.topology.nodes, savers)
         sources = state.sources(step)
         assign: dict[int, int] = {}
         primaries: set[int] = set()
@@ -324,16 +350,16 @@ class BucketScheduler(BackupScheduler):
         if cur is not None:
             state.clear_backup_in_progress(cur.step)
             try:
-                self.backup.abort(cur.staging)
+                self.bucket.abort(cur.staging)
             except Exception as e:
                 log.warning("could not remove staging %s: %s", cur.staging.staging_id, e)
 
     def _commit(self, staging: Any) -> None:
         try:
-            step = self.backup.commit(staging)
-            rec, _ = self.backup.commit_record(step)
-            deleted = self.backup.apply_retention(self.keep)
-            self.backup.clean_stale_staging(self.stale_staging_seconds)
+            step = self.bucket.commit(staging)
+            rec, _ = self.bucket.commit_record(step)
+            deleted = self.bucket.apply_retention(self.keep)
+            self.bucket.clean_stale_staging(self.stale_staging_seconds)
             self._commit_result = (step, list(rec.rank_hashes), f"deleted {deleted}" if deleted else "",
                                    rec.generation)
         except Exception as e:
@@ -359,7 +385,7 @@ class BucketScheduler(BackupScheduler):
         self.committed_gen[step] = generation
         self.last_success_unix = time.time()
         try:
-            self.committed = self.backup.committed_steps()
+            self.committed = self.bucket.committed_steps()
         except Exception:
             self.committed = sorted(set(self.committed) | {step})
         self.committed_gen = {s: g for s, g in self.committed_gen.items() if s in self.committed}
@@ -369,21 +395,20 @@ class BucketScheduler(BackupScheduler):
         log.info("backup of step %d committed in %.2fs %s", step,
                  self.clock() - (cur.started if cur else self.clock()), note)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> BackupSchedulerStatus:
         cur = self.current
-        return {
-            "url": self.backup.store.url,
-            "committed_steps": list(self.committed),
-            "in_progress": None if cur is None else {"step": cur.step, "done_ranks": sorted(cur.done)},
-            "skipped": self.skipped,
-            "failures": self.failures,
-            "last_error": self.last_error,
-            "interval_steps": self.interval_steps,
-            "interval_minutes": self.interval_minutes,
-            "keep": self.keep,
-            "emergency_step": self.emergency_step,
-            "emergency_done": self.emergency_step is not None and self.emergency_step in self.committed,
-        }
+        return BackupSchedulerStatus(
+            url=self.bucket.store.url, committed_steps=tuple(self.committed),
+            in_progress_step=-1 if cur is None else cur.step,
+            in_progress_done_ranks=() if cur is None else tuple(sorted(cur.done)),
+            skipped=self.skipped, failures=self.failures, last_error=self.last_error,
+            interval_steps=self.interval_steps, interval_minutes=self.interval_minutes, keep=self.keep,
+            last_success_unix=self.last_success_unix, emergency_step=self.emergency_step,
+            emergency_done=self.emergency_step is not None and self.emergency_step in self.committed)
+
+    def commit_record(self, step: int) -> tuple[float, int]:
+        rec, _ = self.bucket.commit_record(step)
+        return rec.committed_unix, rec.total_bytes
 
 
 def make_backup(opts: ReplicatorOptions, job: str, rank: int, nodes: int
@@ -392,15 +417,15 @@ def make_backup(opts: ReplicatorOptions, job: str, rank: int, nodes: int
     store = open_store(opts.backup_url)
     bopts = BackupOptions(max_parallel_uploads=max(1, opts.transfer_threads),
                           max_bytes_per_second=float(opts.max_bytes_per_second) or None)
-    backup = BackupStore(store, job, bopts)
-    backup.check_capabilities()
-    agent = BackupAgent(backup)
+    bucket = BackupStore(store, job, bopts)
+    bucket.check_capabilities()
+    agent = BackupAgent(bucket)
 
     def factory(topology: JobTopology) -> BucketScheduler:
         minutes = opts.backup_interval_minutes
         if not minutes and not opts.backup_interval_steps:
             minutes = 30.0
-        return BucketScheduler(backup, topology, interval_steps=opts.backup_interval_steps,
+        return BucketScheduler(bucket, topology, interval_steps=opts.backup_interval_steps,
                                interval_minutes=minutes, keep=opts.backup_keep,
                                force_restore_step=opts.restore_from_backup)
 

@@ -18,7 +18,9 @@ import grpc
 from mtc_rpc import admin_pb2 as pb
 from mtc_rpc import admin_pb2_grpc as pb_grpc
 from mtc_rpc import coordinator_pb2 as cpb
+from replicator.coordinator.backup_status import BackupSchedulerStatus
 from replicator.coordinator.model import Tier
+from replicator.coordinator.tier_wire import from_wire, to_wire
 from replicator.metrics import ClusterView
 
 log = logging.getLogger(__name__)
@@ -39,14 +41,9 @@ def _rank_ranges(ranks: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _backup(coord: Any) -> Any:
-    """The coordinator's bucket scheduler, or None when no bucket is configured."""
-    sched = coord.backup
-    return sched if hasattr(sched, "committed") and hasattr(sched, "backup") else None
-
-
-def _interval_seconds(sched: Any) -> float:
-    return float(getattr(sched, "interval_minutes", 0.0) or 0.0) * 60.0
+def _backup(coord: Any) -> BackupSchedulerStatus | None:
+    """The coordinator's bucket scheduler's state, or None when no bucket is configured."""
+    return coord.backup.status()
 
 
 def cluster_view(coord: Any) -> ClusterView:
@@ -61,11 +58,10 @@ def cluster_view(coord: Any) -> ClusterView:
                     pinned_steps=tuple(st.pinned_steps()))
         sched = _backup(coord)
         if sched is not None:
-            cur = sched.current
             view.update(backup_configured=True, backup_last_success_unix=sched.last_success_unix,
                         backup_skipped=sched.skipped, backup_failures=sched.failures,
-                        backup_interval_seconds=_interval_seconds(sched),
-                        backup_in_progress_step=cur.step if cur else -1)
+                        backup_interval_seconds=sched.interval_seconds,
+                        backup_in_progress_step=sched.in_progress_step)
     return ClusterView(**view)
 
 
@@ -180,16 +176,15 @@ class AdminServicer(pb_grpc.AdminServicer):
     # ------------------------------------------------------------------ helpers
     def _backup_records(self, steps: list[int]) -> dict[int, tuple[float, int]]:
         """(commit time, total bytes) of each backed-up step, read from the bucket once (outside the lock)."""
-        sched = _backup(self.coord)
+        configured = _backup(self.coord) is not None
         out = {}
         for s in steps:
-            if s not in self._commit_records and sched is not None:
+            if s not in self._commit_records and configured:
                 try:
-                    rec = sched.backup.commit_record(s)[0]
+                    self._commit_records[s] = self.coord.backup.commit_record(s)
                 except Exception as e:  # deleted by retention meanwhile, or unreadable: unknown
                     log.debug("no commit record for step %d: %s", s, e)
                     continue
-                self._commit_records[s] = (rec.committed_unix, rec.total_bytes)
             if s in self._commit_records:
                 out[s] = self._commit_records[s]
         return out
@@ -216,15 +211,15 @@ class AdminServicer(pb_grpc.AdminServicer):
                 resp.newest_complete_bytes = sum(srcs[0].size for srcs in st.sources(newest).values())
             sched = _backup(coord)
             if sched is not None:
-                resp.backup_url = sched.backup.store.url
-                resp.newest_backup_step = sched.committed[-1] if sched.committed else -1
+                resp.backup_url = sched.url
+                resp.newest_backup_step = sched.newest_committed
                 resp.backup_last_success_unix = sched.last_success_unix or 0.0
-                resp.backup_interval_seconds = _interval_seconds(sched)
+                resp.backup_interval_seconds = sched.interval_seconds
                 resp.backup_interval_steps = sched.interval_steps
                 resp.backup_skipped = sched.skipped
                 resp.backup_failures = sched.failures
                 resp.backup_last_error = sched.last_error
-                resp.backup_in_progress_step = sched.current.step if sched.current else -1
+                resp.backup_in_progress_step = sched.in_progress_step
             up_seconds = coord.seconds_since_start()
         problems = []
         if newest is None:
@@ -327,16 +322,16 @@ class AdminServicer(pb_grpc.AdminServicer):
                     if h.step != request.step or h.tier is Tier.REPLICA:
                         continue
                     resp.pieces.append(pb.Piece(owner_rank=h.owner_rank, holder_rank=holder,
-                                                address=addresses.get(holder, ""), tier=str(h.tier),
+                                                address=addresses.get(holder, ""), tier=to_wire(h.tier),
                                                 content_hash=h.content_hash, size=h.size))
             for rank, srcs in sorted(st.sources(request.step).items()):
                 resp.ranks.append(pb.RankData(rank=rank, owner_rank=srcs[0].owner_rank))
             for rank, digest in st.backup_ranks(request.step).items():
-                resp.pieces.append(pb.Piece(owner_rank=rank, holder_rank=-1, tier="bucket",
+                resp.pieces.append(pb.Piece(owner_rank=rank, holder_rank=-1, tier=to_wire(Tier.BUCKET),
                                             content_hash=digest or ""))
             sched = _backup(coord)
             if sched is not None:
-                resp.backup_url = sched.backup.store.url
+                resp.backup_url = sched.url
         return resp
 
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
@@ -378,14 +373,14 @@ class AdminServicer(pb_grpc.AdminServicer):
             step = newest if request.step < 0 else request.step
             if step is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no globally complete step to back up")
-            if step in sched.committed:
+            if step in sched.committed_steps:
                 return pb.BackupNowResponse(step=step, state="already-backed-up")
-            if sched.current is not None and sched.current.step == step:
+            if sched.in_progress_step == step:
                 return pb.BackupNowResponse(step=step, state="running")
             if step != newest:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"only the newest complete step ({newest}) can be backed up now, not {step}")
-            sched.request([step])
+            self.coord.backup.request([step])
             log.info("operator requested a backup of step %d", step)
         return pb.BackupNowResponse(step=step, state="requested")
 
@@ -411,12 +406,12 @@ class AdminServicer(pb_grpc.AdminServicer):
                         why = f"older than the host's {keep} newest steps (--keep-local {keep})"
                     else:
                         why = "stale copy: its content hash differs from the owner's"
-                    items.append(pb.GcItem(tier=str(h.tier) if h else "peer", holder_rank=holder, owner_rank=owner,
+                    items.append(pb.GcItem(tier=to_wire(h.tier if h else Tier.PEER), holder_rank=holder, owner_rank=owner,
                                            step=step, size=h.size if h else 0, reason=why))
             sched = _backup(coord)
-            if sched is not None and sched.keep < len(sched.committed):
-                for step in sched.committed[:-sched.keep]:
-                    items.append(pb.GcItem(tier="bucket", holder_rank=-1, owner_rank=-1, step=step,
+            if sched is not None and sched.keep < len(sched.committed_steps):
+                for step in sched.committed_steps[:-sched.keep]:
+                    items.append(pb.GcItem(tier=to_wire(Tier.BUCKET), holder_rank=-1, owner_rank=-1, step=step,
                                            reason=f"bucket retention keeps the newest {sched.keep} backups"))
         return pb.GcPlanResponse(items=items, protected_steps=sorted(protected))
 
@@ -425,17 +420,21 @@ class AdminServicer(pb_grpc.AdminServicer):
         nodes = self.coord.topology.nodes
         if not 0 <= request.owner_rank < nodes or request.step < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad rank {request.owner_rank} or step {request.step}")
-        if request.tier == "bucket":
+        try:
+            tier = from_wire(request.tier)
+        except ValueError:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown tier {request.tier!r}")
+        if tier is Tier.BUCKET:
             with self.coord.lock:
                 self.coord.state.report_backup(request.step, committed=False)
             action = f"the bucket copy of step {request.step} is no longer used for restores"
-        elif request.tier in ("local", "peer"):
+        elif tier in (Tier.LOCAL, Tier.PEER):
             if not 0 <= request.holder_rank < nodes:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad holder rank {request.holder_rank}")
             self.bad.add(request.holder_rank, request.owner_rank, request.step)
             action = (f"host {request.holder_rank} deletes its copy of rank {request.owner_rank} step "
                       f"{request.step}; other tiers heal it")
         else:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown tier {request.tier!r}")
-        log.warning("operator reported a bad copy (%s, file %s): %s", request.tier, request.file or "?", action)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown tier {tier}")
+        log.warning("operator reported a bad copy (%s, file %s): %s", tier, request.file or "?", action)
         return pb.ReportBadCopyResponse(action=action)

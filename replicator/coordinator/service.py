@@ -20,13 +20,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
 from replicator.coordinator.admission import MAX_WAITERS, WaiterGate
+from replicator.coordinator.backup_status import BackupSchedulerStatus
 from replicator.coordinator.fence import EpochFence
 from replicator.coordinator.model import (
     Holding,
@@ -38,6 +38,7 @@ from replicator.coordinator.model import (
 )
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.step_tracking import FirstSeen, RestoreTarget
+from replicator.coordinator.tier_wire import from_wire, to_wire
 from replicator.coordinator.topology import JobTopology
 from replicator.net.security import RankAuthorizer
 
@@ -76,8 +77,13 @@ class BackupScheduler:
         """The bucket's backup of ``step`` (if any) is of its current save, not of one a rollback abandoned."""
         return True
 
-    def status(self) -> dict[str, Any]:
-        return {}
+    def status(self) -> BackupSchedulerStatus | None:
+        """The scheduler's state (None: no bucket configured)."""
+        return None
+
+    def commit_record(self, step: int) -> tuple[float, int]:
+        """(commit time, total bytes) of the bucket's backup of ``step``; ``FileNotFoundError`` if none."""
+        raise FileNotFoundError(f"no backup tier: no backup of step {step}")
 
 
 def _expired(context: grpc.ServicerContext) -> bool:
@@ -286,7 +292,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             if s.kind is Tier.PEER and s.holder_rank not in self._addresses:
                 continue
             out.append(pb.RestoreSource(
-                kind=str(s.kind), holder_rank=-1 if s.holder_rank is None else s.holder_rank,
+                kind=to_wire(s.kind), holder_rank=-1 if s.holder_rank is None else s.holder_rank,
                 holder_address=self._addresses.get(s.holder_rank, "") if s.holder_rank is not None else "",
                 owner_rank=s.owner_rank, content_hash=s.content_hash or ""))
         return pb.RestoreTask(step=step, sources=out) if out else None
@@ -306,7 +312,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._check_active(context)
         rank = request.rank
         try:
-            holdings = [Holding(h.owner_rank, h.step, h.content_hash, h.size, h.tier, h.generation,
+            holdings = [Holding(h.owner_rank, h.step, h.content_hash, h.size, from_wire(h.tier), h.generation,
                                 tuple((r.first, r.last) for r in h.savers)) for h in request.holdings]
             removed = [(d.owner_rank, d.step) for d in request.removed]
         except ValueError as e:
@@ -539,7 +545,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     addr = self._addresses.get(src.holder_rank, "") if src.holder_rank is not None else ""
                     if src.kind is not Tier.BUCKET and not addr:
                         continue
-                    rs.sources.add(kind=str(src.kind), holder_rank=-1 if src.holder_rank is None else src.holder_rank,
+                    rs.sources.add(kind=to_wire(src.kind), holder_rank=-1 if src.holder_rank is None else src.holder_rank,
                                    holder_address=addr, owner_rank=src.owner_rank,
                                    content_hash=src.content_hash or "")
         return resp
@@ -587,14 +593,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 ranks_backed_up=backed, backed_up=backed_up, pinned=step in pinned,
                 backing_up=step in backing, savers=ranges(savers)))
         b = self.backup.status()
-        if b:
-            cur = b.get("in_progress") or {}
+        if b is not None:
             resp.backup.CopyFrom(pb.BackupStatus(
-                url=str(b.get("url", "")), committed_steps=b.get("committed_steps", []),
-                in_progress_step=cur.get("step", -1), in_progress_done_ranks=len(cur.get("done_ranks", [])),
-                skipped=b.get("skipped", 0), failures=b.get("failures", 0), last_error=b.get("last_error", ""),
-                interval_steps=b.get("interval_steps", 0), interval_minutes=b.get("interval_minutes", 0.0),
-                keep=b.get("keep", 0)))
+                url=b.url, committed_steps=b.committed_steps, in_progress_step=b.in_progress_step,
+                in_progress_done_ranks=len(b.in_progress_done_ranks), skipped=b.skipped, failures=b.failures,
+                last_error=b.last_error, interval_steps=b.interval_steps, interval_minutes=b.interval_minutes,
+                keep=b.keep))
         first = max(0, request.rank_first)
         last = t.nodes - 1 if request.rank_count <= 0 else min(first + request.rank_count, t.nodes) - 1
         detail = range(first, last + 1)
@@ -615,7 +619,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             for r in detail:
                 srcs = st.rank_sources(step, r)
                 d.ranks.append(pb.RankSources(rank=r, sources=[
-                    pb.SourceInfo(kind=str(s.kind), holder_rank=-1 if s.holder_rank is None else s.holder_rank,
+                    pb.SourceInfo(kind=to_wire(s.kind), holder_rank=-1 if s.holder_rank is None else s.holder_rank,
                                   owner_rank=s.owner_rank) for s in srcs]))
         return resp
 

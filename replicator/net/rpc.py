@@ -149,8 +149,32 @@ def wait_ready(channel: grpc.Channel, timeout_seconds: float = CONNECT_TIMEOUT_S
 # --------------------------------------------------------------------------- errors → status codes
 
 
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The gRPC status code for a domain error (INTERNAL for anything unexpected)."""
+class Unavailable(RuntimeError):
+    """Every source of something was tried and none could serve it now (peers, the bucket, the coordinator):
+    a transient condition the caller may retry."""
+
+
+# Codes of a failed call to another service that a servicer passes on as they are: the request itself was
+# bad, or what it names does not exist. Any other upstream failure is transient for our caller.
+_PASSED_ON = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+
+
+def details(exc: BaseException) -> str:
+    """The human part of an error: a gRPC error's details, else ``str(exc)``."""
+    return exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else str(exc)
+
+
+def status_for(exc: BaseException, default: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> grpc.StatusCode:
+    """The gRPC status code for a domain error; ``default`` (INTERNAL unless told) for anything else.
+
+    A ``grpc.RpcError`` (a call this servicer made failed) keeps INVALID_ARGUMENT/NOT_FOUND and is
+    UNAVAILABLE otherwise; :class:`Unavailable` is UNAVAILABLE.
+    """
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code() if hasattr(exc, "code") else None
+        return code if code in _PASSED_ON else grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, ChecksumError):  # an OSError subclass: check before the OSError family
         return grpc.StatusCode.DATA_LOSS
     if isinstance(exc, FileNotFoundError):
@@ -165,14 +189,17 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
-    return grpc.StatusCode.INTERNAL
+    return default
 
 
-def abort_for(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
-    """Abort the current RPC with the status that fits ``exc`` (never returns)."""
-    code = status_for(exc)
+def abort_for(context: grpc.ServicerContext, exc: BaseException,
+              default: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> NoReturn:
+    """Abort the current RPC with the status that fits ``exc`` (see :func:`status_for`; never returns)."""
+    code = status_for(exc, default)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error in RPC", exc_info=exc)
+    if isinstance(exc, grpc.RpcError):
+        context.abort(code, f"upstream {exc.code().name if hasattr(exc, 'code') else 'RPC'}: {details(exc)}")
     context.abort(code, f"{type(exc).__name__}: {exc}")
     raise AssertionError("unreachable")  # context.abort always raises
 
@@ -183,14 +210,26 @@ _DOMAIN_ERRORS = (OSError, ValueError)  # ChecksumError/ManifestError/FileNotFou
 
 def map_errors(method: F) -> F:
     """Decorator for servicer methods (unary or response-streaming): domain errors → ``abort_for``."""
+    return _mapping(method, _DOMAIN_ERRORS, grpc.StatusCode.INTERNAL)
+
+
+def map_errors_as_unavailable(method: F) -> F:
+    """:func:`map_errors` for servicers that act by calling other services (peers, the bucket, the
+    coordinator): domain errors, ``RuntimeError`` and failed upstream calls map by :func:`status_for`, and
+    one it does not name is UNAVAILABLE (transient) rather than INTERNAL. (Not ``Exception``: the
+    exception ``context.abort`` raises must pass.)"""
+    return _mapping(method, (*_DOMAIN_ERRORS, RuntimeError, grpc.RpcError), grpc.StatusCode.UNAVAILABLE)
+
+
+def _mapping(method: F, caught: tuple[type[BaseException], ...], default: grpc.StatusCode) -> F:
     if inspect.isgeneratorfunction(method):
 
         @functools.wraps(method)
         def stream_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
                 yield from method(self, request, context)
-            except _DOMAIN_ERRORS as e:
-                abort_for(context, e)
+            except caught as e:
+                abort_for(context, e, default)
 
         return stream_wrapper  # type: ignore[return-value]
 
@@ -198,7 +237,7 @@ def map_errors(method: F) -> F:
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
-        except _DOMAIN_ERRORS as e:
-            abort_for(context, e)
+        except caught as e:
+            abort_for(context, e, default)
 
     return wrapper  # type: ignore[return-value]

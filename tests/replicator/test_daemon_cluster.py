@@ -18,6 +18,7 @@ from controller_client.manager import CheckpointManager, CheckpointManagerOption
 from controller_client.topology import HostTopology
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
+from mtc_rpc import tier_pb2
 from sidecar import checksums, commit, layout
 from tests.kits.cluster import REPO, assert_equal, manager, redundant, save_steps, status, target, wait_for
 
@@ -166,7 +167,7 @@ def test_bad_requests_are_rejected_and_change_nothing(cluster_factory, tmp_path)
             stub.Heartbeat(cpb.HeartbeatRequest(job="other", rank=0, incarnation=1), timeout=5, metadata=md)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         bad = cpb.HeartbeatRequest(job="t", rank=1, incarnation=1,
-                                   holdings=[cpb.Holding(owner_rank=1, step=-3, content_hash="x", tier="local")])
+                                   holdings=[cpb.Holding(owner_rank=1, step=-3, content_hash="x", tier=tier_pb2.TIER_LOCAL)])
         with pytest.raises(grpc.RpcError) as e:
             stub.Heartbeat(bad, timeout=5, metadata=md)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import types
 
 import grpc
 import pytest
@@ -12,8 +11,11 @@ from hypothesis import strategies as st
 
 from mtc_rpc import admin_pb2 as apb
 from mtc_rpc import coordinator_pb2 as pb
+from mtc_rpc import tier_pb2
 from replicator.coordinator.admin import AdminServicer, cluster_view
-from replicator.coordinator.service import Coordinator
+from replicator.coordinator.backup_status import BackupSchedulerStatus
+from replicator.coordinator.service import BackupScheduler, Coordinator
+from replicator.coordinator.tier_wire import to_wire
 from replicator.coordinator.topology import JobTopology
 
 
@@ -35,7 +37,7 @@ class Clock:
 
 def beat(svc, rank, holdings):
     req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
-                              full_report=True, holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=t)
+                              full_report=True, holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=to_wire(t))
                                         for o, s, h, t in holdings])
     return svc.Heartbeat(req, Ctx())
 
@@ -52,19 +54,26 @@ def make(backup=None):
     return coord, admin, admin.wrap(coord), clock
 
 
+class FakeScheduler(BackupScheduler):
+    """A bucket scheduler with a fixed typed status (the real one needs a bucket)."""
+
+    def __init__(self, committed=(), last_success_unix=None, interval_minutes=0.0, interval_steps=0, keep=3):
+        self.requested: set[int] = set()
+        self._status = BackupSchedulerStatus(
+            url="file:///b", committed_steps=tuple(committed), in_progress_step=-1, in_progress_done_ranks=(),
+            skipped=0, failures=0, last_error="", interval_steps=interval_steps,
+            interval_minutes=interval_minutes, keep=keep, last_success_unix=last_success_unix,
+            emergency_step=None, emergency_done=False)
+
+    def request(self, steps):
+        self.requested.update(steps)
+
+    def status(self):
+        return self._status
+
+
 def fake_scheduler(**kw):
-    """What the admin service reads of a BucketScheduler (the real one needs a bucket)."""
-    base = dict(committed=[], backup=types.SimpleNamespace(store=types.SimpleNamespace(url="file:///b")),
-                last_success_unix=None, interval_minutes=0.0, interval_steps=0, skipped=0, failures=0,
-                last_error="", current=None, keep=3, requested=set())
-    base.update(kw)
-    ns = types.SimpleNamespace(**base)
-    ns.task_for = lambda *a: None
-    ns.report = lambda *a: None
-    ns.request = lambda steps: ns.requested.update(steps)
-    ns.status = lambda: {}
-    ns.is_current = lambda *a: True
-    return ns
+    return FakeScheduler(**kw)
 
 
 def test_healthy_then_lost_host_is_degraded() -> None:
@@ -114,7 +123,7 @@ def test_bad_copy_is_hidden_deleted_and_forgotten() -> None:
     for r in (0, 1):
         beat(svc, r, RING[r])
     assert coord.state.is_redundant(5)
-    admin.ReportBadCopy(apb.ReportBadCopyRequest(step=5, owner_rank=1, holder_rank=0, tier="peer", file="x"), Ctx())
+    admin.ReportBadCopy(apb.ReportBadCopyRequest(step=5, owner_rank=1, holder_rank=0, tier=tier_pb2.TIER_PEER, file="x"), Ctx())
     resp = beat(svc, 0, RING[0])
     assert [(d.owner_rank, d.step) for d in resp.deletions] == [(1, 5)]
     assert not coord.state.is_redundant(5)  # the bad copy no longer counts
@@ -124,7 +133,7 @@ def test_bad_copy_is_hidden_deleted_and_forgotten() -> None:
     resp = beat(svc, 0, RING[0])
     assert not resp.deletions and coord.state.is_redundant(5)
     with pytest.raises(grpc.RpcError, match="INVALID_ARGUMENT"):
-        admin.ReportBadCopy(apb.ReportBadCopyRequest(step=5, owner_rank=9, holder_rank=0, tier="peer"), Ctx())
+        admin.ReportBadCopy(apb.ReportBadCopyRequest(step=5, owner_rank=9, holder_rank=0, tier=tier_pb2.TIER_PEER), Ctx())
 
 
 def test_bad_copy_with_delta_heartbeats() -> None:
@@ -136,7 +145,7 @@ def test_bad_copy_with_delta_heartbeats() -> None:
         digests[r] = inventory_digest([Holding(o, s, h, 10, t) for o, s, h, t in RING[r]])
         req = pb.HeartbeatRequest(job="t", rank=r, incarnation=1, address=f"127.0.0.1:{7000 + r}",
                                   full_report=True, inventory_digest=digests[r],
-                                  holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=t)
+                                  holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=to_wire(t))
                                             for o, s, h, t in RING[r]])
         assert svc.Heartbeat(req, Ctx()).acked_digest == digests[r]
 
@@ -146,7 +155,7 @@ def test_bad_copy_with_delta_heartbeats() -> None:
                                   removed=[pb.Deletion(owner_rank=o, step=s) for o, s in removed])
         return svc.Heartbeat(req, Ctx())
 
-    admin.ReportBadCopy(apb.ReportBadCopyRequest(step=5, owner_rank=1, holder_rank=0, tier="peer"), Ctx())
+    admin.ReportBadCopy(apb.ReportBadCopyRequest(step=5, owner_rank=1, holder_rank=0, tier=tier_pb2.TIER_PEER), Ctx())
     resp = quiet(0)  # nothing new from host 0: the bad copy still goes, and stops counting at once
     assert [(d.owner_rank, d.step) for d in resp.deletions] == [(1, 5)]
     assert coord.state.holding(0, (1, 5)) is None and not coord.state.is_redundant(5)
@@ -186,7 +195,7 @@ _REQUESTS = st.one_of(
     st.builds(lambda: ("GcPlan", apb.GcPlanRequest())),
     st.builds(lambda a, b, c, t: ("ReportBadCopy", apb.ReportBadCopyRequest(step=a, owner_rank=b, holder_rank=c,
                                                                            tier=t)),
-              _INTS, _INTS, _INTS, st.sampled_from(["local", "peer", "bucket", "", "x" * 300])),
+              _INTS, _INTS, _INTS, st.sampled_from([0, 1, 2, 3, 4, 5, -1, 2**31 - 1])),
     st.builds(lambda a, w: ("RestoreStep", apb.RestoreStepRequest(step=a, wait_seconds=w)), _INTS,
               st.sampled_from([0.0, -1.0, float("nan"), 0.01])),
 )

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mtc_rpc import admin_pb2, admin_pb2_grpc
+from mtc_rpc import admin_pb2, admin_pb2_grpc, tier_pb2
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
 from replicator.coordinator.admin import ADMIN_ACTIONS, AdminServicer
@@ -67,7 +67,7 @@ def beat(stub: pb_grpc.CoordinatorStub, rank: int, step: int = 5, address: str =
                               address=address or f"127.0.0.1:{7000 + rank}", newest_saved_step=step,
                               full_report=True, inventory_digest=f"d{rank}",
                               holdings=[pb.Holding(owner_rank=rank, step=step, content_hash=f"h{rank}", size=10,
-                                                   tier="local")])
+                                                   tier=tier_pb2.TIER_LOCAL)])
     return stub.Heartbeat(req, timeout=10)
 
 
@@ -142,7 +142,7 @@ def test_admin_actions_need_the_admin_certificate(served: Served) -> None:
         _, admin_stub = served.stubs(pair)
         for call, req in ((admin_stub.Pin, admin_pb2.PinRequest(step=5)),
                           (admin_stub.ReportBadCopy, admin_pb2.ReportBadCopyRequest(
-                              tier="peer", holder_rank=2, owner_rank=2, step=5))):
+                              tier=tier_pb2.TIER_PEER, holder_rank=2, owner_rank=2, step=5))):
             with pytest.raises(grpc.RpcError) as e:
                 call(req, timeout=10)
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -5,6 +5,7 @@ import pytest
 
 from mtc_rpc import coordinator_pb2 as pb
 from replicator.coordinator.service import Coordinator
+from replicator.coordinator.tier_wire import to_wire
 from replicator.coordinator.topology import JobTopology
 
 
@@ -21,7 +22,7 @@ class Ctx:
 def beat(coord, rank, holdings):
     req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
                               newest_saved_step=3, full_report=True,
-                              holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=t)
+                              holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=to_wire(t))
                                         for o, s, h, t in holdings])
     return coord.Heartbeat(req, Ctx())
 
@@ -77,7 +78,7 @@ class LateCtx(Ctx):
 
 
 def pb_holdings(rank, items):
-    return [pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=t) for o, s, h, t in items]
+    return [pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=to_wire(t)) for o, s, h, t in items]
 
 
 def digest(items):

@@ -165,10 +165,10 @@ def test_daemon_backs_off_a_failing_copy(tmp_path: Path) -> None:
     try:
         t_end = time.monotonic() + 2.0
         while time.monotonic() < t_end:  # what a heartbeat loop asking for the copy every 10 ms does
-            r._submit("copy", 1, 5, failing)
+            r.tasks.submit("copy", 1, 5, failing)
             time.sleep(0.01)
     finally:
-        r._pool.shutdown(wait=True)
+        r.tasks.shutdown(wait=True)
     # 0.05-0.15 s, 0.1-0.3, 0.2-0.6, 0.4-1.2 ...: a handful of attempts in 2 s, not hundreds.
     assert 2 <= len(calls) <= 8, calls
     assert r.counters.get("copy_failures") == len(calls)

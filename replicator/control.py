@@ -1,0 +1,92 @@
+"""The sidecar's local control service: a Unix socket under the host's local directory (owner-only).
+
+The sidecar tells the replicator a step was committed, asks where a step is, and has data it lacks fetched
+from the other tiers. Errors become status codes through the shared mapping of :mod:`replicator.net.rpc`
+(the sidecar decides by the code: NOT_FOUND no tier has it, INVALID_ARGUMENT a bad request, UNAVAILABLE
+anything transient — a peer, the bucket, the coordinator).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+
+from mtc_rpc import control_pb2, control_pb2_grpc
+from replicator.net.rpc import map_errors_as_unavailable
+from sidecar import faults, layout
+
+
+class ControlTarget(Protocol):
+    """What the service asks of its daemon (:class:`replicator.daemon.Replicator`)."""
+
+    preemption_noticed: bool
+    newest_complete: int
+
+    def wake(self) -> None: ...
+    def local_status(self) -> control_pb2.GetLocalStatusResponse: ...
+    def locate(self, step: int) -> tuple[list[int], int]: ...
+    def fetch_for_sidecar(self, owner: int, step: int, manifest_only: bool, replace_local: bool,
+                          timeout_seconds: float) -> tuple[str, bytes]: ...
+    def fetch_files_for_sidecar(self, owner: int, step: int, entries: list[layout.FileEntry], dest_rel: str,
+                                timeout_seconds: float) -> tuple[str, int]: ...
+    def request_backup_now(self) -> None: ...
+
+
+class LocalControl(control_pb2_grpc.LocalControlServicer):
+    """Thin servicer over the daemon."""
+
+    def __init__(self, daemon: ControlTarget):
+        self.daemon = daemon
+
+    def StepCommitted(self, request, context):
+        faults.point("notify.received")
+        self.daemon.wake()
+        return control_pb2.StepCommittedResponse()
+
+    def GetLocalStatus(self, request, context):
+        return self.daemon.local_status()
+
+    @map_errors_as_unavailable
+    def LocateStep(self, request, context):
+        savers, generation = self.daemon.locate(request.step)
+        return control_pb2.LocalLocateResponse(savers=savers, generation=generation)
+
+    @map_errors_as_unavailable
+    def FetchStep(self, request, context):
+        rel, manifest = self.daemon.fetch_for_sidecar(request.owner_rank, request.step, request.manifest_only,
+                                                      request.replace_local, request.timeout_seconds)
+        return control_pb2.FetchStepResponse(step_dir=rel, manifest_json=manifest)
+
+    @map_errors_as_unavailable
+    def FetchFiles(self, request, context):
+        # ManifestError (INVALID_ARGUMENT): a malformed file list.
+        entries = [layout.FileEntry.from_dict({"name": f.name, "size": f.size, "crc32c": f.crc32c})
+                   for f in request.files]
+        source, nbytes = self.daemon.fetch_files_for_sidecar(request.owner_rank, request.step, entries,
+                                                             request.dest_dir, request.timeout_seconds)
+        return control_pb2.FetchFilesResponse(source=source, bytes=nbytes)
+
+    def GetPreemption(self, request, context):
+        noticed = self.daemon.preemption_noticed
+        return control_pb2.GetPreemptionResponse(noticed=noticed, notice_step=self.daemon.newest_complete
+                                                 if noticed else -1)
+
+    def BackupNow(self, request, context):
+        self.daemon.request_backup_now()
+        return control_pb2.BackupNowResponse()
+
+
+def serve_control(daemon: ControlTarget, root: Path) -> grpc.Server:
+    """Start the local control service on ``<root>``'s control socket (replacing a stale one)."""
+    sock = layout.control_socket(root)
+    sock.unlink(missing_ok=True)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    control_pb2_grpc.add_LocalControlServicer_to_server(LocalControl(daemon), server)
+    server.add_insecure_port(f"unix:{sock}")
+    server.start()
+    os.chmod(sock, 0o600)
+    return server

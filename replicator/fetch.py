@@ -1,0 +1,269 @@
+"""Bringing a step's data to this host from the other tiers: a peer's RAM disk or the bucket.
+
+Every fetch — a copy task, a restore, a sidecar's whole-step or file-subset fetch — walks the
+coordinator's sources (fastest first) through one ladder, :func:`fetch_from`. A source is a
+:class:`PeerSource` or a :class:`BucketSource` behind one small interface (``bring`` the whole step,
+read its ``manifest``, fetch some ``files``); which one is decided once, in :meth:`Fetcher.source`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from mtc_rpc import coordinator_pb2 as cpb
+from replicator.coordinator.model import Tier
+from replicator.coordinator.tier_wire import from_wire
+from replicator.local.store import RamDiskStore
+from replicator.metrics import ReplicatorMetrics
+from replicator.net.rpc import Unavailable, details
+from replicator.net.security import TlsOptions
+from replicator.options import ReplicatorOptions
+from replicator.peer import client as peer_client
+from replicator.peer import protocol as peer_protocol
+from replicator.tasks import TaskRunner
+from sidecar import faults, layout, spares
+
+if TYPE_CHECKING:  # the bucket's backends load only when a --backup-url is configured
+    from replicator.backup.tier import BackupAgent
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Source(Protocol):
+    """One place a rank's data of a step can come from."""
+
+    tier: Tier
+    owner_rank: int
+    holder_rank: int
+    content_hash: str | None
+    where: str  # for logs and errors
+
+    def bring(self, step: int) -> layout.StepManifest:
+        """The whole step directory into this host's store (single-flight)."""
+
+    def manifest(self, step: int) -> layout.StepManifest:
+        """The step's manifest, without its data."""
+
+    def files(self, step: int, entries: list[layout.FileEntry], dest: Path) -> int:
+        """``entries`` into ``dest``, each verified; the bytes moved."""
+
+
+class PeerSource:
+    """Another host's RAM disk, through its peer service."""
+
+    def __init__(self, fetcher: Fetcher, src: cpb.RestoreSource):
+        self._f = fetcher
+        self.tier = from_wire(src.kind)
+        self.owner_rank, self.holder_rank = src.owner_rank, src.holder_rank
+        self.address = src.holder_address
+        self.content_hash = src.content_hash or None
+        self.where = f"rank {src.holder_rank} at {src.holder_address}"
+
+    def bring(self, step: int) -> layout.StepManifest:
+        return self._f.fetch_peer(self.address, self.owner_rank, step, self.content_hash)
+
+    def manifest(self, step: int) -> layout.StepManifest:
+        f = self._f
+        return peer_client.get_manifest(self.address, self.owner_rank, step, token=f.token, tls=f.tls,
+                                        timeout_seconds=f.opts.rpc_timeout_seconds)
+
+    def files(self, step: int, entries: list[layout.FileEntry], dest: Path) -> int:
+        # No manifest round trip: the peer offers the files as its manifest lists them (a mismatch is
+        # refused), and each file must match the asked-for crc32c on arrival.
+        f = self._f
+        return peer_client.fetch_files(self.address, self.owner_rank, step, entries, dest, token=f.token,
+                                       tls=f.tls, throttle=f.throttle,
+                                       timeout_seconds=f.opts.transfer_timeout_seconds)
+
+
+class BucketSource:
+    """The job's committed backups."""
+
+    tier = Tier.BUCKET
+    holder_rank = -1
+    content_hash = None
+    where = "bucket"
+
+    def __init__(self, fetcher: Fetcher, src: cpb.RestoreSource):
+        self._f = fetcher
+        self.owner_rank = src.owner_rank
+
+    def _agent(self) -> BackupAgent:
+        if self._f.bucket is None:
+            raise RuntimeError("no backup tier configured")
+        return self._f.bucket
+
+    def bring(self, step: int) -> layout.StepManifest:
+        return self._f.download(self.owner_rank, step)
+
+    def manifest(self, step: int) -> layout.StepManifest:
+        return self._agent().read_manifest(step, self.owner_rank)
+
+    def files(self, step: int, entries: list[layout.FileEntry], dest: Path) -> int:
+        return self._agent().fetch_files(step, self.owner_rank, entries, dest)
+
+
+def fetch_from(sources: Sequence[Source], attempt: Callable[[Source], T], *, what: str, missing: str) -> T:
+    """``attempt(source)`` for each source in turn (fastest first) until one succeeds: its answer.
+
+    Raises ``FileNotFoundError(missing)`` when there is no source at all, :class:`Unavailable` naming every
+    source's error when none served.
+    """
+    errors = []
+    for src in sources:
+        try:
+            return attempt(src)
+        except Exception as e:  # the next tier
+            log.warning("%s from %s failed: %s", what, src.where, e)
+            errors.append(f"{src.where}: {type(e).__name__}: {details(e)}")
+    if not sources:
+        raise FileNotFoundError(missing)
+    raise Unavailable(f"{what} is unreachable: " + "; ".join(errors))
+
+
+class Fetcher:
+    """The daemon's transfers into this host's store, single-flight through the :class:`TaskRunner`."""
+
+    def __init__(self, opts: ReplicatorOptions, store: RamDiskStore, tasks: TaskRunner,
+                 bucket: BackupAgent | None, metrics: ReplicatorMetrics, *, token: str | None,
+                 tls: TlsOptions | None):
+        self.opts, self.store, self.tasks, self.bucket = opts, store, tasks, bucket
+        self.metrics, self.counters = metrics, metrics.counters
+        self.token, self.tls = token, tls
+        self.throttle: peer_protocol.Throttle | None = None  # set once the peer service is up
+
+    def source(self, src: cpb.RestoreSource) -> Source:
+        """The fetchable tier a coordinator's source names."""
+        return BucketSource(self, src) if from_wire(src.kind) is Tier.BUCKET else PeerSource(self, src)
+
+    # ------------------------------------------------------------------ whole steps, single-flight
+    def fetch_peer(self, address: str, owner: int, step: int, content_hash: str | None) -> layout.StepManifest:
+        """Fetch ``owner``'s ``step`` from the peer at ``address`` (single-flight, see :meth:`TaskRunner.once`)."""
+        return self.tasks.once(owner, step, content_hash,
+                               lambda: self._fetch_now(address, owner, step, content_hash),
+                               lambda: self.store.manifest(owner, step))
+
+    def download(self, owner: int, step: int) -> layout.StepManifest:
+        """Fetch ``owner``'s ``step`` from the bucket (single-flight, see :meth:`TaskRunner.once`)."""
+        if self.bucket is None:
+            raise RuntimeError("no backup tier configured")
+        bucket = self.bucket
+        parent = self.store.step_dir(owner, step).parent
+
+        def download() -> layout.StepManifest:
+            bucket.download(step, owner, parent)
+            m = self.store.manifest(owner, step)
+            if m is None:
+                raise RuntimeError(f"the download of rank {owner} step {step} left no committed copy")
+            return m
+
+        return self.tasks.once(owner, step, None, download, lambda: self.store.manifest(owner, step))
+
+    def _fetch_now(self, address: str, owner: int, step: int, content_hash: str | None) -> layout.StepManifest:
+        dest = self.store.step_dir(owner, step).parent
+        t0 = time.monotonic()
+        m = peer_client.fetch_step(address, owner, step, dest, token=self.token, tls=self.tls,
+                                   timeout_seconds=self.opts.transfer_timeout_seconds,
+                                   throttle=self.throttle, expected_content_hash=content_hash,
+                                   spare_dir=spares.spare_dir(self.store.root))
+        dt = time.monotonic() - t0
+        log.info("copy: fetched rank %d step %d from %s: %d bytes in %.3fs (%.2f GiB/s)",
+                 owner, step, address, m.total_bytes, dt, m.total_bytes / max(dt, 1e-9) / 2**30)
+        return m
+
+    # ------------------------------------------------------------------ the coordinator's tasks
+    def copy(self, task: cpb.CopyTask) -> None:
+        """A copy task: another rank's step onto this host's RAM disk (redundancy)."""
+        if self.store.has(task.owner_rank, task.step):
+            return
+        faults.point("copy.before_fetch")
+        t0 = time.monotonic()
+        m = self.fetch_peer(task.source_address, task.owner_rank, task.step, task.content_hash or None)
+        self.metrics.observe_transfer("peer_copy", time.monotonic() - t0)
+        self.counters.add("copies")
+        self.counters.add("copy_bytes", m.total_bytes)
+
+    def restore(self, rank: int, task: cpb.RestoreTask) -> None:
+        """A restore task: ``rank``'s (this host's) data of the step to restore, from the first source that has it."""
+        if not task.sources:
+            return
+        t0 = time.monotonic()
+
+        def attempt(src: Source) -> None:
+            if self.store.holds_data_for(rank, task.step, src.content_hash):
+                return
+            t1 = time.monotonic()
+            if src.tier is not Tier.BUCKET and self.store.has(src.owner_rank, task.step):
+                # A stale copy under the same name (e.g. an older save of this step): replace it.
+                self.store.delete(src.owner_rank, task.step)
+            if src.tier is not Tier.BUCKET:
+                faults.point("restore.peer.before_fetch")
+            src.bring(task.step)
+            now = time.monotonic()
+            m = self.store.manifest(src.owner_rank, task.step)
+            nbytes = m.total_bytes if m is not None else 0
+            self.metrics.observe_transfer(f"restore_{'bucket' if src.tier is Tier.BUCKET else 'peer'}", now - t1)
+            self.metrics.restore_seconds.observe(now - t0)
+            self.counters.add("restores")
+            self.counters.add("restore_bytes", nbytes)
+            log.info("restore: rank %d now holds its data of step %d from %s rank %d: %d bytes in %.3fs",
+                     rank, task.step, src.tier, src.holder_rank, nbytes, now - t0)
+
+        fetch_from([self.source(s) for s in task.sources], attempt,
+                        what=f"restore of rank {rank} step {task.step}", missing="")
+
+    # ------------------------------------------------------------------ for the sidecar
+    def for_sidecar(self, sources: Sequence[cpb.RestoreSource], savers: list[int], owner: int, step: int,
+                    manifest_only: bool) -> tuple[str, bytes]:
+        """``owner``'s ``step`` (or its manifest) from the first of ``sources`` that serves it: (the copy's
+        directory relative to the local root, or the manifest JSON when ``manifest_only``)."""
+
+        def attempt(src: Source) -> tuple[str, bytes]:
+            if manifest_only:
+                return "", src.manifest(step).to_json()
+            if not self.store.has(src.owner_rank, step, src.content_hash):
+                if self.store.has(src.owner_rank, step):
+                    self.store.delete(src.owner_rank, step)  # a stale copy of an older save
+                src.bring(step)
+            rel = self.store.step_dir(src.owner_rank, step).relative_to(self.store.root).as_posix()
+            log.info("rank %d's data of step %d fetched for the sidecar from %s", owner, step, src.where)
+            return rel, b""
+
+        return fetch_from([self.source(s) for s in sources], attempt,
+                               what=f"rank {owner}'s data of step {step}",
+                               missing=f"rank {owner}'s data of step {step} is on no tier the coordinator knows "
+                                       f"(savers {savers})")
+
+    def files_for_sidecar(self, sources: Sequence[cpb.RestoreSource], savers: list[int], owner: int, step: int,
+                          entries: list[layout.FileEntry], dest: Path) -> tuple[str, int]:
+        """``entries`` of ``owner``'s ``step`` into ``dest`` from the first sources that serve them (a source
+        that fails mid-way leaves the files still missing to the next): (where from, bytes moved)."""
+        t0 = time.monotonic()
+        moved = 0
+
+        def attempt(src: Source) -> tuple[str, int]:
+            nonlocal moved
+            todo = [e for e in entries if not (dest / e.name).exists()]
+            if todo:
+                moved += src.files(step, todo, dest)
+                self.counters.add("reshard_files", len(todo))
+                self.counters.add("reshard_bytes", sum(e.size for e in todo))
+                log.info("%d files (%d bytes) of rank %d step %d fetched for the sidecar from %s in %.3fs",
+                         len(todo), sum(e.size for e in todo), owner, step, src.where, time.monotonic() - t0)
+            return src.where, moved
+
+        return fetch_from([self.source(s) for s in sources], attempt,
+                               what=f"files of rank {owner}'s step {step}",
+                               missing=f"rank {owner}'s data of step {step} is on no tier the coordinator knows "
+                                       f"(savers {savers})")
+
+
+def other_sources(sources: Sequence[Any], rank: int) -> list[Any]:
+    """The sources that are not this host's own RAM disk (absent or bad when asked for)."""
+    return [x for x in sources if from_wire(x.kind) is Tier.BUCKET or x.holder_rank != rank]

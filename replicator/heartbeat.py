@@ -1,0 +1,288 @@
+"""The replicator's heartbeat: report this host's inventory to the serving coordinator, act on the answer.
+
+It also owns the way to the coordinator: the ordered candidates, failing over to the next one that
+answers, and this host's own candidate taking over once every lower one has been silent long enough
+(docs/coordinator.md). The answer's work goes to the daemon's :class:`~replicator.tasks.TaskRunner`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from typing import Any, Protocol
+
+import grpc
+
+from mtc_rpc import coordinator_pb2 as cpb
+from replicator import logs
+from replicator.coordinator.client import FAILOVER_CODES, Candidates
+from replicator.coordinator.model import Tier, inventory_digest
+from replicator.coordinator.service import Coordinator
+from replicator.coordinator.tier_wire import to_wire
+from replicator.fetch import Fetcher
+from replicator.local.store import RamDiskStore
+from replicator.metrics import HostCounters, ReplicatorMetrics
+from replicator.net import retry, rpc
+from replicator.net.security import TlsOptions
+from replicator.options import ReplicatorOptions
+from replicator.tasks import TaskRunner
+from sidecar import faults
+
+log = logging.getLogger(__name__)
+
+BACKUP_REPORTS_KEPT = 64
+
+
+def new_incarnation() -> int:
+    """A random 63-bit nonce naming this process to the coordinator (not a clock reading: a host whose clock
+    was stepped back must not look older than its previous run)."""
+    return int.from_bytes(os.urandom(8), "big") >> 1 or 1
+
+
+class NoCoordinator(RuntimeError):
+    """No coordinator candidate answered this heartbeat."""
+
+
+class Host(Protocol):
+    """What the heartbeat reads and drives of its daemon (:class:`replicator.daemon.Replicator`)."""
+
+    opts: ReplicatorOptions
+    store: RamDiskStore
+    rank: int
+    nodes: int
+    job: str
+    incarnation: int
+    address: str
+    token: str | None
+    coordinator: Coordinator | None
+    my_candidate: int | None
+    fence_nodes: int
+    bucket: Any  # replicator.backup.tier.BackupAgent | None
+    tasks: TaskRunner
+    fetcher: Fetcher
+    metrics: ReplicatorMetrics
+    counters: HostCounters
+    stopping: threading.Event
+    preempting: bool
+    preemption_noticed: bool
+    newest_complete: int
+
+    def tls(self) -> TlsOptions | None: ...
+    def wake(self) -> None: ...
+    def wait_for_wake(self, seconds: float) -> None: ...
+    def take_backup_now(self) -> bool: ...
+    def restored_among(self, steps: set[int]) -> set[int]: ...
+    def restore(self, task: cpb.RestoreTask) -> None: ...
+
+
+class Heartbeat:
+    """The heartbeat loop and the coordinator link of one :class:`~replicator.daemon.Replicator`."""
+
+    def __init__(self, daemon: Host):
+        self.d = daemon
+        opts = daemon.opts
+        self.opts = opts
+        self.candidates: Candidates | None = None  # set by :meth:`connect` once the daemon's address is known
+        self.epoch = 0  # highest coordinator epoch accepted (fences a deposed coordinator's deletions)
+        self._acked: tuple[str, dict[tuple[int, int], Any]] | None = None  # (digest, inventory) the coordinator holds
+        self.interval = opts.heartbeat_seconds
+        self._lower_down_since: float | None = None
+        self._backup_reports: list[cpb.BackupReport] = []
+        self._seen_own: set[int] | None = None
+
+    def connect(self, addresses: list[str]) -> None:
+        tls, token, mmb = self.d.tls(), self.d.token, self.opts.max_message_bytes
+        self.candidates = Candidates(addresses, lambda a: rpc.make_channel(a, token=token, tls=tls,
+                                                                           max_message_bytes=mmb))
+
+    def close(self) -> None:
+        if self.candidates is not None:
+            self.candidates.close()
+
+    # ------------------------------------------------------------------ the coordinator link
+    def call(self, method: str, request: Any, timeout: float) -> Any:
+        """One RPC to the serving coordinator (the first candidate that answers)."""
+        if self.candidates is None:
+            raise RuntimeError("the replicator is not started")
+        return self.candidates.call(method, request, timeout, probe_timeout=self._probe_timeout())
+
+    def call_until(self, method: str, request: Any, within_seconds: float) -> Any:
+        """:meth:`call`, retried (with backoff) across a coordinator failover for ``within_seconds``."""
+        if self.candidates is None:
+            raise RuntimeError("the replicator is not started")
+        return self.candidates.call_until(method, request, self.opts.rpc_timeout_seconds,
+                                          time.monotonic() + within_seconds)
+
+    def failover_window(self) -> float:
+        """How long a restore waits for another coordinator candidate to take over."""
+        coord = self.d.coordinator
+        lost = coord.lost_after() if coord is not None else 10 * self.opts.heartbeat_seconds
+        return max(3 * self.opts.rpc_timeout_seconds, lost + 4 * self.opts.heartbeat_seconds)
+
+    def _probe_timeout(self) -> float:
+        return min(self.opts.rpc_timeout_seconds, max(0.5, self.opts.heartbeat_seconds))
+
+    def _send(self, req: cpb.HeartbeatRequest) -> cpb.HeartbeatResponse:
+        """Heartbeat the lowest-ranked candidate that answers; a candidate takes over when all lower ones are down."""
+        cands, coord, mine = self.candidates, self.d.coordinator, self.d.my_candidate
+        if cands is None:
+            raise RuntimeError("the replicator is not started")
+        timeout = self.opts.rpc_timeout_seconds
+        last: str | None = None
+        for i in range(len(cands.addresses)):
+            if i == mine and coord is not None and not coord.active:
+                now = time.monotonic()
+                if self._lower_down_since is None:
+                    self._lower_down_since = now
+                # Half the lost-host time (at least two intervals) of silence from every lower candidate
+                # before taking over: a lost heartbeat or a quick restart does not move the coordinator.
+                if now - self._lower_down_since < max(2 * self.opts.heartbeat_seconds, coord.lost_after() / 2):
+                    raise NoCoordinator(f"lower coordinator candidates unreachable ({last}); waiting to take over")
+                log.warning("no lower coordinator candidate answers: rank %d takes over", self.d.rank)
+                coord.activate(max(time.time_ns(), self.epoch + 1))
+            try:
+                resp = cands.call_one(i, "Heartbeat", req, timeout, self._probe_timeout())
+            except grpc.RpcError as e:
+                if e.code() not in FAILOVER_CODES:
+                    raise
+                last = e.code().name
+                continue
+            if mine is not None and i < mine:
+                self._lower_down_since = None
+                if coord is not None and coord.active:
+                    coord.deactivate(f"lower candidate {cands.addresses[i]} serves")
+            return resp
+        raise NoCoordinator(f"no coordinator candidate answers ({last})")
+
+    # ------------------------------------------------------------------ one heartbeat
+    def beat(self) -> float:
+        """One report and its answer's work; returns the delay until the next one."""
+        d = self.d
+        store = d.store
+        inv = store.inventory()
+        # Copies of ranks this job no longer has (it was re-initialised on fewer hosts, e.g. Orbax after a
+        # slice was lost) cannot be addressed: not reported, so the coordinator accepts the rest.
+        inv = [h for h in inv if h.owner_rank < d.nodes]
+        own = store.own_steps()
+        digest = inventory_digest(inv)
+        self._note_saves(inv)
+        req = cpb.HeartbeatRequest(
+            job=d.job, rank=d.rank, incarnation=d.incarnation, address=d.address,
+            newest_saved_step=own[-1] if own else -1,
+            backup_requests=store.backup_requests(),
+            inventory_digest=digest, known_epoch=self.epoch, preempting=d.preempting, nodes=d.fence_nodes,
+        )
+        if d.take_backup_now() and own:
+            req.backup_requests.append(own[-1])
+        current = {h.key: h for h in inv}
+        if self._acked is None:
+            req.full_report = True
+            changed = inv
+        else:
+            base, acked = self._acked
+            req.base_digest = base
+            changed = [h for h in inv if acked.get(h.key) != h]
+            req.removed.extend(cpb.Deletion(owner_rank=o, step=s) for o, s in acked if (o, s) not in current)
+        for h in changed:
+            pbh = req.holdings.add(owner_rank=h.owner_rank, step=h.step, content_hash=h.content_hash,
+                                   size=h.size, tier=to_wire(h.tier), generation=h.generation)
+            for a, b in h.savers:
+                pbh.savers.add(first=a, last=b)
+        if d.bucket is not None:
+            # Kept until a coordinator took them: a failed heartbeat (e.g. during a failover) loses none.
+            self._backup_reports = (self._backup_reports + d.bucket.drain_reports())[-BACKUP_REPORTS_KEPT:]
+            req.backups.extend(self._backup_reports)
+        resp = self._send(req)
+        faults.point("heartbeat.after_response")
+        self._backup_reports = []
+        if resp.acked_digest and resp.acked_digest == digest:
+            self._acked = (digest, current)
+        else:
+            self._acked = None
+            d.wake()  # the coordinator has no picture of this host (restart, failover): report all now
+        if resp.epoch < self.epoch:
+            log.warning("ignoring the answer of a deposed coordinator (epoch %d < %d)", resp.epoch, self.epoch)
+            return self.interval
+        self.epoch = resp.epoch
+        self.interval = max(0.05, resp.heartbeat_interval_ms / 1000.0 or self.opts.heartbeat_seconds)
+        d.newest_complete = resp.newest_complete_step
+        d.metrics.newest_complete_step = resp.newest_complete_step
+        if resp.preemption_noticed and not d.preemption_noticed:
+            log.warning("the coordinator reports a preemption notice")
+            d.preemption_noticed = True
+        self._act(resp)
+        # Jittered so that hosts started together do not report in lockstep.
+        return self.interval * random.uniform(0.9, 1.1)
+
+    def _act(self, resp: cpb.HeartbeatResponse) -> None:
+        """The answer's work: deletions now, copies, a restore and a backup share as tasks."""
+        d, tasks = self.d, self.d.tasks
+        store, counters = d.store, d.counters
+        for x in resp.deletions:
+            if not tasks.busy(x.owner_rank, x.step):
+                faults.point("gc.before_delete")
+                store.delete(x.owner_rank, x.step)
+                counters.add("deletions")
+        for c in resp.copies:
+            if c.source_rank == d.rank:
+                if store.attest_replica(c.owner_rank, c.step, c.content_hash):
+                    counters.add("hash_only")
+                    d.wake()
+                continue
+            if not store.has(c.owner_rank, c.step, c.content_hash):
+                tasks.submit("copy", c.owner_rank, c.step, d.fetcher.copy, c)
+        if resp.HasField("restore"):
+            tasks.submit("restore", d.rank, resp.restore.step, d.restore, resp.restore)
+        if resp.HasField("backup") and d.bucket is not None:
+            # Emergency backup (preempting): its own thread at normal priority, not the idle-priority pool.
+            tasks.submit("backup", -1, resp.backup.step, d.bucket.run_task, resp.backup, store,
+                         urgent=d.preempting)
+
+    def _note_saves(self, inv: list[Any]) -> None:
+        """Count and log each own step that appeared on the RAM disk since the last heartbeat."""
+        d = self.d
+        own = {h.step: h.size for h in inv if h.owner_rank == d.rank and Tier(h.tier) is Tier.LOCAL}
+        if self._seen_own is None:  # at start: what is already there was saved by an earlier incarnation
+            self._seen_own = set(own)
+            return
+        restored = d.restored_among(set(own))
+        for step in sorted(set(own) - self._seen_own - restored):
+            d.counters.add("saves")
+            d.counters.add("save_bytes", own[step])
+            log.info("save: rank %d committed step %d on the RAM disk: %d bytes", d.rank, step, own[step])
+        self._seen_own = set(own)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        """Heartbeat until the daemon stops; failures back off (never sooner than the interval)."""
+        d = self.d
+        failures = 0
+        while not d.stopping.is_set():
+            try:
+                delay = self.beat()
+                failures = 0
+            except (grpc.RpcError, NoCoordinator) as e:
+                failures += 1
+                d.counters.add("heartbeat_failures")
+                if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # Our incarnation was superseded (a report under our rank registered after us, e.g.
+                    # a forged one or a brief double start): take a new one and report everything again,
+                    # so no other process can lock this host out.
+                    d.incarnation = new_incarnation()
+                    self._acked = None
+                    logs.set_context(job=d.job, rank=d.rank, incarnation=d.incarnation)
+                if failures % 10 == 1:
+                    log.warning("heartbeat to the coordinator failed: %s",
+                                e.details() if isinstance(e, grpc.RpcError) else e)
+                # Never sooner than the interval, growing with jitter: no retry storm on a struggling
+                # coordinator. A candidate watching for a takeover keeps the plain interval.
+                watching = d.my_candidate is not None and isinstance(e, NoCoordinator)
+                delay = self.interval * random.uniform(0.8, 1.2) if watching else \
+                    max(self.interval, retry.backoff_seconds(failures, self.interval))
+            except Exception:  # keep the daemon alive; the next heartbeat retries
+                log.exception("heartbeat handling failed")
+                delay = self.interval
+            d.wait_for_wake(delay)

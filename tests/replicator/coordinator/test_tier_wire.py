@@ -1,0 +1,39 @@
+"""Tier <-> wire enum, and no tier/kind compared as a string literal in product code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from mtc_rpc import tier_pb2
+from replicator.coordinator.model import Tier
+from replicator.coordinator.tier_wire import from_wire, tier_name, to_wire
+
+REPO = Path(__file__).resolve().parents[3]
+_NAMES = "local|peer|replica|bucket"
+_LITERAL_COMPARISON = re.compile(
+    rf'(\b(tier|kind)\w*\s*(==|!=|\bin\b)\s*[(\[{{]?\s*"({_NAMES})")|("({_NAMES})"\s*(==|!=)\s*\w*\.(tier|kind)\b)')
+
+
+def test_every_tier_round_trips_and_keeps_its_name() -> None:
+    for t in Tier:
+        assert from_wire(to_wire(t)) is t and tier_name(to_wire(t)) == str(t)
+    assert to_wire("bucket") == tier_pb2.TIER_BUCKET
+
+
+@pytest.mark.parametrize("value", [tier_pb2.TIER_UNSPECIFIED, 99, -1])
+def test_unspecified_or_unknown_is_refused(value: int) -> None:
+    with pytest.raises(ValueError, match="no tier"):
+        from_wire(value)
+
+
+def test_no_tier_or_kind_string_literal_comparisons() -> None:
+    hits = []
+    for pkg in ("replicator", "controller_client", "sidecar"):
+        for path in (REPO / pkg).rglob("*.py"):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if _LITERAL_COMPARISON.search(line):
+                    hits.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert hits == []

@@ -8,7 +8,8 @@ import grpc
 import pytest
 
 from replicator.net import rpc
-from sidecar.layout import ChecksumError, ManifestError
+from sidecar.checksums import ChecksumError
+from sidecar.layout import ManifestError
 
 
 class _UpstreamError(grpc.RpcError):

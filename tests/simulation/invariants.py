@@ -1,0 +1,176 @@
+"""The invariants the simulation checks, after every event and at the end of a schedule.
+
+Each has a name (the key of ``Sim.violations``); docs/testing.md says what each means for a user.
+
+After every event (safety):
+
+- ``plan-from-scratch``: the coordinator's incrementally maintained views (completeness, every step's
+  sources, copy plans, GC plan, restore plan) equal those of ``CoordinatorState.rebuilt()``.
+- ``complete-is-restorable``: every rank of the newest complete step has a source whose content hash is
+  the rank's true content, and at least one source is really there: on a host that is up and holds those
+  bytes, or committed in the bucket. (A source on a host that died and the coordinator has not yet declared
+  lost is excused: it cannot know yet.)
+- ``newest-complete-regressed``: once every live host reported, the newest complete step is never older
+  than the newest step ever reported redundant while the model (RAM disks of up hosts, the bucket) still
+  holds every rank's data of that step.
+- ``gc-protected``: no host deletes (on a coordinator's order) a piece of the newest complete step, of the
+  step the backup uploads, or of the step pinned for a restore, while the model holds it.
+- ``restore-older-than-newest`` / ``restore-not-held``: a restore declared ready is of the newest complete
+  step (when the model still holds it) and every host really holds its rank's data of it.
+
+At the end of the quiet phase (liveness):
+
+- ``backup-reaches-newest``: the bucket's newest committed backup is the newest complete step.
+- ``complete-step-lost``: the newest complete step is the newest step ever complete, if the model holds it.
+- ``job-resumed``: the trainer is training again (its restore finished).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from replicator.coordinator.planner import Tier
+
+if TYPE_CHECKING:
+    from tests.simulation.model import Sim
+
+
+def violate(sim: Sim, name: str, msg: str) -> None:
+    if name not in sim.violations:
+        sim.violations[name] = f"{name}: {msg} (t={sim.clock.now:.3f})"
+        sim.note(f"VIOLATION {sim.violations[name]}")
+
+
+def model_holds(sim: Sim, step: int) -> bool:
+    """Every rank's true data of ``step`` is on an up host's RAM disk (its own or a byte-identical
+    replica's) or committed in the bucket."""
+    hps = sim.topo.hosts_per_slice
+    for r in range(sim.cfg.nodes):
+        want = sim.content(r, step)
+        if sim.bucket is not None and sim.bucket.holds(step, r, want):
+            continue
+        if not any(h.up and any(x.step == step and x.tier is not Tier.REPLICA and x.content_hash == want
+                                and x.owner_rank % hps == r % hps for x in h.disk.values())
+                   for h in sim.hosts):
+            return False
+    return True
+
+
+def _views(st, keep: int) -> tuple:
+    steps = st.known_steps()
+    try:
+        plan = st.restore_plan(restoring=False)
+        restore = (plan.step, dict(plan.sources))
+    except ValueError as e:
+        restore = str(e)
+    return (
+        st.globally_complete_steps(), st.newest_complete_step(),
+        {s: st.sources(s) for s in steps}, {s: st.is_redundant(s) for s in steps},
+        {s: st.replication_plan(s) for s in steps}, st.gc_plan(keep), restore,
+    )
+
+
+def check_after_event(sim: Sim, kind: str) -> None:
+    coord = sim.coord
+    st = coord.state
+    version = (id(coord), st.version)
+    if version != sim.last_version:
+        sim.last_version = version
+        mine, scratch = _views(st, sim.keep_local), _views(st.rebuilt(), sim.keep_local)
+        if mine != scratch:
+            names = ("complete", "newest", "sources", "redundant", "copies", "gc", "restore")
+            diff = [n for n, a, b in zip(names, mine, scratch, strict=True) if a != b]
+            violate(sim, "plan-from-scratch", f"incremental views differ from a recomputation in {diff}")
+    newest = st.newest_complete_step()
+    if newest is not None:
+        _check_restorable(sim, newest)
+    if not coord._all_reported():
+        return
+    if newest is not None:
+        sim.max_complete_seen = max(sim.max_complete_seen or -1, newest)
+        if st.is_redundant(newest):
+            sim.max_redundant_seen = max(sim.max_redundant_seen or -1, newest)
+    top = sim.max_redundant_seen
+    if top is not None and (newest is None or newest < top) and model_holds(sim, top):
+        violate(sim, "newest-complete-regressed",
+                f"the newest complete step is {newest} although step {top} was redundant and the hosts and "
+                f"bucket still hold every rank's data of it")
+
+
+def _check_restorable(sim: Sim, step: int) -> None:
+    st = sim.coord.state
+    registered = st.registered
+    for r in st.expected_ranks(step):
+        srcs = st.rank_sources(step, r)
+        want = sim.content(r, step)
+        bad = [s for s in srcs if s.content_hash is not None and s.content_hash != want]
+        if bad:
+            violate(sim, "complete-is-restorable",
+                    f"step {step} rank {r}: source {bad[0]} is not rank {r}'s data ({want})")
+            return
+        ok = False
+        for s in srcs:
+            if s.kind is Tier.BUCKET:
+                ok = sim.bucket is not None and sim.bucket.holds(step, r, want)
+            else:
+                h = sim.hosts[s.holder_rank]
+                if not h.up or registered.get(s.holder_rank) != h.incarnation:
+                    ok = True  # the coordinator has not heard yet that this host is gone
+                else:
+                    x = h.bytes_of(s.owner_rank, step)
+                    ok = x is not None and x.content_hash == s.content_hash
+            if ok:
+                break
+        if not ok:
+            violate(sim, "complete-is-restorable",
+                    f"step {step} is reported complete but no source of rank {r} holds its data: {srcs}")
+            return
+
+
+def check_deletion(sim: Sim, rank: int, owner: int, step: int, epoch: int) -> None:
+    st = sim.coord.state
+    newest = max(sim.max_complete_seen or -1, st.newest_complete_step() or -1)
+    protected = {newest: "the newest complete step"}
+    cur = getattr(sim.coord.backup, "current", None)
+    if cur is not None:
+        protected.setdefault(cur.step, "being backed up")
+    if sim.restore_step is not None:
+        protected.setdefault(sim.restore_step, "pinned for a restore")
+    if step in protected and model_holds(sim, step):
+        violate(sim, "gc-protected", f"host {rank} deletes rank {owner}'s data of step {step} "
+                f"({protected[step]}) on the order of epoch {epoch}")
+
+
+def check_restore(sim: Sim, step: int) -> None:
+    top = sim.max_complete_seen
+    if top is not None and step < top and model_holds(sim, top):
+        violate(sim, "restore-older-than-newest",
+                f"a restore is ready at step {step} although step {top} is complete and held")
+    for h in sim.hosts:
+        if not sim._holds_data_for(h, step, sim.content(h.rank, step)):
+            violate(sim, "restore-not-held", f"restore of step {step} declared ready but host {h.rank} "
+                    f"does not hold rank {h.rank}'s data")
+            return
+
+
+def check_at_end(sim: Sim) -> None:
+    st = sim.coord.state
+    newest = st.newest_complete_step()
+    top = sim.max_complete_seen
+    if top is not None and (newest is None or newest < top) and model_holds(sim, top):
+        violate(sim, "complete-step-lost",
+                f"after the quiet phase the newest complete step is {newest}, although step {top} was "
+                f"complete and the hosts and bucket hold every rank's data of it")
+    if sim.bucket is not None and newest is not None and (sim.bucket.newest() or -1) < newest:
+        violate(sim, "backup-reaches-newest",
+                f"after the quiet phase the bucket's newest backup is {sim.bucket.newest()}, the newest "
+                f"complete step {newest} (backup status {sim.coord.backup.status()})")
+    if not sim.training:
+        violate(sim, "job-resumed", "the trainer is still waiting for its restore after the quiet phase")
+
+
+INVARIANTS = (
+    "plan-from-scratch", "complete-is-restorable", "newest-complete-regressed", "gc-protected",
+    "restore-older-than-newest", "restore-not-held", "backup-reaches-newest", "complete-step-lost",
+    "job-resumed",
+)

@@ -41,6 +41,7 @@ class BucketModel:
         self.committed: dict[int, _Record] = {}
         self.commits = 0
         self.failed_commits = 0
+        self.incomplete: list[tuple[str, list[int]]] = []  # commits refused: a saver's upload was missing
 
     # ------------------------------------------------------------------ BackupStore surface
     def begin(self, step: int, nodes: int, ranks: Any = ()) -> Staging:
@@ -72,6 +73,7 @@ class BucketModel:
         missing = [r for r in staging.expected_ranks if r not in got]
         if missing:
             self.failed_commits += 1
+            self.incomplete.append((staging.staging_id, missing))
             raise IncompleteBackupError(f"cannot commit step {staging.step}: missing manifest of ranks {missing}")
         gens = {g for _, g in got.values()}
         gen = max(gens)

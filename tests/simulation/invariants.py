@@ -11,17 +11,25 @@ After every event (safety):
   bytes, or committed in the bucket. (A source on a host that died and the coordinator has not yet declared
   lost is excused: it cannot know yet.)
 - ``newest-complete-regressed``: once every live host reported, the newest complete step is never older
-  than the newest step ever reported redundant while the model (RAM disks of up hosts, the bucket) still
-  holds every rank's data of that step.
+  than the newest step that was ever *durable* (by the coordinator's own facts it stays complete whichever
+  single host is lost) while the model (RAM disks of up hosts, the bucket) still holds every rank's data of
+  that step. A step that was complete but not yet durable may be lost with one host: the coordinator
+  cannot know a replica's data is identical once the only record of it is gone.
 - ``gc-protected``: no host deletes (on a coordinator's order) a piece of the newest complete step, of the
   step the backup uploads, or of the step pinned for a restore, while the model holds it.
 - ``restore-older-than-newest`` / ``restore-not-held``: a restore declared ready is of the newest complete
-  step (when the model still holds it) and every host really holds its rank's data of it.
+  step (not older than the newest durable one the model still holds) and every host really holds its rank's data of it.
+
+- ``backup-share-held``: a backup share (rank, step) is handed only to a host that, by the coordinator's
+  current facts, holds the piece to upload (the share follows the data, not the host's old incarnation).
+- ``backup-run-fenced``: the scheduler never tries to commit a staging a saver did not upload into (an
+  upload report of another run, e.g. a deposed coordinator's, must not count).
 
 At the end of the quiet phase (liveness):
 
 - ``backup-reaches-newest``: the bucket's newest committed backup is the newest complete step.
-- ``complete-step-lost``: the newest complete step is the newest step ever complete, if the model holds it.
+- ``complete-step-lost``: the newest complete step is not older than the newest step ever durable, if the
+  model holds it.
 - ``job-resumed``: the trainer is training again (its restore finished).
 """
 
@@ -29,9 +37,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from replicator.coordinator.planner import Tier
+from mtc_rpc import coordinator_pb2 as pb
+from replicator.coordinator.planner import CoordinatorState, Tier
 
 if TYPE_CHECKING:
+    from replicator.coordinator.service import Coordinator
     from tests.simulation.model import Sim
 
 
@@ -70,13 +80,63 @@ def _views(st, keep: int) -> tuple:
     )
 
 
+def from_facts(st: CoordinatorState, without: int | None = None) -> CoordinatorState:
+    """A new state fed the same facts in a fixed order (rank order, then the bucket): what a restarted
+    coordinator would compute from scratch. ``without``: as if that host had been lost."""
+    new = CoordinatorState(st.topology)
+    for r, since in st.lost.items():
+        new.forget_host(r, since)
+    for r, inc in st.registered.items():
+        if r == without:
+            continue
+        new.register(r, inc)
+        if st.is_reported(r):
+            new.report_inventory(r, st.holdings_of(r), inc)
+    if without is not None:
+        new.forget_host(without, 0.0)
+    for step in st.known_steps():
+        ranks = st.backup_ranks(step)
+        if ranks:
+            new.report_backup_ranks(step, ranks)
+    for step in st.pinned:
+        new.pin(step)
+    for step in st.backing_up:
+        new.mark_backup_in_progress(step)
+    return new
+
+
+def check_backup_task(sim: Sim, coord: Coordinator, rank: int, task: pb.BackupTask) -> None:
+    """A backup share goes to a host that, by the coordinator's current facts, holds the piece it uploads."""
+    st = coord.state
+    owners = list(task.source_owner_ranks) or list(task.ranks)
+    for r, owner in zip(task.ranks, owners, strict=True):
+        h = st.holding(rank, (owner, task.step))
+        if h is None or h.tier is Tier.REPLICA:
+            violate(sim, "backup-share-held",
+                    f"epoch {coord.epoch} hands host {rank} (incarnation {st.registered.get(rank, 0) % 1000}) the "
+                    f"upload of rank {r}'s data of step {task.step} from rank {owner}'s directory, which it does "
+                    f"not hold (it reported {[x.key for x in st.holdings_of(rank)]})")
+            return
+
+
 def check_after_event(sim: Sim, kind: str) -> None:
     coord = sim.coord
     st = coord.state
+    if sim.bucket is not None and len(sim.bucket.incomplete) > sim.incomplete_seen:
+        sid, missing = sim.bucket.incomplete[sim.incomplete_seen]
+        sim.incomplete_seen = len(sim.bucket.incomplete)
+        violate(sim, "backup-run-fenced",
+                f"the scheduler committed staging {sid} believing every saver uploaded, but ranks {missing} "
+                f"uploaded into another staging (a report of an older run, e.g. a deposed coordinator's, was "
+                f"counted)")
     version = (id(coord), st.version)
     if version != sim.last_version:
         sim.last_version = version
-        mine, scratch = _views(st, sim.keep_local), _views(st.rebuilt(), sim.keep_local)
+        sim.plan_checks += 1
+        # Every 16th check against the planner's own rebuilt() (a deep copy: slow), else against a state
+        # fed the same facts from scratch.
+        scratch_state = st.rebuilt() if sim.plan_checks % 16 == 0 else from_facts(st)
+        mine, scratch = _views(st, sim.keep_local), _views(scratch_state, sim.keep_local)
         if mine != scratch:
             names = ("complete", "newest", "sources", "redundant", "copies", "gc", "restore")
             diff = [n for n, a, b in zip(names, mine, scratch, strict=True) if a != b]
@@ -88,13 +148,25 @@ def check_after_event(sim: Sim, kind: str) -> None:
         return
     if newest is not None:
         sim.max_complete_seen = max(sim.max_complete_seen or -1, newest)
-        if st.is_redundant(newest):
-            sim.max_redundant_seen = max(sim.max_redundant_seen or -1, newest)
-    top = sim.max_redundant_seen
+        if newest > (sim.max_durable_seen or -1) and sim.durable_checked != version and _durable(sim, newest):
+            sim.max_durable_seen = newest
+        sim.durable_checked = version
+    top = sim.max_durable_seen
     if top is not None and (newest is None or newest < top) and model_holds(sim, top):
         violate(sim, "newest-complete-regressed",
-                f"the newest complete step is {newest} although step {top} was redundant and the hosts and "
-                f"bucket still hold every rank's data of it")
+                f"the newest complete step is {newest} although step {top} survived the loss of any one host "
+                f"and the hosts and bucket still hold every rank's data of it")
+
+
+def _durable(sim: Sim, step: int) -> bool:
+    """By the coordinator's own facts, ``step`` stays complete whichever single host is lost."""
+    st = sim.coord.state
+    if not st.is_redundant(step):
+        return False
+    for r in range(sim.cfg.nodes):
+        if not from_facts(st, without=r).is_complete(step):
+            return False
+    return True
 
 
 def _check_restorable(sim: Sim, step: int) -> None:
@@ -142,7 +214,7 @@ def check_deletion(sim: Sim, rank: int, owner: int, step: int, epoch: int) -> No
 
 
 def check_restore(sim: Sim, step: int) -> None:
-    top = sim.max_complete_seen
+    top = sim.max_durable_seen
     if top is not None and step < top and model_holds(sim, top):
         violate(sim, "restore-older-than-newest",
                 f"a restore is ready at step {step} although step {top} is complete and held")
@@ -156,7 +228,7 @@ def check_restore(sim: Sim, step: int) -> None:
 def check_at_end(sim: Sim) -> None:
     st = sim.coord.state
     newest = st.newest_complete_step()
-    top = sim.max_complete_seen
+    top = sim.max_durable_seen
     if top is not None and (newest is None or newest < top) and model_holds(sim, top):
         violate(sim, "complete-step-lost",
                 f"after the quiet phase the newest complete step is {newest}, although step {top} was "
@@ -170,7 +242,7 @@ def check_at_end(sim: Sim) -> None:
 
 
 INVARIANTS = (
-    "plan-from-scratch", "complete-is-restorable", "newest-complete-regressed", "gc-protected",
+    "backup-share-held", "backup-run-fenced", "plan-from-scratch", "complete-is-restorable", "newest-complete-regressed", "gc-protected",
     "restore-older-than-newest", "restore-not-held", "backup-reaches-newest", "complete-step-lost",
     "job-resumed",
 )

@@ -106,7 +106,7 @@ class Config:
         nodes = rng.choice([4, 4, 4, 6])
         return cls(
             nodes=nodes, slices=2, identical=rng.random() < 0.85, bucket=rng.random() < 0.85,
-            fault_seconds=rng.uniform(12.0, 24.0), quiet_seconds=24.0, save_every=rng.uniform(1.5, 4.0),
+            fault_seconds=rng.uniform(12.0, 24.0), quiet_seconds=40.0, save_every=rng.uniform(1.5, 4.0),
             fault_every=rng.uniform(2.0, 6.0), p_request_lost=rng.choice([0.0, 0.05]),
             p_answer_lost=rng.choice([0.0, 0.05]), p_answer_delayed=rng.choice([0.0, 0.1]),
             p_upload_fails=rng.choice([0.0, 0.0, 0.2]), slow_uploads=rng.random() < 0.3,
@@ -175,13 +175,17 @@ class Sim:
         self.training = True
         self.restoring_since: float | None = None
         self.restore_step: int | None = None  # pinned by the trainer's PrepareRestore
+        self.restore_asked: tuple[Coordinator, float] | None = None  # to whom and when PrepareRestore was sent
         self.restored: list[int] = []
         # Facts the invariants track (see tests/simulation/invariants.py).
         self.saved_steps: set[int] = set()
         self.max_complete_seen: int | None = None
-        self.max_redundant_seen: int | None = None
+        self.max_durable_seen: int | None = None
+        self.durable_checked: tuple[int, int] | None = None
         self.newest_reported: int | None = None
         self.last_version: tuple[int, int] | None = None
+        self.plan_checks = 0
+        self.incomplete_seen = 0
         from tests.simulation import invariants
         self.inv = invariants
         for h in self.hosts:
@@ -292,8 +296,11 @@ class Sim:
                 h.coordinator = None
             self._at(self.clock.now + self.heartbeat_seconds, "beat", (rank, inc))
             return
-        self.note(f"beat {rank} -> e{coord.epoch}: {_summary(resp)}")
+        if self.keep_trace:
+            self.note(f"beat {rank} -> e{coord.epoch}: {_summary(resp)}")
         self._join_commits()
+        if resp.HasField("backup"):
+            self.inv.check_backup_task(self, coord, rank, resp.backup)
         if self.faulty and self.rng.random() < self.cfg.p_answer_lost:
             self.note(f"answer to {rank} lost")
             self._at(self.clock.now + 2.0, "timeout", (rank, inc))
@@ -343,7 +350,7 @@ class Sim:
             self._submit(h, "restore", rank, resp.restore.step, self.rng.uniform(0.1, 1.5), (srcs,))
         if resp.HasField("backup"):
             b = resp.backup
-            slow = self.cfg.slow_uploads and self.rng.random() < 0.5
+            slow = self.faulty and self.cfg.slow_uploads and self.rng.random() < 0.5
             self._submit(h, "backup", -1, b.step, self.rng.uniform(3.0, 12.0) if slow else self.rng.uniform(0.1, 1.0),
                          (b.staging, list(b.ranks), list(b.source_owner_ranks) or list(b.ranks)))
 
@@ -461,8 +468,13 @@ class Sim:
         if self.training:
             return
         self._at(self.clock.now + 1.0, "restore_poll", ())
-        if not all(h.up for h in self.hosts) or not self.coord._all_reported():
-            return  # PrepareRestore waits for every live host's fresh report
+        if not all(h.up for h in self.hosts):
+            self.restore_asked = None
+            return  # the job's processes start when every host is back
+        if self.restore_asked is None or self.restore_asked[0] is not self.coord:
+            self.restore_asked = (self.coord, self.clock.now)
+        if self.coord._silent_since(self.restore_asked[1]):
+            return  # PrepareRestore first waits for every live host's report made after the request
         try:
             resp = self.coord.PrepareRestore(pb.PrepareRestoreRequest(step=-1, wait_seconds=0.0), Ctx())
         except Aborted as e:
@@ -485,6 +497,7 @@ class Sim:
         self.training = True
         self.restoring_since = None
         self.restore_step = None
+        self.restore_asked = None
 
     # ------------------------------------------------------------------ faults
     def _ev_fault(self) -> None:
@@ -530,13 +543,13 @@ class Sim:
 
     def _restart_replicator(self, rank: int, *, keep_disk: bool, why: str) -> None:
         old = self.hosts[rank]
+        if not old.up:
+            return  # a host that is down runs no replicator to restart
         new = Host(rank, self._nonce())
         new.disk = dict(old.disk) if keep_disk else {}
-        new.up = old.up
         self.hosts[rank] = new
         self.note(f"FAULT {why}: host {rank} incarnation {new.incarnation % 1000}")
-        if new.up:
-            self._at(self.clock.now + self.rng.uniform(0.1, 1.0), "beat", (rank, new.incarnation))
+        self._at(self.clock.now + self.rng.uniform(0.1, 1.0), "beat", (rank, new.incarnation))
 
     def _failover(self, *, crash: bool) -> None:
         old = self.coord

@@ -15,8 +15,9 @@ After every event (safety):
   single host is lost) while the model (RAM disks of up hosts, the bucket) still holds every rank's data of
   that step. A step that was complete but not yet durable may be lost with one host: the coordinator
   cannot know a replica's data is identical once the only record of it is gone.
-- ``gc-protected``: no host deletes (on a coordinator's order) a piece of the newest complete step, of the
-  step the backup uploads, or of the step pinned for a restore, while the model holds it.
+- ``gc-protected``: no host deletes (on a coordinator's order) a piece of the newest complete step (the
+  coordinator's, or the newest durable one if newer), of the step the backup uploads, or of the step pinned
+  for a restore, while the model holds it.
 - ``restore-older-than-newest`` / ``restore-not-held``: a restore declared ready is of the newest complete
   step (not older than the newest durable one the model still holds) and every host really holds its rank's data of it.
 
@@ -43,6 +44,15 @@ from replicator.coordinator.planner import CoordinatorState, Tier
 if TYPE_CHECKING:
     from replicator.coordinator.service import Coordinator
     from tests.simulation.model import Sim
+
+
+# The from-scratch comparisons (the costly checks) run on a change of the coordinator's facts, at most this
+# often in virtual time (a stale incremental view stays stale until touched, so it is still caught), and
+# at every fault.
+PLAN_CHECK_SECONDS = 0.25
+# Whether the newest complete step became durable (survives any one host's loss): at most once a virtual
+# second (it rebuilds the state once per host).
+DURABLE_CHECK_SECONDS = 1.0
 
 
 def violate(sim: Sim, name: str, msg: str) -> None:
@@ -130,8 +140,10 @@ def check_after_event(sim: Sim, kind: str) -> None:
                 f"uploaded into another staging (a report of an older run, e.g. a deposed coordinator's, was "
                 f"counted)")
     version = (id(coord), st.version)
-    if version != sim.last_version:
+    if version != sim.last_version and (sim.clock.now - sim.last_plan_check >= PLAN_CHECK_SECONDS
+                                        or kind == "fault"):
         sim.last_version = version
+        sim.last_plan_check = sim.clock.now
         sim.plan_checks += 1
         # Every 16th check against the planner's own rebuilt() (a deep copy: slow), else against a state
         # fed the same facts from scratch.
@@ -141,6 +153,8 @@ def check_after_event(sim: Sim, kind: str) -> None:
             names = ("complete", "newest", "sources", "redundant", "copies", "gc", "restore")
             diff = [n for n, a, b in zip(names, mine, scratch, strict=True) if a != b]
             violate(sim, "plan-from-scratch", f"incremental views differ from a recomputation in {diff}")
+    elif kind == "beat":
+        return  # neither the coordinator's facts nor the hosts' RAM disks changed
     newest = st.newest_complete_step()
     if newest is not None:
         _check_restorable(sim, newest)
@@ -148,9 +162,12 @@ def check_after_event(sim: Sim, kind: str) -> None:
         return
     if newest is not None:
         sim.max_complete_seen = max(sim.max_complete_seen or -1, newest)
-        if newest > (sim.max_durable_seen or -1) and sim.durable_checked != version and _durable(sim, newest):
-            sim.max_durable_seen = newest
-        sim.durable_checked = version
+        if (newest > (sim.max_durable_seen or -1) and sim.durable_checked != version
+                and (sim.clock.now - sim.last_durable_check >= DURABLE_CHECK_SECONDS or kind == "fault")):
+            sim.durable_checked = version
+            sim.last_durable_check = sim.clock.now
+            if _durable(sim, newest):
+                sim.max_durable_seen = newest
     top = sim.max_durable_seen
     if top is not None and (newest is None or newest < top) and model_holds(sim, top):
         violate(sim, "newest-complete-regressed",
@@ -201,7 +218,7 @@ def _check_restorable(sim: Sim, step: int) -> None:
 
 def check_deletion(sim: Sim, rank: int, owner: int, step: int, epoch: int) -> None:
     st = sim.coord.state
-    newest = max(sim.max_complete_seen or -1, st.newest_complete_step() or -1)
+    newest = max(sim.max_durable_seen or -1, st.newest_complete_step() or -1)
     protected = {newest: "the newest complete step"}
     cur = getattr(sim.coord.backup, "current", None)
     if cur is not None:

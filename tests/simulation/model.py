@@ -103,10 +103,10 @@ class Config:
 
     @classmethod
     def draw(cls, rng: random.Random) -> Config:
-        nodes = rng.choice([4, 4, 4, 6])
+        nodes = 6 if rng.random() < 0.15 else 4
         return cls(
             nodes=nodes, slices=2, identical=rng.random() < 0.85, bucket=rng.random() < 0.85,
-            fault_seconds=rng.uniform(12.0, 24.0), quiet_seconds=40.0, save_every=rng.uniform(1.5, 4.0),
+            fault_seconds=rng.uniform(8.0, 16.0), quiet_seconds=24.0, save_every=rng.uniform(1.5, 4.0),
             fault_every=rng.uniform(2.0, 6.0), p_request_lost=rng.choice([0.0, 0.05]),
             p_answer_lost=rng.choice([0.0, 0.05]), p_answer_delayed=rng.choice([0.0, 0.1]),
             p_upload_fails=rng.choice([0.0, 0.0, 0.2]), slow_uploads=rng.random() < 0.3,
@@ -185,6 +185,7 @@ class Sim:
         self.newest_reported: int | None = None
         self.last_version: tuple[int, int] | None = None
         self.plan_checks = 0
+        self.last_plan_check = self.last_durable_check = -1.0
         self.incomplete_seen = 0
         from tests.simulation import invariants
         self.inv = invariants

@@ -216,18 +216,20 @@ def _check_restorable(sim: Sim, step: int) -> None:
             return
 
 
-def check_deletion(sim: Sim, rank: int, owner: int, step: int, epoch: int) -> None:
-    st = sim.coord.state
-    newest = max(sim.max_durable_seen or -1, st.newest_complete_step() or -1)
+def check_deletion(sim: Sim, rank: int, owner: int, step: int, coord: Coordinator) -> None:
+    """``coord`` ordered host ``rank`` to delete ``owner``'s data of ``step`` (it may be a deposed one)."""
+    newest = max(sim.max_durable_seen or -1, sim.coord.state.newest_complete_step() or -1,
+                 coord.state.newest_complete_step() or -1)
     protected = {newest: "the newest complete step"}
-    cur = getattr(sim.coord.backup, "current", None)
-    if cur is not None:
-        protected.setdefault(cur.step, "being backed up")
+    for c in {id(x): x for x in (coord, sim.coord)}.values():
+        cur = getattr(c.backup, "current", None)
+        if cur is not None:
+            protected.setdefault(cur.step, "being backed up")
     if sim.restore_step is not None:
         protected.setdefault(sim.restore_step, "pinned for a restore")
     if step in protected and model_holds(sim, step):
         violate(sim, "gc-protected", f"host {rank} deletes rank {owner}'s data of step {step} "
-                f"({protected[step]}) on the order of epoch {epoch}")
+                f"({protected[step]}) on the order of epoch {coord.epoch}")
 
 
 def check_restore(sim: Sim, step: int) -> None:

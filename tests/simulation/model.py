@@ -307,7 +307,7 @@ class Sim:
             self._at(self.clock.now + 2.0, "timeout", (rank, inc))
             return
         delay = self.rng.uniform(0.5, 2.5) if self.faulty and self.rng.random() < self.cfg.p_answer_delayed else 0.0
-        self._at(self.clock.now + delay, "answer", (rank, inc, resp, digest, current, coord.epoch))
+        self._at(self.clock.now + delay, "answer", (rank, inc, resp, digest, current, coord))
 
     def _ev_timeout(self, rank: int, inc: int) -> None:
         h = self.host(rank, inc)
@@ -317,7 +317,7 @@ class Sim:
         self._at(self.clock.now + 0.1, "beat", (rank, inc))
 
     def _ev_answer(self, rank: int, inc: int, resp: pb.HeartbeatResponse, digest: str,
-                   current: dict, epoch: int) -> None:
+                   current: dict, coord: Coordinator) -> None:
         h = self.host(rank, inc)
         if h is None:
             return
@@ -333,7 +333,7 @@ class Sim:
         h.epoch = resp.epoch
         for d in resp.deletions:
             if not h.busy(d.owner_rank, d.step):
-                self.inv.check_deletion(self, rank, d.owner_rank, d.step, epoch)
+                self.inv.check_deletion(self, rank, d.owner_rank, d.step, coord)
                 h.delete(d.owner_rank, d.step)
         for c in resp.copies:
             if c.source_rank == rank:  # hash only: record the equivalence

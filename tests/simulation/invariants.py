@@ -19,7 +19,8 @@ After every event (safety):
   coordinator's, or the newest durable one if newer), of the step the backup uploads, or of the step pinned
   for a restore, while the model holds it.
 - ``restore-older-than-newest`` / ``restore-not-held``: a restore declared ready is of the newest complete
-  step (not older than the newest durable one the model still holds) and every host really holds its rank's data of it.
+  step (not older than the newest durable one the model still holds) and every host it did not declare
+  lost really holds its rank's data of it.
 
 - ``backup-share-held``: a backup share (rank, step) is handed only to a host that, by the coordinator's
   current facts, holds the piece to upload (the share follows the data, not the host's old incarnation).
@@ -232,13 +233,14 @@ def check_deletion(sim: Sim, rank: int, owner: int, step: int, coord: Coordinato
                 f"({protected[step]}) on the order of epoch {coord.epoch}")
 
 
-def check_restore(sim: Sim, step: int) -> None:
+def check_restore(sim: Sim, step: int, lost: set[int]) -> None:
+    """PrepareRestore said ``step`` is ready on every host but the ``lost`` ones (not waited for)."""
     top = sim.max_durable_seen
     if top is not None and step < top and model_holds(sim, top):
         violate(sim, "restore-older-than-newest",
                 f"a restore is ready at step {step} although step {top} is complete and held")
     for h in sim.hosts:
-        if not sim._holds_data_for(h, step, sim.content(h.rank, step)):
+        if h.rank not in lost and not sim._holds_data_for(h, step, sim.content(h.rank, step)):
             violate(sim, "restore-not-held", f"restore of step {step} declared ready but host {h.rank} "
                     f"does not hold rank {h.rank}'s data")
             return

@@ -488,8 +488,11 @@ class Sim:
                 self._resume(None)
             return
         if resp.ready:
-            self.inv.check_restore(self, resp.step)
-            self._resume(resp.step)
+            self.inv.check_restore(self, resp.step, set(resp.lost_ranks))
+            if all(self._holds_data_for(h, resp.step, self.content(h.rank, resp.step)) for h in self.hosts):
+                self._resume(resp.step)
+            else:  # a host the coordinator declared lost lacks its data: its read fails, the job retries
+                self.note(f"restore of step {resp.step} fails on a host declared lost {list(resp.lost_ranks)}")
 
     def _resume(self, step: int | None) -> None:
         self.note(f"trainer resumes from step {step}")

@@ -4,7 +4,7 @@
 schedule's event trace; replay it with ``python -m tests.simulation --replay SEED``.
 
 Known defects (found by this simulation; strict xfails, so they fail the suite as XPASS once fixed and the
-marker must go with the fix). Each also has a guard test replaying its shortest failing seed.
+marker must go with the fix). Each also has a guard test replaying its first failing seed.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.simulation.invariants import INVARIANTS
 
 SEEDS = int(os.environ.get("MTC_SIM_SEEDS", "1000"))
 
-# invariant -> (shortest failing seed found, why it fails). The code to fix is named in each reason.
+# invariant -> (first failing seed of the 1,000, why it fails). The code to fix is named in each reason.
 KNOWN = {
     "backup-share-held": (
         5,
@@ -46,6 +46,13 @@ KNOWN = {
         "coordinator no longer counts the rank covered although the bytes are on the restored host"),
     "complete-step-lost": (
         92, "the same lost replica proof, still unresolved after the quiet phase (see newest-complete-regressed)"),
+    "complete-is-restorable": (
+        239,
+        "issue #19: when the newest complete step stops being complete (here: a replaced host's re-registration "
+        "drops the only record of a replica's identity), the coordinator falls back to an older step whose "
+        "pieces it has itself just told hosts to delete (GC), still counting them until the hosts' next "
+        "reports: for a heartbeat interval latest_step() names a step whose restore fails (CoordinatorState "
+        "counts pieces with a deletion in flight)"),
 }
 
 
@@ -98,7 +105,7 @@ def test_invariant_holds(results, name):
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=r))
                                   for n, (_, r) in KNOWN.items()])
 def test_known_defect_seed(name):
-    """The shortest failing seed of each known defect, replayed on its own (the regression guard)."""
+    """The first failing seed of each known defect, replayed on its own (the regression guard)."""
     seed = KNOWN[name][0]
     logging.disable(logging.WARNING)
     try:

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 # The from-scratch comparisons (the costly checks) run on a change of the coordinator's facts, at most this
 # often in virtual time (a stale incremental view stays stale until touched, so it is still caught), and
 # at every fault.
-PLAN_CHECK_SECONDS = 0.25
+PLAN_CHECK_SECONDS = 0.5
 # Whether the newest complete step became durable (survives any one host's loss): at most once a virtual
 # second (it rebuilds the state once per host).
 DURABLE_CHECK_SECONDS = 1.0

@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.details:
         out["by_invariant"] = {k: v[:20] for k, v in res["by_invariant"].items()}
         out["first"] = res["first"]
+        out["shortest"] = res["shortest"]
     print(json.dumps(out), flush=True)
     return 0
 

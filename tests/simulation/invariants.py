@@ -58,7 +58,8 @@ DURABLE_CHECK_SECONDS = 1.0
 
 def violate(sim: Sim, name: str, msg: str) -> None:
     if name not in sim.violations:
-        sim.violations[name] = f"{name}: {msg} (t={sim.clock.now:.3f})"
+        sim.violations[name] = f"{name}: {msg} (t={sim.clock.now:.3f}, event {sim.events})"
+        sim.violation_events[name] = sim.events
         sim.note(f"VIOLATION {sim.violations[name]}")
 
 

@@ -170,6 +170,7 @@ class Sim:
         self.keep_trace = keep_trace
         self.events = 0
         self.violations: dict[str, str] = {}  # invariant -> the first violation of it
+        self.violation_events: dict[str, int] = {}  # invariant -> how many events ran until it
         # Trainer.
         self.next_step = 1
         self.training = True

@@ -398,7 +398,7 @@ class Sim:
         for kind, holder, owner, content_hash in sources:
             if content_hash and self._holds_data_for(h, step, content_hash):
                 return True
-            if kind == "bucket":
+            if holder < 0:  # the bucket (holder_rank -1; independent of how the proto spells the kind)
                 if self.bucket is None or not self.bucket.holds(step, owner, content_hash):
                     continue
                 size, gen = SIZE, self.bucket.committed[step].generation

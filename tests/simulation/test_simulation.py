@@ -4,7 +4,7 @@
 schedule's event trace; replay it with ``python -m tests.simulation --replay SEED``.
 
 Known defects (found by this simulation; strict xfails, so they fail the suite as XPASS once fixed and the
-marker must go with the fix). Each also has a guard test replaying its first failing seed.
+marker must go with the fix). Each also has a guard test replaying its shortest failing seed.
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ from tests.simulation.invariants import INVARIANTS
 
 SEEDS = int(os.environ.get("MTC_SIM_SEEDS", "1000"))
 
-# invariant -> (first failing seed of the 1,000, why it fails). The code to fix is named in each reason.
+# invariant -> (guard seed: of the failing seeds among the 1,000, the one that fails after the fewest events
+# (liveness invariants, checked at the end: the first one), why it fails). The code to fix is named in each reason.
 KNOWN = {
     "backup-share-held": (
-        5,
+        30,
         "issue #19: BucketScheduler (replicator/backup/tier.py) fixes each rank's uploader when the run starts "
         "(BackupRun.assign/by_holder) and keeps handing that host its share after the host was replaced with "
         "an empty RAM disk (a new incarnation that reported holding nothing); the share does not follow the "
         "data to the current holders"),
     "backup-run-fenced": (
-        10,
+        41,
         "issue #19: BackupReport carries no staging id or epoch, so BucketScheduler.report counts an upload "
         "into a deposed coordinator's (or an abandoned run's) staging toward the new run; the commit then "
         "fails with IncompleteBackupError and is not retried"),
@@ -39,7 +40,7 @@ KNOWN = {
         "failed commit is not redone: BucketScheduler._due waits for a step newer than last_step, so the "
         "newest complete step stays out of the bucket while no newer step is saved"),
     "newest-complete-regressed": (
-        92,
+        273,
         "issue #19 'lost replica proof': a host that restores from a data-parallel replica's data stores it "
         "as a peer copy of the replica (replicator/daemon.py _restore), so the only record that its rank's "
         "data is identical is the replica's attestation; when the replica's host is lost too, the "
@@ -105,7 +106,7 @@ def test_invariant_holds(results, name):
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=r))
                                   for n, (_, r) in KNOWN.items()])
 def test_known_defect_seed(name):
-    """The first failing seed of each known defect, replayed on its own (the regression guard)."""
+    """The shortest failing seed of each known defect, replayed on its own (the regression guard)."""
     seed = KNOWN[name][0]
     logging.disable(logging.WARNING)
     try:

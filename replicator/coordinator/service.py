@@ -417,8 +417,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                                                source_address=addr, content_hash=t.content_hash))
         # Deleting needs the whole picture: until every live rank has reported to this coordinator (after
         # its own restart, hosts come back one by one), an older step can look incomplete only because
-        # its holders have not reported yet.
-        if all_reported:
+        # its holders have not reported yet. Nor while no step is complete and hosts are declared lost:
+        # the lost hosts may be alive and hold the rest of an older step (a deposed coordinator, cut off
+        # from the hosts that moved to its successor, sees them all as lost), and with nothing complete
+        # deleting saves no step (issue #19, found by tests/simulation).
+        if all_reported and (newest is not None or not st.lost):
             for owner, step in st.gc_for(rank, self.keep_local):
                 resp.deletions.append(pb.Deletion(owner_rank=owner, step=step))
         task = self._restore_task(rank)

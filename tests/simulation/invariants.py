@@ -1,0 +1,271 @@
+"""The invariants the simulation checks, after every event and at the end of a schedule.
+
+Each has a name (the key of ``Sim.violations``); docs/testing.md says what each means for a user.
+
+After every event (safety):
+
+- ``plan-from-scratch``: the coordinator's incrementally maintained views (completeness, every step's
+  sources, copy plans, GC plan, restore plan) equal those of ``CoordinatorState.rebuilt()``.
+- ``complete-is-restorable``: every rank of the newest complete step has a source whose content hash is
+  the rank's true content, and at least one source is really there: on a host that is up and holds those
+  bytes, or committed in the bucket. (A source on a host that died and the coordinator has not yet declared
+  lost is excused: it cannot know yet.)
+- ``newest-complete-regressed``: once every live host reported, the newest complete step is never older
+  than the newest step that was ever *durable* (by the coordinator's own facts it stays complete whichever
+  single host is lost) while the model (RAM disks of up hosts, the bucket) still holds every rank's data of
+  that step. A step that was complete but not yet durable may be lost with one host: the coordinator
+  cannot know a replica's data is identical once the only record of it is gone.
+- ``gc-protected``: no host deletes (on a coordinator's order) a piece of the newest complete step (the
+  coordinator's, or the newest durable one if newer), of the step the backup uploads, or of the step pinned
+  for a restore, while the model holds it.
+- ``restore-older-than-newest`` / ``restore-not-held``: a restore declared ready is of the newest complete
+  step (not older than the newest durable one the model still holds) and every host it did not declare
+  lost really holds its rank's data of it.
+
+- ``backup-share-held``: a backup share (rank, step) is handed only to a host that, by the coordinator's
+  current facts, holds the piece to upload (the share follows the data, not the host's old incarnation).
+- ``backup-run-fenced``: the scheduler never tries to commit a staging a saver did not upload into (an
+  upload report of another run, e.g. a deposed coordinator's, must not count).
+
+At the end of the quiet phase (liveness):
+
+- ``backup-reaches-newest``: the bucket's newest committed backup is the newest complete step.
+- ``complete-step-lost``: the newest complete step is not older than the newest step ever durable, if the
+  model holds it.
+- ``job-resumed``: the trainer is training again (its restore finished).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mtc_rpc import coordinator_pb2 as pb
+from replicator.coordinator.model import Tier
+from replicator.coordinator.planner import CoordinatorState
+
+if TYPE_CHECKING:
+    from replicator.coordinator.service import Coordinator
+    from tests.simulation.model import Sim
+
+
+# The from-scratch comparisons (the costly checks) run on a change of the coordinator's facts, at most this
+# often in virtual time (a stale incremental view stays stale until touched, so it is still caught), and
+# at every fault.
+PLAN_CHECK_SECONDS = 0.5
+# Whether the newest complete step became durable (survives any one host's loss): at most once a virtual
+# second (it rebuilds the state once per host).
+DURABLE_CHECK_SECONDS = 1.0
+
+
+def violate(sim: Sim, name: str, msg: str) -> None:
+    if name not in sim.violations:
+        sim.violations[name] = f"{name}: {msg} (t={sim.clock.now:.3f}, event {sim.events})"
+        sim.violation_events[name] = sim.events
+        sim.note(f"VIOLATION {sim.violations[name]}")
+
+
+def model_holds(sim: Sim, step: int) -> bool:
+    """Every rank's true data of ``step`` is on an up host's RAM disk (its own or a byte-identical
+    replica's) or committed in the bucket."""
+    hps = sim.topo.hosts_per_slice
+    for r in range(sim.cfg.nodes):
+        want = sim.content(r, step)
+        if sim.bucket is not None and sim.bucket.holds(step, r, want):
+            continue
+        if not any(h.up and any(x.step == step and x.tier is not Tier.REPLICA and x.content_hash == want
+                                and x.owner_rank % hps == r % hps for x in h.disk.values())
+                   for h in sim.hosts):
+            return False
+    return True
+
+
+def _views(st, keep: int) -> tuple:
+    steps = st.known_steps()
+    try:
+        plan = st.restore_plan(restoring=False)
+        restore = (plan.step, dict(plan.sources))
+    except ValueError as e:
+        restore = str(e)
+    return (
+        st.globally_complete_steps(), st.newest_complete_step(),
+        {s: st.sources(s) for s in steps}, {s: st.is_redundant(s) for s in steps},
+        {s: st.replication_plan(s) for s in steps}, st.gc_plan(keep), restore,
+    )
+
+
+def from_facts(st: CoordinatorState, without: int | None = None) -> CoordinatorState:
+    """A new state fed the same facts in a fixed order (rank order, then the bucket): what a restarted
+    coordinator would compute from scratch. ``without``: as if that host had been lost."""
+    new = CoordinatorState(st.topology)
+    for r, since in st.lost.items():
+        new.forget_host(r, since)
+    for r, inc in st.registered.items():
+        if r == without:
+            continue
+        new.register(r, inc)
+        if st.is_reported(r):
+            new.report_inventory(r, st.holdings_of(r), inc)
+    if without is not None:
+        new.forget_host(without, 0.0)
+    for step in st.known_steps():
+        ranks = st.backup_ranks(step)
+        if ranks:
+            new.report_backup_ranks(step, ranks)
+    for step in st.pinned:
+        new.pin(step)
+    for step in st.backing_up:
+        new.mark_backup_in_progress(step)
+    return new
+
+
+def check_backup_task(sim: Sim, coord: Coordinator, rank: int, task: pb.BackupTask) -> None:
+    """A backup share goes to a host that, by the coordinator's current facts, holds the piece it uploads."""
+    st = coord.state
+    owners = list(task.source_owner_ranks) or list(task.ranks)
+    for r, owner in zip(task.ranks, owners, strict=True):
+        h = st.holding(rank, (owner, task.step))
+        if h is None or h.tier is Tier.REPLICA:
+            violate(sim, "backup-share-held",
+                    f"epoch {coord.epoch} hands host {rank} (incarnation {st.registered.get(rank, 0) % 1000}) the "
+                    f"upload of rank {r}'s data of step {task.step} from rank {owner}'s directory, which it does "
+                    f"not hold (it reported {[x.key for x in st.holdings_of(rank)]})")
+            return
+
+
+def check_after_event(sim: Sim, kind: str) -> None:
+    coord = sim.coord
+    st = coord.state
+    if sim.bucket is not None and len(sim.bucket.incomplete) > sim.incomplete_seen:
+        sid, missing = sim.bucket.incomplete[sim.incomplete_seen]
+        sim.incomplete_seen = len(sim.bucket.incomplete)
+        violate(sim, "backup-run-fenced",
+                f"the scheduler committed staging {sid} believing every saver uploaded, but ranks {missing} "
+                f"uploaded into another staging (a report of an older run, e.g. a deposed coordinator's, was "
+                f"counted)")
+    version = (id(coord), st.version)
+    if version != sim.last_version and (sim.clock.now - sim.last_plan_check >= PLAN_CHECK_SECONDS
+                                        or kind == "fault"):
+        sim.last_version = version
+        sim.last_plan_check = sim.clock.now
+        sim.plan_checks += 1
+        # Every 16th check against the planner's own rebuilt() (a deep copy: slow), else against a state
+        # fed the same facts from scratch.
+        scratch_state = st.rebuilt() if sim.plan_checks % 16 == 0 else from_facts(st)
+        mine, scratch = _views(st, sim.keep_local), _views(scratch_state, sim.keep_local)
+        if mine != scratch:
+            names = ("complete", "newest", "sources", "redundant", "copies", "gc", "restore")
+            diff = [n for n, a, b in zip(names, mine, scratch, strict=True) if a != b]
+            violate(sim, "plan-from-scratch", f"incremental views differ from a recomputation in {diff}")
+    elif kind == "beat":
+        return  # neither the coordinator's facts nor the hosts' RAM disks changed
+    newest = st.newest_complete_step()
+    if newest is not None:
+        _check_restorable(sim, newest)
+    if not coord._all_reported():
+        return
+    if newest is not None:
+        sim.max_complete_seen = max(sim.max_complete_seen or -1, newest)
+        if (newest > (sim.max_durable_seen or -1) and sim.durable_checked != version
+                and (sim.clock.now - sim.last_durable_check >= DURABLE_CHECK_SECONDS or kind == "fault")):
+            sim.durable_checked = version
+            sim.last_durable_check = sim.clock.now
+            if _durable(sim, newest):
+                sim.max_durable_seen = newest
+    top = sim.max_durable_seen
+    if top is not None and (newest is None or newest < top) and model_holds(sim, top):
+        violate(sim, "newest-complete-regressed",
+                f"the newest complete step is {newest} although step {top} survived the loss of any one host "
+                f"and the hosts and bucket still hold every rank's data of it")
+
+
+def _durable(sim: Sim, step: int) -> bool:
+    """By the coordinator's own facts, ``step`` stays complete whichever single host is lost."""
+    st = sim.coord.state
+    if not st.is_redundant(step):
+        return False
+    for r in range(sim.cfg.nodes):
+        if not from_facts(st, without=r).is_complete(step):
+            return False
+    return True
+
+
+def _check_restorable(sim: Sim, step: int) -> None:
+    st = sim.coord.state
+    registered = st.registered
+    for r in st.expected_ranks(step):
+        srcs = st.rank_sources(step, r)
+        want = sim.content(r, step)
+        bad = [s for s in srcs if s.content_hash is not None and s.content_hash != want]
+        if bad:
+            violate(sim, "complete-is-restorable",
+                    f"step {step} rank {r}: source {bad[0]} is not rank {r}'s data ({want})")
+            return
+        ok = False
+        for s in srcs:
+            if s.kind is Tier.BUCKET:
+                ok = sim.bucket is not None and sim.bucket.holds(step, r, want)
+            else:
+                h = sim.hosts[s.holder_rank]
+                if not h.up or registered.get(s.holder_rank) != h.incarnation:
+                    ok = True  # the coordinator has not heard yet that this host is gone
+                else:
+                    x = h.bytes_of(s.owner_rank, step)
+                    ok = x is not None and x.content_hash == s.content_hash
+            if ok:
+                break
+        if not ok:
+            violate(sim, "complete-is-restorable",
+                    f"step {step} is reported complete but no source of rank {r} holds its data: {srcs}")
+            return
+
+
+def check_deletion(sim: Sim, rank: int, owner: int, step: int, coord: Coordinator) -> None:
+    """``coord`` ordered host ``rank`` to delete ``owner``'s data of ``step`` (it may be a deposed one)."""
+    newest = max(sim.max_durable_seen or -1, sim.coord.state.newest_complete_step() or -1,
+                 coord.state.newest_complete_step() or -1)
+    protected = {newest: "the newest complete step"}
+    for c in {id(x): x for x in (coord, sim.coord)}.values():
+        cur = getattr(c.backup, "current", None)
+        if cur is not None:
+            protected.setdefault(cur.step, "being backed up")
+    if sim.restore_step is not None:
+        protected.setdefault(sim.restore_step, "pinned for a restore")
+    if step in protected and model_holds(sim, step):
+        violate(sim, "gc-protected", f"host {rank} deletes rank {owner}'s data of step {step} "
+                f"({protected[step]}) on the order of epoch {coord.epoch}")
+
+
+def check_restore(sim: Sim, step: int, lost: set[int]) -> None:
+    """PrepareRestore said ``step`` is ready on every host but the ``lost`` ones (not waited for)."""
+    top = sim.max_durable_seen
+    if top is not None and step < top and model_holds(sim, top):
+        violate(sim, "restore-older-than-newest",
+                f"a restore is ready at step {step} although step {top} is complete and held")
+    for h in sim.hosts:
+        if h.rank not in lost and not sim._holds_data_for(h, step, sim.content(h.rank, step)):
+            violate(sim, "restore-not-held", f"restore of step {step} declared ready but host {h.rank} "
+                    f"does not hold rank {h.rank}'s data")
+            return
+
+
+def check_at_end(sim: Sim) -> None:
+    st = sim.coord.state
+    newest = st.newest_complete_step()
+    top = sim.max_durable_seen
+    if top is not None and (newest is None or newest < top) and model_holds(sim, top):
+        violate(sim, "complete-step-lost",
+                f"after the quiet phase the newest complete step is {newest}, although step {top} was "
+                f"complete and the hosts and bucket hold every rank's data of it")
+    if sim.bucket is not None and newest is not None and (sim.bucket.newest() or -1) < newest:
+        violate(sim, "backup-reaches-newest",
+                f"after the quiet phase the bucket's newest backup is {sim.bucket.newest()}, the newest "
+                f"complete step {newest} (backup status {sim.coord.backup.status()})")
+    if not sim.training:
+        violate(sim, "job-resumed", "the trainer is still waiting for its restore after the quiet phase")
+
+
+INVARIANTS = (
+    "backup-share-held", "backup-run-fenced", "plan-from-scratch", "complete-is-restorable", "newest-complete-regressed", "gc-protected",
+    "restore-older-than-newest", "restore-not-held", "backup-reaches-newest", "complete-step-lost",
+    "job-resumed",
+)

@@ -1,0 +1,587 @@
+"""Deterministic simulation of the control plane: the real coordinator and planner, modelled hosts, one seed.
+
+One schedule = one seed. Everything random comes from ``random.Random(seed)``, time is a virtual clock
+injected into the real :class:`replicator.coordinator.service.Coordinator` and the real
+:class:`replicator.backup.tier.BucketScheduler` (whose bucket is :class:`tests.simulation.bucket.BucketModel`),
+and events run from one priority queue ordered by (virtual time, sequence number): the same seed gives the
+same schedule, the same RPCs and the same answers, so a failing seed replays exactly.
+
+Modelled (as the daemon, ``replicator/daemon.py``, does it):
+
+- hosts: RAM disk = a dict of pieces (own ``local`` data, ``peer`` copies, ``replica`` attestations, which
+  vanish with the own step they attest); heartbeats with the inventory digest and deltas against the last
+  acknowledged inventory, a full report when the coordinator has no picture; backup reports kept until a
+  heartbeat is answered; the answer's copies (byte copies fetched from the source host when they finish,
+  hash-only ones recorded at once if the own data has that hash), deletions (skipped while a task of that
+  piece runs; a whole answer of a lower epoch than the host accepted is ignored), restores (sources tried in
+  order; a replica's data is stored under its owner's name, as a peer copy) and backup shares (the upload
+  reads the piece from the RAM disk when it runs; a missing piece fails like ``FileNotFoundError``);
+- a trainer saving a step every few seconds on every host (each host commits at its own moment), that
+  restarts and restores (``PrepareRestore``) when a host of the job is lost;
+- faults: a host or a whole slice replaced with an empty RAM disk (down for a while), the coordinator
+  replaced by a new instance of a higher epoch rebuilt from heartbeats (crashed, or deposed while some hosts
+  still talk to it), the coordinator's host replaced (both), a replicator restarted with its RAM disk
+  (new incarnation, in-flight tasks lost), heartbeats lost before or after the coordinator handled them,
+  delayed answers, slow and failing uploads.
+
+After the fault window the schedule runs quiet (no faults, no saves) so that liveness can be checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import random
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from mtc_rpc import coordinator_pb2 as pb
+from replicator.backup.tier import BucketScheduler
+from replicator.coordinator.model import Holding, Tier, inventory_digest
+from replicator.coordinator.service import Coordinator
+from replicator.coordinator.tier_wire import to_wire
+from replicator.coordinator.topology import JobTopology
+from tests.simulation.bucket import BucketModel
+
+JOB = "sim"
+SIZE = 1 << 20
+
+
+class Aborted(Exception):
+    """What ``context.abort`` raises: a gRPC error status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+
+
+class Ctx:
+    """The servicer context of an in-process call (as bench/scale.py does)."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+    def is_active(self) -> bool:
+        return True
+
+    def time_remaining(self) -> float:
+        return 30.0
+
+    def set_trailing_metadata(self, md: Any) -> None:
+        return None
+
+
+class Clock:
+    """The virtual clock every party reads."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclasses.dataclass
+class Config:
+    """The shape of one schedule (drawn from the seed)."""
+
+    nodes: int
+    slices: int
+    identical: bool  # data-parallel replicas hold byte-identical data (the usual case)
+    bucket: bool
+    fault_seconds: float
+    quiet_seconds: float
+    save_every: float
+    fault_every: float
+    p_request_lost: float
+    p_answer_lost: float
+    p_answer_delayed: float
+    p_upload_fails: float
+    slow_uploads: bool
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> Config:
+        nodes = 6 if rng.random() < 0.15 else 4
+        return cls(
+            nodes=nodes, slices=2, identical=rng.random() < 0.85, bucket=rng.random() < 0.85,
+            fault_seconds=rng.uniform(8.0, 16.0), quiet_seconds=24.0, save_every=rng.uniform(1.5, 4.0),
+            fault_every=rng.uniform(2.0, 6.0), p_request_lost=rng.choice([0.0, 0.05]),
+            p_answer_lost=rng.choice([0.0, 0.05]), p_answer_delayed=rng.choice([0.0, 0.1]),
+            p_upload_fails=rng.choice([0.0, 0.0, 0.2]), slow_uploads=rng.random() < 0.3,
+        )
+
+
+class Host:
+    """One host's replicator process and RAM disk."""
+
+    def __init__(self, rank: int, incarnation: int):
+        self.rank = rank
+        self.incarnation = incarnation
+        self.up = True
+        self.disk: dict[tuple[int, int], Holding] = {}
+        self.acked: tuple[str, dict[tuple[int, int], Holding]] | None = None
+        self.epoch = 0
+        self.in_flight: set[tuple[str, int, int]] = set()
+        self.not_before: dict[tuple[str, int, int], float] = {}
+        self.backup_reports: list[pb.BackupReport] = []
+        self.waiting = False  # a heartbeat is out (the daemon sends one at a time)
+        self.coordinator: Coordinator | None = None  # whom it talks to (None: the newest)
+
+    def own(self, step: int) -> Holding | None:
+        h = self.disk.get((self.rank, step))
+        return h if h is not None and h.tier is Tier.LOCAL else None
+
+    def bytes_of(self, owner: int, step: int) -> Holding | None:
+        h = self.disk.get((owner, step))
+        return h if h is not None and h.tier is not Tier.REPLICA else None
+
+    def delete(self, owner: int, step: int) -> None:
+        self.disk.pop((owner, step), None)
+        if owner == self.rank:  # attestations name the own step: they go with it
+            for k in [k for k, h in self.disk.items() if h.step == step and h.tier is Tier.REPLICA]:
+                del self.disk[k]
+
+    def busy(self, owner: int, step: int) -> bool:
+        return any(k[1] == owner and k[2] == step for k in self.in_flight) or any(
+            k[0] == "backup" and k[2] == step for k in self.in_flight)
+
+
+class Sim:
+    """One schedule. :meth:`run` returns the violations found: invariant -> its first violation (empty = held)."""
+
+    def __init__(self, seed: int, *, config: Config | None = None, keep_trace: bool = True):
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.cfg = config or Config.draw(self.rng)
+        self.clock = Clock()
+        self.topo = JobTopology(self.cfg.nodes, self.cfg.slices, 1)
+        self.keep_local = 2
+        self.heartbeat_seconds = 1.0
+        self.bucket = BucketModel(self.cfg.nodes, self.clock) if self.cfg.bucket else None
+        self.epoch = 1
+        self.coord = self._new_coordinator(1)
+        self.deposed: list[Coordinator] = []
+        self.hosts = [Host(r, self._nonce()) for r in range(self.cfg.nodes)]
+        self.queue: list[tuple[float, int, str, tuple]] = []
+        self.seq = itertools.count()
+        self.trace: list[str] = []
+        self.keep_trace = keep_trace
+        self.events = 0
+        self.violations: dict[str, str] = {}  # invariant -> the first violation of it
+        self.violation_events: dict[str, int] = {}  # invariant -> how many events ran until it
+        # Trainer.
+        self.next_step = 1
+        self.training = True
+        self.restoring_since: float | None = None
+        self.restore_step: int | None = None  # pinned by the trainer's PrepareRestore
+        self.restore_asked: tuple[Coordinator, float] | None = None  # to whom and when PrepareRestore was sent
+        self.restored: list[int] = []
+        # Facts the invariants track (see tests/simulation/invariants.py).
+        self.saved_steps: set[int] = set()
+        self.max_complete_seen: int | None = None
+        self.max_durable_seen: int | None = None
+        self.durable_checked: tuple[int, int] | None = None
+        self.newest_reported: int | None = None
+        self.last_version: tuple[int, int] | None = None
+        self.plan_checks = 0
+        self.last_plan_check = self.last_durable_check = -1.0
+        self.incomplete_seen = 0
+        from tests.simulation import invariants
+        self.inv = invariants
+        for h in self.hosts:
+            self._at(self.rng.uniform(0.0, 1.0), "beat", (h.rank, h.incarnation))
+        self._at(self.cfg.save_every, "save", ())
+        self._at(self.cfg.fault_every, "fault", ())
+
+    # ------------------------------------------------------------------ plumbing
+    def _nonce(self) -> int:
+        return self.rng.randrange(1, 1 << 62)
+
+    def _new_coordinator(self, epoch: int) -> Coordinator:
+        factory: Callable[[], Any] | None = None
+        if self.bucket is not None:
+            bucket = self.bucket
+
+            def factory() -> BucketScheduler:
+                return BucketScheduler(bucket, self.topo, interval_steps=1, keep=3, clock=self.clock)  # type: ignore[arg-type]
+        return Coordinator(self.topo, JOB, keep_local=2, heartbeat_seconds=self.heartbeat_seconds,
+                           backup_factory=factory, clock=self.clock, host_lost_seconds=4.0, epoch=epoch)
+
+    def _at(self, t: float, kind: str, args: tuple) -> None:
+        heapq.heappush(self.queue, (t, next(self.seq), kind, args))
+
+    def note(self, msg: str) -> None:
+        if self.keep_trace:
+            self.trace.append(f"{self.clock.now:8.3f} {msg}")
+
+    def host(self, rank: int, incarnation: int) -> Host | None:
+        """The host if it still is that incarnation and up (else the event belongs to a dead process)."""
+        h = self.hosts[rank]
+        return h if h.incarnation == incarnation and h.up else None
+
+    @property
+    def faulty(self) -> bool:
+        return self.clock.now < self.cfg.fault_seconds
+
+    def content(self, rank: int, step: int) -> str:
+        """The true content hash of ``rank``'s data of ``step`` (replicas identical unless configured not)."""
+        who = rank % self.topo.hosts_per_slice if self.cfg.identical else rank
+        return f"{step:04d}.{who:04d}"
+
+    def _join_commits(self) -> None:
+        """The real scheduler commits in a thread; the model's bucket is instant, so wait for it here
+        (deterministic: the result is ready before the next heartbeat reads it)."""
+        for c in [self.coord, *self.deposed]:
+            t = getattr(c.backup, "_commit_thread", None)
+            if t is not None:
+                t.join()
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> dict[str, str]:
+        end = self.cfg.fault_seconds + self.cfg.quiet_seconds
+        while self.queue:
+            t, _, kind, args = heapq.heappop(self.queue)
+            if t > end:
+                break
+            self.clock.now = t
+            self.events += 1
+            getattr(self, "_ev_" + kind)(*args)
+            self._join_commits()
+            self.inv.check_after_event(self, kind)
+        self.clock.now = end
+        self.inv.check_at_end(self)
+        return self.violations
+
+    # ------------------------------------------------------------------ heartbeats
+    def _ev_beat(self, rank: int, inc: int) -> None:
+        h = self.host(rank, inc)
+        if h is None or h.waiting:
+            return
+        coord = h.coordinator if h.coordinator is not None and h.coordinator.active else self.coord
+        if coord is not self.coord and self.rng.random() < 0.5:
+            coord = self.coord  # tries the candidates in order; the newest answers
+        h.coordinator = coord
+        inv = list(h.disk.values())
+        digest = inventory_digest(inv)
+        own = sorted(s for (o, s), x in h.disk.items() if o == rank and x.tier is Tier.LOCAL)
+        req = pb.HeartbeatRequest(job=JOB, rank=rank, incarnation=h.incarnation, address=f"sim:{rank}",
+                                  newest_saved_step=own[-1] if own else -1, inventory_digest=digest,
+                                  known_epoch=h.epoch)
+        current = dict(h.disk)
+        if h.acked is None:
+            req.full_report = True
+            changed = inv
+        else:
+            base, acked = h.acked
+            req.base_digest = base
+            changed = [x for x in inv if acked.get(x.key) != x]
+            req.removed.extend(pb.Deletion(owner_rank=o, step=s) for o, s in acked if (o, s) not in current)
+        req.holdings.extend(pb.Holding(owner_rank=x.owner_rank, step=x.step, content_hash=x.content_hash,
+                                       size=x.size, tier=to_wire(x.tier), generation=x.generation) for x in changed)
+        req.backups.extend(h.backup_reports)
+        h.waiting = True
+        if self.faulty and self.rng.random() < self.cfg.p_request_lost:
+            self.note(f"beat {rank} lost on the way")
+            self._at(self.clock.now + 2.0, "timeout", (rank, inc))
+            return
+        try:
+            resp = coord.Heartbeat(req, Ctx())
+        except Aborted as e:
+            self.note(f"beat {rank} -> e{coord.epoch}: {e}")
+            h.waiting = False
+            if e.code is grpc.StatusCode.FAILED_PRECONDITION:  # a superseded incarnation: take a new one
+                self._restart_replicator(rank, keep_disk=True, why="stale incarnation")
+                return
+            if e.code is grpc.StatusCode.UNAVAILABLE:
+                h.coordinator = None
+            self._at(self.clock.now + self.heartbeat_seconds, "beat", (rank, inc))
+            return
+        if self.keep_trace:
+            self.note(f"beat {rank} -> e{coord.epoch}: {_summary(resp)}")
+        self._join_commits()
+        if resp.HasField("backup"):
+            self.inv.check_backup_task(self, coord, rank, resp.backup)
+        if self.faulty and self.rng.random() < self.cfg.p_answer_lost:
+            self.note(f"answer to {rank} lost")
+            self._at(self.clock.now + 2.0, "timeout", (rank, inc))
+            return
+        delay = self.rng.uniform(0.5, 2.5) if self.faulty and self.rng.random() < self.cfg.p_answer_delayed else 0.0
+        self._at(self.clock.now + delay, "answer", (rank, inc, resp, digest, current, coord))
+
+    def _ev_timeout(self, rank: int, inc: int) -> None:
+        h = self.host(rank, inc)
+        if h is None:
+            return
+        h.waiting = False  # the daemon keeps its acknowledged inventory and its backup reports
+        self._at(self.clock.now + 0.1, "beat", (rank, inc))
+
+    def _ev_answer(self, rank: int, inc: int, resp: pb.HeartbeatResponse, digest: str,
+                   current: dict, coord: Coordinator) -> None:
+        h = self.host(rank, inc)
+        if h is None:
+            return
+        h.waiting = False
+        h.backup_reports = []
+        h.acked = (digest, current) if resp.acked_digest and resp.acked_digest == digest else None
+        interval = max(0.05, resp.heartbeat_interval_ms / 1000.0)
+        self._at(self.clock.now + (0.05 if h.acked is None else interval * self.rng.uniform(0.9, 1.1)), "beat",
+                 (rank, inc))
+        if resp.epoch < h.epoch:
+            self.note(f"host {rank} ignores the answer of deposed epoch {resp.epoch} < {h.epoch}")
+            return
+        h.epoch = resp.epoch
+        for d in resp.deletions:
+            if not h.busy(d.owner_rank, d.step):
+                self.inv.check_deletion(self, rank, d.owner_rank, d.step, coord)
+                h.delete(d.owner_rank, d.step)
+        for c in resp.copies:
+            if c.source_rank == rank:  # hash only: record the equivalence
+                mine = h.own(c.step)
+                if mine is not None and mine.content_hash == c.content_hash:
+                    h.disk[(c.owner_rank, c.step)] = Holding(c.owner_rank, c.step, c.content_hash, 0, Tier.REPLICA,
+                                                             mine.generation)
+                continue
+            have = h.bytes_of(c.owner_rank, c.step)
+            if have is None or have.content_hash != c.content_hash:
+                self._submit(h, "copy", c.owner_rank, c.step, self.rng.uniform(0.1, 1.5),
+                             (c.source_rank, c.content_hash))
+        if resp.HasField("restore"):
+            srcs = [(s.kind, s.holder_rank, s.owner_rank, s.content_hash) for s in resp.restore.sources]
+            self._submit(h, "restore", rank, resp.restore.step, self.rng.uniform(0.1, 1.5), (srcs,))
+        if resp.HasField("backup"):
+            b = resp.backup
+            slow = self.faulty and self.cfg.slow_uploads and self.rng.random() < 0.5
+            self._submit(h, "backup", -1, b.step, self.rng.uniform(3.0, 12.0) if slow else self.rng.uniform(0.1, 1.0),
+                         (b.staging, list(b.ranks), list(b.source_owner_ranks) or list(b.ranks)))
+
+    def _submit(self, h: Host, kind: str, owner: int, step: int, seconds: float, args: tuple) -> None:
+        key = (kind, owner, step)
+        if key in h.in_flight or self.clock.now < h.not_before.get(key, 0.0):
+            return
+        h.in_flight.add(key)
+        self._at(self.clock.now + seconds, "done", (h.rank, h.incarnation, key, args))
+
+    def _ev_done(self, rank: int, inc: int, key: tuple[str, int, int], args: tuple) -> None:
+        h = self.host(rank, inc)
+        if h is None:
+            return
+        h.in_flight.discard(key)
+        kind, owner, step = key
+        ok = getattr(self, "_do_" + kind)(h, owner, step, *args)
+        if not ok:
+            h.not_before[key] = self.clock.now + 1.0  # the daemon's retry back-off
+
+    def _peer_piece(self, holder: int, owner: int, step: int, content_hash: str) -> Holding | None:
+        src = self.hosts[holder]
+        if not src.up:
+            return None
+        x = src.bytes_of(owner, step)
+        return x if x is not None and x.content_hash == content_hash else None
+
+    def _do_copy(self, h: Host, owner: int, step: int, source: int, content_hash: str) -> bool:
+        x = self._peer_piece(source, owner, step, content_hash)
+        if x is None:
+            self.note(f"host {h.rank}: copy of rank {owner} step {step} from {source} failed")
+            return False
+        h.disk[(owner, step)] = Holding(owner, step, content_hash, x.size, Tier.PEER, x.generation)
+        self.note(f"host {h.rank}: copied rank {owner} step {step} from {source}")
+        return True
+
+    def _holds_data_for(self, h: Host, step: int, content_hash: str) -> bool:
+        return any(x.step == step and x.tier is not Tier.REPLICA and x.content_hash == content_hash
+                   and x.owner_rank % self.topo.hosts_per_slice == h.rank % self.topo.hosts_per_slice
+                   for x in h.disk.values())
+
+    def _do_restore(self, h: Host, _owner: int, step: int, sources: list) -> bool:
+        for kind, holder, owner, content_hash in sources:
+            if content_hash and self._holds_data_for(h, step, content_hash):
+                return True
+            if holder < 0:  # the bucket (holder_rank -1; independent of how the proto spells the kind)
+                if self.bucket is None or not self.bucket.holds(step, owner, content_hash):
+                    continue
+                size, gen = SIZE, self.bucket.committed[step].generation
+            else:
+                x = self._peer_piece(holder, owner, step, content_hash)
+                if x is None:
+                    continue
+                size, gen = x.size, x.generation
+            tier = Tier.LOCAL if owner == h.rank else Tier.PEER  # a replica's data keeps its owner's name
+            h.disk[(owner, step)] = Holding(owner, step, content_hash, size, tier, gen)
+            self.note(f"host {h.rank}: restored step {step} from {kind} {holder} (rank {owner}'s data)")
+            return True
+        self.note(f"host {h.rank}: restore of step {step} failed")
+        return False
+
+    def _do_backup(self, h: Host, _owner: int, step: int, staging: str, ranks: list[int], owners: list[int]) -> bool:
+        assert self.bucket is not None
+        done, error = [], ""
+        for rank, owner in zip(ranks, owners, strict=True):
+            x = h.bytes_of(owner, step)
+            if x is None:
+                error = f"FileNotFoundError: host{h.rank}/local/steps/{step} of rank {owner}"
+                break
+            if self.faulty and self.rng.random() < self.cfg.p_upload_fails:
+                error = "OSError: injected upload failure"
+                break
+            try:
+                self.bucket.upload(staging, rank, x.content_hash, x.generation)
+            except FileNotFoundError as e:
+                error = f"FileNotFoundError: {e}"
+                break
+            done.append(rank)
+        h.backup_reports.append(pb.BackupReport(step=step, uploaded_ranks=done, error=error))
+        self.note(f"host {h.rank}: backup share of step {step} (staging {staging}) ranks {done}"
+                  + (f" failed: {error}" if error else ""))
+        return not error
+
+    # ------------------------------------------------------------------ trainer
+    def _ev_save(self) -> None:
+        if self.clock.now < self.cfg.fault_seconds + 4.0:
+            self._at(self.clock.now + self.cfg.save_every, "save", ())
+        else:
+            return
+        if not self.training or not all(h.up for h in self.hosts):
+            return
+        step = self.next_step
+        self.next_step += 1
+        self.saved_steps.add(step)
+        self.note(f"trainer saves step {step}")
+        for h in self.hosts:
+            self._at(self.clock.now + self.rng.uniform(0.0, 0.8), "commit", (h.rank, h.incarnation, step))
+
+    def _ev_commit(self, rank: int, inc: int, step: int) -> None:
+        h = self.host(rank, inc)
+        if h is None:
+            return
+        h.disk[(rank, step)] = Holding(rank, step, self.content(rank, step), SIZE, Tier.LOCAL)
+
+    def _job_restarts(self, why: str) -> None:
+        """A host of the job is gone: the training processes restart and restore."""
+        if self.training:
+            self.note(f"trainer restarts ({why})")
+        self.training = False
+        if self.restoring_since is None:
+            self.restoring_since = self.clock.now
+            self._at(self.clock.now + 1.0, "restore_poll", ())
+
+    def _ev_restore_poll(self) -> None:
+        if self.training:
+            return
+        self._at(self.clock.now + 1.0, "restore_poll", ())
+        if not all(h.up for h in self.hosts):
+            self.restore_asked = None
+            return  # the job's processes start when every host is back
+        if self.restore_asked is None or self.restore_asked[0] is not self.coord:
+            self.restore_asked = (self.coord, self.clock.now)
+        if self.coord._silent_since(self.restore_asked[1]):
+            return  # PrepareRestore first waits for every live host's report made after the request
+        try:
+            resp = self.coord.PrepareRestore(pb.PrepareRestoreRequest(step=-1, wait_seconds=0.0), Ctx())
+        except Aborted as e:
+            self.note(f"PrepareRestore: {e}")
+            return
+        self.restore_step = resp.step if resp.step >= 0 else None
+        if resp.step < 0:
+            if self.clock.now - (self.restoring_since or 0.0) > 12.0:
+                self.note(f"trainer starts from scratch: {resp.reason}")
+                self._resume(None)
+            return
+        if resp.ready:
+            self.inv.check_restore(self, resp.step, set(resp.lost_ranks))
+            if all(self._holds_data_for(h, resp.step, self.content(h.rank, resp.step)) for h in self.hosts):
+                self._resume(resp.step)
+            else:  # a host the coordinator declared lost lacks its data: its read fails, the job retries
+                self.note(f"restore of step {resp.step} fails on a host declared lost {list(resp.lost_ranks)}")
+
+    def _resume(self, step: int | None) -> None:
+        self.note(f"trainer resumes from step {step}")
+        if step is not None:
+            self.restored.append(step)
+        self.training = True
+        self.restoring_since = None
+        self.restore_step = None
+        self.restore_asked = None
+
+    # ------------------------------------------------------------------ faults
+    def _ev_fault(self) -> None:
+        if not self.faulty:
+            return
+        self._at(self.clock.now + self.rng.expovariate(1.0 / self.cfg.fault_every), "fault", ())
+        r = self.rng.random()
+        n = self.cfg.nodes
+        if r < 0.30:
+            self._replace([self.rng.randrange(n)], "host replaced")
+        elif r < 0.42:
+            s = self.rng.randrange(self.cfg.slices)
+            h = self.topo.hosts_per_slice
+            self._replace(list(range(s * h, (s + 1) * h)), f"slice {s} replaced")
+        elif r < 0.62:
+            self._failover(crash=self.rng.random() < 0.5)
+        elif r < 0.70:
+            self._failover(crash=True)
+            self._replace([0], "coordinator's host replaced")
+        else:
+            self._restart_replicator(self.rng.randrange(n), keep_disk=True, why="replicator restarted")
+
+    def _replace(self, ranks: list[int], why: str) -> None:
+        down = self.rng.uniform(0.5, 8.0)
+        self.note(f"FAULT {why}: hosts {ranks} down for {down:.1f}s, RAM disks empty")
+        for r in ranks:
+            old = self.hosts[r]
+            new = Host(r, self._nonce())
+            new.up = False
+            new.epoch = 0
+            del old
+            self.hosts[r] = new
+            self._at(self.clock.now + down, "host_up", (r, new.incarnation))
+        self._job_restarts(why)
+
+    def _ev_host_up(self, rank: int, inc: int) -> None:
+        h = self.hosts[rank]
+        if h.incarnation != inc:
+            return
+        h.up = True
+        self.note(f"host {rank} is back (incarnation {inc % 1000})")
+        self._at(self.clock.now + self.rng.uniform(0.0, 0.3), "beat", (rank, inc))
+
+    def _restart_replicator(self, rank: int, *, keep_disk: bool, why: str) -> None:
+        old = self.hosts[rank]
+        if not old.up:
+            return  # a host that is down runs no replicator to restart
+        new = Host(rank, self._nonce())
+        new.disk = dict(old.disk) if keep_disk else {}
+        self.hosts[rank] = new
+        self.note(f"FAULT {why}: host {rank} incarnation {new.incarnation % 1000}")
+        self._at(self.clock.now + self.rng.uniform(0.1, 1.0), "beat", (rank, new.incarnation))
+
+    def _failover(self, *, crash: bool) -> None:
+        old = self.coord
+        self.epoch = max(self.epoch, old.epoch) + 1
+        self.coord = self._new_coordinator(self.epoch)
+        self.note(f"FAULT coordinator failover: epoch {old.epoch} -> {self.coord.epoch} "
+                  f"({'crashed' if crash else 'deposed, still answering'})")
+        if crash:
+            old.deactivate("crashed")
+        else:
+            self.deposed.append(old)
+        self.deposed = [c for c in self.deposed if c.active][-2:]
+        self.last_version = None
+
+
+def _summary(resp: pb.HeartbeatResponse) -> str:
+    parts = [f"newest {resp.newest_complete_step}"]
+    if resp.copies:
+        parts.append("copies " + ",".join(f"{c.owner_rank}/{c.step}<-{c.source_rank}" for c in resp.copies))
+    if resp.deletions:
+        parts.append("del " + ",".join(f"{d.owner_rank}/{d.step}" for d in resp.deletions))
+    if resp.HasField("restore"):
+        parts.append(f"restore {resp.restore.step} from "
+                     + ",".join(f"{s.kind}:{s.holder_rank}/{s.owner_rank}" for s in resp.restore.sources))
+    if resp.HasField("backup"):
+        parts.append(f"backup {resp.backup.step} {resp.backup.staging} ranks {list(resp.backup.ranks)}")
+    if not resp.acked_digest:
+        parts.append("no ack")
+    return "; ".join(parts)

@@ -6,6 +6,7 @@ The simulation seeds that found them are the guards in tests/simulation (they re
 import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
+from mtc_rpc import tier_pb2
 from replicator.coordinator.service import Coordinator
 from replicator.coordinator.topology import JobTopology
 
@@ -30,7 +31,7 @@ def beat(coord, rank, holdings):
     req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
                               newest_saved_step=3, full_report=True,
                               holdings=[pb.Holding(owner_rank=rank, step=s, content_hash=f"h{s}.{rank % 2}",
-                                                   size=10, tier="local") for s in holdings])
+                                                   size=10, tier=tier_pb2.TIER_LOCAL) for s in holdings])
     return coord.Heartbeat(req, Ctx())
 
 
@@ -56,10 +57,10 @@ def test_no_deletion_on_a_picture_of_lost_hosts_without_a_complete_step():
 def test_gc_still_runs_with_lost_hosts_once_a_step_is_complete():
     clock = Clock()
     coord = Coordinator(JobTopology(2, 1, 1), "t", keep_local=1, clock=clock, host_lost_seconds=4.0)
-    peer = [pb.Holding(owner_rank=1, step=2, content_hash="h2.1", size=10, tier="peer")]
+    peer = [pb.Holding(owner_rank=1, step=2, content_hash="h2.1", size=10, tier=tier_pb2.TIER_PEER)]
     req = pb.HeartbeatRequest(job="t", rank=0, incarnation=1, address="127.0.0.1:7000", full_report=True,
                               holdings=[pb.Holding(owner_rank=0, step=s, content_hash=f"h{s}.0", size=10,
-                                                   tier="local") for s in (1, 2)] + peer)
+                                                   tier=tier_pb2.TIER_LOCAL) for s in (1, 2)] + peer)
     coord.Heartbeat(req, Ctx())
     beat(coord, 1, [1, 2])
     clock.now += 10.0  # host 1 lost; its step 2 survives as host 0's peer copy

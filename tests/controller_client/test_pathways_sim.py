@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology, worker_key
 from sidecar import layout
-from tests.kits.cluster import assert_equal, wait_for
+from tests.kits.cluster import wait_for
 from tests.kits.pathways_sim import PathwaysSim
 from tests.replicator.conftest import cluster_factory  # noqa: F401  (fixture)
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory):
-    with PathwaysSim(2, 2, log_dir=tmp_path_factory.mktemp("pathways"), worker_setup="orbax.checkpoint._src.multihost.colocated_transport:install_pathways_colocated_serialization_patch") as s:
+    with PathwaysSim(2, 2, log_dir=tmp_path_factory.mktemp("pathways")) as s:
         yield s
 
 
@@ -58,6 +58,18 @@ def target_on(tree: dict, devices, shape) -> dict:
     out = {k: jax.ShapeDtypeStruct(tree[k].shape, tree[k].dtype, sharding=NamedSharding(mesh, s))
            for k, s in specs.items()}
     return {**out, "host": np.zeros(5, np.int64), "step": tree["step"]}
+
+
+def assert_equal(a: dict, b: dict) -> None:
+    for k, x in a.items():
+        y = b[k]
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        if isinstance(x, (jax.Array, np.ndarray)):
+            assert np.asarray(x).dtype == np.asarray(y).dtype, k
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=k)
+        else:
+            assert x == y, k
 
 
 def pathways_device(id: int, slice_index: int | None, task: int | None = None, repr_text: str | None = None):

@@ -172,7 +172,6 @@ class PathwaysSim:
         self._procs.clear()
 
     def _start_workers(self) -> None:
-        import socket
 
         from tests.kits.jax_procs import free_port
 
@@ -208,7 +207,7 @@ class PathwaysSim:
                     raise RuntimeError(f"a Pathways worker exited at start: {dead[0]}")
                 try:
                     conn = listener.accept()
-                except (TimeoutError, socket.timeout):
+                except TimeoutError:
                     continue
                 _, worker = conn.recv()
                 host = next(h.host for h in self.hosts if h.worker == worker)

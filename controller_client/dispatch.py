@@ -75,6 +75,15 @@ def _spec(x: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
+def _colocated_cpu(colocated_python: Any, devices: Sequence[Any]) -> list[Any]:
+    """One colocated CPU device per device, order kept; a CPU device is its own (as JAX documents it; JAX's
+    CPU fallback instead hands out process 0's first CPU devices, so the devices of slice 1 alone would map
+    to slice 0's)."""
+    if all(getattr(d, "platform", None) == "cpu" for d in devices):
+        return list(devices)
+    return list(colocated_python.colocated_cpu_devices(devices))
+
+
 def _install_pathways_ids() -> None:
     """Runs where a colocated call is unpickled: has JAX's colocated deserialization resolve the controller's
     device ids (on a Pathways worker, CPU devices have local ids and carry the controller-side one as
@@ -161,7 +170,7 @@ class ColocatedDispatcher(Dispatcher):
 
         self._cp = colocated_python
         self.devices = list(devices)
-        self.cpu_devices = list(colocated_python.colocated_cpu_devices(self.devices))
+        self.cpu_devices = _colocated_cpu(colocated_python, self.devices)
         # The host functions see the colocated CPU devices: map those to ranks.
         rank_by_cpu = {c.id: config.device_rank[d.id] for d, c in zip(self.devices, self.cpu_devices, strict=True)}
         super().__init__(config)
@@ -205,7 +214,8 @@ class ColocatedDispatcher(Dispatcher):
         out = self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: specs)(self._handle())
         if self._same_devices:
             return out
-        return [jax.device_put(x, lf.sharding) for x, lf in zip(out, leaves, strict=True)]
+        # Each leaf's own (logical) sharding: a PRNG key leaf's request carries its key data's.
+        return [jax.device_put(x, spec.sharding) for x, spec in zip(out, _restore_out_specs(leaves), strict=True)]
 
     def query(self, query, arg=None):
         rows = jax.device_put(np.zeros((len(self.cpu_devices), QUERY_BYTES), np.uint8), self._rows_sharding)

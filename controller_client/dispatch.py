@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sidecar import host
+from sidecar import host, tree
 
 # Size of the per-device answer buffer of a colocated query or of a restore's plain values (JSON, one row per
 # device). A host's answer does not grow with the job's size (ranks travel as ranges, see sidecar.saves): a
@@ -78,19 +78,64 @@ def _spec(x: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
-def _coloc_save(handle, arrays, *, config, step, metas, host_arrays, values, generation=0, replace=False):
+def _colocated_cpu(colocated_python: Any, devices: Sequence[Any]) -> list[Any]:
+    """One colocated CPU device per device, order kept; a CPU device is its own (as JAX documents it; JAX's
+    CPU fallback instead hands out process 0's first CPU devices, so the devices of slice 1 alone would map
+    to slice 0's)."""
+    if all(getattr(d, "platform", None) == "cpu" for d in devices):
+        return list(devices)
+    return list(colocated_python.colocated_cpu_devices(devices))
+
+
+def _install_pathways_ids() -> None:
+    """Runs where a colocated call is unpickled: has JAX's colocated deserialization resolve the controller's
+    device ids (on a Pathways worker, CPU devices have local ids and carry the controller-side one as
+    ``PjRtIFRTDeviceId=`` in their repr) with Orbax's patch for exactly that (orbax-checkpoint is in [jax])."""
+    from orbax.checkpoint._src.multihost import colocated_transport
+
+    colocated_transport.install_pathways_colocated_serialization_patch()
+
+
+class _PathwaysIds:
+    """Pickled as the first keyword of every colocated call, so that unpickling it on the worker installs
+    :func:`_install_pathways_ids` before the call's shardings (later in the same pickle) are resolved."""
+
+    def __reduce__(self):
+        return _pathways_ids, ()
+
+
+def _pathways_ids() -> None:
+    _install_pathways_ids()
+
+
+def _ranks_handle(ranks: Sequence[int], sharding: NamedSharding) -> jax.Array:
+    """One int32 per colocated CPU device: the rank of its host. It travels as data, so that a host
+    function learns which rank each of the devices it sees belongs to whatever the ids are where it runs
+    (on Pathways the worker's CPU device ids are not the controller's)."""
+    return jax.device_put(np.asarray(ranks, np.int32), sharding)
+
+
+def _host_config(config: host.HostConfig, handle: jax.Array) -> host.HostConfig:
+    """``config`` with ``device_rank`` keyed by the devices this host function sees (the handle's shards)."""
+    device_rank = {s.device.id: int(np.asarray(s.data).reshape(-1)[0]) for s in handle.addressable_shards}
+    return dataclasses.replace(config, device_rank=device_rank)
+
+
+def _coloc_save(handle, arrays, *, _ids=None, config, step, metas, host_arrays, values, generation=0, replace=False):
+    config = _host_config(config, handle)
     ranks = host.ranks_of(config, [s.device for s in handle.addressable_shards])
     host.save_on_hosts(config, ranks, step, arrays, metas, host_arrays, values, generation, replace)
     return handle
 
 
-def _coloc_restore(handle, rows, *, config, step, leaves, all_paths):
+def _coloc_restore(handle, rows, *, _ids=None, config, step, leaves, all_paths):
+    config = _host_config(config, handle)
     ranks = host.ranks_of(config, [s.device for s in handle.addressable_shards])
     res = host.restore_on_hosts(config, ranks, step, leaves, all_paths)
     # The plain values travel back in the same call, one row per device (every rank read the same values).
     row = encode_values(res.values)
     bufs = [jax.device_put(row[None], s.device) for s in rows.addressable_shards]
-    return res.arrays, jax.make_array_from_single_device_arrays(rows.shape, rows.sharding, bufs)
+    return list(res.arrays), jax.make_array_from_single_device_arrays(rows.shape, rows.sharding, bufs)
 
 
 def encode_values(values: dict[str, Any]) -> np.ndarray:
@@ -109,7 +154,28 @@ def decode_values(row: np.ndarray) -> dict[str, Any]:
     return json.loads(bytes(row[4 : 4 + n])) if n else {}
 
 
-def _coloc_query(rows, *, config, query, arg):
+def _restore_out_specs(leaves: Sequence[host.RestoreLeaf]) -> list[jax.ShapeDtypeStruct]:
+    """The arrays a colocated restore returns, known on the controller: without them JAX learns the output
+    specs from the workers, pickled with the workers' device ids (which on Pathways are not the controller's)."""
+    out = []
+    for lf in leaves:
+        if lf.as_bytes:
+            nbytes = int(np.prod(lf.shape, dtype=np.int64)) * tree.dtype_from_name(lf.dtype).itemsize
+            out.append(jax.ShapeDtypeStruct((nbytes,), np.uint8, sharding=lf.sharding))
+        elif lf.key_impl:
+            phys = jax.ShapeDtypeStruct(lf.shape, np.uint32)
+            key = jax.eval_shape(lambda x, impl=lf.key_impl: jax.random.wrap_key_data(x, impl=impl), phys)
+            spec = tuple(lf.sharding.spec)[:len(key.shape)] if isinstance(lf.sharding, NamedSharding) else ()
+            sharding = NamedSharding(lf.sharding.mesh, PartitionSpec(*spec)) if isinstance(
+                lf.sharding, NamedSharding) else lf.sharding
+            out.append(jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding))
+        else:
+            out.append(jax.ShapeDtypeStruct(lf.shape, tree.dtype_from_name(lf.dtype), sharding=lf.sharding))
+    return out
+
+
+def _coloc_query(handle, rows, *, _ids=None, config, query, arg):
+    config = _host_config(config, handle)
     ranks = host.ranks_of(config, [s.device for s in rows.addressable_shards])
     answers = host.query_on_hosts(config, ranks, query, arg)
     bufs = []
@@ -127,7 +193,7 @@ class ColocatedDispatcher(Dispatcher):
 
         self._cp = colocated_python
         self.devices = list(devices)
-        self.cpu_devices = list(colocated_python.colocated_cpu_devices(self.devices))
+        self.cpu_devices = _colocated_cpu(colocated_python, self.devices)
         # The host functions see the colocated CPU devices: map those to ranks.
         rank_by_cpu = {c.id: config.device_rank[d.id] for d, c in zip(self.devices, self.cpu_devices, strict=True)}
         super().__init__(config)
@@ -138,7 +204,7 @@ class ColocatedDispatcher(Dispatcher):
         self._same_devices = [d.id for d in self.devices] == [c.id for c in self.cpu_devices]
 
     def _handle(self) -> jax.Array:
-        return jax.device_put(np.zeros(len(self.cpu_devices), np.uint8), self._handle_sharding)
+        return _ranks_handle([self.cpu_config.device_rank[c.id] for c in self.cpu_devices], self._handle_sharding)
 
     def _to_cpu(self, x: jax.Array) -> jax.Array:
         if self._same_devices:
@@ -156,7 +222,7 @@ class ColocatedDispatcher(Dispatcher):
         return NamedSharding(Mesh(devs, sharding.mesh.axis_names), sharding.spec)
 
     def save(self, step, arrays, metas, host_arrays, values, generation=0, replace=False):
-        fn = functools.partial(_coloc_save, config=self.cpu_config, step=step, metas=list(metas),
+        fn = functools.partial(_coloc_save, _ids=_PathwaysIds(), config=self.cpu_config, step=step, metas=list(metas),
                                host_arrays=list(host_arrays), values=list(values), generation=generation,
                                replace=replace)
         h = self._handle()
@@ -165,19 +231,23 @@ class ColocatedDispatcher(Dispatcher):
 
     def restore(self, step, leaves, all_paths):
         cpu_leaves = [dataclasses.replace(lf, sharding=self.cpu_sharding(lf.sharding)) for lf in leaves]
-        fn = functools.partial(_coloc_restore, config=self.cpu_config, step=step, leaves=cpu_leaves,
-                               all_paths=list(all_paths))
+        fn = functools.partial(_coloc_restore, _ids=_PathwaysIds(), config=self.cpu_config, step=step,
+                               leaves=cpu_leaves, all_paths=list(all_paths))
         rows = jax.device_put(np.zeros((len(self.cpu_devices), QUERY_BYTES), np.uint8), self._rows_sharding)
-        out, vals = self._cp.colocated_python(fn)(self._handle(), rows)
+        specs = (_restore_out_specs(cpu_leaves), _spec(rows))
+        out, vals = self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: specs)(
+            self._handle(), rows)
         values = decode_values(np.asarray(vals.addressable_shards[0].data)[0])
         if not self._same_devices:
-            out = [jax.device_put(x, lf.sharding) for x, lf in zip(out, leaves, strict=True)]
+            # Each leaf's own (logical) sharding: a PRNG key leaf's request carries its key data's.
+            out = [jax.device_put(x, spec.sharding) for x, spec in zip(out, _restore_out_specs(leaves), strict=True)]
         return host.RestoreResult(list(out), values)
 
     def query(self, query, arg=None):
         rows = jax.device_put(np.zeros((len(self.cpu_devices), QUERY_BYTES), np.uint8), self._rows_sharding)
-        fn = functools.partial(_coloc_query, config=self.cpu_config, query=host.HostQuery(query).value, arg=arg)
-        res = self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: _spec(rows))(rows)
+        fn = functools.partial(_coloc_query, _ids=_PathwaysIds(), config=self.cpu_config,
+                               query=host.HostQuery(query).value, arg=arg)
+        res = self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: _spec(rows))(self._handle(), rows)
         out: dict[int, Any] = {}
         for row in np.asarray(res):
             out.update(host.decode_result(query, row))

@@ -3,8 +3,43 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
+
+_LOGICAL_TASK = re.compile(r"logical_task=(\d+)")
+_VTASK = re.compile(r"vtask=(\d+)")
+
+
+def _task_index(device: Any) -> int | None:
+    """The worker (task) a Pathways device belongs to, in the order Orbax 0.12.8 looks for it
+    (``_src/multihost/pathways.py``): ``virtual_task_index``, ``logical_task=N`` in the repr, ``task_id``,
+    ``vtask=N`` in the repr; None when the device says nothing (not Pathways)."""
+    vti = getattr(device, "virtual_task_index", None)
+    if vti is not None:
+        return int(vti)
+    m = _LOGICAL_TASK.search(repr(device))
+    if m:
+        return int(m.group(1))
+    tid = getattr(device, "task_id", None)
+    if tid is not None:
+        return int(tid)
+    m = _VTASK.search(repr(device))
+    return int(m.group(1)) if m else None
+
+
+def worker_key(device: Any) -> tuple[int, int]:
+    """``(slice_index, worker)`` of ``device``: the host it is attached to.
+
+    On Pathways ``process_index`` is 0 for every device (one controller), so the worker is identified as
+    Orbax does it, by the task index within the slice (see :func:`_task_index`); elsewhere (multi-controller
+    JAX, CPU) each process is a host.
+    """
+    sl = getattr(device, "slice_index", None)
+    task = _task_index(device)
+    if task is not None:
+        return int(sl or 0), task
+    return int(sl or 0), int(device.process_index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +92,8 @@ class HostTopology:
 
     @classmethod
     def from_devices(cls, devices: Sequence[Any], slices: int | None = None) -> HostTopology:
-        """From device attributes: ``slice_index`` when present (TPU), else one slice of processes.
+        """From device attributes: the host of each device is :func:`worker_key` (Pathways' task index, else
+        the process), in its ``slice_index`` when present (TPU), else one slice.
 
         Ranks follow the full allocation: rank = slice_index * hosts_per_slice + index in slice, so that
         the devices of a subset of slices (an elastic job's active slices) keep their ranks. ``slices``:
@@ -66,8 +102,7 @@ class HostTopology:
         devs = sorted(devices, key=lambda d: d.id)
         hosts: dict[tuple[int, int], list[Any]] = {}
         for d in devs:
-            sl = getattr(d, "slice_index", 0) or 0
-            hosts.setdefault((int(sl), int(d.process_index)), []).append(d)
+            hosts.setdefault(worker_key(d), []).append(d)
         by_slice: dict[int, list[int]] = {}
         for sl, proc in sorted(hosts):
             by_slice.setdefault(sl, []).append(proc)

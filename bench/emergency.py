@@ -62,7 +62,7 @@ SYSTEMS = ("ours", "orbax_p2p", "orbax_emergency")
 MEASURES = ("save_block", "safe_after", "restore_local", "restore_one_lost", "restore_all_lost")
 PROCESSES, SLICES, DEVICES_PER_PROCESS = 4, 2, 2
 LOST_HOST = 3
-JOB_TIMEOUT_SECONDS = 900.0
+ROUND_TIMEOUT_SECONDS = 1800.0
 WAIT_SECONDS = 300.0
 RPC_TIMEOUT_SECONDS = 10.0
 
@@ -254,8 +254,8 @@ class Ours(System):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         log = open(self.base / f"replicator-{self.rank}.log", "ab")  # noqa: SIM115 - the child holds it
         self.proc = subprocess.Popen([sys.executable, "-m", "controller_client.cli", "-v", "replicator", *args],
-                                     stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=str(REPO),
-                                     start_new_session=True)
+                                     stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=str(REPO))
+        # (In the worker's process group: the orchestrator's kill of a stuck round's group ends it too.)
         log.close()
         _wait_for(self._serving, 60, f"replicator {self.rank} to serve")
 
@@ -276,7 +276,7 @@ class Ours(System):
         try:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)  # its own session, by its pid
+            p.kill()  # by its pid
             p.wait(timeout=10)
 
     def open(self) -> None:
@@ -333,8 +333,49 @@ class Ours(System):
         self.stop_replicator()
 
 
+def run_system(name: str, rank: int, base: Path, mesh: Any, state: dict, abstract: dict, ports: list[int],
+               barrier: Any) -> dict[str, float]:
+    """One system's scenario on this host: every phase after a barrier; returns this host's seconds."""
+    import jax
+
+    times: dict[str, float] = {}
+    kinds = {"orbax_p2p": OrbaxP2P, "orbax_emergency": OrbaxEmergency}
+    system = Ours(rank, base, mesh, abstract, ports) if name == "ours" else kinds[name](rank, base, mesh, abstract)
+    try:
+        barrier()
+        system.open()
+        barrier()
+        t0 = time.monotonic()
+        system.save(1, state)
+        times["save_block"] = time.monotonic() - t0
+        system.wait_safe(1)
+        barrier()
+        times["safe_after"] = time.monotonic() - t0
+        system.save(2, state)
+        system.wait_persistent(2)
+        barrier()
+        for measure, wiped in (("restore_local", []), ("restore_one_lost", [LOST_HOST]),
+                               ("restore_all_lost", list(range(PROCESSES)))):
+            system.close()
+            barrier()
+            if rank in wiped:
+                system.wipe()
+            barrier()
+            t = time.monotonic()
+            system.open()
+            got = system.restore()
+            jax.block_until_ready(got)
+            times[measure] = time.monotonic() - t
+            barrier()
+            check_state(got, abstract)
+            del got
+    finally:
+        system.shutdown()
+    return times
+
+
 def worker(args: argparse.Namespace) -> None:
-    """One host of one system's job: every phase after a barrier, timings to ``--result``."""
+    """One host of a round: every system in turn, results to ``--result`` after each."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -344,7 +385,6 @@ def worker(args: argparse.Namespace) -> None:
     from orbax.checkpoint._src.multihost import multihost as orbax_multihost
 
     flags.FLAGS(["bench"])  # Orbax's emergency restore reads absl flags (their defaults here)
-
     # Orbax's emergency managers need these process/device maps (set up once per process, as their docs say).
     orbax_multihost.initialize_runtime_to_distributed_ids()
     orbax_multihost.initialize_distributed_to_device_ids()
@@ -363,70 +403,36 @@ def worker(args: argparse.Namespace) -> None:
     mesh = Mesh(np.array(devs).reshape(SLICES, -1), ("replica", "model"))
     state, abstract = make_state(mesh, args.mib)
     jax.block_until_ready(state)
-    times: dict[str, float] = {}
-    out: dict[str, Any] = {"rank": rank, "seconds": times}
     ports = [int(p) for p in args.ports.split(",")]
-    system: System | None = None
-    try:
-        kinds = {"orbax_p2p": OrbaxP2P, "orbax_emergency": OrbaxEmergency}
-        system = Ours(rank, base, mesh, abstract, ports) if args.system == "ours" else \
-            kinds[args.system](rank, base, mesh, abstract)
-        barrier()
-        system.open()
-        barrier()
-        t0 = time.monotonic()
-        system.save(1, state)
-        times["save_block"] = time.monotonic() - t0
-        system.wait_safe(1)
-        barrier()
-        times["safe_after"] = time.monotonic() - t0
-        system.save(2, state)
-        system.wait_persistent(2)
-        barrier()
-
-        def restore(measure: str, wiped: list[int]) -> None:
-            system.close()
-            barrier()
-            if rank in wiped:
-                system.wipe()
-            barrier()
-            t = time.monotonic()
-            system.open()
-            got = system.restore()
-            jax.block_until_ready(got)
-            times[measure] = time.monotonic() - t
-            barrier()
-            check_state(got, abstract)
-
-        restore("restore_local", [])
-        restore("restore_one_lost", [LOST_HOST])
-        restore("restore_all_lost", list(range(PROCESSES)))
-    except Exception as e:  # noqa: BLE001 - reported as this system's error, with its exact text
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()[-4000:]
-    finally:
+    out: dict[str, Any] = {"rank": rank, "seconds": {}, "errors": {}}
+    for i, name in enumerate(s for s in args.systems.split(",") if s):
         try:
-            if system is not None:
-                system.shutdown()
-        except Exception as e:  # noqa: BLE001
-            out.setdefault("error", f"shutdown: {type(e).__name__}: {e}")
+            out["seconds"][name] = run_system(name, rank, base / name, mesh, state, abstract,
+                                              ports[i * PROCESSES:(i + 1) * PROCESSES], barrier)
+        except Exception as e:  # noqa: BLE001 - reported as this system's error, with its exact text
+            out["errors"][name] = f"{type(e).__name__}: {e}"
+            out.setdefault("tracebacks", {})[name] = traceback.format_exc()[-4000:]
+            Path(args.result).write_text(json.dumps(out))
+            break  # the other processes may be stuck in this system's collectives: end the round
         Path(args.result).write_text(json.dumps(out))
-    # Skip JAX's distributed shutdown barrier: after an error the other processes may be gone.
     sys.stdout.flush()
+    # Skip JAX's distributed shutdown barrier: after an error the other processes may be gone.
     os._exit(0)
 
 
 # --------------------------------------------------------------------------- orchestration
 
-def run_job(system: str, mib: int, scratch: Path, timeout: float) -> dict[str, Any]:
-    """One job of ``system``: 4 worker processes, each in its own session, stopped by pid."""
-    base = scratch / system
+def run_round(systems: list[str], mib: int, scratch: Path, timeout: float) -> dict[str, dict[str, Any]]:
+    """One round: 4 worker processes (each in its own session, stopped by pid) running ``systems`` in order.
+    Returns per system the slowest host's seconds per measure, or ``{"error": ...}``."""
+    base = scratch / "round"
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     jax_port = _free_port()
-    ports = ",".join(str(_free_port()) for _ in range(PROCESSES))
+    ports = ",".join(str(_free_port()) for _ in range(PROCESSES * len(systems)))
     procs = []
     logs = []
+    t0 = time.monotonic()
     try:
         for rank in range(PROCESSES):
             env = dict(os.environ, JAX_PLATFORMS="cpu", GRPC_VERBOSITY="ERROR",
@@ -434,9 +440,10 @@ def run_job(system: str, mib: int, scratch: Path, timeout: float) -> dict[str, A
                        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
             log = open(base / f"worker{rank}.log", "w")  # noqa: SIM115 - closed in finally
             logs.append(log)
-            cmd = [sys.executable, "-m", "bench.emergency", "--worker", system, "--rank", str(rank),
-                   "--mib", str(mib), "--base", str(base), "--jax-coordinator", f"127.0.0.1:{jax_port}",
-                   "--ports", ports, "--result", str(base / f"result{rank}.json")]
+            cmd = [sys.executable, "-m", "bench.emergency", "--worker", "--systems", ",".join(systems),
+                   "--rank", str(rank), "--mib", str(mib), "--base", str(base),
+                   "--jax-coordinator", f"127.0.0.1:{jax_port}", "--ports", ports,
+                   "--result", str(base / f"result{rank}.json")]
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
                                           start_new_session=True))
         deadline = time.monotonic() + timeout
@@ -448,19 +455,28 @@ def run_job(system: str, mib: int, scratch: Path, timeout: float) -> dict[str, A
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)  # the worker's own session (and its replicator), by pid
+                os.killpg(p.pid, signal.SIGKILL)  # the worker's own session (and its replicators), by pid
                 p.wait(timeout=10)
         for f in logs:
             f.close()
     results = []
     for rank in range(PROCESSES):
         path = base / f"result{rank}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else
-                       {"error": "no result: " + (base / f"worker{rank}.log").read_text()[-1500:]})
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        return {"error": errors[0]}
-    return {m: max(r["seconds"][m] for r in results) for m in MEASURES}
+        results.append(json.loads(path.read_text()) if path.exists() else {})
+    out: dict[str, dict[str, Any]] = {}
+    for name in systems:
+        errors = [r["errors"][name] for r in results if name in r.get("errors", {})]
+        if errors:
+            # The first error in rank order is the cause more often than not; the others follow from it.
+            out[name] = {"error": errors[0]}
+        elif all(name in r.get("seconds", {}) for r in results):
+            out[name] = {m: max(r["seconds"][name][m] for r in results) for m in MEASURES}
+        else:
+            tail = (base / "worker0.log").read_text()[-1500:]
+            out[name] = {"error": f"no result within {timeout:.0f}s (round took {time.monotonic() - t0:.0f}s); "
+                                  f"worker 0 log: {tail}"}
+            break
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -468,10 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=1024, help="size of the train state (MiB, default 1024)")
     p.add_argument("--repeats", type=int, default=3, help="rounds; each runs every system once")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
-    p.add_argument("--timeout", type=float, default=JOB_TIMEOUT_SECONDS, help="bound on one job (seconds)")
+    p.add_argument("--timeout", type=float, default=ROUND_TIMEOUT_SECONDS, help="bound on one round (seconds)")
     p.add_argument("--keep", help="run in this directory and keep it (logs of every process) instead of a "
                    "temporary one on /dev/shm")
-    p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--base", help=argparse.SUPPRESS)
     p.add_argument("--jax-coordinator", help=argparse.SUPPRESS)
@@ -479,7 +495,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        args.system = args.worker
         worker(args)
         return 0
     systems = [s for s in args.systems.split(",") if s]
@@ -488,24 +503,27 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(args.keep) if args.keep else _scratch_dir()
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
     errors: dict[str, str] = {}
+    round_seconds: list[float] = []
     try:
         for r in range(args.repeats):
-            order = systems[r % len(systems):] + systems[:r % len(systems)]
-            for s in order:
-                if s in errors:
-                    continue
-                got = run_job(s, args.mib, scratch, args.timeout)
+            live = [s for s in systems if s not in errors]
+            if not live:
+                break
+            order = live[r % len(live):] + live[:r % len(live)]
+            t0 = time.monotonic()
+            for s, got in run_round(order, args.mib, scratch, args.timeout).items():
                 if "error" in got:
                     errors[s] = got["error"]
                 else:
                     runs[s].append(got)
+            round_seconds.append(round(time.monotonic() - t0, 1))
     finally:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
     seconds = {s: {m: round(statistics.median(x[m] for x in v), 4) for m in MEASURES}
                for s, v in runs.items() if v}
     result: dict[str, Any] = {"bench": "emergency", "mib": args.mib, "repeats": args.repeats,
-                              "processes": PROCESSES, "slices": SLICES, "seconds": seconds,
+                              "processes": PROCESSES, "slices": SLICES, "seconds": seconds, "round_seconds": round_seconds,
                               "runs": {s: [{m: round(x[m], 4) for m in MEASURES} for x in v] for s, v in runs.items()}}
     if errors:
         result["errors"] = errors

@@ -371,6 +371,9 @@ def run_system(name: str, rank: int, base: Path, mesh: Any, state: dict, abstrac
             del got
     finally:
         system.shutdown()
+    barrier()
+    if rank == 0:  # free the RAM disk before the next system runs (~3-5 copies of the state)
+        shutil.rmtree(base, ignore_errors=True)
     return times
 
 

@@ -280,8 +280,6 @@ class Ours(System):
             p.wait(timeout=10)
 
     def open(self) -> None:
-        import jax
-
         from controller_client.manager import CheckpointManager, CheckpointManagerOptions
         from controller_client.topology import HostTopology
 
@@ -289,7 +287,6 @@ class Ours(System):
         opts = CheckpointManagerOptions(local_directory=str(self.base / "local{host}"), job_name="bench",
                                         dispatcher="in_process", coordinator_address=self.coordinator,
                                         restore_wait_seconds=WAIT_SECONDS, rpc_timeout_seconds=RPC_TIMEOUT_SECONDS)
-        del jax
         self.mgr = CheckpointManager(opts, devices=devs, topology=HostTopology.simulated(devs, SLICES,
                                                                                          PROCESSES // SLICES))
 

@@ -369,7 +369,10 @@ def run_system(name: str, rank: int, base: Path, mesh: Any, state: dict, abstrac
             jax.block_until_ready(got)
             times[measure] = time.monotonic() - t
             barrier()
-            check_state(got, abstract)
+            try:
+                check_state(got, abstract)
+            except ValueError as e:
+                raise ValueError(f"{measure}: {e}") from None
             del got
     finally:
         system.shutdown()
@@ -470,6 +473,8 @@ def run_round(systems: list[str], mib: int, scratch: Path, timeout: float) -> di
         results.append(json.loads(path.read_text()) if path.exists() else {})
     out: dict[str, dict[str, Any]] = {}
     for name in systems:
+        if any("error" in v for v in out.values()):
+            break  # not run: the round ended at an earlier system's error
         errors = [r["errors"][name] for r in results if name in r.get("errors", {})]
         if errors:
             # The first error in rank order is the cause more often than not; the others follow from it.

@@ -4,6 +4,9 @@
 
 - save_vs_tmpfs: our save throughput / a plain preallocated write of the same bytes to the same tmpfs;
 - blocking_vs_memcpy: time ``save()`` blocks / a plain host copy of the same shards;
+- restore_vs_tmpfs_read: a plain read of the same bytes from the same tmpfs (every file of the step just
+  restored, read one after another into one preallocated buffer: no checksum, no device copy) / our restore
+  time, i.e. our restore throughput as a fraction of the read limit (target >= 0.8);
 - save_vs_orbax, restore_vs_orbax: Orbax's standard CheckpointManager time / ours (same tree, same tmpfs).
 - reshard_restore_vs_local (elastic; real replicators on loopback): time to restore onto a different mesh of
   the same 8 devices (4x2 instead of the saved 2x4), where each host needs another host's shards fetched
@@ -92,6 +95,25 @@ def plain_write(buffers: list[np.ndarray], path: Path) -> None:
         os.close(fd)
 
 
+def plain_read(root: Path) -> int:
+    """Read every regular file under ``root`` into one preallocated buffer; returns the bytes read."""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    sizes = [p.stat().st_size for p in files]
+    buf = np.empty(max(sizes, default=0), dtype=np.uint8)
+    view = memoryview(buf)
+    total = 0
+    for path, size in zip(files, sizes, strict=True):
+        with open(path, "rb", buffering=0) as f:
+            done = 0
+            while done < size:
+                k = f.readinto(view[done:size])
+                if not k:
+                    raise EOFError(f"{path}: {done} of {size} bytes")
+                done += k
+        total += size
+    return total
+
+
 def abstract(tree: dict) -> dict:
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
@@ -177,7 +199,7 @@ def main() -> None:
     size = nbytes(tree)
     devs = jax.devices()
     topo = HostTopology.simulated(devs, 2, 2)
-    t = {k: [] for k in ("copy", "plain_write", "save_block", "save", "restore", "orbax_save", "orbax_restore")}
+    t = {k: [] for k in ("copy", "plain_write", "save_block", "save", "restore", "orbax_save", "orbax_restore", "tmpfs_read")}
     try:
         # Round 0 warms allocator and page cache up and is not counted (first-touch page faults on this
         # VM run at ~0.3 GiB/s and would otherwise penalise whichever measurement comes first).
@@ -204,6 +226,9 @@ def main() -> None:
             jax.block_until_ready(out)
             t["restore"].append(time.monotonic() - t0)
             del out
+            t0 = time.monotonic()
+            read_bytes = plain_read(ours)
+            t["tmpfs_read"].append(time.monotonic() - t0)
             shutil.rmtree(ours)
 
             odir = base / f"orbax-{rep}"
@@ -229,6 +254,8 @@ def main() -> None:
         "blocking_vs_memcpy": round(med["save_block"] / med["copy"], 3),
         "save_vs_orbax": round(med["orbax_save"] / med["save"], 3),
         "restore_vs_orbax": round(med["orbax_restore"] / med["restore"], 3),
+        "restore_vs_tmpfs_read": round(med["tmpfs_read"] / med["restore"], 3),
+        "tmpfs_read_bytes": read_bytes,
         "seconds": {k: round(v, 4) for k, v in med.items()},
     }
     if not args.skip_elastic:

@@ -174,7 +174,9 @@ class CheckpointManager:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            gen = int(multihost_utils.broadcast_one_to_all(np.int64(gen)))
+            # Two 31-bit halves: without jax_enable_x64 an int64 would be truncated to int32 (negative).
+            hi, lo = multihost_utils.broadcast_one_to_all(np.array([gen >> 31, gen & (2**31 - 1)], np.int32))
+            gen = (int(hi) << 31) | int(lo)
         return gen
 
     def wait_until_finished(self) -> None:

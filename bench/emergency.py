@@ -1,0 +1,552 @@
+"""Side by side with Orbax's own emergency managers: one JSON line of raw seconds and ratios (ours / best Orbax).
+
+    python -m bench.emergency [--mib 1024] [--repeats 3] [--systems ours,orbax_p2p,orbax_emergency]
+
+Each round runs every system in turn (the order rotates per round, so that drift on a noisy machine hits
+every system alike) as one job of 4 JAX processes on 127.0.0.1 (2 slices x 2 hosts, 2 CPU devices each,
+``jax.distributed.initialize``, gloo collectives). Every system saves the same train state: ``--mib`` MiB
+of mixed shapes and dtypes (float32, bfloat16, int32), sharded over the 4 devices of a slice and replicated
+across the 2 slices, so each host holds 1/4 of it and its counterpart in the other slice an identical copy.
+
+Systems:
+
+- ``orbax_p2p``: ``orbax.checkpoint.experimental.emergency.p2p.CheckpointManager`` (local dir per host, peers
+  over its own P2P service, persistent directory as the last resort);
+- ``orbax_emergency``: ``orbax.checkpoint.experimental.emergency.checkpoint_manager.CheckpointManager``
+  (local dir per host; a slice with a complete local copy restores and broadcasts to the others; persistent
+  directory as the last resort);
+- ``ours``: ``controller_client.manager.CheckpointManager`` with ``dispatcher="in_process"`` (the
+  multi-controller front door) in every process, and one real ``mtc replicator`` per host (rank 0 serves
+  the coordinator), backing up to a local folder.
+
+Every system first saves step 0 (untimed; a run's first step goes to the persistent tier too), then step 1
+to the local tier only and step 2 to the local and the persistent tier (Orbax:
+``persistent.save_interval_steps=2``; ours: ``--backup-interval-steps 2`` and ``backup_now()``). Measures (seconds, the
+median over rounds of the slowest host, every phase started after a barrier):
+
+- ``save_block``: how long ``save(1)`` blocks the training loop;
+- ``safe_after``: from the ``save(1)`` call until step 1 survives the loss of any one host. Orbax's managers
+  write no copy beyond each host's own local dir, so step 1 is safe once every host has committed it
+  locally (``wait_until_finished`` on every process, then a barrier): the host's counterpart in the other
+  slice holds the same bytes. Ours: once the coordinator reports step 1 ``complete`` and ``redundant``
+  (every rank's data on at least two hosts), as the manager itself knows it;
+- ``restore_local``: the job restarts with every local dir intact: a new manager, ``restore`` of the
+  newest step (2), arrays ready;
+- ``restore_one_lost``: the same after the local dir of host 3 (slice 1) is wiped (ours: its replicator is
+  stopped, the dir wiped, the replicator restarted before the clock starts, like a replaced host);
+- ``restore_all_lost``: the same after every host's local dir is wiped: from the persistent tier.
+
+Every restore is checked bit for bit against the saved state (outside the clock). A system that fails on
+CPU is reported with its exact error under ``errors`` and left out of the comparison. The ratios
+``*_vs_best_orbax`` divide our time by the faster Orbax manager's (below 1: we are faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = ("ours", "orbax_p2p", "orbax_emergency")
+MEASURES = ("save_block", "safe_after", "restore_local", "restore_one_lost", "restore_all_lost")
+PROCESSES, SLICES, DEVICES_PER_PROCESS = 4, 2, 2
+LOST_HOST = 3
+ROUND_TIMEOUT_SECONDS = 1800.0
+WAIT_SECONDS = 300.0
+RPC_TIMEOUT_SECONDS = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scratch_dir() -> Path:
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="mtc-bench-emergency-", dir=shm if shm.is_dir() else None))
+
+
+def _wait_for(pred: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+# --------------------------------------------------------------------------- the state (in each worker)
+
+def leaf_specs(total_mib: int) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    """(name, global shape, dtype, 2-D) of the state: ~total_mib MiB, mixed shapes and dtypes."""
+    total = total_mib << 20
+    big = [("embed", 2048, "float32"), ("mlp_in", 1024, "bfloat16"), ("mlp_out", 4096, "float32"),
+           ("attn", 512, "bfloat16"), ("opt_mu", 1024, "float32"), ("counts", 2048, "int32")]
+    per = total * 95 // 100 // len(big)
+    out = []
+    for name, cols, dtype in big:
+        item = 2 if dtype == "bfloat16" else 4
+        rows = max(8, per // (cols * item) // 8 * 8)
+        out.append((name, (rows, cols), dtype, True))
+    small = total - sum(r * c * (2 if d == "bfloat16" else 4) for _, (r, c), d, _ in out)
+    n_small = 16
+    each = max(64, small // n_small // 4 // 64 * 64)
+    out += [(f"bias{i}", (each,), "float32", False) for i in range(n_small)]
+    return out
+
+
+def _value(name: str, shape: tuple[int, ...], dtype: str, index: tuple[slice, ...]) -> Any:
+    """The deterministic block ``index`` of leaf ``name`` (every host computes its own shards only)."""
+    import numpy as np
+
+    starts = [sl.start or 0 for sl in index]
+    sizes = [(sl.stop if sl.stop is not None else n) - (sl.start or 0) for sl, n in zip(index, shape, strict=True)]
+    seed = (sum(ord(c) for c in name) * 1_000_003 + starts[-1]) % (2**32)
+    rng = np.random.default_rng(seed)
+    if dtype == "int32":
+        return rng.integers(-(2**31), 2**31 - 1, size=sizes, dtype=np.int32)
+    x = rng.standard_normal(size=sizes, dtype=np.float32)
+    return x.astype(dtype) if dtype != "float32" else x
+
+
+def make_state(mesh: Any, total_mib: int) -> tuple[dict, dict]:
+    """(state, abstract state) on ``mesh`` (axes ``replica``, ``model``): sharded within, replicated across."""
+    import jax
+    import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    state, abstract = {}, {}
+    for name, shape, dtype, two_d in leaf_specs(total_mib):
+        spec = P(None, "model") if two_d else P("model")
+        sh = NamedSharding(mesh, spec)
+        np_dtype = jax.numpy.dtype(dtype)
+        state[name] = jax.make_array_from_callback(
+            shape, sh, lambda idx, n=name, s=shape, d=dtype: _value(n, s, d, idx))
+        abstract[name] = jax.ShapeDtypeStruct(shape, np_dtype, sharding=sh)
+    return state, abstract
+
+
+def check_state(restored: dict, abstract: dict) -> None:
+    import numpy as np
+
+    for name, want in abstract.items():
+        got = restored[name]
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise ValueError(f"{name}: restored {got.shape} {got.dtype}, saved {want.shape} {want.dtype}")
+        for shard in got.addressable_shards:
+            expect = _value(name, want.shape, str(want.dtype), shard.index)
+            if np.asarray(shard.data).tobytes() != np.asarray(expect).tobytes():
+                raise ValueError(f"{name}: shard {shard.index} differs from what was saved")
+
+
+# --------------------------------------------------------------------------- systems (in each worker)
+
+class System:
+    """One checkpointing system as the benchmark drives it in one JAX process (host ``rank``)."""
+
+    def __init__(self, rank: int, base: Path, mesh: Any, abstract: dict):
+        self.rank, self.base, self.mesh, self.abstract = rank, base, mesh, abstract
+        self.local = base / f"local{rank}"
+        self.persistent = base / "persistent"
+        self.local.mkdir(parents=True, exist_ok=True)
+        self.persistent.mkdir(parents=True, exist_ok=True)
+        self.mgr: Any = None
+
+    def open(self) -> None: ...
+    def save(self, step: int, state: dict) -> None: ...
+    def wait(self) -> None:
+        self.mgr.wait_until_finished()
+    def wait_safe(self, step: int) -> None:
+        self.wait()
+    def wait_persistent(self, step: int) -> None:
+        self.wait()
+    def restore(self) -> dict: ...
+    def close(self) -> None:
+        if self.mgr is not None:
+            self.mgr.close()
+            self.mgr = None
+    def wipe(self) -> None:
+        """This host loses its local storage (called on a closed system)."""
+        shutil.rmtree(self.local, ignore_errors=True)
+        self.local.mkdir(parents=True)
+    def shutdown(self) -> None:
+        self.close()
+
+
+class OrbaxP2P(System):
+    def open(self) -> None:
+        from orbax.checkpoint.experimental.emergency.p2p import checkpoint_manager as p2p
+        from orbax.checkpoint.experimental.emergency.p2p import options as p2p_options
+
+        opts = p2p_options.CheckpointManagerOptions(
+            local=p2p_options.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=2),
+            persistent=p2p_options.PersistentCheckpointOptions(save_interval_steps=2, max_to_keep=2),
+            replica_axis_index=0)
+        self.mgr = p2p.CheckpointManager(self.mesh, self.abstract, self.local, self.persistent, options=opts)
+
+    def save(self, step: int, state: dict) -> None:
+        import orbax.checkpoint as ocp
+        from orbax.checkpoint.experimental.emergency.p2p import args as p2p_args
+
+        self.mgr.save(step, args=p2p_args.Composite(state=ocp.args.PyTreeSave(state)))
+
+    def restore(self) -> dict:
+        import orbax.checkpoint as ocp
+        from orbax.checkpoint.experimental.emergency.p2p import args as p2p_args
+
+        restore_args = ocp.checkpoint_utils.construct_restore_args(self.abstract)
+        out = self.mgr.restore(None, args=p2p_args.Composite(
+            state=ocp.args.PyTreeRestore(item=self.abstract, restore_args=restore_args)))
+        return out["state"]
+
+
+class OrbaxEmergency(System):
+    def open(self) -> None:
+        from orbax.checkpoint.experimental.emergency import checkpoint_manager as em
+
+        opts = em.CheckpointManagerOptions(
+            local=em.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=2),
+            persistent=em.PersistentCheckpointOptions(save_interval_steps=2, max_to_keep=2),
+            replica_axis_index=0)
+        self.mgr = em.CheckpointManager(self.local, self.persistent, self.mesh, self.abstract, options=opts)
+
+    def save(self, step: int, state: dict) -> None:
+        import orbax.checkpoint as ocp
+
+        self.mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+
+    def restore(self) -> dict:
+        out = self.mgr.restore(None)
+        return out["state"] if "state" in out else out
+
+
+class Ours(System):
+    """Our multi-controller front door, plus this host's own replicator daemon (started here, by pid)."""
+
+    def __init__(self, rank: int, base: Path, mesh: Any, abstract: dict, ports: list[int]):
+        super().__init__(rank, base, mesh, abstract)
+        self.ports = ports
+        self.proc: subprocess.Popen | None = None
+        self.coordinator = f"127.0.0.1:{ports[0]}"
+        self.start_replicator()
+
+    def start_replicator(self) -> None:
+        args = ["--local-dir", str(self.local), "--listen", f"127.0.0.1:{self.ports[self.rank]}", "--job", "bench",
+                "--rank", str(self.rank), "--nodes", str(PROCESSES), "--data-parallelism", str(SLICES),
+                "--heartbeat-seconds", "0.1", "--rpc-timeout-seconds", "5", "--transfer-timeout-seconds", "300",
+                "--backup-url", f"file://{self.persistent}", "--backup-interval-steps", "2"]
+        if self.rank:
+            args += ["--coordinator", self.coordinator]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        log = open(self.base / f"replicator-{self.rank}.log", "ab")  # noqa: SIM115 - the child holds it
+        self.proc = subprocess.Popen([sys.executable, "-m", "controller_client.cli", "-v", "replicator", *args],
+                                     stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=str(REPO))
+        # (In the worker's process group: the orchestrator's kill of a stuck round's group ends it too.)
+        log.close()
+        _wait_for(self._serving, 60, f"replicator {self.rank} to serve")
+
+    def _serving(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"replicator {self.rank} exited with {self.proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.ports[self.rank]), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    def stop_replicator(self) -> None:
+        p, self.proc = self.proc, None
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()  # by its pid
+            p.wait(timeout=10)
+
+    def open(self) -> None:
+        from controller_client.manager import CheckpointManager, CheckpointManagerOptions
+        from controller_client.topology import HostTopology
+
+        devs = list(self.mesh.devices.flat)
+        opts = CheckpointManagerOptions(local_directory=str(self.base / "local{host}"), job_name="bench",
+                                        dispatcher="in_process", coordinator_address=self.coordinator,
+                                        restore_wait_seconds=WAIT_SECONDS, rpc_timeout_seconds=RPC_TIMEOUT_SECONDS)
+        self.mgr = CheckpointManager(opts, devices=devs, topology=HostTopology.simulated(devs, SLICES,
+                                                                                         PROCESSES // SLICES))
+
+    def save(self, step: int, state: dict) -> None:
+        self.mgr.save(step, state)
+
+    def _summary(self, step: int) -> Any:
+        from replicator.coordinator.client import CoordinatorClient
+
+        c = CoordinatorClient(self.coordinator, rpc_timeout_seconds=RPC_TIMEOUT_SECONDS)
+        try:
+            st = c.status()
+        finally:
+            c.close()
+        return st, next((s for s in st.steps if s.step == step), None)
+
+    def wait_safe(self, step: int) -> None:
+        self.wait()
+        if self.rank == 0:
+            _wait_for(lambda: (s := self._summary(step)[1]) is not None and s.complete and s.redundant,
+                      WAIT_SECONDS, f"step {step} redundant")
+
+    def wait_persistent(self, step: int) -> None:
+        # The step interval counts from the first backup (step 0, taken as soon as it completed): ask for
+        # step 2 explicitly, as Orbax's persistent.save_interval_steps=2 saves it.
+        self.mgr.backup_now()
+        if self.rank == 0:
+            _wait_for(lambda: step in self._summary(step)[0].backup.committed_steps, WAIT_SECONDS,
+                      f"step {step} backed up")
+
+    def restore(self) -> dict:
+        return self.mgr.restore(None, self.abstract)
+
+    def wipe(self) -> None:
+        self.stop_replicator()
+        super().wipe()
+        self.start_replicator()
+
+    def shutdown(self) -> None:
+        self.close()
+        self.stop_replicator()
+
+
+def run_system(name: str, rank: int, base: Path, mesh: Any, state: dict, abstract: dict, ports: list[int],
+               barrier: Any) -> dict[str, float]:
+    """One system's scenario on this host: every phase after a barrier; returns this host's seconds."""
+    import jax
+
+    times: dict[str, float] = {}
+    kinds = {"orbax_p2p": OrbaxP2P, "orbax_emergency": OrbaxEmergency}
+    system = Ours(rank, base, mesh, abstract, ports) if name == "ours" else kinds[name](rank, base, mesh, abstract)
+    try:
+        barrier()
+        system.open()
+        # Step 0 first, untimed: Orbax's managers save the first step of a run to the persistent tier
+        # whatever the interval, which would put a persistent save into step 1's timings.
+        system.save(0, state)
+        system.wait()
+        barrier()
+        t0 = time.monotonic()
+        system.save(1, state)
+        times["save_block"] = time.monotonic() - t0
+        system.wait_safe(1)
+        barrier()
+        times["safe_after"] = time.monotonic() - t0
+        system.save(2, state)
+        system.wait_persistent(2)
+        barrier()
+        for measure, wiped in (("restore_local", []), ("restore_one_lost", [LOST_HOST]),
+                               ("restore_all_lost", list(range(PROCESSES)))):
+            system.close()
+            barrier()
+            if rank in wiped:
+                system.wipe()
+            barrier()
+            t = time.monotonic()
+            system.open()
+            got = system.restore()
+            jax.block_until_ready(got)
+            times[measure] = time.monotonic() - t
+            barrier()
+            try:
+                check_state(got, abstract)
+            except ValueError as e:
+                raise ValueError(f"{measure}: {e}") from None
+            del got
+    finally:
+        system.shutdown()
+    barrier()
+    if rank == 0:  # free the RAM disk before the next system runs (~3-5 copies of the state)
+        shutil.rmtree(base, ignore_errors=True)
+    return times
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One host of a round: every system in turn, results to ``--result`` after each."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=args.jax_coordinator, num_processes=PROCESSES,
+                               process_id=args.rank, initialization_timeout=120)
+    from absl import flags
+    from orbax.checkpoint._src.multihost import multihost as orbax_multihost
+
+    flags.FLAGS(["bench"])  # Orbax's emergency restore reads absl flags (their defaults here)
+    # Orbax's emergency managers need these process/device maps (set up once per process, as their docs say).
+    orbax_multihost.initialize_runtime_to_distributed_ids()
+    orbax_multihost.initialize_distributed_to_device_ids()
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh
+
+    rank, base = args.rank, Path(args.base)
+    n = [0]
+
+    def barrier() -> None:
+        n[0] += 1
+        multihost_utils.sync_global_devices(f"bench-{n[0]}")
+
+    devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devs).reshape(SLICES, -1), ("replica", "model"))
+    state, abstract = make_state(mesh, args.mib)
+    jax.block_until_ready(state)
+    ports = [int(p) for p in args.ports.split(",")]
+    out: dict[str, Any] = {"rank": rank, "seconds": {}, "errors": {}}
+    for i, name in enumerate(s for s in args.systems.split(",") if s):
+        try:
+            out["seconds"][name] = run_system(name, rank, base / name, mesh, state, abstract,
+                                              ports[i * PROCESSES:(i + 1) * PROCESSES], barrier)
+        except Exception as e:  # noqa: BLE001 - reported as this system's error, with its exact text
+            out["errors"][name] = f"{type(e).__name__}: {e}"
+            out.setdefault("tracebacks", {})[name] = traceback.format_exc()[-4000:]
+            Path(args.result).write_text(json.dumps(out))
+            break  # the other processes may be stuck in this system's collectives: end the round
+        Path(args.result).write_text(json.dumps(out))
+    sys.stdout.flush()
+    # Skip JAX's distributed shutdown barrier: after an error the other processes may be gone.
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------- orchestration
+
+def run_round(systems: list[str], mib: int, scratch: Path, timeout: float) -> dict[str, dict[str, Any]]:
+    """One round: 4 worker processes (each in its own session, stopped by pid) running ``systems`` in order.
+    Returns per system the slowest host's seconds per measure, or ``{"error": ...}``."""
+    base = scratch / "round"
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    jax_port = _free_port()
+    ports = ",".join(str(_free_port()) for _ in range(PROCESSES * len(systems)))
+    procs = []
+    logs = []
+    t0 = time.monotonic()
+    try:
+        for rank in range(PROCESSES):
+            env = dict(os.environ, JAX_PLATFORMS="cpu", GRPC_VERBOSITY="ERROR",
+                       XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+            log = open(base / f"worker{rank}.log", "w")  # noqa: SIM115 - closed in finally
+            logs.append(log)
+            cmd = [sys.executable, "-m", "bench.emergency", "--worker", "--systems", ",".join(systems),
+                   "--rank", str(rank), "--mib", str(mib), "--base", str(base),
+                   "--jax-coordinator", f"127.0.0.1:{jax_port}", "--ports", ports,
+                   "--result", str(base / f"result{rank}.json")]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
+                                          start_new_session=True))
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # the worker's own session (and its replicators), by pid
+                p.wait(timeout=10)
+        for f in logs:
+            f.close()
+    results = []
+    for rank in range(PROCESSES):
+        path = base / f"result{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {})
+    out: dict[str, dict[str, Any]] = {}
+    for name in systems:
+        if any("error" in v for v in out.values()):
+            break  # not run: the round ended at an earlier system's error
+        errors = [r["errors"][name] for r in results if name in r.get("errors", {})]
+        if errors:
+            # The first error in rank order is the cause more often than not; the others follow from it.
+            out[name] = {"error": errors[0]}
+        elif all(name in r.get("seconds", {}) for r in results):
+            out[name] = {m: max(r["seconds"][name][m] for r in results) for m in MEASURES}
+        else:
+            tail = (base / "worker0.log").read_text()[-1500:]
+            out[name] = {"error": f"no result within {timeout:.0f}s (round took {time.monotonic() - t0:.0f}s); "
+                                  f"worker 0 log: {tail}"}
+            break
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=int, default=1024, help="size of the train state (MiB, default 1024)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds; each runs every system once")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
+    p.add_argument("--timeout", type=float, default=ROUND_TIMEOUT_SECONDS, help="bound on one round (seconds)")
+    p.add_argument("--keep", help="run in this directory and keep it (logs of every process) instead of a "
+                   "temporary one on /dev/shm")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--base", help=argparse.SUPPRESS)
+    p.add_argument("--jax-coordinator", help=argparse.SUPPRESS)
+    p.add_argument("--ports", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    systems = [s for s in args.systems.split(",") if s]
+    if args.mib < 1 or args.repeats < 1 or not set(systems) <= set(SYSTEMS):
+        p.error("--mib and --repeats must be >= 1, --systems a subset of " + ",".join(SYSTEMS))
+    scratch = Path(args.keep) if args.keep else _scratch_dir()
+    runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
+    errors: dict[str, str] = {}
+    round_seconds: list[float] = []
+    try:
+        for r in range(args.repeats):
+            live = [s for s in systems if s not in errors]
+            if not live:
+                break
+            order = live[r % len(live):] + live[:r % len(live)]
+            t0 = time.monotonic()
+            for s, got in run_round(order, args.mib, scratch, args.timeout).items():
+                if "error" in got:
+                    errors[s] = got["error"]
+                else:
+                    runs[s].append(got)
+            round_seconds.append(round(time.monotonic() - t0, 1))
+    finally:
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+    seconds = {s: {m: round(statistics.median(x[m] for x in v), 4) for m in MEASURES}
+               for s, v in runs.items() if v}
+    result: dict[str, Any] = {"bench": "emergency", "mib": args.mib, "repeats": args.repeats,
+                              "processes": PROCESSES, "slices": SLICES, "seconds": seconds, "round_seconds": round_seconds,
+                              "runs": {s: [{m: round(x[m], 4) for m in MEASURES} for x in v] for s, v in runs.items()}}
+    if errors:
+        result["errors"] = errors
+    orbax = [s for s in ("orbax_p2p", "orbax_emergency") if s in seconds]
+    if "ours" in seconds and orbax:
+        for m in MEASURES:
+            best = min(orbax, key=lambda s: seconds[s][m])
+            result[f"{m}_vs_best_orbax"] = round(seconds["ours"][m] / seconds[best][m], 3)
+            result.setdefault("best_orbax", {})[m] = best
+    print(json.dumps(result))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

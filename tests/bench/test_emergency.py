@@ -1,0 +1,43 @@
+"""Smoke test of ``bench.emergency`` (a 2 MiB state, one round): the benchmark code cannot rot unnoticed.
+
+It times nothing (no timed unit tests): it checks that every system runs the whole scenario on 4 real JAX
+processes — our multi-controller front door with real replicators, Orbax's p2p and emergency managers —
+restores bit for bit (the benchmark checks every restore) and that every ratio key is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from bench import emergency
+
+pytestmark = pytest.mark.slow
+
+
+def test_state_has_the_requested_size_and_mixed_dtypes():
+    specs = emergency.leaf_specs(64)
+    size = sum(math.prod(shape) * (2 if dtype == "bfloat16" else 4) for _, shape, dtype, _ in specs)
+    assert 0.95 * (64 << 20) <= size <= 64 << 20
+    assert {dtype for _, _, dtype, _ in specs} == {"float32", "bfloat16", "int32"}
+    assert {len(shape) for _, shape, _, _ in specs} == {1, 2}
+
+
+@pytest.mark.timeout(240)
+def test_one_round_of_every_system_reports_every_ratio(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.emergency", "--mib", "2", "--repeats", "1",
+                           "--timeout", "180", "--keep", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=220, cwd=str(emergency.REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "errors" not in result, result["errors"]
+    assert set(result["seconds"]) == set(emergency.SYSTEMS)
+    for system in emergency.SYSTEMS:
+        assert all(result["seconds"][system][m] > 0 for m in emergency.MEASURES), result["seconds"][system]
+    for m in emergency.MEASURES:
+        assert result[f"{m}_vs_best_orbax"] > 0
+        assert result["best_orbax"][m] in ("orbax_p2p", "orbax_emergency")

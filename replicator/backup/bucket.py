@@ -16,6 +16,11 @@ A step number saved again after a rollback (a newer ``generation``, see ``sideca
 supersedes its abandoned backup: the commit removes the older backup (commit record first, so it is never
 half-visible) and then commits the new one. At every moment the bucket holds either the old save of the
 step, none, or the new one, each whole; a crash in between leaves none, and the next backup brings it.
+
+Why one ~770-line module: staging, upload, commit, supersession, retention and download are one protocol
+over one bucket layout, and each step's correctness depends on the others' names and ordering (a commit
+record written last, a supersede that removes the record first); the storage backends it runs on are
+apart in ``storage/``.
 """
 
 from __future__ import annotations

@@ -123,6 +123,11 @@ class _Control(control_pb2_grpc.LocalControlServicer):
         self.daemon.request_backup_now()
         return control_pb2.BackupNowResponse()
 
+    def Preempt(self, request, context):
+        from replicator import preemption
+
+        return preemption.on_notice(self.daemon, request)
+
 
 def _abort_fetch(context: grpc.ServicerContext, e: BaseException) -> None:
     """The status of a failed fetch for the sidecar (it decides by the code): NOT_FOUND no tier has it,

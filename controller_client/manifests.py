@@ -20,6 +20,8 @@ from typing import Any
 import yaml
 
 MODES = ("pathways", "multi-controller")
+FRONT_DOORS = ("native", "orbax")
+WORKER_FAILURE_POLICIES = ("restart-jobset", "restart-slice")
 RAMDISKS = ("csi", "hostpath", "memory")
 # GKE Multi-Tier Checkpointing's node RAM disk: a tmpfs owned by the node, kept across workload Pods.
 GKE_MTC_CSI_DRIVER = "multitier-checkpoint.csi.storage.gke.io"
@@ -59,20 +61,30 @@ class ManifestOptions:
     """What `mtc manifests` renders (flag ``--x-y`` = field ``x_y``).
 
     Attributes:
-      mode: ``pathways`` (head + workers with colocated Python, native CheckpointManager) or
-        ``multi-controller`` (every worker runs the training program with Orbax's multi-tier checkpointing).
+      mode: ``pathways`` (head + workers with colocated Python) or ``multi-controller`` (every worker runs
+        the training program).
+      front_door: ``native`` (our CheckpointManager; replicators in native mode with --rank/--nodes) or
+        ``orbax`` (unchanged Orbax multi-tier checkpointing; replicators in Orbax mode, answering
+        ``replicator.yaml``). Empty = the mode's default: native for pathways, orbax for multi-controller.
       job: JobSet name; also the headless Service / DNS subdomain. Worker hostnames are
         ``<job>-workers-<slice>-<host>`` and must fit in 63 characters.
       slices, hosts_per_slice: the allocation; rank = slice * hosts_per_slice + host.
       backup_url: the bucket tier (``gs://bucket/prefix``); empty = no backup tier.
       ramdisk: ``csi`` (GKE Multi-Tier Checkpointing's node RAM disk), ``hostpath`` (a node tmpfs kept by
-        this job's DaemonSet) or ``memory`` (``emptyDir``, for trying it out). Empty = the mode's default:
-        ``csi`` for pathways, ``hostpath`` for multi-controller.
+        this job's DaemonSet) or ``memory`` (``emptyDir``, for trying it out). Empty = the front door's
+        default: ``csi`` for native, ``hostpath`` for orbax (GKE's replicator would answer Orbax on csi).
       ramdisk_size: size of the RAM disk per host (Kubernetes quantity).
       tls: mutual TLS between replicators and the controller from a cert-manager ``Certificate``.
       priority_class: ``priorityClassName`` of the worker Pods (hot-swap); empty = none.
       priority_value: also render that PriorityClass with this value (None = it already exists).
-      elastic_slices: Pathways proxy ``--num_elastic_instances`` (0 = not elastic).
+      elastic_slices: Pathways proxy ``--num_elastic_slices`` (0 = not elastic).
+      worker_failure_policy: ``restart-jobset`` (a failed worker restarts the whole JobSet; the hot-swap of
+        the seed) or ``restart-slice`` (Pathways keeps the controller alive, the slice's Job re-creates its
+        Pods; elastic training). Empty = restart-slice when elastic, else restart-jobset.
+      max_restarts: the JobSet's ``failurePolicy.maxRestarts``.
+      termination_grace_seconds: the worker Pods' ``terminationGracePeriodSeconds``, shared after a
+        preemption notice as save 30 %, flush 50 %, reserve 20 % (manifests_jobsets.PreemptionBudget).
+      head_node_pool: node pool of the Pathways head (``cloud.google.com/gke-nodepool``); empty = anywhere.
       grpc_port, data_port: the replicator's gRPC port and fixed TCP bulk-data port.
       metrics_port: the replicator's Prometheus port (``deploy/monitoring`` scrapes it).
       network_policy: render a NetworkPolicy letting only this job's Pods reach the workers.
@@ -80,6 +92,7 @@ class ManifestOptions:
     """
 
     mode: str = "pathways"
+    front_door: str = ""
     job: str = "mtc-train"
     slices: int = 2
     hosts_per_slice: int = 2
@@ -98,6 +111,10 @@ class ManifestOptions:
     priority_class: str = ""
     priority_value: int | None = None
     elastic_slices: int = 0
+    worker_failure_policy: str = ""
+    max_restarts: int = 5
+    termination_grace_seconds: int = 60
+    head_node_pool: str = "cpu-np"
     grpc_port: int = 7070
     data_port: int = 7071
     metrics_port: int = 9400
@@ -123,8 +140,16 @@ class ManifestOptions:
         return self.slices * self.hosts_per_slice
 
     @property
+    def front_door_kind(self) -> str:
+        return self.front_door or ("native" if self.mode == "pathways" else "orbax")
+
+    @property
     def ramdisk_kind(self) -> str:
-        return self.ramdisk or ("csi" if self.mode == "pathways" else "hostpath")
+        return self.ramdisk or ("csi" if self.front_door_kind == "native" else "hostpath")
+
+    @property
+    def worker_failure_kind(self) -> str:
+        return self.worker_failure_policy or ("restart-slice" if self.elastic_slices else "restart-jobset")
 
     @property
     def subdomain(self) -> str:
@@ -155,9 +180,20 @@ class ManifestOptions:
         longest = self.worker_host(self.slices - 1, self.hosts_per_slice - 1)
         if len(longest) > 63:
             raise ValueError(f"Pod hostname {longest!r} is longer than 63 characters: shorten --job")
-        if self.mode == "multi-controller" and self.ramdisk_kind == "csi":
-            raise ValueError("--ramdisk csi with --mode multi-controller: GKE's own replicator serves that volume "
+        if self.front_door not in ("",) + FRONT_DOORS:
+            raise ValueError(f"--front-door must be one of {', '.join(FRONT_DOORS)}, got {self.front_door!r}")
+        if self.front_door_kind == "orbax" and self.ramdisk_kind == "csi":
+            raise ValueError("--ramdisk csi with --front-door orbax: GKE's own replicator serves that volume "
                              "and would answer Orbax's replicator.yaml too; use --ramdisk hostpath")
+        if self.worker_failure_policy not in ("",) + WORKER_FAILURE_POLICIES:
+            raise ValueError(f"--worker-failure-policy must be one of {', '.join(WORKER_FAILURE_POLICIES)}")
+        if self.worker_failure_kind == "restart-slice" and self.mode != "pathways":
+            raise ValueError("--worker-failure-policy restart-slice needs Pathways (multi-controller JAX cannot "
+                             "go on without a slice)")
+        if self.max_restarts < 0:
+            raise ValueError("--max-restarts must be >= 0")
+        if self.termination_grace_seconds < 20:
+            raise ValueError("--termination-grace-seconds must be >= 20 (save, flush and exit share it)")
         if not _QUANTITY.match(self.ramdisk_size):
             raise ValueError(f"--ramdisk-size must be a quantity such as 64Gi, got {self.ramdisk_size!r}")
         if self.elastic_slices and self.mode != "pathways":
@@ -220,256 +256,6 @@ def _restricted() -> dict[str, Any]:
 
 def _pod_security() -> dict[str, Any]:
     return {"fsGroup": UID, "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def _ramdisk_volume(opts: ManifestOptions) -> dict[str, Any]:
-    kind = opts.ramdisk_kind
-    if kind == "csi":
-        return {"name": "ramdisk", "csi": {"driver": GKE_MTC_CSI_DRIVER}}
-    if kind == "hostpath":
-        # Prepared (tmpfs, owned by UID 1000) by this job's DaemonSet; Directory = fail until it exists.
-        return {"name": "ramdisk", "hostPath": {"path": f"{opts.ramdisk_host_path}/{opts.job}", "type": "Directory"}}
-    return {"name": "ramdisk", "emptyDir": {"medium": "Memory", "sizeLimit": opts.ramdisk_size}}
-
-
-def _probe(opts: ManifestOptions, **timing: Any) -> dict[str, Any]:
-    if opts.tls:
-        # Kubernetes' gRPC probe speaks plaintext only; ask the daemon over its Unix socket instead.
-        return {"exec": {"command": ["mtc", "status", "--local-dir", opts.local_dir, "--timeout-seconds", "3"]},
-                "timeoutSeconds": 5, **timing}
-    return {"grpc": {"port": opts.grpc_port}, **timing}
-
-
-def _replicator(opts: ManifestOptions) -> dict[str, Any]:
-    """The per-host daemon as a native sidecar (init container with restartPolicy Always)."""
-    common = ["--config", f"{CONFIG_DIR}/config.yaml", "--local-dir", opts.local_dir,
-              "--token-file", f"{TOKEN_DIR}/token",
-              "--advertise", f"$(JOBSET_NAME)-workers-$(SLICE_INDEX)-$(HOST_INDEX).{opts.subdomain}:{opts.grpc_port}"]
-    env = [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD), _env_field("SLICE_INDEX", SLICE_ANNOTATION),
-           _env_field("HOST_INDEX", HOST_ANNOTATION),
-           # libc resolver: honours the Pod's DNS search path for the short JobSet names.
-           {"name": "GRPC_DNS_RESOLVER", "value": "native"},
-           # One JSON line per event (Cloud Logging's severity/message), each save, copy, backup, restore.
-           {"name": "MTC_LOG_LEVEL", "value": "info"},
-           {"name": "MTC_LOG_FORMAT", "value": "json"}]
-    c: dict[str, Any] = {"name": "mtc-replicator", "image": opts.replicator_image, "restartPolicy": "Always"}
-    if opts.mode == "pathways":
-        # Native mode: the rank is slice * hosts_per_slice + host, arithmetic the Downward API cannot do,
-        # so a POSIX shell computes it and exec's the image's mtc-replicator with the flags below.
-        c["command"] = ["/bin/sh", "-c",
-                        'exec mtc-replicator "$@" --rank "$((SLICE_INDEX * HOSTS_PER_SLICE + HOST_INDEX))"',
-                        "mtc-replicator"]
-        c["args"] = common + ["--job", "$(JOBSET_NAME)", "--nodes", str(opts.nodes),
-                              "--data-parallelism", str(opts.slices)]
-        if opts.backup_url:
-            c["args"] += ["--backup-interval-minutes", f"{opts.backup_interval_minutes:g}"]
-        env.insert(3, {"name": "HOSTS_PER_SLICE", "value": str(opts.hosts_per_slice)})
-    else:
-        # Orbax mode: no rank/nodes; job, rank, peers and backup interval come from Orbax's replicator.yaml.
-        c["args"] = common
-    if opts.tls:
-        c["args"] += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key",
-                      "--tls-ca", f"{TLS_DIR}/ca.crt"]
-    c["env"] = env
-    c["ports"] = [{"name": "mtc-grpc", "containerPort": opts.grpc_port, "protocol": "TCP"},
-                  {"name": "mtc-data", "containerPort": opts.data_port, "protocol": "TCP"},
-                  # Prometheus text (deploy/monitoring/podmonitoring.yaml scrapes the port by this name).
-                  {"name": "metrics", "containerPort": opts.metrics_port, "protocol": "TCP"}]
-    if opts.mode == "pathways":
-        # The colocated-Python container starts only once the replicator serves.
-        c["startupProbe"] = _probe(opts, periodSeconds=2, failureThreshold=60)
-        c["livenessProbe"] = _probe(opts, periodSeconds=10, failureThreshold=6)
-    # Orbax mode: readiness only. The daemon serves after the replicator.yaml handshake, which needs the
-    # trainer running: a startupProbe would deadlock, a livenessProbe could kill a correctly waiting daemon.
-    c["readinessProbe"] = _probe(opts, periodSeconds=5, failureThreshold=3)
-    # tmpfs pages are charged to the container that writes them: the replicator writes peer copies and
-    # restore fetches (replicas x keep-local x shard bytes).
-    c["resources"] = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": opts.replicator_memory_limit}}
-    c["securityContext"] = {**_restricted(), "readOnlyRootFilesystem": True}
-    mounts = [{"name": "ramdisk", "mountPath": opts.local_dir},
-              {"name": "mtc-config", "mountPath": CONFIG_DIR, "readOnly": True},
-              {"name": "mtc-token", "mountPath": TOKEN_DIR, "readOnly": True},
-              {"name": "tmp", "mountPath": "/tmp"}]
-    if opts.tls:
-        mounts.append({"name": "mtc-tls", "mountPath": TLS_DIR, "readOnly": True})
-    c["volumeMounts"] = mounts
-    return c
-
-
-def _common_volumes(opts: ManifestOptions) -> list[dict[str, Any]]:
-    vols = [{"name": "mtc-config", "configMap": {"name": f"{opts.job}-mtc"}},
-            {"name": "mtc-token", "secret": {"secretName": opts.token_secret, "defaultMode": 0o440}},
-            {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
-    if opts.tls:
-        vols.append({"name": "mtc-tls", "secret": {"secretName": f"{opts.job}-mtc-tls", "defaultMode": 0o440}})
-    return vols
-
-
-def _pod_spec(opts: ManifestOptions, *, worker: bool) -> dict[str, Any]:
-    spec: dict[str, Any] = {"restartPolicy": "OnFailure", "serviceAccountName": opts.service_account,
-                            "automountServiceAccountToken": False}
-    if worker:
-        if opts.priority_class:
-            spec["priorityClassName"] = opts.priority_class
-        # The replicator drains in-flight transfers on SIGTERM (grace 5 s + one RPC deadline, twice).
-        spec["terminationGracePeriodSeconds"] = 60
-        spec["nodeSelector"] = {"cloud.google.com/gke-tpu-accelerator": opts.tpu_accelerator,
-                                    "cloud.google.com/gke-tpu-topology": opts.tpu_topology}
-    spec["securityContext"] = _pod_security()
-    return spec
-
-
-def _job_template(opts: ManifestOptions, pod: dict[str, Any], completions: int, backoff: int) -> dict[str, Any]:
-    return {"spec": {"completionMode": "Indexed", "completions": completions, "parallelism": completions,
-                     "backoffLimit": backoff, "template": {"spec": pod}}}
-
-
-def _tpu_resources(opts: ManifestOptions) -> dict[str, Any]:
-    n = str(opts.tpu_chips_per_host)
-    return {"requests": {"google.com/tpu": n}, "limits": {"google.com/tpu": n}}
-
-
-def _controller_env(opts: ManifestOptions) -> list[dict[str, Any]]:
-    env = [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD),
-           # The coordinator candidates, one per slice (each slice's first host), in the order the
-           # replicators use: the first live one serves, so losing slice 0 does not stop restores.
-           {"name": "MTC_COORDINATOR",
-            "value": ",".join(f"$(JOBSET_NAME)-workers-{s}-0.{opts.subdomain}:{opts.grpc_port}"
-                              for s in range(opts.slices))},
-           {"name": "MTC_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
-           # The RAM disk as the worker Pods mount it (the colocated sidecar writes there).
-           {"name": "MTC_LOCAL_DIRECTORY", "value": opts.local_dir},
-           {"name": "GRPC_DNS_RESOLVER", "value": "native"},
-           {"name": "JAX_PLATFORMS", "value": "proxy"},
-           {"name": "JAX_BACKEND_TARGET", "value": f"grpc://localhost:{PATHWAYS_PROXY_PORT}"}]
-    if opts.tls:
-        env += [{"name": "MTC_TLS_CERT_FILE", "value": f"{TLS_DIR}/tls.crt"},
-                {"name": "MTC_TLS_KEY_FILE", "value": f"{TLS_DIR}/tls.key"},
-                {"name": "MTC_TLS_CA_FILE", "value": f"{TLS_DIR}/ca.crt"}]
-    return env
-
-
-def _pathways_jobset(opts: ManifestOptions) -> dict[str, Any]:
-    head_addr = f"$(JOBSET_NAME)-head-0-0.{opts.subdomain}"
-    instance_type = f"{TPU_INSTANCE_TYPES[opts.tpu_accelerator]}:{opts.tpu_topology}"
-    scratch = opts.scratch()
-    rm = {"name": "pathways-rm", "image": opts.pathways_server_image,
-          "args": [f"--server_port={PATHWAYS_RM_PORT}", "--node_type=resource_manager",
-                   f"--gcs_scratch_location={scratch}", f"--instance_count={opts.slices}",
-                   f"--instance_type={instance_type}"],
-          "env": [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD),
-                  {"name": "REPLICATED_JOB_NAME", "value": "head"},
-                  {"name": "HOST_ADDRESS", "value": head_addr}],
-          "ports": [{"name": "pathways-rm", "containerPort": PATHWAYS_RM_PORT, "protocol": "TCP"}]}
-    proxy_args = [f"--server_port={PATHWAYS_PROXY_PORT}",
-                  f"--resource_manager_address={head_addr}:{PATHWAYS_RM_PORT}",
-                  f"--gcs_scratch_location={scratch}",
-                  # Colocated Python runs in the workers' colocated-python-sidecar containers.
-                  "--sidecar_name=external"]
-    if opts.elastic_slices:
-        proxy_args.append(f"--num_elastic_instances={opts.elastic_slices}")
-    proxy = {"name": "pathways-proxy", "image": opts.pathways_proxy_image, "args": proxy_args,
-             "env": [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD)],
-             "ports": [{"name": "pathways-proxy", "containerPort": PATHWAYS_PROXY_PORT, "protocol": "TCP"}]}
-    controller = {"name": "controller", "image": opts.controller_image or opts.sidecar_image,
-                  # Your training program: CheckpointManagerOptions(local_directory=$MTC_LOCAL_DIRECTORY,
-                  # job_name=$JOBSET_NAME, coordinator_address=$MTC_COORDINATOR, token_file=$MTC_TOKEN_FILE).
-                  "command": list(opts.controller_command),
-                  "env": _controller_env(opts),
-                  "securityContext": _restricted(),
-                  "volumeMounts": [{"name": "mtc-token", "mountPath": TOKEN_DIR, "readOnly": True}]
-                  + ([{"name": "mtc-tls", "mountPath": TLS_DIR, "readOnly": True}] if opts.tls else [])}
-    head = _pod_spec(opts, worker=False)
-    head["containers"] = [rm, proxy, controller]
-    head["volumes"] = [v for v in _common_volumes(opts) if v["name"] in ("mtc-token", "mtc-tls")]
-
-    worker = {"name": "pathways-worker", "image": opts.pathways_server_image,
-              "args": [f"--server_port={PATHWAYS_WORKER_PORT}",
-                       f"--resource_manager_address={head_addr}:{PATHWAYS_RM_PORT}",
-                       f"--gcs_scratch_location={scratch}",
-                       f"--cloud_pathways_sidecar_shm_directory={SIDECAR_SHM_DIR}"],
-              "env": [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD)],
-              "ports": [{"name": "pathways-wrk", "containerPort": PATHWAYS_WORKER_PORT, "protocol": "TCP"}],
-              "resources": _tpu_resources(opts),
-              # The TPU runtime needs the device files; Pathways' own JobSets run this container privileged.
-              "securityContext": {"privileged": True},
-              "volumeMounts": [{"name": "sidecar-shared-memory", "mountPath": SIDECAR_SHM_DIR},
-                               {"name": "ramdisk", "mountPath": opts.local_dir}]}
-    sidecar = {"name": "colocated-python-sidecar", "image": opts.sidecar_image,
-               "env": [{"name": "GRPC_SERVER_ADDRESS", "value": f"0.0.0.0:{COLOCATED_PYTHON_PORT}"},
-                       {"name": "CLOUD_PATHWAYS_SIDECAR_SHM_DIRECTORY", "value": SIDECAR_SHM_DIR}],
-               "ports": [{"name": "colocated-py", "containerPort": COLOCATED_PYTHON_PORT, "protocol": "TCP"}],
-               "securityContext": _restricted(),
-               "volumeMounts": [{"name": "sidecar-shared-memory", "mountPath": SIDECAR_SHM_DIR},
-                                {"name": "ramdisk", "mountPath": opts.local_dir}]}
-    wspec = _pod_spec(opts, worker=True)
-    wspec["initContainers"] = [_replicator(opts)]
-    wspec["containers"] = [worker, sidecar]
-    wspec["volumes"] = [{"name": "sidecar-shared-memory", "emptyDir": {"medium": "Memory"}},
-                        _ramdisk_volume(opts)] + _common_volumes(opts)
-    return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-        "metadata": _meta(opts.job, opts, annotations={
-            # One slice per node pool (GKE TPU slices).
-            "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}),
-        "spec": {
-            "network": {"enableDNSHostnames": True, "subdomain": opts.subdomain, "publishNotReadyAddresses": True},
-            # Pathways workers serve until stopped: the job is done when the controller is.
-            "successPolicy": {"operator": "All", "targetReplicatedJobs": ["head"]},
-            "failurePolicy": {"maxRestarts": 5},
-            "replicatedJobs": [
-                {"name": "head", "replicas": 1, "template": _job_template(opts, head, 1, 10)},
-                {"name": "workers", "replicas": opts.slices,
-                 "template": _job_template(opts, wspec, opts.hosts_per_slice, 20)},
-            ],
-        },
-    }
-
-
-def _multi_controller_jobset(opts: ManifestOptions) -> dict[str, Any]:
-    jax_coord = f"$(JOBSET_NAME)-workers-0-0.{opts.subdomain}:{JAX_COORDINATOR_PORT}"
-    init_info = {
-        "name": "jax-init-info", "image": opts.replicator_image,
-        # Orbax (use_mtc_process_ids=True) waits for <local>/jax-init-info.txt = "<process id>\n<coordinator>\n".
-        "command": ["python", "-c",
-                    "import os\n"
-                    "from pathlib import Path\n"
-                    "from replicator.orbax.contract import write_jax_init_info\n"
-                    "pid = int(os.environ['SLICE_INDEX']) * int(os.environ['HOSTS_PER_SLICE'])"
-                    " + int(os.environ['HOST_INDEX'])\n"
-                    "write_jax_init_info(Path(os.environ['LOCAL_DIR']), pid, os.environ['JAX_COORDINATOR'])\n"],
-        "env": [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD), _env_field("SLICE_INDEX", SLICE_ANNOTATION),
-                _env_field("HOST_INDEX", HOST_ANNOTATION),
-                {"name": "HOSTS_PER_SLICE", "value": str(opts.hosts_per_slice)},
-                {"name": "LOCAL_DIR", "value": opts.local_dir},
-                {"name": "JAX_COORDINATOR", "value": jax_coord}],
-        "securityContext": {**_restricted(), "readOnlyRootFilesystem": True},
-        "volumeMounts": [{"name": "ramdisk", "mountPath": opts.local_dir}]}
-    train = {"name": "train", "image": opts.controller_image or opts.sidecar_image,
-             # Your program: initialize_multi_tier_checkpointing(<local>, ...) + ReplicatorCheckpointManager.
-             "command": list(opts.controller_command),
-             "env": [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD),
-                     {"name": "MTC_LOCAL_DIRECTORY", "value": opts.local_dir}],
-             "ports": [{"name": "jax-coord", "containerPort": JAX_COORDINATOR_PORT, "protocol": "TCP"}],
-             "resources": _tpu_resources(opts),
-             # TPU device access as in Google's TPU JobSets; UID 1000 like the replicator (shared RAM disk).
-             "securityContext": {"privileged": True, "runAsUser": UID, "runAsGroup": UID},
-             "volumeMounts": [{"name": "ramdisk", "mountPath": opts.local_dir}]}
-    wspec = _pod_spec(opts, worker=True)
-    wspec["initContainers"] = [init_info, _replicator(opts)]
-    wspec["containers"] = [train]
-    wspec["volumes"] = [_ramdisk_volume(opts)] + _common_volumes(opts)
-    return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-        "metadata": _meta(opts.job, opts, annotations={
-            "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}),
-        "spec": {
-            "network": {"enableDNSHostnames": True, "subdomain": opts.subdomain, "publishNotReadyAddresses": True},
-            "failurePolicy": {"maxRestarts": 5},
-            "replicatedJobs": [{"name": "workers", "replicas": opts.slices,
-                                "template": _job_template(opts, wspec, opts.hosts_per_slice, 20)}],
-        },
-    }
 
 
 def _config_map(opts: ManifestOptions) -> dict[str, Any]:
@@ -603,7 +389,9 @@ def objects(opts: ManifestOptions) -> dict[str, dict[str, Any]]:
         out["certificate.yaml"] = _certificate(opts)
     if opts.ramdisk_kind == "hostpath":
         out["ramdisk-daemonset.yaml"] = _ramdisk_daemonset(opts)
-    out["jobset.yaml"] = _pathways_jobset(opts) if opts.mode == "pathways" else _multi_controller_jobset(opts)
+    from controller_client import manifests_jobsets as js
+
+    out["jobset.yaml"] = js.pathways_jobset(opts) if opts.mode == "pathways" else js.multi_controller_jobset(opts)
     return out
 
 
@@ -623,7 +411,7 @@ def dump(body: Any) -> str:
 
 
 def _header(opts: ManifestOptions) -> str:
-    return (f"# Rendered by `mtc manifests --mode {opts.mode} --job {opts.job} --slices {opts.slices} "
+    return (f"# Rendered by `mtc manifests --mode {opts.mode} --front-door {opts.front_door_kind} --job {opts.job} --slices {opts.slices} "
             f"--hosts-per-slice {opts.hosts_per_slice} ...`; see docs/deploy.md.\n")
 
 
@@ -640,18 +428,26 @@ def render(opts: ManifestOptions) -> dict[str, str]:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ManifestOptions)}
 _HELP = {
-    "mode": "pathways (head + workers with colocated Python) or multi-controller (Orbax on every host)",
+    "mode": "pathways (head + workers with colocated Python) or multi-controller (the program on every host)",
+    "front_door": "native (our CheckpointManager) or orbax (unchanged Orbax multi-tier checkpointing); "
+                  "default native for pathways, orbax for multi-controller",
+    "worker_failure_policy": "restart-jobset (a failed worker restarts the JobSet: hot-swap onto spare slices) or "
+                             "restart-slice (Pathways elastic: the controller stays); default by --elastic-slices",
+    "max_restarts": "JobSet failurePolicy.maxRestarts (default 5)",
+    "termination_grace_seconds": "worker terminationGracePeriodSeconds, shared after a preemption notice: "
+                                 "save 30%%, flush 50%%, exit 20%% (default 60)",
+    "head_node_pool": "node pool of the Pathways head (default cpu-np, as Google's JobSets; '' = any)",
     "job": "JobSet name (default mtc-train)",
     "slices": "number of slices (default 2)",
     "hosts_per_slice": "hosts per slice (default 2)",
     "backup_url": "bucket tier, e.g. gs://BUCKET/ckpt (default: none)",
     "ramdisk": "csi (GKE Multi-Tier Checkpointing driver), hostpath (node tmpfs kept by a DaemonSet) or memory "
-               "(emptyDir); default csi for pathways, hostpath for multi-controller",
+               "(emptyDir); default csi for the native front door, hostpath for orbax",
     "ramdisk_size": "RAM disk size per host (default 64Gi)",
     "tls": "mutual TLS from a cert-manager Certificate",
     "priority_class": "priorityClassName of the worker Pods, e.g. high-prior-job (default: none)",
     "priority_value": "also create that PriorityClass with this value, e.g. 2000",
-    "elastic_slices": "Pathways proxy --num_elastic_instances (default 0 = not elastic)",
+    "elastic_slices": "Pathways proxy --num_elastic_slices (default 0 = not elastic)",
     "data_port": "the replicator's fixed TCP bulk-data port (default 7071)",
     "metrics_port": "the replicator's Prometheus /metrics port (default 9400)",
     "network_policy": "render the NetworkPolicy (default on; --no-network-policy to skip)",
@@ -695,7 +491,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
             parser.add_argument(flag, dest=name, type=kind, default=f.default,
-                                choices=MODES if name == "mode" else None, help=_HELP.get(name))
+                                choices={"mode": MODES, "front_door": FRONT_DOORS}.get(name),
+                                help=_HELP.get(name))
 
 
 def options_from_args(args: argparse.Namespace) -> ManifestOptions:

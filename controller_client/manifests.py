@@ -33,11 +33,11 @@ REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 SLICE_ANNOTATION = "metadata.annotations['jobset.sigs.k8s.io/job-index']"
 HOST_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 JOBSET_NAME_FIELD = f"metadata.labels['{JOBSET_NAME_LABEL}']"
-# Pathways server ports (the resource manager and workers on 29001, the proxy on 29000) and the colocated
+# Pathways server ports (the resource manager on 29001, workers on 29005, the proxy on 29000) and the colocated
 # Python server's gRPC port, as Google's Pathways JobSets use them.
 PATHWAYS_RM_PORT = 29001
 PATHWAYS_PROXY_PORT = 29000
-PATHWAYS_WORKER_PORT = 29001
+PATHWAYS_WORKER_PORT = 29005
 COLOCATED_PYTHON_PORT = 50051
 JAX_COORDINATOR_PORT = 8476
 SIDECAR_SHM_DIR = "/tmp/sidecar"

@@ -37,6 +37,11 @@ from controller_client.manifests import (
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 # The label JobSet puts on every Pod when spec.coordinator is set: the coordinator Pod's stable DNS name.
 COORDINATOR_LABEL_FIELD = "metadata.labels['jobset.sigs.k8s.io/coordinator']"
+# The Downward API sources Google's Pathways JobSets use (JobSet sets both labels and annotations).
+JOBSET_NAME_ANNOTATION = "metadata.annotations['jobset.sigs.k8s.io/jobset-name']"
+REPLICATED_JOB_ANNOTATION = "metadata.annotations['jobset.sigs.k8s.io/replicatedjob-name']"
+# Google's images are pulled by tag on every start, as its JobSets do.
+PULL = {"imagePullPolicy": "Always"}
 # pathwaysutils' default slice-restart budget per host (max_slice_restarts): Pathways, not the JobSet,
 # handles a failed worker of an elastic job.
 ELASTIC_WORKER_RESTARTS_PER_HOST = 1_000_000
@@ -215,11 +220,12 @@ def _worker_backoff(opts: ManifestOptions) -> int:
     return opts.hosts_per_slice * ELASTIC_WORKER_RESTARTS_PER_HOST
 
 
-def _job_template(pod: dict[str, Any], completions: int, backoff: int, topology: str) -> dict[str, Any]:
+def _job_template(pod: dict[str, Any], completions: int, backoff: int, topology: str,
+                  *, on_job: bool = False) -> dict[str, Any]:
     # One slice per node pool (workers), the head alone on its node: exclusive placement per replicated Job
-    # (on the JobSet it would also claim a whole node pool for the head), as Google's JobSets place it.
+    # (on the JobSet it would also claim a whole node pool for the head), where Google's JobSets put it.
     ann = {EXCLUSIVE_TOPOLOGY: topology}
-    return {"metadata": {"annotations": dict(ann)},
+    return {**({"metadata": {"annotations": dict(ann)}} if on_job else {}),
             "spec": {"completionMode": "Indexed", "completions": completions, "parallelism": completions,
                      "backoffLimit": backoff, "template": {"metadata": {"annotations": dict(ann)}, "spec": pod}}}
 
@@ -285,14 +291,15 @@ def _pathways_head(opts: ManifestOptions, instance_type: str, scratch: str) -> d
     head_env = _env_field("PATHWAYS_HEAD", COORDINATOR_LABEL_FIELD)
     # The resource manager and the proxy as native sidecars, the controller as the one main container (as
     # pathwaysutils' add_user_workload): the head Pod completes when the training program does.
-    rm = {"name": "pathways-rm", "image": opts.pathways_server_image, "restartPolicy": "Always",
+    rm = {"name": "pathways-rm", "image": opts.pathways_server_image, **PULL, "restartPolicy": "Always",
           "args": [f"--server_port={PATHWAYS_RM_PORT}", "--node_type=resource_manager",
                    f"--gcs_scratch_location={scratch}", f"--instance_count={opts.slices}",
                    f"--instance_type={instance_type}"],
-          "env": [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD), {"name": "REPLICATED_JOB_NAME", "value": "head"},
-                  head_env, {"name": "HOST_ADDRESS", "value": "$(PATHWAYS_HEAD)"},
+          "env": [_env_field("REPLICATED_JOB_NAME", REPLICATED_JOB_ANNOTATION),
+                  _env_field("JOBSET_NAME", JOBSET_NAME_ANNOTATION),
+                  _env_field("HOST_ADDRESS", COORDINATOR_LABEL_FIELD),
                   {"name": "TPU_SKIP_MDS_QUERY", "value": "true"}],
-          "ports": [{"name": "pathways-rm", "containerPort": PATHWAYS_RM_PORT, "protocol": "TCP"},
+          "ports": [{"containerPort": PATHWAYS_RM_PORT, "protocol": "TCP"},
                     {"containerPort": 29002, "protocol": "TCP"}],
           "resources": {"limits": {"cpu": "8", "memory": "32G"}}}
     proxy_args = [f"--server_port={PATHWAYS_PROXY_PORT}", f"--resource_manager_address={head_addr}",
@@ -303,11 +310,11 @@ def _pathways_head(opts: ManifestOptions, instance_type: str, scratch: str) -> d
         # The flag the proxy takes (pathwaysutils, the PathwaysJob operator and xpk recipes all pass this
         # one; no public source passes --num_elastic_instances).
         proxy_args.append(f"--num_elastic_slices={opts.elastic_slices}")
-    proxy = {"name": "pathways-proxy", "image": opts.pathways_proxy_image, "restartPolicy": "Always",
+    proxy = {"name": "pathways-proxy", "image": opts.pathways_proxy_image, **PULL, "restartPolicy": "Always",
              "args": proxy_args, "env": [head_env, {"name": "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS", "value": "true"}],
-             "ports": [{"name": "pathways-proxy", "containerPort": PATHWAYS_PROXY_PORT, "protocol": "TCP"}],
+             "ports": [{"containerPort": PATHWAYS_PROXY_PORT, "protocol": "TCP"}],
              "resources": {"limits": {"cpu": "16", "memory": "100G"}}}
-    controller = {"name": "controller", "image": opts.controller_image or opts.sidecar_image,
+    controller = {"name": "controller", "image": opts.controller_image or opts.sidecar_image, **PULL,
                   # Native: CheckpointManagerOptions(local_directory=$MTC_LOCAL_DIRECTORY, job_name=$JOBSET_NAME,
                   # coordinator_address=$MTC_COORDINATOR, token_file=$MTC_TOKEN_FILE). Orbax: the seed's
                   # initialize_multi_tier_checkpointing(..., use_colocated_python=True) + ReplicatorCheckpointManager.
@@ -328,7 +335,7 @@ def _pathways_head(opts: ManifestOptions, instance_type: str, scratch: str) -> d
 
 def _pathways_worker(opts: ManifestOptions, scratch: str) -> dict[str, Any]:
     b = preemption_budget(opts)
-    worker = {"name": "pathways-worker", "image": opts.pathways_server_image,
+    worker = {"name": "pathways-worker", "image": opts.pathways_server_image, **PULL,
               "args": [f"--resource_manager_address=$(PATHWAYS_HEAD):{PATHWAYS_RM_PORT}",
                        f"--server_port={PATHWAYS_WORKER_PORT}", f"--gcs_scratch_location={scratch}",
                        f"--cloud_pathways_sidecar_shm_directory={SIDECAR_SHM_DIR}"],
@@ -336,36 +343,35 @@ def _pathways_worker(opts: ManifestOptions, scratch: str) -> dict[str, Any]:
                       {"name": "XCLOUD_ENVIRONMENT", "value": "GCP"},
                       {"name": "MEGASCALE_GRPC_ENABLE_XOR_TRACER", "value": "false"},
                       _env_field("MEGASCALE_NUM_SLICES", "metadata.labels['jobset.sigs.k8s.io/replicatedjob-replicas']"),
-                      _env_field("JOBSET_NAME", JOBSET_NAME_FIELD),
-                      _env_field("REPLICATED_JOB_NAME", "metadata.annotations['jobset.sigs.k8s.io/replicatedjob-name']"),
+                      _env_field("JOBSET_NAME", JOBSET_NAME_ANNOTATION),
+                      _env_field("REPLICATED_JOB_NAME", REPLICATED_JOB_ANNOTATION),
                       _env_field("MEGASCALE_SLICE_ID", "metadata.labels['jobset.sigs.k8s.io/job-index']"),
                       _env_field("PATHWAYS_HEAD", COORDINATOR_LABEL_FIELD),
                       _env_field("MEGASCALE_COORDINATOR_ADDRESS", COORDINATOR_LABEL_FIELD),
                       {"name": "CLOUD_PATHWAYS_SIDECAR_SHM_DIRECTORY", "value": SIDECAR_SHM_DIR}],
-              "ports": [{"name": "pathways-wrk", "containerPort": PATHWAYS_WORKER_PORT, "protocol": "TCP"},
+              "ports": [{"containerPort": PATHWAYS_WORKER_PORT, "protocol": "TCP"},
                         {"containerPort": 29006, "protocol": "TCP"}, {"containerPort": 8471, "protocol": "TCP"},
                         {"containerPort": 8080, "protocol": "TCP"}],
-              "resources": _tpu_resources(opts),
+              "resources": {"limits": {"google.com/tpu": str(opts.tpu_chips_per_host)}},
               # Stay up through the save window after a notice: the training loop's last save goes through
               # this worker into colocated Python (Kubernetes runs preStop hooks before SIGTERM).
               "lifecycle": {"preStop": {"sleep": {"seconds": b.save}}},
-              # The TPU runtime needs the device files; Pathways' own JobSets run this container privileged.
-              "securityContext": {"privileged": True},
+              # No securityContext: the TPU device plugin gives the container its chips, as in Google's JobSets.
               "volumeMounts": [{"name": "shared-tmp", "mountPath": "/tmp"},
-                               {"name": "sidecar-shared-memory", "mountPath": SIDECAR_SHM_DIR},
+                               {"name": "shared-memory", "mountPath": SIDECAR_SHM_DIR},
                                {"name": "ramdisk", "mountPath": opts.local_dir}]}
     # A native sidecar started after the replicator and before pathways-worker (which connects to it during
     # placement), stopped after pathways-worker exits: as pathwaysutils' add_colocated_python.
-    sidecar = {"name": "colocated-python-sidecar", "image": opts.sidecar_image, "restartPolicy": "Always",
+    sidecar = {"name": "colocated-python-sidecar", "image": opts.sidecar_image, **PULL, "restartPolicy": "Always",
                "env": [{"name": "GRPC_SERVER_ADDRESS", "value": f"0.0.0.0:{COLOCATED_PYTHON_PORT}"},
                        {"name": "CLOUD_PATHWAYS_SIDECAR_SHM_DIRECTORY", "value": SIDECAR_SHM_DIR}],
-               "ports": [{"name": "colocated-py", "containerPort": COLOCATED_PYTHON_PORT, "protocol": "TCP"}],
+               "ports": [{"containerPort": COLOCATED_PYTHON_PORT}],
                # A save holds a host's shards in this process while it writes them to the RAM disk: no memory
                # limit (the node's memory is the training job's), a request so the scheduler counts it.
                "resources": {"requests": {"cpu": "2", "memory": "8Gi"}},
                "securityContext": _restricted(),
                "volumeMounts": [{"name": "shared-tmp", "mountPath": "/tmp"},
-                                {"name": "sidecar-shared-memory", "mountPath": SIDECAR_SHM_DIR},
+                                {"name": "shared-memory", "mountPath": SIDECAR_SHM_DIR},
                                 {"name": "ramdisk", "mountPath": opts.local_dir}]}
     # The replicator is a native sidecar too, so its own SIGTERM comes last; this main container exists to
     # give the notice at the start of the grace period (its preStop hook) and waits for the flush.
@@ -379,7 +385,7 @@ def _pathways_worker(opts: ManifestOptions, scratch: str) -> dict[str, Any]:
     wspec["initContainers"] = [_ramdisk_owner(opts), _replicator(opts), sidecar]
     wspec["containers"] = [worker, notice]
     wspec["volumes"] = [{"name": "shared-tmp", "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}},
-                        {"name": "sidecar-shared-memory", "emptyDir": {"medium": "Memory"}},
+                        {"name": "shared-memory", "emptyDir": {"medium": "Memory"}},
                         _ramdisk_volume(opts)] + _common_volumes(opts)
     return wspec
 
@@ -400,7 +406,7 @@ def pathways_jobset(opts: ManifestOptions) -> dict[str, Any]:
             "successPolicy": {"operator": "All", "targetReplicatedJobs": ["head"]},
             "failurePolicy": _failure_policy(opts),
             "replicatedJobs": [
-                {"name": "head", "replicas": 1, "template": _job_template(head, 1, 0, "kubernetes.io/hostname")},
+                {"name": "head", "replicas": 1, "template": _job_template(head, 1, 0, "kubernetes.io/hostname", on_job=True)},
                 {"name": "workers", "replicas": opts.slices,
                  "template": _job_template(wspec, opts.hosts_per_slice, _worker_backoff(opts),
                                            "cloud.google.com/gke-nodepool")},

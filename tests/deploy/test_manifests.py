@@ -196,9 +196,9 @@ def test_pathways_colocated_python_wiring(case: str) -> None:
     assert int(tpu) * opts.hosts_per_slice == eval(opts.tpu_topology.replace("x", "*"))
 
     wvols = {v["name"]: v for v in _pod(js, "workers")["volumes"]}
-    assert wvols["sidecar-shared-memory"] == {"name": "sidecar-shared-memory", "emptyDir": {"medium": "Memory"}}
+    assert wvols["shared-memory"] == {"name": "shared-memory", "emptyDir": {"medium": "Memory"}}
     for name in ("pathways-worker", "colocated-python-sidecar"):
-        assert _mounts(worker[name])["sidecar-shared-memory"] == "/tmp/sidecar"
+        assert _mounts(worker[name])["shared-memory"] == "/tmp/sidecar"
     sidecar_env = kit.pod_env(worker["colocated-python-sidecar"], {})
     assert sidecar_env["CLOUD_PATHWAYS_SIDECAR_SHM_DIRECTORY"] == "/tmp/sidecar"
     # The RAM disk: in pathways-worker, the sidecar and the replicator, at one path; never in the head.

@@ -24,7 +24,8 @@ import google_parity as gp  # noqa: E402
 
 from controller_client import manifests as mf  # noqa: E402
 
-pj = pytest.importorskip("pathwaysutils.experimental.gke.jobset", reason="pathwaysutils[gke] (kubernetes client)")
+pj = pytest.importorskip("pathwaysutils.experimental.gke.jobset", reason="needs pathwaysutils[gke]: the kubernetes "
+                        "client (a dev dependency)", exc_type=ImportError)
 
 RJ = "spec.replicatedJobs"
 HEAD = f"{RJ}[head].template.spec.template.spec"

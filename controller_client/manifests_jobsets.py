@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from controller_client.manifests import (
+from controller_client.manifests_options import (
     COLOCATED_PYTHON_PORT,
     CONFIG_DIR,
     GKE_MTC_CSI_DRIVER,

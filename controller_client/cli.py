@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     manifests.add_arguments(m)
     m.set_defaults(func=manifests.run)
 
+    from controller_client import preempt
+
+    pre = sub.add_parser("preempt", help="tell this host's replicator of a preemption notice (a Pod's preStop hook)",
+                         description=preempt.__doc__.split("\n\n")[0])
+    preempt.add_arguments(pre)
+    pre.set_defaults(func=preempt.run)
+
     # The operator's commands (status, steps, inspect, verify, restore, pin, backups, export, plan, gc).
     from controller_client.admin_cli import register
 

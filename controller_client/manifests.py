@@ -11,468 +11,41 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from sidecar.layout import check_job_name
-
-MODES = ("pathways", "multi-controller")
-RAMDISKS = ("csi", "hostpath", "memory")
-# GKE Multi-Tier Checkpointing's node RAM disk: a tmpfs owned by the node, kept across workload Pods.
-GKE_MTC_CSI_DRIVER = "multitier-checkpoint.csi.storage.gke.io"
-PART_OF = {"app.kubernetes.io/part-of": "multitier-checkpoint"}
-# Labels JobSet puts on every Pod it creates (jobset.sigs.k8s.io/v1alpha2).
-JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
-REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
-# Downward API sources of a worker's place in the allocation.
-SLICE_ANNOTATION = "metadata.annotations['jobset.sigs.k8s.io/job-index']"
-HOST_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-JOBSET_NAME_FIELD = f"metadata.labels['{JOBSET_NAME_LABEL}']"
-# Pathways server ports (the resource manager and workers on 29001, the proxy on 29000) and the colocated
-# Python server's gRPC port, as Google's Pathways JobSets use them.
-PATHWAYS_RM_PORT = 29001
-PATHWAYS_PROXY_PORT = 29000
-PATHWAYS_WORKER_PORT = 29001
-COLOCATED_PYTHON_PORT = 50051
-JAX_COORDINATOR_PORT = 8476
-SIDECAR_SHM_DIR = "/tmp/sidecar"
-TOKEN_DIR = "/var/run/secrets/mtc"
-TLS_DIR = "/etc/mtc/tls"
-CONFIG_DIR = "/etc/mtc"
-UID = 1000
-# GKE TPU node label value -> Pathways --instance_type prefix.
-TPU_INSTANCE_TYPES = {
-    "tpu-v6e-slice": "tpuv6e",
-    "tpu-v5p-slice": "tpuv5",
-    "tpu-v5-lite-podslice": "tpuv5e",
-    "tpu-v4-podslice": "tpuv4",
-}
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_QUANTITY = re.compile(r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
-
-
-@dataclasses.dataclass(frozen=True)
-class ManifestOptions:
-    """What `mtc manifests` renders (flag ``--x-y`` = field ``x_y``).
-
-    Attributes:
-      mode: ``pathways`` (head + workers with colocated Python, native CheckpointManager) or
-        ``multi-controller`` (every worker runs the training program with Orbax's multi-tier checkpointing).
-      job: JobSet name; also the headless Service / DNS subdomain. Worker hostnames are
-        ``<job>-workers-<slice>-<host>`` and must fit in 63 characters.
-      slices, hosts_per_slice: the allocation; rank = slice * hosts_per_slice + host.
-      backup_url: the bucket tier (``gs://bucket/prefix``); empty = no backup tier.
-      ramdisk: ``csi`` (GKE Multi-Tier Checkpointing's node RAM disk), ``hostpath`` (a node tmpfs kept by
-        this job's DaemonSet) or ``memory`` (``emptyDir``, for trying it out). Empty = the mode's default:
-        ``csi`` for pathways, ``hostpath`` for multi-controller.
-      ramdisk_size: size of the RAM disk per host (Kubernetes quantity).
-      tls: mutual TLS between replicators and the controller from a cert-manager ``Certificate``.
-      priority_class: ``priorityClassName`` of the worker Pods (hot-swap); empty = none.
-      priority_value: also render that PriorityClass with this value (None = it already exists).
-      elastic_slices: Pathways proxy ``--num_elastic_instances`` (0 = not elastic).
-      grpc_port, data_port: the replicator's gRPC port and fixed TCP bulk-data port.
-      metrics_port: the replicator's Prometheus port (``deploy/monitoring`` scrapes it).
-      network_policy: render a NetworkPolicy letting only this job's Pods reach the workers.
-      gcp_service_account: Workload Identity: annotate the ServiceAccount with this Google service account.
-    """
-
-    mode: str = "pathways"
-    job: str = "mtc-train"
-    slices: int = 2
-    hosts_per_slice: int = 2
-    backup_url: str = ""
-    backup_interval_minutes: float = 30.0
-    backup_keep: int = 3
-    replicas: int = 1
-    keep_local: int = 2
-    ramdisk: str = ""
-    ramdisk_size: str = "64Gi"
-    ramdisk_host_path: str = "/mnt/mtc-ramdisk"
-    local_dir: str = "/local"
-    tls: bool = False
-    tls_issuer: str = "mtc-ca"
-    tls_issuer_kind: str = "Issuer"
-    priority_class: str = ""
-    priority_value: int | None = None
-    elastic_slices: int = 0
-    grpc_port: int = 7070
-    data_port: int = 7071
-    metrics_port: int = 9400
-    network_policy: bool = True
-    gcp_service_account: str = ""
-    service_account: str = "mtc"
-    token_secret: str = "mtc-token"
-    replicator_image: str = "REGISTRY/mtc-replicator:0.1.0"
-    sidecar_image: str = "REGISTRY/mtc-sidecar:0.1.0"
-    controller_image: str = ""
-    controller_command: tuple[str, ...] = ("python", "/app/train.py")
-    pathways_server_image: str = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/server:jax-0.10.2"
-    pathways_proxy_image: str = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/proxy_server:jax-0.10.2"
-    pathways_scratch: str = ""
-    tpu_accelerator: str = "tpu-v6e-slice"
-    tpu_topology: str = "2x4"
-    tpu_chips_per_host: int = 4
-    replicator_memory_limit: str = "40Gi"
-    ramdisk_image: str = "busybox:1.37.0"
-
-    @property
-    def nodes(self) -> int:
-        return self.slices * self.hosts_per_slice
-
-    @property
-    def ramdisk_kind(self) -> str:
-        return self.ramdisk or ("csi" if self.mode == "pathways" else "hostpath")
-
-    @property
-    def subdomain(self) -> str:
-        return self.job
-
-    def worker_host(self, s: int, h: int) -> str:
-        return f"{self.job}-workers-{s}-{h}"
-
-    def peer_address_template(self) -> str:
-        return f"{self.job}-workers-{{slice}}-{{host}}.{self.subdomain}:{self.grpc_port}"
-
-    def scratch(self) -> str:
-        if self.pathways_scratch:
-            return self.pathways_scratch
-        m = re.match(r"^gs://([^/]+)", self.backup_url)
-        return f"gs://{m.group(1)}/pathways-scratch" if m else ""
-
-    def validate(self) -> ManifestOptions:
-        """Raise ValueError with a one-line reason when the set could not work."""
-        if self.mode not in MODES:
-            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.ramdisk not in ("",) + RAMDISKS:
-            raise ValueError(f"--ramdisk must be one of {', '.join(RAMDISKS)}, got {self.ramdisk!r}")
-        check_job_name(self.job, "--job")
-        if not _DNS_LABEL.match(self.job):  # Kubernetes names its objects after the job: a DNS label
-            raise ValueError(f"--job {self.job!r} is not a DNS label (lower-case letters, digits, '-')")
-        if self.slices < 1 or self.hosts_per_slice < 1:
-            raise ValueError(f"need at least one slice and one host, got {self.slices} x {self.hosts_per_slice}")
-        longest = self.worker_host(self.slices - 1, self.hosts_per_slice - 1)
-        if len(longest) > 63:
-            raise ValueError(f"Pod hostname {longest!r} is longer than 63 characters: shorten --job")
-        if self.mode == "multi-controller" and self.ramdisk_kind == "csi":
-            raise ValueError("--ramdisk csi with --mode multi-controller: GKE's own replicator serves that volume "
-                             "and would answer Orbax's replicator.yaml too; use --ramdisk hostpath")
-        if not _QUANTITY.match(self.ramdisk_size):
-            raise ValueError(f"--ramdisk-size must be a quantity such as 64Gi, got {self.ramdisk_size!r}")
-        if self.elastic_slices and self.mode != "pathways":
-            raise ValueError("--elastic-slices is a Pathways proxy setting (--mode pathways)")
-        if not 0 <= self.elastic_slices <= self.slices:
-            raise ValueError(f"--elastic-slices must be 0..{self.slices} (the slices allocated)")
-        ports = (self.grpc_port, self.data_port, self.metrics_port)
-        for name in ("grpc_port", "data_port", "metrics_port"):
-            if not 1 <= getattr(self, name) <= 65535:
-                raise ValueError(f"--{name.replace('_', '-')} must be 1..65535")
-        reserved = {JAX_COORDINATOR_PORT, PATHWAYS_WORKER_PORT, COLOCATED_PYTHON_PORT}
-        if len(set(ports)) < len(ports) or set(ports) & reserved:
-            raise ValueError("--grpc-port, --data-port and --metrics-port must differ from each other and "
-                             f"from {sorted(reserved)}")
-        if self.tls_issuer_kind not in ("Issuer", "ClusterIssuer"):
-            raise ValueError(f"--tls-issuer-kind must be Issuer or ClusterIssuer, got {self.tls_issuer_kind!r}")
-        if self.priority_value is not None and not self.priority_class:
-            raise ValueError("--priority-value needs --priority-class (the name of the class to create)")
-        if self.priority_class and not _DNS_LABEL.match(self.priority_class):
-            raise ValueError(f"--priority-class {self.priority_class!r} is not a valid name")
-        if self.backup_url and self.backup_interval_minutes <= 0:
-            raise ValueError("--backup-interval-minutes must be > 0")
-        if self.mode == "pathways":
-            if not self.scratch().startswith("gs://"):
-                raise ValueError("Pathways needs a gs:// scratch location: give --pathways-scratch or a gs:// "
-                                 "--backup-url")
-        if self.tpu_accelerator not in TPU_INSTANCE_TYPES:
-            raise ValueError(f"--tpu-accelerator must be one of {', '.join(TPU_INSTANCE_TYPES)}")
-        if not re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*){1,2}", self.tpu_topology):
-            raise ValueError(f"--tpu-topology must look like 2x4 or 2x2x2, got {self.tpu_topology!r}")
-        chips = math.prod(int(d) for d in self.tpu_topology.split("x"))
-        if chips != self.hosts_per_slice * self.tpu_chips_per_host:
-            raise ValueError(f"--tpu-topology {self.tpu_topology} has {chips} chips but --hosts-per-slice "
-                             f"{self.hosts_per_slice} x --tpu-chips-per-host {self.tpu_chips_per_host} = "
-                             f"{self.hosts_per_slice * self.tpu_chips_per_host}")
-        return self
-
-
-# --------------------------------------------------------------------------- building blocks
-
-
-def _meta(name: str, opts: ManifestOptions, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "labels": {**PART_OF, "mtc.dev/job": opts.job}, **extra}
-
-
-def _env_field(name: str, field: str) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field}}}
-
-
-def _restricted() -> dict[str, Any]:
-    """Security context of the containers running this project's images, as UID 1000.
-
-    One UID for the replicator, the colocated sidecar, the controller and the Orbax trainer: the control
-    socket <local>/replicator.sock is mode 0600 and each deletes step directories another wrote. Pathways'
-    own server containers keep what their images and Google's JobSets give them.
-    """
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-            "runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID}
-
-
-def _pod_security() -> dict[str, Any]:
-    return {"fsGroup": UID, "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def _ramdisk_volume(opts: ManifestOptions) -> dict[str, Any]:
-    kind = opts.ramdisk_kind
-    if kind == "csi":
-        return {"name": "ramdisk", "csi": {"driver": GKE_MTC_CSI_DRIVER}}
-    if kind == "hostpath":
-        # Prepared (tmpfs, owned by UID 1000) by this job's DaemonSet; Directory = fail until it exists.
-        return {"name": "ramdisk", "hostPath": {"path": f"{opts.ramdisk_host_path}/{opts.job}", "type": "Directory"}}
-    return {"name": "ramdisk", "emptyDir": {"medium": "Memory", "sizeLimit": opts.ramdisk_size}}
-
-
-def _probe(opts: ManifestOptions, **timing: Any) -> dict[str, Any]:
-    if opts.tls:
-        # Kubernetes' gRPC probe speaks plaintext only; ask the daemon over its Unix socket instead.
-        return {"exec": {"command": ["mtc", "status", "--local-dir", opts.local_dir, "--timeout-seconds", "3"]},
-                "timeoutSeconds": 5, **timing}
-    return {"grpc": {"port": opts.grpc_port}, **timing}
-
-
-def _replicator(opts: ManifestOptions) -> dict[str, Any]:
-    """The per-host daemon as a native sidecar (init container with restartPolicy Always)."""
-    common = ["--config", f"{CONFIG_DIR}/config.yaml", "--local-dir", opts.local_dir,
-              "--token-file", f"{TOKEN_DIR}/token",
-              "--advertise", f"$(JOBSET_NAME)-workers-$(SLICE_INDEX)-$(HOST_INDEX).{opts.subdomain}:{opts.grpc_port}"]
-    env = [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD), _env_field("SLICE_INDEX", SLICE_ANNOTATION),
-           _env_field("HOST_INDEX", HOST_ANNOTATION),
-           # libc resolver: honours the Pod's DNS search path for the short JobSet names.
-           {"name": "GRPC_DNS_RESOLVER", "value": "native"},
-           # One JSON line per event (Cloud Logging's severity/message), each save, copy, backup, restore.
-           {"name": "MTC_LOG_LEVEL", "value": "info"},
-           {"name": "MTC_LOG_FORMAT", "value": "json"}]
-    c: dict[str, Any] = {"name": "mtc-replicator", "image": opts.replicator_image, "restartPolicy": "Always"}
-    if opts.mode == "pathways":
-        # Native mode: the rank is slice * hosts_per_slice + host, arithmetic the Downward API cannot do,
-        # so a POSIX shell computes it and exec's the image's mtc-replicator with the flags below.
-        c["command"] = ["/bin/sh", "-c",
-                        'exec mtc-replicator "$@" --rank "$((SLICE_INDEX * HOSTS_PER_SLICE + HOST_INDEX))"',
-                        "mtc-replicator"]
-        c["args"] = common + ["--job", "$(JOBSET_NAME)", "--nodes", str(opts.nodes),
-                              "--data-parallelism", str(opts.slices)]
-        if opts.backup_url:
-            c["args"] += ["--backup-interval-minutes", f"{opts.backup_interval_minutes:g}"]
-        env.insert(3, {"name": "HOSTS_PER_SLICE", "value": str(opts.hosts_per_slice)})
-    else:
-        # Orbax mode: no rank/nodes; job, rank, peers and backup interval come from Orbax's replicator.yaml.
-        c["args"] = common
-    if opts.tls:
-        c["args"] += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key",
-                      "--tls-ca", f"{TLS_DIR}/ca.crt"]
-    c["env"] = env
-    c["ports"] = [{"name": "mtc-grpc", "containerPort": opts.grpc_port, "protocol": "TCP"},
-                  {"name": "mtc-data", "containerPort": opts.data_port, "protocol": "TCP"},
-                  # Prometheus text (deploy/monitoring/podmonitoring.yaml scrapes the port by this name).
-                  {"name": "metrics", "containerPort": opts.metrics_port, "protocol": "TCP"}]
-    if opts.mode == "pathways":
-        # The colocated-Python container starts only once the replicator serves.
-        c["startupProbe"] = _probe(opts, periodSeconds=2, failureThreshold=60)
-        c["livenessProbe"] = _probe(opts, periodSeconds=10, failureThreshold=6)
-    # Orbax mode: readiness only. The daemon serves after the replicator.yaml handshake, which needs the
-    # trainer running: a startupProbe would deadlock, a livenessProbe could kill a correctly waiting daemon.
-    c["readinessProbe"] = _probe(opts, periodSeconds=5, failureThreshold=3)
-    # tmpfs pages are charged to the container that writes them: the replicator writes peer copies and
-    # restore fetches (replicas x keep-local x shard bytes).
-    c["resources"] = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": opts.replicator_memory_limit}}
-    c["securityContext"] = {**_restricted(), "readOnlyRootFilesystem": True}
-    mounts = [{"name": "ramdisk", "mountPath": opts.local_dir},
-              {"name": "mtc-config", "mountPath": CONFIG_DIR, "readOnly": True},
-              {"name": "mtc-token", "mountPath": TOKEN_DIR, "readOnly": True},
-              {"name": "tmp", "mountPath": "/tmp"}]
-    if opts.tls:
-        mounts.append({"name": "mtc-tls", "mountPath": TLS_DIR, "readOnly": True})
-    c["volumeMounts"] = mounts
-    return c
-
-
-def _common_volumes(opts: ManifestOptions) -> list[dict[str, Any]]:
-    vols = [{"name": "mtc-config", "configMap": {"name": f"{opts.job}-mtc"}},
-            {"name": "mtc-token", "secret": {"secretName": opts.token_secret, "defaultMode": 0o440}},
-            {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
-    if opts.tls:
-        vols.append({"name": "mtc-tls", "secret": {"secretName": f"{opts.job}-mtc-tls", "defaultMode": 0o440}})
-    return vols
-
-
-def _pod_spec(opts: ManifestOptions, *, worker: bool) -> dict[str, Any]:
-    spec: dict[str, Any] = {"restartPolicy": "OnFailure", "serviceAccountName": opts.service_account,
-                            "automountServiceAccountToken": False}
-    if worker:
-        if opts.priority_class:
-            spec["priorityClassName"] = opts.priority_class
-        # The replicator drains in-flight transfers on SIGTERM (grace 5 s + one RPC deadline, twice).
-        spec["terminationGracePeriodSeconds"] = 60
-        spec["nodeSelector"] = {"cloud.google.com/gke-tpu-accelerator": opts.tpu_accelerator,
-                                    "cloud.google.com/gke-tpu-topology": opts.tpu_topology}
-    spec["securityContext"] = _pod_security()
-    return spec
-
-
-def _job_template(opts: ManifestOptions, pod: dict[str, Any], completions: int, backoff: int) -> dict[str, Any]:
-    return {"spec": {"completionMode": "Indexed", "completions": completions, "parallelism": completions,
-                     "backoffLimit": backoff, "template": {"spec": pod}}}
-
-
-def _tpu_resources(opts: ManifestOptions) -> dict[str, Any]:
-    n = str(opts.tpu_chips_per_host)
-    return {"requests": {"google.com/tpu": n}, "limits": {"google.com/tpu": n}}
-
-
-def _controller_env(opts: ManifestOptions) -> list[dict[str, Any]]:
-    env = [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD),
-           # The coordinator candidates, one per slice (each slice's first host), in the order the
-           # replicators use: the first live one serves, so losing slice 0 does not stop restores.
-           {"name": "MTC_COORDINATOR",
-            "value": ",".join(f"$(JOBSET_NAME)-workers-{s}-0.{opts.subdomain}:{opts.grpc_port}"
-                              for s in range(opts.slices))},
-           {"name": "MTC_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
-           # The RAM disk as the worker Pods mount it (the colocated sidecar writes there).
-           {"name": "MTC_LOCAL_DIRECTORY", "value": opts.local_dir},
-           {"name": "GRPC_DNS_RESOLVER", "value": "native"},
-           {"name": "JAX_PLATFORMS", "value": "proxy"},
-           {"name": "JAX_BACKEND_TARGET", "value": f"grpc://localhost:{PATHWAYS_PROXY_PORT}"}]
-    if opts.tls:
-        env += [{"name": "MTC_TLS_CERT_FILE", "value": f"{TLS_DIR}/tls.crt"},
-                {"name": "MTC_TLS_KEY_FILE", "value": f"{TLS_DIR}/tls.key"},
-                {"name": "MTC_TLS_CA_FILE", "value": f"{TLS_DIR}/ca.crt"}]
-    return env
-
-
-def _pathways_jobset(opts: ManifestOptions) -> dict[str, Any]:
-    head_addr = f"$(JOBSET_NAME)-head-0-0.{opts.subdomain}"
-    instance_type = f"{TPU_INSTANCE_TYPES[opts.tpu_accelerator]}:{opts.tpu_topology}"
-    scratch = opts.scratch()
-    rm = {"name": "pathways-rm", "image": opts.pathways_server_image,
-          "args": [f"--server_port={PATHWAYS_RM_PORT}", "--node_type=resource_manager",
-                   f"--gcs_scratch_location={scratch}", f"--instance_count={opts.slices}",
-                   f"--instance_type={instance_type}"],
-          "env": [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD),
-                  {"name": "REPLICATED_JOB_NAME", "value": "head"},
-                  {"name": "HOST_ADDRESS", "value": head_addr}],
-          "ports": [{"name": "pathways-rm", "containerPort": PATHWAYS_RM_PORT, "protocol": "TCP"}]}
-    proxy_args = [f"--server_port={PATHWAYS_PROXY_PORT}",
-                  f"--resource_manager_address={head_addr}:{PATHWAYS_RM_PORT}",
-                  f"--gcs_scratch_location={scratch}",
-                  # Colocated Python runs in the workers' colocated-python-sidecar containers.
-                  "--sidecar_name=external"]
-    if opts.elastic_slices:
-        proxy_args.append(f"--num_elastic_instances={opts.elastic_slices}")
-    proxy = {"name": "pathways-proxy", "image": opts.pathways_proxy_image, "args": proxy_args,
-             "env": [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD)],
-             "ports": [{"name": "pathways-proxy", "containerPort": PATHWAYS_PROXY_PORT, "protocol": "TCP"}]}
-    controller = {"name": "controller", "image": opts.controller_image or opts.sidecar_image,
-                  # Your training program: CheckpointManagerOptions(local_directory=$MTC_LOCAL_DIRECTORY,
-                  # job_name=$JOBSET_NAME, coordinator_address=$MTC_COORDINATOR, token_file=$MTC_TOKEN_FILE).
-                  "command": list(opts.controller_command),
-                  "env": _controller_env(opts),
-                  "securityContext": _restricted(),
-                  "volumeMounts": [{"name": "mtc-token", "mountPath": TOKEN_DIR, "readOnly": True}]
-                  + ([{"name": "mtc-tls", "mountPath": TLS_DIR, "readOnly": True}] if opts.tls else [])}
-    head = _pod_spec(opts, worker=False)
-    head["containers"] = [rm, proxy, controller]
-    head["volumes"] = [v for v in _common_volumes(opts) if v["name"] in ("mtc-token", "mtc-tls")]
-
-    worker = {"name": "pathways-worker", "image": opts.pathways_server_image,
-              "args": [f"--server_port={PATHWAYS_WORKER_PORT}",
-                       f"--resource_manager_address={head_addr}:{PATHWAYS_RM_PORT}",
-                       f"--gcs_scratch_location={scratch}",
-                       f"--cloud_pathways_sidecar_shm_directory={SIDECAR_SHM_DIR}"],
-              "env": [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD)],
-              "ports": [{"name": "pathways-wrk", "containerPort": PATHWAYS_WORKER_PORT, "protocol": "TCP"}],
-              "resources": _tpu_resources(opts),
-              # The TPU runtime needs the device files; Pathways' own JobSets run this container privileged.
-              "securityContext": {"privileged": True},
-              "volumeMounts": [{"name": "sidecar-shared-memory", "mountPath": SIDECAR_SHM_DIR},
-                               {"name": "ramdisk", "mountPath": opts.local_dir}]}
-    sidecar = {"name": "colocated-python-sidecar", "image": opts.sidecar_image,
-               "env": [{"name": "GRPC_SERVER_ADDRESS", "value": f"0.0.0.0:{COLOCATED_PYTHON_PORT}"},
-                       {"name": "CLOUD_PATHWAYS_SIDECAR_SHM_DIRECTORY", "value": SIDECAR_SHM_DIR}],
-               "ports": [{"name": "colocated-py", "containerPort": COLOCATED_PYTHON_PORT, "protocol": "TCP"}],
-               "securityContext": _restricted(),
-               "volumeMounts": [{"name": "sidecar-shared-memory", "mountPath": SIDECAR_SHM_DIR},
-                                {"name": "ramdisk", "mountPath": opts.local_dir}]}
-    wspec = _pod_spec(opts, worker=True)
-    wspec["initContainers"] = [_replicator(opts)]
-    wspec["containers"] = [worker, sidecar]
-    wspec["volumes"] = [{"name": "sidecar-shared-memory", "emptyDir": {"medium": "Memory"}},
-                        _ramdisk_volume(opts)] + _common_volumes(opts)
-    return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-        "metadata": _meta(opts.job, opts, annotations={
-            # One slice per node pool (GKE TPU slices).
-            "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}),
-        "spec": {
-            "network": {"enableDNSHostnames": True, "subdomain": opts.subdomain, "publishNotReadyAddresses": True},
-            # Pathways workers serve until stopped: the job is done when the controller is.
-            "successPolicy": {"operator": "All", "targetReplicatedJobs": ["head"]},
-            "failurePolicy": {"maxRestarts": 5},
-            "replicatedJobs": [
-                {"name": "head", "replicas": 1, "template": _job_template(opts, head, 1, 10)},
-                {"name": "workers", "replicas": opts.slices,
-                 "template": _job_template(opts, wspec, opts.hosts_per_slice, 20)},
-            ],
-        },
-    }
-
-
-def _multi_controller_jobset(opts: ManifestOptions) -> dict[str, Any]:
-    jax_coord = f"$(JOBSET_NAME)-workers-0-0.{opts.subdomain}:{JAX_COORDINATOR_PORT}"
-    init_info = {
-        "name": "jax-init-info", "image": opts.replicator_image,
-        # Orbax (use_mtc_process_ids=True) waits for <local>/jax-init-info.txt = "<process id>\n<coordinator>\n".
-        "command": ["python", "-c",
-                    "import os\n"
-                    "from pathlib import Path\n"
-                    "from replicator.orbax.contract import write_jax_init_info\n"
-                    "pid = int(os.environ['SLICE_INDEX']) * int(os.environ['HOSTS_PER_SLICE'])"
-                    " + int(os.environ['HOST_INDEX'])\n"
-                    "write_jax_init_info(Path(os.environ['LOCAL_DIR']), pid, os.environ['JAX_COORDINATOR'])\n"],
-        "env": [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD), _env_field("SLICE_INDEX", SLICE_ANNOTATION),
-                _env_field("HOST_INDEX", HOST_ANNOTATION),
-                {"name": "HOSTS_PER_SLICE", "value": str(opts.hosts_per_slice)},
-                {"name": "LOCAL_DIR", "value": opts.local_dir},
-                {"name": "JAX_COORDINATOR", "value": jax_coord}],
-        "securityContext": {**_restricted(), "readOnlyRootFilesystem": True},
-        "volumeMounts": [{"name": "ramdisk", "mountPath": opts.local_dir}]}
-    train = {"name": "train", "image": opts.controller_image or opts.sidecar_image,
-             # Your program: initialize_multi_tier_checkpointing(<local>, ...) + ReplicatorCheckpointManager.
-             "command": list(opts.controller_command),
-             "env": [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD),
-                     {"name": "MTC_LOCAL_DIRECTORY", "value": opts.local_dir}],
-             "ports": [{"name": "jax-coord", "containerPort": JAX_COORDINATOR_PORT, "protocol": "TCP"}],
-             "resources": _tpu_resources(opts),
-             # TPU device access as in Google's TPU JobSets; UID 1000 like the replicator (shared RAM disk).
-             "securityContext": {"privileged": True, "runAsUser": UID, "runAsGroup": UID},
-             "volumeMounts": [{"name": "ramdisk", "mountPath": opts.local_dir}]}
-    wspec = _pod_spec(opts, worker=True)
-    wspec["initContainers"] = [init_info, _replicator(opts)]
-    wspec["containers"] = [train]
-    wspec["volumes"] = [_ramdisk_volume(opts)] + _common_volumes(opts)
-    return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-        "metadata": _meta(opts.job, opts, annotations={
-            "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}),
-        "spec": {
-            "network": {"enableDNSHostnames": True, "subdomain": opts.subdomain, "publishNotReadyAddresses": True},
-            "failurePolicy": {"maxRestarts": 5},
-            "replicatedJobs": [{"name": "workers", "replicas": opts.slices,
-                                "template": _job_template(opts, wspec, opts.hosts_per_slice, 20)}],
-        },
-    }
+from controller_client.manifests_options import (  # noqa: F401  (re-exported: the public names)
+    COLOCATED_PYTHON_PORT,
+    CONFIG_DIR,
+    FRONT_DOORS,
+    GKE_MTC_CSI_DRIVER,
+    HOST_ANNOTATION,
+    JAX_COORDINATOR_PORT,
+    JOBSET_NAME_FIELD,
+    JOBSET_NAME_LABEL,
+    MODES,
+    PART_OF,
+    PATHWAYS_PROXY_PORT,
+    PATHWAYS_RM_PORT,
+    PATHWAYS_WORKER_PORT,
+    RAMDISKS,
+    REPLICATED_JOB_LABEL,
+    SIDECAR_SHM_DIR,
+    SLICE_ANNOTATION,
+    TLS_DIR,
+    TOKEN_DIR,
+    TPU_INSTANCE_TYPES,
+    UID,
+    WORKER_FAILURE_POLICIES,
+    ManifestOptions,
+    _env_field,
+    _meta,
+    _pod_security,
+    _restricted,
+)
 
 
 def _config_map(opts: ManifestOptions) -> dict[str, Any]:
@@ -606,7 +179,9 @@ def objects(opts: ManifestOptions) -> dict[str, dict[str, Any]]:
         out["certificate.yaml"] = _certificate(opts)
     if opts.ramdisk_kind == "hostpath":
         out["ramdisk-daemonset.yaml"] = _ramdisk_daemonset(opts)
-    out["jobset.yaml"] = _pathways_jobset(opts) if opts.mode == "pathways" else _multi_controller_jobset(opts)
+    from controller_client import manifests_jobsets as js
+
+    out["jobset.yaml"] = js.pathways_jobset(opts) if opts.mode == "pathways" else js.multi_controller_jobset(opts)
     return out
 
 
@@ -626,7 +201,7 @@ def dump(body: Any) -> str:
 
 
 def _header(opts: ManifestOptions) -> str:
-    return (f"# Rendered by `mtc manifests --mode {opts.mode} --job {opts.job} --slices {opts.slices} "
+    return (f"# Rendered by `mtc manifests --mode {opts.mode} --front-door {opts.front_door_kind} --job {opts.job} --slices {opts.slices} "
             f"--hosts-per-slice {opts.hosts_per_slice} ...`; see docs/deploy.md.\n")
 
 
@@ -643,18 +218,26 @@ def render(opts: ManifestOptions) -> dict[str, str]:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ManifestOptions)}
 _HELP = {
-    "mode": "pathways (head + workers with colocated Python) or multi-controller (Orbax on every host)",
+    "mode": "pathways (head + workers with colocated Python) or multi-controller (the program on every host)",
+    "front_door": "native (our CheckpointManager) or orbax (unchanged Orbax multi-tier checkpointing); "
+                  "default native for pathways, orbax for multi-controller",
+    "worker_failure_policy": "restart-jobset (a failed worker restarts the JobSet: hot-swap onto spare slices) or "
+                             "restart-slice (Pathways elastic: the controller stays); default by --elastic-slices",
+    "max_restarts": "JobSet failurePolicy.maxRestarts (default 5)",
+    "termination_grace_seconds": "worker terminationGracePeriodSeconds, shared after a preemption notice: "
+                                 "save 30%%, flush 50%%, exit 20%% (default 60)",
+    "head_node_pool": "node pool of the Pathways head (default cpu-np, as Google's JobSets; '' = any)",
     "job": "JobSet name (default mtc-train)",
     "slices": "number of slices (default 2)",
     "hosts_per_slice": "hosts per slice (default 2)",
     "backup_url": "bucket tier, e.g. gs://BUCKET/ckpt (default: none)",
     "ramdisk": "csi (GKE Multi-Tier Checkpointing driver), hostpath (node tmpfs kept by a DaemonSet) or memory "
-               "(emptyDir); default csi for pathways, hostpath for multi-controller",
+               "(emptyDir); default csi for the native front door, hostpath for orbax",
     "ramdisk_size": "RAM disk size per host (default 64Gi)",
     "tls": "mutual TLS from a cert-manager Certificate",
     "priority_class": "priorityClassName of the worker Pods, e.g. high-prior-job (default: none)",
     "priority_value": "also create that PriorityClass with this value, e.g. 2000",
-    "elastic_slices": "Pathways proxy --num_elastic_instances (default 0 = not elastic)",
+    "elastic_slices": "Pathways proxy --num_elastic_slices (default 0 = not elastic)",
     "data_port": "the replicator's fixed TCP bulk-data port (default 7071)",
     "metrics_port": "the replicator's Prometheus /metrics port (default 9400)",
     "network_policy": "render the NetworkPolicy (default on; --no-network-policy to skip)",
@@ -698,7 +281,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
             parser.add_argument(flag, dest=name, type=kind, default=f.default,
-                                choices=MODES if name == "mode" else None, help=_HELP.get(name))
+                                choices={"mode": MODES, "front_door": FRONT_DOORS}.get(name),
+                                help=_HELP.get(name))
 
 
 def options_from_args(args: argparse.Namespace) -> ManifestOptions:

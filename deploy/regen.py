@@ -2,7 +2,9 @@
 
     python deploy/regen.py          # rewrite deploy/pathways, deploy/multi-controller, deploy/components
 
-``deploy/pathways`` and ``deploy/multi-controller`` are ``render()`` of the default options of each mode.
+``deploy/pathways`` and ``deploy/multi-controller`` are ``render()`` of the default options of each mode
+(native front door on Pathways, Orbax on multi-controller); ``deploy/pathways-orbax`` and
+``deploy/multi-controller-native`` the other front door of each.
 Each component under ``deploy/components`` is the difference between the Pathways base and one variant of
 the options: new objects become the component's resources, changed objects JSON 6902 patches (list items
 appended with ``/-`` so that components compose). tests/deploy checks that regenerating yields no diff and
@@ -25,7 +27,12 @@ from controller_client.manifests import ManifestOptions, dump, objects, render  
 BASE_OPTIONS = {
     "pathways": ManifestOptions(mode="pathways", backup_url="gs://REPLACE-ME-bucket/mtc"),
     "multi-controller": ManifestOptions(mode="multi-controller", backup_url="gs://REPLACE-ME-bucket/mtc"),
+    # The other front door of each mode: Orbax on Pathways (colocated), our CheckpointManager per process.
+    "pathways-orbax": ManifestOptions(mode="pathways", front_door="orbax", backup_url="gs://REPLACE-ME-bucket/mtc"),
+    "multi-controller-native": ManifestOptions(mode="multi-controller", front_door="native",
+                                               backup_url="gs://REPLACE-ME-bucket/mtc"),
 }
+BASES = tuple(BASE_OPTIONS)
 # Component name -> the Pathways base's options changed as the component changes them.
 COMPONENTS = {
     "tls": {"tls": True},
@@ -108,7 +115,7 @@ def generate() -> dict[str, str]:
 
 def main() -> int:
     files = generate()
-    for sub in ("pathways", "multi-controller", "components"):
+    for sub in (*BASES, "components"):
         d = DEPLOY / sub
         if d.exists():
             for f in sorted(d.rglob("*"), reverse=True):

@@ -86,6 +86,22 @@ class GetPreemptionResponse(_message.Message):
     noticed: bool
     def __init__(self, notice_step: _Optional[int] = ..., noticed: _Optional[bool] = ...) -> None: ...
 
+class PreemptRequest(_message.Message):
+    __slots__ = ("save_window_seconds", "flush_seconds")
+    SAVE_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    save_window_seconds: float
+    flush_seconds: float
+    def __init__(self, save_window_seconds: _Optional[float] = ..., flush_seconds: _Optional[float] = ...) -> None: ...
+
+class PreemptResponse(_message.Message):
+    __slots__ = ("notice_step", "started")
+    NOTICE_STEP_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    notice_step: int
+    started: bool
+    def __init__(self, notice_step: _Optional[int] = ..., started: _Optional[bool] = ...) -> None: ...
+
 class BackupNowRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -69,6 +69,11 @@ class LocalControlStub:
                 request_serializer=control__pb2.BackupNowRequest.SerializeToString,
                 response_deserializer=control__pb2.BackupNowResponse.FromString,
                 _registered_method=True)
+        self.Preempt = channel.unary_unary(
+                '/mtc.v1.LocalControl/Preempt',
+                request_serializer=control__pb2.PreemptRequest.SerializeToString,
+                response_deserializer=control__pb2.PreemptResponse.FromString,
+                _registered_method=True)
 
 
 class LocalControlServicer:
@@ -125,6 +130,14 @@ class LocalControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Preempt(self, request, context):
+        """A preemption notice given to this host ahead of its own SIGTERM (a Pod's preStop hook, `mtc preempt`):
+        the replicator behaves as on SIGTERM but keeps serving; returns at once (see replicator/preemption.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LocalControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +175,11 @@ def add_LocalControlServicer_to_server(servicer, server):
                     servicer.BackupNow,
                     request_deserializer=control__pb2.BackupNowRequest.FromString,
                     response_serializer=control__pb2.BackupNowResponse.SerializeToString,
+            ),
+            'Preempt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Preempt,
+                    request_deserializer=control__pb2.PreemptRequest.FromString,
+                    response_serializer=control__pb2.PreemptResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +371,33 @@ class LocalControl:
             '/mtc.v1.LocalControl/BackupNow',
             control__pb2.BackupNowRequest.SerializeToString,
             control__pb2.BackupNowResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Preempt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.v1.LocalControl/Preempt',
+            control__pb2.PreemptRequest.SerializeToString,
+            control__pb2.PreemptResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,6 +16,7 @@ from typing import Protocol
 import grpc
 
 from mtc_rpc import control_pb2, control_pb2_grpc
+from replicator import preemption
 from replicator.net.rpc import map_errors_as_unavailable
 from sidecar import faults, layout
 
@@ -78,6 +79,9 @@ class LocalControl(control_pb2_grpc.LocalControlServicer):
     def BackupNow(self, request, context):
         self.daemon.request_backup_now()
         return control_pb2.BackupNowResponse()
+
+    def Preempt(self, request, context):
+        return preemption.on_notice(self.daemon, request)
 
 
 def serve_control(daemon: ControlTarget, root: Path) -> grpc.Server:

@@ -400,6 +400,21 @@ class OrbaxMode:
         return owners or {rank}
 
 
+def flush_on_sigterm(mode: OrbaxMode, grace_seconds: float) -> dict[str, Any] | None:
+    """SIGTERM (a preemption notice) in Orbax mode: the current incarnation's Replicator flushes the newest
+    complete step to the bucket like a native one (``<local>/preemption.json``), before the daemon stops.
+
+    Orbax commits its last step (its own preemption save) before the trainer exits, and Kubernetes sends the
+    native-sidecar replicator SIGTERM only after that: the step is on the RAM disk, and the heartbeat,
+    woken by the flush, ingests and reports it first. No Replicator yet (no handshake) = nothing to flush.
+    """
+    daemon = mode.daemon
+    if daemon is None or grace_seconds <= 0:
+        log.info("SIGTERM: no preemption flush (%s)", "no handshake yet" if daemon is None else "no grace left")
+        return None
+    return daemon.flush_on_preemption(grace_seconds)
+
+
 def run_orbax_mode(opts: ReplicatorOptions) -> int:
     """Serve Orbax's handshakes in the foreground until SIGTERM (exit 0); bad configuration -> exit 2.
 
@@ -414,9 +429,11 @@ def run_orbax_mode(opts: ReplicatorOptions) -> int:
         print(f"mtc replicator: {e}", file=sys.stderr)
         return 2
     done = threading.Event()
+    got: list[tuple[int, float]] = []
 
     def handler(signum: int, frame: Any) -> None:
         log.info("signal %d: shutting down", signum)
+        got.append((signum, time.monotonic()))
         mode.stopping.set()
         done.set()
 
@@ -429,6 +446,8 @@ def run_orbax_mode(opts: ReplicatorOptions) -> int:
     while not done.wait(1.0):
         pass
     loop.join(timeout=PREPARE_SLICE_SECONDS + opts.rpc_timeout_seconds)
+    if got and got[0][0] == signal.SIGTERM:
+        flush_on_sigterm(mode, opts.preemption_grace_seconds - (time.monotonic() - got[0][1]))
     mode.stop()
     logging.shutdown()
     sys.stdout.flush()

@@ -45,6 +45,11 @@ CASES = {
     "multi-controller": mf.ManifestOptions(mode="multi-controller", job="orb", backup_url="gs://b/ckpt"),
     "multi-controller-tls-memory": mf.ManifestOptions(mode="multi-controller", job="orb", tls=True,
                                                       ramdisk="memory", network_policy=False),
+    # The other front door of each mode.
+    "pathways-orbax": mf.ManifestOptions(job="demo", front_door="orbax", backup_url="gs://b/ckpt", tls=True),
+    "multi-controller-native": mf.ManifestOptions(mode="multi-controller", front_door="native", job="orb",
+                                                  backup_url="gs://b/ckpt", ramdisk="csi",
+                                                  priority_class="high-prior-job"),
 }
 
 
@@ -165,29 +170,47 @@ def test_pathways_colocated_python_wiring(case: str) -> None:
 
     head, worker = _containers(_pod(js, "head")), _containers(_pod(js, "workers"))
     assert set(head) == {"pathways-rm", "pathways-proxy", "controller"}
-    assert set(worker) == {"mtc-replicator", "pathways-worker", "colocated-python-sidecar"}
-    assert [c["name"] for c in _pod(js, "workers")["containers"]] == ["pathways-worker", "colocated-python-sidecar"]
+    wpod = _pod(js, "workers")
+    owner = ["ramdisk-owner"]
+    # Native sidecars in start order: the replicator serves before colocated Python starts, and colocated
+    # Python before pathways-worker (which connects to it during placement), as pathwaysutils starts it.
+    assert [c["name"] for c in wpod["initContainers"]] == owner + ["mtc-replicator", "colocated-python-sidecar"]
+    assert all(c["restartPolicy"] == "Always" for c in wpod["initContainers"] if c["name"] != "ramdisk-owner")
+    assert [c["name"] for c in wpod["containers"]] == ["pathways-worker", "preemption-notice"]
+    assert [c["name"] for c in _pod(js, "head")["containers"]] == ["controller"]
+    assert _pod(js, "head")["restartPolicy"] == "Never" and _rj(js, "head")["template"]["spec"]["backoffLimit"] == 0
+    sidecar = worker["colocated-python-sidecar"]
+    assert kit.pod_env(sidecar, {})["GRPC_SERVER_ADDRESS"] == "0.0.0.0:50051"
+    assert [p["containerPort"] for p in sidecar["ports"]] == [50051]
+    assert sidecar["resources"]["requests"]
+    for name in ("pathways-worker", "colocated-python-sidecar"):
+        assert _mounts(worker[name])["shared-tmp"] == "/tmp"
 
     proxy_args = head["pathways-proxy"]["args"]
     assert "--sidecar_name=external" in proxy_args
-    elastic = [a for a in proxy_args if a.startswith("--num_elastic_instances=")]
-    assert elastic == ([f"--num_elastic_instances={opts.elastic_slices}"] if opts.elastic_slices else [])
+    elastic = [a for a in proxy_args if a.startswith("--num_elastic_")]
+    assert elastic == ([f"--num_elastic_slices={opts.elastic_slices}"] if opts.elastic_slices else [])
     assert f"--instance_count={opts.slices}" in head["pathways-rm"]["args"]
     assert "--cloud_pathways_sidecar_shm_directory=/tmp/sidecar" in worker["pathways-worker"]["args"]
     tpu = worker["pathways-worker"]["resources"]["limits"]["google.com/tpu"]
     assert int(tpu) * opts.hosts_per_slice == eval(opts.tpu_topology.replace("x", "*"))
 
     wvols = {v["name"]: v for v in _pod(js, "workers")["volumes"]}
-    assert wvols["sidecar-shared-memory"] == {"name": "sidecar-shared-memory", "emptyDir": {"medium": "Memory"}}
+    assert wvols["shared-memory"] == {"name": "shared-memory", "emptyDir": {"medium": "Memory"}}
     for name in ("pathways-worker", "colocated-python-sidecar"):
-        assert _mounts(worker[name])["sidecar-shared-memory"] == "/tmp/sidecar"
+        assert _mounts(worker[name])["shared-memory"] == "/tmp/sidecar"
     sidecar_env = kit.pod_env(worker["colocated-python-sidecar"], {})
     assert sidecar_env["CLOUD_PATHWAYS_SIDECAR_SHM_DIRECTORY"] == "/tmp/sidecar"
     # The RAM disk: in pathways-worker, the sidecar and the replicator, at one path; never in the head.
     for name in ("pathways-worker", "colocated-python-sidecar", "mtc-replicator"):
         assert _mounts(worker[name])["ramdisk"] == opts.local_dir, name
     assert all("ramdisk" not in _mounts(c) for c in head.values())
-    assert "ramdisk" not in {v["name"] for v in _pod(js, "head")["volumes"]}
+    assert "ramdisk" not in {v["name"] for v in _pod(js, "head").get("volumes", [])}
+    if opts.front_door_kind == "orbax":
+        env = kit.pod_env(head["controller"], kit.jobset_pod_fields(opts.job, "head", 0, 0))
+        assert env["MTC_LOCAL_DIRECTORY"] == opts.local_dir and env["MTC_NUM_SLICES"] == str(opts.slices)
+        assert "MTC_COORDINATOR" not in env, "Orbax finds the replicators through replicator.yaml"
+        return
     # The controller finds the coordinator (rank 0's replicator) and the RAM disk path.
     env = kit.pod_env(head["controller"], kit.jobset_pod_fields(opts.job, "head", 0, 0))
     # Every slice's first host, in order: the coordinator candidates the replicators derive themselves.
@@ -213,7 +236,7 @@ def test_pod_security_and_references(case: str) -> None:
         pod = rj["template"]["spec"]["template"]["spec"]
         assert pod["serviceAccountName"] == sa["metadata"]["name"]
         assert pod["automountServiceAccountToken"] is False
-        vols = {v["name"]: v for v in pod["volumes"]}
+        vols = {v["name"]: v for v in pod.get("volumes", [])}
         used = {m for c in _containers(pod).values() for m in _mounts(c)}
         assert used == set(vols), f"{rj['name']}: volumes and mounts disagree"
         for v in vols.values():
@@ -224,14 +247,17 @@ def test_pod_security_and_references(case: str) -> None:
         for name, c in _containers(pod).items():
             if name.startswith("pathways-"):
                 continue  # Pathways' server images keep the settings of Google's JobSets
+            if name == "ramdisk-owner":  # root, to give the CSI RAM disk to UID 1000; nothing else
+                assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+                continue
             sc = c["securityContext"]
             assert sc["runAsUser"] == 1000, f"{name}: one UID for every container sharing the RAM disk"
             if name == "train":
                 continue  # the Orbax trainer needs the TPU devices (privileged)
             assert sc["runAsUser"] == 1000 and sc["runAsNonRoot"] is True, name
             assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], name
-        if rj["name"] == "workers":
-            assert pod.get("priorityClassName", "") == opts.priority_class
+        # Head and workers: a restarted job preempts lower-priority Pods as a whole.
+        assert pod.get("priorityClassName", "") == opts.priority_class
     pcs = [o for o in objs.values() if o["kind"] == "PriorityClass"]
     if opts.priority_value is None:
         assert not pcs, "no cluster-wide PriorityClass unless asked for"
@@ -431,7 +457,7 @@ def test_every_worker_pod_gets_valid_options_rank_and_dns(case: str, tmp_path: P
                         assert p["exec"]["command"][:2] == ["mtc", "status"], "gRPC probes cannot speak TLS"
                     else:
                         assert p["grpc"]["port"] == opts.grpc_port
-            if opts.mode == "pathways":
+            if opts.front_door_kind == "native":
                 assert not o.orbax_mode
                 assert (o.rank, o.nodes, o.data_parallelism, o.job) == (
                     s * opts.hosts_per_slice + h, opts.nodes, opts.slices, opts.job)
@@ -452,7 +478,7 @@ def test_every_worker_pod_gets_valid_options_rank_and_dns(case: str, tmp_path: P
                     assert resolved.peer_address(rank) == f"{opts.worker_host(sl, ho)}.{opts.job}:{opts.grpc_port}"
             stop_budget = 5 + o.rpc_timeout_seconds + 5
             assert pod["terminationGracePeriodSeconds"] >= 2 * stop_budget
-    if opts.mode == "pathways":
+    if opts.front_door_kind == "native":
         assert sorted(ranks) == list(range(opts.nodes))
 
 
@@ -460,8 +486,8 @@ def test_orbax_init_container_writes_jax_init_info(tmp_path: Path) -> None:
     """Run the init container's real command for every Pod; Orbax reads the result as process id + address."""
     opts = CASES["multi-controller"]
     pod = _pod(_jobset(opts), "workers")
-    assert [c["name"] for c in pod["initContainers"]] == ["jax-init-info", "mtc-replicator"]
-    init = pod["initContainers"][0]
+    assert [c["name"] for c in pod["initContainers"]] == ["ramdisk-owner", "jax-init-info", "mtc-replicator"]
+    init = pod["initContainers"][1]
     assert "restartPolicy" not in init, "runs to completion before the trainer"
     seen = set()
     for s in range(opts.slices):
@@ -500,7 +526,7 @@ def test_deploy_is_exactly_what_regen_generates() -> None:
     regen = _regen()
     want = regen.generate()
     have = {str(p.relative_to(REPO / "deploy")): p.read_text()
-            for sub in ("pathways", "multi-controller", "components")
+            for sub in (*regen.BASES, "components")
             for p in (REPO / "deploy" / sub).rglob("*") if p.is_file()}
     assert sorted(have) == sorted(want), "run: python deploy/regen.py"
     for rel, text in want.items():
@@ -546,7 +572,7 @@ def test_base_plus_components_builds_what_mtc_manifests_renders(components: list
         assert kit.by_key(kit.run_real_kustomize(real, overlay)) == want
 
 
-@pytest.mark.parametrize("mode", ["pathways", "multi-controller"])
+@pytest.mark.parametrize("mode", ["pathways", "multi-controller", "pathways-orbax", "multi-controller-native"])
 def test_kustomize_bases_validate(mode: str) -> None:
     docs = kit.kustomize_build(REPO / "deploy" / mode)
     for d in docs:
@@ -646,7 +672,11 @@ def test_dockerfiles_install_with_the_constraints_file() -> None:
     side = " ".join(v for k, v in _dockerfile("Dockerfile.sidecar") if k == "RUN")
     assert "-c /tmp/constraints.txt /wheels/*.whl" in repl and "[jax]" not in repl, "the core, without jax"
     assert "find_spec('jax')" in repl, "the build fails if jax slipped into the replicator image"
-    assert '-c /tmp/constraints.txt "$(ls /wheels/*.whl)[jax]"' in side
+    # Google's base: the base's environment is the constraint (its jax kept), refused outside our jax range;
+    # a plain Python base: .[jax] at our pins.
+    assert '-c /tmp/constraints.txt "$(ls /wheels/*.whl)[jax]"' in side and 'JAX_FROM" = pinned' in side
+    assert "-c /tmp/all.txt /wheels/*.whl" in side and "server_constraints.txt" in side
+    assert "this project supports jax" in side
     assert "jax.__version__ == jaxlib.__version__" in side
     assert _entrypoint("Dockerfile.replicator") == ["mtc-replicator"]
     for name in ("Dockerfile.replicator", "Dockerfile.sidecar"):

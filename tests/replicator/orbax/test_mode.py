@@ -167,7 +167,8 @@ def test_two_slices_restart_wipe_one_wipe_all_backup_every_n_steps(base) -> None
 def test_four_processes_two_slices_minutes_backup_request_wipe_one_and_all(base) -> None:
     """4 JAX processes = 2 slices x 2 hosts; bucket backup every minute; a _BACKUP_REQUESTED step."""
     bucket = f"file://{base[0]}/bucket"
-    cl = _cluster(base, 4, ["--backup-url", bucket])
+    # No preemption flush when a host is stopped to be replaced: the bucket must not gain step 3 that way.
+    cl = _cluster(base, 4, ["--backup-url", bucket, "--preemption-grace-seconds", "0"])
     t0 = time.monotonic()
     first = cl.run_job("quad", slices=2, save_steps="1,2,3", save_sleep=0.6, backup_interval_minutes=1)
     _ok(cl, first)

@@ -63,7 +63,7 @@ class PeerSource:
         self.owner_rank, self.holder_rank = src.owner_rank, src.holder_rank
         self.address = src.holder_address
         self.content_hash = src.content_hash or None
-        self.where = f"rank {src.holder_rank} at {src.holder_address}"
+        self.where = f"peer rank {src.holder_rank}"  # what the sidecar is told (FetchFilesResponse.source)
 
     def bring(self, step: int) -> layout.StepManifest:
         return self._f.fetch_peer(self.address, self.owner_rank, step, self.content_hash)

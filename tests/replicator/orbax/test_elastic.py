@@ -186,7 +186,7 @@ def test_a_renumbered_host_keeps_its_address_and_its_coordinator_candidacy(tmp_p
         assert o.coordinator_candidate_list() == [(0, addr[0]), (2, addr[2])]
         d = Replicator(o, rank=o.rank, nodes=o.nodes, job=o.job, store=None)
         roles[host] = (d.my_candidate, d.coordinator is not None)
-        d._pool.shutdown()
+        d.tasks.shutdown()
     assert roles == {2: (1, True), 3: (None, False)}
     # Mixed loss (hosts 0 and 3): host 1 is rank 0 and not a candidate, host 2 (rank 1) is.
     o = replicator_options(opts, _yaml(0, 2, 1), addr[1])

@@ -457,15 +457,34 @@ class BucketScheduler(BackupScheduler):
                 log.warning("could not remove staging %s: %s", cur.staging.staging_id, e)
 
     def _commit(self, staging: Any) -> None:
+        step = staging.step
         try:
-            step = self.bucket.commit(staging)
+            try:
+                self.bucket.commit(staging)
+            except Exception:
+                if not self._landed(staging):  # e.g. a rename that timed out but finished: committed
+                    raise
             rec, _ = self.bucket.commit_record(step)
-            deleted = self.bucket.apply_retention(self.keep)
-            self.bucket.clean_stale_staging(self.stale_staging_seconds)
-            self._commit_result = (step, list(rec.rank_hashes), f"deleted {deleted}" if deleted else "",
-                                   rec.generation)
         except Exception as e:
-            self._commit_result = (staging.step, None, f"{type(e).__name__}: {e}", 0)
+            self._commit_result = (step, None, f"{type(e).__name__}: {e}", 0)
+            return
+        note = ""
+        try:
+            deleted = self.bucket.apply_retention(self.keep)
+            note = f"deleted {deleted}" if deleted else ""
+            self.bucket.clean_stale_staging(self.stale_staging_seconds)
+        except Exception as e:  # the backup is committed all the same
+            note = f"retention failed: {type(e).__name__}: {e}"
+            log.warning("backup of step %d: %s", step, note)
+        self._commit_result = (step, list(rec.rank_hashes), note, rec.generation)
+
+    def _landed(self, staging: Staging) -> bool:
+        """The bucket's commit record of the step names ``staging``."""
+        try:
+            rec, _ = self.bucket.commit_record(staging.step)
+        except Exception:
+            return False
+        return rec.staging_id == staging.staging_id
 
     def _finish_commit(self, state: CoordinatorState) -> None:
         t = self._commit_thread
@@ -479,11 +498,10 @@ class BucketScheduler(BackupScheduler):
             state.clear_backup_in_progress(cur.step)
         self._due_while_busy = False
         if hashes is None:
-            if cur is not None:
-                try:
-                    self.bucket.abort(cur.staging)
-                except Exception as e:
-                    log.warning("could not remove staging %s: %s", cur.staging.staging_id, e)
+            # The staging is left to clean_stale_staging (an abort could race a commit still finishing).
+            # Another committer (e.g. a deposed coordinator) may have backed the step up: learn that, so the
+            # step is not redone in a loop of FileExistsError.
+            self._learn_committed(state, step)
             self._failed(f"commit of step {step} failed: {note}")
             return
         self.retry_at, self.retry_count = None, 0
@@ -500,6 +518,18 @@ class BucketScheduler(BackupScheduler):
                 state.report_backup(gone, committed=False)
         log.info("backup of step %d committed in %.2fs %s", step,
                  self.clock() - (cur.started if cur else self.clock()), note)
+
+    def _learn_committed(self, state: CoordinatorState, step: int) -> None:
+        try:
+            steps = self.bucket.committed_steps()
+            if step in steps:
+                rec, _ = self.bucket.commit_record(step)
+                self.committed_gen[step] = self.bucket.committed_generation(step)
+                state.report_backup(step, committed=True,
+                                    content_hashes={r: h for r, h in enumerate(rec.rank_hashes) if h})
+            self.committed = steps
+        except Exception as e:
+            log.warning("cannot list backups: %s", e)
 
     def status(self) -> BackupSchedulerStatus:
         cur = self.current

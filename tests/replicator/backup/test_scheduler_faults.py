@@ -208,3 +208,26 @@ def test_a_failed_commit_is_retried(tmp_path: Path) -> None:
     job.clock.now += 20.0
     job.rounds(4)
     assert job.committed() == [1] and len(calls) == 2
+
+
+def test_a_step_another_coordinator_committed_is_not_redone(tmp_path: Path) -> None:
+    """The commit fails because a deposed coordinator committed the same save first (FileExistsError):
+    the scheduler learns the step is in the bucket and does not redo it in a loop."""
+    job = Job(tmp_path, 2)
+    for r in (0, 1):
+        job.save(1, r)
+        job.report(r)
+    job.beat(0)
+    job.beat(1)
+    staging = job.sched.current.staging  # type: ignore[union-attr]
+    other = BackupStore(open_store(job.url), JOB)  # the deposed coordinator's run, committed first
+    theirs = other.begin(1, 2)
+    for r in (0, 1):
+        other.upload_rank(theirs, r, job.stores[r].step_dir(r, 1))
+    other.commit(theirs)
+    job.rounds(1, advance=0.0)
+    assert "commit of step 1 failed" in job.sched.last_error and 1 in job.sched.committed
+    job.clock.now += 20.0
+    job.rounds(3)
+    assert job.sched.current is None and job.sched.retry_at is None
+    assert job.committed() == [1] and other.commit_record(1)[0].staging_id == theirs.staging_id != staging.staging_id

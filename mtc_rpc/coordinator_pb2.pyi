@@ -62,14 +62,16 @@ class RankRange(_message.Message):
     def __init__(self, first: _Optional[int] = ..., last: _Optional[int] = ...) -> None: ...
 
 class BackupReport(_message.Message):
-    __slots__ = ("step", "uploaded_ranks", "error")
+    __slots__ = ("step", "uploaded_ranks", "error", "staging")
     STEP_FIELD_NUMBER: _ClassVar[int]
     UPLOADED_RANKS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
     step: int
     uploaded_ranks: _containers.RepeatedScalarFieldContainer[int]
     error: str
-    def __init__(self, step: _Optional[int] = ..., uploaded_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
+    staging: str
+    def __init__(self, step: _Optional[int] = ..., uploaded_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., staging: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("job", "rank", "incarnation", "address", "holdings", "backups", "backup_requests", "newest_saved_step", "inventory_digest", "full_report", "base_digest", "removed", "known_epoch", "preempting", "nodes")

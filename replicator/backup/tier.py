@@ -31,6 +31,12 @@ from sidecar.layout import FileEntry, StepManifest, read_manifest
 
 log = logging.getLogger(__name__)
 
+# A backup run that did not commit is redone after RETRY_BASE_SECONDS, doubling up to RETRY_MAX_SECONDS.
+RETRY_BASE_SECONDS = 1.0
+RETRY_MAX_SECONDS = 16.0
+# How often (at most) every open share of the running backup is checked against the holders' reports.
+RECHECK_SECONDS = 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class AgentStatus:
@@ -82,7 +88,9 @@ class BackupAgent:
             if self.on_upload is not None:
                 self.on_upload(task.step, -1, 0, 0.0, error)
         with self._lock:
-            self._reports.append(pb.BackupReport(step=task.step, uploaded_ranks=done, error=error))
+            # The staging id is echoed: the coordinator counts the report only toward that run.
+            self._reports.append(pb.BackupReport(step=task.step, uploaded_ranks=done, error=error,
+                                                 staging=task.staging))
 
     def download(self, step: int, rank: int, dest_parent: Path) -> Path:
         """``rank``'s committed backup of ``step`` into ``dest_parent`` (committed there, verified)."""
@@ -123,17 +131,36 @@ class BackupRun:
     savers: list[int] = dataclasses.field(default_factory=list)  # the ranks that saved the step (all: every rank)
     # owner rank -> whose directory on the assigned host holds its data (itself, or an identical replica)
     source_owner: dict[int, int] = dataclasses.field(default_factory=dict)
-    # Derived once at the start (O(1) per heartbeat at 10,000 hosts): host -> the ranks it uploads, and
-    # how many primaries / savers are not uploaded yet.
+    # owner rank -> the content hash planned for it (a re-planned share must upload the same content)
+    content: dict[int, str | None] = dataclasses.field(default_factory=dict)
+    # Derived at the start and kept up to date by :meth:`move` (O(1) per heartbeat at 10,000 hosts): host ->
+    # the ranks it uploads, and how many primaries / savers are not uploaded yet.
     by_holder: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     primaries_left: int = 0
     savers_left: int = 0
+    checked_version: int = -1  # CoordinatorState.version when every open share was last checked
+    checked_at: float = -1e18  # and when (scheduler clock)
 
     def __post_init__(self) -> None:
         for r in sorted(self.assign):
             self.by_holder.setdefault(self.assign[r], []).append(r)
         self.primaries_left = len(self.primaries - self.done)
         self.savers_left = len(set(self.savers) - self.done)
+
+    def move(self, rank: int, holder: int, source_owner: int) -> None:
+        """Hand ``rank``'s share to ``holder``, whose copy of ``source_owner``'s directory holds its data."""
+        old = self.assign.get(rank)
+        if old is not None and old in self.by_holder:
+            share = self.by_holder[old]
+            if rank in share:
+                share.remove(rank)
+            if not share:
+                del self.by_holder[old]
+        self.assign[rank] = holder
+        self.source_owner[rank] = source_owner
+        share = self.by_holder.setdefault(holder, [])
+        share.append(rank)
+        share.sort()
 
     def mark_done(self, ranks: list[int]) -> None:
         for r in ranks:
@@ -143,6 +170,16 @@ class BackupRun:
             self.savers_left -= 1
             if r in self.primaries:
                 self.primaries_left -= 1
+
+
+def _pick_holder(rank: int, sources: Sequence[Any], avoid: int | None) -> Any | None:
+    """The host to upload ``rank``'s data from, among its live LOCAL/PEER ``sources``: the rank's own
+    directory first (local to its host, then a peer copy), else an identical replica's (the planner lists
+    those only when their content hash equals the rank's); ``avoid`` (a host that just failed) last."""
+    holders = [s for s in sources if s.kind in (Tier.LOCAL, Tier.PEER) and s.holder_rank is not None]
+    if not holders:
+        return None
+    return min(holders, key=lambda s: (s.holder_rank == avoid, s.owner_rank != rank, s.kind is not Tier.LOCAL))
 
 
 class BucketScheduler(BackupScheduler):
@@ -185,6 +222,10 @@ class BucketScheduler(BackupScheduler):
         self._commit_result: tuple[int, list[str] | None, str, int] | None = None
         self._due_while_busy = False
         self.emergency_step: int | None = None
+        # A run that did not commit (abandoned, its commit failed, or it could not start) is redone, newest
+        # complete step first, whatever the interval, with a growing back-off: not before retry_at.
+        self.retry_at: float | None = None
+        self.retry_count = 0
 
     # ------------------------------------------------------------------ bucket -> state
     def _load(self, state: CoordinatorState) -> None:
@@ -244,9 +285,24 @@ class BucketScheduler(BackupScheduler):
             self.emergency_step = step
         self.requested.add(step)
 
+    def _failed(self, why: str) -> None:
+        """The run did not commit: redo it (the newest complete step then) after a growing back-off."""
+        self.failures += 1
+        self.last_error = why
+        self.retry_count += 1
+        delay = min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2 ** (self.retry_count - 1))
+        self.retry_at = self.clock() + delay
+        log.warning("%s; retrying in %.0fs", why, delay)
+
     def _due(self, state: CoordinatorState, newest_complete: int | None) -> int | None:
-        if newest_complete is None or self._backed_up(state, newest_complete):
+        if newest_complete is None:
             return None
+        if self._backed_up(state, newest_complete):
+            self.retry_at, self.retry_count = None, 0  # e.g. a deposed coordinator's run committed it
+            return None
+        if self.retry_at is not None:
+            # The last run failed: the newest complete step is not in the bucket; redo after the back-off.
+            return newest_complete if self.clock() >= self.retry_at else None
         if newest_complete in self.requested or newest_complete in self.committed:
             # Requested; or the bucket holds an abandoned save of this step number, which restores must not
             # get: replace it now, whatever the interval.
@@ -268,24 +324,30 @@ class BucketScheduler(BackupScheduler):
         primaries: set[int] = set()
         seen_hash: set[str] = set()
         source_owner: dict[int, int] = {}
+        content: dict[int, str | None] = {}
         for rank in savers:
-            holders = [s for s in sources.get(rank, []) if s.kind in (Tier.LOCAL, Tier.PEER)
-                       and s.holder_rank is not None]
-            if not holders:
+            pick = _pick_holder(rank, sources.get(rank, []), None)
+            if pick is None:
+                try:
+                    self.bucket.abort(staging)
+                except Exception as e:
+                    log.warning("could not remove staging %s: %s", staging.staging_id, e)
                 raise RuntimeError(f"no live host holds rank {rank}'s data of step {step} (nor an identical "
                                    "replica of it)")
-            # The rank's own directory first (local to its host, then a peer copy), else an identical
-            # replica's (the planner lists those only when their content hash equals the rank's).
-            pick = min(holders, key=lambda s, r=rank: (s.owner_rank != r, s.kind is not Tier.LOCAL))
+            assert pick.holder_rank is not None
             assign[rank] = pick.holder_rank
             source_owner[rank] = pick.owner_rank
             h = pick.content_hash
+            content[rank] = h
             if h not in seen_hash:
                 seen_hash.add(h)
                 primaries.add(rank)
         state.mark_backup_in_progress(step)
         self.current = BackupRun(step=step, staging=staging, assign=assign, primaries=primaries,
-                                 started=self.clock(), savers=list(savers), source_owner=source_owner)
+                                 started=self.clock(), savers=list(savers), source_owner=source_owner,
+                                 content=content)
+        self.current.checked_version = state.version
+        self.current.checked_at = self.clock()
         self.last_start = self.clock()
         self.last_step = step
         self.requested.discard(step)
@@ -302,10 +364,8 @@ class BucketScheduler(BackupScheduler):
                 try:
                     self._start(state, due)
                 except Exception as e:
-                    self.failures += 1
-                    self.last_error = f"cannot start backup of step {due}: {e}"
-                    log.warning("%s", self.last_error)
                     self.last_start = self.clock()
+                    self._failed(f"cannot start backup of step {due}: {e}")
         elif due is not None and (self.current is None or due != self.current.step) and not self._due_while_busy:
             self._due_while_busy = True
             self.skipped += 1
@@ -314,6 +374,17 @@ class BucketScheduler(BackupScheduler):
                         self.current.step if self.current else "commit", self.skipped)
         cur = self.current
         if cur is None:
+            return None
+        # A share follows the data: the asker's share is checked against what it holds now (O(its share));
+        # every open share when the facts changed, at most once a second (a lost holder never asks).
+        now = self.clock()
+        if cur.checked_version != state.version and now - cur.checked_at >= RECHECK_SECONDS:
+            cur.checked_version, cur.checked_at = state.version, now
+            stale = [r for r in cur.savers if r not in cur.done and not self._holds_share(state, cur, r)]
+        else:
+            stale = [r for r in cur.by_holder.get(rank, ()) if r not in cur.done
+                     and not self._holds_share(state, cur, r)]
+        if stale and not self._replan(state, cur, stale):
             return None
         # Primaries (one rank per distinct content) first; then the replicas, which find their files there.
         primaries_only = cur.primaries_left > 0
@@ -324,10 +395,37 @@ class BucketScheduler(BackupScheduler):
         return pb.BackupTask(step=cur.step, staging=cur.staging.staging_id, nodes=self.topology.nodes,
                              ranks=mine, source_owner_ranks=[cur.source_owner.get(r, r) for r in mine])
 
+    @staticmethod
+    def _holds_share(state: CoordinatorState, cur: BackupRun, rank: int) -> bool:
+        """The host assigned ``rank``'s share still reports the planned content (a replaced host's new
+        incarnation, a lost host and a deleted piece hold nothing until they report it again)."""
+        h = state.holding(cur.assign[rank], (cur.source_owner.get(rank, rank), cur.step))
+        return h is not None and h.tier is not Tier.REPLICA and h.content_hash == cur.content.get(rank)
+
+    def _replan(self, state: CoordinatorState, cur: BackupRun, ranks: list[int],
+                avoid: int | None = None) -> bool:
+        """Hand ``ranks``' shares to hosts that hold the same content now (their own directory first, then
+        a byte-identical replica's). False: some rank has no holder left, and the run was abandoned."""
+        for r in ranks:
+            srcs = [s for s in state.rank_sources(cur.step, r) if s.content_hash == cur.content.get(r)]
+            pick = _pick_holder(r, srcs, avoid)
+            if pick is None:
+                self._abandon(state)
+                self._failed(f"backup of step {cur.step} abandoned: no live host holds rank {r}'s data")
+                return False
+            assert pick.holder_rank is not None
+            if (pick.holder_rank, pick.owner_rank) != (cur.assign[r], cur.source_owner.get(r, r)):
+                log.info("backup of step %d: rank %d's share moves from host %d to host %d (rank %d's data)",
+                         cur.step, r, cur.assign[r], pick.holder_rank, pick.owner_rank)
+                cur.move(r, pick.holder_rank, pick.owner_rank)
+        return True
+
     def report(self, state: CoordinatorState, rank: int, reports: list[pb.BackupReport]) -> None:
         cur = self.current
         for rep in reports:
-            if cur is None or rep.step != cur.step:
+            # Fenced by the staging id: an upload into another run's staging (a deposed coordinator's, an
+            # abandoned run's) does not count toward this one.
+            if cur is None or rep.step != cur.step or rep.staging != cur.staging.staging_id:
                 continue
             cur.mark_done(list(rep.uploaded_ranks))
             if rep.error:
@@ -336,8 +434,12 @@ class BucketScheduler(BackupScheduler):
                 n = cur.attempts.get(rank, 0) + 1
                 cur.attempts[rank] = n
                 if n >= 3:
-                    log.warning("backup of step %d abandoned after repeated failures: %s", cur.step, rep.error)
                     self._abandon(state)
+                    self._failed(f"backup of step {cur.step} abandoned after repeated failures: {rep.error}")
+                    return
+                # Another host holding the same content takes the share if there is one.
+                left = [r for r in cur.by_holder.get(rank, ()) if r not in cur.done]
+                if left and not self._replan(state, cur, left, avoid=rank):
                     return
         if cur is not None and cur.savers_left <= 0 and self._commit_thread is None:
             staging = cur.staging
@@ -355,15 +457,34 @@ class BucketScheduler(BackupScheduler):
                 log.warning("could not remove staging %s: %s", cur.staging.staging_id, e)
 
     def _commit(self, staging: Any) -> None:
+        step = staging.step
         try:
-            step = self.bucket.commit(staging)
+            try:
+                self.bucket.commit(staging)
+            except Exception:
+                if not self._landed(staging):  # e.g. a rename that timed out but finished: committed
+                    raise
             rec, _ = self.bucket.commit_record(step)
-            deleted = self.bucket.apply_retention(self.keep)
-            self.bucket.clean_stale_staging(self.stale_staging_seconds)
-            self._commit_result = (step, list(rec.rank_hashes), f"deleted {deleted}" if deleted else "",
-                                   rec.generation)
         except Exception as e:
-            self._commit_result = (staging.step, None, f"{type(e).__name__}: {e}", 0)
+            self._commit_result = (step, None, f"{type(e).__name__}: {e}", 0)
+            return
+        note = ""
+        try:
+            deleted = self.bucket.apply_retention(self.keep)
+            note = f"deleted {deleted}" if deleted else ""
+            self.bucket.clean_stale_staging(self.stale_staging_seconds)
+        except Exception as e:  # the backup is committed all the same
+            note = f"retention failed: {type(e).__name__}: {e}"
+            log.warning("backup of step %d: %s", step, note)
+        self._commit_result = (step, list(rec.rank_hashes), note, rec.generation)
+
+    def _landed(self, staging: Staging) -> bool:
+        """The bucket's commit record of the step names ``staging``."""
+        try:
+            rec, _ = self.bucket.commit_record(staging.step)
+        except Exception:
+            return False
+        return rec.staging_id == staging.staging_id
 
     def _finish_commit(self, state: CoordinatorState) -> None:
         t = self._commit_thread
@@ -377,10 +498,13 @@ class BucketScheduler(BackupScheduler):
             state.clear_backup_in_progress(cur.step)
         self._due_while_busy = False
         if hashes is None:
-            self.failures += 1
-            self.last_error = f"commit of step {step} failed: {note}"
-            log.warning("%s", self.last_error)
+            # The staging is left to clean_stale_staging (an abort could race a commit still finishing).
+            # Another committer (e.g. a deposed coordinator) may have backed the step up: learn that, so the
+            # step is not redone in a loop of FileExistsError.
+            self._learn_committed(state, step)
+            self._failed(f"commit of step {step} failed: {note}")
             return
+        self.retry_at, self.retry_count = None, 0
         state.report_backup(step, committed=True, content_hashes={r: h for r, h in enumerate(hashes) if h})
         self.committed_gen[step] = generation
         self.last_success_unix = time.time()
@@ -394,6 +518,18 @@ class BucketScheduler(BackupScheduler):
                 state.report_backup(gone, committed=False)
         log.info("backup of step %d committed in %.2fs %s", step,
                  self.clock() - (cur.started if cur else self.clock()), note)
+
+    def _learn_committed(self, state: CoordinatorState, step: int) -> None:
+        try:
+            steps = self.bucket.committed_steps()
+            if step in steps:
+                rec, _ = self.bucket.commit_record(step)
+                self.committed_gen[step] = self.bucket.committed_generation(step)
+                state.report_backup(step, committed=True,
+                                    content_hashes={r: h for r, h in enumerate(rec.rank_hashes) if h})
+            self.committed = steps
+        except Exception as e:
+            log.warning("cannot list backups: %s", e)
 
     def status(self) -> BackupSchedulerStatus:
         cur = self.current

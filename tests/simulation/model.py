@@ -432,7 +432,7 @@ class Sim:
                 error = f"FileNotFoundError: {e}"
                 break
             done.append(rank)
-        h.backup_reports.append(pb.BackupReport(step=step, uploaded_ranks=done, error=error))
+        h.backup_reports.append(pb.BackupReport(step=step, uploaded_ranks=done, error=error, staging=staging))
         self.note(f"host {h.rank}: backup share of step {step} (staging {staging}) ranks {done}"
                   + (f" failed: {error}" if error else ""))
         return not error

@@ -23,22 +23,6 @@ SEEDS = int(os.environ.get("MTC_SIM_SEEDS", "1000"))
 # invariant -> (guard seed: of the failing seeds among the 1,000, the one that fails after the fewest events
 # (liveness invariants, checked at the end: the first one), why it fails). The code to fix is named in each reason.
 KNOWN = {
-    "backup-share-held": (
-        30,
-        "issue #19: BucketScheduler (replicator/backup/tier.py) fixes each rank's uploader when the run starts "
-        "(BackupRun.assign/by_holder) and keeps handing that host its share after the host was replaced with "
-        "an empty RAM disk (a new incarnation that reported holding nothing); the share does not follow the "
-        "data to the current holders"),
-    "backup-run-fenced": (
-        41,
-        "issue #19: BackupReport carries no staging id or epoch, so BucketScheduler.report counts an upload "
-        "into a deposed coordinator's (or an abandoned run's) staging toward the new run; the commit then "
-        "fails with IncompleteBackupError and is not retried"),
-    "backup-reaches-newest": (
-        21,
-        "issue #19: a backup run abandoned after 3 failed reports (the share handed to a replaced host) or a "
-        "failed commit is not redone: BucketScheduler._due waits for a step newer than last_step, so the "
-        "newest complete step stays out of the bucket while no newer step is saved"),
     "newest-complete-regressed": (
         273,
         "issue #19 'lost replica proof': a host that restores from a data-parallel replica's data stores it "
@@ -46,7 +30,7 @@ KNOWN = {
         "data is identical is the replica's attestation; when the replica's host is lost too, the "
         "coordinator no longer counts the rank covered although the bytes are on the restored host"),
     "complete-step-lost": (
-        92, "the same lost replica proof, still unresolved after the quiet phase (see newest-complete-regressed)"),
+        273, "the same lost replica proof, still unresolved after the quiet phase (see newest-complete-regressed)"),
     "complete-is-restorable": (
         239,
         "issue #19: when the newest complete step stops being complete (here: a replaced host's re-registration "

@@ -1,0 +1,233 @@
+"""BucketScheduler under faults found by the control-plane simulation (issue #19): a share follows the data,
+a run that did not commit is redone, reports are fenced by the run's staging id.
+
+Real pieces throughout: the coordinator's CoordinatorState, the scheduler, each host's BackupAgent and
+RamDiskStore over real step directories, and a BackupStore on a local-folder bucket. The heartbeat is
+driven by hand (report, then ask for a task, as Coordinator.Heartbeat does) on a manual clock.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+from mtc_rpc import coordinator_pb2 as pb
+from replicator.backup.bucket import BackupStore
+from replicator.backup.storage import open_store
+from replicator.backup.tier import BackupAgent, BucketScheduler
+from replicator.coordinator.planner import CoordinatorState
+from replicator.coordinator.topology import JobTopology
+from replicator.local.store import RamDiskStore
+from sidecar import layout
+from tests.kits.storage import make_step
+
+JOB = "job"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def files_for(rank: int) -> dict[str, bytes]:
+    rnd = random.Random(rank)
+    return {"meta.json": rnd.randbytes(100), "state/0.bin": rnd.randbytes(20_000)}
+
+
+class Job:
+    """``nodes`` hosts, one coordinator state and scheduler, one bucket folder."""
+
+    def __init__(self, tmp: Path, nodes: int, replicas: int = 1):
+        self.tmp = tmp
+        self.nodes = nodes
+        self.topology = JobTopology(nodes, 1, replicas)
+        self.url = str(tmp / "bucket")
+        self.clock = Clock()
+        self.state = CoordinatorState(self.topology)
+        self.sched = self.new_scheduler(self.state)
+        self.stores: dict[int, RamDiskStore] = {}
+        self.agents = {r: BackupAgent(BackupStore(open_store(self.url), JOB)) for r in range(nodes)}
+        self.inc: dict[int, int] = {}
+        for r in range(nodes):
+            self.start_host(r, 1)
+
+    def new_scheduler(self, state: CoordinatorState) -> BucketScheduler:
+        return BucketScheduler(BackupStore(open_store(self.url), JOB), self.topology, interval_steps=1,
+                               clock=self.clock)
+
+    def start_host(self, rank: int, incarnation: int, root: str | None = None) -> None:
+        self.stores[rank] = RamDiskStore(self.tmp / (root or f"host{rank}"), rank)
+        self.inc[rank] = incarnation
+        self.state.register(rank, incarnation)
+        self.report(rank)
+
+    def report(self, rank: int, state: CoordinatorState | None = None) -> None:
+        (state or self.state).report_inventory(rank, self.stores[rank].inventory(), self.inc[rank])
+
+    def save(self, step: int, rank: int) -> Path:
+        return make_step(layout.steps_dir(self.stores[rank].root), step, rank, self.nodes, files_for(rank), JOB)
+
+    def peer_copy(self, dest: int, owner: int, step: int) -> None:
+        src = self.stores[owner].step_dir(owner, step)
+        dst = self.stores[dest].step_dir(owner, step)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src, dst)
+
+    def beat(self, rank: int, *, run: bool = True, sched: BucketScheduler | None = None,
+             state: CoordinatorState | None = None) -> pb.BackupTask | None:
+        """One heartbeat of host ``rank``: its inventory and backup reports, then the task it is handed
+        (run at once unless ``run`` is False)."""
+        sched, state = sched or self.sched, state or self.state
+        self.report(rank, state)
+        sched.report(state, rank, self.agents[rank].drain_reports())
+        self.join(sched)
+        task = sched.task_for(state, rank, {})
+        if task is not None and run:
+            self.agents[rank].run_task(task, self.stores[rank])
+        return task
+
+    @staticmethod
+    def join(sched: BucketScheduler) -> None:
+        t = sched._commit_thread
+        if t is not None:
+            t.join(timeout=30)
+
+    def committed(self, sched: BucketScheduler | None = None) -> list[int]:
+        return BackupStore(open_store(self.url), JOB).committed_steps()
+
+    def rounds(self, n: int, ranks: list[int] | None = None, advance: float = 0.5) -> None:
+        for _ in range(n):
+            for r in ranks if ranks is not None else range(self.nodes):
+                self.beat(r)
+            self.clock.now += advance
+
+
+def test_share_moves_off_a_replaced_host_to_a_current_holder(tmp_path: Path) -> None:
+    """backup-share-held (simulation seed 30): host 1 is replaced with an empty RAM disk after the run of
+    step 1 started; its share goes to host 0, which holds a peer copy of rank 1's step, not to the new
+    incarnation (which failed three times with FileNotFoundError …/MANIFEST.json, and the run was abandoned)."""
+    job = Job(tmp_path, 2)
+    job.save(1, 0)
+    job.save(1, 1)
+    job.peer_copy(0, 1, 1)
+    job.peer_copy(1, 0, 1)
+    job.report(1)
+    task = job.beat(0, run=False)  # the run starts: rank 0 on host 0, rank 1 on host 1
+    assert task is not None and list(task.ranks) == [0]
+    assert job.sched.current is not None and job.sched.current.assign[1] == 1
+    job.start_host(1, 2, root="host1-new")  # replaced: a new incarnation with nothing on its RAM disk
+    assert job.beat(1, run=False) is None  # the new incarnation holds nothing: no share for it
+    task = job.beat(0)
+    assert task is not None and list(task.ranks) == [0, 1] and list(task.source_owner_ranks) == [0, 1]
+    job.rounds(2)
+    assert job.committed() == [1]
+    assert job.sched.failures == 0, job.sched.last_error
+
+
+def test_an_abandoned_run_is_redone_after_a_back_off(tmp_path: Path) -> None:
+    """backup-reaches-newest (simulation seed 21): the only holder of rank 1's step fails its upload three
+    times, the run is abandoned; once the host can upload again the newest complete step is backed up
+    (it used to wait for a newer step, so the bucket stayed without step 1)."""
+    job = Job(tmp_path, 2, replicas=0)
+    job.save(1, 0)
+    d = job.save(1, 1)
+    job.report(1)
+    good = (d / "state/0.bin").read_bytes()
+    (d / "state/0.bin").write_bytes(b"x" * len(good))  # a flipped piece: the upload refuses it
+    for _ in range(4):
+        job.rounds(1)
+    assert job.sched.current is None and job.committed() == []
+    assert "abandoned" in job.sched.last_error or "ChecksumError" in job.sched.last_error
+    (d / "state/0.bin").write_bytes(good)  # healed
+    assert job.beat(0, run=False) is None  # the back-off: not at once
+    job.clock.now += 20.0
+    job.rounds(4)
+    assert job.committed() == [1]
+    assert job.sched.retry_at is None
+
+
+def test_reports_of_another_staging_do_not_count(tmp_path: Path) -> None:
+    """backup-run-fenced (simulation seed 41): host 1 uploaded into a deposed coordinator's staging; its
+    report reaches the new coordinator, whose run of the same step must not count it (it did, committed,
+    and the commit failed with IncompleteBackupError, never retried)."""
+    job = Job(tmp_path, 2)
+    for r in (0, 1):
+        job.save(1, r)
+    job.peer_copy(0, 1, 1)
+    job.peer_copy(1, 0, 1)
+    old_state = CoordinatorState(job.topology)
+    for r in (0, 1):
+        old_state.register(r, job.inc[r])
+        job.report(r)
+        job.report(r, old_state)
+    old = job.new_scheduler(old_state)
+    task = job.beat(1, sched=old, state=old_state)  # host 1 uploads into the deposed coordinator's staging
+    assert task is not None and list(task.ranks) == [1]
+    old_staging = task.staging
+    new_task = job.beat(0)  # the new coordinator's run: host 0 uploads rank 0 into another staging
+    assert new_task is not None and new_task.staging != old_staging
+    job.beat(0)  # host 0's report
+    task = job.beat(1, run=False)  # host 1's report of the old staging reaches the new coordinator
+    cur = job.sched.current
+    assert cur is not None and 1 not in cur.done and job.sched._commit_thread is None
+    assert task is not None and task.staging == new_task.staging and list(task.ranks) == [1]
+    job.agents[1].run_task(task, job.stores[1])
+    job.rounds(2)
+    assert job.committed() == [1]
+    assert job.sched.failures == 0, job.sched.last_error
+
+
+def test_a_failed_commit_is_retried(tmp_path: Path) -> None:
+    """A commit that fails (here: the staging's upload of rank 1 vanished before it) is redone."""
+    job = Job(tmp_path, 2)
+    for r in (0, 1):
+        job.save(1, r)
+    job.peer_copy(0, 1, 1)
+    job.peer_copy(1, 0, 1)
+    job.report(1)
+    job.beat(0)
+    job.beat(1)
+    staging = job.sched.current.staging  # type: ignore[union-attr]
+    commit = job.sched.bucket.commit
+    calls = []
+
+    def commit_once_failing(s):  # type: ignore[no-untyped-def]
+        calls.append(s.staging_id)
+        if len(calls) == 1:
+            raise OSError("injected: bucket unavailable")
+        return commit(s)
+
+    job.sched.bucket.commit = commit_once_failing  # type: ignore[method-assign]
+    job.rounds(1, advance=0.0)
+    assert calls == [staging.staging_id] and job.committed() == []
+    assert "commit of step 1 failed" in job.sched.last_error
+    job.clock.now += 20.0
+    job.rounds(4)
+    assert job.committed() == [1] and len(calls) == 2
+
+
+def test_a_step_another_coordinator_committed_is_not_redone(tmp_path: Path) -> None:
+    """The commit fails because a deposed coordinator committed the same save first (FileExistsError):
+    the scheduler learns the step is in the bucket and does not redo it in a loop."""
+    job = Job(tmp_path, 2)
+    for r in (0, 1):
+        job.save(1, r)
+        job.report(r)
+    job.beat(0)
+    job.beat(1)
+    staging = job.sched.current.staging  # type: ignore[union-attr]
+    other = BackupStore(open_store(job.url), JOB)  # the deposed coordinator's run, committed first
+    theirs = other.begin(1, 2)
+    for r in (0, 1):
+        other.upload_rank(theirs, r, job.stores[r].step_dir(r, 1))
+    other.commit(theirs)
+    job.rounds(1, advance=0.0)
+    assert "commit of step 1 failed" in job.sched.last_error and 1 in job.sched.committed
+    job.clock.now += 20.0
+    job.rounds(3)
+    assert job.sched.current is None and job.sched.retry_at is None
+    assert job.committed() == [1] and other.commit_record(1)[0].staging_id == theirs.staging_id != staging.staging_id

@@ -16,7 +16,7 @@ The rule, stated once:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 
@@ -110,10 +110,11 @@ def newest_generation(generations: Iterable[int], default: int = -1) -> int:
     return max(generations, default=default)
 
 
-def rolled_back(step: int, generation: int, newest_by_step: Mapping[int, int]) -> bool:
+def rolled_back(step: int, generation: int, newest_by_step: Iterable[tuple[int, int]]) -> bool:
     """An older step number carries a newer save than ``step``'s (``generation``): the job rolled back past
-    ``step``. ``newest_by_step``: every known step's newest generation."""
-    return any(s < step and g > generation for s, g in newest_by_step.items())
+    ``step``. ``newest_by_step``: (step, newest generation) of every known step, e.g. a mapping's
+    ``items()`` or a lazy generator (the coordinator asks this per holding: it must not build a dict)."""
+    return any(s < step and g > generation for s, g in newest_by_step)
 
 
 def merge(saves: Iterable[StepSave]) -> dict[int, StepSave]:
@@ -134,4 +135,4 @@ def complete_steps(saves: Iterable[StepSave]) -> list[int]:
     best = merge(saves)
     newest = {step: s.generation for step, s in best.items()}
     return [step for step, s in sorted(best.items())
-            if s.complete and not rolled_back(step, s.generation, newest)]
+            if s.complete and not rolled_back(step, s.generation, newest.items())]

@@ -560,7 +560,7 @@ class CoordinatorState:
 
     def is_abandoned(self, step: int) -> bool:
         """An older step number carries a newer save: the job rolled back past ``step``."""
-        newest = {s: saves.newest_generation(gens) for s, gens in self._generations.items()}
+        newest = ((s, saves.newest_generation(gens)) for s, gens in self._generations.items())
         return saves.rolled_back(step, self.step_generation(step), newest)
 
     def _current(self, h: Holding) -> bool:

@@ -36,4 +36,4 @@ def test_rolled_back_step_is_not_complete():
     # Step 3 saved (gen 30), then the job restored step 2 and saved step 2 again later (gen 40).
     answers = [save(2, 40, [0], [0]), save(3, 30, [0], [0])]
     assert complete_steps(answers) == [2]
-    assert rolled_back(3, 30, {2: 40, 3: 30}) and not rolled_back(2, 40, {2: 40, 3: 30})
+    assert rolled_back(3, 30, {2: 40, 3: 30}.items()) and not rolled_back(2, 40, {2: 40, 3: 30}.items())

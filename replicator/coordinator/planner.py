@@ -542,7 +542,9 @@ class CoordinatorState:
     # step is abandoned when an older step number was saved later (the job rolled back past it).
 
     def step_generation(self, step: int) -> int:
-        return saves.newest_generation(self._generations.get(step, ()), default=0)
+        # saves.newest_generation inlined: asked ~20 times per heartbeat at 10k hosts (bench.scale).
+        gens = self._generations.get(step)
+        return max(gens) if gens else 0
 
     def expected_ranks(self, step: int) -> list[int]:
         """The ranks whose data make up ``step``: its newest save's savers (a bucket-only step: the
@@ -560,7 +562,7 @@ class CoordinatorState:
 
     def is_abandoned(self, step: int) -> bool:
         """An older step number carries a newer save: the job rolled back past ``step``."""
-        newest = ((s, saves.newest_generation(gens)) for s, gens in self._generations.items())
+        newest = ((s, max(gens)) for s, gens in self._generations.items() if s < step)
         return saves.rolled_back(step, self.step_generation(step), newest)
 
     def _current(self, h: Holding) -> bool:

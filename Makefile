@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test lint proto bench clean constraints smoke-newest
+.PHONY: demo test lint proto bench clean constraints smoke-newest image-test
 
 # Everything the demo and the suite need, at the exact versions of constraints.txt.
 EXTRAS := jax,elastic,dev
@@ -22,7 +22,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not image" tests
+
+# Real builds of Dockerfile.replicator and Dockerfile.sidecar with Debian's buildah (vfs, chroot isolation)
+# on a base made by debootstrap (tests/deploy/test_image_build.py, ~5 min, needs root and Debian's archive).
+image-test: $(STAMP)
+	command -v buildah >/dev/null && command -v debootstrap >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah debootstrap >/dev/null; }
+	$(PY) -m pytest -q -m image tests/deploy/test_image_build.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -309,8 +309,9 @@ class Replicator:
         if not finished and not why:
             why = f"grace of {grace_seconds}s ran out before step {step} was committed in the bucket"
         rec = {"step": step, "finished": finished, "reason": why, "seconds": round(time.monotonic() - t0, 3)}
-        if finished and self.coordinator is not None:
-            # The other hosts learn the outcome from this coordinator: stay a few heartbeats longer.
+        if finished and self.coordinator is not None and self.bucket is not None and self.nodes > 1:
+            # The other hosts learn the outcome from this coordinator: stay a few heartbeats longer (not
+            # when there is no other host or no bucket: nothing to learn, exit at once).
             time.sleep(max(0.0, min(deadline - time.monotonic(), 3 * self.opts.heartbeat_seconds + 1.0)))
         (log.info if finished else log.warning)("preemption flush: %s", rec)
         try:

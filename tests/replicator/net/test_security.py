@@ -323,20 +323,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_replicator(tmp_path: Path, *args: str, wait_seconds: float = 3.0) -> tuple[int | None, str]:
-    """Start the real ``mtc-replicator``; (exit code or None if still running after ``wait_seconds``, stderr)."""
+def _run_replicator(tmp_path: Path, *args: str, wait_seconds: float = 3.0,
+                    until_serving: bool = False) -> tuple[int | None, str]:
+    """Start the real ``mtc-replicator``; (exit code or None if still running after ``wait_seconds``, stderr).
+
+    ``until_serving``: stop waiting (None) as soon as it serves (its control socket exists) and still runs."""
     import os
     import signal
     import subprocess
     import sys
+    import time
 
     cmd = [sys.executable, "-m", "replicator.main", "--local-dir", str(tmp_path / "ram"), "--rank", "0",
            "--nodes", "1", "--job", "t", *args]
+    sock = tmp_path / "ram" / "replicator.sock"
+    sock.unlink(missing_ok=True)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
-        rc = proc.wait(timeout=wait_seconds)
-    except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + wait_seconds
         rc = None
+        while time.monotonic() < deadline:
+            rc = proc.poll()
+            if rc is not None or (until_serving and sock.exists()):
+                break
+            time.sleep(0.1)
+        if until_serving and rc is None:
+            time.sleep(0.5)  # a moment past serving: it does not exit right after binding
+            rc = proc.poll()
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
@@ -359,7 +372,8 @@ def test_replicator_beyond_loopback_starts_with_token_or_insecure(tmp_path: Path
     token = tmp_path / "token"
     token.write_text(TOKEN)
     for extra in (["--token-file", str(token)], ["--insecure"]):
-        rc, err = _run_replicator(tmp_path, "--listen", f"0.0.0.0:{_free_port()}", *extra, wait_seconds=8)
+        rc, err = _run_replicator(tmp_path, "--listen", f"0.0.0.0:{_free_port()}", *extra, wait_seconds=60,
+                                  until_serving=True)
         assert rc is None, f"{extra}: exited {rc}: {err}"
 
 

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import grpc
+
 from controller_client.admin.bucket import cmd_backups_download, cmd_backups_list, cmd_export, cmd_plan
 from controller_client.admin.cluster import (
     cmd_backup_now,
@@ -124,8 +126,6 @@ def register(sub: Any, log_args: Callable[[argparse.ArgumentParser], None]) -> N
 
 def _runner(fn: Callable[..., int], online: bool) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        import grpc
-
         conn = None
         name = args.command if args.command not in ("backup", "backups") else \
             f"{args.command} {getattr(args, 'backup_command', None) or getattr(args, 'backups_command', '')}"

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
+from controller_client import manifests, preempt
+from controller_client.admin_cli import register
 from replicator import logs
+from replicator.main import configure_parser
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("multitier-checkpoint")
@@ -18,6 +21,8 @@ def _version() -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    # The demos import JAX (after setting XLA_FLAGS): imported only here, so that every other command
+    # (the replicator daemon, manifests, admin) starts without loading JAX.
     if args.elastic and args.snapshotter:
         from controller_client.demo.elastic_snapshot import run_snapshot_demo
 
@@ -54,20 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_arguments(d, default=argparse.SUPPRESS)
     d.set_defaults(func=_demo)
 
-    from replicator.main import configure_parser
 
     r = sub.add_parser("replicator", help="run the per-host replicator daemon (same as mtc-replicator)")
     configure_parser(r, log_default=argparse.SUPPRESS)
     r.set_defaults(prog="mtc replicator")
 
-    from controller_client import manifests
 
     m = sub.add_parser("manifests", help="render a ready-to-apply Kubernetes set (JobSet, RAM disk, policy) for a job",
                        description="Render the Kubernetes objects of one job; see docs/deploy.md.")
     manifests.add_arguments(m)
     m.set_defaults(func=manifests.run)
 
-    from controller_client import preempt
 
     pre = sub.add_parser("preempt", help="tell this host's replicator of a preemption notice (a Pod's preStop hook)",
                          description=preempt.__doc__.split("\n\n")[0])
@@ -75,7 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     pre.set_defaults(func=preempt.run)
 
     # The operator's commands (status, steps, inspect, verify, restore, pin, backups, export, plan, gc).
-    from controller_client.admin_cli import register
 
     register(sub, lambda sp: logs.add_arguments(sp, default=argparse.SUPPRESS))
     return p

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sidecar import host, tree
@@ -64,7 +65,6 @@ class InProcessDispatcher(Dispatcher):
         local = host.query_on_hosts(self.config, self.ranks, query, arg)
         if jax.process_count() == 1:
             return local
-        from jax.experimental import multihost_utils
 
         mine = host.encode_result(query, local, QUERY_BYTES)
         rows = np.asarray(multihost_utils.process_allgather(mine))
@@ -91,6 +91,7 @@ def _install_pathways_ids() -> None:
     """Runs where a colocated call is unpickled: has JAX's colocated deserialization resolve the controller's
     device ids (on a Pathways worker, CPU devices have local ids and carry the controller-side one as
     ``PjRtIFRTDeviceId=`` in their repr) with Orbax's patch for exactly that (orbax-checkpoint is in [jax])."""
+    # Imported here: colocated Python / Orbax's Pathways patch only when dispatching to Pathways workers.
     from orbax.checkpoint._src.multihost import colocated_transport
 
     colocated_transport.install_pathways_colocated_serialization_patch()
@@ -189,6 +190,7 @@ class ColocatedDispatcher(Dispatcher):
     """Host operations through colocated Python on the CPU devices colocated with the job's devices."""
 
     def __init__(self, config: host.HostConfig, devices: Sequence[Any]):
+        # Imported here: colocated Python / Orbax's Pathways patch only when dispatching to Pathways workers.
         from jax.experimental import colocated_python
 
         self._cp = colocated_python

@@ -62,6 +62,7 @@ def build_tree(leaves: dict[str, Any]) -> Any:
 
 def export_step(step: int, roots: list[Path], dest: Path) -> dict[str, Any]:
     """Write ``step`` (every rank's data under ``roots``, as ``<root>/steps/<step>``) to ``dest`` with Orbax."""
+    # Imported here: `mtc export` is the only admin command that needs JAX and Orbax ([jax] extra).
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 

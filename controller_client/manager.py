@@ -8,12 +8,16 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import grpc
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from controller_client.dispatch import ColocatedDispatcher, Dispatcher, InProcessDispatcher
 from controller_client.topology import HostTopology
+from replicator.coordinator.client import CoordinatorClient
+from replicator.net.security import TlsOptions
 from sidecar import host, layout, saves, tree
 
 log = logging.getLogger(__name__)
@@ -117,9 +121,6 @@ class CheckpointManager:
         )
         self._coordinator = None
         if options.coordinator_address:
-            from replicator.coordinator.client import CoordinatorClient
-            from replicator.net.security import TlsOptions
-
             tls = TlsOptions.from_args(options.tls_cert_file, options.tls_key_file, options.tls_ca_file)
             self._coordinator = CoordinatorClient(options.coordinator_address, options.token_file,
                                                   options.rpc_timeout_seconds, tls=tls)
@@ -172,8 +173,6 @@ class CheckpointManager:
         number, after a rollback, supersedes the earlier one)."""
         gen = time.time_ns()
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             # Two 31-bit halves: without jax_enable_x64 an int64 would be truncated to int32 (negative).
             hi, lo = multihost_utils.broadcast_one_to_all(np.array([gen >> 31, gen & (2**31 - 1)], np.int32))
             gen = (int(hi) << 31) | int(lo)
@@ -194,7 +193,6 @@ class CheckpointManager:
     def _pin(self, step: int) -> None:
         """Best effort: the coordinator keeps ``step`` from GC while we restore it and has every host
         refill its data in the background; the restore itself fetches what it lacks either way."""
-        import grpc
 
         try:
             resp = self._coordinator.pin_restore(step)
@@ -206,7 +204,6 @@ class CheckpointManager:
     def _await_coordinator(self, step: int) -> None:
         """Have the coordinator count ``step`` complete before returning, so that ``latest_step`` is truthful
         from any host set at once (an elastic event right after a save must not roll back past it)."""
-        import grpc
 
         # One WAKE (every replicator reports now), then the coordinator long-polls until it counts the step
         # complete; its wait per call is bounded, so a few calls may cover the deadline (no host fan-out).
@@ -245,8 +242,6 @@ class CheckpointManager:
         """
         local = set(self._held_complete_steps())
         if self._coordinator is not None:
-            import grpc
-
             try:
                 local |= set(self._coordinator.complete_steps())
             except grpc.RpcError as e:

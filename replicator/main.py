@@ -21,6 +21,7 @@ def run(opts: ReplicatorOptions) -> int:
         except OSError as e:
             log.warning("cannot change niceness by %d: %s", opts.nice, e)
     if opts.orbax_mode:
+        # Imported here: `mtc --help` and the admin commands import this module for its parser only.
         from replicator.orbax.mode import run_orbax_mode
 
         return run_orbax_mode(opts)

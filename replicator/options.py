@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 import typing
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import yaml
 
 from replicator.net.rpc import MAX_MESSAGE_BYTES
+from replicator.net.security import read_token_file
 from sidecar.layout import check_job_name
 from sidecar.parse import parse_int
 
@@ -160,7 +162,6 @@ class ReplicatorOptions:
     def token(self) -> str | None:
         if not self.token_file:
             return None
-        from replicator.net.security import read_token_file
 
         try:
             return read_token_file(Path(self.token_file))
@@ -261,8 +262,6 @@ class ReplicatorOptions:
 
 
 def _is_loopback(host: str) -> bool:
-    import ipaddress
-
     if host == "localhost":
         return True
     try:

@@ -21,6 +21,8 @@ import jax
 import numpy as np
 
 from sidecar import commit, faults, layout, reader, saves, tree, writer
+from sidecar.notify import notify_step_committed
+from sidecar.remote import ReplicatorFetcher, backup_now, preemption_noticed
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +167,6 @@ def open_step(config: HostConfig, rank: int, step: int,
     of one call, so that one restore asks the coordinator ``LocateStep`` once, not once per rank)."""
     fetcher = None
     if config.remote_fetch:
-        from sidecar.remote import ReplicatorFetcher
-
         fetcher = ReplicatorFetcher(config.root(rank), config.fetch_timeout_seconds, located=located)
     return reader.StepSource(step, config.read_roots(rank), fetcher=fetcher, drop_bad=True, own_rank=rank)
 
@@ -375,18 +375,12 @@ def query_on_hosts(config: HostConfig, ranks: Sequence[int], query: HostQuery | 
             result[r] = StepsAnswer(tuple(commit.committed_steps(layout.steps_dir(w.root))), w.in_flight(),
                                     held_steps(config, r))
         elif query is HostQuery.PREEMPTION:
-            from sidecar.remote import preemption_noticed
-
             result[r] = preemption_noticed(w.root)
         elif query is HostQuery.BACKUP_NOW:
-            from sidecar.remote import backup_now
-
             result[r] = backup_now(w.root)
         elif query is HostQuery.WAIT:
             result[r] = True
         else:
-            from sidecar.notify import notify_step_committed
-
             result[r] = notify_step_committed(w.root, -1)
     return result
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from sidecar import checksums, commit, faults, layout, spares
+from sidecar.notify import notify_step_committed
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,6 @@ class HostWriter:
                     gc_local_steps(self.root, keep)
                 if notify:
                     faults.point("save.before_notify")
-                    from sidecar.notify import notify_step_committed
 
                     notify_step_committed(self.root, hs.step)
                     faults.point("save.after_notify")

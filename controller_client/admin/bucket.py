@@ -25,6 +25,7 @@ from controller_client.admin.common import (
     when,
 )
 from controller_client.admin.content import manifests_from_bucket, manifests_from_cluster
+from mtc_rpc import admin_pb2 as pb
 
 
 def cmd_backups_list(args: argparse.Namespace) -> int:
@@ -92,6 +93,7 @@ def cmd_backups_download(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 def cmd_export(args: argparse.Namespace) -> int:
+    # Imported here: export needs JAX and Orbax ([jax] extra); the other admin commands run without them.
     from controller_client.export import export_step
 
     backup = open_backup(args.backup_url, args.job)
@@ -147,8 +149,6 @@ def cmd_plan(args: argparse.Namespace, conn: Conn | None) -> int:
             assert conn is not None
             step = args.step
             if step is None:
-                from mtc_rpc import admin_pb2 as pb
-
                 step = conn.admin.GetSummary(pb.GetSummaryRequest(), timeout=conn.timeout).newest_complete_step
                 if step < 0:
                     raise FileNotFoundError("no globally complete step to size from: give --step or --state-bytes")

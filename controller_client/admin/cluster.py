@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+import grpc
+
 from controller_client.admin.common import (
     ENV_COORDINATOR,
     EXIT_DEGRADED,
@@ -24,7 +26,10 @@ from controller_client.admin.common import (
     table,
     when,
 )
+from mtc_rpc import admin_pb2 as pb
+from mtc_rpc import control_pb2, control_pb2_grpc
 from replicator.coordinator.tier_wire import tier_name
+from sidecar.layout import control_socket
 
 
 def summary_doc(s: Any) -> dict[str, Any]:
@@ -46,11 +51,6 @@ def summary_doc(s: Any) -> dict[str, Any]:
     }
 
 def _local_status(args: argparse.Namespace) -> int:
-    import grpc
-
-    from mtc_rpc import control_pb2, control_pb2_grpc
-    from sidecar.layout import control_socket
-
     sock = control_socket(args.local_dir)
     try:
         with grpc.insecure_channel(f"unix:{sock}") as ch:
@@ -94,8 +94,6 @@ def local_status_doc(resp: Any) -> dict[str, Any]:
     return doc
 
 def cmd_status(args: argparse.Namespace, conn: Conn | None) -> int:
-    from mtc_rpc import admin_pb2 as pb
-
     if args.local_dir:
         return _local_status(args)
     if conn is None:
@@ -170,8 +168,6 @@ def step_doc(i: Any) -> dict[str, Any]:
             "backup_unix": i.backup_unix or None}
 
 def cmd_steps(args: argparse.Namespace, conn: Conn) -> int:
-    from mtc_rpc import admin_pb2 as pb
-
     resp = conn.admin.ListSteps(pb.ListStepsRequest(), timeout=conn.timeout)
     s = conn.admin.GetSummary(pb.GetSummaryRequest(), timeout=conn.timeout)
     if args.output == "json":
@@ -196,8 +192,6 @@ def cmd_steps(args: argparse.Namespace, conn: Conn) -> int:
     return EXIT_DEGRADED if s.degraded else EXIT_OK
 
 def cmd_restore(args: argparse.Namespace, conn: Conn) -> int:
-    from mtc_rpc import admin_pb2 as pb
-
     deadline = time.monotonic() + args.wait_seconds
     resp = None
     quiet = args.output == "json"
@@ -231,8 +225,6 @@ def cmd_restore(args: argparse.Namespace, conn: Conn) -> int:
     return EXIT_OK if resp.ready else EXIT_ERROR
 
 def cmd_pin(args: argparse.Namespace, conn: Conn) -> int:
-    from mtc_rpc import admin_pb2 as pb
-
     call = conn.admin.Pin if args.command == "pin" else conn.admin.Unpin
     resp = call(pb.PinRequest(step=args.step), timeout=conn.timeout)
     if args.output == "json":
@@ -242,8 +234,6 @@ def cmd_pin(args: argparse.Namespace, conn: Conn) -> int:
     return EXIT_OK
 
 def cmd_backup_now(args: argparse.Namespace, conn: Conn) -> int:
-    from mtc_rpc import admin_pb2 as pb
-
     resp = conn.admin.BackupNow(pb.BackupNowRequest(step=-1 if args.step is None else args.step),
                                 timeout=conn.timeout)
     state = resp.state
@@ -265,8 +255,6 @@ def cmd_backup_now(args: argparse.Namespace, conn: Conn) -> int:
     return EXIT_OK
 
 def cmd_gc(args: argparse.Namespace, conn: Conn) -> int:
-    from mtc_rpc import admin_pb2 as pb
-
     if not args.dry_run:
         raise UsageError("only `mtc gc --dry-run` exists: collection runs on its own on every host")
     resp = conn.admin.GcPlan(pb.GcPlanRequest(), timeout=conn.timeout)

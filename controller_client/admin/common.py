@@ -11,6 +11,27 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from mtc_rpc import admin_pb2_grpc
+from replicator.backup.bucket import BackupStore
+from replicator.backup.storage import open_store
+from replicator.coordinator.client import Candidates, FailoverStub, parse_addresses
+from replicator.coordinator.model import ranges as rank_ranges_text
+from replicator.net import rpc
+from replicator.net.security import TlsOptions, read_token_file
+
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DEGRADED = 0, 1, 2, 3
 
 ENV_COORDINATOR = "MTC_COORDINATOR"
@@ -24,8 +45,6 @@ class UsageError(ValueError):
     """Bad command-line input: printed on one line, exit 2."""
 
 def console(stderr: bool = False) -> Any:
-    from rich.console import Console
-
     stream = sys.stderr if stderr else sys.stdout
     # Not a terminal (a pipe, a test, a log) and no $COLUMNS: wide enough that cells are rarely wrapped.
     width = None if stream.isatty() or os.environ.get("COLUMNS", "").isdigit() else 160
@@ -33,8 +52,6 @@ def console(stderr: bool = False) -> Any:
 
 def ranges(ranks: Iterable[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``; ``-`` when empty."""
-    from replicator.coordinator.model import ranges as rank_ranges_text
-
     return rank_ranges_text(ranks) or "-"
 
 def fmt_bytes(n: float) -> str:
@@ -59,8 +76,6 @@ def age(seconds: float) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 def table(title: str, columns: list[str]) -> Any:
-    from rich.table import Table
-
     t = Table(title=title, title_justify="left")
     for c in columns:
         t.add_column(c)
@@ -70,17 +85,6 @@ def emit_json(doc: Any) -> None:
     print(json.dumps(doc, indent=2, sort_keys=False))
 
 def progress(transient: bool = True, hosts: bool = False) -> Any:
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
     if hosts:
         return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console(stderr=True), transient=transient)
@@ -113,11 +117,6 @@ class Conn:
     """The coordinator's Admin stub plus what is needed to reach each host's Peer service."""
 
     def __init__(self, args: argparse.Namespace):
-        from mtc_rpc import admin_pb2_grpc
-        from replicator.coordinator.client import Candidates, FailoverStub, parse_addresses
-        from replicator.net import rpc
-        from replicator.net.security import TlsOptions, read_token_file
-
         if not args.coordinator:
             raise UsageError(f"give --coordinator HOST:PORT[,HOST:PORT...] (or set ${ENV_COORDINATOR})")
         self.token = read_token_file(Path(args.token_file)) if args.token_file else None
@@ -136,9 +135,6 @@ class Conn:
 
 def open_backup(url: str, job: str | None) -> Any:
     """A read-only :class:`BackupStore` on ``url`` for ``job`` (the only job in the bucket when None)."""
-    from replicator.backup.bucket import BackupStore
-    from replicator.backup.storage import open_store
-
     store = open_store(url)
     if job is None:
         jobs = sorted({o.name.strip("/").split("/")[0] for o in store.list("", shallow=True)} - {""})

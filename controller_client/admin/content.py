@@ -23,19 +23,21 @@ from controller_client.admin.common import (
     ranges,
     table,
 )
+from mtc_rpc import admin_pb2 as pb
+from mtc_rpc import peer_pb2, peer_pb2_grpc
 from replicator.coordinator.model import Tier
 from replicator.coordinator.tier_wire import from_wire, to_wire
+from replicator.net import rpc
+from replicator.peer import client as peer_client
+from sidecar import checksums
+from sidecar.checksums import ChecksumError
 
 
 def _cluster_pieces(conn: Conn, step: int) -> Any:
-    from mtc_rpc import admin_pb2 as pb
-
     return conn.admin.LocateStep(pb.LocateStepRequest(step=step), timeout=conn.timeout)
 
 def manifests_from_cluster(conn: Conn, step: int) -> dict[int, Any]:
     """rank -> the manifest of the data it restores from (its own, or an identical replica's), from a host."""
-    from replicator.peer import client as peer_client
-
     loc = _cluster_pieces(conn, step)
     best: dict[int, Any] = {}
     for p in loc.pieces:
@@ -142,11 +144,6 @@ def cmd_inspect(args: argparse.Namespace, conn: Conn | None) -> int:
 
 def _verify_on_host(conn: Conn, piece: Any, step: int) -> tuple[int, list[str]]:
     """Re-read every file of one host's copy through its Peer service; (bytes read, bad file names)."""
-    from mtc_rpc import peer_pb2, peer_pb2_grpc
-    from replicator.net import rpc
-    from replicator.peer import client as peer_client
-    from sidecar import checksums
-
     m = peer_client.get_manifest(piece.address, piece.owner_rank, step, timeout_seconds=conn.timeout,
                                  token=conn.token, tls=conn.tls)
     crcs = [0] * len(m.files)
@@ -164,8 +161,6 @@ def _verify_on_host(conn: Conn, piece: Any, step: int) -> tuple[int, list[str]]:
     return sum(sizes), bad
 
 def _verify_bucket_rank(backup: Any, step: int, rank: int) -> tuple[int, list[str]]:
-    from sidecar.checksums import ChecksumError
-
     tmp = Path(tempfile.mkdtemp(prefix="mtc-verify-"))
     try:
         got = backup.download_rank(step, rank, tmp)
@@ -176,8 +171,6 @@ def _verify_bucket_rank(backup: Any, step: int, rank: int) -> tuple[int, list[st
         shutil.rmtree(tmp, ignore_errors=True)
 
 def cmd_verify(args: argparse.Namespace, conn: Conn | None) -> int:
-    from mtc_rpc import admin_pb2 as pb
-
     tiers = [Tier(args.tier)] if args.tier else [Tier.LOCAL, Tier.PEER, Tier.BUCKET]
     jobs: list[tuple[Tier, int, int, Callable[[], tuple[int, list[str]]]]] = []  # tier, holder, owner, fn
     backup_url = args.backup_url

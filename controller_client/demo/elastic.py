@@ -32,6 +32,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from controller_client.demo.cluster import LocalCluster
+from controller_client.demo.run import _setup_jax
+from controller_client.topology import HostTopology
+
 log = logging.getLogger(__name__)
 
 SLICES = 2
@@ -84,6 +88,7 @@ class SimulatedSlices:
     @contextlib.contextmanager
     def patched(self) -> Iterator[None]:
         """Patch pathwaysutils' slice grouping and health check (the module the Manager calls)."""
+        # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
         from pathwaysutils.elastic import elastic
 
         saved = elastic.get_slice_to_devices, elastic.get_active_slice_indices
@@ -128,6 +133,7 @@ def quiet_simulated_failures() -> Iterator[None]:
 def _model(kind: str):
     """A small linear model with momentum SGD; ``kind`` "fsdp" shards parameters over both mesh axes
     (across slices), "replicated" only over "model" (every slice holds a full replica)."""
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -152,6 +158,7 @@ def _model(kind: str):
                 "step": 0}
 
     def dataset():
+        # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
         from controller_client.demo.elastic_data import make_dataset
 
         return make_dataset(w_true)
@@ -171,6 +178,7 @@ def _model(kind: str):
 def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSlices,
                   events: list[str] | None = None) -> dict[int, float]:
     """The elastic loop; returns the loss of every step (the last computation of a step that ran twice)."""
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -178,7 +186,6 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
 
     from controller_client.demo.elastic_data import ElasticBatches
     from controller_client.manager import CheckpointManager, CheckpointManagerOptions
-    from controller_client.topology import HostTopology
 
     events = events if events is not None else []
     init, target, dataset, train_step = _model(kind)
@@ -246,6 +253,7 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
 
 def train_plain(kind: str, total_steps: int, devices: list[Any]) -> dict[int, float]:
     """The same training without interruptions or checkpoints, on both slices."""
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
     import numpy as np
     from jax.sharding import Mesh
 
@@ -278,13 +286,11 @@ def _wait(pred: Any, timeout_seconds: float, what: str) -> None:
 def run_elastic_demo(workdir: str | None = None, keep: bool = False, kinds: tuple[str, ...] = ("replicated", "fsdp"),
                      schedule: Schedule | None = None) -> int:
     """Run the elastic loop for each kind of state; 0 when every loss trajectory matches."""
-    from controller_client.demo.run import _setup_jax
-
     _setup_jax()
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
     import jax
     import numpy as np
 
-    from controller_client.demo.cluster import LocalCluster
 
     schedule = schedule or Schedule()
     devices = jax.devices()[: SLICES * DEVICES_PER_SLICE]

@@ -38,6 +38,7 @@ def _example(seed: int, w_true: np.ndarray, index: Any) -> dict[str, np.ndarray]
 def make_dataset(w_true: np.ndarray, seed: int = 1000, records: int = RECORDS) -> Any:
     """Records ``{"id", "x", "y"}``: ``x`` drawn from (seed, id), ``y = x @ w_true``; globally shuffled,
     repeated forever (a ``grain.MapDataset``, unbatched and unsharded as ``ElasticIterator`` wants it)."""
+    # Imported here: grain is in the [elastic] extra, needed only by the elastic demos.
     import grain
 
     return (grain.MapDataset.range(records).shuffle(seed=seed)
@@ -54,6 +55,7 @@ class ElasticBatches:
 
     def __init__(self, dataset: Any, mesh: Mesh, global_batch: int = GLOBAL_BATCH,
                  read_options: Any = None):
+        # Imported here: grain is in the [elastic] extra, needed only by the elastic demos.
         import grain
         from grain.experimental import ElasticIterator
 

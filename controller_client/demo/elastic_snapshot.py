@@ -27,10 +27,15 @@ the loss (buffers deleted, ``DATA_LOSS`` raised) and the restart (in one OS proc
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from controller_client.demo.cluster import LocalCluster
 from controller_client.demo.elastic import (
     DEVICES_PER_SLICE,
     HOSTS_PER_SLICE,
@@ -40,6 +45,9 @@ from controller_client.demo.elastic import (
     _wait,
     quiet_simulated_failures,
 )
+from controller_client.demo.run import _setup_jax
+from controller_client.topology import HostTopology
+from replicator.coordinator.client import CoordinatorClient
 
 
 @dataclasses.dataclass
@@ -64,6 +72,7 @@ def active_devices(elastic_manager: Any) -> list[Any]:
 
 def create_mesh(devices: Sequence[Any]) -> Any:
     """One mesh row per slice (``"data"``: the replica axis, ``Snapshotter(replica_axis_index=0)``)."""
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
     import numpy as np
     from jax.sharding import Mesh
 
@@ -73,6 +82,7 @@ def create_mesh(devices: Sequence[Any]) -> Any:
 def lose_slice(sim: SimulatedSlices, index: int) -> None:
     """Slice ``index`` fails: mark it down and delete every buffer with a shard on it, as its loss would
     (a snapshot replica there included); reading them now raises, as on Pathways."""
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
     import jax
 
     gone = {d.id for d in sim.slice_to_devices()[index]}
@@ -85,6 +95,7 @@ def lose_slice(sim: SimulatedSlices, index: int) -> None:
 def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, sim: SimulatedSlices,
                          events: list[str] | None = None, minimum_slice_count: int | None = 1) -> dict[int, float]:
     """Run the story above; returns the loss of every step (the last computation of a step run twice)."""
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
     import jax
     import pathwaysutils
     from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter  # ocp.v1.training.pathways
@@ -93,7 +104,6 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
     from controller_client.demo.elastic_data import ElasticBatches
     from controller_client.manager import CheckpointManagerOptions
     from controller_client.resilience import ElasticCheckpointer
-    from controller_client.topology import HostTopology
 
     pathwaysutils.initialize()  # on Pathways: the proxy backend, profiling and persistence hooks; CPU: no-op
     events = events if events is not None else []
@@ -193,8 +203,6 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
 def _wait_redundant(cluster: Any, timeout_seconds: float = 60) -> int:
     """Wait until the newest complete step has a copy of every rank on a second host (a slice replaced
     before that would take its only copies along: the restart would restore an older step, correctly)."""
-    from replicator.coordinator.client import CoordinatorClient
-
     client = CoordinatorClient(cluster.coordinator, rpc_timeout_seconds=5)
     try:
         def newest_redundant() -> int | None:
@@ -212,18 +220,12 @@ def run_snapshot_demo(workdir: str | None = None, keep: bool = False,
                       pause_resume: bool = False) -> int:
     """Run the loop for each kind of state, print the events and whether the losses match; 0 if all do.
     ``pause_resume``: ``minimum_slice_count=None`` (wait for every slice) instead of shrinking."""
-    from controller_client.demo.run import _setup_jax
-
     _setup_jax()
-    import os
-    import shutil
-    import tempfile
-    from pathlib import Path
 
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
     import jax
     import numpy as np
 
-    from controller_client.demo.cluster import LocalCluster
     from controller_client.demo.elastic import train_plain
 
     schedule = schedule or SnapshotSchedule()

@@ -10,6 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from controller_client.demo.cluster import LocalCluster
+from controller_client.topology import HostTopology
+from replicator.coordinator.client import CoordinatorClient
+
 TOTAL_STEPS = 20
 SAVE_EVERY = 5
 CRASH_AFTER = 13
@@ -31,6 +35,7 @@ def _setup_jax() -> None:
 
 
 def _model():
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -76,6 +81,7 @@ def _model():
 
 
 def _abstract(state: Any) -> Any:
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
     import jax
 
     return jax.tree.map(
@@ -85,6 +91,7 @@ def _abstract(state: Any) -> Any:
 
 
 def _equal(a: Any, b: Any) -> bool:
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
     import jax
     import numpy as np
 
@@ -111,12 +118,10 @@ def _wait(pred, timeout_seconds: float, what: str) -> None:
 def run_demo(workdir: str | None = None, keep: bool = False) -> int:
     """Run the demo; returns 0 when every restore is bit-exact and the resumed run matches."""
     _setup_jax()
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
     import numpy as np
 
-    from controller_client.demo.cluster import LocalCluster
     from controller_client.manager import CheckpointManager, CheckpointManagerOptions
-    from controller_client.topology import HostTopology
-    from replicator.coordinator.client import CoordinatorClient
 
     devices, init, train_step = _model()
     base = Path(workdir or tempfile.mkdtemp(prefix="mtc-demo-",

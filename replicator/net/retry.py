@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from sidecar.checksums import ChecksumError
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -63,8 +65,6 @@ def is_retryable(exc: BaseException) -> bool:
     Everything else (404, 412, 403, checksum mismatches, bad names, other gRPC codes) is final: retrying
     the same call cannot help (a corrupt copy is a reason to try another *source*, which the caller decides).
     """
-    from sidecar.checksums import ChecksumError
-
     if isinstance(exc, (ChecksumError, FileNotFoundError, FileExistsError, PermissionError, ValueError)):
         return False
     if _is_transient_rpc(exc):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from replicator.net.retry import RetryPolicy, call_with_retry, is_retryable  # noqa: F401 - re-exported
+from sidecar.checksums import crc32c_extend, stream_crc32c
 from sidecar.layout import safe_relpath
 
 log = logging.getLogger(__name__)
@@ -168,8 +169,6 @@ def copy_source(
     data: bytes | Path, sink: Callable[[memoryview], object], throttle: Throttle | None
 ) -> tuple[int, int]:
     """Stream ``data`` into ``sink`` chunk by chunk; return (size, crc32c) of what was streamed."""
-    from sidecar.checksums import crc32c_extend, stream_crc32c
-
     if isinstance(data, Path):
         with open(data, "rb", buffering=0) as f:
             return stream_crc32c(f, sink, throttle, COPY_CHUNK_BYTES)

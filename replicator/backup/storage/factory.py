@@ -28,6 +28,7 @@ def open_store(url: str, **options: Any) -> Store:
         url = f"file://{url}"
     scheme = url.split("://", 1)[0].lower()
     if scheme == "file":
+        # Imported here: a backend and its libraries load only when a URL of its scheme is opened.
         from .filesystem import FileStore
 
         parts = urlsplit(url)
@@ -35,11 +36,13 @@ def open_store(url: str, **options: Any) -> Store:
             raise ValueError(f"file URL must be file:///abs/path, got {url!r}")
         return FileStore(Path(parts.path), **options)
     if scheme == "memory":
+        # Imported here: a backend and its libraries load only when a URL of its scheme is opened.
         from .memory import MemoryStore
 
         name = url.split("://", 1)[1].strip("/")
         return MemoryStore(name, **options)
     if scheme == "gs":
+        # Imported here: a backend and its libraries load only when a URL of its scheme is opened.
         from .gcs import GcsStore
 
         rest = url.split("://", 1)[1]
@@ -49,11 +52,13 @@ def open_store(url: str, **options: Any) -> Store:
         url = url[len("fsspec+") :]
         scheme = scheme[len("fsspec+") :]
     try:
+        # Imported here: a backend and its libraries load only when a URL of its scheme is opened.
         import fsspec
     except ImportError as e:  # pragma: no cover - fsspec is a dependency
         raise ValueError(f"unknown storage scheme {scheme!r} and fsspec is not installed") from e
     if scheme not in fsspec.available_protocols():
         raise ValueError(f"unknown storage scheme {scheme!r}; supported: {SCHEMES_HELP}")
+    # Imported here: a backend and its libraries load only when a URL of its scheme is opened.
     from .fsspec_store import FsspecStore
 
     try:

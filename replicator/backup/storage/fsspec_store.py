@@ -54,6 +54,7 @@ class FsspecStore(Store):
     """
 
     def __init__(self, url: str, **storage_options: Any):
+        # Imported here: fsspec and its implementations load only when an fsspec URL is opened.
         import fsspec
         from fsspec.implementations.local import LocalFileSystem
         from fsspec.implementations.memory import MemoryFileSystem

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from sidecar.checksums import ChecksumError, crc32c_extend
+from sidecar.checksums import ChecksumError, crc32c_extend, file_crc32c
+from sidecar.checksums import crc32c as crc_of
 
 from .base import (
     Capabilities,
@@ -73,6 +74,7 @@ def decode_crc32c(value: str | None) -> int | None:
 
 def _map_error(e: Exception, what: str) -> Exception:
     """Translate library errors into the built-in/typed errors of the Store contract."""
+    # Imported here: the google-cloud libraries load on first use (storage/__init__ imports this module).
     from google.api_core import exceptions as gex
 
     if isinstance(e, gex.NotFound):
@@ -164,6 +166,7 @@ class GcsStore(Store):
     def client(self) -> Any:
         with self._lock:
             if self._client is None:
+                # Imported here: the google-cloud libraries load on first use (storage/__init__ imports this module).
                 from google.cloud import storage
 
                 if os.environ.get(_EMULATOR_ENV):
@@ -180,6 +183,7 @@ class GcsStore(Store):
     def control_client(self) -> Any:
         with self._lock:
             if self._control is None:
+                # Imported here: the google-cloud libraries load on first use (storage/__init__ imports this module).
                 from google.cloud import storage_control_v2
 
                 self._control = storage_control_v2.StorageControlClient()
@@ -256,8 +260,7 @@ class GcsStore(Store):
         full = self._full(check_name(name))
         size = source_size(data)
         if crc32c is None:
-            from sidecar.checksums import crc32c as crc_of
-            from sidecar.checksums import file_crc32c
+            # Imported here: the google-cloud libraries load on first use (storage/__init__ imports this module).
 
             crc32c = file_crc32c(data)[1] if isinstance(data, Path) else crc_of(data)
         what = f"upload {self.url}/{name}"
@@ -281,6 +284,7 @@ class GcsStore(Store):
                     retry=None,
                 )
             except Exception as e:
+                # Imported here: the google-cloud libraries load on first use (storage/__init__ imports this module).
                 from google.api_core import exceptions as gex
 
                 if create_only and n > 0 and isinstance(e, gex.PreconditionFailed):

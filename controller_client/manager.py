@@ -48,6 +48,10 @@ class CheckpointManagerOptions:
       tls_cert_file, tls_key_file, tls_ca_file: TLS for the coordinator connection (as the replicators'
         ``--tls-cert/--tls-key/--tls-ca``; with a CA the client presents the certificate: mutual TLS).
       restore_wait_seconds: how long ``restore`` waits for every host to hold its data.
+      newest_wait_seconds: how long ``restore()`` without a step waits for the newest step that
+        ``latest_step``/``all_steps`` reported to be complete again (a replicator restarting, a host being
+        replaced and refilled) before it restores an older one; that restore logs a warning naming both
+        steps, and :attr:`CheckpointManager.last_restored_step` tells which step was restored.
       rpc_timeout_seconds: deadline of each call to the coordinator.
     """
 
@@ -65,6 +69,7 @@ class CheckpointManagerOptions:
     tls_key_file: str | None = None
     tls_ca_file: str | None = None
     restore_wait_seconds: float = 300.0
+    newest_wait_seconds: float = 15.0
     rpc_timeout_seconds: float = 30.0
 
     def __post_init__(self) -> None:
@@ -134,6 +139,9 @@ class CheckpointManager:
         self._replicated = NamedSharding(Mesh(np.array(self.devices), ("all",)), PartitionSpec())
         self._last_saved: int | None = None
         self._restored_step: int | None = None
+        # The newest complete step this manager has reported (latest_step/all_steps) since its last
+        # restore: a restore without a step does not quietly go back past it.
+        self._newest_reported: int | None = None
 
     # ------------------------------------------------------------------ save
     def should_save(self, step: int) -> bool:
@@ -240,6 +248,17 @@ class CheckpointManager:
         Reported at once after ``save`` + ``wait_until_finished`` (the hosts' own RAM disks are asked), and,
         with a coordinator, also steps complete elsewhere (peers, the bucket).
         """
+        steps = self._complete_steps()
+        if steps and (self._newest_reported is None or steps[-1] > self._newest_reported):
+            self._newest_reported = steps[-1]
+        return steps
+
+    @property
+    def last_restored_step(self) -> int | None:
+        """The step the last ``restore`` returned (or :meth:`mark_restored` named); None before any."""
+        return self._restored_step
+
+    def _complete_steps(self) -> list[int]:
         local = set(self._held_complete_steps())
         if self._coordinator is not None:
             try:
@@ -288,7 +307,7 @@ class CheckpointManager:
                 log.info("restoring step %d as the operator forced (--restore-from-backup)", forced)
                 step = forced
         if step is None:
-            steps = self.all_steps()
+            steps = self._steps_reaching_newest_reported()
             if not steps:
                 where = "on any tier" if self._coordinator is not None else f"in {self.options.local_directory}"
                 raise FileNotFoundError(f"no committed step {where} (none complete)")
@@ -331,14 +350,30 @@ class CheckpointManager:
                     raise ValueError(f"leaf {path!r} is an array in step {step}, target has a {type(leaf).__name__}")
                 out[i] = values[path]
         log.info("restored step %d in %.3fs", step, time.monotonic() - t0)
-        self._restored_step = step
+        self._restored_step = self._newest_reported = step
         return tree.unflatten(treedef, out)
+
+    def _steps_reaching_newest_reported(self) -> list[int]:
+        """The complete steps, once the newest includes the newest this manager reported, or after
+        ``newest_wait_seconds`` as they are (with a warning when that goes back past the reported one)."""
+        want = self._newest_reported
+        deadline = time.monotonic() + self.options.newest_wait_seconds
+        while True:
+            steps = self.all_steps()
+            if want is None or (steps and steps[-1] >= want):
+                return steps
+            if time.monotonic() >= deadline:
+                log.warning("step %d, which latest_step() reported, is not complete on any tier after %.0fs "
+                            "(hosts lost or restarting); restoring %s instead", want,
+                            self.options.newest_wait_seconds, f"step {steps[-1]}" if steps else "nothing")
+                return steps
+            time.sleep(0.25)
 
     def mark_restored(self, step: int) -> None:
         """The train state is now ``step``, restored from elsewhere (an in-memory snapshot): saving forward
         replaces the abandoned newer steps, as after ``restore(step)``, instead of ``FileExistsError``."""
         layout.step_name(step)
-        self._restored_step = step
+        self._restored_step = self._newest_reported = step
 
     # ------------------------------------------------------------------ suspend-resume
     def reached_preemption(self, step: int) -> bool:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -428,3 +429,38 @@ def test_restore_right_after_a_save_makes_few_fan_outs(ram_dir):
         counting.calls.clear()
         assert_same(mgr.restore(1, target=abstract(tree, mesh, spec)), tree)
         assert counting.calls == ["WAIT", "restore"]
+
+
+def test_restore_does_not_quietly_go_back_past_the_reported_latest_step(ram_dir, caplog):
+    """Issue #19: while a host's copy of the newest step is briefly gone (a replicator restarting), a
+    restore() right after latest_step() said 3 returned step 2 without a word. Now it waits for step 3
+    (newest_wait_seconds) and, when it stays gone, restores step 2 with a warning naming both."""
+    devs = jax.devices()
+    mesh, spec = MESHES["2x4"](devs)
+    trees = {s: make_tree(mesh, spec, seed=s) for s in (1, 2, 3)}
+    with make_manager(ram_dir, max_to_keep=3, newest_wait_seconds=20.0) as mgr:
+        for s, t in trees.items():
+            assert mgr.save(s, t)
+        mgr.wait_until_finished()
+        assert mgr.latest_step() == 3
+        step3 = ram_dir / "1" / "steps" / "3"
+        aside = ram_dir / "aside-3"
+        step3.rename(aside)  # host 1's copy of step 3 is gone for a moment ...
+        back = threading.Timer(1.5, lambda: aside.rename(step3))  # ... and back (the host refilled)
+        back.start()
+        try:
+            got = mgr.restore(target=abstract(trees[3], mesh, spec))
+        finally:
+            back.join()
+        assert mgr.last_restored_step == 3
+        assert_same(got, trees[3])
+
+    with make_manager(ram_dir, max_to_keep=3, newest_wait_seconds=1.0) as mgr:
+        assert mgr.latest_step() == 3
+        step3.rename(aside)  # gone for good: the older step, said out loud
+        with caplog.at_level("WARNING", logger="controller_client.manager"):
+            got = mgr.restore(target=abstract(trees[2], mesh, spec))
+        assert mgr.last_restored_step == 2
+        assert_same(got, trees[2])
+        assert any("step 3, which latest_step() reported" in r.getMessage() and "restoring step 2" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]

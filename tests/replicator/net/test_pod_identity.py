@@ -9,6 +9,7 @@ rank its name derives.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -298,3 +299,23 @@ def test_a_pod_certificate_is_not_an_admin_one(served: Served) -> None:
     assert "needs the job's admin certificate (mtc://t/admin)" in e.value.details()
     _, admin = served.stubs(served.ca.issue_admin("t"))
     assert list(admin.Pin(admin_pb2.PinRequest(step=5), timeout=10).pinned_steps) == [5]
+
+
+def test_the_daemon_binds_pod_identities_with_its_shape(tmp_path: Path) -> None:
+    """The replicator daemon's coordinator gets the Pod rule from its options; in Orbax mode, where the daemon's
+    data-parallelism is Orbax's (1 when peer-ranks are not slice-major), --tls-pod-hosts-per-slice says the shape."""
+    from replicator.daemon import Replicator
+
+    ca = CertAuthority(tmp_path / "ca")
+    pair = ca.issue_pod("t", jobset_pod_name("t", 1, 0))  # slice 1, host 0: rank 2 with 2 hosts per slice
+    tls = {"tls_cert": str(pair.cert), "tls_key": str(pair.key), "tls_ca": str(ca.ca_file),
+           "tls_rank_identity": "require"}
+    opts = ReplicatorOptions(local_dir=tmp_path / "ram", rank=2, nodes=4, data_parallelism=2, job="t",
+                             coordinator_candidates="2=127.0.0.1:1", **tls).validate()
+    daemon = Replicator(opts, rank=2, nodes=4, job="t", data_parallelism=2)
+    auth = daemon.coordinator.authorizer
+    assert auth == RankAuthorizer("t", True, PodRankRule("t", "workers", 2))
+    assert auth.refusal(_ctx(f"mtc://t/pod/{jobset_pod_name('t', 1, 1)}"), 3) is None
+    with pytest.raises(ConfigError, match="but this replicator is rank 2"):
+        Replicator(opts, rank=2, nodes=4, job="t", data_parallelism=1)  # 4 hosts per slice: the Pod is rank 4
+    Replicator(dataclasses.replace(opts, tls_pod_hosts_per_slice=2), rank=2, nodes=4, job="t", data_parallelism=1)

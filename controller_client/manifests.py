@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from controller_client.manifests_options import (  # noqa: F401  (re-exported: the public names)
+    CERT_MANAGER_CSI_DRIVER,
     COLOCATED_PYTHON_PORT,
     CONFIG_DIR,
     FRONT_DOORS,
@@ -36,6 +37,7 @@ from controller_client.manifests_options import (  # noqa: F401  (re-exported: t
     SIDECAR_SHM_DIR,
     SLICE_ANNOTATION,
     TLS_DIR,
+    TLS_IDENTITIES,
     TOKEN_DIR,
     TPU_INSTANCE_TYPES,
     UID,
@@ -105,6 +107,8 @@ def _priority_class(opts: ManifestOptions) -> dict[str, Any]:
 
 
 def _certificate(opts: ManifestOptions) -> dict[str, Any]:
+    if opts.tls_identity == "pod":
+        return _admin_certificate(opts)
     return {
         "apiVersion": "cert-manager.io/v1", "kind": "Certificate", "metadata": _meta(f"{opts.job}-mtc-tls", opts),
         "spec": {
@@ -114,6 +118,27 @@ def _certificate(opts: ManifestOptions) -> dict[str, Any]:
             # Peers and the controller dial <job>-workers-<s>-<h>.<job>:<port>; the wildcard covers every worker.
             "dnsNames": [f"*.{opts.subdomain}"],
             "usages": ["server auth", "client auth"],
+            "duration": "2160h", "renewBefore": "360h",
+            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
+            "issuerRef": {"name": opts.tls_issuer, "kind": opts.tls_issuer_kind, "group": "cert-manager.io"},
+        },
+    }
+
+
+def _admin_certificate(opts: ManifestOptions) -> dict[str, Any]:
+    """``--tls-identity pod``: the controller's (and operators') client certificate, ``mtc://<job>/admin``.
+
+    The worker Pods get theirs from cert-manager's csi-driver (manifests_jobsets._tls_volume). Under
+    ``--tls-rank-identity require`` only this identity may call the admin actions (pin, restore, backup now,
+    bad-copy reports); it can never report as a rank.
+    """
+    return {
+        "apiVersion": "cert-manager.io/v1", "kind": "Certificate", "metadata": _meta(f"{opts.job}-mtc-admin", opts),
+        "spec": {
+            "secretName": f"{opts.job}-mtc-admin",
+            "commonName": f"admin.{opts.job}.mtc",
+            "uris": [f"mtc://{opts.job}/admin"],
+            "usages": ["client auth"],
             "duration": "2160h", "renewBefore": "360h",
             "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
             "issuerRef": {"name": opts.tls_issuer, "kind": opts.tls_issuer_kind, "group": "cert-manager.io"},
@@ -235,6 +260,9 @@ _HELP = {
                "(emptyDir); default csi for the native front door, hostpath for orbax",
     "ramdisk_size": "RAM disk size per host (default 64Gi)",
     "tls": "mutual TLS from a cert-manager Certificate",
+    "tls_identity": "with --tls: shared (one Certificate for the job; any holder may report for any rank) or pod "
+                    "(cert-manager's csi-driver issues each worker Pod mtc://<job>/pod/<pod name>, reports bound "
+                    "to the rank the Pod name derives; needs the csi-driver installed); default shared",
     "priority_class": "priorityClassName of the worker Pods, e.g. high-prior-job (default: none)",
     "priority_value": "also create that PriorityClass with this value, e.g. 2000",
     "elastic_slices": "Pathways proxy --num_elastic_slices (default 0 = not elastic)",
@@ -281,7 +309,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
             parser.add_argument(flag, dest=name, type=kind, default=f.default,
-                                choices={"mode": MODES, "front_door": FRONT_DOORS}.get(name),
+                                choices={"mode": MODES, "front_door": FRONT_DOORS,
+                                         "tls_identity": TLS_IDENTITIES}.get(name),
                                 help=_HELP.get(name))
 
 

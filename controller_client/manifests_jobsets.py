@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from controller_client.manifests_options import (
+    CERT_MANAGER_CSI_DRIVER,
     COLOCATED_PYTHON_PORT,
     CONFIG_DIR,
     GKE_MTC_CSI_DRIVER,
@@ -156,6 +157,13 @@ def _replicator(opts: ManifestOptions) -> dict[str, Any]:
     if opts.tls:
         c["args"] += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key",
                       "--tls-ca", f"{TLS_DIR}/ca.crt"]
+    if opts.tls and opts.tls_identity == "pod":
+        # Each Pod's certificate names the Pod (mtc://<job>/pod/<job>-workers-<s>-<h>-<x>): reports are bound to
+        # the rank s * hosts_per_slice + h (--tls-pod-replicated-job's default is "workers"). Native mode derives
+        # hosts per slice from --nodes / --data-parallelism; Orbax mode's come from replicator.yaml, so say it.
+        c["args"] += ["--tls-rank-identity", "require"]
+        if opts.front_door_kind != "native":
+            c["args"] += ["--tls-pod-hosts-per-slice", str(opts.hosts_per_slice)]
     c["env"] = env
     c["ports"] = [{"name": "mtc-grpc", "containerPort": opts.grpc_port, "protocol": "TCP"},
                   {"name": "mtc-data", "containerPort": opts.data_port, "protocol": "TCP"},
@@ -182,12 +190,35 @@ def _replicator(opts: ManifestOptions) -> dict[str, Any]:
     return c
 
 
-def _common_volumes(opts: ManifestOptions) -> list[dict[str, Any]]:
+def _tls_volume(opts: ManifestOptions, *, worker: bool) -> dict[str, Any]:
+    """``mtc-tls``: tls.crt, tls.key and ca.crt, from the job's Certificate or (``--tls-identity pod``, workers) the csi-driver."""
+    if opts.tls_identity != "pod":
+        return {"name": "mtc-tls", "secret": {"secretName": f"{opts.job}-mtc-tls", "defaultMode": 0o440}}
+    if not worker:  # the controller: the admin identity (manifests._admin_certificate)
+        return {"name": "mtc-tls", "secret": {"secretName": f"{opts.job}-mtc-admin", "defaultMode": 0o440}}
+    prefix = "csi.cert-manager.io/"
+    # cert-manager's csi-driver requests a certificate for this Pod when the volume is mounted, renews it and
+    # deletes it with the Pod; it substitutes ${POD_NAME} (JobSet's <job>-workers-<slice>-<host>-<x>).
+    return {"name": "mtc-tls", "csi": {"driver": CERT_MANAGER_CSI_DRIVER, "readOnly": True, "volumeAttributes": {
+        prefix + "issuer-name": opts.tls_issuer, prefix + "issuer-kind": opts.tls_issuer_kind,
+        prefix + "issuer-group": "cert-manager.io",
+        # Peers and the controller dial <job>-workers-<s>-<h>.<job>:<port>, as for the shared certificate.
+        prefix + "dns-names": f"*.{opts.subdomain}",
+        prefix + "uri-sans": f"mtc://{opts.job}/pod/${{POD_NAME}}",
+        prefix + "key-usages": "server auth,client auth",
+        prefix + "key-algorithm": "ECDSA", prefix + "key-size": "256", prefix + "key-encoding": "PKCS8",
+        prefix + "duration": "2160h", prefix + "renew-before": "360h",
+        # The files are written for this group (mode 0440): the containers run as UID/GID 1000.
+        prefix + "fs-group": str(UID),
+    }}}
+
+
+def _common_volumes(opts: ManifestOptions, *, worker: bool = True) -> list[dict[str, Any]]:
     vols = [{"name": "mtc-config", "configMap": {"name": f"{opts.job}-mtc"}},
             {"name": "mtc-token", "secret": {"secretName": opts.token_secret, "defaultMode": 0o440}},
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
     if opts.tls:
-        vols.append({"name": "mtc-tls", "secret": {"secretName": f"{opts.job}-mtc-tls", "defaultMode": 0o440}})
+        vols.append(_tls_volume(opts, worker=worker))
     return vols
 
 
@@ -327,7 +358,7 @@ def _pathways_head(opts: ManifestOptions, instance_type: str, scratch: str) -> d
     head = _pod_spec(opts, worker=False)
     head["initContainers"] = [rm, proxy]
     head["containers"] = [controller]
-    head["volumes"] = [v for v in _common_volumes(opts) if v["name"] in {m["name"] for m in mounts}]
+    head["volumes"] = [v for v in _common_volumes(opts, worker=False) if v["name"] in {m["name"] for m in mounts}]
     if not head["volumes"]:
         del head["volumes"]
     return head

@@ -17,6 +17,12 @@ MODES = ("pathways", "multi-controller")
 FRONT_DOORS = ("native", "orbax")
 WORKER_FAILURE_POLICIES = ("restart-jobset", "restart-slice")
 RAMDISKS = ("csi", "hostpath", "memory")
+TLS_IDENTITIES = ("shared", "pod")
+# cert-manager's csi-driver: a key and certificate per Pod, requested when the Pod's volume is mounted.
+CERT_MANAGER_CSI_DRIVER = "csi.cert-manager.io"
+# Kubernetes' generateName keeps at most 58 characters of a name's prefix (63 minus the 5 random ones); the
+# Indexed Job controller truncates its Pods' prefix "<job name>-<index>-" beyond that.
+MAX_GENERATE_NAME_PREFIX = 58
 # GKE Multi-Tier Checkpointing's node RAM disk: a tmpfs owned by the node, kept across workload Pods.
 GKE_MTC_CSI_DRIVER = "multitier-checkpoint.csi.storage.gke.io"
 PART_OF = {"app.kubernetes.io/part-of": "multitier-checkpoint"}
@@ -69,6 +75,11 @@ class ManifestOptions:
         default: ``csi`` for native, ``hostpath`` for orbax (GKE's replicator would answer Orbax on csi).
       ramdisk_size: size of the RAM disk per host (Kubernetes quantity).
       tls: mutual TLS between replicators and the controller from a cert-manager ``Certificate``.
+      tls_identity: ``shared`` (one ``Certificate`` for every Pod; it names no rank, so the replicators run
+        with ``--tls-rank-identity auto`` and any holder may report for any rank) or ``pod`` (cert-manager's
+        csi-driver issues each worker Pod its own certificate, URI SAN ``mtc://<job>/pod/<pod name>``, whose
+        rank the replicators derive from the Pod name and bind reports to, ``--tls-rank-identity require``;
+        the controller gets a ``Certificate`` with the admin identity ``mtc://<job>/admin``).
       priority_class: ``priorityClassName`` of the worker Pods (hot-swap); empty = none.
       priority_value: also render that PriorityClass with this value (None = it already exists).
       elastic_slices: Pathways proxy ``--num_elastic_slices`` (0 = not elastic).
@@ -102,6 +113,7 @@ class ManifestOptions:
     tls: bool = False
     tls_issuer: str = "mtc-ca"
     tls_issuer_kind: str = "Issuer"
+    tls_identity: str = "shared"
     priority_class: str = ""
     priority_value: int | None = None
     elastic_slices: int = 0
@@ -205,6 +217,16 @@ class ManifestOptions:
                              f"from {sorted(reserved)}")
         if self.tls_issuer_kind not in ("Issuer", "ClusterIssuer"):
             raise ValueError(f"--tls-issuer-kind must be Issuer or ClusterIssuer, got {self.tls_issuer_kind!r}")
+        if self.tls_identity not in TLS_IDENTITIES:
+            raise ValueError(f"--tls-identity must be one of {', '.join(TLS_IDENTITIES)}, got {self.tls_identity!r}")
+        if self.tls_identity == "pod":
+            if not self.tls:
+                raise ValueError("--tls-identity pod needs --tls")
+            prefix = self.worker_host(self.slices - 1, self.hosts_per_slice - 1) + "-"
+            if len(prefix) > MAX_GENERATE_NAME_PREFIX:
+                raise ValueError(f"--tls-identity pod: the Pod name prefix {prefix!r} is longer than "
+                                 f"{MAX_GENERATE_NAME_PREFIX} characters, so Kubernetes would truncate it and the Pod "
+                                 "name would no longer carry slice and host: shorten --job")
         if self.priority_value is not None and not self.priority_class:
             raise ValueError("--priority-value needs --priority-class (the name of the class to create)")
         if self.priority_class and not _DNS_LABEL.match(self.priority_class):

@@ -36,6 +36,8 @@ BASES = tuple(BASE_OPTIONS)
 # Component name -> the Pathways base's options changed as the component changes them.
 COMPONENTS = {
     "tls": {"tls": True},
+    # Per-Pod certificates from cert-manager's csi-driver (rank-bound mTLS); instead of "tls", not with it.
+    "tls-pod-identity": {"tls": True, "tls_identity": "pod"},
     "priority-class": {"priority_class": "high-prior-job", "priority_value": 2000},
     "elastic": {"elastic_slices": 2},
     "ramdisk-hostpath": {"ramdisk": "hostpath"},

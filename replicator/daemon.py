@@ -112,7 +112,8 @@ class Replicator:
         # Mutual TLS: reports are bound to the rank the client certificate names (docs/security.md); this
         # also refuses to start with a certificate issued for another rank or job.
         try:
-            authorizer = rank_authorizer(self.tls(), job, opts.tls_rank_identity, rank)
+            authorizer = rank_authorizer(self.tls(), job, opts.tls_rank_identity, rank,
+                                         pods=opts.pod_rank_rule(job, nodes, data_parallelism))
         except ValueError as e:
             raise ConfigError(str(e)) from e
         if authorizer is not None and self.my_candidate is not None:

@@ -6,9 +6,10 @@ import argparse
 import dataclasses
 import ipaddress
 import os
+import re
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -16,6 +17,9 @@ from replicator.net.rpc import MAX_MESSAGE_BYTES
 from replicator.net.security import read_token_file
 from sidecar.layout import check_job_name
 from sidecar.parse import parse_int
+
+if TYPE_CHECKING:
+    from replicator.net.security import PodRankRule
 
 ENV_PREFIX = "MTC_"
 
@@ -84,11 +88,21 @@ class ReplicatorOptions:
         "CA bundle (PEM): enables mutual TLS (every caller presents a certificate it signed; reports are "
         "bound to the rank a certificate names)", "")
     tls_rank_identity: str = _opt(
-        "mutual TLS: a certificate naming mtc://JOB/rank/N may report only for rank N, an admin one "
+        "mutual TLS: a certificate naming mtc://JOB/rank/N may report only for rank N (one naming its Pod, "
+        "mtc://JOB/pod/POD, only for the rank of --tls-pod-replicated-job's rule), an admin one "
         "(mtc://JOB/admin) never; one naming no rank is refused when this is 'require', or with 'auto' "
         "(default) when this replicator's own certificate names a rank; then admin actions (pin, restore, "
         "backup now, bad-copy reports) need the admin certificate too (docs/security.md)",
         "auto", choices=("auto", "require"))
+    tls_pod_replicated_job: str = _opt(
+        "mutual TLS with per-Pod certificates (URI SAN mtc://JOB/pod/POD, e.g. cert-manager's csi-driver): the "
+        "JobSet replicated job whose Pods are the hosts; Pod JOB-<this>-S-H-xxxxx is rank S * hosts per slice "
+        "+ H, any other Pod name is refused (default workers; docs/security.md)",
+        "workers")
+    tls_pod_hosts_per_slice: int = _opt(
+        "hosts per slice in that rule (default 0 = --nodes / --data-parallelism; give it in Orbax mode, where "
+        "those are Orbax's)",
+        0)
     insecure: bool = _opt(
         'allow listening beyond loopback without --token-file or TLS (refused otherwise; docs/security.md)',
         False)
@@ -158,6 +172,13 @@ class ReplicatorOptions:
             "that reaches it could read every checkpoint and delete copies. Give a token (or TLS), listen "
             "on 127.0.0.1, or pass --insecure to accept that (see docs/security.md)"
         )
+
+    def pod_rank_rule(self, job: str, nodes: int, data_parallelism: int) -> PodRankRule:
+        """How per-Pod identities name ranks (``--tls-pod-replicated-job``, ``--tls-pod-hosts-per-slice``)."""
+        from replicator.net.security import PodRankRule
+
+        hosts = self.tls_pod_hosts_per_slice or max(1, nodes // max(1, data_parallelism))
+        return PodRankRule(job, self.tls_pod_replicated_job, hosts)
 
     def token(self) -> str | None:
         if not self.token_file:
@@ -250,6 +271,11 @@ class ReplicatorOptions:
                 raise ConfigError(f"--{name.replace('_', '-')} {v}: no such file")
         if self.tls_rank_identity == "require" and not (self.tls_ca and self.tls_cert):
             raise ConfigError("--tls-rank-identity require needs mutual TLS: --tls-cert, --tls-key and --tls-ca")
+        if self.tls_pod_hosts_per_slice < 0:
+            raise ConfigError(f"--tls-pod-hosts-per-slice must be >= 0, got {self.tls_pod_hosts_per_slice}")
+        if not re.fullmatch(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?", self.tls_pod_replicated_job):
+            raise ConfigError(f"--tls-pod-replicated-job {self.tls_pod_replicated_job!r} is not a replicated job "
+                              "name (a DNS label: lower-case letters, digits, '-')")
         _host_port(self.listen, "--listen")
         if not 0 <= self.data_port <= 65535:
             raise ConfigError(f"--data-port must be 0..65535, got {self.data_port}")

@@ -7,8 +7,10 @@
 - TLS from PEM files (``--tls-cert/--tls-key/--tls-ca``); giving a CA turns on mutual TLS (the server
   demands a client certificate signed by it, the client verifies the server with it).
 - Identities under mutual TLS: a certificate names who it is by a URI subject alternative name,
-  ``mtc://<job>/rank/<N>`` (a host of the job) or ``mtc://<job>/admin`` (the controller, ``mtc``).
-  :class:`RankAuthorizer` lets a rank certificate report only for its own rank (docs/security.md).
+  ``mtc://<job>/rank/<N>`` (a host of the job), ``mtc://<job>/pod/<pod name>`` (a host's per-Pod
+  certificate; :class:`PodRankRule` derives its rank from the JobSet Pod name) or ``mtc://<job>/admin``
+  (the controller, ``mtc``). :class:`RankAuthorizer` lets a host's certificate report only for its own
+  rank (docs/security.md).
 """
 
 from __future__ import annotations
@@ -214,8 +216,17 @@ class TlsOptions:
 # --------------------------------------------------------------------------- identities under mutual TLS
 
 IDENTITY_SCHEME = "mtc"
-# mtc://<job>/rank/<N> or mtc://<job>/admin; the job is percent-encoded (quote(job, safe="")).
-_IDENTITY_RE = re.compile(r"mtc://(?P<job>[^/?#]+)/(?:rank/(?P<rank>0|[1-9][0-9]{0,8})|(?P<admin>admin))")
+# A Kubernetes object name that is a DNS subdomain (RFC 1123, at most 253 characters): what a Pod is named.
+_POD_NAME = r"[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?"
+# mtc://<job>/rank/<N>, mtc://<job>/pod/<pod name> or mtc://<job>/admin; the job is percent-encoded
+# (quote(job, safe="")).
+_IDENTITY_RE = re.compile(r"mtc://(?P<job>[^/?#]+)/(?:rank/(?P<rank>0|[1-9][0-9]{0,8})|pod/(?P<pod>"
+                          + _POD_NAME + r")|(?P<admin>admin))")
+# What follows "<job>-<replicated job>-" in a JobSet Pod's name: the Job index (slice), the completion
+# index (host in slice), both decimal without leading zeros, and the 5-character suffix Kubernetes'
+# generateName appends (lower-case letters and digits).
+_POD_TAIL_RE = re.compile(r"(?P<slice>0|[1-9][0-9]{0,8})-(?P<host>0|[1-9][0-9]{0,8})-[a-z0-9]{5}")
+_DNS_LABEL_RE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
 # Auth-context keys (grpc core) holding a client certificate's URI SANs: gRPC >= 1.39 lists them under
 # peer_uri; every version lists all SANs (DNS, IP, URI) under x509_subject_alternative_name.
 _URI_KEYS = ("peer_uri", "x509_subject_alternative_name")
@@ -227,19 +238,23 @@ class IdentityError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class PeerIdentity:
-    """Who a client certificate says it is: host ``rank`` of ``job``, or an administrator (``rank`` None)."""
+    """Who a client certificate says it is: host ``rank`` of ``job``, the Pod ``pod`` of ``job`` (a host
+    whose rank :class:`PodRankRule` derives from the Pod's name), or an administrator (both None)."""
 
     job: str
     rank: int | None = None
+    pod: str | None = None
 
     @property
     def is_admin(self) -> bool:
-        return self.rank is None
+        return self.rank is None and self.pod is None
 
     @property
     def uri(self) -> str:
         """The URI SAN naming this identity (what a certificate carries)."""
         job = urllib.parse.quote(self.job, safe="")
+        if self.pod is not None:
+            return f"{IDENTITY_SCHEME}://{job}/pod/{self.pod}"
         return f"{IDENTITY_SCHEME}://{job}/admin" if self.rank is None else f"{IDENTITY_SCHEME}://{job}/rank/{self.rank}"
 
     def __str__(self) -> str:
@@ -253,6 +268,18 @@ def rank_identity(job: str, rank: int) -> PeerIdentity:
     if not job:
         raise ValueError("job must be non-empty")
     return PeerIdentity(job, rank)
+
+
+def pod_identity(job: str, pod: str) -> PeerIdentity:
+    """The identity of a per-Pod certificate of ``job``'s Pod ``pod`` (``mtc://<job>/pod/<pod>``).
+
+    cert-manager's csi-driver issues it with ``csi.cert-manager.io/uri-sans: mtc://<job>/pod/${POD_NAME}``.
+    """
+    if not job:
+        raise ValueError("job must be non-empty")
+    if not isinstance(pod, str) or re.fullmatch(_POD_NAME, pod) is None:
+        raise ValueError(f"{pod!r} is not a Pod name (a DNS subdomain: lower-case letters, digits, '-', '.')")
+    return PeerIdentity(job, None, pod)
 
 
 def admin_identity(job: str) -> PeerIdentity:
@@ -271,8 +298,11 @@ def parse_identity_uri(uri: str) -> PeerIdentity | None:
         return None
     m = _IDENTITY_RE.fullmatch(uri)
     if m is None:
-        raise IdentityError(f"{uri!r} is not an mtc identity: expected mtc://<job>/rank/<N> or mtc://<job>/admin")
+        raise IdentityError(f"{uri!r} is not an mtc identity: expected mtc://<job>/rank/<N>, "
+                            "mtc://<job>/pod/<pod name> or mtc://<job>/admin")
     job = urllib.parse.unquote(m["job"])
+    if m["pod"]:
+        return PeerIdentity(job, None, m["pod"])
     return PeerIdentity(job, None if m["admin"] else int(m["rank"]))
 
 
@@ -332,6 +362,68 @@ def identity_from_cert_file(path: Path) -> PeerIdentity | None:
     return identity_from_uris(san.get_values_for_type(x509.UniformResourceIdentifier))
 
 
+DEFAULT_REPLICATED_JOB = "workers"
+
+
+@dataclasses.dataclass(frozen=True)
+class PodRankRule:
+    """The rank a per-Pod identity ``mtc://<job>/pod/<pod name>`` stands for (docs/security.md).
+
+    JobSet names the Pods of replicated job ``R`` of JobSet ``J`` ``J-R-<job index>-<completion index>-<x>``
+    (the Job ``J-R-<job index>``, then Kubernetes' Indexed-Job ``generateName`` ``-<index>-`` and five random
+    characters). Our hosts are the Pods of one replicated job (``workers``) with one Job per slice, so:
+    the Pod name must be exactly ``<job>-<replicated_job>-<s>-<h>-<x>`` with ``<job>`` this job, ``<s>`` and
+    ``<h>`` decimal without leading zeros, ``h < hosts_per_slice`` and ``<x>`` five lower-case letters or
+    digits; its rank is ``s * hosts_per_slice + h``. Anything else is refused (:class:`IdentityError`),
+    never guessed. The parse is unambiguous: job and replicated job are fixed here, and the tail has a fixed
+    shape without further dashes.
+    """
+
+    job: str
+    replicated_job: str = DEFAULT_REPLICATED_JOB
+    hosts_per_slice: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.job:
+            raise ValueError("job must be non-empty")
+        if _DNS_LABEL_RE.fullmatch(self.replicated_job) is None:
+            raise ValueError(f"replicated job {self.replicated_job!r} is not a DNS label (lower-case letters, "
+                             "digits, '-')")
+        if not isinstance(self.hosts_per_slice, int) or isinstance(self.hosts_per_slice, bool) \
+                or self.hosts_per_slice < 1:
+            raise ValueError(f"hosts per slice must be an int >= 1, got {self.hosts_per_slice!r}")
+
+    @property
+    def pattern(self) -> str:
+        """The Pod names this rule accepts, for messages."""
+        return f"{self.job}-{self.replicated_job}-<slice>-<host>-<5 letters/digits>"
+
+    def place(self, pod: str) -> tuple[int, int]:
+        """``(slice, host in slice)`` of Pod ``pod``; IdentityError when the name does not follow the rule."""
+        return _pod_place(self, pod)
+
+    def rank_of(self, pod: str) -> int:
+        """The rank Pod ``pod`` is: ``slice * hosts_per_slice + host``; IdentityError when it names none."""
+        s, h = self.place(pod)
+        return s * self.hosts_per_slice + h
+
+
+@functools.lru_cache(maxsize=65536)
+def _pod_place(rule: PodRankRule, pod: str) -> tuple[int, int]:
+    # Memoised like _identity_of: a host presents the same certificate on every heartbeat (refusals raise
+    # and are not cached).
+    prefix = f"{rule.job}-{rule.replicated_job}-"
+    m = _POD_TAIL_RE.fullmatch(pod[len(prefix):]) if pod.startswith(prefix) else None
+    if m is None:
+        raise IdentityError(f"Pod {pod!r} is not a host of job {rule.job!r}: a host's Pod is named {rule.pattern} "
+                            f"(replicated job {rule.replicated_job!r}, indices without leading zeros)")
+    s, h = int(m["slice"]), int(m["host"])
+    if h >= rule.hosts_per_slice:
+        raise IdentityError(f"Pod {pod!r} is host {h} of slice {s}, but a slice has {rule.hosts_per_slice} "
+                            f"host(s) (0..{rule.hosts_per_slice - 1})")
+    return s, h
+
+
 class RankIdentityMode(enum.StrEnum):
     """``--tls-rank-identity``: what the coordinator does with a report whose certificate names no rank."""
 
@@ -346,12 +438,19 @@ class RankIdentityMode(enum.StrEnum):
 class RankAuthorizer:
     """Under mutual TLS: may the caller of a rank-scoped RPC (a heartbeat) act for the rank it claims?
 
-    A certificate naming ``mtc://<job>/rank/<N>`` may act only for rank N of that job; an admin
-    certificate (``mtc://<job>/admin``) never; one naming no identity only when ``require`` is False.
+    A certificate naming ``mtc://<job>/rank/<N>`` may act only for rank N of that job; one naming
+    ``mtc://<job>/pod/<pod>`` only for the rank ``pods`` derives from the Pod's name (refused when
+    ``pods`` is None or the name follows no rule); an admin certificate (``mtc://<job>/admin``) never;
+    one naming no identity only when ``require`` is False.
     """
 
     job: str
     require: bool = True
+    pods: PodRankRule | None = None
+
+    def __post_init__(self) -> None:
+        if self.pods is not None and self.pods.job != self.job:
+            raise ValueError(f"the Pod rule is for job {self.pods.job!r}, this authorizer for {self.job!r}")
 
     def refusal(self, auth_context: Mapping[str, Iterable[Any]] | None, rank: int) -> str | None:
         """Why a report claiming ``rank`` is refused (PERMISSION_DENIED), or None when it is allowed."""
@@ -364,16 +463,34 @@ class RankAuthorizer:
                 return None
             return (f"report for rank {rank} refused: {describe_certificate(auth_context)} names no rank; "
                     f"under mutual TLS a host's certificate must carry the URI SAN "
-                    f"{rank_identity(self.job, rank).uri} (docs/security.md)")
+                    f"{rank_identity(self.job, rank).uri} or its Pod's mtc://{self.job}/pod/<pod name> "
+                    "(docs/security.md)")
         if ident.job != self.job:
             return (f"report for rank {rank} refused: the certificate names {ident.uri}, a member of job "
                     f"{ident.job!r}, but this coordinator serves job {self.job!r}")
         if ident.is_admin:
             return (f"report for rank {rank} refused: the certificate {ident.uri} is an administrator's; it "
                     "may call status and admin RPCs but not report as a rank")
+        if ident.pod is not None:
+            return self._pod_refusal(ident.uri, ident.pod, rank)
         if ident.rank != rank:
             return (f"report for rank {rank} refused: the certificate names rank {ident.rank} ({ident.uri}); "
                     f"rank {ident.rank}'s certificate may report only for rank {ident.rank}")
+        return None
+
+    def _pod_refusal(self, uri: str, pod: str, rank: int) -> str | None:
+        if self.pods is None:
+            return (f"report for rank {rank} refused: the certificate {uri} names a Pod, and this "
+                    "coordinator has no rule mapping Pods to ranks")
+        try:
+            s, h = self.pods.place(pod)
+        except IdentityError as e:
+            return f"report for rank {rank} refused: the certificate {uri} names no rank: {e}"
+        derived = s * self.pods.hosts_per_slice + h
+        if derived != rank:
+            return (f"report for rank {rank} refused: the certificate {uri} is host {h} of slice {s}, "
+                    f"i.e. rank {derived} ({s} x {self.pods.hosts_per_slice} hosts per slice + {h}); it may "
+                    f"report only for rank {derived}")
         return None
 
     def admin_refusal(self, auth_context: Mapping[str, Iterable[Any]] | None, action: str) -> str | None:
@@ -421,12 +538,14 @@ class AdminGate:
 
 def rank_authorizer(
     tls: TlsOptions | None, job: str, mode: RankIdentityMode | str = RankIdentityMode.AUTO,
-    rank: int | None = None,
+    rank: int | None = None, pods: PodRankRule | None = None,
 ) -> RankAuthorizer | None:
     """The coordinator's :class:`RankAuthorizer` for a replicator's TLS options; None without mutual TLS.
 
-    Also checks this replicator's own certificate: one that names another job, another rank than
-    ``rank`` or an administrator raises ValueError (the host would be refused on every report).
+    ``pods``: how per-Pod identities map to ranks (None: they are refused). Also checks this replicator's own
+    certificate: one that names another job, another rank than ``rank`` (directly or through its Pod name),
+    a Pod name following no rule, or an administrator raises ValueError (the host would be refused on every
+    report).
     """
     mode = RankIdentityMode(mode)
     if tls is None or not tls.mutual:
@@ -440,7 +559,18 @@ def rank_authorizer(
             raise ValueError(f"{where}, a member of job {own.job!r}; this replicator serves job {job!r}")
         if own.is_admin:
             raise ValueError(f"{where}, an administrator's certificate; a replicator needs its rank's")
-        if rank is not None and own.rank != rank:
+        if own.pod is not None:
+            if pods is None:
+                raise ValueError(f"{where}, a Pod identity, but no rule maps Pods to ranks here")
+            try:
+                s, h = pods.place(own.pod)
+            except IdentityError as e:
+                raise ValueError(f"{where}: {e}") from None
+            derived = s * pods.hosts_per_slice + h
+            if rank is not None and derived != rank:
+                raise ValueError(f"{where}, host {h} of slice {s}, i.e. rank {derived} ({s} x "
+                                 f"{pods.hosts_per_slice} hosts per slice + {h}), but this replicator is rank {rank}")
+        elif rank is not None and own.rank != rank:
             raise ValueError(f"{where} but this replicator is rank {rank}")
     require = mode is RankIdentityMode.REQUIRE or own is not None
-    return RankAuthorizer(job, require=require)
+    return RankAuthorizer(job, require=require, pods=pods)

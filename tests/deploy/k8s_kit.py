@@ -56,7 +56,11 @@ def validate(doc: dict[str, Any]) -> None:
     if doc.get("apiVersion", "").startswith("cert-manager.io/"):
         spec = doc["spec"]
         assert spec["secretName"] and spec["issuerRef"]["name"], f"{where}: secretName and issuerRef"
-        assert set(spec["usages"]) >= {"server auth", "client auth"}, f"{where}: mutual TLS needs both usages"
+        # A client-only identity (the controller's mtc://<job>/admin) needs client auth; a serving one both.
+        client_only = bool(spec.get("uris")) and all(u.endswith("/admin") for u in spec["uris"])
+        need = {"client auth"} if client_only else {"server auth", "client auth"}
+        assert set(spec["usages"]) >= need, f"{where}: mutual TLS needs usages {sorted(need)}"
+        assert spec.get("dnsNames") or spec.get("uris") or spec.get("commonName"), f"{where}: names no one"
         return
     _k8s(doc, where)
 

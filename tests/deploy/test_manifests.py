@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,13 @@ CASES = {
     "multi-controller-native": mf.ManifestOptions(mode="multi-controller", front_door="native", job="orb",
                                                   backup_url="gs://b/ckpt", ramdisk="csi",
                                                   priority_class="high-prior-job"),
+    # Per-Pod certificates from cert-manager's csi-driver (rank-bound mTLS), each front door.
+    "pathways-pod-identity": mf.ManifestOptions(job="demo", slices=3, hosts_per_slice=4, tpu_topology="4x4",
+                                                backup_url="gs://b/ckpt", tls=True, tls_identity="pod"),
+    "multi-controller-pod-identity": mf.ManifestOptions(mode="multi-controller", job="orb", tls=True,
+                                                        tls_identity="pod"),
+    "multi-controller-native-pod-identity": mf.ManifestOptions(
+        mode="multi-controller", front_door="native", job="orb", ramdisk="csi", tls=True, tls_identity="pod"),
 }
 
 
@@ -114,6 +122,8 @@ def test_stdout_is_one_stream_of_the_same_objects(capsys: pytest.CaptureFixture[
     (["--data-port", "7070"], "must differ"),
     (["--tls", "--tls-issuer-kind", "Secret"], "ClusterIssuer"),
     (["--job", "x" * 55], "63 characters"),
+    (["--tls-identity", "pod"], "needs --tls"),
+    (["--tls", "--tls-identity", "pod", "--job", "x" * 47], "longer than 58 characters"),
 ])
 def test_impossible_options_are_refused(argv: list[str], message: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -381,8 +391,10 @@ def _materialize(objs: dict[str, dict[str, Any]], pod: dict[str, Any], container
                          and o["metadata"]["name"] == vol["configMap"]["name"]]
                 for k, v in cm["data"].items():
                     (d / k).write_text(v)
-            elif "secret" in vol and vol["secret"]["secretName"].endswith("-tls"):
-                for k in ("tls.crt", "tls.key", "ca.crt"):  # what cert-manager writes into the Secret
+            elif ("secret" in vol and vol["secret"]["secretName"].endswith("-tls")) or (
+                    vol.get("csi", {}).get("driver") == mf.CERT_MANAGER_CSI_DRIVER):
+                # What cert-manager writes into the Secret, or the csi-driver into the Pod's volume.
+                for k in ("tls.crt", "tls.key", "ca.crt"):
                     (d / k).write_text("-----BEGIN PLACEHOLDER-----\n")
             elif "secret" in vol:
                 (d / "token").write_text(TOKEN)
@@ -450,6 +462,8 @@ def test_every_worker_pod_gets_valid_options_rank_and_dns(case: str, tmp_path: P
             ports = {p["name"]: p["containerPort"] for p in c["ports"]}
             assert ports["mtc-grpc"] == opts.grpc_port and ports["mtc-data"] == o.data_port
             assert bool(o.tls_cert and o.tls_key and o.tls_ca) == opts.tls
+            # Per-Pod certificates bind reports to ranks; the job-wide one cannot (it names no rank).
+            assert o.tls_rank_identity == ("require" if opts.tls_identity == "pod" else "auto")
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if probe in c:
                     p = c[probe]
@@ -480,6 +494,73 @@ def test_every_worker_pod_gets_valid_options_rank_and_dns(case: str, tmp_path: P
             assert pod["terminationGracePeriodSeconds"] >= 2 * stop_budget
     if opts.front_door_kind == "native":
         assert sorted(ranks) == list(range(opts.nodes))
+
+
+# The variables cert-manager's csi-driver substitutes in its volume attributes (no labels, no annotations).
+CSI_DRIVER_VARIABLES = {"POD_NAME", "POD_NAMESPACE", "POD_UID", "SERVICE_ACCOUNT_NAME"}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c].tls_identity == "pod"])
+def test_csi_driver_certificates_bind_each_worker_pod_to_its_rank(case: str, tmp_path: Path, stub_dir: Path) -> None:
+    """Emulate the csi-driver from the rendered volume (its attributes, ${POD_NAME} = the Pod's JobSet name), issue
+    the certificate with a real CA, and run the replicator's own-certificate check and report authorizer on it."""
+    from replicator.net.security import TlsOptions, rank_authorizer
+    from tests.kits.certs import CertAuthority, jobset_pod_name
+
+    opts = CASES[case]
+    objs = mf.objects(opts)
+    wpod = _pod(objs["jobset.yaml"], "workers")
+    (vol,) = [v for v in wpod["volumes"] if v["name"] == "mtc-tls"]
+    csi = vol["csi"]
+    assert csi["driver"] == "csi.cert-manager.io" and csi["readOnly"] is True, "the csi-driver mounts read-only only"
+    attrs = {k.removeprefix("csi.cert-manager.io/"): v for k, v in csi["volumeAttributes"].items()}
+    assert all(k.startswith("csi.cert-manager.io/") for k in csi["volumeAttributes"])
+    assert (attrs["issuer-name"], attrs["issuer-kind"]) == (opts.tls_issuer, opts.tls_issuer_kind)
+    assert attrs["uri-sans"] == f"mtc://{opts.job}/pod/${{POD_NAME}}"
+    assert attrs["dns-names"] == f"*.{opts.job}"
+    assert set(attrs["key-usages"].split(",")) == {"server auth", "client auth"}
+    assert attrs["fs-group"] == "1000"
+    for v in csi["volumeAttributes"].values():
+        assert set(re.findall(r"\$\{([^}]*)\}", v)) <= CSI_DRIVER_VARIABLES, v
+    # Everything in the worker Pod that uses TLS mounts this volume: the replicator, a native trainer.
+    users = [c for c in _containers(wpod).values() if "mtc-tls" in _mounts(c)]
+    assert "mtc-replicator" in {c["name"] for c in users}
+    # The controller (Pathways head) and operators: a Certificate with the admin identity.
+    cert = objs["certificate.yaml"]
+    assert cert["spec"]["uris"] == [f"mtc://{opts.job}/admin"] and cert["spec"]["secretName"] == f"{opts.job}-mtc-admin"
+    if opts.mode == "pathways":
+        (head_tls,) = [v for v in _pod(objs["jobset.yaml"], "head")["volumes"] if v["name"] == "mtc-tls"]
+        assert head_tls["secret"]["secretName"] == cert["spec"]["secretName"]
+
+    ca = CertAuthority(tmp_path / "ca")
+    for s in range(opts.slices):
+        for h in range(opts.hosts_per_slice):
+            r = render_replicator(opts, s, h, tmp_path / f"pod-{s}-{h}", stub_dir)
+            pod_name = jobset_pod_name(opts.job, s, h)
+            pair = ca.issue(f"pod-{s}-{h}", attrs["uri-sans"].replace("${POD_NAME}", pod_name).split(","))
+            tls_dir = r.mounts[mf.TLS_DIR]
+            (tls_dir / "tls.crt").write_bytes(pair.cert.read_bytes())
+            (tls_dir / "tls.key").write_bytes(pair.key.read_bytes())
+            (tls_dir / "ca.crt").write_bytes(ca.ca_file.read_bytes())
+            o = _options(r)
+            rank = s * opts.hosts_per_slice + h
+            if o.orbax_mode:
+                # What replicator.yaml gives: Orbax's slice-major rank, the shape, and the job name (Orbax's
+                # run_name, by default $JOBSET_NAME), which replicator_options puts in place of the flags.
+                o = dataclasses.replace(o, job=opts.job, rank=rank, nodes=opts.nodes, data_parallelism=opts.slices)
+            job, nodes, dp = o.job, o.nodes, o.data_parallelism
+            tls = TlsOptions.from_args(o.tls_cert, o.tls_key, o.tls_ca)
+            auth = rank_authorizer(tls, job, o.tls_rank_identity, rank, pods=o.pod_rank_rule(job, nodes, dp))
+            assert auth is not None and auth.require
+            ctx = {"peer_uri": [f"mtc://{opts.job}/pod/{pod_name}".encode()]}
+            assert auth.refusal(ctx, rank) is None
+            assert f"it may report only for rank {rank}" in auth.refusal(ctx, (rank + 1) % opts.nodes)
+            # Another Pod's certificate in this Pod: the replicator refuses to start.
+            other = ca.issue("other", [f"mtc://{opts.job}/pod/{jobset_pod_name(opts.job, s, (h + 1) % opts.hosts_per_slice)}"])
+            if opts.hosts_per_slice > 1:
+                with pytest.raises(ValueError, match=f"but this replicator is rank {rank}"):
+                    rank_authorizer(TlsOptions(other.cert, other.key, ca.ca_file), job, o.tls_rank_identity, rank,
+                                    pods=o.pod_rank_rule(job, nodes, dp))
 
 
 def test_orbax_init_container_writes_jax_init_info(tmp_path: Path) -> None:
@@ -549,9 +630,10 @@ def _relpath(target: Path, start: Path) -> str:
     return os.path.relpath(target, start)
 
 
-COMPONENT_SETS = [[c] for c in ("tls", "priority-class", "elastic", "ramdisk-hostpath", "ramdisk-memory",
-                                "workload-identity")] + [["tls", "ramdisk-hostpath", "priority-class", "elastic",
-                                                          "workload-identity"]]
+COMPONENT_SETS = [[c] for c in ("tls", "tls-pod-identity", "priority-class", "elastic", "ramdisk-hostpath",
+                                "ramdisk-memory", "workload-identity")] + [
+    ["tls", "ramdisk-hostpath", "priority-class", "elastic", "workload-identity"],
+    ["tls-pod-identity", "ramdisk-hostpath", "priority-class", "elastic", "workload-identity"]]
 
 
 @pytest.mark.parametrize("components", COMPONENT_SETS, ids=lambda c: "+".join(c))

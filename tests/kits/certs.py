@@ -2,7 +2,8 @@
 
 Every certificate is usable as server and client (no extended key usage) for ``localhost`` and
 ``127.0.0.1``; identities are URI SANs as in docs/security.md (``mtc://<job>/rank/<N>``,
-``mtc://<job>/admin``). Operators do the same with openssl (the recipe in docs/security.md).
+``mtc://<job>/pod/<pod name>``, ``mtc://<job>/admin``). Operators do the same with openssl (the recipe in
+docs/security.md); per-Pod certificates are what cert-manager's csi-driver issues in a cluster.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from controller_client.demo.cluster import LocalCluster
-from replicator.net.security import TlsOptions, admin_identity, rank_identity
+from replicator.net.security import TlsOptions, admin_identity, pod_identity, rank_identity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,10 @@ class CertAuthority:
         """Host ``rank``'s certificate: URI SAN ``mtc://<job>/rank/<rank>``."""
         return self.issue(f"{job}-rank-{rank}", [rank_identity(job, rank).uri])
 
+    def issue_pod(self, job: str, pod: str) -> CertPair:
+        """A per-Pod certificate: URI SAN ``mtc://<job>/pod/<pod>`` (as the csi-driver templates ``${POD_NAME}``)."""
+        return self.issue(f"pod-{pod}", [pod_identity(job, pod).uri])
+
     def issue_admin(self, job: str) -> CertPair:
         """The controller's / operator's certificate: URI SAN ``mtc://<job>/admin``."""
         return self.issue(f"{job}-admin", [admin_identity(job).uri])
@@ -101,3 +106,25 @@ class RankCertCluster(LocalCluster):
 
     def _args(self, rank: int, listen: str) -> list[str]:
         return super()._args(rank, listen) + self.certs[rank].args(self.ca.ca_file)
+
+
+def jobset_pod_name(job: str, slice_index: int, host: int, replicated_job: str = "workers",
+                    suffix: str = "x7k2q") -> str:
+    """The name JobSet + the Indexed Job controller give Pod ``host`` of slice ``slice_index``."""
+    return f"{job}-{replicated_job}-{slice_index}-{host}-{suffix}"
+
+
+class PodCertCluster(LocalCluster):
+    """A :class:`LocalCluster` (job ``t``) whose rank r = s * hosts_per_slice + h runs with the per-Pod
+    certificate of JobSet Pod ``t-workers-<s>-<h>-<suffix>`` and ``--tls-rank-identity require``."""
+
+    def __init__(self, base: Path, nodes: int, data_parallelism: int, ca: CertAuthority, **kw):
+        super().__init__(base, nodes, data_parallelism, **kw)
+        self.ca = ca
+        self.hosts_per_slice = nodes // data_parallelism
+        self.pods = {r: jobset_pod_name("t", *divmod(r, self.hosts_per_slice)) for r in range(nodes)}
+        self.certs = {r: ca.issue_pod("t", pod) for r, pod in self.pods.items()}
+
+    def _args(self, rank: int, listen: str) -> list[str]:
+        return (super()._args(rank, listen) + self.certs[rank].args(self.ca.ca_file)
+                + ["--tls-rank-identity", "require"])

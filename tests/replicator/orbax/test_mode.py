@@ -93,7 +93,7 @@ def test_orbax_preservation_policy_and_delete_keep_our_copies(base) -> None:
     cl = _cluster(base, 2)
     _ok(cl, cl.run_job("pp", slices=2, save_steps="1,2,3", keep_latest=1))
     wait_for(lambda: all((cl.local(r) / "steps" / "3" / layout.MANIFEST_NAME).is_file() for r in range(2)),
-             what="step 3 ingested")
+             what="step 3 ingested", timeout=90)
     second = cl.run_job("pp", slices=2, restore_step=3, save_steps="4,5", keep_latest=1, delete_restored=True)
     _restored(cl, second, 3)  # and close() did not raise (rc 0)
     for r in range(2):
@@ -102,7 +102,7 @@ def test_orbax_preservation_policy_and_delete_keep_our_copies(base) -> None:
         holders = [cl.local(r) / "steps" / "3", *cl.local(r).glob("peer/*/3")]
         assert holders and all(checksums.verify_step_dir(h) for h in holders if h.is_dir())
     wait_for(lambda: all((cl.local(r) / "steps" / "5" / layout.MANIFEST_NAME).is_file() for r in range(2)),
-             what="step 5 ingested")
+             what="step 5 ingested", timeout=90)
     _restored(cl, cl.run_job("pp", slices=2, restore_step=5, keep_latest=1), 5)
 
 

@@ -1,6 +1,6 @@
 """Soak: 12 replicators on loopback, a trainer saving every second, random SIGKILLs of both.
 
-For ``MTC_SOAK_SECONDS`` (default 35) a chaos loop SIGKILLs a random replicator (the coordinator's
+For ``MTC_SOAK_SECONDS`` (default 20) a chaos loop SIGKILLs a random replicator (the coordinator's
 included) and restarts it after a moment, or SIGKILLs the trainer, whose restart restores the newest
 globally complete step (checked bit-exact) and saves on. Afterwards: no broken step is listed on any host,
 the newest complete step restores bit-exact on all 12 hosts, and every replicator's RSS (VmRSS, sampled
@@ -31,7 +31,7 @@ from replicator.coordinator.client import CoordinatorClient
 from sidecar import checksums
 from tests.crash import kit
 
-SOAK_SECONDS = float(os.environ.get("MTC_SOAK_SECONDS", "35"))
+SOAK_SECONDS = float(os.environ.get("MTC_SOAK_SECONDS", "20"))
 NODES, SLICES = 12, 2
 TRAINER = Path(__file__).with_name("trainer.py")
 RSS_BOUND_MB = 400.0  # generous: a replicator idles at ~60-80 MB

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import IO, Any
 
 LEVELS = ("debug", "info", "warning", "error")
@@ -85,6 +86,38 @@ class _ContextFilter(logging.Filter):
         return True
 
 
+class RateLimitFilter(logging.Filter):
+    """At most ``burst`` lines per ``window_seconds`` for each (logger, message template): hostile or broken
+    input (garbage protobufs, a client hammering a refused call) cannot flood the log. The first line let
+    through after a suppression says how many similar lines were dropped."""
+
+    def __init__(self, burst: int = 10, window_seconds: float = 60.0, clock: Any = time.monotonic):
+        super().__init__()
+        self.burst, self.window, self.clock = burst, window_seconds, clock
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, Any], list[float | int]] = {}  # key -> [window start, count, dropped]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.msg)
+        now = self.clock()
+        with self._lock:
+            st = self._seen.get(key)
+            if st is None or now - st[0] >= self.window:
+                dropped = int(st[2]) if st is not None else 0
+                self._seen[key] = [now, 1, 0]
+                if len(self._seen) > 4096:  # bounded: forget the oldest windows
+                    for k in sorted(self._seen, key=lambda k: self._seen[k][0])[:1024]:
+                        del self._seen[k]
+                if dropped:
+                    record.msg = f"{record.msg} ({dropped} similar lines suppressed in the last {self.window:.0f}s)"
+                return True
+            if st[1] < self.burst:
+                st[1] += 1
+                return True
+            st[2] += 1
+            return False
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line, with Cloud Logging's ``severity``, ``message`` and ``time``."""
 
@@ -107,6 +140,7 @@ def configure(level: str, fmt: str = DEFAULT_FORMAT, stream: IO[str] | None = No
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {FORMATS}, got {fmt!r}")
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.addFilter(RateLimitFilter())
     handler.addFilter(_ContextFilter())
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(FORMAT))
     logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)

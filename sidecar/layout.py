@@ -57,6 +57,9 @@ JOB_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _JOB_RE = re.compile(f"^{JOB_PATTERN}$")
 # Largest manifest we agree to parse: a guard against a hostile or corrupt peer.
 MAX_MANIFEST_BYTES = 256 << 20
+# Path components of one file name inside a step (Orbax's deepest are ~5): deeper names are refused, not
+# walked (Path.mkdir(parents=True) recurses once per missing component: 2,000 raised RecursionError).
+MAX_NAME_COMPONENTS = 64
 
 
 class ManifestError(ValueError):
@@ -108,7 +111,8 @@ def parse_step_name(name: str) -> int | None:
 def safe_relpath(name: str) -> PurePosixPath:
     """Validate a peer- or manifest-supplied relative file name.
 
-    Rejects empty names, absolute paths, ``..`` and ``.`` components, backslashes and NUL bytes.
+    Rejects empty names, absolute paths, ``..`` and ``.`` components, backslashes, NUL bytes, names over
+    4096 characters and names of more than ``MAX_NAME_COMPONENTS`` components.
     """
     if not isinstance(name, str) or not name or len(name) > 4096:
         raise ValueError(f"invalid file name {name!r}")
@@ -117,8 +121,12 @@ def safe_relpath(name: str) -> PurePosixPath:
     p = PurePosixPath(name)
     if p.is_absolute() or name.startswith("/"):
         raise ValueError(f"absolute path not allowed: {name!r}")
-    if any(part in ("..", ".", "") for part in name.split("/")):
+    parts = name.split("/")
+    if any(part in ("..", ".", "") for part in parts):
         raise ValueError(f"path component '..' or '.' or empty not allowed: {name!r}")
+    if len(parts) > MAX_NAME_COMPONENTS:
+        raise ValueError(f"file name of {len(parts)} path components (at most {MAX_NAME_COMPONENTS}): "
+                         f"{name[:80]!r}...")
     return p
 
 

@@ -78,3 +78,54 @@ def test_daemon_logs_each_save_and_copy_as_json(cluster_factory) -> None:
         save = next(x for x in got if x["message"].startswith("save: rank"))
         assert "step 3" in save["message"] and "bytes" in save["message"]
     mgr.close()
+
+
+def test_rate_limit_keeps_a_burst_per_template_then_counts_what_it_dropped() -> None:
+    now = [0.0]
+    f = logs.RateLimitFilter(burst=3, window_seconds=60, clock=lambda: now[0])
+
+    def rec(msg: str, name: str = "grpc._common") -> logging.LogRecord:
+        return logging.LogRecord(name, logging.ERROR, __file__, 1, msg, None, None)
+
+    passed = [f.filter(rec("Exception deserializing message!")) for _ in range(10)]
+    assert passed == [True] * 3 + [False] * 7
+    assert f.filter(rec("another template")) and f.filter(rec("Exception deserializing message!", "other"))
+    now[0] = 61.0
+    r = rec("Exception deserializing message!")
+    assert f.filter(r) and "(7 similar lines suppressed in the last 60s)" in r.getMessage()
+
+
+def test_garbage_protobufs_do_not_flood_the_replicators_log(tmp_path) -> None:
+    """Issue #19: 200 garbage requests wrote 200 ERROR tracebacks; now a burst, and the daemon still serves."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import grpc
+
+    from mtc_rpc import peer_pb2, peer_pb2_grpc
+    from tests.kits.jax_procs import REPO, free_port
+
+    port, err = free_port(), tmp_path / "err"
+    proc = subprocess.Popen([sys.executable, "-m", "replicator.main", "--local-dir", str(tmp_path / "ram"),
+                             "--rank", "0", "--nodes", "1", "--job", "t", "--listen", f"127.0.0.1:{port}"],
+                            stderr=err.open("w"), stdout=subprocess.DEVNULL, cwd=str(REPO))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ram" / "replicator.sock").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-2000:]
+            time.sleep(0.05)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            raw = ch.unary_unary("/mtc.v1.Peer/OpenTransfer", request_serializer=lambda b: b,
+                                 response_deserializer=lambda b: b)  # fmt: skip
+            for i in range(200):
+                with pytest.raises(grpc.RpcError):
+                    raw(b"\xff\xff\xff\x0f\x01garbage" + bytes([i]), timeout=5)
+            steps = peer_pb2_grpc.PeerStub(ch).ListSteps(peer_pb2.ListStepsRequest(), timeout=5)
+            assert list(steps.steps) == []
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    text = err.read_text()
+    assert 1 <= text.count("Exception deserializing message!") <= 10, text[-3000:]

@@ -433,3 +433,14 @@ def test_write_file_atomic_failure_keeps_the_old_file(tmp_path):
         commit.write_file_atomic(path, "not bytes")  # type: ignore[arg-type]
     assert path.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["small.json"]
+
+
+def test_a_2000_component_name_is_refused_not_walked(tmp_path):
+    """Issue #19: a peer's 2,000-component file name reached Path.mkdir(parents=True) -> RecursionError."""
+    deep = "/".join(["a"] * 2000)
+    with pytest.raises(ValueError, match="2000 path components"):
+        layout.safe_relpath(deep)
+    with pytest.raises(ValueError, match="path components"):
+        layout.resolve_under(tmp_path, deep)
+    ok = "/".join(["a"] * layout.MAX_NAME_COMPONENTS)
+    assert layout.resolve_under(tmp_path, ok) == tmp_path.resolve() / ok

@@ -87,7 +87,7 @@ class _ContextFilter(logging.Filter):
 
 
 class RateLimitFilter(logging.Filter):
-    """At most ``burst`` lines per ``window_seconds`` for each (logger, message template): hostile or broken
+    """At most ``burst`` warnings/errors per ``window_seconds`` for each (logger, message template): hostile or broken
     input (garbage protobufs, a client hammering a refused call) cannot flood the log. The first line let
     through after a suppression says how many similar lines were dropped."""
 
@@ -98,6 +98,8 @@ class RateLimitFilter(logging.Filter):
         self._seen: dict[tuple[str, Any], list[float | int]] = {}  # key -> [window start, count, dropped]
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:  # INFO/DEBUG lines are our own progress: each one is kept
+            return True
         key = (record.name, record.msg)
         now = self.clock()
         with self._lock:

@@ -21,6 +21,11 @@ its own data of 2 steps plus the attestation of its replica's identical data (st
   with per-host detail).
 - ``round_during_backup_vs_quiet_10k``: CPU of a quiet round while a backup of the newest step runs (every
   heartbeat asks the bucket scheduler for its upload task) / a quiet round without one, at the largest N.
+- ``host_query_seconds_10k``: the controller's side of a ``STEPS`` query at the largest N without a
+  coordinator (what ``latest_step()`` does): N hosts' answers (2 steps saved by every rank, each host
+  holding its own data) encoded into the colocated result rows, decoded and reduced by the shared
+  completeness rule, CPU seconds, best of 3; ``host_answer_bytes_10k``: the largest answer row's JSON
+  (bounded independent of N: savers travel as rank ranges; the row is ``QUERY_BYTES``).
 """
 
 from __future__ import annotations
@@ -248,6 +253,29 @@ def _slope(sizes: list[int], seconds: dict[int, float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
 
 
+def _host_query(n: int, reps: int = 3) -> tuple[float, int]:
+    """(CPU seconds of the controller's side of one STEPS query over ``n`` hosts, largest answer bytes)."""
+    from controller_client.dispatch import QUERY_BYTES
+    from sidecar import host, saves
+
+    every = saves.RankRanges.every(n)
+    answers = [host.StepsAnswer((1, 2), 0, tuple(saves.StepSave(s, s, every, saves.RankRanges.of([r]))
+                                                   for s in (1, 2))) for r in range(n)]
+    best, biggest = math.inf, 0
+    for _ in range(reps):
+        gc.collect()
+        t0 = time.process_time()
+        rows = [host.encode_result(host.HostQuery.STEPS, {r: a}, QUERY_BYTES) for r, a in enumerate(answers)]
+        got = {}
+        for row in rows:
+            got.update(host.decode_result(host.HostQuery.STEPS, row))
+        complete = saves.complete_steps(h for a in got.values() for h in a.held)
+        best = min(best, time.process_time() - t0)
+        assert complete == [1, 2] and len(got) == n, complete
+        biggest = max(int.from_bytes(bytes(row[:4]), "little") for row in rows)
+    return best, biggest
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1000,4000,10000")
@@ -294,6 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     status = sim.coord._status(pb.GetStatusRequest())
     result[f"status_bytes_{tag}"] = status.ByteSize()
     result[f"status_hosts_bytes_{tag}"] = sim.coord._status(pb.GetStatusRequest(hosts=True)).ByteSize()
+    q_seconds, q_bytes = _host_query(big)
+    result[f"host_query_seconds_{tag}"] = round(q_seconds, 3)
+    result[f"host_answer_bytes_{tag}"] = q_bytes
     print(json.dumps(result), flush=True)
 
 

@@ -14,72 +14,30 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mtc_rpc import admin_pb2, admin_pb2_grpc, tier_pb2
+from mtc_rpc import admin_pb2, tier_pb2
 from mtc_rpc import coordinator_pb2 as pb
-from mtc_rpc import coordinator_pb2_grpc as pb_grpc
-from replicator.coordinator.admin import ADMIN_ACTIONS, AdminServicer
-from replicator.coordinator.service import Coordinator
 from replicator.coordinator.topology import JobTopology
-from replicator.net import rpc
-from replicator.net.security import AdminGate, RankAuthorizer, TlsOptions
-from tests.kits.certs import CertAuthority, CertPair
+from replicator.net.security import RankAuthorizer
+from tests.kits.certs import CertAuthority
+from tests.kits.tls_coordinator import ServedCoordinator, beat, picture
 
 NODES = 3
 
 
-class Served:
-    def __init__(self, tmp: Path, authorizer: RankAuthorizer | None, server_tls: str = "mutual"):
-        self.ca = CertAuthority(tmp / "ca")
-        self.coord = Coordinator(JobTopology(NODES, 1, 1), "t", authorizer=authorizer)
-        self.admin = AdminServicer(self.coord)
-        server_cert = self.ca.issue_rank("t", 0)
-        tls = TlsOptions(server_cert.cert, server_cert.key, self.ca.ca_file if server_tls == "mutual" else None)
-        self.server, port = rpc.create_server(
-            "127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, self.admin.wrap(self.coord)),
-                            (admin_pb2_grpc.add_AdminServicer_to_server,
-                             AdminGate(self.admin, authorizer, ADMIN_ACTIONS) if authorizer else self.admin)],
-            tls=tls)
-        self.server.start()
-        self.address = f"127.0.0.1:{port}"
-        self.channels: list[grpc.Channel] = []
-
-    def stubs(self, pair: CertPair | None) -> tuple[pb_grpc.CoordinatorStub, admin_pb2_grpc.AdminStub]:
-        tls = TlsOptions(pair.cert, pair.key, self.ca.ca_file) if pair else TlsOptions(ca_file=self.ca.ca_file)
-        ch = rpc.make_channel(self.address, tls=tls)
-        self.channels.append(ch)
-        return pb_grpc.CoordinatorStub(ch), admin_pb2_grpc.AdminStub(ch)
-
-    def close(self) -> None:
-        for ch in self.channels:
-            ch.close()
-        self.server.stop(0)
+def served_coordinator(tmp: Path, authorizer: RankAuthorizer | None, server_tls: str = "mutual") -> ServedCoordinator:
+    ca = CertAuthority(tmp / "ca")
+    return ServedCoordinator(ca, JobTopology(NODES, 1, 1), authorizer, ca.issue_rank("t", 0),
+                             mutual=server_tls == "mutual")
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[Served]:
-    s = Served(tmp_path, RankAuthorizer("t", require=True))
+def served(tmp_path: Path) -> Iterator[ServedCoordinator]:
+    s = served_coordinator(tmp_path, RankAuthorizer("t", require=True))
     yield s
     s.close()
 
 
-def beat(stub: pb_grpc.CoordinatorStub, rank: int, step: int = 5, address: str = "") -> pb.HeartbeatResponse:
-    req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1000 + rank,
-                              address=address or f"127.0.0.1:{7000 + rank}", newest_saved_step=step,
-                              full_report=True, inventory_digest=f"d{rank}",
-                              holdings=[pb.Holding(owner_rank=rank, step=step, content_hash=f"h{rank}", size=10,
-                                                   tier=tier_pb2.TIER_LOCAL)])
-    return stub.Heartbeat(req, timeout=10)
-
-
-def picture(coord: Coordinator) -> tuple:
-    """Everything a heartbeat could change, as comparable values."""
-    st = coord.state
-    return (dict(st.registered), st.reported_count, coord.host_addresses(), dict(coord._digest),
-            {r: sorted((h.owner_rank, h.step, h.content_hash) for h in st.holdings_of(r)) for r in range(NODES)},
-            st.known_steps(), coord.max_epoch_seen, coord.preemption_noticed)
-
-
-def test_each_rank_reports_with_its_own_certificate(served: Served) -> None:
+def test_each_rank_reports_with_its_own_certificate(served: ServedCoordinator) -> None:
     for r in range(NODES):
         coord_stub, _ = served.stubs(served.ca.issue_rank("t", r))
         resp = beat(coord_stub, r)
@@ -88,30 +46,30 @@ def test_each_rank_reports_with_its_own_certificate(served: Served) -> None:
     assert served.coord.state.globally_complete_steps() == [5]
 
 
-def test_a_report_for_another_rank_is_denied_and_changes_nothing(served: Served) -> None:
+def test_a_report_for_another_rank_is_denied_and_changes_nothing(served: ServedCoordinator) -> None:
     stubs = {r: served.stubs(served.ca.issue_rank("t", r))[0] for r in range(NODES)}
     for r in range(NODES):
         beat(stubs[r], r)
     # A bad copy noted by an operator for rank 2: a forged full report would make the admin filter forget it.
     served.admin.bad.add(2, 2, 5)
-    before = picture(served.coord)
+    before = picture(served.coord, NODES)
     with pytest.raises(grpc.RpcError) as e:
         beat(stubs[1], 2, step=9, address="10.9.9.9:1")  # rank 1's certificate claims rank 2
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "rank 2" in e.value.details() and "names rank 1" in e.value.details()
-    assert picture(served.coord) == before
+    assert picture(served.coord, NODES) == before
     assert served.admin.bad._bad == {2: {(2, 5)}}
     # A deposing epoch in a forged report does not depose the coordinator either.
     req = pb.HeartbeatRequest(job="t", rank=0, incarnation=7, known_epoch=served.coord.epoch + 10**12)
     with pytest.raises(grpc.RpcError) as e:
         stubs[1].Heartbeat(req, timeout=10)
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert served.coord.active and picture(served.coord) == before
+    assert served.coord.active and picture(served.coord, NODES) == before
     # The real rank 2 still reports.
     beat(stubs[2], 2)
 
 
-def test_certificates_without_a_rank_are_refused_for_reports(served: Served) -> None:
+def test_certificates_without_a_rank_are_refused_for_reports(served: ServedCoordinator) -> None:
     for pair, why in ((served.ca.issue("plain-host"), "names no rank"),
                       (served.ca.issue_admin("t"), "administrator"),
                       (served.ca.issue("other-job", ["mtc://u/rank/1"]), "job 'u'"),
@@ -124,7 +82,7 @@ def test_certificates_without_a_rank_are_refused_for_reports(served: Served) -> 
     assert served.coord.state.registered == {}
 
 
-def test_admin_certificate_reads_status_and_calls_admin_rpcs(served: Served) -> None:
+def test_admin_certificate_reads_status_and_calls_admin_rpcs(served: ServedCoordinator) -> None:
     coord_stub, _ = served.stubs(served.ca.issue_rank("t", 0))
     beat(coord_stub, 0)
     admin_coord, admin_stub = served.stubs(served.ca.issue_admin("t"))
@@ -137,7 +95,7 @@ def test_admin_certificate_reads_status_and_calls_admin_rpcs(served: Served) -> 
     assert list(admin_stub.Pin(admin_pb2.PinRequest(step=5), timeout=10).pinned_steps) == [5]
 
 
-def test_admin_actions_need_the_admin_certificate(served: Served) -> None:
+def test_admin_actions_need_the_admin_certificate(served: ServedCoordinator) -> None:
     for pair in (served.ca.issue_rank("t", 1), served.ca.issue("plain-host"), served.ca.issue_admin("u")):
         _, admin_stub = served.stubs(pair)
         for call, req in ((admin_stub.Pin, admin_pb2.PinRequest(step=5)),
@@ -154,7 +112,7 @@ def test_admin_actions_need_the_admin_certificate(served: Served) -> None:
 
 
 def test_a_job_wide_certificate_reports_for_any_rank_when_identities_are_not_required(tmp_path: Path) -> None:
-    s = Served(tmp_path, RankAuthorizer("t", require=False))
+    s = served_coordinator(tmp_path, RankAuthorizer("t", require=False))
     try:
         shared, _ = s.stubs(s.ca.issue("job-wide"))
         for r in range(NODES):
@@ -174,7 +132,7 @@ def test_a_job_wide_certificate_reports_for_any_rank_when_identities_are_not_req
 
 def test_without_client_certificates_nothing_changes(tmp_path: Path) -> None:
     # TLS without --tls-ca: no client certificates, no authorizer (the daemon builds none): any rank reports.
-    s = Served(tmp_path, None, server_tls="server-only")
+    s = served_coordinator(tmp_path, None, server_tls="server-only")
     try:
         anonymous, _ = s.stubs(None)
         for r in range(NODES):

@@ -28,6 +28,7 @@ from replicator.coordinator.client import CoordinatorClient
 from replicator.net import rpc
 from tests.kits.certs import CertAuthority, RankCertCluster
 from tests.kits.cluster import REPO, save_steps, wait_for
+from tests.kits.tls_coordinator import host_rows
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +42,6 @@ def cluster(tmp_path: Path) -> Iterator[RankCertCluster]:
     finally:
         c.stop_all(signal.SIGKILL)
         subprocess.run(["rm", "-rf", str(base)], check=False)
-
-
-def hosts(client: CoordinatorClient) -> dict[int, tuple]:
-    """What a forged report could change, per rank: address, incarnation, reported, steps, pieces."""
-    return {h.rank: (h.address, h.incarnation, h.inventory_reported, list(h.steps), h.pieces)
-            for h in client.status(hosts=True).hosts}
 
 
 def test_per_rank_certificates_end_to_end_and_a_foreign_report_is_denied(cluster: RankCertCluster) -> None:
@@ -66,9 +61,9 @@ def test_per_rank_certificates_end_to_end_and_a_foreign_report_is_denied(cluster
         # Each host fetched the other's data over mutual TLS, presenting its own rank's certificate.
         wait_for(lambda: (cluster.ram(1) / "peer" / "0" / "1").is_dir()
                  and (cluster.ram(0) / "peer" / "1" / "1").is_dir(), what="ring copies", timeout=60)
-        wait_for(lambda: all(h[2] and h[3] == [1] and h[4] == 2 for h in hosts(status).values()),
+        wait_for(lambda: all(h[2] and h[3] == [1] and h[4] == 2 for h in host_rows(status).values()),
                  what="both hosts reported their step and copy")
-        before = hosts(status)
+        before = host_rows(status)
         assert set(before) == {0, 1} and before[0][0] and before[1][0]
 
         # A client holding rank 1's certificate claims rank 0: an empty full report with a new address and
@@ -83,7 +78,7 @@ def test_per_rank_certificates_end_to_end_and_a_foreign_report_is_denied(cluster
             assert "rank 0" in e.value.details() and "names rank 1" in e.value.details()
             # The same certificate still reads status (any certificate of the job's CA may).
             assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).hosts_registered == 2
-        assert hosts(status) == before
+        assert host_rows(status) == before
 
         # A certificate of the job's CA that names no rank, and the admin certificate, cannot report.
         for pair in (ca.issue("no-identity"), admin):
@@ -92,7 +87,7 @@ def test_per_rank_certificates_end_to_end_and_a_foreign_report_is_denied(cluster
                     pb_grpc.CoordinatorStub(ch).Heartbeat(
                         pb.HeartbeatRequest(job="t", rank=1, incarnation=1, full_report=True), timeout=10)
                 assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert hosts(status) == before
+        assert host_rows(status) == before
         assert "report for rank 0 refused" in (cluster.base / "logs" / "replicator-0.log").read_text()
 
         # Admin actions need the admin certificate: a host's cannot pin (or report others' copies bad).

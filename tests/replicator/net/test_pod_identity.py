@@ -19,20 +19,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtc_rpc import admin_pb2, admin_pb2_grpc, tier_pb2
+from mtc_rpc import admin_pb2
 from mtc_rpc import coordinator_pb2 as pb
-from mtc_rpc import coordinator_pb2_grpc as pb_grpc
-from replicator.coordinator.admin import ADMIN_ACTIONS, AdminServicer
-from replicator.coordinator.service import Coordinator
 from replicator.coordinator.topology import JobTopology
-from replicator.net import rpc
 from replicator.net.security import (
-    AdminGate,
     IdentityError,
     PeerIdentity,
     PodRankRule,
     RankAuthorizer,
-    TlsOptions,
     identity_from_auth_context,
     identity_from_cert_file,
     parse_identity_uri,
@@ -40,7 +34,8 @@ from replicator.net.security import (
     rank_authorizer,
 )
 from replicator.options import ConfigError, ReplicatorOptions
-from tests.kits.certs import CertAuthority, CertPair, jobset_pod_name
+from tests.kits.certs import CertAuthority, jobset_pod_name
+from tests.kits.tls_coordinator import ServedCoordinator, beat, picture
 
 SLICES, HOSTS = 2, 2
 NODES = SLICES * HOSTS
@@ -192,59 +187,21 @@ def test_replicator_options_give_the_rule(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- mutual TLS, real gRPC server
 
 
-class Served:
+def served_coordinator(tmp: Path) -> ServedCoordinator:
     """The coordinator and its admin layer on 127.0.0.1, requiring identities, with the Pod rule for 2 x 2."""
-
-    def __init__(self, tmp: Path):
-        self.ca = CertAuthority(tmp / "ca")
-        authorizer = RankAuthorizer("t", require=True, pods=RULE)
-        self.coord = Coordinator(JobTopology(NODES, SLICES, 1), "t", authorizer=authorizer)
-        self.admin = AdminServicer(self.coord)
-        server_cert = self.ca.issue_pod("t", jobset_pod_name("t", 0, 0))
-        self.server, port = rpc.create_server(
-            "127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, self.admin.wrap(self.coord)),
-                            (admin_pb2_grpc.add_AdminServicer_to_server,
-                             AdminGate(self.admin, authorizer, ADMIN_ACTIONS))],
-            tls=TlsOptions(server_cert.cert, server_cert.key, self.ca.ca_file))
-        self.server.start()
-        self.address = f"127.0.0.1:{port}"
-        self.channels: list[grpc.Channel] = []
-
-    def stubs(self, pair: CertPair) -> tuple[pb_grpc.CoordinatorStub, admin_pb2_grpc.AdminStub]:
-        ch = rpc.make_channel(self.address, tls=pair.tls(self.ca.ca_file))
-        self.channels.append(ch)
-        return pb_grpc.CoordinatorStub(ch), admin_pb2_grpc.AdminStub(ch)
-
-    def close(self) -> None:
-        for ch in self.channels:
-            ch.close()
-        self.server.stop(0)
+    ca = CertAuthority(tmp / "ca")
+    return ServedCoordinator(ca, JobTopology(NODES, SLICES, 1), RankAuthorizer("t", require=True, pods=RULE),
+                             ca.issue_pod("t", jobset_pod_name("t", 0, 0)))
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[Served]:
-    s = Served(tmp_path)
+def served(tmp_path: Path) -> Iterator[ServedCoordinator]:
+    s = served_coordinator(tmp_path)
     yield s
     s.close()
 
 
-def beat(stub: pb_grpc.CoordinatorStub, rank: int, step: int = 5, address: str = "") -> pb.HeartbeatResponse:
-    req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1000 + rank,
-                              address=address or f"127.0.0.1:{7000 + rank}", newest_saved_step=step,
-                              full_report=True, inventory_digest=f"d{rank}",
-                              holdings=[pb.Holding(owner_rank=rank, step=step, content_hash=f"h{rank}", size=10,
-                                                   tier=tier_pb2.TIER_LOCAL)])
-    return stub.Heartbeat(req, timeout=10)
-
-
-def picture(coord: Coordinator) -> tuple:
-    st = coord.state
-    return (dict(st.registered), st.reported_count, coord.host_addresses(),
-            {r: sorted((h.owner_rank, h.step, h.content_hash) for h in st.holdings_of(r)) for r in range(NODES)},
-            st.known_steps())
-
-
-def test_each_pod_reports_as_its_derived_rank(served: Served) -> None:
+def test_each_pod_reports_as_its_derived_rank(served: ServedCoordinator) -> None:
     for s in range(SLICES):
         for h in range(HOSTS):
             coord_stub, _ = served.stubs(served.ca.issue_pod("t", jobset_pod_name("t", s, h)))
@@ -253,12 +210,12 @@ def test_each_pod_reports_as_its_derived_rank(served: Served) -> None:
     assert served.coord.state.globally_complete_steps() == [5]
 
 
-def test_a_pod_reporting_as_another_rank_is_denied_and_changes_nothing(served: Served) -> None:
+def test_a_pod_reporting_as_another_rank_is_denied_and_changes_nothing(served: ServedCoordinator) -> None:
     pods = {r: served.stubs(served.ca.issue_pod("t", jobset_pod_name("t", *divmod(r, HOSTS))))[0]
             for r in range(NODES)}
     for r in range(NODES):
         beat(pods[r], r)
-    before = picture(served.coord)
+    before = picture(served.coord, NODES)
     # Slice 1's host 0 (rank 2) claims every other rank, e.g. rank 3 (its neighbour) or rank 0 (slice 0's).
     for claimed in (0, 1, 3):
         with pytest.raises(grpc.RpcError) as e:
@@ -267,7 +224,7 @@ def test_a_pod_reporting_as_another_rank_is_denied_and_changes_nothing(served: S
         assert e.value.details() == (
             f"report for rank {claimed} refused: the certificate mtc://t/pod/{jobset_pod_name('t', 1, 0)} is host 0 "
             "of slice 1, i.e. rank 2 (1 x 2 hosts per slice + 0); it may report only for rank 2")
-    assert picture(served.coord) == before
+    assert picture(served.coord, NODES) == before
     beat(pods[3], 3)  # the real rank 3 still reports
 
 
@@ -279,7 +236,7 @@ def test_a_pod_reporting_as_another_rank_is_denied_and_changes_nothing(served: S
     ("mtc://t/pod/t-workers-0-3-x7k2q", "is host 3 of slice 0, but a slice has 2 host(s)"),
     ("mtc://t/pod/t-workers-0-1", "is not a host of job 't'"),
 ])
-def test_pod_certificates_that_name_no_rank_of_this_job_are_denied(served: Served, uri: str, why: str) -> None:
+def test_pod_certificates_that_name_no_rank_of_this_job_are_denied(served: ServedCoordinator, uri: str, why: str) -> None:
     coord_stub, admin_stub = served.stubs(served.ca.issue("stray", [uri]))
     with pytest.raises(grpc.RpcError) as e:
         beat(coord_stub, 1)
@@ -290,7 +247,7 @@ def test_pod_certificates_that_name_no_rank_of_this_job_are_denied(served: Serve
     assert coord_stub.GetStatus(pb.GetStatusRequest(), timeout=10).hosts_registered == 0
 
 
-def test_a_pod_certificate_is_not_an_admin_one(served: Served) -> None:
+def test_a_pod_certificate_is_not_an_admin_one(served: ServedCoordinator) -> None:
     coord_stub, admin_stub = served.stubs(served.ca.issue_pod("t", jobset_pod_name("t", 0, 1)))
     beat(coord_stub, 1)
     with pytest.raises(grpc.RpcError) as e:

@@ -29,6 +29,7 @@ from replicator.coordinator.client import CoordinatorClient
 from replicator.net import rpc
 from tests.kits.certs import CertAuthority, PodCertCluster, jobset_pod_name
 from tests.kits.cluster import REPO, save_steps, wait_for
+from tests.kits.tls_coordinator import host_rows
 
 pytestmark = pytest.mark.slow
 
@@ -42,11 +43,6 @@ def cluster(tmp_path: Path) -> Iterator[PodCertCluster]:
     finally:
         c.stop_all(signal.SIGKILL)
         subprocess.run(["rm", "-rf", str(base)], check=False)
-
-
-def hosts(client: CoordinatorClient) -> dict[int, tuple]:
-    return {h.rank: (h.address, h.incarnation, h.inventory_reported, list(h.steps), h.pieces)
-            for h in client.status(hosts=True).hosts}
 
 
 def test_pod_certificates_end_to_end_and_a_foreign_report_is_denied(cluster: PodCertCluster) -> None:
@@ -63,10 +59,10 @@ def test_pod_certificates_end_to_end_and_a_foreign_report_is_denied(cluster: Pod
     try:
         save_steps(mgr, [1], replicated_over_slices=False)
         wait_for(lambda: mgr.latest_step() == 1, what="step 1 complete with per-Pod certificates", timeout=60)
-        wait_for(lambda: set(hosts(status)) == {0, 1, 2, 3}
-                 and all(h[2] and h[3] == [1] and h[4] >= 2 for h in hosts(status).values()),
+        wait_for(lambda: set(host_rows(status)) == {0, 1, 2, 3}
+                 and all(h[2] and h[3] == [1] and h[4] >= 2 for h in host_rows(status).values()),
                  what="every host reported its step and a copy", timeout=60)
-        before = hosts(status)
+        before = host_rows(status)
 
         # Slice 1's host 0 (rank 2) claims rank 3: an empty full report would wipe rank 3's inventory.
         with rpc.make_channel(cluster.coordinator, tls=cluster.certs[2].tls(ca.ca_file)) as ch:
@@ -87,7 +83,7 @@ def test_pod_certificates_end_to_end_and_a_foreign_report_is_denied(cluster: Pod
                         pb.HeartbeatRequest(job="t", rank=0, incarnation=1, full_report=True), timeout=10)
                 assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
                 assert "report for rank 0 refused" in e.value.details()
-        assert hosts(status) == before
+        assert host_rows(status) == before
         assert "report for rank 3 refused" in (cluster.base / "logs" / "replicator-0.log").read_text()
     finally:
         mgr.close()

@@ -159,16 +159,20 @@ def _check_leaf(src: reader.StepSource, leaf: RestoreLeaf) -> reader.SavedArray:
 
 
 def open_step(config: HostConfig, rank: int, step: int,
-              located: dict[int, tuple[tuple[int, ...], int]] | None = None) -> reader.StepSource:
+              located: dict[int, tuple[tuple[int, ...], int]] | None = None,
+              bad: dict[Path, str] | None = None) -> reader.StepSource:
     """The committed data of ``step`` that ``rank`` may read (its own directory first); with
     ``remote_fetch``, also what the host's replicator can bring from peers or the bucket.
 
     ``located``: where the step's savers were already located during this restore (shared by the ranks
-    of one call, so that one restore asks the coordinator ``LocateStep`` once, not once per rank)."""
+    of one call, so that one restore asks the coordinator ``LocateStep`` once, not once per rank).
+    ``bad``: the corrupt copies found (and dropped) so far by the ranks of one call, shared, so that a rank
+    that opens the step after another dropped a copy still reports corruption, not absence."""
     fetcher = None
     if config.remote_fetch:
         fetcher = ReplicatorFetcher(config.root(rank), config.fetch_timeout_seconds, located=located)
-    return reader.StepSource(step, config.read_roots(rank), fetcher=fetcher, drop_bad=True, own_rank=rank)
+    return reader.StepSource(step, config.read_roots(rank), fetcher=fetcher, drop_bad=True, own_rank=rank,
+                             bad=bad)
 
 
 def check_structure(src: reader.StepSource, paths: Sequence[str]) -> None:
@@ -195,7 +199,8 @@ def restore_on_hosts(
     """Build each leaf's arrays from the verified saved shards; each rank fills its own devices only."""
     writer.raise_failures([writer.writer_for(config.root(r), config.write_threads) for r in ranks], wait=True)
     located: dict[int, tuple[tuple[int, ...], int]] = {}
-    sources = {r: open_step(config, r, step, located) for r in ranks}
+    bad: dict[Path, str] = {}
+    sources = {r: open_step(config, r, step, located, bad) for r in ranks}
     try:
         arrays = _restore_leaves(config, sources, leaves, all_paths)
         values = next(iter(sources.values())).values if sources else {}

@@ -90,6 +90,11 @@ class BadCopyError(checksums.ChecksumError):
     """A copy of a shard is unusable (checksum mismatch, short or missing file); other copies may be fine."""
 
 
+class CorruptStepError(OSError):
+    """Part of a step could not be read because the copies that held it were corrupt (and no other tier
+    had it): corruption, not absence. Names each bad copy and what was wrong with it."""
+
+
 class StepSource:
     """All committed data of one step reachable from some host roots (own dir first), plus what a
     :class:`Fetcher` can bring from peers or the bucket.
@@ -103,7 +108,7 @@ class StepSource:
     """
 
     def __init__(self, step: int, roots: Iterable[Path], fetcher: Fetcher | None = None,
-                 drop_bad: bool = False, own_rank: int | None = None):
+                 drop_bad: bool = False, own_rank: int | None = None, bad: dict[Path, str] | None = None):
         self.step = step
         # The rank whose RAM disk ``roots[0]`` is: its own data, when fetched, is fetched whole (the host's
         # copy of its own step must be complete again), other ranks' file by file.
@@ -127,6 +132,8 @@ class StepSource:
         self._remote: dict[int, layout.StepManifest] = {}  # manifests of ranks with no copy on this host
         self._scratch: dict[Path, int] = {}  # scratch directory of fetched files -> owner rank
         self._have: dict[tuple[int, str], Path] = {}  # (owner, file) -> scratch directory holding it
+        # Copies found corrupt (and dropped) -> why; may be shared by the ranks of one restore call.
+        self.bad: dict[Path, str] = bad if bad is not None else {}
         found = []
         for root in self.roots:
             for d in step_dirs_in(root, step):
@@ -179,6 +186,7 @@ class StepSource:
         with self._heal, self._lock:
             if copy and self._copy_at.get(step_dir, copy) != copy:
                 return
+            self.bad[step_dir] = str(why)
             for sa in self.arrays.values():
                 for idx in list(sa.shards):
                     sa.shards[idx] = [loc for loc in sa.shards[idx] if loc.step_dir != step_dir]
@@ -511,10 +519,12 @@ class StepSource:
                          f"(rank {first}: {self.unreachable[first]})")
             else:
                 where = f"no tier holds it (savers {list(self.savers)}, reachable here {sorted(self.owners)})"
-            raise FileNotFoundError(
-                f"step {self.step}: the saved shards reachable here cover {covered} of {size} "
-                f"elements of {path!r}{list(index)}; {where}"
-            )
+            msg = (f"step {self.step}: the saved shards reachable here cover {covered} of {size} "
+                   f"elements of {path!r}{list(index)}; {where}")
+            if self.bad:
+                bad = "; ".join(f"{d}: {why}" for d, why in sorted(self.bad.items()))
+                raise CorruptStepError(f"{msg}; corrupt copies (dropped): {bad}")
+            raise FileNotFoundError(msg)
         return out
 
 

@@ -464,3 +464,21 @@ def test_restore_does_not_quietly_go_back_past_the_reported_latest_step(ram_dir,
         assert_same(got, trees[2])
         assert any("step 3, which latest_step() reported" in r.getMessage() and "restoring step 2" in r.getMessage()
                    for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_corrupt_manifest_is_reported_as_corruption_not_absence(ram_dir):
+    """Issue #19: the only copy of host 1's data with a corrupt manifest made restore say the data "lives on
+    another host" (FileNotFoundError); now it names the corrupt copy and what is wrong with it."""
+    from sidecar import reader
+
+    devs = jax.devices()
+    mesh, spec = MESHES["2x4"](devs)
+    tree = make_tree(mesh, spec)
+    with make_manager(ram_dir) as mgr:
+        assert mgr.save(1, tree)
+        mgr.wait_until_finished()
+        m = ram_dir / "1" / "steps" / "1" / layout.MANIFEST_NAME
+        m.write_text(m.read_text()[:-20] + "garbage")
+        assert mgr.latest_step() is None  # rank 1's data is not held: the step is not complete
+        with pytest.raises(reader.CorruptStepError, match=r"corrupt copies \(dropped\): .*/1/steps/1: manifest is not valid JSON"):
+            mgr.restore(1, abstract(tree, mesh, spec))

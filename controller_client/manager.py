@@ -47,7 +47,9 @@ class CheckpointManagerOptions:
       token_file: file with the replicators' bearer token.
       tls_cert_file, tls_key_file, tls_ca_file: TLS for the coordinator connection (as the replicators'
         ``--tls-cert/--tls-key/--tls-ca``; with a CA the client presents the certificate: mutual TLS).
-      restore_wait_seconds: how long ``restore`` waits for every host to hold its data.
+      restore_wait_seconds: how long ``restore`` waits for every host to hold its data; with replicators
+        it also retries (backoff) a restore that fails for want of data the coordinator still counts
+        complete on some tier (a host being replaced, a replicator restarting) for this long.
       newest_wait_seconds: how long ``restore()`` without a step waits for the newest step that
         ``latest_step``/``all_steps`` reported to be complete again (a replicator restarting, a host being
         replaced and refilled) before it restores an older one; that restore logs a warning naming both
@@ -334,11 +336,8 @@ class CheckpointManager:
                 requests.append(self._leaf_for(path, leaf))
                 positions.append(i)
         t0 = time.monotonic()
-        try:
-            restored = self.dispatcher.restore(step, requests, all_paths)
-            arrays, values = restored.arrays, restored.values
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"restore of step {step} onto hosts {self.active_ranks}: {e}") from e
+        restored = self._restore_waiting(step, requests, all_paths)
+        arrays, values = restored.arrays, restored.values
         out = [None] * len(leaves)
         for i, req, arr in zip(positions, requests, arrays, strict=True):
             if req.as_bytes:
@@ -352,6 +351,24 @@ class CheckpointManager:
         log.info("restored step %d in %.3fs", step, time.monotonic() - t0)
         self._restored_step = self._newest_reported = step
         return tree.unflatten(treedef, out)
+
+    def _restore_waiting(self, step: int, requests: list[host.RestoreLeaf], all_paths: list[str]) -> Any:
+        """One restore fan-out; with replicators, repeated (backoff) for up to ``restore_wait_seconds``
+        while it fails for want of data that the coordinator still counts complete on some tier (a host
+        being replaced or a replicator restarting mid-restore: its data comes back in seconds)."""
+        deadline = time.monotonic() + self.options.restore_wait_seconds
+        pause = 0.5
+        while True:
+            try:
+                return self.dispatcher.restore(step, requests, all_paths)
+            except FileNotFoundError as e:
+                why = f"restore of step {step} onto hosts {self.active_ranks}: {e}"
+                if (self._coordinator is None or time.monotonic() + pause > deadline
+                        or step not in self._complete_steps()):
+                    raise FileNotFoundError(why) from e
+                log.warning("%s; step %d is complete on some tier: retrying in %.1fs", why, step, pause)
+                time.sleep(pause)
+                pause = min(5.0, pause * 2)
 
     def _steps_reaching_newest_reported(self) -> list[int]:
         """The complete steps, once the newest includes the newest this manager reported, or after

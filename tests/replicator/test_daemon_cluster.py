@@ -65,6 +65,32 @@ def test_wiped_host_restored_from_its_data_parallel_replica(cluster_factory):
     mgr.close()
 
 
+def test_a_restore_in_flight_waits_for_a_replaced_hosts_replicator(cluster_factory):
+    """Issue #19 (restore x host): host 3 is replaced (replicator down, RAM disk empty) while a restore
+    runs; the restore gave up at once ("no replicator serves ...") although restore_wait_seconds allowed
+    more. Now host 3's reader waits for its replicator and the restore completes, bit-exact."""
+    import threading
+    import time
+
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.start_all()
+    mgr = manager(cl, 2, 2)
+    trees = save_steps(mgr, [1])
+    wait_for(lambda: redundant(cl, 1), what="step 1 redundant", timeout=60)
+    cl.procs[3].stop()
+    cl.wipe(3)
+    back = threading.Timer(3.0, lambda: cl.start(3))  # the replacement host's replicator starts a bit later
+    back.start()
+    t0 = time.monotonic()
+    try:
+        out = mgr.restore(1, target(trees[1]))
+    finally:
+        back.join()
+    assert time.monotonic() - t0 >= 3.0  # it did wait for the replicator
+    assert_equal(trees[1], out)
+    mgr.close()
+
+
 def test_single_slice_ring_copy_restores_a_wiped_host(cluster_factory):
     cl = cluster_factory(nodes=4, data_parallelism=1)
     cl.start_all()

@@ -302,7 +302,10 @@ class BucketScheduler(BackupScheduler):
         if newest_complete is None:
             return None
         if self._backed_up(state, newest_complete):
-            self.retry_at, self.retry_count = None, 0  # e.g. a deposed coordinator's run committed it
+            if self.last_step is None or newest_complete >= self.last_step:
+                self.retry_at, self.retry_count = None, 0  # e.g. a deposed coordinator's run committed it
+            # else: an older step (hosts were lost) is backed up; the failed run of a newer one is still
+            # owed once that step is complete again (found by the simulation, seed 1619).
             return None
         if self.retry_at is not None:
             # The last run failed: the newest complete step is not in the bucket; redo after the back-off.

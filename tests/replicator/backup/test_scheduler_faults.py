@@ -262,3 +262,30 @@ def test_a_backup_committed_after_the_listing_is_learned_when_the_newest_step_fa
     job.beat(0, run=False)
     assert job.state.newest_complete_step() == 1
     assert [s.kind for s in job.state.rank_sources(1, 1)] == [Tier.BUCKET]
+
+
+def test_a_failed_run_is_still_redone_after_the_newest_step_fell_back_to_a_backed_up_one(tmp_path: Path) -> None:
+    """backup-reaches-newest (simulation seed 1619): the run of step 2 was abandoned (its only holder of
+    rank 1 was replaced); while the newest complete step was step 1, already in the bucket, the pending redo
+    was forgotten, and once step 2 was complete again it was never backed up (the interval counted from the
+    failed run)."""
+    job = Job(tmp_path, 2, replicas=0)
+    for r in (0, 1):
+        job.save(1, r)
+        job.report(r)
+    job.rounds(4)
+    assert job.committed() == [1]
+    for r in (0, 1):
+        job.save(2, r)
+        job.report(r)
+    assert job.beat(0, run=False) is not None and job.sched.current.step == 2  # type: ignore[union-attr]
+    job.start_host(1, 2, root="host1-new")  # replaced: rank 1's step 2 is gone, the run is abandoned
+    job.clock.now += 1.5  # (open shares are re-checked at most once a second)
+    job.beat(0, run=False)
+    assert job.sched.current is None and job.sched.retry_at is not None
+    assert job.state.newest_complete_step() == 1  # rank 1 from the bucket: step 1 is backed up
+    job.rounds(2)
+    job.start_host(1, 3)  # the host is back with its RAM disk: step 2 is complete again
+    job.clock.now += 20.0
+    job.rounds(4)
+    assert job.committed() == [1, 2], job.sched.last_error

@@ -3,8 +3,9 @@
 No I/O, no threads, no clocks: a :class:`CoordinatorState` is fed events (registrations, inventories,
 committed steps, backups, hosts declared lost — liveness takes ``now`` from the caller) and answers
 queries. Every answer depends only on the *current* facts, never on the order they arrived in, so a
-restarted coordinator that receives every host's report again gives the same answers. Derived views
-are maintained incrementally (see :class:`CoordinatorState`); ``tests/replicator/coordinator/
+restarted coordinator that receives every host's report again gives the same answers. (One fact is the
+coordinator's own: the deletions it ordered that the holder has not reported on yet, :meth:`deleting`.)
+Derived views are maintained incrementally (see :class:`CoordinatorState`); ``tests/replicator/coordinator/
 test_incremental.py`` checks them against a from-scratch recomputation. Rules are summarised in
 ``docs/coordinator.md``.
 
@@ -14,7 +15,7 @@ replicas of a rank usually hold data with the same hash; such a replica counts a
 The value objects it takes and returns (:class:`~replicator.coordinator.model.Holding`, ``Tier``,
 ``CopyTask``, ``RestorePlan`` ...) are in :mod:`replicator.coordinator.model`.
 
-Why one ~950-line module: it is one class whose derived views (per-group completeness, copy plans, the
+Why one ~1,000-line module: it is one class whose derived views (per-group completeness, copy plans, the
 restorable step, GC pins) are updated together on every event; split across modules they would share
 private state, which is what the incremental-vs-recomputed test guards.
 """

@@ -197,6 +197,7 @@ class Fetcher:
 
         def attempt(src: Source) -> None:
             if self.store.holds_data_for(rank, task.step, src.content_hash):
+                self.store.attest_restored(task.step, src.content_hash)  # held as a replica's copy
                 return
             t1 = time.monotonic()
             if src.tier is not Tier.BUCKET and self.store.has(src.owner_rank, task.step):
@@ -214,6 +215,10 @@ class Fetcher:
             self.counters.add("restore_bytes", nbytes)
             log.info("restore: rank %d now holds its data of step %d from %s rank %d: %d bytes in %.3fs",
                      rank, task.step, src.tier, src.holder_rank, nbytes, now - t0)
+            if src.owner_rank != rank:
+                # Kept under the replica's name: record (and report) that it is this rank's data too, so the
+                # identity does not rest on the replica's host alone (issue #19).
+                self.store.attest_restored(task.step, src.content_hash)
 
         fetch_from([self.source(s) for s in task.sources], attempt,
                         what=f"restore of rank {rank} step {task.step}", missing="")
@@ -231,6 +236,8 @@ class Fetcher:
                 if self.store.has(src.owner_rank, step):
                     self.store.delete(src.owner_rank, step)  # a stale copy of an older save
                 src.bring(step)
+            if owner == self.store.rank and src.owner_rank != owner:
+                self.store.attest_restored(step, src.content_hash)  # this rank's data as a replica's copy
             rel = self.store.step_dir(src.owner_rank, step).relative_to(self.store.root).as_posix()
             log.info("rank %d's data of step %d fetched for the sidecar from %s", owner, step, src.where)
             return rel, b""

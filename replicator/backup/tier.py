@@ -36,6 +36,8 @@ RETRY_BASE_SECONDS = 1.0
 RETRY_MAX_SECONDS = 16.0
 # How often (at most) every open share of the running backup is checked against the holders' reports.
 RECHECK_SECONDS = 1.0
+# While the newest complete step stays below the newest one seen, the bucket is listed again at most this often.
+RELIST_SECONDS = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +228,8 @@ class BucketScheduler(BackupScheduler):
         # complete step first, whatever the interval, with a growing back-off: not before retry_at.
         self.retry_at: float | None = None
         self.retry_count = 0
+        self._newest_seen: int | None = None  # the newest complete step seen so far
+        self._relisted: tuple[int | None, float] | None = None  # (newest complete step, when) of the last re-list
 
     # ------------------------------------------------------------------ bucket -> state
     def _load(self, state: CoordinatorState) -> None:
@@ -298,7 +302,10 @@ class BucketScheduler(BackupScheduler):
         if newest_complete is None:
             return None
         if self._backed_up(state, newest_complete):
-            self.retry_at, self.retry_count = None, 0  # e.g. a deposed coordinator's run committed it
+            if self.last_step is None or newest_complete >= self.last_step:
+                self.retry_at, self.retry_count = None, 0  # e.g. a deposed coordinator's run committed it
+            # else: an older step (hosts were lost) is backed up; the failed run of a newer one is still
+            # owed once that step is complete again (found by the simulation, seed 1619).
             return None
         if self.retry_at is not None:
             # The last run failed: the newest complete step is not in the bucket; redo after the back-off.
@@ -358,6 +365,10 @@ class BucketScheduler(BackupScheduler):
         self._load(state)
         self._finish_commit(state)
         newest = state.newest_complete_step()
+        if self._fell_back(newest):
+            self._relist(state)
+            newest = state.newest_complete_step()
+            self._relisted = (newest, self.clock())
         due = self._due(state, newest)
         if self.current is None and self._commit_thread is None:
             if due is not None:
@@ -518,6 +529,48 @@ class BucketScheduler(BackupScheduler):
                 state.report_backup(gone, committed=False)
         log.info("backup of step %d committed in %.2fs %s", step,
                  self.clock() - (cur.started if cur else self.clock()), note)
+
+    def _fell_back(self, newest: int | None) -> bool:
+        """Whether to list the bucket again: the newest complete step fell below the newest one seen (hosts
+        were lost), and a backup this scheduler did not commit may be newer than what it knows (a deposed
+        coordinator's run that committed after this one listed the bucket; issue #19, found by
+        tests/simulation). Once per fall, then at most every RELIST_SECONDS while it lasts. O(1)."""
+        top = self._newest_seen
+        if newest is not None and (top is None or newest >= top):
+            self._newest_seen, self._relisted = newest, None
+            return False
+        if top is None:
+            return False
+        last = self._relisted
+        return last is None or last[0] != newest or self.clock() - last[1] >= RELIST_SECONDS
+
+    def _relist(self, state: CoordinatorState) -> None:
+        """Learn every committed backup from the bucket again (new ones reported, vanished ones withdrawn)."""
+        try:
+            steps = self.bucket.committed_steps()
+        except Exception as e:
+            log.warning("cannot list backups: %s", e)
+            return
+        learned = []
+        for step in steps:
+            if step in self.committed and state.backup_rank_count(step):
+                continue
+            try:
+                rec, _ = self.bucket.commit_record(step)
+                self.committed_gen[step] = self.bucket.committed_generation(step)
+                state.report_backup(step, committed=True,
+                                    content_hashes={r: h for r, h in enumerate(rec.rank_hashes) if h})
+                learned.append(step)
+            except Exception as e:
+                log.warning("ignoring unreadable backup of step %d: %s", step, e)
+        for gone in set(self.committed) - set(steps):
+            if state.backup_ranks(gone):
+                state.report_backup(gone, committed=False)
+        self.committed = steps
+        self.committed_gen = {s: g for s, g in self.committed_gen.items() if s in steps}
+        if learned:
+            log.warning("the newest complete step fell back: the bucket holds backups of steps %s this "
+                        "coordinator did not know of", learned)
 
     def _learn_committed(self, state: CoordinatorState, step: int) -> None:
         try:

@@ -22,7 +22,10 @@ class Tier(enum.StrEnum):
     PEER = "peer"  # a copy of another rank's data on this host's RAM disk
     # An attestation, not bytes: this host's own LOCAL data of the step was verified (by hash) to be
     # identical to ``owner_rank``'s, a data-parallel replica of it. Reporting it keeps that knowledge
-    # alive after the owner's host is lost and across a coordinator restart.
+    # alive after the owner's host is lost and across a coordinator restart. With ``owner_rank`` the
+    # host's own rank (a self-attestation): the host restored its rank's data of the step from a
+    # replica's byte-identical data and keeps it as that replica's peer copy; the holding says that
+    # its own rank's data has this hash, so the identity survives the loss of the replica's host.
     REPLICA = "replica"
     BUCKET = "bucket"  # a committed backup
 

@@ -3,8 +3,9 @@
 No I/O, no threads, no clocks: a :class:`CoordinatorState` is fed events (registrations, inventories,
 committed steps, backups, hosts declared lost — liveness takes ``now`` from the caller) and answers
 queries. Every answer depends only on the *current* facts, never on the order they arrived in, so a
-restarted coordinator that receives every host's report again gives the same answers. Derived views
-are maintained incrementally (see :class:`CoordinatorState`); ``tests/replicator/coordinator/
+restarted coordinator that receives every host's report again gives the same answers. (One fact is the
+coordinator's own: the deletions it ordered that the holder has not reported on yet, :meth:`deleting`.)
+Derived views are maintained incrementally (see :class:`CoordinatorState`); ``tests/replicator/coordinator/
 test_incremental.py`` checks them against a from-scratch recomputation. Rules are summarised in
 ``docs/coordinator.md``.
 
@@ -14,7 +15,7 @@ replicas of a rank usually hold data with the same hash; such a replica counts a
 The value objects it takes and returns (:class:`~replicator.coordinator.model.Holding`, ``Tier``,
 ``CopyTask``, ``RestorePlan`` ...) are in :mod:`replicator.coordinator.model`.
 
-Why one ~950-line module: it is one class whose derived views (per-group completeness, copy plans, the
+Why one ~1,000-line module: it is one class whose derived views (per-group completeness, copy plans, the
 restorable step, GC pins) are updated together on every event; split across modules they would share
 private state, which is what the incremental-vs-recomputed test guards.
 """
@@ -81,8 +82,12 @@ class CoordinatorState:
         self._retired: dict[int, collections.deque[int]] = {}
         self._reported: set[int] = set()
         self._holdings: dict[int, dict[Key, Holding]] = {}
-        # step -> owner_rank -> holder_rank -> Holding (the same objects as in _holdings).
+        # step -> owner_rank -> holder_rank -> Holding (the same objects as in _holdings), without the
+        # pieces whose deletion this coordinator ordered and the holder has not reported on since.
         self._index: dict[int, dict[int, dict[int, Holding]]] = {}
+        # holder -> (owner_rank, step) pieces with a deletion in flight: they count for nothing (see
+        # :meth:`deleting`), so that no answer names a step whose pieces are just being deleted.
+        self._deleting: dict[int, set[Key]] = {}
         # step -> rank -> content hash (None: committed in the bucket, hash not reported).
         self._bucket: dict[int, dict[int, str | None]] = {}
         self._backups_in_progress: set[int] = set()
@@ -265,6 +270,41 @@ class CoordinatorState:
     def unpin(self, step: int) -> None:
         self._pinned.discard(check_int("step", step))
         self.version += 1
+
+    def deleting(self, holder: int, keys: Iterable[Key]) -> None:
+        """This coordinator ordered host ``holder`` to delete these pieces (its GC answer).
+
+        Until the holder's next accepted report (:meth:`deletions_acted`) they count toward nothing:
+        no coverage, completeness, restore source, copy source or accepted hash. Otherwise, when the
+        newest complete step stops being complete, the fallback could be an older step whose pieces
+        are being deleted right now, and a restore of it would fail (issue #19, found by
+        tests/simulation). O(len(keys)).
+        """
+        held = self._holdings.get(holder)
+        if not held:
+            return
+        marked = self._deleting.setdefault(holder, set())
+        for key in keys:
+            if key in held and key not in marked:
+                marked.add(key)
+                self._unindex(holder, held[key])
+        if not marked:
+            del self._deleting[holder]
+
+    def deletions_acted(self, holder: int) -> None:
+        """Host ``holder``'s report after its deletions was applied: what it still holds counts again
+        (a deletion it skipped, e.g. while a task used the piece, or an answer it never received).
+        O(the deletions in flight)."""
+        marked = self._deleting.pop(holder, None)
+        held = self._holdings.get(holder, {})
+        for key in sorted(marked or ()):
+            h = held.get(key)
+            if h is not None:
+                self._index_add(holder, h)
+
+    def deletions_in_flight(self) -> dict[int, list[Key]]:
+        """holder -> pieces with a deletion in flight (for tests and from-scratch comparisons)."""
+        return {r: sorted(keys) for r, keys in sorted(self._deleting.items())}
 
     # ---------------------------------------------------------------------------------------- queries
 
@@ -678,7 +718,8 @@ class CoordinatorState:
                 raise ValueError(f"host {holder} reports rank {h.owner_rank}'s data as local")
             if h.tier is Tier.PEER and h.owner_rank == holder:
                 raise ValueError(f"host {holder} reports its own data as a peer copy")
-            if h.tier is Tier.REPLICA and h.owner_rank not in self.topology.replicas_of(holder):
+            if (h.tier is Tier.REPLICA and h.owner_rank != holder
+                    and h.owner_rank not in self.topology.replicas_of(holder)):
                 raise ValueError(f"rank {h.owner_rank} is not a data-parallel replica of host {holder}")
             prev = out.get(h.key)
             if prev is not None and prev != h:
@@ -722,7 +763,17 @@ class CoordinatorState:
                 del self._generations[gone.step]
             elif max(gens) != before:
                 self._touch_all_groups(gone.step)
-        owner, step = key
+        marked = self._deleting.get(holder)
+        if marked is not None and key in marked:
+            marked.discard(key)  # not indexed while its deletion was in flight
+            if not marked:
+                del self._deleting[holder]
+            self._touch(gone.step, gone.owner_rank)
+        else:
+            self._unindex(holder, gone)
+
+    def _unindex(self, holder: int, h: Holding) -> None:
+        owner, step = h.key
         by_owner = self._index[step]
         del by_owner[owner][holder]
         if not by_owner[owner]:
@@ -730,6 +781,10 @@ class CoordinatorState:
         if not by_owner:
             del self._index[step]
         self._touch(step, owner)
+
+    def _index_add(self, holder: int, h: Holding) -> None:
+        self._index.setdefault(h.step, {}).setdefault(h.owner_rank, {})[holder] = h
+        self._touch(h.step, h.owner_rank)
 
     def _drop_holdings(self, holder: int) -> None:
         for key in list(self._holdings.get(holder, {})):
@@ -881,6 +936,9 @@ class CoordinatorState:
                 rep_size = by_owner[rep][rep].size
                 tasks.append(CopyTask(owner, step, rep, rep, a.content_hash, rep_size, hash_only=True))
             have = set(holders) | set(attested) | set(identical)
+            mine = pieces.get(owner)
+            if mine is not None and mine.tier is Tier.REPLICA and mine.content_hash == a.content_hash:
+                have.add(owner)  # the owner's host holds it as a replica's bytes (restored from them)
             needed = want_total - len(have)
             if needed <= 0 or not holders:
                 continue  # enough copies, or no bytes of this rank's data to copy from

@@ -353,6 +353,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     for h in holdings:
                         st.report_committed(rank, h, request.incarnation)
                     accepted = True
+                if accepted:
+                    st.deletions_acted(rank)  # it acted on our last answer: what it kept counts again
             except StaleIncarnationError as e:
                 self._abort_bad(context, str(e), grpc.StatusCode.FAILED_PRECONDITION)
             except (NotRegisteredError, ValueError) as e:
@@ -422,8 +424,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         # from the hosts that moved to its successor, sees them all as lost), and with nothing complete
         # deleting saves no step (issue #19, found by tests/simulation).
         if all_reported and (newest is not None or not st.lost):
-            for owner, step in st.gc_for(rank, self.keep_local):
+            doomed = st.gc_for(rank, self.keep_local)
+            for owner, step in doomed:
                 resp.deletions.append(pb.Deletion(owner_rank=owner, step=step))
+            # Counted for nothing from now until the host's next report: no fallback to a step whose
+            # pieces are being deleted (issue #19, found by tests/simulation).
+            st.deleting(rank, doomed)
         task = self._restore_task(rank)
         if task is not None:
             resp.restore.CopyFrom(task)

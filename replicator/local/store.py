@@ -118,11 +118,22 @@ class RamDiskStore:
         with self._lock:
             replicas = dict(self._replica_of)
         for (owner, step), h in replicas.items():
-            if own_hash.get(step) == h and (owner, step) not in held:
+            if (owner, step) in held:
+                continue
+            if owner == self.rank:  # a self-attestation: valid while the replica's bytes it names are here
+                pm = self._peer_copy_with(step, h, out)
+                if pm is not None:
+                    out.append(Holding(owner, step, h, 0, Tier.REPLICA, pm.generation, pm.savers))
+            elif own_hash.get(step) == h:
                 om = self.manifest(self.rank, step)
                 out.append(Holding(owner, step, h, 0, Tier.REPLICA, om.generation if om else 0,
                                    rank_ranges(om.savers) if om else ()))
         return out
+
+    @staticmethod
+    def _peer_copy_with(step: int, content_hash: str, held: list[Holding]) -> Holding | None:
+        return next((x for x in held if x.step == step and x.tier is Tier.PEER and x.content_hash == content_hash),
+                    None)
 
     def backup_requests(self) -> list[int]:
         """Steps whose immediate backup the writer asked for (Orbax mode overrides this; native: none)."""
@@ -153,6 +164,25 @@ class RamDiskStore:
             self._save_replicas()
         return True
 
+    def attest_restored(self, step: int, content_hash: str | None) -> bool:
+        """Record that this rank's data of ``step`` is the byte-identical peer copy of a data-parallel replica
+        held here (a restore from the replica's data, which keeps the replica's name): a self-attestation,
+        reported as this rank's :attr:`Tier.REPLICA` holding while that copy is here, so the identity
+        survives the loss of the replica's host (issue #19). False (nothing recorded): no such copy, or the
+        own data of the step is here."""
+        if not content_hash or self.has(self.rank, step):
+            return False
+        if not any(s == step and self.has(o, s, content_hash) for o, s in self.peer_steps()):
+            return False
+        with self._lock:
+            if self._replica_of.get((self.rank, step)) == content_hash:
+                return True
+            self._replica_of[(self.rank, step)] = content_hash
+            self._save_replicas()
+        log.info("rank %d's data of step %d is a replica's copy held here (content %s)", self.rank, step,
+                 content_hash[:12])
+        return True
+
     # ------------------------------------------------------------------ deletion
     def delete(self, owner: int, step: int) -> None:
         d = self.step_dir(owner, step)
@@ -160,9 +190,16 @@ class RamDiskStore:
         faults.point("gc.after_delete")
         with self._lock:
             self._cache.pop(d, None)
+        # A self-attestation goes with the last replica's copy it names (checked outside the lock: manifest()).
+        left = {m.content_hash for o, s in self.peer_steps() if s == step and (m := self.manifest(o, s)) is not None}
+        with self._lock:
             changed = False
             for key in [k for k in self._replica_of if k[1] == step and (owner == self.rank or k[0] == owner)]:
                 del self._replica_of[key]
+                changed = True
+            mine = self._replica_of.get((self.rank, step))
+            if mine is not None and mine not in left:
+                del self._replica_of[(self.rank, step)]
                 changed = True
             if changed:
                 self._save_replicas()

@@ -14,7 +14,9 @@ After every event (safety):
   than the newest step that was ever *durable* (by the coordinator's own facts it stays complete whichever
   single host is lost) while the model (RAM disks of up hosts, the bucket) still holds every rank's data of
   that step. A step that was complete but not yet durable may be lost with one host: the coordinator
-  cannot know a replica's data is identical once the only record of it is gone.
+  cannot know a replica's data is identical once the only record of it is gone. Not checked while a host
+  that is up is declared lost (its heartbeats were lost): the coordinator cannot know what it holds until it
+  reports again.
 - ``gc-protected``: no host deletes (on a coordinator's order) a piece of the newest complete step (the
   coordinator's, or the newest durable one if newer), of the step the backup uploads, or of the step pinned
   for a restore, while the model holds it.
@@ -111,6 +113,9 @@ def from_facts(st: CoordinatorState, without: int | None = None) -> CoordinatorS
         ranks = st.backup_ranks(step)
         if ranks:
             new.report_backup_ranks(step, ranks)
+    for r, keys in st.deletions_in_flight().items():
+        if r != without:
+            new.deleting(r, keys)
     for step in st.pinned:
         new.pin(step)
     for step in st.backing_up:
@@ -172,6 +177,8 @@ def check_after_event(sim: Sim, kind: str) -> None:
             if _durable(sim, newest):
                 sim.max_durable_seen = newest
     top = sim.max_durable_seen
+    if any(h.up and h.rank in st.lost for h in sim.hosts):
+        return  # a live host whose reports were lost was declared lost: the coordinator cannot know better
     if top is not None and (newest is None or newest < top) and model_holds(sim, top):
         violate(sim, "newest-complete-regressed",
                 f"the newest complete step is {newest} although step {top} survived the loss of any one host "

@@ -139,10 +139,22 @@ class Host:
         return h if h is not None and h.tier is not Tier.REPLICA else None
 
     def delete(self, owner: int, step: int) -> None:
-        self.disk.pop((owner, step), None)
+        gone = self.disk.pop((owner, step), None)
         if owner == self.rank:  # attestations name the own step: they go with it
             for k in [k for k, h in self.disk.items() if h.step == step and h.tier is Tier.REPLICA]:
                 del self.disk[k]
+        elif gone is not None:  # a self-attestation goes with the last bytes it names
+            mine = self.disk.get((self.rank, step))
+            if mine is not None and mine.tier is Tier.REPLICA and not any(
+                    x.step == step and x.tier is Tier.PEER and x.content_hash == mine.content_hash
+                    for x in self.disk.values()):
+                del self.disk[(self.rank, step)]
+
+    def attest_restored(self, step: int, content_hash: str, generation: int) -> None:
+        """The own rank's data of ``step`` is a replica's bytes held here (a restore from them): record it
+        as a self-attestation, as the daemon does (``RamDiskStore.attest_restored``)."""
+        if self.own(step) is None:
+            self.disk[(self.rank, step)] = Holding(self.rank, step, content_hash, 0, Tier.REPLICA, generation)
 
     def busy(self, owner: int, step: int) -> bool:
         return any(k[1] == owner and k[2] == step for k in self.in_flight) or any(
@@ -398,6 +410,10 @@ class Sim:
     def _do_restore(self, h: Host, _owner: int, step: int, sources: list) -> bool:
         for kind, holder, owner, content_hash in sources:
             if content_hash and self._holds_data_for(h, step, content_hash):
+                x = next((x for x in h.disk.values() if x.step == step and x.tier is Tier.PEER
+                          and x.content_hash == content_hash), None)
+                if x is not None:  # already here as a replica's bytes (a copy task brought them)
+                    h.attest_restored(step, content_hash, x.generation)
                 return True
             if holder < 0:  # the bucket (holder_rank -1; independent of how the proto spells the kind)
                 if self.bucket is None or not self.bucket.holds(step, owner, content_hash):
@@ -410,6 +426,8 @@ class Sim:
                 size, gen = x.size, x.generation
             tier = Tier.LOCAL if owner == h.rank else Tier.PEER  # a replica's data keeps its owner's name
             h.disk[(owner, step)] = Holding(owner, step, content_hash, size, tier, gen)
+            if owner != h.rank:
+                h.attest_restored(step, content_hash, gen)
             self.note(f"host {h.rank}: restored step {step} from {kind} {holder} (rank {owner}'s data)")
             return True
         self.note(f"host {h.rank}: restore of step {step} failed")

@@ -4,7 +4,8 @@
 schedule's event trace; replay it with ``python -m tests.simulation --replay SEED``.
 
 Known defects (found by this simulation; strict xfails, so they fail the suite as XPASS once fixed and the
-marker must go with the fix). Each also has a guard test replaying its shortest failing seed.
+marker must go with the fix) are listed in ``KNOWN``, each with a guard test replaying its shortest failing
+seed; none is open now. Fixed ones keep a test replaying the seed that found them.
 """
 
 from __future__ import annotations
@@ -22,23 +23,7 @@ SEEDS = int(os.environ.get("MTC_SIM_SEEDS", "1000"))
 
 # invariant -> (guard seed: of the failing seeds among the 1,000, the one that fails after the fewest events
 # (liveness invariants, checked at the end: the first one), why it fails). The code to fix is named in each reason.
-KNOWN = {
-    "newest-complete-regressed": (
-        273,
-        "issue #19 'lost replica proof': a host that restores from a data-parallel replica's data stores it "
-        "as a peer copy of the replica (replicator/daemon.py _restore), so the only record that its rank's "
-        "data is identical is the replica's attestation; when the replica's host is lost too, the "
-        "coordinator no longer counts the rank covered although the bytes are on the restored host"),
-    "complete-step-lost": (
-        273, "the same lost replica proof, still unresolved after the quiet phase (see newest-complete-regressed)"),
-    "complete-is-restorable": (
-        239,
-        "issue #19: when the newest complete step stops being complete (here: a replaced host's re-registration "
-        "drops the only record of a replica's identity), the coordinator falls back to an older step whose "
-        "pieces it has itself just told hosts to delete (GC), still counting them until the hosts' next "
-        "reports: for a heartbeat interval latest_step() names a step whose restore fails (CoordinatorState "
-        "counts pieces with a deletion in flight)"),
-}
+KNOWN: dict[str, tuple[int, str]] = {}  # none open (the issue #19 defects it found are fixed, guarded below)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +109,37 @@ def test_fixed_deposed_coordinator_gc_seeds(seed):
     finally:
         logging.disable(logging.NOTSET)
     assert "gc-protected" not in found, found["gc-protected"]
+
+
+@pytest.mark.parametrize("seed, names", [
+    (273, ("newest-complete-regressed", "complete-step-lost")),
+    (239, ("complete-is-restorable",)),
+    (854, ("newest-complete-regressed", "complete-step-lost")),
+])
+def test_fixed_issue19_seeds(seed, names):
+    """Found by the simulation (issue #19), formerly strict xfails:
+
+    - 273, the "lost replica proof": a host restored its rank's data from a data-parallel replica's and kept
+      it as that replica's peer copy; the only record that it is its rank's data too was the replica's
+      attestation, lost with the replica's host. Fixed: the restoring host records and reports a
+      self-attestation (``RamDiskStore.attest_restored``, a REPLICA holding of its own rank).
+    - 239: when the newest complete step stopped being complete, the coordinator fell back to an older step
+      whose pieces it had just ordered deleted. Fixed: pieces with a deletion in flight count for nothing
+      until the holder's next report (``CoordinatorState.deleting``).
+    - 854: a deposed coordinator's run committed step 1 after the new coordinator listed the bucket; with
+      the hosts' copies lost, the new one never learned of it. Fixed: the scheduler lists the bucket again
+      when the newest complete step falls back (``BucketScheduler._fell_back``).
+
+    Focused tests: tests/replicator/coordinator/test_simulation_found.py, tests/replicator/backup/
+    test_scheduler_faults.py, tests/replicator/local/test_store_replicas.py and the real-process
+    tests/replicator/test_replica_identity_cluster.py."""
+    logging.disable(logging.WARNING)
+    try:
+        found, _ = replay(seed)
+    finally:
+        logging.disable(logging.NOTSET)
+    for name in names:
+        assert name not in found, found[name]
 
 
 def test_plan_check_catches_a_stale_incremental_view(monkeypatch):

@@ -16,6 +16,7 @@ from mtc_rpc import coordinator_pb2 as pb
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
 from replicator.backup.tier import BackupAgent, BucketScheduler
+from replicator.coordinator.model import Tier
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.topology import JobTopology
 from replicator.local.store import RamDiskStore
@@ -231,3 +232,60 @@ def test_a_step_another_coordinator_committed_is_not_redone(tmp_path: Path) -> N
     job.rounds(3)
     assert job.sched.current is None and job.sched.retry_at is None
     assert job.committed() == [1] and other.commit_record(1)[0].staging_id == theirs.staging_id != staging.staging_id
+
+
+def test_a_backup_committed_after_the_listing_is_learned_when_the_newest_step_falls_back(tmp_path: Path) -> None:
+    """complete-step-lost (simulation seed 854): a deposed coordinator's run committed step 1 after the new
+    coordinator had listed the bucket; once hosts were lost and nothing was complete on the RAM disks, the
+    new coordinator never learned of that backup (no complete step for as long as it ran, the job started
+    from scratch). The scheduler lists the bucket again when the newest complete step falls back."""
+    job = Job(tmp_path, 2, replicas=0)
+    for r in (0, 1):
+        job.save(1, r)
+        job.report(r)
+    assert job.beat(0, run=False) is not None  # the new coordinator lists the bucket (empty) and starts a run
+    old_state = CoordinatorState(job.topology)
+    old = job.new_scheduler(old_state)
+    for r in (0, 1):
+        old_state.register(r, job.inc[r])
+    for _ in range(3):  # the deposed coordinator's run of step 1 starts, uploads and commits
+        for r in (0, 1):
+            job.beat(r, sched=old, state=old_state)
+    job.join(old)
+    assert job.committed() == [1]
+    for r in (0, 1):
+        job.save(2, r)
+        job.report(r)
+    job.beat(0, run=False)
+    assert job.state.newest_complete_step() == 2
+    job.start_host(1, 2, root="host1-new")  # replaced: steps 1 and 2 of rank 1 are only in the bucket now
+    job.beat(0, run=False)
+    assert job.state.newest_complete_step() == 1
+    assert [s.kind for s in job.state.rank_sources(1, 1)] == [Tier.BUCKET]
+
+
+def test_a_failed_run_is_still_redone_after_the_newest_step_fell_back_to_a_backed_up_one(tmp_path: Path) -> None:
+    """backup-reaches-newest (simulation seed 1619): the run of step 2 was abandoned (its only holder of
+    rank 1 was replaced); while the newest complete step was step 1, already in the bucket, the pending redo
+    was forgotten, and once step 2 was complete again it was never backed up (the interval counted from the
+    failed run)."""
+    job = Job(tmp_path, 2, replicas=0)
+    for r in (0, 1):
+        job.save(1, r)
+        job.report(r)
+    job.rounds(4)
+    assert job.committed() == [1]
+    for r in (0, 1):
+        job.save(2, r)
+        job.report(r)
+    assert job.beat(0, run=False) is not None and job.sched.current.step == 2  # type: ignore[union-attr]
+    job.start_host(1, 2, root="host1-new")  # replaced: rank 1's step 2 is gone, the run is abandoned
+    job.clock.now += 1.5  # (open shares are re-checked at most once a second)
+    job.beat(0, run=False)
+    assert job.sched.current is None and job.sched.retry_at is not None
+    assert job.state.newest_complete_step() == 1  # rank 1 from the bucket: step 1 is backed up
+    job.rounds(2)
+    job.start_host(1, 3)  # the host is back with its RAM disk: step 2 is complete again
+    job.clock.now += 20.0
+    job.rounds(4)
+    assert job.committed() == [1, 2], job.sched.last_error

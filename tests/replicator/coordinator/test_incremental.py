@@ -62,6 +62,9 @@ def event(n: int):
         st.tuples(st.just("pin"), step, st.booleans()),
         st.tuples(st.just("backing_up"), step, st.booleans()),
         st.tuples(st.just("query"), step, rank),
+        # GC answers: pieces with a deletion in flight until the holder's next report.
+        st.tuples(st.just("deleting"), rank, st.lists(st.tuples(rank, step), max_size=3)),
+        st.tuples(st.just("acted"), rank),
     )
 
 
@@ -94,6 +97,10 @@ def apply(s: CoordinatorState, ev: tuple) -> None:
         (s.pin if ev[2] else s.unpin)(ev[1])
     elif kind == "backing_up":
         (s.mark_backup_in_progress if ev[2] else s.clear_backup_in_progress)(ev[1])
+    elif kind == "deleting":
+        s.deleting(ev[1], ev[2])
+    elif kind == "acted":
+        s.deletions_acted(ev[1])
     elif kind == "query":  # refreshes part of the derived views mid-sequence
         s.rank_sources(ev[1], ev[2])
         s.tasks_for(ev[2], ev[1])

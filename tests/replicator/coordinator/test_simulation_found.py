@@ -68,3 +68,75 @@ def test_gc_still_runs_with_lost_hosts_once_a_step_is_complete():
     assert sorted(coord.state.lost) == [1]
     assert coord.state.newest_complete_step() == 2
     assert [(d.owner_rank, d.step) for d in resp.deletions] == [(0, 1)]
+
+
+def _holding(owner, step, rank_hash, tier=tier_pb2.TIER_LOCAL, size=10):
+    return pb.Holding(owner_rank=owner, step=step, content_hash=f"h{step}.{rank_hash}", size=size, tier=tier)
+
+
+def test_pieces_being_deleted_do_not_make_an_older_step_complete():
+    """complete-is-restorable (simulation seed 239): GC told every host to delete step 1; before their next
+    reports, host 1 was replaced, so steps 2 and 3 lost rank 1, and the coordinator fell back to step 1,
+    counting the pieces it had just ordered deleted (host 3's attestation of rank 1 among them): for a
+    heartbeat interval latest_step() named a step whose restore failed."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=4.0)
+
+    def report(rank, incarnation=1, steps=(1, 2, 3)):
+        held = [_holding(rank, s, rank % 2) for s in steps]
+        if rank == 3 and 1 in steps:  # host 3 attested that its step 1 is rank 1's too (not yet 2 and 3)
+            held.append(_holding(1, 1, 1, tier_pb2.TIER_REPLICA, size=0))
+        req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=incarnation, address=f"127.0.0.1:{7000 + rank}",
+                                  newest_saved_step=max(steps, default=-1), full_report=True, holdings=held)
+        return coord.Heartbeat(req, Ctx())
+
+    for r in range(4):
+        report(r)
+    ordered = {r: sorted((d.owner_rank, d.step) for d in report(r).deletions) for r in range(4)}
+    assert ordered == {0: [(0, 1)], 1: [(1, 1)], 2: [(2, 1)], 3: [(1, 1), (3, 1)]}
+    st = coord.state
+    assert st.newest_complete_step() == 3
+    assert not st.is_complete(1) and st.sources(1) == {}  # the doomed pieces count for nothing
+    assert st.deletions_in_flight() == ordered
+    report(1, incarnation=2, steps=())  # host 1 replaced with an empty RAM disk
+    assert st.newest_complete_step() is None  # (was step 1, being deleted on every host)
+    assert coord.restore_target() is None
+    # A host that skipped a deletion (a task used the piece) still reports it: the order is repeated ...
+    assert [(d.owner_rank, d.step) for d in report(0).deletions] == [(0, 1)]
+    # ... and what a host still holds once it acted on an answer counts again.
+    st.deletions_acted(0)
+    assert st.holding(0, (0, 1)) is not None and [s.holder_rank for s in st.rank_sources(1, 0)] == [0]
+
+
+def test_a_rank_restored_from_its_replica_stays_covered_when_the_replica_is_lost():
+    """newest-complete-regressed / complete-step-lost (simulation seed 273, the issue's "lost replica
+    proof"): host 0 restored rank 0's data from rank 2's byte-identical data and keeps it as a copy of rank
+    2's directory; host 2's attestation (rank 0 == rank 2) was the only record that it is rank 0's data too.
+    Host 0 reports that record itself (a REPLICA holding of its own rank), so when slice 1 (hosts 2 and 3)
+    is replaced, hosts 0 and 1 still cover every rank."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=4.0)
+    held = {
+        0: [_holding(2, 4, 0, tier_pb2.TIER_PEER), _holding(0, 4, 0, tier_pb2.TIER_REPLICA, size=0)],
+        1: [_holding(1, 4, 1), _holding(3, 4, 1, tier_pb2.TIER_REPLICA, size=0)],
+    }
+    for r in (0, 1, 2, 3):
+        req = pb.HeartbeatRequest(job="t", rank=r, incarnation=7, address=f"127.0.0.1:{7000 + r}",
+                                  full_report=True, holdings=held.get(r, []))
+        resp = coord.Heartbeat(req, Ctx())
+    st = coord.state
+    assert st.newest_complete_step() == 4, st.missing_ranks(4)
+    src = st.rank_sources(4, 0)[0]
+    assert (src.kind, src.holder_rank, src.owner_rank, src.content_hash) == ("local", 0, 2, "h4.0")
+    plan = st.restore_plan(restoring=False)
+    assert plan.step == 4 and {r: (s.holder_rank, s.owner_rank) for r, s in plan.sources.items()} == {
+        0: (0, 2), 1: (1, 1), 2: (0, 2), 3: (1, 1)}
+    # Redundancy comes back from the bytes there are (host 0's copy of rank 2's data, host 1's own).
+    copies = {(t.owner_rank, t.source_rank) for t in st.replication_plan(4) if not t.hash_only}
+    assert copies == {(2, 0), (1, 1)}, copies
+    assert resp.newest_complete_step == 4
+    # Without its own record, host 0's copy of rank 2's data proves nothing about rank 0.
+    req = pb.HeartbeatRequest(job="t", rank=0, incarnation=7, address="127.0.0.1:7000", full_report=True,
+                              holdings=held[0][:1])
+    coord.Heartbeat(req, Ctx())
+    assert st.newest_complete_step() is None and st.missing_ranks(4) == [0]

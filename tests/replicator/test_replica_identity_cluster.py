@@ -1,0 +1,67 @@
+"""Replica identity survives the loss of either party: real replicator processes on 127.0.0.1 (issue #19).
+
+4 hosts in 2 slices; the state is replicated over the slices, so rank 0's data is byte-identical to rank 2's
+and rank 1's to rank 3's (recorded by content hash, no bytes copied). Host 0 (the coordinator's host) is
+replaced with an empty RAM disk and restores rank 0's data from rank 2's: it keeps it as a copy of rank 2's
+directory. Then slice 1 (hosts 2 and 3) is replaced: the only host that attested rank 0 == rank 2 is gone,
+yet hosts 0 and 1 hold every byte of the step, so the coordinator must still count it complete (before the
+fix: no complete step at all, ``latest_step()`` None, although an explicit restore was bit-exact).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from sidecar import checksums, commit
+from tests.kits.cluster import assert_equal, manager, redundant, save_steps, status, target, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def test_restored_host_keeps_the_replica_proof_when_the_replica_slice_is_replaced(cluster_factory):
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.start_all()
+    mgr = manager(cl, 2, 2)
+    trees = save_steps(mgr, [3, 4])
+    wait_for(lambda: redundant(cl, 4), what="step 4 redundant", timeout=60)
+    for r in range(4):  # identical replicas: verified by hash, no byte copy anywhere
+        assert not list((cl.ram(r) / "peer").glob("*/4")), f"host {r} holds a byte copy"
+
+    # Host 0 (the coordinator's) replaced with an empty RAM disk; it restores from its replica (rank 2).
+    cl.procs[0].kill()
+    cl.wipe(0)
+    cl.start(0)
+    assert_equal(trees[4], mgr.restore(None, target(trees[4])))
+    assert commit.committed_steps(cl.ram(0) / "peer" / "2") == [4], "rank 0 was not restored from rank 2's data"
+    assert commit.committed_steps(cl.ram(0) / "steps") == []
+    mgr.close()
+
+    # Slice 1 replaced: the host that attested rank 0 == rank 2 is gone, and so is rank 2's own copy.
+    before = {h.rank: h.incarnation for h in status(cl, hosts=True).hosts}
+    for r in (2, 3):
+        cl.procs[r].signal(signal.SIGKILL)
+    for r in (2, 3):
+        cl.procs[r].wait()
+        cl.wipe(r)
+    for r in (2, 3):
+        cl.start(r)
+
+    def newest_complete():
+        st = status(cl, hosts=True)
+        new = {h.rank for h in st.hosts if h.inventory_reported and h.incarnation != before.get(h.rank)}
+        old = {h.rank for h in st.hosts if h.inventory_reported and h.rank in (0, 1)}
+        return st.newest_complete_step if new >= {2, 3} and old == {0, 1} else None
+
+    # Every host reported (the new slice with empty RAM disks): step 4 is still complete.
+    assert wait_for(newest_complete, what="every host reported, step 4 complete", timeout=30) == 4
+    mgr = manager(cl, 2, 2)  # a fresh manager, as after a job restart
+    assert mgr.latest_step() == 4
+    assert_equal(trees[4], mgr.restore(None, target(trees[4])))
+    checksums.verify_step_dir(cl.ram(2) / "steps" / "4")  # rank 2 refilled from host 0's copy of its data
+    # And the job goes on: the next save becomes complete and redundant again.
+    trees.update(save_steps(mgr, [5]))
+    wait_for(lambda: mgr.latest_step() == 5, what="step 5 complete", timeout=60)
+    wait_for(lambda: redundant(cl, 4) and redundant(cl, 5), what="steps 4 and 5 redundant", timeout=60)
+    mgr.close()

@@ -4,8 +4,9 @@ process as the Pathways controller of a simulated Pathways job (tests/kits/pathw
 
 Orbax gives every worker the same local-directory string. On Pathways each worker resolves it on its own
 node's RAM disk; here the workers share one filesystem, so each simulated worker runs in its own working
-directory (``<base>/host<h>``, set by :func:`worker_setup`) and the job passes the *relative* path
-:data:`LOCAL_NAME`: worker ``h`` reads and writes ``<base>/host<h>/mtc``, which is host ``h``'s daemon's
+directory (``<base>/host<h>``, set by :func:`worker_setup`) and the job passes :data:`LOCAL_DIR`,
+``/proc/self/cwd/mtc``: an absolute path (Orbax refuses relative ones) that every process resolves in its
+own working directory, so worker ``h`` reads and writes ``<base>/host<h>/mtc``, host ``h``'s daemon's
 ``--local-dir``.
 """
 
@@ -17,9 +18,13 @@ from pathlib import Path
 from tests.kits.orbax_replicator import OrbaxCluster
 
 LOCAL_NAME = "mtc"
+LOCAL_DIR = f"/proc/self/cwd/{LOCAL_NAME}"
 HOST_CWD_ENV = "MTC_SIM_HOST_CWD"  # a template with {host}
 # "0": the worker does not install Orbax's serialization patch at start (to show what then fails).
 PATCH_ENV = "MTC_SIM_ORBAX_PATCH"
+# "1": what a worker pickles (the output specs JAX learns from the worker) names its devices by their
+# controller-side (PjRt-IFRT) ids, not its local ids -- an assumption about Pathways (docs/pathways.md).
+GLOBAL_IDS_ENV = "MTC_SIM_WORKER_PICKLES_GLOBAL_IDS"
 
 
 def worker_setup() -> None:
@@ -44,6 +49,34 @@ def worker_setup() -> None:
         from orbax.checkpoint._src.multihost import colocated_transport
 
         colocated_transport.install_pathways_colocated_serialization_patch()
+    if os.environ.get(GLOBAL_IDS_ENV) == "1":
+        _pickle_global_ids()
+
+
+def _pickle_global_ids() -> None:
+    """JAX's colocated reducers on this worker write each device's PjRt-IFRT id (from its repr) instead of
+    its local ``device.id``; unpickling is unchanged (Orbax's lookup resolves both)."""
+    import numpy as np
+    from jax.experimental.colocated_python import serialization as ser
+    from orbax.checkpoint._src.multihost import colocated_transport
+
+    def gid(d) -> int:
+        g = colocated_transport._extract_pjrt_ifrt_device_id(d)
+        return d.id if g is None else g
+
+    def reduce_mesh(mesh):
+        ids = np.vectorize(gid, otypes=[int])(mesh.devices)
+        return ser._unreduce_mesh, (ids, mesh.axis_names, mesh.axis_types)
+
+    def reduce_device_list(device_list):
+        return ser._unreduce_device_list, ([gid(d) for d in device_list],)
+
+    def reduce_single_device_sharding(sharding):
+        return ser._unreduce_single_device_sharding, (gid(next(iter(sharding.device_set))), sharding.memory_kind)
+
+    ser._reduce_mesh = ser._make_reduce_func_with_common_obj(reduce_mesh)
+    ser._reduce_device_list = ser._make_reduce_func_with_common_obj(reduce_device_list)
+    ser._reduce_single_device_sharding = ser._make_reduce_func_with_common_obj(reduce_single_device_sharding)
 
 
 class ColocatedCluster(OrbaxCluster):

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sidecar import layout
-from tests.kits.orbax_colocated import HOST_CWD_ENV, LOCAL_DIR, ColocatedCluster, worker_setup  # noqa: F401
+from sidecar import checksums, layout
+from tests.kits.orbax_colocated import HOST_CWD_ENV, LOCAL_DIR, PATCH_ENV, ColocatedCluster
 from tests.kits.orbax_replicator import wait_for
 from tests.kits.orbax_replicator_worker import expected_state
 from tests.kits.pathways_sim import PathwaysSim
@@ -64,7 +64,9 @@ def _init(devices, slices: int) -> None:
 
 
 def _manager(mesh: Mesh):
-    from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import replicator_checkpoint_manager as rcm
+    from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
+        replicator_checkpoint_manager as rcm,
+    )
 
     return rcm.ReplicatorCheckpointManager(
         LOCAL_DIR, rcm.ReplicatorCheckpointManagerOptions(save_interval_steps=1, use_colocated_python=True),
@@ -129,15 +131,20 @@ def _cluster(base) -> ColocatedCluster:
     return cl
 
 
-def test_colocated_orbax_loses_a_slice_and_gets_it_back(base, pathways_orbax) -> None:
-    """The seed's loop at 2 slices x 2 hosts: save; slice 1 lost (devices= slice 0, a 1 x 4 mesh): restore,
-    keep saving; slice 1 back with empty RAM disks (devices= all again): restore bit-exact on 4 workers.
+@pytest.mark.parametrize("lost", [1, 0], ids=["slice1-lost", "slice0-lost"])
+def test_colocated_orbax_loses_a_slice_and_gets_it_back(base, pathways_orbax, lost: int) -> None:
+    """The seed's loop at 2 slices x 2 hosts: save; a slice is lost (devices= the other slice's, a 1 x 4
+    mesh): restore bit-exact, keep saving; the slice comes back with empty RAM disks (devices= all again):
+    restore bit-exact on 4 workers, keep saving. Losing slice 0, Orbax renumbers the survivors (hosts 2, 3
+    become ranks 0, 1) and back (2, 3) again; the daemons re-label their data each time.
 
     Orbax 0.12.8's colocated restore learns its output specs from the workers; it works on the simulation
-    only with the workers pickling controller-side device ids (see the next test and docs/pathways.md)."""
+    only with the workers pickling controller-side device ids (see the last test and docs/pathways.md)."""
     from tests.kits.orbax_colocated import GLOBAL_IDS_ENV
     from tests.kits.orbax_replicator import restored_from
 
+    gone = [2 * lost, 2 * lost + 1]
+    survivors = [h for h in range(4) if h not in gone]
     cl = _cluster(base)
     with _sim(cl, **{GLOBAL_IDS_ENV: "1"}) as sim:
         devs = jax.devices()
@@ -147,25 +154,23 @@ def test_colocated_orbax_loses_a_slice_and_gets_it_back(base, pathways_orbax) ->
         assert mgr.latest_step() is None
         _save(mgr, [1, 2], mesh)
         _ingested(cl, range(4), 2)
-        # Every host wrote only its own shards, in its own worker process and directory.
-        assert all(cl.local(h).parent.joinpath("mtc").is_dir() for h in range(4))
 
-        # Slice 1 is lost: the loop re-initialises on the surviving slice's devices, as the seed says.
-        _lose(cl, [2, 3])
-        cl.set_members([0, 1])
-        active = devs[:4]
+        # A slice is lost: the loop re-initialises on the surviving slice's devices, as the seed says.
+        _lose(cl, gone)
+        cl.set_members(survivors)
+        active = [d for d in devs if d.slice_index != lost]
         small = _mesh(active, 1)
         _init(active, 1)
         mgr = _manager(small)
         assert mgr.latest_step() == 2
         _restore_bit_exact(mgr, 2, small)
         _save(mgr, [3, 4], small)
-        _ingested(cl, [0, 1], 4)
-        assert {hosts for name, hosts in sim.calls[-3:]} == {(0, 1)}
+        _ingested(cl, survivors, 4)
+        assert {hosts for _name, hosts in sim.calls[-3:]} == {tuple(survivors)}
 
-        # Slice 1 comes back (empty RAM disks): devices= every device again.
+        # The slice comes back (empty RAM disks): devices= every device again.
         cl.set_members([0, 1, 2, 3])
-        for h in (2, 3):
+        for h in gone:
             # The replacement hosts' RAM disks are mounted (empty) before anything runs: Orbax's colocated
             # init writes replicator.yaml into the directory without creating it.
             cl.local(h).mkdir(parents=True)
@@ -174,8 +179,12 @@ def test_colocated_orbax_loses_a_slice_and_gets_it_back(base, pathways_orbax) ->
         mgr = _manager(mesh)
         assert mgr.latest_step() == 4
         _restore_bit_exact(mgr, 4, mesh)
-        for h in (2, 3):  # fetched from the survivor of the same in-slice position, then restored
-            assert restored_from(cl.local(h) / "4", cl.local(h) / "peer" / str(h - 2) / "4")
+        for h in gone:  # empty before: fetched from the survivors into its own store or a peer copy
+            copies = [cl.local(h) / "steps" / "4", *cl.local(h).glob("peer/*/4")]
+            assert any(restored_from(cl.local(h) / "4", c) for c in copies), cl.describe()
+        for h in survivors:
+            m = checksums.verify_step_dir(cl.local(h) / "steps" / "4")
+            assert (m.rank, m.nodes) == (h, 4)
         _save(mgr, [5], mesh)
         _ingested(cl, range(4), 5)
         mgr.close()
@@ -199,3 +208,14 @@ def test_colocated_orbax_restore_needs_worker_specs_in_controller_ids(base, path
         assert mgr.latest_step() == 2
         with pytest.raises(ValueError, match="Invalid device ID 2048"):
             _restore_bit_exact(mgr, 2, mesh)
+
+
+def test_colocated_orbax_init_needs_the_serialization_patch_in_the_sidecar(base, pathways_orbax) -> None:
+    """Orbax installs its colocated serialization patch on a worker only in WorkerCheckpointManager's
+    constructor, after the worker has unpickled its first program: the init's ``_setup``, whose shardings
+    name the worker's CPU devices by controller-side ids, fails on a worker with other ids (host 1: 2, 3)
+    unless the sidecar installed the patch at start (the simulation's worker_setup does by default)."""
+    cl = _cluster(base)
+    with _sim(cl, **{PATCH_ENV: "0"}), pytest.raises(ValueError, match="Invalid device ID 2"):
+        _init(jax.devices(), 2)
+    assert not any((cl.local(h) / "replicator.yaml").exists() for h in range(4))

@@ -4,7 +4,8 @@ colocated-Python sidecar.
 What it models (docs/pathways.md has the full list and what it does not model):
 
 - Controller devices carry Pathways' attributes: ``slice_index``, ``virtual_task_index`` (the host's index
-  in its slice), ``process_index`` 0 for all, and a repr with ``logical_task=``. They are this process's real
+  in its slice), ``process_index`` 0 for all, a repr with ``logical_task=``, and a ``colocation_id`` (its own
+  id: each device is its own colocated CPU device). They are this process's real
   CPU devices (the attributes are added to JAX's device class while the simulation runs), so the product's
   meshes and arrays are ordinary JAX objects.
 - A colocated-Python program runs the way Pathways runs it: JAX pickles the function and its specialization

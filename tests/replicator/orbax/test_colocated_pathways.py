@@ -38,8 +38,7 @@ def base() -> Iterator[tuple[Path, list[ColocatedCluster]]]:
     yield d, clusters
     for c in clusters:
         c.stop_all(signal.SIGKILL)
-    if not os.environ.get("MTC_KEEP"):
-        shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

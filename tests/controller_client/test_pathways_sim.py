@@ -110,6 +110,16 @@ def test_sim_devices_carry_pathways_attributes(sim):
     assert HostTopology.from_devices(devs).nodes == 4
 
 
+def test_sim_colocated_cpu_devices_are_the_devices_themselves(sim):
+    """One colocated CPU device per device, order kept, for any subset (JAX's CPU fallback, without
+    colocation ids, handed slice 1's devices process 0's first CPU devices, i.e. slice 0's)."""
+    from jax.experimental import colocated_python
+
+    devs = jax.devices()
+    assert list(colocated_python.colocated_cpu_devices(tuple(devs[4:]))) == devs[4:]
+    assert list(colocated_python.colocated_cpu_devices(tuple(devs[::2]))) == devs[::2]
+
+
 # --------------------------------------------------------------------------- the native path
 
 def test_native_path_on_simulated_pathways(sim, cluster_factory):  # noqa: F811

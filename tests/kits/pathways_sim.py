@@ -4,7 +4,8 @@ colocated-Python sidecar.
 What it models (docs/pathways.md has the full list and what it does not model):
 
 - Controller devices carry Pathways' attributes: ``slice_index``, ``virtual_task_index`` (the host's index
-  in its slice), ``process_index`` 0 for all, and a repr with ``logical_task=``. They are this process's real
+  in its slice), ``process_index`` 0 for all, a repr with ``logical_task=``, and a ``colocation_id`` (its own
+  id: each device is its own colocated CPU device). They are this process's real
   CPU devices (the attributes are added to JAX's device class while the simulation runs), so the product's
   meshes and arrays are ordinary JAX objects.
 - A colocated-Python program runs the way Pathways runs it: JAX pickles the function and its specialization
@@ -118,7 +119,8 @@ class PathwaysSim:
     """
 
     def __init__(self, slices: int = 2, hosts_per_slice: int = 2, devices: Sequence[Any] | None = None,
-                 log_dir: Path | None = None, worker_setup: str | None = None):
+                 log_dir: Path | None = None, worker_setup: str | None = None,
+                 worker_env: dict[str, str] | None = None):
         import jax
 
         self.devices = list(devices if devices is not None else jax.devices())
@@ -128,6 +130,8 @@ class PathwaysSim:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         # "module:function" each worker calls before it serves (what a sidecar image could run at start).
         self.worker_setup = worker_setup
+        # Extra environment of every worker (read by ``worker_setup``, e.g. where the host's own disk is).
+        self.worker_env = dict(worker_env or {})
         self._procs: list[subprocess.Popen] = []
         self._conns: dict[int, Any] = {}  # host -> connection to its worker
         self._lock = threading.Lock()
@@ -142,8 +146,13 @@ class PathwaysSim:
             by_id = {h.host: h for h in self.hosts}
             slice_of = {i: by_id[h.host].slice_index for i, h in self.host_of_id.items()}
             task_of = {i: h.task for i, h in self.host_of_id.items()}
+            # colocation_id: each controller device is its own colocated CPU device (1:1, as on Pathways),
+            # so jax's colocated_cpu_devices maps a subset of the devices to itself, not (its CPU
+            # fallback) to process 0's first CPU devices.
+            colo_of = {i: i for i in self.host_of_id}
             self._stack.enter_context(_device_attributes(
-                {"slice_index": _lookup(slice_of, "slice_index"), "virtual_task_index": _lookup(task_of, "virtual_task_index")},
+                {"slice_index": _lookup(slice_of, "slice_index"), "virtual_task_index": _lookup(task_of, "virtual_task_index"),
+                 "colocation_id": _lookup(colo_of, "colocation_id")},
                 lambda d: (f"CpuDevice(id={d.id}, slice_index={slice_of[d.id]}, logical_task={task_of[d.id]})"
                            if d.id in slice_of else None)))
             self._stack.enter_context(self._hook())
@@ -183,7 +192,8 @@ class PathwaysSim:
         table = [dataclasses.asdict(h) for h in self.hosts]
         env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={per}",
-                   MTC_SIM_AUTHKEY=authkey.hex(), MTC_SIM_HOSTS=repr(table), MTC_SIM_SETUP=self.worker_setup or "")
+                   MTC_SIM_AUTHKEY=authkey.hex(), MTC_SIM_HOSTS=repr(table), MTC_SIM_SETUP=self.worker_setup or "",
+                   **self.worker_env)
         for p in range(n):
             out = subprocess.DEVNULL
             if self.log_dir is not None:

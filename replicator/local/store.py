@@ -105,13 +105,13 @@ class RamDiskStore:
         own_hash: dict[int, str] = {}
         for step in self.own_steps():
             m = self.manifest(self.rank, step)
-            if m is not None:
+            if m is not None and self._intact(self.rank, step, m):
                 own_hash[step] = m.content_hash
                 out.append(Holding(self.rank, step, m.content_hash, m.total_bytes, Tier.LOCAL,
                                    m.generation, rank_ranges(m.savers)))
         for owner, step in self.peer_steps():
             m = self.manifest(owner, step)
-            if m is not None and m.rank == owner:
+            if m is not None and m.rank == owner and self._intact(owner, step, m):
                 out.append(Holding(owner, step, m.content_hash, m.total_bytes, Tier.PEER,
                                    m.generation, rank_ranges(m.savers)))
         held = {(h.owner_rank, h.step) for h in out}
@@ -129,6 +129,28 @@ class RamDiskStore:
                 out.append(Holding(owner, step, h, 0, Tier.REPLICA, om.generation if om else 0,
                                    rank_ranges(om.savers) if om else ()))
         return out
+
+    def _intact(self, owner: int, step: int, m: layout.StepManifest) -> bool:
+        """Every file the manifest lists is there at its size (stat only; the bytes are verified when
+        read). A committed copy lacking one is a bad copy: dropped, so that no inventory counts it and
+        another tier refills it (a step directory is renamed away before it is deleted, so this is never
+        a deletion seen half-way)."""
+        d = self.step_dir(owner, step)
+        for e in m.files:
+            try:
+                size = os.stat(d / e.name).st_size
+            except FileNotFoundError:
+                why = f"file {e.name} is missing"
+                break
+            if size != e.size:
+                why = f"file {e.name} has {size} bytes, its manifest says {e.size}"
+                break
+        else:
+            return True
+        log.warning("bad copy of rank %d step %d in %s: %s; dropping it (another tier refills it)",
+                    owner, step, d, why)
+        self.delete(owner, step)
+        return False
 
     @staticmethod
     def _peer_copy_with(step: int, content_hash: str, held: list[Holding]) -> Holding | None:

@@ -114,6 +114,9 @@ class CoordinatorState:
         self._memo: dict[Any, Any] = {}
         # Elastic: step -> generation -> number of holdings of that save; (step, generation) -> savers ranges.
         self._generations: dict[int, collections.Counter[int]] = {}
+        # step -> is_abandoned(step), valid while the set of (step, generation) saves is unchanged (it
+        # changes only when a save appears or its last piece goes; asked per holding on every heartbeat).
+        self._abandoned: dict[int, bool] = {}
         self._savers: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
         self._memo_version = -1
 
@@ -602,8 +605,11 @@ class CoordinatorState:
 
     def is_abandoned(self, step: int) -> bool:
         """An older step number carries a newer save: the job rolled back past ``step``."""
-        newest = ((s, max(gens)) for s, gens in self._generations.items() if s < step)
-        return saves.rolled_back(step, self.step_generation(step), newest)
+        hit = self._abandoned.get(step)
+        if hit is None:
+            newest = ((s, max(gens)) for s, gens in self._generations.items() if s < step)
+            hit = self._abandoned[step] = saves.rolled_back(step, self.step_generation(step), newest)
+        return hit
 
     def _current(self, h: Holding) -> bool:
         return h.generation >= self.step_generation(h.step)
@@ -739,6 +745,8 @@ class CoordinatorState:
         self._index.setdefault(h.step, {}).setdefault(h.owner_rank, {})[holder] = h
         gens = self._generations.setdefault(h.step, collections.Counter())
         newest = max(gens) if gens else None
+        if h.generation not in gens:
+            self._abandoned.clear()  # a new save: which steps are abandoned may change
         gens[h.generation] += 1
         if h.savers or (h.step, h.generation) not in self._savers:
             self._savers[(h.step, h.generation)] = h.savers
@@ -758,6 +766,7 @@ class CoordinatorState:
         gens[gone.generation] -= 1
         if gens[gone.generation] <= 0:
             del gens[gone.generation]
+            self._abandoned.clear()
             self._savers.pop((gone.step, gone.generation), None)
             if not gens:
                 del self._generations[gone.step]

@@ -218,6 +218,9 @@ class CheckpointManager:
         # One WAKE (every replicator reports now), then the coordinator long-polls until it counts the step
         # complete; its wait per call is bounded, so a few calls may cover the deadline (no host fan-out).
         self.dispatcher.query(host.HostQuery.WAKE)
+        # Done with this save whatever the coordinator answers: the next wait must not WAKE again on some
+        # processes only (multi-controller: every fan-out is a collective all processes must make).
+        self._last_saved = None
         deadline = time.monotonic() + self.options.rpc_timeout_seconds
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -226,7 +229,6 @@ class CheckpointManager:
                 log.warning("coordinator unreachable after saving step %d: %s", step, e.code())
                 return
             if step in resp.complete_steps or resp.newest_complete_step > step:
-                self._last_saved = None
                 return
         log.warning("the coordinator does not count step %d complete after %.0fs", step,
                     self.options.rpc_timeout_seconds)
@@ -358,12 +360,15 @@ class CheckpointManager:
         being replaced or a replicator restarting mid-restore: its data comes back in seconds)."""
         deadline = time.monotonic() + self.options.restore_wait_seconds
         pause = 0.5
+        # Multi-controller: each process decides alone, and a retry is a collective the others would not
+        # make; there a restore is tried once (as before).
+        retry = self._coordinator is not None and jax.process_count() == 1
         while True:
             try:
                 return self.dispatcher.restore(step, requests, all_paths)
             except FileNotFoundError as e:
                 why = f"restore of step {step} onto hosts {self.active_ranks}: {e}"
-                if (self._coordinator is None or time.monotonic() + pause > deadline
+                if (not retry or time.monotonic() + pause > deadline
                         or step not in self._complete_steps()):
                     raise FileNotFoundError(why) from e
                 log.warning("%s; step %d is complete on some tier: retrying in %.1fs", why, step, pause)
@@ -373,7 +378,9 @@ class CheckpointManager:
     def _steps_reaching_newest_reported(self) -> list[int]:
         """The complete steps, once the newest includes the newest this manager reported, or after
         ``newest_wait_seconds`` as they are (with a warning when that goes back past the reported one)."""
-        want = self._newest_reported
+        # Multi-controller: the waiting loop's fan-outs are collectives; the processes could leave it at
+        # different rounds, so there it asks once (as before).
+        want = self._newest_reported if jax.process_count() == 1 else None
         deadline = time.monotonic() + self.options.newest_wait_seconds
         while True:
             steps = self.all_steps()

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -28,10 +32,16 @@ def test_state_has_the_requested_size_and_mixed_dtypes():
 
 
 @pytest.mark.timeout(240)
-def test_one_round_of_every_system_reports_every_ratio(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench.emergency", "--mib", "2", "--repeats", "1",
-                           "--timeout", "180", "--keep", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=220, cwd=str(emergency.REPO))
+def test_one_round_of_every_system_reports_every_ratio():
+    # A short base: the replicators' control sockets live under it (a unix socket path has <= 107
+    # characters; pytest-xdist's tmp_path is deeper than that).
+    run = Path(tempfile.mkdtemp(prefix="mtc-em-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "bench.emergency", "--mib", "2", "--repeats", "1",
+                               "--timeout", "180", "--keep", str(run / "run")],
+                              capture_output=True, text=True, timeout=220, cwd=str(emergency.REPO))
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "errors" not in result, result["errors"]

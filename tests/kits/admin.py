@@ -28,8 +28,9 @@ class Result:
 
 
 def mtc(*argv: str, timeout: float = 180.0, env: dict[str, str] | None = None) -> Result:
-    e = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
-    e.setdefault("COLUMNS", "200")
+    # Wide tables whatever the runner's terminal says (pytest-xdist workers inherit COLUMNS=80).
+    e = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")
+    e.update(env or {})
     proc = subprocess.run([sys.executable, "-m", "controller_client.cli", *argv], capture_output=True, text=True,
                           env=e, cwd=str(REPO), timeout=timeout)
     return Result(proc)

@@ -155,7 +155,7 @@ def test_native_path_on_simulated_pathways(sim, cluster_factory):  # noqa: F811
     one.close()
     cl.procs[3].proc.send_signal(signal.SIGTERM)
     mgr = mgr_for(cl)
-    wait_for(lambda: mgr.reached_preemption(2), what="preemption noticed", timeout=30)
+    wait_for(lambda: mgr.reached_preemption(2), what="preemption noticed", timeout=90)
     mgr.close()
     # The host functions ran in the worker processes, on the hosts of the programs' devices.
     assert {hosts for _, hosts in sim.calls} >= {(0, 1, 2, 3), (2, 3)}

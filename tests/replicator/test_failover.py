@@ -200,6 +200,9 @@ def test_a_lost_slice_of_identical_replicas_is_backed_up_from_the_survivors(fail
     cl.procs[0].kill()
     cl.procs[1].kill()
     wait_for(lambda: _status_if(cl, lambda s: s.hosts_lost == 2), timeout=30, what="slice 0 declared lost")
+    # The new coordinator counts step 2 complete once the survivors have re-reported to it.
+    wait_for(lambda: _status_if(cl, lambda s: s.newest_complete_step == 2), timeout=60,
+             what="step 2 complete at the new coordinator")
     with grpc.insecure_channel(cl.candidate_addresses[2]) as ch:
         resp = apb_grpc.AdminStub(ch).BackupNow(apb.BackupNowRequest(step=2), timeout=10)
     assert resp.step == 2 and resp.state in ("requested", "running"), resp

@@ -7,6 +7,12 @@ SIGKILL when it gets there: no ``finally``, no ``atexit``, no flush -- exactly w
 Before dying it appends ``<name> <pid>`` to ``MTC_FAULT_FIRED_FILE`` when that variable is set, so the test
 knows the point was reached rather than the process dying for another reason.
 
+With ``MTC_FAULT_PAUSE_SECONDS=<s>`` the armed point does not kill: it records itself the same way and
+then holds the calling thread for ``s`` seconds, so that an operation stays in flight while a test replaces
+a host around it (the in-flight fault matrix, tests/crash/test_inflight.py). With ``MTC_FAULT_ARM_FILE=<path>``
+the point counts (and fires) only while that file exists, so a test arms running processes at the moment of
+its choosing. :func:`arm` does the same for code running in the test's own process.
+
 The variables are read once, at import: when unset, :func:`point` is one comparison of a module global.
 """
 
@@ -15,9 +21,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 ENV_POINT = "MTC_FAULT_POINT"
 ENV_FIRED_FILE = "MTC_FAULT_FIRED_FILE"
+ENV_PAUSE_SECONDS = "MTC_FAULT_PAUSE_SECONDS"
+ENV_ARM_FILE = "MTC_FAULT_ARM_FILE"
 
 # Every point placed in the code. tests/crash checks that each one is placed exactly once and exercised.
 POINTS: tuple[str, ...] = (
@@ -79,13 +88,27 @@ def _parse(value: str | None) -> tuple[str | None, int]:
 
 _ARMED, _FIRE_AT = _parse(os.environ.get(ENV_POINT))
 _FIRED_FILE = os.environ.get(ENV_FIRED_FILE, "")
+_PAUSE_SECONDS = float(os.environ.get(ENV_PAUSE_SECONDS) or 0)
+_ARM_FILE = os.environ.get(ENV_ARM_FILE, "")
 _hits = 0
 _lock = threading.Lock()
 
 
+def arm(name: str | None, at: int = 1, pause_seconds: float = 0.0, fired_file: str = "",
+        arm_file: str = "") -> None:
+    """Arm ``name`` in this process (``None`` disarms): the in-process form of the environment variables."""
+    global _ARMED, _FIRE_AT, _FIRED_FILE, _PAUSE_SECONDS, _ARM_FILE, _hits
+    with _lock:
+        _ARMED, _FIRE_AT, _FIRED_FILE, _PAUSE_SECONDS, _ARM_FILE, _hits = (
+            name, at, fired_file, pause_seconds, arm_file, 0)
+
+
 def point(name: str) -> None:
-    """Crash here (SIGKILL) when ``MTC_FAULT_POINT`` names this point; otherwise do nothing."""
+    """Crash here (SIGKILL) when ``MTC_FAULT_POINT`` names this point (or pause, see the module docstring);
+    otherwise do nothing."""
     if _ARMED is None or name != _ARMED:
+        return
+    if _ARM_FILE and not os.path.exists(_ARM_FILE):
         return
     _fire(name)
 
@@ -102,5 +125,8 @@ def _fire(name: str) -> None:
                 os.write(fd, f"{name} {os.getpid()}\n".encode())
             finally:
                 os.close(fd)
-        os.kill(os.getpid(), signal.SIGKILL)
-        os._exit(137)  # not reached: SIGKILL cannot be caught
+        pause = _PAUSE_SECONDS
+        if not pause:
+            os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(137)  # not reached: SIGKILL cannot be caught
+    time.sleep(pause)  # outside the lock: other threads pass the point meanwhile

@@ -179,20 +179,22 @@ class StepSource:
             for s in a.shards:
                 sa.shards.setdefault(s.index, []).append(SavedShard(where, s, copy))
 
-    def _drop(self, step_dir: Path, why: BaseException, copy: int = 0) -> None:
+    def _drop(self, step_dir: Path, why: BaseException, copy: int = 0, gone: bool = False) -> None:
         """A bad copy: forget it here and, when allowed, delete it so no inventory lists it any longer
         (the replicator then fetches a good copy again). A replacement already fetched under the same name
-        (a concurrent reader found the copy bad first) is kept."""
+        (a concurrent reader found the copy bad first) is kept. ``gone``: the copy was deleted under us;
+        forget it without calling it corrupt."""
         with self._heal, self._lock:
             if copy and self._copy_at.get(step_dir, copy) != copy:
                 return
-            self.bad[step_dir] = str(why)
+            if not gone:
+                self.bad[step_dir] = str(why)
             for sa in self.arrays.values():
                 for idx in list(sa.shards):
                     sa.shards[idx] = [loc for loc in sa.shards[idx] if loc.step_dir != step_dir]
             self.manifests = [(d, m) for d, m in self.manifests if d != step_dir]
             self._copy_at.pop(step_dir, None)
-            if self.drop_bad:
+            if self.drop_bad and not gone:
                 log.warning("dropping the bad copy %s: %s", step_dir, why)
                 commit.delete_step(step_dir)
 
@@ -416,6 +418,14 @@ class StepSource:
                 if part is not None and cover is None:
                     buf = buf[part[0] : part[1]]
             except (OSError, EOFError, checksums.ChecksumError) as err:
+                if (isinstance(err, FileNotFoundError) and loc.step_dir not in self._scratch
+                        and not (loc.step_dir / layout.MANIFEST_NAME).exists()):
+                    # The whole copy went (a GC, or the RAM disk replaced under us): absence, not corruption.
+                    log.info("the copy %s went while it was read: %s", loc.step_dir, err)
+                    errors.append(err)
+                    self._drop(loc.step_dir, err, loc.copy, gone=True)
+                    self._replace_copy(arr, index, loc, errors)
+                    continue
                 bad = err if isinstance(err, checksums.ChecksumError) else BadCopyError(
                     f"{loc.step_dir}/{e.file} ({type(err).__name__}: {err})", e.crc32c, 0)
                 log.warning("bad copy of %s%s in %s: %s", arr.path, index, loc.step_dir, err)
@@ -428,12 +438,7 @@ class StepSource:
                         tried.discard((RemoteRank(owner), 0))
                     continue
                 self._drop(loc.step_dir, bad, loc.copy)
-                if not arr.shards.get(index):
-                    try:
-                        self._materialise(loc, replace_dir=loc.step_dir)
-                    except (OSError, layout.ManifestError, RuntimeError) as ferr:
-                        errors.append(ferr)
-                        log.warning("no replacement for the bad copy in %s: %s", loc.step_dir, ferr)
+                self._replace_copy(arr, index, loc, errors)
                 continue
             out = buf.view(dtype).reshape(shape if part is None else part[2])
             with self._lock:
@@ -445,6 +450,16 @@ class StepSource:
         if errors:
             raise errors[0]
         raise FileNotFoundError(f"no copy of shard {index} of {arr.path!r} in step {self.step}")
+
+    def _replace_copy(self, arr: SavedArray, index: tuple, loc: SavedShard, errors: list[BaseException]) -> None:
+        """After dropping ``loc``'s copy: when no copy of the shard is left, fetch one from other tiers."""
+        if arr.shards.get(index):
+            return
+        try:
+            self._materialise(loc, replace_dir=loc.step_dir)
+        except (OSError, layout.ManifestError, RuntimeError) as ferr:
+            errors.append(ferr)
+            log.warning("no replacement for the copy in %s: %s", loc.step_dir, ferr)
 
     def drop_cache(self) -> None:
         with self._lock:

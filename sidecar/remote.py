@@ -21,6 +21,12 @@ log = logging.getLogger(__name__)
 LOCATE_TIMEOUT_SECONDS = 30.0
 
 
+class ReplicatorUnavailableError(FileNotFoundError):
+    """The host's replicator does not serve right now (not started yet, restarting, or its host being
+    replaced): the tiers beyond this host's RAM disk are out of reach for the moment. A
+    ``FileNotFoundError``, so that a restore retries it while the step is complete elsewhere."""
+
+
 class ReplicatorFetcher:
     """:class:`sidecar.reader.Fetcher` over the host replicator's ``LocateStep``/``FetchStep`` calls."""
 
@@ -34,7 +40,8 @@ class ReplicatorFetcher:
     def _stub(self) -> tuple[grpc.Channel, control_pb2_grpc.LocalControlStub]:
         sock = layout.control_socket(self.root)
         if not sock.exists():
-            raise FileNotFoundError(f"no replicator serves {self.root} (no {sock}): cannot reach other tiers")
+            raise ReplicatorUnavailableError(
+                f"no replicator serves {self.root} (no {sock}): cannot reach other tiers")
         # Manifests of large steps exceed gRPC's default 4 MiB (a block crc32c per MiB of shard data).
         ch = grpc.insecure_channel(f"unix:{sock}", options=[
             ("grpc.max_receive_message_length", layout.MAX_MANIFEST_BYTES + (1 << 20))])
@@ -49,6 +56,8 @@ class ReplicatorFetcher:
             msg = f"replicator of {self.root}: {method}: {e.details() if hasattr(e, 'details') else e}"
             if code == grpc.StatusCode.NOT_FOUND:
                 raise FileNotFoundError(msg) from None
+            if code == grpc.StatusCode.UNAVAILABLE:  # its socket is there, nobody answers: restarting
+                raise ReplicatorUnavailableError(msg) from None
             raise OSError(msg) from None
         finally:
             ch.close()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,9 +131,27 @@ class LocalCluster:
         return addr
 
     def start_all(self) -> None:
+        """Rank 0 first (the others need its address), then the others together."""
         self.start(0)
-        for r in range(1, self.nodes):
-            self.start(r)
+        self.start_many(range(1, self.nodes))
+
+    def start_many(self, ranks: Iterable[int]) -> None:
+        """Start these ranks' replicators concurrently (each start waits for its process to listen)."""
+        errors: list[BaseException] = []
+
+        def one(rank: int) -> None:
+            try:
+                self.start(rank)
+            except BaseException as e:  # re-raised below, in the caller's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
 
     def stop_all(self, sig: int = signal.SIGTERM) -> None:
         """Signal every replicator at once, then wait for each (as Kubernetes stops a job's Pods: on SIGTERM

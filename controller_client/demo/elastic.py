@@ -51,20 +51,26 @@ class Schedule:
     save_every: int = 3
     fail_at: int = 8  # slice 1 goes down before this step runs
     return_at: int = 14  # slice 1 is healthy again before this step runs
+    replaced: bool = False  # slice 1 comes back replaced (empty RAM disks), not as it was
 
 
 class SimulatedSlices:
-    """Stand-in for pathwaysutils' slice discovery on CPU: devices are grouped into slices by id, and a
-    slice is healthy unless marked down."""
+    """Stand-in for pathwaysutils' slice discovery on CPU: devices are grouped into slices by id (by their
+    ``slice_index`` when they carry one, as on Pathways and the simulated Pathways), and a slice is healthy
+    unless marked down."""
 
     def __init__(self, devices: list[Any], per_slice: int = DEVICES_PER_SLICE):
         self.devices = sorted(devices, key=lambda d: d.id)
         self.per_slice = per_slice
+        # Pathways devices name their slice: pathwaysutils' own grouping (by slice_index) is used.
+        self.pathways = all(getattr(d, "slice_index", None) is not None for d in self.devices)
         self.down: set[int] = set()
         self.history: list[str] = []  # what the loop has simulated already (so each event happens once)
         self._lock = threading.Lock()
 
     def slice_of(self, device: Any) -> int:
+        if self.pathways:
+            return int(device.slice_index)
         return self.devices.index(device) // self.per_slice
 
     def slice_to_devices(self, devices: Any = None) -> dict[int, list[Any]]:
@@ -87,17 +93,37 @@ class SimulatedSlices:
 
     @contextlib.contextmanager
     def patched(self) -> Iterator[None]:
-        """Patch pathwaysutils' slice grouping and health check (the module the Manager calls)."""
+        """Patch pathwaysutils' health check (the module the Manager calls), and its slice grouping unless
+        the devices carry ``slice_index``."""
         # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
         from pathwaysutils.elastic import elastic
 
         saved = elastic.get_slice_to_devices, elastic.get_active_slice_indices
-        elastic.get_slice_to_devices = self.slice_to_devices
+        if not self.pathways:
+            elastic.get_slice_to_devices = self.slice_to_devices
         elastic.get_active_slice_indices = self.active
         try:
             yield
         finally:
             elastic.get_slice_to_devices, elastic.get_active_slice_indices = saved
+
+
+def allocation_topology(devices: list[Any]) -> HostTopology:
+    """The full allocation (ranks are its places and never change): from the devices' Pathways attributes
+    when they carry them (``HostTopology.from_devices``, the manager's default), else the devices split by
+    id into ``SLICES x HOSTS_PER_SLICE`` simulated hosts (CPU devices name no slice or host)."""
+    if all(getattr(d, "slice_index", None) is not None for d in devices):
+        return HostTopology.from_devices(devices)
+    return HostTopology.simulated(devices, SLICES, HOSTS_PER_SLICE)
+
+
+def replace_slice(cluster: Any, index: int) -> None:
+    """Slice ``index`` comes back *replaced*: its hosts' replicators stop, their RAM disks are emptied, new
+    replicators start (ranks keep their places; what those hosts held is refilled from peers)."""
+    for rank in range(index * HOSTS_PER_SLICE, (index + 1) * HOSTS_PER_SLICE):
+        cluster.procs[rank].stop()
+        cluster.wipe(rank)
+        cluster.start(rank)
 
 
 class _OneLineSimulatedFailure(logging.Filter):
@@ -191,7 +217,7 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
     init, target, dataset, train_step = _model(kind)
     devices = sim.devices
     # The full allocation: ranks are (slice, host) places and never change.
-    topology = HostTopology.simulated(devices, SLICES, HOSTS_PER_SLICE)
+    topology = allocation_topology(devices)
     losses: dict[int, float] = {}
     with sim.patched(), quiet_simulated_failures():
         elastic = elastic_manager.Manager(devices)
@@ -233,8 +259,11 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
                         events.append(f"slice 1 fails before step {step + 1}")
                         raise jax.errors.JaxRuntimeError(f"DATA_LOSS: slice 1 is down {SIMULATED}")
                     if step + 1 == schedule.return_at and 1 not in slices:
+                        if schedule.replaced:
+                            replace_slice(cluster, 1)
                         sim.heal(1)
-                        events.append(f"slice 1 is back before step {step + 1}")
+                        events.append(f"slice 1 is back before step {step + 1}"
+                                      + (" (replaced: empty RAM disks)" if schedule.replaced else ""))
                         _wait(lambda: elastic.available_inactive_slices, 30, "the monitor to see slice 1")
                         continue
                     b = next(data)

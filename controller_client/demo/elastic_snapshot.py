@@ -43,10 +43,11 @@ from controller_client.demo.elastic import (
     SimulatedSlices,
     _model,
     _wait,
+    allocation_topology,
     quiet_simulated_failures,
+    replace_slice,
 )
 from controller_client.demo.run import _setup_jax
-from controller_client.topology import HostTopology
 from replicator.coordinator.client import CoordinatorClient
 
 
@@ -109,7 +110,7 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
     events = events if events is not None else []
     init, target, dataset, train_step = _model(kind)
     devices = sim.devices
-    topology = HostTopology.simulated(devices, SLICES, HOSTS_PER_SLICE)  # the full allocation
+    topology = allocation_topology(devices)  # the full allocation
     opts = CheckpointManagerOptions(local_directory=cluster.local_template, job_name="t",
                                     save_interval_steps=schedule.save_every, coordinator_address=cluster.coordinator,
                                     restore_wait_seconds=60)
@@ -191,10 +192,7 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
         newest = _wait_redundant(cluster)
         events.append(f"controller restarts after step {schedule.restart_at}; slice 1 replaced (empty RAM disks; "
                       f"step {newest} has its copies on peers)")
-        for rank in range(HOSTS_PER_SLICE, SLICES * HOSTS_PER_SLICE):
-            cluster.procs[rank].stop()
-            cluster.wipe(rank)
-            cluster.start(rank)
+        replace_slice(cluster, 1)
         sim.heal(1)
         controller_process(schedule.total_steps)
     return losses

@@ -138,6 +138,31 @@ class PathwaysSim:
         self._programs = 0
         self._stack = contextlib.ExitStack()
         self.calls: list[tuple[str, tuple[int, ...]]] = []  # (program name, hosts it ran on), for tests
+        self.lost: set[int] = set()  # hosts down (see lose_hosts)
+
+    # ------------------------------------------------------------------ failures
+    def hosts_of_slice(self, index: int) -> list[int]:
+        return [h.host for h in self.hosts if h.slice_index == index]
+
+    def lose_hosts(self, hosts: Sequence[int]) -> None:
+        """``hosts`` are down: a colocated program or call that spans one raises, without reaching any
+        worker, ``jax.errors.JaxRuntimeError("DATA_LOSS: ...")`` (what pathwaysutils counts as a slice-down
+        error). Their worker processes stay up, unused (they are one ``jax.distributed`` job)."""
+        with self._lock:
+            self.lost.update(hosts)
+
+    def heal_hosts(self, hosts: Sequence[int]) -> None:
+        """``hosts`` are back (a replacement keeps the worker process and its state: docs/pathways.md)."""
+        with self._lock:
+            self.lost.difference_update(hosts)
+
+    def _check_up(self, hosts: Sequence[int], name: str) -> None:
+        down = sorted(set(hosts) & self.lost)
+        if down:
+            import jax
+
+            raise jax.errors.JaxRuntimeError(
+                f"DATA_LOSS: colocated program {name} spans hosts {down}, which are down (simulated Pathways)")
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> PathwaysSim:
@@ -253,6 +278,7 @@ class PathwaysSim:
         pickled = _serialize((fun, in_specs_treedef, in_specs_leaves, out_specs_treedef, out_specs_leaves, devices))
         hosts = sorted({self._host(d.id) for d in devices})
         with self._lock:
+            self._check_up(hosts, name)
             self._programs += 1
             program = self._programs
             self._broadcast(hosts, ("load", program, pickled))
@@ -267,6 +293,7 @@ class PathwaysSim:
                 for h in hosts:
                     shards[h].append(per_host[h])
             with self._lock:
+                self._check_up(hosts, name)
                 self.calls.append((name, tuple(hosts)))
                 answers = self._exchange({h: ("run", program, shards[h]) for h in hosts})
             by_id: list[dict[int, Any]] = [{} for _ in out_specs_leaves]

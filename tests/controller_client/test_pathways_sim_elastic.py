@@ -1,0 +1,105 @@
+"""The elastic loop on the simulated Pathways (tests/kits/pathways_sim.py): the controller here, one worker
+process per host running the pickled colocated programs in its own device-id namespace, real replicators,
+real pathwaysutils (its slice grouping by ``slice_index``; only the health check is simulated) and, for the
+guide's loop, Orbax's real ``Snapshotter``.
+
+2 slices x 2 hosts x 2 devices. A lost slice is lost on the simulation too: every colocated call that spans
+one of its hosts raises the ``DATA_LOSS`` error a slice-down raises (``PathwaysSim.lose_hosts``).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from controller_client.demo.elastic import Schedule, SimulatedSlices, train_elastic, train_plain
+from controller_client.demo.elastic_snapshot import _wait_redundant
+from tests.controller_client.test_pathways_sim import sim  # noqa: F401  (fixture)
+from tests.replicator.conftest import cluster_factory  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+
+class PathwaysSlices(SimulatedSlices):
+    """A slice is lost as on Pathways: pathwaysutils' health check counts it down, every colocated call
+    spanning its hosts raises ``DATA_LOSS``, and its replicators die with their RAM disks. It comes back
+    empty (new replicators on empty RAM disks), unless the loop replaced it already."""
+
+    def __init__(self, sim, cluster):  # noqa: F811
+        super().__init__(jax.devices())
+        self.sim, self.cluster = sim, cluster
+
+    def _ranks(self, index: int) -> list[int]:
+        return self.sim.hosts_of_slice(index)  # rank = host: both are slice-major places in the allocation
+
+    def fail(self, index: int) -> None:
+        # The newest step has its peer copies (a job's slices fail long after its saves, as a rule): the
+        # restore onto the survivors is then of that step, whatever the timing here.
+        _wait_redundant(self.cluster)
+        self.sim.lose_hosts(self.sim.hosts_of_slice(index))
+        super().fail(index)
+        for rank in self._ranks(index):
+            self.cluster.procs[rank].kill()
+            self.cluster.wipe(rank)
+
+    def heal(self, index: int) -> None:
+        for rank in self._ranks(index):
+            if not self.cluster.procs[rank].alive:
+                self.cluster.wipe(rank)
+                self.cluster.start(rank)
+        super().heal(index)
+        self.sim.heal_hosts(self.sim.hosts_of_slice(index))
+
+
+@pytest.fixture
+def slices(sim, cluster_factory):  # noqa: F811
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.start_all()
+    s = PathwaysSlices(sim, cl)
+    yield s
+    sim.heal_hosts(range(len(sim.hosts)))
+
+
+def assert_losses_equal(got: dict, kind: str, total: int) -> None:
+    ref = train_plain(kind, total, jax.devices())
+    assert sorted(got) == sorted(ref)
+    np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], rtol=1e-5)
+
+
+def test_elastic_loop_lost_shrink_replaced_scale_up(sim, slices):  # noqa: F811
+    """Slice 1 is lost, training shrinks onto slice 0 (restored there), slice 1 comes back replaced (empty
+    RAM disks), the loop scales back up to both slices; losses equal an uninterrupted run's."""
+    cl = slices.cluster
+    sched = Schedule(total_steps=15, save_every=3, fail_at=8, return_at=11, replaced=True)
+    events: list[str] = []
+    first = len(sim.calls)
+    got = train_elastic(cl, "fsdp", sched, slices, events)
+    assert events[:4] == ["attempt on slices [0, 1]", "slice 1 fails before step 8", "attempt on slices [0]",
+                          'restored step 6 onto 1 slice(s), data iterator state {"global_next_index": 384}'], events
+    assert "slice 1 is back before step 11 (replaced: empty RAM disks)" in events
+    assert events[-2:] == ["attempt on slices [0, 1]",
+                           'restored step 10 onto 2 slice(s), data iterator state {"global_next_index": 640}'], events
+    assert_losses_equal(got, "fsdp", sched.total_steps)
+    # The host functions ran in the worker processes: on slice 0's hosts alone while slice 1 was down.
+    assert {hosts for _, hosts in sim.calls[first:]} >= {(0, 1, 2, 3), (0, 1)}
+
+
+@pytest.mark.parametrize("kind", ["replicated", "fsdp"])
+def test_guide_loop_with_snapshotter(sim, slices, kind):  # noqa: F811
+    """The guide's loop (real Snapshotter): slice lost -> shrink -> in-place scale-up -> controller restart
+    (new manager, no snapshot) -> slice 1 replaced empty; losses equal an uninterrupted run's."""
+    pytest.importorskip("orbax.checkpoint.experimental.v1.training.pathways")
+    from controller_client.demo.elastic_snapshot import SnapshotSchedule, train_with_snapshots
+
+    cl = slices.cluster
+    sched = SnapshotSchedule(total_steps=17, save_every=3, fail_at=8, return_at=11, restart_at=14)
+    events: list[str] = []
+    got = train_with_snapshots(cl, kind, sched, slices, events)
+    first = "restored step 7 from the snapshot" if kind == "replicated" else "restored step 6 from the checkpoint"
+    assert events[:4] == ["attempt on slices [0, 1]", "slice 1 lost before step 8", "attempt on slices [0]",
+                          f"{first} onto 1 slice(s)"], events
+    assert events[4:6] == ["slice 1 is back before step 11", "scale up in place at step 10: slices [0, 1]"], events
+    assert events[6].startswith("controller restarts after step 14; slice 1 replaced"), events
+    assert events[7:] == ["attempt on slices [0, 1]", "restored step 12 from the checkpoint onto 2 slice(s)"], events
+    assert_losses_equal(got, kind, sched.total_steps)

@@ -212,6 +212,7 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
 
     from controller_client.demo.elastic_data import ElasticBatches
     from controller_client.manager import CheckpointManager, CheckpointManagerOptions
+    from controller_client.resilience import close_after_failure
 
     events = events if events is not None else []
     init, target, dataset, train_step = _model(kind)
@@ -272,9 +273,15 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
                     losses[step] = float(loss)
                     if ckpt.save(step, checkpoint()):
                         ckpt.wait_until_finished()
+            except BaseException:
+                # The attempt ends (a slice-down error, a scale-up): closing the manager reaches a lost
+                # slice's hosts and fails as well; the retry must see the error that ended the attempt.
+                close_after_failure(ckpt, "at the end of an attempt")
+                raise
+            else:
+                ckpt.close()
             finally:
                 data.close()
-                ckpt.close()
 
         run()
     return losses

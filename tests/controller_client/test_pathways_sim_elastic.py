@@ -9,13 +9,15 @@ one of its hosts raises the ``DATA_LOSS`` error a slice-down raises (``PathwaysS
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import numpy as np
 import pytest
 
 from controller_client.demo.elastic import Schedule, SimulatedSlices, train_elastic, train_plain
 from controller_client.demo.elastic_snapshot import _wait_redundant
-from tests.controller_client.test_pathways_sim import sim  # noqa: F401  (fixture)
+from tests.controller_client.test_pathways_sim import mgr_for, sim  # noqa: F401  (fixture)
 from tests.replicator.conftest import cluster_factory  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -67,9 +69,10 @@ def assert_losses_equal(got: dict, kind: str, total: int) -> None:
     np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], rtol=1e-5)
 
 
-def test_elastic_loop_lost_shrink_replaced_scale_up(sim, slices):  # noqa: F811
+def test_elastic_loop_lost_shrink_replaced_scale_up(sim, slices, caplog):  # noqa: F811
     """Slice 1 is lost, training shrinks onto slice 0 (restored there), slice 1 comes back replaced (empty
     RAM disks), the loop scales back up to both slices; losses equal an uninterrupted run's."""
+    caplog.set_level(logging.INFO)
     cl = slices.cluster
     sched = Schedule(total_steps=15, save_every=3, fail_at=8, return_at=11, replaced=True)
     events: list[str] = []
@@ -83,6 +86,14 @@ def test_elastic_loop_lost_shrink_replaced_scale_up(sim, slices):  # noqa: F811
     assert_losses_equal(got, "fsdp", sched.total_steps)
     # The host functions ran in the worker processes: on slice 0's hosts alone while slice 1 was down.
     assert {hosts for _, hosts in sim.calls[first:]} >= {(0, 1, 2, 3), (0, 1)}
+    # The retry decided on the loop's slice-down error (one line), not on the failed attempt's manager
+    # failing to close on the lost hosts (that was chained onto it: a traceback, and on Pathways whatever
+    # error the runtime raises for a lost host, which need not count as slice-down).
+    retried = [r for r in caplog.records if r.name == "pathwaysutils.elastic.manager" and "Elastic event" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in retried] == [
+        (logging.WARNING, "Elastic event detected: DATA_LOSS: slice 1 is down (simulated)")], retried
+    assert any("at the end of an attempt" in r.getMessage() and "hosts [2, 3], which are down" in r.getMessage()
+               for r in caplog.records if r.name == "controller_client.resilience")
 
 
 @pytest.mark.parametrize("kind", ["replicated", "fsdp"])
@@ -103,3 +114,19 @@ def test_guide_loop_with_snapshotter(sim, slices, kind):  # noqa: F811
     assert events[6].startswith("controller restarts after step 14; slice 1 replaced"), events
     assert events[7:] == ["attempt on slices [0, 1]", "restored step 12 from the checkpoint onto 2 slice(s)"], events
     assert_losses_equal(got, kind, sched.total_steps)
+
+
+def test_close_on_a_lost_slice_raises_and_drops_the_coordinator_connection(sim, slices, monkeypatch):  # noqa: F811
+    """A manager whose hosts include a lost slice cannot wait for its saves there: close() raises the
+    slice-down error and still closes its coordinator connection (before: one leaked per slice loss)."""
+    from replicator.coordinator.client import CoordinatorClient
+
+    closed = []
+    orig = CoordinatorClient.close
+    monkeypatch.setattr(CoordinatorClient, "close", lambda self: (closed.append(self), orig(self))[1])
+    mgr = mgr_for(slices.cluster)
+    assert mgr.active_ranks == [0, 1, 2, 3]
+    sim.lose_hosts(sim.hosts_of_slice(1))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="DATA_LOSS"):
+        mgr.close()
+    assert closed == [mgr._coordinator]

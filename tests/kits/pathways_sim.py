@@ -269,6 +269,8 @@ class PathwaysSim:
         from jax.experimental.colocated_python import func
         from jax.experimental.colocated_python.serialization import _serialize
 
+        # The host function's name (JAX names a functools.partial "unknown"), for errors and ``calls``.
+        name = getattr(getattr(fun, "func", fun), "__name__", name)
         prng_in = func._get_prng_key_info(in_specs_leaves)
         prng_out = func._get_prng_key_info(out_specs_leaves)
         in_specs_leaves = func._convert_inp_type_to_physical(in_specs_leaves, prng_in)

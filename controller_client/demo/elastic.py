@@ -45,13 +45,14 @@ DEVICES_PER_SLICE = 4
 
 @dataclasses.dataclass
 class Schedule:
-    """When slice 1 fails and returns, in training steps."""
+    """When slice ``lost_slice`` (1) fails and returns, in training steps."""
 
     total_steps: int = 24
     save_every: int = 3
-    fail_at: int = 8  # slice 1 goes down before this step runs
-    return_at: int = 14  # slice 1 is healthy again before this step runs
-    replaced: bool = False  # slice 1 comes back replaced (empty RAM disks), not as it was
+    fail_at: int = 8  # the slice goes down before this step runs
+    return_at: int = 14  # the slice is healthy again before this step runs
+    replaced: bool = False  # the slice comes back replaced (empty RAM disks), not as it was
+    lost_slice: int = 1
 
 
 class SimulatedSlices:
@@ -255,17 +256,18 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
                         ckpt.wait_until_finished()
                         events.append(f"scale up at step {step}: slices {sorted(elastic.available_inactive_slices)}")
                         raise elastic_manager.ScaleUpSignalError()
-                    if step + 1 == schedule.fail_at and 1 in slices:
-                        sim.fail(1)
-                        events.append(f"slice 1 fails before step {step + 1}")
-                        raise jax.errors.JaxRuntimeError(f"DATA_LOSS: slice 1 is down {SIMULATED}")
-                    if step + 1 == schedule.return_at and 1 not in slices:
+                    lost = schedule.lost_slice
+                    if step + 1 == schedule.fail_at and lost in slices:
+                        sim.fail(lost)
+                        events.append(f"slice {lost} fails before step {step + 1}")
+                        raise jax.errors.JaxRuntimeError(f"DATA_LOSS: slice {lost} is down {SIMULATED}")
+                    if step + 1 == schedule.return_at and lost not in slices:
                         if schedule.replaced:
-                            replace_slice(cluster, 1)
-                        sim.heal(1)
-                        events.append(f"slice 1 is back before step {step + 1}"
+                            replace_slice(cluster, lost)
+                        sim.heal(lost)
+                        events.append(f"slice {lost} is back before step {step + 1}"
                                       + (" (replaced: empty RAM disks)" if schedule.replaced else ""))
-                        _wait(lambda: elastic.available_inactive_slices, 30, "the monitor to see slice 1")
+                        _wait(lambda: elastic.available_inactive_slices, 30, f"the monitor to see slice {lost}")
                         continue
                     b = next(data)
                     params, loss = train_step(params, b["x"], b["y"])

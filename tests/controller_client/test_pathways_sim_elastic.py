@@ -63,6 +63,22 @@ def slices(sim, cluster_factory):  # noqa: F811
     sim.heal_hosts(range(len(sim.hosts)))
 
 
+@pytest.fixture
+def failover_slices(sim, tmp_path):  # noqa: F811
+    """As ``slices``, with a coordinator candidate on each slice (ranks 0 and 2): slice 0 can be lost."""
+    import signal
+
+    from tests.replicator.test_failover import FailoverCluster
+
+    cl = FailoverCluster(tmp_path / "c", 4, 2)
+    try:
+        cl.start_all()
+        yield PathwaysSlices(sim, cl)
+    finally:
+        sim.heal_hosts(range(len(sim.hosts)))
+        cl.stop_all(signal.SIGKILL)
+
+
 def assert_losses_equal(got: dict, kind: str, total: int) -> None:
     ref = train_plain(kind, total, jax.devices())
     assert sorted(got) == sorted(ref)
@@ -116,6 +132,22 @@ def test_guide_loop_with_snapshotter(sim, slices, kind):  # noqa: F811
     assert_losses_equal(got, kind, sched.total_steps)
 
 
+def test_elastic_loop_loses_slice_0_survivors_in_other_id_namespace(sim, failover_slices):  # noqa: F811
+    """Slice 0 is lost (the serving coordinator with it: rank 2's candidate takes over): the survivors are
+    the hosts whose worker device ids differ from the controller's (2048 * p + i); training goes on on
+    slice 1 from slice 0's data on its peers, slice 0 comes back replaced and empty."""
+    sched = Schedule(total_steps=12, save_every=3, fail_at=8, return_at=10, replaced=True, lost_slice=0)
+    events: list[str] = []
+    first = len(sim.calls)
+    got = train_elastic(failover_slices.cluster, "fsdp", sched, failover_slices, events)
+    assert events[:4] == ["attempt on slices [0, 1]", "slice 0 fails before step 8", "attempt on slices [1]",
+                          'restored step 6 onto 1 slice(s), data iterator state {"global_next_index": 384}'], events
+    assert "slice 0 is back before step 10 (replaced: empty RAM disks)" in events
+    assert events[-1] == 'restored step 9 onto 2 slice(s), data iterator state {"global_next_index": 576}', events
+    assert_losses_equal(got, "fsdp", sched.total_steps)
+    assert (2, 3) in {hosts for _, hosts in sim.calls[first:]}
+
+
 def test_close_on_a_lost_slice_raises_and_drops_the_coordinator_connection(sim, slices, monkeypatch):  # noqa: F811
     """A manager whose hosts include a lost slice cannot wait for its saves there: close() raises the
     slice-down error and still closes its coordinator connection (before: one leaked per slice loss)."""
@@ -130,3 +162,19 @@ def test_close_on_a_lost_slice_raises_and_drops_the_coordinator_connection(sim, 
     with pytest.raises(jax.errors.JaxRuntimeError, match="DATA_LOSS"):
         mgr.close()
     assert closed == [mgr._coordinator]
+
+
+def test_guide_loop_pause_and_resume(sim, slices):  # noqa: F811
+    """minimum_slice_count=None: the retry waits until slice 1 is back (empty: its replicators and RAM disks
+    died with it), the snapshot's surviving replica serves on the same mesh and manager."""
+    pytest.importorskip("orbax.checkpoint.experimental.v1.training.pathways")
+    from controller_client.demo.elastic_snapshot import SnapshotSchedule, train_with_snapshots
+
+    sched = SnapshotSchedule(total_steps=15, save_every=3, fail_at=8, return_at=11, restart_at=12)
+    events: list[str] = []
+    got = train_with_snapshots(slices.cluster, "replicated", sched, slices, events, minimum_slice_count=None)
+    assert events[:4] == ["attempt on slices [0, 1]", "slice 1 lost before step 8", "attempt on slices [0, 1]",
+                          "restored step 7 from the snapshot onto 2 slice(s)"], events
+    assert not any("scale up" in e for e in events)
+    assert events[-1] == "restored step 12 from the checkpoint onto 2 slice(s)", events
+    assert_losses_equal(got, "replicated", sched.total_steps)

@@ -41,6 +41,10 @@ class PathwaysSlices(SimulatedSlices):
         _wait_redundant(self.cluster)
         self.sim.lose_hosts(self.sim.hosts_of_slice(index))
         super().fail(index)
+        gone = {d.id for d in self.slice_to_devices()[index]}
+        for arr in jax.live_arrays():  # every buffer with a shard there is gone (reading one raises)
+            if not arr.is_deleted() and {d.id for d in arr.sharding.device_set} & gone:
+                arr.delete()
         for rank in self._ranks(index):
             self.cluster.procs[rank].kill()
             self.cluster.wipe(rank)
@@ -178,3 +182,62 @@ def test_guide_loop_pause_and_resume(sim, slices):  # noqa: F811
     assert not any("scale up" in e for e in events)
     assert events[-1] == "restored step 12 from the checkpoint onto 2 slice(s)", events
     assert_losses_equal(got, "replicated", sched.total_steps)
+
+
+# --------------------------------------------------------------------------- what the simulation does not model
+
+def _worker_pid(x, *, _ids=None):
+    """Runs on the workers: each device's element is the process id of the worker that holds it."""
+    import os
+
+    bufs = [jax.device_put(np.full((1,), os.getpid(), np.int32), s.device) for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, bufs)
+
+
+def worker_pids(devices) -> list[int]:
+    """Through colocated Python as the dispatcher calls it (its ``_PathwaysIds`` first: the worker then
+    resolves the controller's device ids)."""
+    import functools
+
+    from jax.experimental import colocated_python
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from controller_client.dispatch import _PathwaysIds
+
+    x = jax.device_put(np.zeros(len(devices), np.int32), NamedSharding(Mesh(np.array(devices), ("d",)), P("d")))
+    spec = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return np.asarray(colocated_python.colocated_python(functools.partial(_worker_pid, _ids=_PathwaysIds())).specialize(out_specs_fn=lambda _: spec)(x)).tolist()
+
+
+def test_limit_a_replaced_host_keeps_its_worker_process(sim):  # noqa: F811
+    """Pinned limit (docs/pathways.md): a host lost and back, replaced or not, is played by the same worker
+    process, with the sidecar state it had (writer threads, JAX's result store): the workers are one
+    jax.distributed job, which a killed member would take down. On Pathways a replacement host starts a
+    fresh sidecar."""
+    import os
+
+    devs = jax.devices()
+    before = worker_pids(devs)
+    assert len(set(before)) == 4 and os.getpid() not in before  # one process per host, none of them this one
+    sim.lose_hosts(sim.hosts_of_slice(1))
+    try:
+        with pytest.raises(jax.errors.JaxRuntimeError, match="DATA_LOSS"):
+            worker_pids(devs)
+        assert worker_pids(devs[:4]) == before[:4]
+    finally:
+        sim.heal_hosts(sim.hosts_of_slice(1))
+    assert worker_pids(devs) == before
+
+
+def test_limit_the_health_check_does_not_see_a_lost_slice(sim):  # noqa: F811
+    """Pinned limit (docs/pathways.md): pathwaysutils' own health check runs a pmap on each slice's
+    devices, which here are this process's CPU devices and never fail, so a slice lost on the simulation
+    is still reported active; the tests simulate the check (SimulatedSlices)."""
+    from pathwaysutils.elastic import elastic
+
+    sim.lose_hosts(sim.hosts_of_slice(1))
+    try:
+        assert set(elastic.get_active_slice_indices(elastic.get_slice_to_devices(jax.devices()))) == {0, 1}
+    finally:
+        sim.heal_hosts(sim.hosts_of_slice(1))

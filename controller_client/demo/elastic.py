@@ -8,8 +8,10 @@ full topology (ranks never change) and ``devices=`` the active devices.
 
 What is simulated (CPU devices have no ``slice_index``, and nothing fails by itself): pathwaysutils' slice
 grouping and health check are patched (:class:`SimulatedSlices`); slice 1 "fails" by raising the error a
-Pathways slice-down raises (``jax.errors.JaxRuntimeError("DATA_LOSS: ...")``) and comes back later.
-Replicators are real processes on loopback.
+Pathways slice-down raises (``jax.errors.JaxRuntimeError("DATA_LOSS: ...")``) and comes back later, as it
+was or (``Schedule.replaced``) replaced by hosts with empty RAM disks. Replicators are real processes on
+loopback. On devices with Pathways attributes (the simulated Pathways of tests/kits/pathways_sim.py) the
+topology comes from them and pathwaysutils groups the slices itself; only the health check is patched.
 
 The data is a grain pipeline read through grain's ``ElasticIterator`` (:mod:`.elastic_data`), one shard per
 active slice. Its state (the global index of the next record) is saved with the train state, as a string
@@ -275,10 +277,13 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
                     losses[step] = float(loss)
                     if ckpt.save(step, checkpoint()):
                         ckpt.wait_until_finished()
-            except BaseException:
-                # The attempt ends (a slice-down error, a scale-up): closing the manager reaches a lost
-                # slice's hosts and fails as well; the retry must see the error that ended the attempt.
-                close_after_failure(ckpt, "at the end of an attempt")
+            except BaseException as e:
+                if isinstance(e, jax.errors.JaxRuntimeError):
+                    # A slice-down error: closing the manager reaches the lost slice's hosts and fails as
+                    # well; elastic_retry must see the error that ended the attempt, not the close's.
+                    close_after_failure(ckpt, "at the end of an attempt")
+                else:
+                    ckpt.close()  # a scale-up (every host healthy) or a real error
                 raise
             else:
                 ckpt.close()

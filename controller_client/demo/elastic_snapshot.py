@@ -20,8 +20,10 @@ The story, on 8 CPU devices as 2 simulated slices with real replicators on loopb
 
 Replicated state restores from the snapshot after the loss (the surviving replica); FSDP state, whose
 part on slice 1 is gone with it, from the checkpoint; after the restart, from the checkpoint. Losses equal
-an uninterrupted run's. What is simulated: the slice grouping and health check (:class:`SimulatedSlices`),
-the loss (buffers deleted, ``DATA_LOSS`` raised) and the restart (in one OS process).
+an uninterrupted run's. What is simulated: the slice grouping and health check (:class:`SimulatedSlices`;
+on Pathways devices the grouping is pathwaysutils' own), the loss (buffers deleted, ``DATA_LOSS`` raised)
+and the restart (in one OS process). tests/controller_client/test_pathways_sim_elastic.py runs this loop on
+the simulated Pathways (docs/pathways.md).
 """
 
 from __future__ import annotations

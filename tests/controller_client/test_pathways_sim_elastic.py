@@ -126,7 +126,7 @@ def test_guide_loop_with_snapshotter(sim, slices, kind):  # noqa: F811
     cl = slices.cluster
     sched = SnapshotSchedule(total_steps=17, save_every=3, fail_at=8, return_at=11, restart_at=14)
     events: list[str] = []
-    first = len(sim.calls)
+    calls_before = len(sim.calls)
     got = train_with_snapshots(cl, kind, sched, slices, events)
     first = "restored step 7 from the snapshot" if kind == "replicated" else "restored step 6 from the checkpoint"
     assert events[:4] == ["attempt on slices [0, 1]", "slice 1 lost before step 8", "attempt on slices [0]",
@@ -135,7 +135,7 @@ def test_guide_loop_with_snapshotter(sim, slices, kind):  # noqa: F811
     assert events[6].startswith("controller restarts after step 14; slice 1 replaced"), events
     assert events[7:] == ["attempt on slices [0, 1]", "restored step 12 from the checkpoint onto 2 slice(s)"], events
     assert_losses_equal(got, kind, sched.total_steps)
-    assert {hosts for _, hosts in sim.calls[first:]} >= {(0, 1, 2, 3), (0, 1)}
+    assert {hosts for _, hosts in sim.calls[calls_before:]} >= {(0, 1, 2, 3), (0, 1)}
 
 
 def test_elastic_loop_loses_slice_0_survivors_in_other_id_namespace(sim, failover_slices):  # noqa: F811

@@ -20,6 +20,9 @@ What it models (docs/pathways.md has the full list and what it does not model):
   the PjRt-IFRT id is the controller-side id.
 - Host functions keep state between calls in the worker (writer threads, JAX's result store), as a
   long-running sidecar does, and share nothing with the controller but the pickles.
+- Lost hosts (``lose_hosts``/``heal_hosts``): a program or call spanning one raises the ``DATA_LOSS``
+  ``JaxRuntimeError`` of a slice-down without reaching any worker; the worker process itself stays (a
+  replaced host keeps it: docs/pathways.md).
 
 The hook is ``jax.experimental.colocated_python.func._compile_to_executable``, the one function whose CPU
 fallback (``PjRtCompiler requires an HloProgram``) otherwise runs the unpickled function inline. Run as a

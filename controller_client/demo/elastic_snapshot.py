@@ -191,7 +191,7 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
 
     with sim.patched(), quiet_simulated_failures():
         controller_process(schedule.restart_at)
-        newest = _wait_redundant(cluster)
+        newest = wait_redundant(cluster)
         events.append(f"controller restarts after step {schedule.restart_at}; slice 1 replaced (empty RAM disks; "
                       f"step {newest} has its copies on peers)")
         replace_slice(cluster, 1)
@@ -200,7 +200,7 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
     return losses
 
 
-def _wait_redundant(cluster: Any, timeout_seconds: float = 60) -> int:
+def wait_redundant(cluster: Any, timeout_seconds: float = 60) -> int:
     """Wait until the newest complete step has a copy of every rank on a second host (a slice replaced
     before that would take its only copies along: the restart would restore an older step, correctly)."""
     client = CoordinatorClient(cluster.coordinator, rpc_timeout_seconds=5)

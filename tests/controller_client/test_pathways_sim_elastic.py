@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from controller_client.demo.elastic import Schedule, SimulatedSlices, train_elastic, train_plain
-from controller_client.demo.elastic_snapshot import _wait_redundant
+from controller_client.demo.elastic_snapshot import wait_redundant
 from tests.controller_client.test_pathways_sim import mgr_for, sim  # noqa: F401  (fixture)
 from tests.replicator.conftest import cluster_factory  # noqa: F401  (fixture)
 
@@ -38,7 +38,7 @@ class PathwaysSlices(SimulatedSlices):
     def fail(self, index: int) -> None:
         # The newest step has its peer copies (a job's slices fail long after its saves, as a rule): the
         # restore onto the survivors is then of that step, whatever the timing here.
-        _wait_redundant(self.cluster)
+        wait_redundant(self.cluster)
         self.sim.lose_hosts(self.sim.hosts_of_slice(index))
         super().fail(index)
         gone = {d.id for d in self.slice_to_devices()[index]}

@@ -417,9 +417,13 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        self.wait_until_finished()
-        if self._coordinator is not None:
-            self._coordinator.close()
+        """Wait for the pending saves (their failure is raised), then drop the coordinator connection, also
+        when the wait fails (a lost slice's hosts cannot answer it)."""
+        try:
+            self.wait_until_finished()
+        finally:
+            if self._coordinator is not None:
+                self._coordinator.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -59,6 +59,17 @@ def devices_of(tree: Any) -> list[Any]:
     return [found[i] for i in sorted(found)]
 
 
+def close_after_failure(manager: CheckpointManager, why: str = "after a failure") -> None:
+    """Close ``manager`` when its hosts may be gone (an attempt ended by a slice-down error): the wait for
+    pending saves reaches the lost hosts and fails too (on Pathways: whatever the runtime raises for them),
+    so its error is logged, not raised, and the error that ended the attempt stays the one
+    ``elastic_retry`` decides on. Its coordinator connection is closed either way."""
+    try:
+        manager.close()
+    except Exception as e:  # noqa: BLE001 (a failed slice's error is whatever its runtime raises)
+        log.warning("closing the manager of hosts %s %s: %s", manager.active_ranks, why, e)
+
+
 def _shape_mismatch(restored: Any, target: Any) -> str | None:
     """The first array leaf whose shape is not the target's (a snapshot missing a lost replica's part)."""
     got, _ = jax.tree_util.tree_flatten_with_path(restored)
@@ -121,10 +132,7 @@ class ElasticCheckpointer:
             old.close()  # growing: every old host is healthy, its pending saves must finish
         else:
             # Shrinking after a slice failed: the lost hosts cannot answer; what they held is on peers.
-            try:
-                old.close()
-            except Exception as e:  # noqa: BLE001 (a failed slice's error is whatever its runtime raises)
-                log.warning("closing the manager of hosts %s after a shrink: %s", old.active_ranks, e)
+            close_after_failure(old, "after a shrink")
         self.manager = self._factory(devices)
         if self._restored_step is not None:
             self.manager.mark_restored(self._restored_step)

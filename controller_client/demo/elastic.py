@@ -8,8 +8,10 @@ full topology (ranks never change) and ``devices=`` the active devices.
 
 What is simulated (CPU devices have no ``slice_index``, and nothing fails by itself): pathwaysutils' slice
 grouping and health check are patched (:class:`SimulatedSlices`); slice 1 "fails" by raising the error a
-Pathways slice-down raises (``jax.errors.JaxRuntimeError("DATA_LOSS: ...")``) and comes back later.
-Replicators are real processes on loopback.
+Pathways slice-down raises (``jax.errors.JaxRuntimeError("DATA_LOSS: ...")``) and comes back later, as it
+was or (``Schedule.replaced``) replaced by hosts with empty RAM disks. Replicators are real processes on
+loopback. On devices with Pathways attributes (the simulated Pathways of tests/kits/pathways_sim.py) the
+topology comes from them and pathwaysutils groups the slices itself; only the health check is patched.
 
 The data is a grain pipeline read through grain's ``ElasticIterator`` (:mod:`.elastic_data`), one shard per
 active slice. Its state (the global index of the next record) is saved with the train state, as a string
@@ -45,26 +47,33 @@ DEVICES_PER_SLICE = 4
 
 @dataclasses.dataclass
 class Schedule:
-    """When slice 1 fails and returns, in training steps."""
+    """When slice ``lost_slice`` (1) fails and returns, in training steps."""
 
     total_steps: int = 24
     save_every: int = 3
-    fail_at: int = 8  # slice 1 goes down before this step runs
-    return_at: int = 14  # slice 1 is healthy again before this step runs
+    fail_at: int = 8  # the slice goes down before this step runs
+    return_at: int = 14  # the slice is healthy again before this step runs
+    replaced: bool = False  # the slice comes back replaced (empty RAM disks), not as it was
+    lost_slice: int = 1
 
 
 class SimulatedSlices:
-    """Stand-in for pathwaysutils' slice discovery on CPU: devices are grouped into slices by id, and a
-    slice is healthy unless marked down."""
+    """Stand-in for pathwaysutils' slice discovery on CPU: devices are grouped into slices by id (by their
+    ``slice_index`` when they carry one, as on Pathways and the simulated Pathways), and a slice is healthy
+    unless marked down."""
 
     def __init__(self, devices: list[Any], per_slice: int = DEVICES_PER_SLICE):
         self.devices = sorted(devices, key=lambda d: d.id)
         self.per_slice = per_slice
+        # Pathways devices name their slice: pathwaysutils' own grouping (by slice_index) is used.
+        self.pathways = all(getattr(d, "slice_index", None) is not None for d in self.devices)
         self.down: set[int] = set()
         self.history: list[str] = []  # what the loop has simulated already (so each event happens once)
         self._lock = threading.Lock()
 
     def slice_of(self, device: Any) -> int:
+        if self.pathways:
+            return int(device.slice_index)
         return self.devices.index(device) // self.per_slice
 
     def slice_to_devices(self, devices: Any = None) -> dict[int, list[Any]]:
@@ -87,17 +96,37 @@ class SimulatedSlices:
 
     @contextlib.contextmanager
     def patched(self) -> Iterator[None]:
-        """Patch pathwaysutils' slice grouping and health check (the module the Manager calls)."""
+        """Patch pathwaysutils' health check (the module the Manager calls), and its slice grouping unless
+        the devices carry ``slice_index``."""
         # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
         from pathwaysutils.elastic import elastic
 
         saved = elastic.get_slice_to_devices, elastic.get_active_slice_indices
-        elastic.get_slice_to_devices = self.slice_to_devices
+        if not self.pathways:
+            elastic.get_slice_to_devices = self.slice_to_devices
         elastic.get_active_slice_indices = self.active
         try:
             yield
         finally:
             elastic.get_slice_to_devices, elastic.get_active_slice_indices = saved
+
+
+def allocation_topology(devices: list[Any]) -> HostTopology:
+    """The full allocation (ranks are its places and never change): from the devices' Pathways attributes
+    when they carry them (``HostTopology.from_devices``, the manager's default), else the devices split by
+    id into ``SLICES x HOSTS_PER_SLICE`` simulated hosts (CPU devices name no slice or host)."""
+    if all(getattr(d, "slice_index", None) is not None for d in devices):
+        return HostTopology.from_devices(devices)
+    return HostTopology.simulated(devices, SLICES, HOSTS_PER_SLICE)
+
+
+def replace_slice(cluster: Any, index: int) -> None:
+    """Slice ``index`` comes back *replaced*: its hosts' replicators stop, their RAM disks are emptied, new
+    replicators start (ranks keep their places; what those hosts held is refilled from peers)."""
+    for rank in range(index * HOSTS_PER_SLICE, (index + 1) * HOSTS_PER_SLICE):
+        cluster.procs[rank].stop()
+        cluster.wipe(rank)
+        cluster.start(rank)
 
 
 class _OneLineSimulatedFailure(logging.Filter):
@@ -186,12 +215,13 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
 
     from controller_client.demo.elastic_data import ElasticBatches
     from controller_client.manager import CheckpointManager, CheckpointManagerOptions
+    from controller_client.resilience import close_after_failure
 
     events = events if events is not None else []
     init, target, dataset, train_step = _model(kind)
     devices = sim.devices
     # The full allocation: ranks are (slice, host) places and never change.
-    topology = HostTopology.simulated(devices, SLICES, HOSTS_PER_SLICE)
+    topology = allocation_topology(devices)
     losses: dict[int, float] = {}
     with sim.patched(), quiet_simulated_failures():
         elastic = elastic_manager.Manager(devices)
@@ -228,14 +258,18 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
                         ckpt.wait_until_finished()
                         events.append(f"scale up at step {step}: slices {sorted(elastic.available_inactive_slices)}")
                         raise elastic_manager.ScaleUpSignalError()
-                    if step + 1 == schedule.fail_at and 1 in slices:
-                        sim.fail(1)
-                        events.append(f"slice 1 fails before step {step + 1}")
-                        raise jax.errors.JaxRuntimeError(f"DATA_LOSS: slice 1 is down {SIMULATED}")
-                    if step + 1 == schedule.return_at and 1 not in slices:
-                        sim.heal(1)
-                        events.append(f"slice 1 is back before step {step + 1}")
-                        _wait(lambda: elastic.available_inactive_slices, 30, "the monitor to see slice 1")
+                    lost = schedule.lost_slice
+                    if step + 1 == schedule.fail_at and lost in slices:
+                        sim.fail(lost)
+                        events.append(f"slice {lost} fails before step {step + 1}")
+                        raise jax.errors.JaxRuntimeError(f"DATA_LOSS: slice {lost} is down {SIMULATED}")
+                    if step + 1 == schedule.return_at and lost not in slices:
+                        if schedule.replaced:
+                            replace_slice(cluster, lost)
+                        sim.heal(lost)
+                        events.append(f"slice {lost} is back before step {step + 1}"
+                                      + (" (replaced: empty RAM disks)" if schedule.replaced else ""))
+                        _wait(lambda: elastic.available_inactive_slices, 30, f"the monitor to see slice {lost}")
                         continue
                     b = next(data)
                     params, loss = train_step(params, b["x"], b["y"])
@@ -243,9 +277,18 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
                     losses[step] = float(loss)
                     if ckpt.save(step, checkpoint()):
                         ckpt.wait_until_finished()
+            except BaseException as e:
+                if isinstance(e, jax.errors.JaxRuntimeError):
+                    # A slice-down error: closing the manager reaches the lost slice's hosts and fails as
+                    # well; elastic_retry must see the error that ended the attempt, not the close's.
+                    close_after_failure(ckpt, "at the end of an attempt")
+                else:
+                    ckpt.close()  # a scale-up (every host healthy) or a real error
+                raise
+            else:
+                ckpt.close()
             finally:
                 data.close()
-                ckpt.close()
 
         run()
     return losses

@@ -20,8 +20,10 @@ The story, on 8 CPU devices as 2 simulated slices with real replicators on loopb
 
 Replicated state restores from the snapshot after the loss (the surviving replica); FSDP state, whose
 part on slice 1 is gone with it, from the checkpoint; after the restart, from the checkpoint. Losses equal
-an uninterrupted run's. What is simulated: the slice grouping and health check (:class:`SimulatedSlices`),
-the loss (buffers deleted, ``DATA_LOSS`` raised) and the restart (in one OS process).
+an uninterrupted run's. What is simulated: the slice grouping and health check (:class:`SimulatedSlices`;
+on Pathways devices the grouping is pathwaysutils' own), the loss (buffers deleted, ``DATA_LOSS`` raised)
+and the restart (in one OS process). tests/controller_client/test_pathways_sim_elastic.py runs this loop on
+the simulated Pathways (docs/pathways.md).
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ from controller_client.demo.elastic import (
     SimulatedSlices,
     _model,
     _wait,
+    allocation_topology,
     quiet_simulated_failures,
+    replace_slice,
 )
 from controller_client.demo.run import _setup_jax
-from controller_client.topology import HostTopology
 from replicator.coordinator.client import CoordinatorClient
 
 
@@ -109,7 +112,7 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
     events = events if events is not None else []
     init, target, dataset, train_step = _model(kind)
     devices = sim.devices
-    topology = HostTopology.simulated(devices, SLICES, HOSTS_PER_SLICE)  # the full allocation
+    topology = allocation_topology(devices)  # the full allocation
     opts = CheckpointManagerOptions(local_directory=cluster.local_template, job_name="t",
                                     save_interval_steps=schedule.save_every, coordinator_address=cluster.coordinator,
                                     restore_wait_seconds=60)
@@ -188,19 +191,16 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
 
     with sim.patched(), quiet_simulated_failures():
         controller_process(schedule.restart_at)
-        newest = _wait_redundant(cluster)
+        newest = wait_redundant(cluster)
         events.append(f"controller restarts after step {schedule.restart_at}; slice 1 replaced (empty RAM disks; "
                       f"step {newest} has its copies on peers)")
-        for rank in range(HOSTS_PER_SLICE, SLICES * HOSTS_PER_SLICE):
-            cluster.procs[rank].stop()
-            cluster.wipe(rank)
-            cluster.start(rank)
+        replace_slice(cluster, 1)
         sim.heal(1)
         controller_process(schedule.total_steps)
     return losses
 
 
-def _wait_redundant(cluster: Any, timeout_seconds: float = 60) -> int:
+def wait_redundant(cluster: Any, timeout_seconds: float = 60) -> int:
     """Wait until the newest complete step has a copy of every rank on a second host (a slice replaced
     before that would take its only copies along: the restart would restore an older step, correctly)."""
     client = CoordinatorClient(cluster.coordinator, rpc_timeout_seconds=5)

@@ -20,6 +20,9 @@ What it models (docs/pathways.md has the full list and what it does not model):
   the PjRt-IFRT id is the controller-side id.
 - Host functions keep state between calls in the worker (writer threads, JAX's result store), as a
   long-running sidecar does, and share nothing with the controller but the pickles.
+- Lost hosts (``lose_hosts``/``heal_hosts``): a program or call spanning one raises the ``DATA_LOSS``
+  ``JaxRuntimeError`` of a slice-down without reaching any worker; the worker process itself stays (a
+  replaced host keeps it: docs/pathways.md).
 
 The hook is ``jax.experimental.colocated_python.func._compile_to_executable``, the one function whose CPU
 fallback (``PjRtCompiler requires an HloProgram``) otherwise runs the unpickled function inline. Run as a
@@ -138,6 +141,31 @@ class PathwaysSim:
         self._programs = 0
         self._stack = contextlib.ExitStack()
         self.calls: list[tuple[str, tuple[int, ...]]] = []  # (program name, hosts it ran on), for tests
+        self.lost: set[int] = set()  # hosts down (see lose_hosts)
+
+    # ------------------------------------------------------------------ failures
+    def hosts_of_slice(self, index: int) -> list[int]:
+        return [h.host for h in self.hosts if h.slice_index == index]
+
+    def lose_hosts(self, hosts: Sequence[int]) -> None:
+        """``hosts`` are down: a colocated program or call that spans one raises, without reaching any
+        worker, ``jax.errors.JaxRuntimeError("DATA_LOSS: ...")`` (what pathwaysutils counts as a slice-down
+        error). Their worker processes stay up, unused (they are one ``jax.distributed`` job)."""
+        with self._lock:
+            self.lost.update(hosts)
+
+    def heal_hosts(self, hosts: Sequence[int]) -> None:
+        """``hosts`` are back (a replacement keeps the worker process and its state: docs/pathways.md)."""
+        with self._lock:
+            self.lost.difference_update(hosts)
+
+    def _check_up(self, hosts: Sequence[int], name: str) -> None:
+        down = sorted(set(hosts) & self.lost)
+        if down:
+            import jax
+
+            raise jax.errors.JaxRuntimeError(
+                f"DATA_LOSS: colocated program {name} spans hosts {down}, which are down (simulated Pathways)")
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> PathwaysSim:
@@ -244,6 +272,8 @@ class PathwaysSim:
         from jax.experimental.colocated_python import func
         from jax.experimental.colocated_python.serialization import _serialize
 
+        # The host function's name (JAX names a functools.partial "unknown"), for errors and ``calls``.
+        name = getattr(getattr(fun, "func", fun), "__name__", name)
         prng_in = func._get_prng_key_info(in_specs_leaves)
         prng_out = func._get_prng_key_info(out_specs_leaves)
         in_specs_leaves = func._convert_inp_type_to_physical(in_specs_leaves, prng_in)
@@ -253,6 +283,7 @@ class PathwaysSim:
         pickled = _serialize((fun, in_specs_treedef, in_specs_leaves, out_specs_treedef, out_specs_leaves, devices))
         hosts = sorted({self._host(d.id) for d in devices})
         with self._lock:
+            self._check_up(hosts, name)
             self._programs += 1
             program = self._programs
             self._broadcast(hosts, ("load", program, pickled))
@@ -267,6 +298,7 @@ class PathwaysSim:
                 for h in hosts:
                     shards[h].append(per_host[h])
             with self._lock:
+                self._check_up(hosts, name)
                 self.calls.append((name, tuple(hosts)))
                 answers = self._exchange({h: ("run", program, shards[h]) for h in hosts})
             by_id: list[dict[int, Any]] = [{} for _ in out_specs_leaves]

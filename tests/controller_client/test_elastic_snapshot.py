@@ -128,6 +128,12 @@ def test_guide_loop_lost_shrink_scale_up_in_place_restart_replaced(cluster_facto
     sched = SnapshotSchedule(total_steps=17, save_every=3, fail_at=8, return_at=11, restart_at=14)
     events: list[str] = []
     got = train_with_snapshots(cl, kind, sched, SimulatedSlices(jax.devices()), events)
+    assert_guide_loop_story(events, kind)
+    _assert_losses_equal(got, kind, sched.total_steps)
+
+
+def assert_guide_loop_story(events: list[str], kind: str) -> None:
+    """The guide loop's events for SnapshotSchedule(17, save_every=3, fail_at=8, return_at=11, restart_at=14)."""
     # The snapshot (step 7) serves replicated state; FSDP state lost slice 1's part: the checkpoint (6).
     first = "restored step 7 from the snapshot" if kind == "replicated" else "restored step 6 from the checkpoint"
     assert events[:4] == ["attempt on slices [0, 1]", "slice 1 lost before step 8", "attempt on slices [0]",
@@ -137,7 +143,6 @@ def test_guide_loop_lost_shrink_scale_up_in_place_restart_replaced(cluster_facto
     # checkpoint, slice 1's ranks from their peers.
     assert events[6].startswith("controller restarts after step 14; slice 1 replaced"), events
     assert events[7:] == ["attempt on slices [0, 1]", "restored step 12 from the checkpoint onto 2 slice(s)"], events
-    _assert_losses_equal(got, kind, sched.total_steps)
 
 
 @pytest.mark.slow

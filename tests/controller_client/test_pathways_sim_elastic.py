@@ -17,6 +17,7 @@ import pytest
 
 from controller_client.demo.elastic import Schedule, SimulatedSlices, train_elastic, train_plain
 from controller_client.demo.elastic_snapshot import wait_redundant
+from tests.controller_client.test_elastic_snapshot import assert_guide_loop_story
 from tests.controller_client.test_pathways_sim import mgr_for, sim  # noqa: F401  (fixture)
 from tests.replicator.conftest import cluster_factory  # noqa: F401  (fixture)
 
@@ -128,12 +129,7 @@ def test_guide_loop_with_snapshotter(sim, slices, kind):  # noqa: F811
     events: list[str] = []
     calls_before = len(sim.calls)
     got = train_with_snapshots(cl, kind, sched, slices, events)
-    first = "restored step 7 from the snapshot" if kind == "replicated" else "restored step 6 from the checkpoint"
-    assert events[:4] == ["attempt on slices [0, 1]", "slice 1 lost before step 8", "attempt on slices [0]",
-                          f"{first} onto 1 slice(s)"], events
-    assert events[4:6] == ["slice 1 is back before step 11", "scale up in place at step 10: slices [0, 1]"], events
-    assert events[6].startswith("controller restarts after step 14; slice 1 replaced"), events
-    assert events[7:] == ["attempt on slices [0, 1]", "restored step 12 from the checkpoint onto 2 slice(s)"], events
+    assert_guide_loop_story(events, kind)
     assert_losses_equal(got, kind, sched.total_steps)
     assert {hosts for _, hosts in sim.calls[calls_before:]} >= {(0, 1, 2, 3), (0, 1)}
 

@@ -17,7 +17,7 @@ holds there for a few seconds, and the test replaces the victims meanwhile. Then
   the cluster is quiet, and every step the bucket lists restores and verifies.
 
 The outcome of every cell is printed at the end of the run as an operations x events table
-(tests/crash/conftest.py).
+(tests/crash/report.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Then, before and after a restart:
 * the newest globally complete step restores bit-exact;
 * the same step number can be saved (backed up, fetched) again.
 
-The outcome of every point is printed at the end of the run (tests/crash/conftest.py).
+The outcome of every point is printed at the end of the run (tests/crash/report.py).
 """
 
 from __future__ import annotations

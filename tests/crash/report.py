@@ -1,6 +1,9 @@
 """Collects the crash-point matrix (point -> outcome) and the in-flight fault matrix (operation x event ->
 outcome) and prints both at the end of the run.
 
+The hooks are imported into tests/conftest.py: that conftest is loaded at start-up also by the process that
+only coordinates pytest-xdist's workers (which collects nothing), so the tables are printed there.
+
 Each test's row travels on its report (``user_properties``), so the table is complete also when the
 suite runs in several worker processes (pytest-xdist): the controller sees every report.
 """

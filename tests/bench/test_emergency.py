@@ -51,3 +51,31 @@ def test_one_round_of_every_system_reports_every_ratio():
     for m in emergency.MEASURES:
         assert result[f"{m}_vs_best_orbax"] > 0
         assert result["best_orbax"][m] in ("orbax_p2p", "orbax_emergency")
+
+
+def test_check_state_counts_zeros_that_lost_their_sign_and_refuses_any_other_difference(monkeypatch):
+    """At 32 MiB the random state holds a bfloat16 -0.0; Orbax's managers restore it as +0.0 (their replica
+    broadcast sums with zeros). That is counted, not fatal; one other flipped bit is."""
+    import jax
+    import ml_dtypes
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    saved = np.arange(1, 16 * 8 + 1, dtype=np.float32).reshape(16, 8).astype(ml_dtypes.bfloat16)
+    saved[3, 5] = -0.0
+    monkeypatch.setattr(emergency, "_value", lambda name, shape, dtype, index: saved[index])
+    sh = NamedSharding(Mesh(np.array(jax.devices()).reshape(2, 4), ("replica", "model")), P(None, "model"))
+    abstract = {"attn": jax.ShapeDtypeStruct((16, 8), saved.dtype, sharding=sh)}
+
+    def restored(values):
+        return {"attn": jax.make_array_from_callback((16, 8), sh, lambda idx: values[idx])}
+
+    assert emergency.check_state(restored(saved), abstract) == 0
+    plus = saved.copy()
+    plus[3, 5] = 0.0
+    assert emergency.check_state(restored(plus), abstract) == 2  # both slices hold that column
+    other = saved.copy()
+    other.view(np.uint16)[0, 0] ^= 1
+    with pytest.raises(ValueError, match="attn: shard .* differs from what was saved"):
+        emergency.check_state(restored(other), abstract)

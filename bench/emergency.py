@@ -191,6 +191,9 @@ class System:
         self.wait()
     def wait_persistent(self, step: int) -> None:
         self.wait()
+    def settle(self, step: int) -> None:
+        """Every piece of work the system does for ``step`` is over (before the timed steps begin)."""
+        self.wait()
     def restore(self) -> dict: ...
     def close(self) -> None:
         if self.mgr is not None:
@@ -334,6 +337,14 @@ class Ours(System):
             _wait_for(lambda: step in self._summary(step)[0].backup.committed_steps, WAIT_SECONDS,
                       f"step {step} backed up")
 
+    def settle(self, step: int) -> None:
+        # Orbax's wait_until_finished ends all its work for a step (local and persistent); ours goes on in
+        # the daemons: copies to peers and the backup. They end before the timed steps start.
+        self.wait_safe(step)
+        if self.rank == 0:
+            _wait_for(lambda: step in self._summary(step)[0].backup.committed_steps, WAIT_SECONDS,
+                      f"step {step} backed up")
+
     def restore(self) -> dict:
         return self.mgr.restore(None, self.abstract)
 
@@ -362,7 +373,7 @@ def run_system(name: str, rank: int, base: Path, mesh: Any, state: dict, abstrac
         # Step 0 first, untimed: Orbax's managers save the first step of a run to the persistent tier
         # whatever the interval, which would put a persistent save into step 1's timings.
         system.save(0, state)
-        system.wait()
+        system.settle(0)
         barrier()
         t0 = time.monotonic()
         system.save(1, state)

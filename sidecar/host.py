@@ -115,7 +115,7 @@ def save_on_hosts(
                 ac = copies[r] = writer.ArrayCopy(
                     meta.path, tuple(arr.shape), tree.dtype_name(arr.dtype), meta.key_impl, []
                 )
-            ac.shards.append(writer.ShardCopy(idx, writer.host_copy(shard.data)))
+            ac.shards.append(writer.ShardCopy(idx, writer.device_to_host(shard.data)))
         for r in ranks:
             if r not in copies:
                 raise ValueError(f"array {meta.path!r} has no shard on rank {r}'s devices")

@@ -1,6 +1,6 @@
 """Write one host's shards of a step to its RAM directory: preallocated files, crc32c, atomic commit.
 
-Saving is split in two: :func:`host_copy` (the only part ``save`` blocks on) copies each of the host's
+Saving is split in two: :func:`device_to_host` (the only part ``save`` blocks on) brings each of the host's
 addressable shards to host memory; :class:`HostWriter` writes them in the background.
 """
 
@@ -284,5 +284,18 @@ def writer_for(root: Path, threads: int = 2) -> HostWriter:
 
 
 def host_copy(x: Any) -> np.ndarray:
-    """A C-contiguous host copy of a device buffer (the part of a save the caller waits for)."""
+    """A C-contiguous host copy of a host array the caller may change after ``save`` (a numpy leaf)."""
     return np.array(x, copy=True, order="C")
+
+
+def device_to_host(x: Any) -> np.ndarray:
+    """A C-contiguous host array of one device buffer (a ``jax.Array`` shard) that nothing changes until the
+    write is done: the part of a save the caller waits for.
+
+    On TPU and GPU ``np.asarray`` transfers the buffer into new host memory: one copy (``np.array(copy=True)``
+    made a second one). On CPU it is a read-only view of the device buffer itself, no copy: while a view
+    references it, JAX declines to donate the buffer (a jitted step that donates it allocates its output
+    anew) and ``delete()`` keeps its memory (tests/controller_client/test_manager.py), as Orbax's own host
+    transfer relies on."""
+    a = np.asarray(x)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from controller_client.dispatch import InProcessDispatcher
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
-from sidecar import checksums, commit, layout, writer
+from sidecar import checksums, commit, faults, layout, writer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -482,3 +482,32 @@ def test_a_corrupt_manifest_is_reported_as_corruption_not_absence(ram_dir):
         assert mgr.latest_step() is None  # rank 1's data is not held: the step is not complete
         with pytest.raises(reader.CorruptStepError, match=r"corrupt copies \(dropped\): .*/1/steps/1: manifest is not valid JSON"):
             mgr.restore(1, abstract(tree, mesh, spec))
+
+
+def test_a_step_that_donates_and_deletes_the_saved_arrays_does_not_change_the_saved_bytes(ram_dir):
+    """save() blocks only for the host transfer (on CPU a view of the device buffers, no copy): a jitted
+    step that donates the saved state right after save() and then deletes it, while the write runs, must
+    not change what is written."""
+    mesh, spec = MESHES["2x4"](jax.devices())
+    sh = NamedSharding(mesh, spec)
+    want = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
+    state = jax.device_put(want, sh)
+    assert np.shares_memory(writer.device_to_host(state.addressable_shards[0].data),
+                            np.asarray(state.addressable_shards[0].data))  # no copy on CPU
+    mgr = make_manager(ram_dir)
+    step = jax.jit(lambda x: x * 0 - 7, donate_argnums=0)
+    step.lower(state).compile()
+    try:
+        faults.arm("save.after_tmp_dir", 1, pause_seconds=1.0)  # the write waits while the step runs
+        assert mgr.save(1, {"w": state})
+        out = step(state)  # donation declined while the write holds the buffers: a new output
+        state.delete()
+        junk = [jax.device_put(np.full_like(want, -1), sh) for _ in range(4)]
+        jax.block_until_ready((out, junk))
+        mgr.wait_until_finished()
+    finally:
+        faults.arm(None)
+    got = mgr.restore(1, {"w": jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=sh)})
+    np.testing.assert_array_equal(np.asarray(got["w"]), want)
+    np.testing.assert_array_equal(np.asarray(out), np.full_like(want, -7))
+    mgr.close()

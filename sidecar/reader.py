@@ -249,6 +249,11 @@ class StepSource:
                 commit.delete_step(step_dir)
 
     @property
+    def landings(self) -> tuple[Landing, ...]:
+        """The copies this source reads while they land (the host's own data it lacked)."""
+        return tuple(self._landings)
+
+    @property
     def owners(self) -> set[int]:
         return {m.rank for _, m in self.manifests}
 

@@ -2,7 +2,8 @@
 
 The replicator knows the other tiers: it asks the coordinator where a rank's data of a step lives and
 fetches it — from a peer's RAM disk, else the bucket — verifying every file's crc32c before committing the
-copy under ``<root>/peer/<owner>/<step>``. The sidecar then reads it like any local copy.
+copy under ``<root>/peer/<owner>/<step>``. The sidecar then reads it like any local copy — or, for the host's
+own data it lacks, while it lands (``stream``, see ``sidecar.landing``).
 """
 
 from __future__ import annotations

@@ -176,6 +176,11 @@ class StepSource:
             landing = stream(own, self.step)
         except (OSError, layout.ManifestError, ValueError) as e:
             log.info("rank %d's data of step %d cannot be streamed here (%s): read when fetched", own, self.step, e)
+            if isinstance(e, FileNotFoundError):
+                # No tier has it (the replicator waited for a source already): do not ask again for this read.
+                self.unreachable.setdefault(own, str(e))
+                self._tried_manifests.add(own)
+                self._fetched.add((own, False))
             return
         m = landing.manifest
         if m.step != self.step or m.generation < self.generation:

@@ -7,7 +7,8 @@ instead) divided by a plain TCP transfer
 of the same bytes over loopback in the same run (sender ``sendall`` from memory, receiver
 ``recv_into`` a reused buffer, no disk, no checksum) — the ceiling of any copy. ``peer_vs_tcp_to_file``
 compares with plain TCP written unverified to a file on the same RAM disk instead. ``recovery_vs_local``:
-time to restore a wiped host from its peer / from its own RAM disk (real replicators, CheckpointManager).
+time to restore a wiped host from its peer / from its own RAM disk (real replicators, CheckpointManager);
+``recovery_vs_tcp``: the same recovery / a plain loopback TCP transfer of the host's bytes in the same run.
 Medians of interleaved
 repeats, because the machines are noisy. Add a measurement by writing a function that returns a dict
 and listing it in ``MEASUREMENTS``.
@@ -104,6 +105,32 @@ def _serve(root: str, step_files: list[str], conn: Any) -> None:
     t.join(timeout=2)
     ts.stop()
     rpc.stop_server(server, 1.0)
+
+
+def _raw_sender(nbytes: int, conn: Any) -> None:
+    """Child process: a plain TCP sender of ``nbytes`` random bytes from memory, once per connection."""
+    import threading
+
+    payload = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    raw = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def loop() -> None:
+        raw.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = raw.accept()
+            except TimeoutError:
+                continue
+            with c:
+                c.sendall(payload)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    conn.send(raw.getsockname()[1])
+    conn.recv()  # wait for "stop"
+    stop.set()
+    t.join(timeout=2)
 
 
 def _raw_receive(port: int, nbytes: int, into_file: Path | None = None) -> None:
@@ -225,12 +252,15 @@ def measure_peer_vs_tcp(
 
 
 def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: int = 3) -> dict[str, Any]:
-    """Restore a wiped host from its peer / restore the same host from its own RAM disk.
+    """Restore a wiped host from its peer / restore the same host from its own RAM disk / a raw TCP copy.
 
     Two real replicators on loopback (2 slices x 1 host, data-parallel replicas), the controller here
     with 8 CPU devices. "local": ``CheckpointManager.restore`` with every RAM disk intact. "peer": host 1's
     RAM disk wiped and its replicator restarted; the clock runs from the moment it serves again until
-    ``restore`` returns (its data comes from host 0: fetched, verified, committed, then read).
+    ``restore`` returns (its data comes from host 0 and is read while it lands, each block verified; the
+    copy is committed on the RAM disk for next time). "tcp": a plain loopback TCP transfer of the same byte
+    count (sender ``sendall`` from memory in another process, receiver ``recv_into`` a reused buffer),
+    interleaved with the rounds: ``recovery_vs_tcp`` = peer / tcp.
     """
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import jax
@@ -251,8 +281,16 @@ def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: i
     target = {"w": jax.ShapeDtypeStruct(tree["w"].shape, tree["w"].dtype, sharding=sharding)}
     scratch = _scratch_dir()
     cluster = LocalCluster(scratch / "cluster", nodes=2, data_parallelism=2, heartbeat_seconds=0.1)
-    times: dict[str, list[float]] = {"local": [], "peer": []}
+    times: dict[str, list[float]] = {"local": [], "peer": [], "tcp": []}
+    nbytes = rows * cols * 4
+    ctx = mp.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    sender = ctx.Process(target=_raw_sender, args=(nbytes, child_conn), daemon=True)
     try:
+        sender.start()
+        if not parent_conn.poll(60):
+            raise TimeoutError("raw TCP sender did not start within 60 s")
+        raw_port = parent_conn.recv()
         cluster.start_all()
         opts = CheckpointManagerOptions(local_directory=cluster.local_template, coordinator_address=cluster.coordinator,
                                         job_name="t", restore_wait_seconds=300)
@@ -263,6 +301,9 @@ def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: i
         while mgr.latest_step() != 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         for _ in range(repeats + 1):  # round 0 warms up
+            t0 = time.monotonic()
+            _raw_receive(raw_port, nbytes)
+            times["tcp"].append(time.monotonic() - t0)
             t0 = time.monotonic()
             jax.block_until_ready(mgr.restore(1, target))
             times["local"].append(time.monotonic() - t0)
@@ -275,13 +316,22 @@ def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: i
         mgr.close()
     finally:
         cluster.stop_all()
+        try:
+            parent_conn.send("stop")
+        except OSError:
+            pass
+        sender.join(timeout=10)
+        if sender.is_alive():
+            sender.kill()  # by its own handle (pid), never by name
+            sender.join(timeout=5)
         shutil.rmtree(scratch, ignore_errors=True)
-    local = statistics.median(times["local"][1:])
-    peer = statistics.median(times["peer"][1:])
+    local, peer, tcp = (statistics.median(times[k][1:]) for k in ("local", "peer", "tcp"))
     return {
         "recovery_vs_local": round(peer / local, 3),
-        "recovery_bytes_per_host": rows * cols * 4,
-        "recovery_seconds": {"local": round(local, 4), "peer": round(peer, 4)},
+        "recovery_vs_tcp": round(peer / tcp, 3),
+        "recovery_bytes_per_host": nbytes,
+        "recovery_seconds": {"local": round(local, 4), "peer": round(peer, 4), "tcp": round(tcp, 4)},
+        "recovery_peer_seconds": [round(x, 4) for x in times["peer"][1:]],
     }
 
 

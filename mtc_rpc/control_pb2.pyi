@@ -42,6 +42,30 @@ class FetchStepResponse(_message.Message):
     manifest_json: bytes
     def __init__(self, step_dir: _Optional[str] = ..., manifest_json: _Optional[bytes] = ...) -> None: ...
 
+class FileLanded(_message.Message):
+    __slots__ = ("index", "bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    bytes: int
+    def __init__(self, index: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class StepLanding(_message.Message):
+    __slots__ = ("manifest_json", "tmp_dir", "step_dir", "part_suffix", "landed", "committed")
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    TMP_DIR_FIELD_NUMBER: _ClassVar[int]
+    STEP_DIR_FIELD_NUMBER: _ClassVar[int]
+    PART_SUFFIX_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    manifest_json: bytes
+    tmp_dir: str
+    step_dir: str
+    part_suffix: str
+    landed: _containers.RepeatedCompositeFieldContainer[FileLanded]
+    committed: bool
+    def __init__(self, manifest_json: _Optional[bytes] = ..., tmp_dir: _Optional[str] = ..., step_dir: _Optional[str] = ..., part_suffix: _Optional[str] = ..., landed: _Optional[_Iterable[_Union[FileLanded, _Mapping]]] = ..., committed: _Optional[bool] = ...) -> None: ...
+
 class StepFile(_message.Message):
     __slots__ = ("name", "size", "crc32c")
     NAME_FIELD_NUMBER: _ClassVar[int]

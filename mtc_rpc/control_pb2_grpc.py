@@ -54,6 +54,11 @@ class LocalControlStub:
                 request_serializer=control__pb2.FetchStepRequest.SerializeToString,
                 response_deserializer=control__pb2.FetchStepResponse.FromString,
                 _registered_method=True)
+        self.StreamStep = channel.unary_stream(
+                '/mtc.v1.LocalControl/StreamStep',
+                request_serializer=control__pb2.FetchStepRequest.SerializeToString,
+                response_deserializer=control__pb2.StepLanding.FromString,
+                _registered_method=True)
         self.FetchFiles = channel.unary_unary(
                 '/mtc.v1.LocalControl/FetchFiles',
                 request_serializer=control__pb2.FetchFilesRequest.SerializeToString,
@@ -103,6 +108,16 @@ class LocalControlServicer:
     def FetchStep(self, request, context):
         """Bring a rank's data of a step onto this host (from a peer, else the bucket; verified), or only its
         manifest. For restoring onto another mesh (other ranks' shards) and replacing a bad local copy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamStep(self, request, context):
+        """FetchStep for the whole step, answered while the copy lands (a host restoring data it lacks reads it
+        as it arrives): the first message carries the manifest and where the files are being written, the
+        next ones each file's bytes written so far, the last one says the copy is committed; an error ends
+        the stream (the caller then falls back to FetchStep). The caller verifies every block it reads.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -160,6 +175,11 @@ def add_LocalControlServicer_to_server(servicer, server):
                     servicer.FetchStep,
                     request_deserializer=control__pb2.FetchStepRequest.FromString,
                     response_serializer=control__pb2.FetchStepResponse.SerializeToString,
+            ),
+            'StreamStep': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamStep,
+                    request_deserializer=control__pb2.FetchStepRequest.FromString,
+                    response_serializer=control__pb2.StepLanding.SerializeToString,
             ),
             'FetchFiles': grpc.unary_unary_rpc_method_handler(
                     servicer.FetchFiles,
@@ -290,6 +310,33 @@ class LocalControl:
             '/mtc.v1.LocalControl/FetchStep',
             control__pb2.FetchStepRequest.SerializeToString,
             control__pb2.FetchStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mtc.v1.LocalControl/StreamStep',
+            control__pb2.FetchStepRequest.SerializeToString,
+            control__pb2.StepLanding.FromString,
             options,
             channel_credentials,
             insecure,

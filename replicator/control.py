@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -34,6 +35,8 @@ class ControlTarget(Protocol):
                           timeout_seconds: float) -> tuple[str, bytes]: ...
     def fetch_files_for_sidecar(self, owner: int, step: int, entries: list[layout.FileEntry], dest_rel: str,
                                 timeout_seconds: float) -> tuple[str, int]: ...
+    def stream_for_sidecar(self, owner: int, step: int,
+                           timeout_seconds: float) -> Iterator[control_pb2.StepLanding]: ...
     def request_backup_now(self) -> None: ...
 
 
@@ -63,6 +66,10 @@ class LocalControl(control_pb2_grpc.LocalControlServicer):
         return control_pb2.FetchStepResponse(step_dir=rel, manifest_json=manifest)
 
     @map_errors_as_unavailable
+    def StreamStep(self, request, context):
+        yield from self.daemon.stream_for_sidecar(request.owner_rank, request.step, request.timeout_seconds)
+
+    @map_errors_as_unavailable
     def FetchFiles(self, request, context):
         # ManifestError (INVALID_ARGUMENT): a malformed file list.
         entries = [layout.FileEntry.from_dict({"name": f.name, "size": f.size, "crc32c": f.crc32c})
@@ -88,7 +95,8 @@ def serve_control(daemon: ControlTarget, root: Path) -> grpc.Server:
     """Start the local control service on ``<root>``'s control socket (replacing a stale one)."""
     sock = layout.control_socket(root)
     sock.unlink(missing_ok=True)
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    # A streamed restore holds a worker for as long as its copy lands: room for it and the other calls.
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=8))
     control_pb2_grpc.add_LocalControlServicer_to_server(LocalControl(daemon), server)
     server.add_insecure_port(f"unix:{sock}")
     server.start()

@@ -17,7 +17,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,9 @@ from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
 from replicator import logs
 from replicator.control import serve_control
+from replicator.coordinator.model import Tier
 from replicator.coordinator.service import BackupScheduler, Coordinator
+from replicator.coordinator.tier_wire import from_wire
 from replicator.coordinator.topology import JobTopology
 from replicator.fetch import Fetcher, other_sources
 from replicator.heartbeat import Heartbeat, new_incarnation
@@ -72,6 +74,8 @@ class _ServingOnly:
 
 # Written into the host's local directory when the daemon ends after a preemption notice.
 PREEMPTION_RECORD = "preemption.json"
+# A streamed restore looks for the progress of the fetch it started (or joined) this often until it appears.
+STREAM_POLL_SECONDS = 0.005
 
 
 class Replicator:
@@ -356,11 +360,104 @@ class Replicator:
         elif (m := self.store.manifest(owner, step)) is not None:
             rel = self.store.step_dir(owner, step).relative_to(self.store.root).as_posix()
             return (("", m.to_json()) if manifest_only else (rel, b""))
-        srcs, savers = self._other_sources(owner, step, timeout_seconds)
+        srcs, savers = self._other_sources(owner, step, timeout_seconds, any_held=manifest_only)
+        if manifest_only and (m := self._held_replica(srcs, step)) is not None:
+            return "", m.to_json()  # an identical replica's copy held here: its manifest serves
         out = self.fetcher.for_sidecar(srcs, savers, owner, step, manifest_only)
         if not manifest_only:
             self.wake()
         return out
+
+    def _held_replica(self, srcs: list[Any], step: int) -> layout.StepManifest | None:
+        """The manifest of a copy held here of one of ``srcs`` (its owner, its content), if any."""
+        for src in srcs:
+            if from_wire(src.kind) is not Tier.BUCKET and self.store.has(src.owner_rank, step,
+                                                                          src.content_hash or None):
+                return self.store.manifest(src.owner_rank, step)
+        return None
+
+    def stream_for_sidecar(self, owner: int, step: int, timeout_seconds: float) -> Iterator[control_pb2.StepLanding]:
+        """``fetch_for_sidecar`` of the whole step, reported while the copy lands (``StreamStep``).
+
+        A peer fetch of the data already running (the coordinator's restore task, a copy) is followed, not
+        repeated; else one is started as ``FetchStep`` would. The copy is committed for next time as always;
+        the messages only let the sidecar read the files (verifying every block) before that. A copy that
+        fails ends the stream with its error: the sidecar then asks ``FetchStep``, which tries the other
+        tiers (and waits for the same single-flight fetch)."""
+        layout.step_name(step)
+        self._check_owner(owner)
+        deadline = time.monotonic() + max(timeout_seconds, 1.0)
+        root = self.store.root
+
+        def committed(owner_of_copy: int) -> control_pb2.StepLanding:
+            m = self.store.manifest(owner_of_copy, step)
+            if m is None:
+                raise RuntimeError(f"the copy of rank {owner_of_copy} step {step} vanished")
+            rel = self.store.step_dir(owner_of_copy, step).relative_to(root).as_posix()
+            return control_pb2.StepLanding(manifest_json=m.to_json(), step_dir=rel, committed=True)
+
+        if self.store.manifest(owner, step) is not None:
+            yield committed(owner)
+            return
+        srcs, savers = self._other_sources(owner, step, timeout_seconds)
+        if (m := self._held_replica(srcs, step)) is not None:
+            yield committed(m.rank)
+            return
+        owners = sorted({s.owner_rank for s in srcs if from_wire(s.kind) is not Tier.BUCKET})
+        outcome: dict[str, Any] = {}
+
+        def fetch() -> None:
+            try:
+                outcome["rel"] = self.fetcher.for_sidecar(srcs, savers, owner, step, False)[0]
+            except BaseException as e:  # noqa: BLE001 - handed to the stream
+                outcome["error"] = e
+            finally:
+                self.wake()
+
+        worker = threading.Thread(target=fetch, name="mtc-stream-fetch", daemon=True)
+        worker.start()
+        progress = None
+        while progress is None and worker.is_alive() and time.monotonic() < deadline:
+            progress = self.fetcher.landing(owners, step)  # registered within moments of the fetch's start
+            if progress is None:
+                worker.join(STREAM_POLL_SECONDS)
+        if progress is None:  # from the bucket, or done already: answer the committed copy
+            worker.join(max(0.0, deadline - time.monotonic()))
+            if "error" in outcome:
+                raise outcome["error"]
+            if "rel" not in outcome:
+                raise TimeoutError(f"rank {owner}'s data of step {step} did not arrive in {timeout_seconds:.0f}s")
+            d = layout.resolve_under(root, outcome["rel"])
+            m = layout.read_manifest(d)
+            yield control_pb2.StepLanding(manifest_json=m.to_json(), step_dir=outcome["rel"], committed=True)
+            return
+        version, sent = -1, None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"rank {owner}'s data of step {step} did not land in {timeout_seconds:.0f}s")
+            snap = progress.wait(version, min(left, 1.0))
+            if snap.version == version and not snap.finished:
+                continue
+            version = snap.version
+            if snap.error is not None:
+                raise ConnectionError(f"the copy of step {step} failed while landing: {snap.error}")
+            if snap.manifest is None or snap.tmp_dir is None or snap.final_dir is None:
+                continue  # the fetch has not begun writing
+            msg = control_pb2.StepLanding(committed=snap.committed)
+            if sent is None:
+                msg.manifest_json = snap.manifest.to_json()
+                msg.tmp_dir = snap.tmp_dir.relative_to(root).as_posix()
+                msg.step_dir = snap.final_dir.relative_to(root).as_posix()
+                msg.part_suffix = peer_protocol.PART_SUFFIX
+                sent = [-1] * len(snap.landed)
+            for i, n in enumerate(snap.landed):
+                if n != sent[i]:
+                    msg.landed.add(index=i, bytes=n)
+                    sent[i] = n
+            yield msg
+            if snap.committed:
+                return
 
     def fetch_files_for_sidecar(self, owner: int, step: int, entries: list[layout.FileEntry], dest_rel: str,
                                 timeout_seconds: float) -> tuple[str, int]:
@@ -384,16 +481,21 @@ class Replicator:
         if not 0 <= owner < self.nodes:
             raise ValueError(f"unknown rank {owner}: the job has ranks 0..{self.nodes - 1}")
 
-    def _other_sources(self, owner: int, step: int, timeout_seconds: float) -> tuple[list[Any], list[int]]:
+    def _other_sources(self, owner: int, step: int, timeout_seconds: float,
+                       any_held: bool = False) -> tuple[list[Any], list[int]]:
         """(the coordinator's sources of ``owner``'s ``step`` data beyond this host's RAM disk, fastest
-        first; the step's savers)."""
+        first; the step's savers). ``any_held``: answer at once, too, when a source's copy (an identical
+        replica's data) is on this host's RAM disk: enough to serve a manifest."""
         # A coordinator that just took over learns the holdings from the next heartbeats: ask again a while.
         window = self.heartbeats.failover_window()
         deadline = time.monotonic() + min(max(timeout_seconds, 1.0), window)
         while True:
             resp = self.call_coordinator_until("LocateStep", cpb.LocateStepRequest(step=step, owners=[owner]),
                                                window)
-            srcs = other_sources(resp.ranks[0].sources if resp.ranks else [], self.rank)
+            every = list(resp.ranks[0].sources) if resp.ranks else []
+            srcs = other_sources(every, self.rank)
+            if any_held and self._held_replica(every, step) is not None:
+                return every, list(resp.savers)
             if srcs or time.monotonic() >= deadline:
                 return srcs, list(resp.savers)
             time.sleep(min(0.5, self.opts.heartbeat_seconds))

@@ -9,6 +9,7 @@ read its ``manifest``, fetch some ``files``); which one is decided once, in :met
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from replicator.net.security import TlsOptions
 from replicator.options import ReplicatorOptions
 from replicator.peer import client as peer_client
 from replicator.peer import protocol as peer_protocol
+from replicator.peer.progress import FetchProgress
 from replicator.tasks import TaskRunner
 from sidecar import faults, layout, spares
 
@@ -137,6 +139,14 @@ class Fetcher:
         self.metrics, self.counters = metrics, metrics.counters
         self.token, self.tls = token, tls
         self.throttle: peer_protocol.Throttle | None = None  # set once the peer service is up
+        # Whole-step peer fetches running now: their watermark, for a sidecar that reads while they land.
+        self._landing: dict[tuple[int, int], FetchProgress] = {}
+        self._landing_lock = threading.Lock()
+
+    def landing(self, owners: Sequence[int], step: int) -> FetchProgress | None:
+        """The progress of a running peer fetch of one of ``owners``' ``step``, if any."""
+        with self._landing_lock:
+            return next((p for o in owners if (p := self._landing.get((o, step))) is not None), None)
 
     def source(self, src: cpb.RestoreSource) -> Source:
         """The fetchable tier a coordinator's source names."""
@@ -168,10 +178,21 @@ class Fetcher:
     def _fetch_now(self, address: str, owner: int, step: int, content_hash: str | None) -> layout.StepManifest:
         dest = self.store.step_dir(owner, step).parent
         t0 = time.monotonic()
-        m = peer_client.fetch_step(address, owner, step, dest, token=self.token, tls=self.tls,
-                                   timeout_seconds=self.opts.transfer_timeout_seconds,
-                                   throttle=self.throttle, expected_content_hash=content_hash,
-                                   spare_dir=spares.spare_dir(self.store.root))
+        progress = FetchProgress()
+        with self._landing_lock:
+            self._landing[(owner, step)] = progress
+        try:
+            m = peer_client.fetch_step(address, owner, step, dest, token=self.token, tls=self.tls,
+                                       timeout_seconds=self.opts.transfer_timeout_seconds,
+                                       throttle=self.throttle, expected_content_hash=content_hash,
+                                       spare_dir=spares.spare_dir(self.store.root), progress=progress)
+        except BaseException as e:
+            progress.failed(e)  # e.g. the manifest call failed before the fetch began
+            raise
+        finally:
+            with self._landing_lock:
+                if self._landing.get((owner, step)) is progress:
+                    del self._landing[(owner, step)]
         dt = time.monotonic() - t0
         log.info("copy: fetched rank %d step %d from %s: %d bytes in %.3fs (%.2f GiB/s)",
                  owner, step, address, m.total_bytes, dt, m.total_bytes / max(dt, 1e-9) / 2**30)

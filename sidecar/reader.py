@@ -18,6 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from sidecar import checksums, commit, layout, saves, tree
+from sidecar.landing import Landing
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ class RemoteRank:
 
 @dataclasses.dataclass(frozen=True)
 class SavedShard:
-    step_dir: Path | RemoteRank  # a committed step directory (or scratch directory) on this host, or remote
+    # A committed step directory (or scratch directory) on this host, a copy still landing here, or remote.
+    step_dir: Path | Landing | RemoteRank
     entry: layout.ShardEntry
     copy: int = 0  # which load of ``step_dir`` (a bad copy replaced under the same name is a new one)
 
@@ -85,6 +87,9 @@ class Fetcher(Protocol):
         verified by its crc32c: a new scratch directory of this process holding just them (no manifest), for
         the reader to remove with ``commit.remove_owned_dir`` when done."""
 
+    # Optional: ``stream(owner, step) -> Landing``, the whole step as it lands (see sidecar.landing); a
+    # fetcher without it makes a host that lacks its own data wait for the committed copy instead.
+
 
 class BadCopyError(checksums.ChecksumError):
     """A copy of a shard is unusable (checksum mismatch, short or missing file); other copies may be fine."""
@@ -116,7 +121,7 @@ class StepSource:
         self.roots = list(roots)
         self.fetcher = fetcher
         self.drop_bad = drop_bad
-        self.manifests: list[tuple[Path, layout.StepManifest]] = []
+        self.manifests: list[tuple[Path | Landing, layout.StepManifest]] = []
         self.arrays: dict[str, SavedArray] = {}
         self.values: dict[str, object] = {}
         self.generation = -1
@@ -156,8 +161,60 @@ class StepSource:
                 log.info("ignoring %s: an abandoned save of step %d (a newer one exists)", d, step)
                 continue
             self._add(d, m)
+        self._landings: list[Landing] = []
+        self._stream_own()
 
-    def _add(self, d: Path, m: layout.StepManifest) -> None:
+    def _stream_own(self) -> None:
+        """This host lacks its own data of the step: have its replicator bring it (or join the copy it is
+        making already) and read the copy while it lands, each block verified as it passes the watermark,
+        instead of waiting for the committed copy. The replicator still commits it for next time."""
+        stream = getattr(self.fetcher, "stream", None)
+        own = self.own_rank
+        if stream is None or own is None or own in self.owners or (self.savers and own not in self.savers):
+            return
+        try:
+            landing = stream(own, self.step)
+        except (OSError, layout.ManifestError, ValueError) as e:
+            log.info("rank %d's data of step %d cannot be streamed here (%s): read when fetched", own, self.step, e)
+            if isinstance(e, FileNotFoundError):
+                # No tier has it (the replicator waited for a source already): do not ask again for this read.
+                self.unreachable.setdefault(own, str(e))
+                self._tried_manifests.add(own)
+                self._fetched.add((own, False))
+            return
+        m = landing.manifest
+        if m.step != self.step or m.generation < self.generation:
+            landing.close()
+            log.warning("the replicator streams rank %d step %d generation %d for step %d generation %d: ignored",
+                        m.rank, m.step, m.generation, self.step, self.generation)
+            return
+        if landing.committed:  # the copy was here already (e.g. an identical replica's)
+            landing.close()
+            if all(d != landing.final for d, _ in self.manifests):
+                try:
+                    self._add(landing.final, layout.read_manifest(landing.final))
+                except (OSError, layout.ManifestError) as e:
+                    log.warning("unusable copy %s: %s", landing.final, e)
+            return
+        log.info("reading rank %d's step %d as it lands in %s", m.rank, self.step, landing.tmp)
+        self._landings.append(landing)
+        with self._lock:
+            self._add(landing, m)
+
+    def _drop_landing(self, landing: Landing, why: BaseException) -> None:
+        """A landing copy failed (bad block, peer lost): read nothing more from it (the replicator's own
+        whole-file check rejects the copy too, and its fetch moves on to the next tier)."""
+        with self._heal, self._lock:
+            if isinstance(why, checksums.ChecksumError):
+                self.bad[landing.final] = str(why)
+            for sa in self.arrays.values():
+                for idx in list(sa.shards):
+                    sa.shards[idx] = [loc for loc in sa.shards[idx] if loc.step_dir is not landing]
+            self.manifests = [(d, m) for d, m in self.manifests if d is not landing]
+            self._copy_at.pop(landing, None)  # type: ignore[call-overload]
+        landing.close()
+
+    def _add(self, d: Path | Landing, m: layout.StepManifest) -> None:
         if self.generation < 0 or m.generation > self.generation or not self.savers:
             self.generation, self.savers = m.generation, m.expected_ranks
         self.manifests.append((d, m))
@@ -165,7 +222,7 @@ class StepSource:
         self._copy_at[d] = copy = self._copies
         self._index(m, d, copy)
 
-    def _index(self, m: layout.StepManifest, where: Path | RemoteRank, copy: int = 0) -> None:
+    def _index(self, m: layout.StepManifest, where: Path | Landing | RemoteRank, copy: int = 0) -> None:
         """Record ``m``'s values and where its shards are (a local step directory, or a remote rank's
         virtual location); every rank must agree on each array's shape, dtype and key type."""
         for v in m.values:
@@ -197,6 +254,11 @@ class StepSource:
             if self.drop_bad and not gone:
                 log.warning("dropping the bad copy %s: %s", step_dir, why)
                 commit.delete_step(step_dir)
+
+    @property
+    def landings(self) -> tuple[Landing, ...]:
+        """The copies this source reads while they land (the host's own data it lacked)."""
+        return tuple(self._landings)
 
     @property
     def owners(self) -> set[int]:
@@ -341,6 +403,8 @@ class StepSource:
     def close(self) -> None:
         """Remove the scratch directories of fetched files (arrays already built from them stay valid:
         their bytes are mapped or copied)."""
+        for landing in self._landings:
+            landing.close()
         with self._heal, self._lock:
             for d in self._scratch:
                 commit.remove_owned_dir(d)
@@ -386,7 +450,9 @@ class StepSource:
         tried: set[tuple[Path, int]] = set()
         refetches = 0
         for _ in range(len(arr.shards.get(index, [])) + 8):
-            locs = sorted(arr.shards.get(index, []), key=lambda sl: isinstance(sl.step_dir, RemoteRank))
+            # Committed copies here first, then one still landing here, then remote ones.
+            locs = sorted(arr.shards.get(index, []), key=lambda sl: (isinstance(sl.step_dir, RemoteRank),
+                                                                      isinstance(sl.step_dir, Landing)))
             locs = [sl for sl in locs if (sl.step_dir, sl.copy) not in tried]
             if not locs:
                 break
@@ -404,6 +470,27 @@ class StepSource:
             if e.length != math.prod(shape) * dtype.itemsize:
                 errors.append(layout.ManifestError(f"{loc.step_dir}: shard length {e.length} != shape {shape}"))
                 continue
+            if isinstance(loc.step_dir, Landing):
+                try:
+                    buf = loc.step_dir.read(e)
+                except (OSError, EOFError, layout.ManifestError) as err:  # ChecksumError is an OSError
+                    log.warning("the copy of %s%s landing in %s failed: %s", arr.path, index, loc.step_dir.tmp, err)
+                    errors.append(err)
+                    self._drop_landing(loc.step_dir, err)
+                    if not arr.shards.get(index) and self.own_rank is not None:
+                        try:  # the committed copy, from whichever tier the replicator reaches (peer, bucket)
+                            self._materialise(SavedShard(RemoteRank(self.own_rank), None))  # type: ignore[arg-type]
+                        except (OSError, layout.ManifestError, RuntimeError) as ferr:
+                            errors.append(ferr)
+                            log.warning("no committed copy of rank %d's step %d either: %s", self.own_rank,
+                                        self.step, ferr)
+                    continue
+                if part is not None:
+                    buf = buf[part[0] : part[1]]
+                out = buf.view(dtype).reshape(shape if part is None else part[2])
+                with self._lock:
+                    self._cache[key] = out
+                return out
             try:
                 path = layout.resolve_under(loc.step_dir, e.file)
                 cover = None if part is None else checksums.blocks_covering(e, part[0], part[1])

@@ -2,12 +2,14 @@
 
 The replicator knows the other tiers: it asks the coordinator where a rank's data of a step lives and
 fetches it — from a peer's RAM disk, else the bucket — verifying every file's crc32c before committing the
-copy under ``<root>/peer/<owner>/<step>``. The sidecar then reads it like any local copy.
+copy under ``<root>/peer/<owner>/<step>``. The sidecar then reads it like any local copy — or, for the host's
+own data it lacks, while it lands (``stream``, see ``sidecar.landing``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import grpc
 
 from mtc_rpc import control_pb2, control_pb2_grpc
 from sidecar import commit, layout
+from sidecar.landing import Landing, landed_map
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +94,54 @@ class ReplicatorFetcher:
             raise
         log.debug("%d files of rank %d step %d from %s", len(files), owner, step, resp.source)
         return dest
+
+    def stream(self, owner: int, step: int) -> Landing:
+        """``owner``'s ``step`` as the replicator brings it here (``StreamStep``): readable while it lands.
+
+        Returns once the replicator has named the copy (its manifest, where it is written); a thread then
+        follows the stream until the copy is committed or fails (:meth:`Landing.close` stops it)."""
+        ch, stub = self._stub()
+        call = stub.StreamStep(control_pb2.FetchStepRequest(owner_rank=owner, step=step,
+                                                            timeout_seconds=self.timeout), timeout=self.timeout + 5)
+        try:
+            first = next(call)
+            manifest = layout.StepManifest.from_json(first.manifest_json)
+            out = Landing(self.root, manifest, first.tmp_dir, first.step_dir, first.part_suffix,
+                          timeout_seconds=self.timeout, close=call.cancel)
+        except StopIteration:
+            ch.close()
+            raise OSError(f"replicator of {self.root}: StreamStep ended without an answer") from None
+        except grpc.RpcError as e:
+            ch.close()
+            msg = f"replicator of {self.root}: StreamStep: {e.details() if hasattr(e, 'details') else e}"
+            if hasattr(e, "code") and e.code() == grpc.StatusCode.NOT_FOUND:
+                raise FileNotFoundError(msg) from None
+            raise OSError(msg) from None
+        except BaseException:
+            call.cancel()
+            ch.close()
+            raise
+        out.update(landed_map(first.landed), first.committed)
+        if first.committed:
+            call.cancel()
+            ch.close()
+            return out
+
+        def follow() -> None:
+            try:
+                for msg in call:
+                    out.update(landed_map(msg.landed), msg.committed)
+                    if msg.committed:
+                        return
+                out.fail("the replicator's stream ended before the copy was committed")
+            except grpc.RpcError as e:
+                out.fail(f"{e.code().name if hasattr(e, 'code') else ''} "
+                         f"{e.details() if hasattr(e, 'details') else e}".strip())
+            finally:
+                ch.close()
+
+        threading.Thread(target=follow, name="mtc-landing", daemon=True).start()
+        return out
 
     def fetch(self, owner: int, step: int, replace: bool = False) -> Path:
         resp = self._call("FetchStep", control_pb2.FetchStepRequest(owner_rank=owner, step=step, replace_local=replace,

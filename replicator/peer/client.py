@@ -33,6 +33,7 @@ import numpy as np
 from mtc_rpc import peer_pb2, peer_pb2_grpc
 from replicator.net import rpc
 from replicator.net.security import TlsOptions
+from replicator.peer.progress import FetchProgress
 from replicator.peer.protocol import (
     CHUNK_BYTES,
     DATA_CONNECT_TIMEOUT_SECONDS,
@@ -141,10 +142,12 @@ class _FileSink:
     name only after its size and crc32c match its entry; ``abort()`` removes the parts.
     """
 
-    def __init__(self, dest_dir: Path, entries: Sequence[FileEntry], pool: spares.SparePool | None = None):
+    def __init__(self, dest_dir: Path, entries: Sequence[FileEntry], pool: spares.SparePool | None = None,
+                 progress: FetchProgress | None = None):
         self.dest_dir = Path(dest_dir)
         self.entries = list(entries)
         self.pool = pool
+        self.progress = progress  # told each file's bytes written so far (readers follow the watermark)
         self._idx = -1
         self._fd = -1
         self._crc = 0
@@ -168,7 +171,13 @@ class _FileSink:
             self._fd = os.open(self._part, os.O_WRONLY)
         else:
             self._fd = os.open(self._part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            if self.progress is not None and e.size:
+                # Full size at once (a sparse file on tmpfs: no pages yet), so that a reader following the
+                # watermark can map the whole file while it lands (it reads only bytes already written).
+                os.ftruncate(self._fd, e.size)
         self._idx, self._crc, self._pos = idx, 0, 0
+        if self.progress is not None:
+            self.progress.landed(idx, 0)
 
     def write(self, idx: int, offset: int, data: Any, running_crc: int | None = None) -> None:
         """Append ``data`` to file ``idx``; ``running_crc``: the file's crc32c up to the end of ``data``
@@ -193,6 +202,8 @@ class _FileSink:
                 faults.point("peer.fetch.mid_transfer")
         self._pos += n
         self.bytes += n
+        if self.progress is not None and n:
+            self.progress.landed(idx, self._pos)
 
     def finish(self, idx: int) -> None:
         if idx != self._idx:
@@ -375,10 +386,11 @@ def _fetch_files_on(
     throttle: Throttle | None,
     use_data_port: bool,
     pool: spares.SparePool | None = None,
+    progress: FetchProgress | None = None,
 ) -> int:
     limiter = RateLimiter((throttle or Throttle()).bytes_per_second)
     entries = list(entries)
-    sink = _FileSink(dest_dir, entries, pool)
+    sink = _FileSink(dest_dir, entries, pool, progress)
     start = time.monotonic()
     path = "stream"
     stub = peer_pb2_grpc.PeerStub(channel)
@@ -437,11 +449,15 @@ def fetch_step(
     use_data_port: bool = True,
     expected_content_hash: str | None = None,
     spare_dir: Path | None = None,
+    progress: FetchProgress | None = None,
 ) -> StepManifest:
     """Copy ``owner_rank``'s ``step`` from ``peer`` and commit it as ``dest_parent/<step>``.
 
     ``spare_dir``: the destination RAM disk's pool of recycled files (``spares.spare_dir``), whose
-    already-allocated pages are overwritten instead of allocating fresh ones.
+    already-allocated pages are overwritten instead of allocating fresh ones. ``progress``: told the
+    temporary directory, each file's bytes written so far, and the outcome, so that a reader can consume
+    the copy while it lands (``replicator.peer.progress``); each part file then has its full size from
+    the start (bytes past the watermark are not written yet).
 
     ``peer`` is a channel or a "host:port" address (then ``token``/``tls`` configure the channel).
     Everything is written into a temporary sibling directory and renamed into place only after every
@@ -471,6 +487,8 @@ def fetch_step(
                 f"differs from the expected {expected_content_hash[:12]}"
             )
         tmp = commit.make_tmp_dir(dest_parent, step)
+        if progress is not None:
+            progress.begin(manifest, tmp, final)
         faults.point("peer.fetch.after_tmp_dir")
         try:
             _fetch_files_on(
@@ -484,13 +502,18 @@ def fetch_step(
                 throttle,
                 use_data_port and tls is None,
                 spares.SparePool(spare_dir) if spare_dir is not None else None,
+                progress,
             )
             faults.point("peer.fetch.before_manifest")
             commit.write_manifest(tmp, manifest)
             faults.point("peer.fetch.before_commit")
             commit.commit_dir(tmp, final)
+            if progress is not None:
+                progress.committed()
             faults.point("peer.fetch.after_commit")
         except BaseException as e:
+            if progress is not None:
+                progress.failed(e)
             shutil.rmtree(tmp, ignore_errors=True)
             if spare_dir is not None and getattr(e, "errno", None) == errno.ENOSPC:
                 spares.drop_spares(spare_dir)  # the recycled pages were not enough: free them for the retry

@@ -25,6 +25,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -67,7 +68,6 @@ def make_step(root: Path, rank: int, step: int, total_bytes: int, files: int, no
 
 def _serve(root: str, step_files: list[str], conn: Any) -> None:
     """Child process: a Peer gRPC server + data port over ``root`` and a raw TCP sender of the same bytes."""
-    import threading
 
     from mtc_rpc import peer_pb2_grpc
     from replicator.net import rpc
@@ -84,21 +84,7 @@ def _serve(root: str, step_files: list[str], conn: Any) -> None:
     payload = bytearray()
     for f in step_files:
         payload += Path(f).read_bytes()
-    raw = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
-
-    def raw_loop() -> None:
-        raw.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                c, _ = raw.accept()
-            except TimeoutError:
-                continue
-            with c:
-                c.sendall(payload)
-
-    t = threading.Thread(target=raw_loop, daemon=True)
-    t.start()
+    raw, stop, t = _serve_raw(payload)
     conn.send((port, raw.getsockname()[1], len(payload)))
     conn.recv()  # wait for "stop"
     stop.set()
@@ -107,11 +93,9 @@ def _serve(root: str, step_files: list[str], conn: Any) -> None:
     rpc.stop_server(server, 1.0)
 
 
-def _raw_sender(nbytes: int, conn: Any) -> None:
-    """Child process: a plain TCP sender of ``nbytes`` random bytes from memory, once per connection."""
-    import threading
-
-    payload = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+def _serve_raw(payload: bytes | bytearray) -> tuple[socket.socket, Any, Any]:
+    """A plain TCP server on loopback sending ``payload`` from memory once per connection, in a thread:
+    (its socket, the event that stops it, the thread)."""
     raw = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
@@ -127,6 +111,13 @@ def _raw_sender(nbytes: int, conn: Any) -> None:
 
     t = threading.Thread(target=loop, daemon=True)
     t.start()
+    return raw, stop, t
+
+
+def _raw_sender(nbytes: int, conn: Any) -> None:
+    """Child process: a plain TCP sender of ``nbytes`` random bytes from memory, once per connection."""
+    payload = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    raw, stop, t = _serve_raw(payload)
     conn.send(raw.getsockname()[1])
     conn.recv()  # wait for "stop"
     stop.set()
@@ -240,15 +231,20 @@ def measure_peer_vs_tcp(
         }
     finally:
         if proc is not None:
-            try:
-                parent_conn.send("stop")
-            except OSError:
-                pass
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()  # by its own handle (pid), never by name
-                proc.join(timeout=5)
+            _stop_child(proc, parent_conn)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _stop_child(proc: Any, conn: Any) -> None:
+    """Tell a benchmark child process to stop; kill it by its own handle (pid) when it does not."""
+    try:
+        conn.send("stop")
+    except OSError:
+        pass
+    proc.join(timeout=10)
+    if proc.is_alive():
+        proc.kill()  # by its own handle (pid), never by name
+        proc.join(timeout=5)
 
 
 def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: int = 3) -> dict[str, Any]:
@@ -316,14 +312,7 @@ def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: i
         mgr.close()
     finally:
         cluster.stop_all()
-        try:
-            parent_conn.send("stop")
-        except OSError:
-            pass
-        sender.join(timeout=10)
-        if sender.is_alive():
-            sender.kill()  # by its own handle (pid), never by name
-            sender.join(timeout=5)
+        _stop_child(sender, parent_conn)
         shutil.rmtree(scratch, ignore_errors=True)
     local, peer, tcp = (statistics.median(times[k][1:]) for k in ("local", "peer", "tcp"))
     return {

@@ -3,7 +3,8 @@
     python -m bench.local [--mib 1024] [--repeats 3]
 
 - save_vs_tmpfs: our save throughput / a plain preallocated write of the same bytes to the same tmpfs;
-- blocking_vs_memcpy: time ``save()`` blocks / a plain host copy of the same shards;
+- blocking_vs_memcpy: time ``save()`` blocks / a plain host copy of the same shards (on CPU ``save()`` takes no
+  copy, only views of the device buffers: well below 1);
 - restore_vs_tmpfs_read: a plain read of the same bytes from the same tmpfs (every file of the step just
   restored, read one after another into one preallocated buffer: no checksum, no device copy) / our restore
   time, i.e. our restore throughput as a fraction of the read limit (target >= 0.8);

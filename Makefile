@@ -22,7 +22,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 --reruns 1 -m "not image" tests
+	$(PY) -m pytest -q -rfER -n 2 --reruns 1 -m "not image" tests
 
 # Real builds of Dockerfile.replicator and Dockerfile.sidecar with Debian's buildah (vfs, chroot isolation)
 # on a base made by debootstrap (tests/deploy/test_image_build.py, ~5 min, needs root and Debian's archive).

@@ -2,6 +2,10 @@
 
 The target shard need not match a saved one: it is assembled from every saved shard that overlaps it, which
 is what restoring onto a different mesh (elastic training) needs.
+
+One module past 600 lines on purpose: it is mostly one class, :class:`StepSource`, whose copies, dropped bad
+copies, fetched scratch files and landing copies are guarded by one lock and one heal order; the landing
+copy itself lives in :mod:`sidecar.landing`.
 """
 
 from __future__ import annotations

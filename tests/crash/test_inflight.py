@@ -42,7 +42,8 @@ from controller_client.manager import CheckpointManager
 from replicator.backup.bucket import BackupOptions, BackupStore
 from replicator.backup.storage import open_store
 from replicator.coordinator.client import CoordinatorClient
-from sidecar import checksums, commit, faults, layout
+from sidecar import checksums, faults, layout
+from tests.crash import kit
 from tests.kits.cluster import assert_equal, manager, status, target, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -96,33 +97,28 @@ class Cell:
     def arm_file(self) -> Path:
         return self.fired.with_name("armed")
 
+    def _env(self, armed: bool) -> dict[str, str]:
+        return ({faults.ENV_POINT: OPS[self.op], faults.ENV_PAUSE_SECONDS: str(PAUSE_SECONDS),
+                 faults.ENV_FIRED_FILE: str(self.fired), faults.ENV_ARM_FILE: str(self.arm_file)}
+                if armed else {})
+
     def start(self, rank: int, armed: bool) -> None:
-        self.cl.env = ({faults.ENV_POINT: OPS[self.op], faults.ENV_PAUSE_SECONDS: str(PAUSE_SECONDS),
-                        faults.ENV_FIRED_FILE: str(self.fired), faults.ENV_ARM_FILE: str(self.arm_file)}
-                       if armed else {})
+        self.cl.env = self._env(armed)
         try:
             self.cl.start(rank)
         finally:
             self.cl.env = {}
 
     def start_all(self, *, armed: bool) -> None:
-        self.start(0, armed)
-        threads = [threading.Thread(target=self.start, args=(r, armed)) for r in range(1, self.cl.nodes)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        self.cl.env = self._env(armed)
+        try:
+            self.cl.start_all()
+        finally:
+            self.cl.env = {}
         assert all(self.cl.procs[r].alive for r in range(self.cl.nodes)), self.cl.logs()
 
     def wait_fired(self) -> None:
-        wait_for(lambda: self.fired_lines(), timeout=45,
-                 what=f"{OPS[self.op]} reached ({self.op} in flight)")
-
-    def fired_lines(self) -> list[str]:
-        try:
-            return [x for x in self.fired.read_text().splitlines() if x.strip()]
-        except FileNotFoundError:
-            return []
+        wait_for(lambda: kit.fired(self.fired), timeout=45, what=f"{OPS[self.op]} reached ({self.op} in flight)")
 
     def replace(self) -> None:
         """The event: the victims' replicators die (SIGKILL), their RAM disks are emptied (or kept), and
@@ -298,17 +294,12 @@ def _check_nothing_half_written(c: Cell, scratch: Path) -> None:
 
     wait_for(lambda: not staging_left(), timeout=SETTLE_SECONDS, what="no staging directory left")
     for r in range(c.cl.nodes):
-        root = c.cl.ram(r)
-        dirs = [layout.steps_dir(root), *(root / layout.PEER_DIR).glob("*")]
-        for d in dirs:
-            if not d.is_dir():
-                continue
-            for s in commit.committed_steps(d):
-                try:
-                    checksums.verify_step_dir(d / str(s))
-                except FileNotFoundError:
-                    if (d / str(s) / layout.MANIFEST_NAME).exists():
-                        raise  # not a concurrent GC: a listed step lacks a file
+        for d in kit.listed(c.cl.ram(r)).values():
+            try:
+                checksums.verify_step_dir(d)
+            except FileNotFoundError:
+                if (d / layout.MANIFEST_NAME).exists():
+                    raise  # not a concurrent GC: a listed step lacks a file
     bs = BackupStore(open_store(f"file://{c.bucket}"), "t", BackupOptions())
     for s in bs.committed_steps():
         for rank in range(c.cl.nodes):

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
+import crc32c as _crc32c
 import numpy as np
 
 from sidecar.layout import MANIFEST_NAME, FileEntry, ShardEntry, StepManifest, read_manifest, resolve_under
@@ -30,16 +30,15 @@ class ChecksumError(IOError):
 
 
 def crc32c(data: Any) -> int:
-    """crc32c of a bytes-like object (numpy arrays included) — ~6-11 GiB/s, releases the GIL."""
-    if isinstance(data, (bytearray, memoryview)):
-        data = memoryview(data).cast("B")
-        if not data.readonly:
-            # google_crc32c only takes read-only buffers; numpy views are accepted as they are.
-            data = np.frombuffer(data, dtype=np.uint8)
-    return int(google_crc32c.value(data))
+    """crc32c of a bytes-like object (numpy arrays included): ~5 GiB/s per core on our VMs, SSE4.2.
+
+    The ``crc32c`` package releases the GIL on buffers over 32 KiB, so threads verifying different shards run
+    on different cores (google_crc32c 1.9 holds it: two threads ran no faster than one).
+    """
+    return _crc32c.crc32c(data)
 
 
-# crc32c (Castagnoli) polynomial, bit-reflected: what google_crc32c computes.
+# crc32c (Castagnoli) polynomial, bit-reflected: what both crc32c packages compute.
 _CRC32C_POLY = 0x82F63B78
 
 
@@ -92,9 +91,7 @@ def block_crc32cs(data: Any, block_size: int) -> tuple[int, tuple[int, ...]]:
 
 def crc32c_extend(crc: int, data: Any) -> int:
     """Continue a running crc32c over more bytes."""
-    if isinstance(data, (bytearray, memoryview)):
-        data = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-    return int(google_crc32c.extend(crc, data))
+    return _crc32c.crc32c(data, crc)
 
 
 def check_step_files(step_dir: Path, manifest: StepManifest, *, crc: bool = False) -> None:

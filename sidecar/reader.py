@@ -301,13 +301,14 @@ class StepSource:
         self._remote[m.rank] = m
         self._index(m, RemoteRank(m.rank))
 
-    def _materialise(self, loc: SavedShard, replace_dir: Path | None = None) -> list[SavedShard]:
-        """Fetch the file of the shard a virtual location names, or the whole step of the rank whose local
-        copy in ``replace_dir`` is bad (it is this host's copy: it must be whole again)."""
+    def _materialise(self, loc: SavedShard, replace_dir: Path | None = None, owner: int | None = None) -> list[SavedShard]:
+        """Fetch the file of the shard a virtual location names, or the whole step of the rank (``owner``, when
+        its manifest is gone already) whose local copy in ``replace_dir`` is bad (it is this host's copy: it
+        must be whole again)."""
         if self.fetcher is None:
             return []
         if replace_dir is not None:
-            owner, replace = self._owner_of(replace_dir), True
+            owner, replace = (self._owner_of(replace_dir) if owner is None else owner), True
         elif isinstance(loc.step_dir, RemoteRank):
             owner, replace = loc.step_dir.rank, False
             if loc.entry is not None and owner in self._remote and owner != self.own_rank:
@@ -528,8 +529,9 @@ class StepSource:
                         refetches += 1
                         tried.discard((RemoteRank(owner), 0))
                     continue
+                owner = self._owner_of(loc.step_dir)  # before the drop forgets it
                 self._drop(loc.step_dir, bad, loc.copy)
-                self._replace_copy(arr, index, loc, errors)
+                self._replace_copy(arr, index, loc, errors, owner)
                 continue
             out = buf.view(dtype).reshape(shape if part is None else part[2])
             with self._lock:
@@ -542,12 +544,17 @@ class StepSource:
             raise errors[0]
         raise FileNotFoundError(f"no copy of shard {index} of {arr.path!r} in step {self.step}")
 
-    def _replace_copy(self, arr: SavedArray, index: tuple, loc: SavedShard, errors: list[BaseException]) -> None:
-        """After dropping ``loc``'s copy: when no copy of the shard is left, fetch one from other tiers."""
-        if arr.shards.get(index):
+    def _replace_copy(self, arr: SavedArray, index: tuple, loc: SavedShard, errors: list[BaseException],
+                      owner: int | None = None) -> None:
+        """After dropping ``loc``'s copy (``owner``'s data): when no copy of the shard is left, or the bad copy
+        was this host's own, fetch one from other tiers (this host's copy of its own step must be whole again,
+        even when a replica here serves this read)."""
+        own = bool(self.roots) and owner is not None and owner == self.own_rank \
+            and Path(loc.step_dir).is_relative_to(self.roots[0])
+        if arr.shards.get(index) and not own:
             return
         try:
-            self._materialise(loc, replace_dir=loc.step_dir)
+            self._materialise(loc, replace_dir=loc.step_dir, owner=owner)
         except (OSError, layout.ManifestError, RuntimeError) as ferr:
             errors.append(ferr)
             log.warning("no replacement for the copy in %s: %s", loc.step_dir, ferr)

@@ -4,8 +4,10 @@
 
 Both sides upload the same files to the same fake-gcs-server process in the same run, alternating, and
 the medians are compared: ``backup_vs_raw`` = our MiB/s / plain ``blob.upload_from_filename`` MiB/s.
-``step_slowdown_during_backup``: a small JAX training loop's median step time while a backup runs in
-another process, divided by the same without (medians of interleaved rounds). The uploader runs as the
+``step_slowdown_during_backup``: a small JAX training loop's median step time while a backup uploads from
+another process / while that upload is paused, in one training run (the uploader is paused and resumed by
+its pid in turn, one second each: drift hits both alike). ``step_slowdown_separate_runs``: the older measure,
+separate loop runs with and without a backup (medians of three interleaved pairs). The uploader runs as the
 daemon runs its uploads (``--bulk-priority idle``); the emulator stands in for a remote service and is
 idle-scheduled too.
 """
@@ -75,8 +77,9 @@ def make_rank(root: Path, total_bytes: int, files: int):  # type: ignore[no-unty
     return root / "1", manifest
 
 
-def _train_loop(seconds: float, out: Path) -> None:
-    """A synthetic JAX training loop: per-step wall times written to ``out``."""
+def _train_loop(seconds: float, out: Path, stamps: bool = False) -> None:
+    """A synthetic JAX training loop: per-step wall times written to ``out`` (``stamps``: pairs of
+    (CLOCK_MONOTONIC start, wall time), comparable with another process's ``time.monotonic()``)."""
     import jax
     import jax.numpy as jnp
 
@@ -94,7 +97,7 @@ def _train_loop(seconds: float, out: Path) -> None:
     while time.monotonic() < end:
         t0 = time.monotonic()
         w = step(w, x).block_until_ready()
-        times.append(time.monotonic() - t0)
+        times.append((t0, time.monotonic() - t0) if stamps else time.monotonic() - t0)
     out.write_text(json.dumps(times))
 
 
@@ -106,9 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-slowdown", action="store_true", help="do not measure step_slowdown_during_backup")
     ap.add_argument("--train-loop", help=argparse.SUPPRESS)  # internal: run the loop, write times here
     ap.add_argument("--seconds", type=float, default=6.0, help=argparse.SUPPRESS)
+    ap.add_argument("--stamps", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.train_loop:
-        _train_loop(args.seconds, Path(args.train_loop))
+        _train_loop(args.seconds, Path(args.train_loop), args.stamps)
         return
 
     from google.auth.credentials import AnonymousCredentials
@@ -161,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
             "download_verify_commit_mib_s": round(total / down / 2**20, 1),
         }
         if not args.skip_slowdown:
-            result["step_slowdown_during_backup"] = round(_slowdown(work, step_dir, manifest), 3)
+            result["step_slowdown_during_backup"] = round(_slowdown_windows(work, step_dir), 3)
+            result["step_slowdown_separate_runs"] = round(_slowdown(work, step_dir, manifest), 3)
         print(json.dumps(result), flush=True)
     finally:
         os.kill(proc.pid, signal.SIGTERM)
@@ -171,8 +176,70 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _uploader_code(seconds: float | None) -> str:
+    """The uploader process: backups of the step directory (argv[1]) one after another, idle-scheduled as
+    the daemon runs its uploads (``--bulk-priority idle``); for ``seconds``, or until stopped."""
+    until = f"time.monotonic() + {seconds}" if seconds is not None else "float('inf')"
+    return (
+        "import os, sys, time\n"
+        "from replicator.net.priority import lower_current_thread\n"
+        "lower_current_thread('idle')  # as mtc replicator runs its uploads (--bulk-priority)\n"
+        "from pathlib import Path\n"
+        "from replicator.backup.bucket import BackupStore\n"
+        "from replicator.backup.storage.gcs import GcsStore\n"
+        f"end = {until}\n"
+        "i = 0\n"
+        "while time.monotonic() < end:\n"
+        "    b = BackupStore(GcsStore('mtc-bench', f'slow{i}'), 'bench')\n"
+        "    s = b.begin(1, 1)\n"
+        "    b.upload_rank(s, 0, Path(sys.argv[1]))\n"
+        "    b.store.delete('bench', recursive=True)\n"
+        "    i += 1\n"
+    )
+
+
+def _slowdown_windows(work: Path, step_dir: Path, windows: int = 12, window_seconds: float = 1.0,
+                      settle_seconds: float = 0.15) -> float:
+    """Median train-step time while a backup uploads / while it is paused, in one training process.
+
+    The uploader runs in another process and is paused (SIGSTOP, by its pid) and resumed (SIGCONT) in turn,
+    ``window_seconds`` each, while one training loop runs throughout: steps starting in a running window
+    against steps starting in a paused one (the first ``settle_seconds`` of each window left out). Slow drift
+    of a noisy machine hits both alike, unlike two separate runs (see :func:`_slowdown`)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = work / "times-windows.json"
+    loop_seconds = 4.0 + windows * window_seconds + 1.0
+    loop_proc = subprocess.Popen([sys.executable, "-m", "bench.backup", "--train-loop", str(out), "--stamps",
+                                  "--seconds", str(loop_seconds)], env=env)
+    uploader = subprocess.Popen([sys.executable, "-c", _uploader_code(None), str(step_dir)], env=env)
+    spans: list[tuple[float, float, bool]] = []
+    try:
+        time.sleep(4.0)  # the loop compiles, the uploader imports and starts its first upload
+        for k in range(windows):
+            running = k % 2 == 1
+            os.kill(uploader.pid, signal.SIGCONT if running else signal.SIGSTOP)
+            t0 = time.monotonic()
+            time.sleep(window_seconds)
+            spans.append((t0 + settle_seconds, time.monotonic(), running))
+    finally:
+        os.kill(uploader.pid, signal.SIGCONT)
+        uploader.terminate()
+        uploader.wait(timeout=60)
+        loop_proc.wait(timeout=120)
+    stamps = json.loads(out.read_text())
+    by: dict[bool, list[float]] = {True: [], False: []}
+    for start, dt in stamps:
+        for a, b, running in spans:
+            if a <= start < b:
+                by[running].append(dt)
+                break
+    if not by[True] or not by[False]:
+        raise RuntimeError(f"no training steps in the windows ({len(stamps)} steps)")
+    return statistics.median(by[True]) / statistics.median(by[False])
+
+
 def _slowdown(work: Path, step_dir: Path, manifest) -> float:  # type: ignore[no-untyped-def]
-    """Median train-step time with a backup running in another process / without."""
+    """Median train-step time with a backup running in another process / without, in separate runs."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
 
     def loop(tag: str, during_backup: bool) -> float:
@@ -180,25 +247,8 @@ def _slowdown(work: Path, step_dir: Path, manifest) -> float:  # type: ignore[no
         loop_proc = subprocess.Popen([sys.executable, "-m", "bench.backup", "--train-loop", str(out)], env=env)
         uploader = None
         if during_backup:
-            code = (
-                "import os, sys, time\n"
-                "from replicator.net.priority import lower_current_thread\n"
-                "lower_current_thread('idle')  # as mtc replicator runs its uploads (--bulk-priority)\n"
-                "from pathlib import Path\n"
-                "from replicator.backup.bucket import BackupStore\n"
-                "from replicator.backup.storage.gcs import GcsStore\n"
-                "from sidecar.layout import read_manifest\n"
-                "end = time.monotonic() + 7\n"
-                "i = 0\n"
-                "while time.monotonic() < end:\n"
-                "    b = BackupStore(GcsStore('mtc-bench', f'slow{i}'), 'bench')\n"
-                "    s = b.begin(1, 1)\n"
-                "    b.upload_rank(s, 0, Path(sys.argv[1]))\n"
-                "    b.store.delete('bench', recursive=True)\n"
-                "    i += 1\n"
-            )
             time.sleep(1.0)  # let the loop compile first
-            uploader = subprocess.Popen([sys.executable, "-c", code, str(step_dir)], env=env)
+            uploader = subprocess.Popen([sys.executable, "-c", _uploader_code(7), str(step_dir)], env=env)
         loop_proc.wait(timeout=120)
         if uploader is not None:
             uploader.wait(timeout=120)

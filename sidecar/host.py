@@ -160,25 +160,41 @@ def _check_leaf(src: reader.StepSource, leaf: RestoreLeaf) -> reader.SavedArray:
 
 def open_step(config: HostConfig, rank: int, step: int,
               located: dict[int, tuple[tuple[int, ...], int]] | None = None,
-              bad: dict[Path, str] | None = None) -> reader.StepSource:
+              bad: dict[Path, str] | None = None,
+              manifests: dict[tuple[int, int], layout.StepManifest] | None = None) -> reader.StepSource:
     """The committed data of ``step`` that ``rank`` may read (its own directory first); with
     ``remote_fetch``, also what the host's replicator can bring from peers or the bucket.
 
     ``located``: where the step's savers were already located during this restore (shared by the ranks
     of one call, so that one restore asks the coordinator ``LocateStep`` once, not once per rank).
     ``bad``: the corrupt copies found (and dropped) so far by the ranks of one call, shared, so that a rank
-    that opens the step after another dropped a copy still reports corruption, not absence."""
+    that opens the step after another dropped a copy still reports corruption, not absence.
+    ``manifests``: other savers' manifests fetched so far by the ranks of one call, shared likewise."""
     fetcher = None
     if config.remote_fetch:
-        fetcher = ReplicatorFetcher(config.root(rank), config.fetch_timeout_seconds, located=located)
+        fetcher = ReplicatorFetcher(config.root(rank), config.fetch_timeout_seconds, located=located,
+                                    manifests=manifests)
     return reader.StepSource(step, config.read_roots(rank), fetcher=fetcher, drop_bad=True, own_rank=rank,
                              bad=bad)
 
 
 def check_structure(src: reader.StepSource, paths: Sequence[str]) -> None:
-    saved, wanted = src.paths, set(paths)
+    """The step's leaves are the target's. What this host's own copies list is checked first; only when the
+    target has a leaf they lack are the other savers' manifests fetched (a leaf that only another host holds
+    and the target lacks is reported by that host's own check), so that a restore onto the same mesh asks no
+    replicator for N-1 manifests."""
+    wanted = set(paths)
+    saved = src.known_paths
+    if not wanted <= saved:
+        saved = src.paths
     missing = sorted(wanted - saved)
     extra = sorted(saved - wanted)
+    if missing and src.unreachable:
+        # Absence, not a mismatch: the savers that may hold the leaf did not answer (retried by the manager).
+        first = min(src.unreachable)
+        raise FileNotFoundError(f"target leaf {missing[0]!r} is in no manifest of step {src.step} reachable here; "
+                                f"ranks {sorted(src.unreachable)} are unreachable (rank {first}: "
+                                f"{src.unreachable[first]})")
     if missing:
         raise ValueError(f"target leaf {missing[0]!r} is not in step {src.step}")
     if extra:
@@ -200,7 +216,8 @@ def restore_on_hosts(
     writer.raise_failures([writer.writer_for(config.root(r), config.write_threads) for r in ranks], wait=True)
     located: dict[int, tuple[tuple[int, ...], int]] = {}
     bad: dict[Path, str] = {}
-    sources = {r: open_step(config, r, step, located, bad) for r in ranks}
+    manifests: dict[tuple[int, int], layout.StepManifest] = {}
+    sources = {r: open_step(config, r, step, located, bad, manifests) for r in ranks}
     try:
         arrays = _restore_leaves(config, sources, leaves, all_paths)
         values = next(iter(sources.values())).values if sources else {}
@@ -216,31 +233,35 @@ def _restore_leaves(config: HostConfig, sources: dict[int, reader.StepSource], l
         check_structure(src, all_paths)
     plans = [_targets(config, sources, leaf) for leaf in leaves]
     wanted = _prefetch_plan(sources, leaves, plans)
-    if not wanted:
-        # Every target shard that is a saved shard here (the same mesh): all leaves' in one parallel pass, the
-        # largest first, so that both cores stay busy to the end (the buffers become the device buffers, so
-        # this holds no more memory than leaf by leaf); anything assembled from parts, leaf by leaf.
-        whole = [(leaf.path, r, idx) for leaf, targets in zip(leaves, plans, strict=True)
-                 for r, idx in dict.fromkeys((r, idx) for _, r, idx in targets)
-                 if sources[r].arrays[leaf.path].shards.get(idx)]
-        whole.sort(key=lambda k: -math.prod(b - a for a, b in k[2]))
-        got = _assemble_all(config, sources, whole) if whole else {}
-        return [_restore_leaf(config, sources, leaf, targets, got) for leaf, targets in zip(leaves, plans, strict=True)]
-    # Other ranks' files (a restore onto another mesh) are fetched in the background while target shards that
-    # need none of them are read from this host's RAM disk (only meanwhile: the host memory held before the
-    # arrays are placed stays bounded); everything else is read leaf by leaf once the files are here.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-prefetch") as bg:
-        prefetch = bg.submit(_prefetch, sources, wanted)
-        local_first = [(leaf.path, r, idx) for leaf, targets in zip(leaves, plans, strict=True)
-                       for r, idx in dict.fromkeys((r, idx) for _, r, idx in targets)
-                       if not sources[r].remote_files_for(leaf.path, idx)]
-        got: dict[tuple[str, int, tuple[tuple[int, int], ...]], np.ndarray] = {}
-        if local_first:
-            got.update(_assemble_all(config, sources, local_first, until=prefetch))
-            for src in sources.values():
-                src.drop_cache()
-        prefetch.result()
-        return [_restore_leaf(config, sources, leaf, targets, got) for leaf, targets in zip(leaves, plans, strict=True)]
+    got: dict[tuple[str, int, tuple[tuple[int, int], ...]], np.ndarray] = {}
+    if wanted:
+        # Other ranks' files (a restore onto another mesh) are fetched in the background while target shards
+        # that need none of them are read from this host's RAM disk.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-prefetch") as bg:
+            prefetch = bg.submit(_prefetch, sources, wanted)
+            local_first = _shard_keys(leaves, plans, lambda p, r, idx: not sources[r].remote_files_for(p, idx))
+            if local_first:
+                got.update(_assemble_all(config, sources, local_first, until=prefetch))
+                for src in sources.values():
+                    src.drop_cache()
+            prefetch.result()
+    # Every target shard not read yet, of all leaves, in one parallel pass, the largest first, so that both
+    # cores stay busy to the end. The buffers become the device buffers (on CPU without a copy), so this holds
+    # no more host memory than placing leaf by leaf.
+    rest = _shard_keys(leaves, plans, lambda p, r, idx: (p, r, idx) not in got)
+    if rest:
+        got.update(_assemble_all(config, sources, rest))
+    return [_restore_leaf(config, sources, leaf, targets, got) for leaf, targets in zip(leaves, plans, strict=True)]
+
+
+def _shard_keys(leaves: Sequence[RestoreLeaf], plans: Sequence[list[tuple[Any, int, tuple[tuple[int, int], ...]]]],
+                keep: Any) -> list[tuple[str, int, tuple[tuple[int, int], ...]]]:
+    """The distinct target shards (leaf path, rank, index) that ``keep(path, rank, index)`` accepts, the
+    largest first."""
+    keys = [(leaf.path, r, idx) for leaf, targets in zip(leaves, plans, strict=True)
+            for r, idx in dict.fromkeys((r, idx) for _, r, idx in targets) if keep(leaf.path, r, idx)]
+    keys.sort(key=lambda k: -math.prod(b - a for a, b in k[2]))
+    return keys
 
 
 def _targets(config: HostConfig, sources: dict[int, reader.StepSource],

@@ -451,12 +451,12 @@ def read_manifest(step_dir: Path) -> StepManifest:
     path = Path(step_dir) / MANIFEST_NAME
     with open(path, "rb") as f:
         data = f.read(MAX_MANIFEST_BYTES + 1)
-    return _parse_manifest(data)
+    return parse_manifest(data)
 
 
 @functools.lru_cache(maxsize=64)
-def _parse_manifest(data: bytes) -> StepManifest:
-    """Parsed and validated manifests by their exact bytes (a StepManifest is immutable; errors are not
+def parse_manifest(data: bytes) -> StepManifest:
+    """:meth:`StepManifest.from_json`, remembered by the exact bytes (a StepManifest is immutable; errors are not
     kept): a restore reads the same manifest once per rank that can see it, and parsing is most of a
     small step's restore."""
     return StepManifest.from_json(data)

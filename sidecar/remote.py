@@ -34,11 +34,15 @@ class ReplicatorFetcher:
     """:class:`sidecar.reader.Fetcher` over the host replicator's ``LocateStep``/``FetchStep`` calls."""
 
     def __init__(self, root: Path, timeout_seconds: float = 300.0,
-                 located: dict[int, tuple[tuple[int, ...], int]] | None = None):
+                 located: dict[int, tuple[tuple[int, ...], int]] | None = None,
+                 manifests: dict[tuple[int, int], layout.StepManifest] | None = None):
         self.root = Path(root)
         self.timeout = timeout_seconds
         # step -> (savers, generation), shared by the fetchers of one restore: one LocateStep per restore.
         self.located = {} if located is None else located
+        # (owner, step) -> its manifest, shared likewise by the ranks of one call (one process serving several
+        # hosts' devices): each other saver's manifest is fetched once per call, not once per rank.
+        self.manifests = {} if manifests is None else manifests
 
     def _stub(self) -> tuple[grpc.Channel, control_pb2_grpc.LocalControlStub]:
         sock = layout.control_socket(self.root)
@@ -74,9 +78,13 @@ class ReplicatorFetcher:
         return found
 
     def manifest(self, owner: int, step: int) -> layout.StepManifest:
+        hit = self.manifests.get((owner, step))
+        if hit is not None:
+            return hit
         resp = self._call("FetchStep", control_pb2.FetchStepRequest(owner_rank=owner, step=step, manifest_only=True,
                                                                     timeout_seconds=self.timeout), self.timeout + 5)
-        return layout.StepManifest.from_json(resp.manifest_json)
+        self.manifests[(owner, step)] = m = layout.parse_manifest(resp.manifest_json)
+        return m
 
     def fetch_files(self, owner: int, step: int, files: Sequence[layout.FileEntry]) -> Path:
         """Bring only ``files`` of ``owner``'s ``step`` into a new scratch directory of this process under

@@ -121,10 +121,11 @@ def allocation_topology(devices: list[Any]) -> HostTopology:
 
 
 def replace_slice(cluster: Any, index: int) -> None:
-    """Slice ``index`` comes back *replaced*: its hosts' replicators stop, their RAM disks are emptied, new
-    replicators start (ranks keep their places; what those hosts held is refilled from peers)."""
+    """Slice ``index`` comes back *replaced*: its hosts' replicators die (SIGKILL: a SIGTERM would be a
+    preemption notice, which suspends the whole job), their RAM disks are emptied, new replicators start
+    (ranks keep their places; what those hosts held is refilled from peers)."""
     for rank in range(index * HOSTS_PER_SLICE, (index + 1) * HOSTS_PER_SLICE):
-        cluster.procs[rank].stop()
+        cluster.procs[rank].kill()
         cluster.wipe(rank)
         cluster.start(rank)
 

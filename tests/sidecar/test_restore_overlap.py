@@ -65,7 +65,7 @@ def test_local_target_shards_are_read_while_other_ranks_files_are_fetched(tmp_pa
 
     monkeypatch.setattr(checksums, "map_verified", map_verified)
     monkeypatch.setattr(checksums, "read_verified", read_verified)
-    monkeypatch.setattr(host, "open_step", lambda config, rank, step, located=None, bad=None: reader.StepSource(
+    monkeypatch.setattr(host, "open_step", lambda config, rank, step, located=None, bad=None, manifests=None: reader.StepSource(
         step, [config.root(rank)], fetcher=SlowFetcher(tmp_path, rank, events[rank], fetched_after_local_read),
         drop_bad=True, own_rank=rank, bad=bad))
     # On a 4x2 mesh each host's first device needs only its own shards, its second one another host's.

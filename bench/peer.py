@@ -266,6 +266,7 @@ def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: i
     from controller_client.demo.cluster import LocalCluster
     from controller_client.manager import CheckpointManager, CheckpointManagerOptions
     from controller_client.topology import HostTopology
+    from sidecar import commit, layout
 
     devs = jax.devices()[:8]
     mesh = Mesh(np.array(devs).reshape(2, 4), ("data", "model"))
@@ -300,6 +301,13 @@ def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: i
             t0 = time.monotonic()
             _raw_receive(raw_port, nbytes)
             times["tcp"].append(time.monotonic() - t0)
+            # The previous round's recovered copy is committed on host 1's RAM disk (the replicator commits it
+            # after the restore returned): else this "local" restore would join that copy still landing.
+            deadline = time.monotonic() + 60
+            while 1 not in commit.committed_steps(layout.steps_dir(cluster.ram(1))):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("host 1 did not commit its recovered copy of step 1 within 60 s")
+                time.sleep(0.02)
             t0 = time.monotonic()
             jax.block_until_ready(mgr.restore(1, target))
             times["local"].append(time.monotonic() - t0)

@@ -261,6 +261,35 @@ def test_rollback_backs_up_the_new_save_of_a_step_already_in_the_bucket(cluster_
     mgr.close()
 
 
+def test_same_mesh_restore_fetches_no_manifest_and_a_reshard_each_once(cluster_factory, monkeypatch):  # noqa: F811
+    """A host whose own copies cover its target shards asks its replicator for no other saver's manifest
+    (before: every rank fetched every other rank's, N-1 round trips per host); a reshard fetches each other
+    saver's manifest once per call, shared by the ranks it acts for."""
+    from sidecar.remote import ReplicatorFetcher
+
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    tree = fsdp_state(5, devs)
+    mgr.save(5, tree)
+    mgr.wait_until_finished()
+    asked: list[tuple[int, int]] = []
+    real = ReplicatorFetcher._call
+
+    def counting(self, method, request, timeout):
+        if method == "FetchStep" and request.manifest_only:
+            asked.append((request.owner_rank, request.step))
+        return real(self, method, request, timeout)
+
+    monkeypatch.setattr(ReplicatorFetcher, "_call", counting)
+    assert_equal(tree, mgr.restore(5, target_on(tree, devs, (2, 4))))
+    assert asked == []
+    assert_equal(tree, mgr.restore(5, target_on(tree, devs, (4, 2))))
+    assert asked and len(asked) == len(set(asked)), asked
+    mgr.close()
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_bad_shard_healed_within_one_restore(cluster_factory, damage):  # noqa: F811
     cl = cluster_factory(nodes=4, data_parallelism=2)

@@ -121,27 +121,30 @@ class Daemons:
                 [sys.executable, "-m", "controller_client.cli", "-v", "replicator", *self.args(host)],
                 stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=str(REPO), start_new_session=True)
 
-    def stop(self, host: int) -> None:
-        p = self.procs.pop(host, None)
-        if p is None or p.poll() is not None:
-            return
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=STOP_TIMEOUT_SECONDS)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)  # its own session, by its pid
-            p.wait(timeout=10)
+    def stop(self, hosts: list[int]) -> None:
+        """SIGTERM to every one of ``hosts`` at once (each then flushes as on a preemption notice, and would
+        wait for a coordinator stopped before it), then wait for each."""
+        procs = [p for p in (self.procs.pop(h, None) for h in hosts) if p is not None and p.poll() is None]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=STOP_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)  # its own session, by its pid
+                p.wait(timeout=10)
 
     def check_alive(self) -> None:
         for host, p in self.procs.items():
             if p.poll() is not None:
                 raise RuntimeError(f"replicator {host} exited with {p.returncode}")
 
-    def wipe(self, host: int) -> None:
-        """Host ``host`` is replaced: its daemon stopped, its local dir emptied, the daemon started again."""
-        self.stop(host)
-        shutil.rmtree(self.local(host), ignore_errors=True)
-        self.start(host)
+    def wipe(self, hosts: list[int]) -> None:
+        """``hosts`` are replaced: their daemons stopped, their local dirs emptied, the daemons started again."""
+        self.stop(hosts)
+        for host in hosts:
+            shutil.rmtree(self.local(host), ignore_errors=True)
+            self.start(host)
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -212,15 +215,7 @@ def run(mib: int, scratch: Path, timeout: float) -> dict[str, Any]:
         for m in ("save_block", "safe_after"):
             out[m] = max(r["seconds"][m] for r in saved)
         for measure, wiped in RESTORES:
-            if len(wiped) == PROCESSES:
-                for host in wiped:
-                    daemons.stop(host)
-                for host in wiped:
-                    shutil.rmtree(daemons.local(host), ignore_errors=True)
-                    daemons.start(host)
-            else:
-                for host in wiped:
-                    daemons.wipe(host)
+            daemons.wipe(wiped)
             got = _incarnation(measure, mib, daemons, logs, deadline)
             out[measure] = max(r["seconds"][measure] for r in got)
             for key in untimed:
@@ -230,8 +225,7 @@ def run(mib: int, scratch: Path, timeout: float) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - reported as this system's error, with its exact text
         return {"error": f"{type(e).__name__}: {e}"}
     finally:
-        for host in list(daemons.procs):
-            daemons.stop(host)
+        daemons.stop(list(daemons.procs))
         shutil.rmtree(base, ignore_errors=True)  # the RAM disk, before the next system runs
     out["untimed"] = untimed
     if inexact:

@@ -35,7 +35,8 @@ fetches what its host lacks (from a peer, or the bucket) before it writes the ma
 So for this system ``restore_one_lost`` and ``restore_all_lost`` do not include the data's transfer; it is
 reported beside them, untimed by the ratios: ``init_seconds`` (the whole ``initialize`` call) and
 ``handshake_seconds`` (from Orbax writing ``replicator.yaml`` until our daemon deleted it, its ack, as seen
-by a thread of the worker polling the local dir every 5 ms), per restore measure, the slowest host.
+by a thread of the worker polling the local dir every 5 ms), per restore measure, the slowest host; and,
+inside the clock, ``open_seconds``: the part spent constructing ``ReplicatorCheckpointManager``.
 
 Every restore is checked bit for bit against the saved state (``check_state``, outside the clock) and must
 be of step 2. ``python -m bench.emergency_orbax`` is only the worker; ``python -m bench.emergency`` runs it.
@@ -48,6 +49,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -58,6 +60,7 @@ from typing import Any
 
 from bench.emergency import (
     LOST_HOST,
+    MEASURES,
     PROCESSES,
     REPO,
     RPC_TIMEOUT_SECONDS,
@@ -73,6 +76,7 @@ from bench.emergency import (
 NAME = "ours_orbax"
 JOB = "bench"
 DEVICES_PER_PROCESS = 2
+UNTIMED = ("init_seconds", "handshake_seconds", "open_seconds")
 RESTORES = (("restore_local", []), ("restore_one_lost", [LOST_HOST]), ("restore_all_lost", list(range(PROCESSES))))
 # Bounds Orbax's ack wait and JAX's start-up (it only ends a broken run; the daemons answer in ~1 s and
 # fetch before they ack, so a restore from the bucket at 1 GiB must fit in it too).
@@ -206,7 +210,7 @@ def run(mib: int, scratch: Path, timeout: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     daemons = Daemons(base, logs)
     out: dict[str, Any] = {}
-    untimed: dict[str, dict[str, float]] = {"init_seconds": {}, "handshake_seconds": {}}
+    untimed: dict[str, dict[str, float]] = {k: {} for k in UNTIMED}
     inexact: dict[str, int] = {}
     try:
         for host in range(PROCESSES):
@@ -230,6 +234,23 @@ def run(mib: int, scratch: Path, timeout: float) -> dict[str, Any]:
     out["untimed"] = untimed
     if inexact:
         out["inexact"] = inexact
+    return out
+
+
+def result_keys(seconds: dict[str, dict[str, float]], runs: list[dict[str, Any]], orbax: list[str]) -> dict:
+    """bench.emergency's keys for this system: ``ours_orbax_<measure>_vs_best_orbax`` (its median seconds /
+    the faster Orbax manager's, of ``orbax``), ``best_orbax``, and ``ours_orbax_untimed``: the medians over
+    rounds of what the restore measures leave out (Orbax's initialize, and in it our daemons' handshake,
+    which places the data before the ack) and of the part of them spent constructing the manager."""
+    out: dict[str, Any] = {}
+    if NAME in seconds and orbax:
+        for m in MEASURES:
+            best = min(orbax, key=lambda s: seconds[s][m])
+            out[f"{NAME}_{m}_vs_best_orbax"] = round(seconds[NAME][m] / seconds[best][m], 3)
+            out.setdefault("best_orbax", {})[m] = best
+    if runs:
+        out[f"{NAME}_untimed"] = {k: {m: round(statistics.median(x["untimed"][k][m] for x in runs), 4)
+                                      for m, _ in RESTORES} for k in UNTIMED}
     return out
 
 
@@ -335,6 +356,7 @@ def _worker(args: argparse.Namespace, out: dict[str, Any]) -> None:
         barrier()
         t = time.monotonic()
         mgr = rcm.ReplicatorCheckpointManager(local, options, global_mesh=mesh)
+        out["open_seconds"] = time.monotonic() - t
         step = mgr.latest_step()
         got = mgr.restore(step, args=restore_args)["state"]
         jax.block_until_ready(got)

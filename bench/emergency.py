@@ -610,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
         result["errors"] = errors
     # Restores that lost the sign of zeros (every other bit exact), per system and measure: the most elements
     # in any round, summed over the hosts. Their times count: the values are equal as numbers.
-    sign_lost = {s: {m: max(x.get("inexact", {}).get(m, 0) for x in v) for m in MEASURES} for s, v in runs.items()}
+    sign_lost = {s: {m: max(x.get("inexact", {}).get(m, 0) for x in v) for m in MEASURES}
+                 for s, v in runs.items() if v}
     sign_lost = {s: {m: n for m, n in d.items() if n} for s, d in sign_lost.items() if any(d.values())}
     if sign_lost:
         result["zero_sign_lost"] = sign_lost

@@ -174,8 +174,9 @@ def _incarnation(phase: str, mib: int, daemons: Daemons, logs: Path, deadline: f
                    "--coordinator", daemons.coordinator, "--result", str(results[rank])]
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
                                           start_new_session=True))
-        failed_at = None
+        failed_at, exited = None, []
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            exited += [rank for rank, p in enumerate(procs) if p.poll() is not None and rank not in exited]
             if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() > failed_at + GRACE_SECONDS:
@@ -190,9 +191,12 @@ def _incarnation(phase: str, mib: int, daemons: Daemons, logs: Path, deadline: f
         for f in files:
             f.close()
     out = [json.loads(r.read_text()) if r.exists() else {} for r in results]
-    errors = [r["error"] for r in out if "error" in r]
+    # The first worker to exit holds the cause; the others' errors follow from it (a collective that lost
+    # a peer); then rank order.
+    order = exited + [rank for rank in range(PROCESSES) if rank not in exited]
+    errors = [out[rank]["error"] for rank in order if "error" in out[rank]]
     if errors:
-        raise RuntimeError(f"{phase}: {errors[0]}")  # the first in rank order is the cause more often than not
+        raise RuntimeError(f"{phase}: {errors[0]}")
     if not all("seconds" in r for r in out):
         rank = next(i for i, r in enumerate(out) if "seconds" not in r)
         tail = (logs / f"{phase}-worker{rank}.log").read_text()[-1500:]

@@ -7,7 +7,8 @@ every system alike) as one job of 4 JAX processes on 127.0.0.1 (2 slices x 2 hos
 ``jax.distributed.initialize``, gloo collectives); ``ours_orbax`` runs as job incarnations of its own, after
 that job in even rounds and before it in odd ones. Every system saves the same train state: ``--mib`` MiB
 of mixed shapes and dtypes (float32, bfloat16, int32), sharded over the 4 devices of a slice and replicated
-across the 2 slices, so each host holds 1/4 of it and its counterpart in the other slice an identical copy.
+across the 2 slices, so each host (2 of the 4 devices) holds half of it and its counterpart in the other
+slice an identical copy.
 
 Systems:
 

@@ -200,7 +200,8 @@ def _incarnation(phase: str, mib: int, daemons: Daemons, logs: Path, deadline: f
     if not all("seconds" in r for r in out):
         rank = next(i for i, r in enumerate(out) if "seconds" not in r)
         tail = (logs / f"{phase}-worker{rank}.log").read_text()[-1500:]
-        raise RuntimeError(f"{phase}: worker {rank} gave no result (exit {procs[rank].returncode}); its log: {tail}")
+        why = "the round's --timeout passed" if time.monotonic() >= deadline else f"exit {procs[rank].returncode}"
+        raise RuntimeError(f"{phase}: worker {rank} gave no result ({why}); its log: {tail}")
     return out
 
 

@@ -34,12 +34,20 @@ from sidecar import faults
 log = logging.getLogger(__name__)
 
 BACKUP_REPORTS_KEPT = 64
+# Before any coordinator answered: quick retries (0.1, 0.2, 0.4 s) while it is unreachable, then the backoff.
+STARTUP_RETRIES = 3
+STARTUP_RETRY_SECONDS = 0.1
 
 
 def new_incarnation() -> int:
     """A random 63-bit nonce naming this process to the coordinator (not a clock reading: a host whose clock
     was stepped back must not look older than its previous run)."""
     return int.from_bytes(os.urandom(8), "big") >> 1 or 1
+
+
+def _unreachable(e: BaseException) -> bool:
+    """No coordinator took the call (not up yet, or no candidate answers): not an overloaded one."""
+    return isinstance(e, NoCoordinator) or (isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE)
 
 
 class NoCoordinator(RuntimeError):
@@ -89,6 +97,7 @@ class Heartbeat:
         self.epoch = 0  # highest coordinator epoch accepted (fences a deposed coordinator's deletions)
         self._acked: tuple[str, dict[tuple[int, int], Any]] | None = None  # (digest, inventory) the coordinator holds
         self.interval = opts.heartbeat_seconds
+        self._answered = False  # a coordinator answered one of our heartbeats (since this daemon started)
         self._lower_down_since: float | None = None
         self._backup_reports: list[cpb.BackupReport] = []
         self._seen_own: set[int] | None = None
@@ -264,6 +273,7 @@ class Heartbeat:
             try:
                 delay = self.beat()
                 failures = 0
+                self._answered = True
             except (grpc.RpcError, NoCoordinator) as e:
                 failures += 1
                 d.counters.add("heartbeat_failures")
@@ -280,8 +290,15 @@ class Heartbeat:
                 # Never sooner than the interval, growing with jitter: no retry storm on a struggling
                 # coordinator. A candidate watching for a takeover keeps the plain interval.
                 watching = d.my_candidate is not None and isinstance(e, NoCoordinator)
-                delay = self.interval * random.uniform(0.8, 1.2) if watching else \
-                    max(self.interval, retry.backoff_seconds(failures, self.interval))
+                if not self._answered and failures <= STARTUP_RETRIES and _unreachable(e):
+                    # Starting together with the coordinator's host (a job restart, an Orbax handshake): it
+                    # is likely up in milliseconds; waiting the interval would delay this host's first
+                    # report (and so a restore plan) by seconds. A few quick tries, then the backoff.
+                    delay = STARTUP_RETRY_SECONDS * 2 ** (failures - 1) * random.uniform(0.8, 1.2)
+                elif watching:
+                    delay = self.interval * random.uniform(0.8, 1.2)
+                else:
+                    delay = max(self.interval, retry.backoff_seconds(failures, self.interval))
             except Exception:  # keep the daemon alive; the next heartbeat retries
                 log.exception("heartbeat handling failed")
                 delay = self.interval

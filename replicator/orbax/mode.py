@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 # How often replicator.yaml (and jax-init-info.txt) is looked for. Orbax itself polls once a second, so
 # 0.1 s adds at most a tenth of a poll to its start-up.
 POLL_SECONDS = 0.1
+# In-flight RPCs of the daemon a new handshake replaces get this long to end (see handshake()).
+HANDSHAKE_STOP_GRACE_SECONDS = 0.25
 # PrepareRestore is asked in slices of this length, so that SIGTERM or a newer handshake is noticed.
 PREPARE_SLICE_SECONDS = 5.0
 
@@ -166,10 +168,10 @@ class OrbaxMode:
             oc.write_jax_init_info(self.local, self.opts.jax_process_id, self.opts.jax_coordinator)
             self._jax_info_written = True
 
-    def _stop_daemon(self) -> None:
+    def _stop_daemon(self, grace_seconds: float = 2.0) -> None:
         d, self.daemon = self.daemon, None
         if d is not None:
-            d.stop(grace_seconds=2.0)
+            d.stop(grace_seconds=grace_seconds)
 
     # ------------------------------------------------------------------ reports to Orbax
     def _error(self, text: str) -> None:
@@ -192,7 +194,9 @@ class OrbaxMode:
         self.handshakes += 1
         log.info("handshake %d: job %s rank %d/%d, peers %s", self.handshakes, cfg.job_name, cfg.node_rank,
                  cfg.nodes, list(cfg.peer_ranks))
-        self._stop_daemon()
+        # The job restarted: what the previous incarnation's daemon still serves (a long poll, a copy to a
+        # host that restarts too) is abandoned, never half-visible; waiting 2 s for it delayed every restore.
+        self._stop_daemon(HANDSHAKE_STOP_GRACE_SECONDS)
         try:
             opts = replicator_options(self.opts, cfg, self.listen)
         except (ConfigError, ValueError) as e:

@@ -75,11 +75,13 @@ def test_our_orbax_mode_runs_every_measure_in_job_incarnations_of_its_own():
     assert "ours_orbax" not in result.get("zero_sign_lost", {})
     untimed = result["ours_orbax_untimed"]
     restores = [m for m in emergency.MEASURES if m.startswith("restore")]
-    assert set(untimed) == {"init_seconds", "handshake_seconds", "open_seconds"}
+    assert set(untimed) == {"init_seconds", "handshake_seconds", "after_init_seconds", "open_seconds"}
     for m in restores:
-        # Orbax's initialize holds our daemons' handshake; the manager's construction is inside the restore.
+        # Orbax's initialize holds our daemons' handshake; the restore's clock is the handshake + the span
+        # after initialize, and the manager's construction is inside that span.
         assert 0 < untimed["handshake_seconds"][m] < untimed["init_seconds"][m]
-        assert 0 < untimed["open_seconds"][m] < result["seconds"]["ours_orbax"][m]
+        assert 0 < untimed["open_seconds"][m] < untimed["after_init_seconds"][m]
+        assert untimed["handshake_seconds"][m] < result["seconds"]["ours_orbax"][m]
 
 
 def test_check_state_counts_zeros_that_lost_their_sign_and_refuses_any_other_difference(monkeypatch):

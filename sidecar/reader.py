@@ -537,9 +537,12 @@ class StepSource:
             except (OSError, EOFError, checksums.ChecksumError) as err:
                 if (isinstance(err, FileNotFoundError) and loc.step_dir not in self._scratch
                         and not (loc.step_dir / layout.MANIFEST_NAME).exists()):
-                    # The whole copy went (a GC, or the RAM disk replaced under us): absence, not corruption.
+                    # The whole copy went (a GC, or the RAM disk replaced under us): absence, not corruption,
+                    # unless a concurrent read of this step dropped it as corrupt: then that is the error.
                     log.info("the copy %s went while it was read: %s", loc.step_dir, err)
-                    errors.append(err)
+                    with self._lock:
+                        why = self.bad.get(loc.step_dir)
+                    errors.append(err if why is None else BadCopyError(f"{loc.step_dir} ({why})", e.crc32c, 0))
                     self._drop(loc.step_dir, err, loc.copy, gone=True)
                     self._replace_copy(arr, index, loc, errors)
                     continue

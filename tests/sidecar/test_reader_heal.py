@@ -104,3 +104,59 @@ def test_only_the_needed_file_of_another_rank_is_fetched_and_a_bad_one_fetched_a
     assert len(m1.files) > 1
     src.close()
     assert list(layout.fetch_dir(tmp_path / "0").iterdir()) == []
+
+
+def test_a_copy_dropped_as_corrupt_under_a_concurrent_read_is_reported_as_corrupt(tmp_path, monkeypatch):
+    """Two threads read two shards of one copy; the first finds a bad byte and drops (deletes) the copy while
+    the second is about to read its file. The second reports the corruption, not an absent file."""
+    import threading
+
+    from sidecar import reader
+
+    devs = jax.devices()[:4]
+    mesh = Mesh(np.array(devs).reshape(1, 4), ("data", "model"))
+    x = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
+    tree = {"a": jax.device_put(x, NamedSharding(mesh, P(None, "model"))),
+            "b": jax.device_put(x + 1, NamedSharding(mesh, P(None, "model")))}
+    opts = CheckpointManagerOptions(local_directory=str(tmp_path / "{host}"), job_name="t")
+    mgr = CheckpointManager(opts, devices=devs, topology=HostTopology.simulated(devs, 1, 2))
+    mgr.save(1, tree)
+    mgr.wait_until_finished()
+    step_dir = tmp_path / "0" / "steps" / "1"
+    m = layout.read_manifest(step_dir)
+    bad = next(a for a in m.arrays if a.path == "['a']").shards[0]
+    good = next(a for a in m.arrays if a.path == "['b']").shards[0]
+    victim = step_dir / bad.file
+    data = bytearray(victim.read_bytes())
+    data[1] ^= 0x10
+    victim.write_bytes(bytes(data))
+
+    dropped = threading.Event()
+    real_read = checksums.read_verified
+
+    def read_verified(path, *a, **kw):
+        if str(path).endswith(good.file):
+            assert dropped.wait(30)  # the other read found the bad byte and deleted the copy meanwhile
+        return real_read(path, *a, **kw)
+
+    monkeypatch.setattr(checksums, "read_verified", read_verified)
+    src = reader.StepSource(1, [tmp_path / "0"], drop_bad=True, own_rank=0)
+    errors: dict[str, BaseException] = {}
+
+    def read(path: str, index) -> None:
+        try:
+            src.read_shard(src.arrays[path], index)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors[path] = e
+        finally:
+            if path == "['a']":
+                dropped.set()
+
+    second = threading.Thread(target=read, args=("['b']", good.index))
+    second.start()
+    read("['a']", bad.index)
+    second.join(30)
+    assert not step_dir.exists()
+    assert isinstance(errors["['a']"], checksums.ChecksumError)
+    assert isinstance(errors["['b']"], checksums.ChecksumError), repr(errors["['b']"])
+    assert bad.file in str(errors["['b']"])

@@ -24,8 +24,8 @@ Systems:
   ``ReplicatorCheckpointManager``, unchanged, against one real ``mtc replicator`` per host in Orbax mode.
   Orbax's initialize calls ``jax.distributed.initialize`` and handshakes with the daemons itself, so it runs
   one job incarnation (4 new processes) for the saves and one per restore measure, the daemons staying up;
-  its restore clock starts after initialize returned (job start-up, in which our daemons place the data,
-  is reported apart). bench/emergency_orbax.py says exactly what is timed.
+  its restore clock is our daemons' part of the handshake (in which they place the data) plus the span
+  after initialize returned. bench/emergency_orbax.py says exactly what is timed.
 
 Every system first saves step 0 (untimed; a run's first step goes to the persistent tier too), then step 1
 to the local tier only and step 2 to the local and the persistent tier (Orbax:

@@ -302,9 +302,11 @@ def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: i
             _raw_receive(raw_port, nbytes)
             times["tcp"].append(time.monotonic() - t0)
             # The previous round's recovered copy is committed on host 1's RAM disk (the replicator commits it
-            # after the restore returned): else this "local" restore would join that copy still landing.
+            # after the restore returned; as its own step, or as rank 0's identical replica under peer/):
+            # else this "local" restore would join that copy still landing.
             deadline = time.monotonic() + 60
-            while 1 not in commit.committed_steps(layout.steps_dir(cluster.ram(1))):
+            while not any(1 in commit.committed_steps(d) for d in [layout.steps_dir(cluster.ram(1)),
+                                                                   *(cluster.ram(1) / layout.PEER_DIR).glob("*")]):
                 if time.monotonic() > deadline:
                     raise TimeoutError("host 1 did not commit its recovered copy of step 1 within 60 s")
                 time.sleep(0.02)

@@ -45,13 +45,13 @@ DEFAULT_MAX_WORKERS = 8
 AddFn = Callable[[Any, grpc.Server], None]
 
 
-# gRPC's reconnect backoff after a refused connection (its defaults: 1 s at first, growing to 120 s): a peer
+# gRPC's reconnect backoff after a failed connection (its defaults: 1 s at first, growing to 120 s): a peer
 # or coordinator that comes back (a restart, a replaced host, every daemon of an Orbax handshake restarting
 # together) is reached again within 0.1 s at first and 5 s at most, not minutes later. A channel reconnects
-# only while calls want it, so an idle channel to a dead host costs nothing.
+# only while calls want it, so an idle channel to a dead host costs nothing. Not ``min_reconnect_backoff_ms``:
+# gRPC uses it as the connect timeout too (20 s), and at 0.1 s connections on a loaded host timed out.
 RECONNECT_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 5000),
 ]
 

@@ -20,7 +20,7 @@ from mtc_rpc import coordinator_pb2 as cpb
 from replicator import logs
 from replicator.coordinator.client import FAILOVER_CODES, Candidates
 from replicator.coordinator.model import Tier, inventory_digest
-from replicator.coordinator.service import Coordinator
+from replicator.coordinator.service import Coordinator, lost_after_seconds
 from replicator.coordinator.tier_wire import to_wire
 from replicator.fetch import Fetcher
 from replicator.local.store import RamDiskStore
@@ -265,6 +265,26 @@ class Heartbeat:
         self._seen_own = set(own)
 
     # ------------------------------------------------------------------ the loop
+    def retry_delay(self, failures: int, error: BaseException) -> float:
+        """Seconds until the next heartbeat after ``failures`` consecutive failed ones, the last ``error``.
+
+        Never sooner than the interval, growing with jitter: no retry storm on a struggling coordinator.
+        Never longer than a third of the time after which the coordinator declares a silent host lost: a
+        host that backs off for longer is declared lost although it is alive (its data re-planned around,
+        its restores waited for), which costs the job more than its retries cost the coordinator.
+        """
+        d = self.d
+        if not self._answered and failures <= STARTUP_RETRIES and _unreachable(error):
+            # Starting together with the coordinator's host (a job restart, an Orbax handshake): it is
+            # likely up in milliseconds; waiting the interval would delay this host's first report (and so
+            # a restore plan) by seconds. A few quick tries, then the backoff.
+            return STARTUP_RETRY_SECONDS * 2 ** (failures - 1) * random.uniform(0.8, 1.2)
+        if d.my_candidate is not None and isinstance(error, NoCoordinator):
+            # A candidate watching for a takeover keeps the plain interval.
+            return self.interval * random.uniform(0.8, 1.2)
+        cap = lost_after_seconds(self.opts.host_lost_seconds, self.interval) / 3
+        return max(self.interval, min(retry.backoff_seconds(failures, self.interval), cap))
+
     def run(self) -> None:
         """Heartbeat until the daemon stops; failures back off (never sooner than the interval)."""
         d = self.d
@@ -287,18 +307,7 @@ class Heartbeat:
                 if failures % 10 == 1:
                     log.warning("heartbeat to the coordinator failed: %s",
                                 e.details() if isinstance(e, grpc.RpcError) else e)
-                # Never sooner than the interval, growing with jitter: no retry storm on a struggling
-                # coordinator. A candidate watching for a takeover keeps the plain interval.
-                watching = d.my_candidate is not None and isinstance(e, NoCoordinator)
-                if not self._answered and failures <= STARTUP_RETRIES and _unreachable(e):
-                    # Starting together with the coordinator's host (a job restart, an Orbax handshake): it
-                    # is likely up in milliseconds; waiting the interval would delay this host's first
-                    # report (and so a restore plan) by seconds. A few quick tries, then the backoff.
-                    delay = STARTUP_RETRY_SECONDS * 2 ** (failures - 1) * random.uniform(0.8, 1.2)
-                elif watching:
-                    delay = self.interval * random.uniform(0.8, 1.2)
-                else:
-                    delay = max(self.interval, retry.backoff_seconds(failures, self.interval))
+                delay = self.retry_delay(failures, e)
             except Exception:  # keep the daemon alive; the next heartbeat retries
                 log.exception("heartbeat handling failed")
                 delay = self.interval

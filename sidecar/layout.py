@@ -58,6 +58,8 @@ JOB_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _JOB_RE = re.compile(f"^{JOB_PATTERN}$")
 # Largest manifest we agree to parse: a guard against a hostile or corrupt peer.
 MAX_MANIFEST_BYTES = 256 << 20
+# Manifests up to this size are kept parsed by parse_manifest (32 of them at most).
+PARSED_CACHE_MAX_BYTES = 256 << 10
 # Path components of one file name inside a step (Orbax's deepest are ~5): deeper names are refused, not
 # walked (Path.mkdir(parents=True) recurses once per missing component: 2,000 raised RecursionError).
 MAX_NAME_COMPONENTS = 64
@@ -454,11 +456,18 @@ def read_manifest(step_dir: Path) -> StepManifest:
     return parse_manifest(data)
 
 
-@functools.lru_cache(maxsize=64)
 def parse_manifest(data: bytes) -> StepManifest:
-    """:meth:`StepManifest.from_json`, remembered by the exact bytes (a StepManifest is immutable; errors are not
-    kept): a restore reads the same manifest once per rank that can see it, and parsing is most of a
-    small step's restore."""
+    """:meth:`StepManifest.from_json`, remembered by the exact bytes for manifests up to
+    ``PARSED_CACHE_MAX_BYTES`` (a StepManifest is immutable; errors are not kept): a restore reads the same
+    manifest once per rank that can see it, and parsing is most of a small step's restore. Larger ones are
+    parsed each time, so the cache holds at most a few MiB in a long-running daemon."""
+    if len(data) <= PARSED_CACHE_MAX_BYTES:
+        return _parse_cached(data)
+    return StepManifest.from_json(data)
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_cached(data: bytes) -> StepManifest:
     return StepManifest.from_json(data)
 
 

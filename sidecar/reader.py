@@ -146,6 +146,7 @@ class StepSource:
         self._have: dict[tuple[int, str], Path] = {}  # (owner, file) -> scratch directory holding it
         # Copies found corrupt (and dropped) -> why; may be shared by the ranks of one restore call.
         self.bad: dict[Path, str] = bad if bad is not None else {}
+        self._bad_owner: dict[Path, int] = {}  # a copy dropped as bad here -> whose data it held
         found = []
         for root in self.roots:
             for d in step_dirs_in(root, step):
@@ -253,6 +254,9 @@ class StepSource:
                 return
             if not gone:
                 self.bad[step_dir] = str(why)
+                rank = next((m.rank for d, m in self.manifests if d == step_dir), None)
+                if rank is not None:
+                    self._bad_owner[step_dir] = rank
             for sa in self.arrays.values():
                 for idx in list(sa.shards):
                     sa.shards[idx] = [loc for loc in sa.shards[idx] if loc.step_dir != step_dir]
@@ -542,9 +546,13 @@ class StepSource:
                     log.info("the copy %s went while it was read: %s", loc.step_dir, err)
                     with self._lock:
                         why = self.bad.get(loc.step_dir)
+                        owner = self._bad_owner.get(loc.step_dir)
                     errors.append(err if why is None else BadCopyError(f"{loc.step_dir} ({why})", e.crc32c, 0))
                     self._drop(loc.step_dir, err, loc.copy, gone=True)
-                    self._replace_copy(arr, index, loc, errors)
+                    # Dropped as bad by a concurrent read, which is fetching a good copy: wait for it (or fetch
+                    # it) rather than give up on the shard while the heal is in flight. A copy that simply went
+                    # (no owner recorded) is not brought back.
+                    self._replace_copy(arr, index, loc, errors, owner)
                     continue
                 bad = err if isinstance(err, checksums.ChecksumError) else BadCopyError(
                     f"{loc.step_dir}/{e.file} ({type(err).__name__}: {err})", e.crc32c, 0)

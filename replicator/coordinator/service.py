@@ -53,6 +53,15 @@ MAX_HEARTBEATS_PER_SECOND = 200.0
 _POLL_SECONDS = 0.1
 
 
+
+def lost_after_seconds(host_lost_seconds: float, interval: float) -> float:
+    """Seconds of silence after which a host is declared lost, given ``--host-lost-seconds`` (0 = default)
+    and the heartbeat interval in force (never under two intervals)."""
+    if host_lost_seconds > 0:
+        return max(host_lost_seconds, 2 * interval)
+    # Four intervals, but at least 10 s: a busy host (JAX start-up on a loaded machine) is not lost.
+    return max(4 * interval, 10.0)
+
 class BackupScheduler:
     """Hook for the backup tier: the coordinator asks it for backup work and reports progress to it.
 
@@ -197,11 +206,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
         A candidate takes the coordinator over after half of this without an answer from lower ones.
         """
-        interval = self.heartbeat_interval()
-        if self.host_lost_seconds > 0:
-            return max(self.host_lost_seconds, 2 * interval)
-        # Four intervals, but at least 10 s: a busy host (JAX start-up on a loaded machine) is not lost.
-        return max(4 * interval, 10.0)
+        return lost_after_seconds(self.host_lost_seconds, self.heartbeat_interval())
 
     def _abort_bad(self, context: grpc.ServicerContext, msg: str, code=grpc.StatusCode.INVALID_ARGUMENT):
         context.abort(code, msg)

@@ -1,14 +1,22 @@
 """A host whose daemon starts just before the coordinator's (a job restart, every daemon of an Orbax
-handshake) reports within a fraction of the heartbeat interval, not after a full backoff."""
+handshake) reports within a fraction of the heartbeat interval, not after a full backoff; and a host whose
+heartbeats keep failing never backs off for so long that the coordinator declares it lost."""
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import pytest
 
 from replicator.coordinator.client import CoordinatorClient
+from replicator.coordinator.service import lost_after_seconds
 from replicator.daemon import Replicator
+from replicator.heartbeat import STARTUP_RETRIES, Heartbeat, NoCoordinator
 from replicator.options import ReplicatorOptions
 
 INTERVAL = 5.0  # the backoff after a failed heartbeat never goes below it
@@ -54,3 +62,30 @@ def test_a_host_started_before_the_coordinator_registers_within_a_second(tmp_pat
             client.close()
         for d in reversed(daemons):
             d.stop(grace_seconds=0.0)
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize(("interval", "host_lost"), [(0.3, 2.0), (1.0, 0.0), (50.0, 0.0), (0.5, 30.0)])
+@pytest.mark.parametrize("error", [_Unavailable(), NoCoordinator("none answers")], ids=["unavailable", "none"])
+def test_failed_heartbeats_back_off_but_retry_well_within_the_lost_host_time(tmp_path: Path, interval: float,
+                                                                               host_lost: float,
+                                                                               error: BaseException) -> None:
+    opts = ReplicatorOptions(local_dir=tmp_path, listen="127.0.0.1:0", job="t", rank=1, nodes=2,
+                             coordinator="127.0.0.1:1", heartbeat_seconds=interval,
+                             host_lost_seconds=host_lost).validate()
+    beat = Heartbeat(SimpleNamespace(opts=opts, my_candidate=None))
+    lost = lost_after_seconds(host_lost, interval)
+    random.seed(7)
+    for answered in (False, True):
+        beat._answered = answered
+        delays = [beat.retry_delay(f, error) for f in range(1, 40) for _ in range(20)]
+        later = [beat.retry_delay(f, error) for f in range(STARTUP_RETRIES + 1, 40) for _ in range(20)]
+        assert max(delays) <= lost / 3, f"a {max(delays):.2f}s wait after a failure; lost after {lost}s"
+        assert min(later) >= interval, "a retry sooner than the interval after the start-up tries"
+    # The backoff still grows (no retry storm on a struggling coordinator) when there is room for it.
+    if lost / 3 >= 2 * interval:
+        assert max(beat.retry_delay(20, error) for _ in range(50)) > 1.5 * interval

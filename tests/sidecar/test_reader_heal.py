@@ -160,3 +160,103 @@ def test_a_copy_dropped_as_corrupt_under_a_concurrent_read_is_reported_as_corrup
     assert isinstance(errors["['a']"], checksums.ChecksumError)
     assert isinstance(errors["['b']"], checksums.ChecksumError), repr(errors["['b']"])
     assert bad.file in str(errors["['b']"])
+
+
+
+class RefillFetcher:
+    """Brings this host's own step back whole from a pristine copy (as its replicator does from a peer or the
+    bucket)."""
+
+    def __init__(self, pristine, step_dir):
+        self.pristine, self.step_dir = pristine, step_dir
+        self.fetches: list[tuple[int, bool]] = []
+
+    def fetch(self, owner, step, replace=False):
+        import shutil
+
+        self.fetches.append((owner, replace))
+        tmp = commit.make_tmp_dir(self.step_dir.parent, step)
+        for f in self.pristine.iterdir():
+            shutil.copy(f, tmp / f.name)
+        tmp.rename(self.step_dir)
+        return self.step_dir
+
+
+def test_a_read_that_finds_its_copy_dropped_as_bad_waits_for_the_heal_in_flight(tmp_path, monkeypatch):
+    """Two threads read two shards of this host's own copy; the first finds a bad byte and drops the copy.
+    The second finds the files gone before the first starts fetching a good copy: it gets the good copy (by
+    waiting for that fetch, or doing it), and does not fail the shard while its heal is in flight."""
+    import shutil
+    import threading
+
+    from sidecar import reader
+
+    devs = jax.devices()[:4]
+    mesh = Mesh(np.array(devs).reshape(1, 4), ("data", "model"))
+    x = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
+    tree = {"a": jax.device_put(x, NamedSharding(mesh, P(None, "model"))),
+            "b": jax.device_put(x + 1, NamedSharding(mesh, P(None, "model")))}
+    opts = CheckpointManagerOptions(local_directory=str(tmp_path / "{host}"), job_name="t")
+    mgr = CheckpointManager(opts, devices=devs, topology=HostTopology.simulated(devs, 1, 2))
+    mgr.save(1, tree)
+    mgr.wait_until_finished()
+    step_dir = tmp_path / "0" / "steps" / "1"
+    pristine = tmp_path / "pristine"
+    shutil.copytree(step_dir, pristine)
+    m = layout.read_manifest(step_dir)
+    bad = next(a for a in m.arrays if a.path == "['a']").shards[0]
+    good = next(a for a in m.arrays if a.path == "['b']").shards[0]
+    victim = step_dir / bad.file
+    data = bytearray(victim.read_bytes())
+    data[1] ^= 0x10
+    victim.write_bytes(bytes(data))
+
+    dropped, second_past_drop = threading.Event(), threading.Event()
+    first = threading.current_thread()
+    real_read, real_delete = checksums.read_verified, commit.delete_step
+    real_drop, real_replace = reader.StepSource._drop, reader.StepSource._replace_copy
+
+    def read_verified(path, *a, **kw):
+        if str(path).endswith(good.file) and not dropped.is_set():
+            assert dropped.wait(30)  # the other read found the bad byte and deleted the copy meanwhile
+        return real_read(path, *a, **kw)
+
+    def delete_step(d, *a, **kw):
+        out = real_delete(d, *a, **kw)
+        dropped.set()
+        return out
+
+    def drop(self, step_dir, why, copy=0, gone=False):
+        real_drop(self, step_dir, why, copy, gone)
+        if gone:
+            second_past_drop.set()
+
+    def replace_copy(self, *a, **kw):
+        if threading.current_thread() is first:  # the dropper: the other read reaches the gone copy first
+            assert second_past_drop.wait(30)
+        return real_replace(self, *a, **kw)
+
+    monkeypatch.setattr(checksums, "read_verified", read_verified)
+    monkeypatch.setattr(commit, "delete_step", delete_step)
+    monkeypatch.setattr(reader.StepSource, "_drop", drop)
+    monkeypatch.setattr(reader.StepSource, "_replace_copy", replace_copy)
+    fetcher = RefillFetcher(pristine, step_dir)
+    src = reader.StepSource(1, [tmp_path / "0"], fetcher=fetcher, drop_bad=True, own_rank=0)
+    got: dict[str, object] = {}
+
+    def read(path: str, index) -> None:
+        try:
+            got[path] = src.read_shard(src.arrays[path], index)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            got[path] = e
+            second_past_drop.set()  # never leave the other thread waiting
+
+    second = threading.Thread(target=read, args=("['b']", good.index))
+    second.start()
+    read("['a']", bad.index)
+    second.join(30)
+    assert not isinstance(got["['b']"], BaseException), repr(got["['b']"])
+    np.testing.assert_array_equal(got["['b']"], (x + 1)[:, slice(*good.index[1])])
+    np.testing.assert_array_equal(got["['a']"], x[:, slice(*bad.index[1])])
+    assert fetcher.fetches == [(0, True)]  # one fetch of the own copy, shared by both reads
+    assert layout.read_manifest(step_dir).content_hash == m.content_hash

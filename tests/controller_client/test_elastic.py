@@ -487,9 +487,20 @@ def test_unreadable_own_manifest_healed_within_one_restore(cluster_factory):  # 
     good = layout.read_manifest(manifest.parent)
     manifest.write_bytes(manifest.read_bytes()[:40])  # no longer valid JSON
     assert_equal(tree, mgr.restore(4, target_on(tree, devs, (2, 4))))
-    healed = [d for d in [cl.ram(0) / "steps" / "4", *cl.ram(0).glob("peer/*/4")]
-              if (d / layout.MANIFEST_NAME).is_file() and layout.read_manifest(d).content_hash == good.content_hash]
-    assert healed, "rank 0's data of step 4 is not back on host 0"
+
+    def healed() -> list:
+        out = []
+        for d in [cl.ram(0) / "steps" / "4", *cl.ram(0).glob("peer/*/4")]:
+            try:
+                if layout.read_manifest(d).content_hash == good.content_hash:
+                    out.append(d)
+            except (OSError, layout.ManifestError):
+                pass
+        return out
+
+    # The restore read rank 0's data as it streamed in; the RAM-disk copy alongside commits when the last
+    # bytes have landed, which may be just after the restore returned.
+    wait_for(healed, what="rank 0's data of step 4 back on host 0", timeout=30)
     mgr.close()
 
 

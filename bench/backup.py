@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,13 +26,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from controller_client.demo.ports import free_port as _free_port
+
 BUCKET = "mtc-bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_fake_gcs(log_dir: Path) -> tuple[subprocess.Popen, str]:

@@ -70,6 +70,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from controller_client.demo.ports import free_port as _free_port
+
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("ours", "orbax_p2p", "orbax_emergency", "ours_orbax")
 # Run in one job per round (ours_orbax runs job incarnations of its own: bench/emergency_orbax.py).
@@ -80,12 +82,6 @@ LOST_HOST = 3
 ROUND_TIMEOUT_SECONDS = 1800.0
 WAIT_SECONDS = 300.0
 RPC_TIMEOUT_SECONDS = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scratch_dir() -> Path:
@@ -385,7 +381,7 @@ class Ours(System):
 
 
 def run_system(name: str, rank: int, base: Path, mesh: Any, state: dict, abstract: dict, ports: list[int],
-               barrier: Any, inexact: dict[str, int]) -> dict[str, float]:
+               barrier: Any, inexact: dict[str, int], keep_logs: bool = False) -> dict[str, float]:
     """One system's scenario on this host: every phase after a barrier; returns this host's seconds.
     ``inexact``: filled with measure -> elements whose zero lost its sign in that restore."""
     import jax
@@ -434,6 +430,9 @@ def run_system(name: str, rank: int, base: Path, mesh: Any, state: dict, abstrac
         system.shutdown()
     barrier()
     if rank == 0:  # free the RAM disk before the next system runs (~3-5 copies of the state)
+        if keep_logs:  # its daemons' logs stay (--keep), next to the workers'
+            for f in base.glob("*.log"):
+                (base.parent / f"{base.name}-{f.name}").write_bytes(f.read_bytes())
         shutil.rmtree(base, ignore_errors=True)
     return times
 
@@ -442,6 +441,10 @@ def worker(args: argparse.Namespace) -> None:
     """One host of a round: every system in turn, results to ``--result`` after each."""
     import jax
 
+    if args.verbose:  # --keep: every process's log, timestamped, in the kept directory
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=args.jax_coordinator, num_processes=PROCESSES,
                                process_id=args.rank, initialization_timeout=120)
@@ -473,7 +476,7 @@ def worker(args: argparse.Namespace) -> None:
         try:
             out["seconds"][name] = run_system(name, rank, base / name, mesh, state, abstract,
                                               ports[i * PROCESSES:(i + 1) * PROCESSES], barrier,
-                                              out["inexact"].setdefault(name, {}))
+                                              out["inexact"].setdefault(name, {}), keep_logs=args.verbose)
         except Exception as e:  # noqa: BLE001 - reported as this system's error, with its exact text
             out["errors"][name] = f"{type(e).__name__}: {e}"
             out.setdefault("tracebacks", {})[name] = traceback.format_exc()[-4000:]
@@ -487,9 +490,11 @@ def worker(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------- orchestration
 
-def run_round(systems: list[str], mib: int, scratch: Path, timeout: float) -> dict[str, dict[str, Any]]:
+def run_round(systems: list[str], mib: int, scratch: Path, timeout: float,
+              verbose: bool = False) -> dict[str, dict[str, Any]]:
     """One round: 4 worker processes (each in its own session, stopped by pid) running ``systems`` in order.
-    Returns per system the slowest host's seconds per measure, or ``{"error": ...}``."""
+    Returns per system the slowest host's seconds per measure, or ``{"error": ...}``. ``verbose``: the
+    workers log at INFO and keep the daemons' logs (``--keep``)."""
     base = scratch / "round"
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
@@ -508,7 +513,7 @@ def run_round(systems: list[str], mib: int, scratch: Path, timeout: float) -> di
             cmd = [sys.executable, "-m", "bench.emergency", "--worker", "--systems", ",".join(systems),
                    "--rank", str(rank), "--mib", str(mib), "--base", str(base),
                    "--jax-coordinator", f"127.0.0.1:{jax_port}", "--ports", ports,
-                   "--result", str(base / f"result{rank}.json")]
+                   "--result", str(base / f"result{rank}.json")] + (["--verbose"] if verbose else [])
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
                                           start_new_session=True))
         deadline = time.monotonic() + timeout
@@ -519,9 +524,13 @@ def run_round(systems: list[str], mib: int, scratch: Path, timeout: float) -> di
                 break
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)  # the worker's own session (and its replicators), by pid
-                p.wait(timeout=10)
+            # The worker's own session, by its pid: a stuck worker, or the replicators of one that died
+            # (they are in its session, and would outlive it).
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:  # the worker and its replicators are gone
+                pass
+            p.wait(timeout=10)
         for f in logs:
             f.close()
     results = []
@@ -563,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jax-coordinator", help=argparse.SUPPRESS)
     p.add_argument("--ports", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--verbose", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
@@ -592,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
 
                     got_round = {"ours_orbax": emergency_orbax.run(args.mib, scratch, args.timeout)}
                 else:
-                    got_round = run_round(part, args.mib, scratch, args.timeout)
+                    got_round = run_round(part, args.mib, scratch, args.timeout, verbose=bool(args.keep))
                 for s, got in got_round.items():
                     if "error" in got:
                         errors[s] = got["error"]

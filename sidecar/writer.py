@@ -184,9 +184,10 @@ def gc_local_steps(root: Path, keep: int) -> list[int]:
 class HostWriter:
     """Background writer of one host directory: one step at a time, errors kept for the next call."""
 
-    def __init__(self, root: Path, threads: int = 2):
+    def __init__(self, root: Path, threads: int = 2, prewarm: bool = True):
         self.root = Path(root)
         self.threads = threads
+        self.prewarm = prewarm  # fill an empty spare pool after a save (sidecar.spares)
         self._queue: queue.Queue[tuple[HostStep, int | None, bool] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._pending = 0
@@ -231,7 +232,7 @@ class HostWriter:
                 return
             hs, keep, notify = item
             try:
-                write_step(hs, self.threads)
+                manifest = write_step(hs, self.threads)
                 if keep is not None:
                     faults.point("save.before_local_gc")
                     gc_local_steps(self.root, keep)
@@ -244,11 +245,28 @@ class HostWriter:
                 log.error("save of step %d to %s failed: %s", hs.step, self.root, e)
                 with self._cv:
                     self._error = e
+                manifest = None
             finally:
                 del hs, item
                 with self._cv:
                     self._pending -= 1
                     self._cv.notify_all()
+            if manifest is not None and self.prewarm:
+                self._prewarm(manifest)
+
+    def _prewarm(self, manifest: layout.StepManifest) -> None:
+        """Fill an empty spare pool for the next save (sidecar.spares), until another save is queued."""
+        spare = spares.spare_dir(self.root)
+        try:
+            st = os.statvfs(self.root)
+            t0 = time.monotonic()
+            added = spares.prewarm(spare, [f.size for f in manifest.files], st.f_bavail * st.f_frsize,
+                                   stop=lambda: not self._queue.empty())
+            if added:
+                log.info("spare pool of %s: %d bytes ready for the next save (%.3fs)", self.root, added,
+                         time.monotonic() - t0)
+        except OSError as e:  # an optimisation only: the next save writes fresh pages
+            log.warning("could not fill the spare pool of %s: %s", self.root, e)
 
     def close(self) -> None:
         self._queue.put(None)

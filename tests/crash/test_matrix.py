@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ import pytest
 import yaml
 
 from controller_client.demo.cluster import LocalCluster
+from controller_client.demo.ports import free_port as _free_port
 from replicator.backup.bucket import BackupOptions, BackupStore
 from replicator.backup.storage import open_store
 from replicator.coordinator.client import CoordinatorClient
@@ -372,12 +372,6 @@ def _try_prepare(cl: LocalCluster) -> None:
 
 
 # --------------------------------------------------------------------------- Orbax mode
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fake_orbax_step(d: Path, payload: bytes) -> None:

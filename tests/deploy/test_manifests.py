@@ -29,6 +29,7 @@ import k8s_kit as kit  # noqa: E402
 
 from controller_client import manifests as mf  # noqa: E402
 from controller_client.cli import build_parser, main  # noqa: E402
+from controller_client.demo.ports import free_port as _free_port  # noqa: E402
 from replicator.options import ReplicatorOptions, from_args  # noqa: E402
 
 TOKEN = "0123456789abcdef"
@@ -791,14 +792,6 @@ def test_dockerfile_copies_exactly_the_installable_project(dockerfile: str) -> N
 
 
 # --------------------------------------------------------------------------- the real daemon
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_data_port_option_is_validated(tmp_path: Path) -> None:

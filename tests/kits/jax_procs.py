@@ -5,19 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from controller_client.demo.ports import free_port as free_port  # the kits' callers import it from here
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env(rank: int, processes: int, devices: int, coordinator: str) -> dict[str, str]:

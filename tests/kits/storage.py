@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from controller_client.demo.ports import free_port
 from replicator.backup.storage import RetryPolicy
 from replicator.backup.storage.gcs import GcsOptions, GcsStore
 
@@ -29,12 +30,6 @@ TEST_GCS_OPTIONS = GcsOptions(
     timeout_seconds=30.0,
     retry=RetryPolicy(initial_backoff_seconds=0.05, max_backoff_seconds=0.5, deadline_seconds=20.0),
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_gcs_binary() -> Path:

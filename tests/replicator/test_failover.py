@@ -7,7 +7,6 @@ are declared lost after 2 s without a report (heartbeats every 0.3 s), so these 
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 
@@ -19,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from controller_client.demo.cluster import LocalCluster, ReplicatorProcess
+from controller_client.demo.ports import free_port as _free_port
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
 from mtc_rpc import admin_pb2 as apb
@@ -32,12 +32,6 @@ pytestmark = pytest.mark.slow
 
 LOST_SECONDS = 2.0
 RESTORE_WAIT_SECONDS = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FailoverCluster(LocalCluster):

@@ -5,7 +5,6 @@ heartbeats keep failing never backs off for so long that the coordinator declare
 from __future__ import annotations
 
 import random
-import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +12,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
+from controller_client.demo.ports import free_port as _free_port
 from replicator.coordinator.client import CoordinatorClient
 from replicator.coordinator.service import lost_after_seconds
 from replicator.daemon import Replicator
@@ -20,12 +20,6 @@ from replicator.heartbeat import STARTUP_RETRIES, Heartbeat, NoCoordinator
 from replicator.options import ReplicatorOptions
 
 INTERVAL = 5.0  # the backoff after a failed heartbeat never goes below it
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _opts(root: Path, rank: int, listen: str, coordinator: str) -> ReplicatorOptions:

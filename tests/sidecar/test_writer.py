@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -42,3 +43,50 @@ def test_gc_recycles_pages_into_the_next_save(tmp_path: Path) -> None:
     checksums.verify_step_dir(layout.steps_dir(root) / "3")
     assert (np.fromfile(path, dtype=np.float32) == 3.0).all()
     assert spares.spare_bytes(spares.spare_dir(root)) == 0
+
+
+def test_a_save_fills_an_empty_spare_pool_for_the_next_save(tmp_path: Path) -> None:
+    root = tmp_path / "ram"
+    w = writer.HostWriter(root)
+    try:
+        w.submit(_hs(root, 1, 1.0), keep=None)
+        w.wait()
+        pool = spares.spare_dir(root)
+        for _ in range(500):  # the pool fills in the writer's thread, after the save is done
+            if spares.spare_bytes(pool) == 2 << 20:
+                break
+            time.sleep(0.01)
+        assert spares.spare_bytes(pool) == 2 << 20
+        [name] = os.listdir(pool)
+        ino = os.stat(pool / name).st_ino
+        w.submit(_hs(root, 2, 2.0), keep=None)
+        w.wait()
+        path = layout.steps_dir(root) / "2" / layout.shard_file_name(0, 0)
+        assert os.stat(path).st_ino == ino  # the warmed file (its pages) was taken
+        checksums.verify_step_dir(layout.steps_dir(root) / "2")
+        assert (np.fromfile(path, dtype=np.float32) == 2.0).all()
+    finally:
+        w.close()
+
+
+def test_prewarm_adds_nothing_to_a_pool_in_use_or_a_tight_disk_and_stops_when_asked(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    pool = tmp_path / "pool"
+    sizes = [3 << 20, 2 << 20, 100]
+    assert spares.prewarm(pool, sizes, free_bytes=10 << 20 - 1) == 0  # under twice the 5 MiB
+    assert spares.spare_bytes(pool) == 0
+    calls = []
+    stop_after = 1  # the first chunk of the first file, then stop
+
+    def stop() -> bool:
+        calls.append(1)
+        return len(calls) > stop_after + 1
+
+    monkeypatch.setattr(spares, "WARM_CHUNK_BYTES", 1 << 20)
+    added = spares.prewarm(pool, sizes, free_bytes=1 << 30, stop=stop)
+    assert added == 1 << 20 and spares.spare_bytes(pool) == 1 << 20  # cut short, at the size written
+    assert not [n for n in os.listdir(pool) if n.startswith(spares.WARM_PREFIX)]
+    assert spares.prewarm(pool, sizes, free_bytes=1 << 30) == 0  # the pool holds something already
+    assert spares.drop_spares(pool) == 1 << 20
+    assert spares.prewarm(pool, sizes, free_bytes=1 << 30) == 5 << 20
+    assert sorted(n for n, _ in spares._spare_entries(pool)) == [2 << 20, 3 << 20]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from controller_client.demo.ports import free_port as _free_port
 from mtc_rpc import peer_pb2, peer_pb2_grpc
 from replicator.net import rpc, security
 from replicator.net.security import TlsOptions
@@ -313,14 +314,6 @@ def test_create_server_on_busy_port_fails_clearly(peer: tuple[str, Path]) -> Non
 
 
 # --------------------------------------------------------------------------- secure by default (#12.5)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_replicator(tmp_path: Path, *args: str, wait_seconds: float = 3.0,

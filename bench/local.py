@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions  # noqa: E402
 from controller_client.topology import HostTopology  # noqa: E402
+from sidecar import spares  # noqa: E402
 
 
 def make_tree(total_mib: int) -> dict:
@@ -97,8 +98,10 @@ def plain_write(buffers: list[np.ndarray], path: Path) -> None:
 
 
 def plain_read(root: Path) -> int:
-    """Read every regular file under ``root`` into one preallocated buffer; returns the bytes read."""
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    """Read every regular file of the saved steps under ``root`` into one preallocated buffer (not the spare
+    pool's files, which no restore reads); returns the bytes read."""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()
+                   and spares.SPARE_DIR not in p.relative_to(root).parts)
     sizes = [p.stat().st_size for p in files]
     buf = np.empty(max(sizes, default=0), dtype=np.uint8)
     view = memoryview(buf)

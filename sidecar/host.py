@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar import commit, faults, layout, reader, saves, tree, writer
+from sidecar import commit, faults, layout, reader, saves, spares, tree, writer
 from sidecar.notify import notify_step_committed
 from sidecar.remote import ReplicatorFetcher, backup_now, preemption_noticed
 
@@ -213,18 +213,19 @@ def restore_on_hosts(
     config: HostConfig, ranks: Sequence[int], step: int, leaves: Sequence[RestoreLeaf], all_paths: Sequence[str]
 ) -> RestoreResult:
     """Build each leaf's arrays from the verified saved shards; each rank fills its own devices only."""
-    writer.raise_failures([writer.writer_for(config.root(r), config.write_threads) for r in ranks], wait=True)
-    located: dict[int, tuple[tuple[int, ...], int]] = {}
-    bad: dict[Path, str] = {}
-    manifests: dict[tuple[int, int], layout.StepManifest] = {}
-    sources = {r: open_step(config, r, step, located, bad, manifests) for r in ranks}
-    try:
-        arrays = _restore_leaves(config, sources, leaves, all_paths)
-        values = next(iter(sources.values())).values if sources else {}
-        return RestoreResult(arrays, dict(values))
-    finally:
-        for src in sources.values():
-            src.close()  # the scratch copies of other hosts' files: the arrays hold what they need
+    with spares.quiet():  # no spare pool is filled while this reads
+        writer.raise_failures([writer.writer_for(config.root(r), config.write_threads) for r in ranks], wait=True)
+        located: dict[int, tuple[tuple[int, ...], int]] = {}
+        bad: dict[Path, str] = {}
+        manifests: dict[tuple[int, int], layout.StepManifest] = {}
+        sources = {r: open_step(config, r, step, located, bad, manifests) for r in ranks}
+        try:
+            arrays = _restore_leaves(config, sources, leaves, all_paths)
+            values = next(iter(sources.values())).values if sources else {}
+            return RestoreResult(arrays, dict(values))
+        finally:
+            for src in sources.values():
+                src.close()  # the scratch copies of other hosts' files: the arrays hold what they need
 
 
 def _restore_leaves(config: HostConfig, sources: dict[int, reader.StepSource], leaves: Sequence[RestoreLeaf],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 # fallocate alone leaves them untouched, and the writes fault them in later), for the next save to take:
 # the second save of a run is as fast as a steady-state one (bench.emergency's safe_after). That adds one
 # step's worth, the most GC's recycling keeps there too, and only when the RAM disk has room for twice as
-# much; the writer stops filling as soon as another save is queued.
+# much; the writer stops filling as soon as another save is queued or a restore runs in this process (the
+# restore needs the memory bandwidth: a 1 GiB restore right after a save took 0.63-0.77 s instead of 0.31-0.39 s).
 
 SPARE_DIR = ".spare"
 # Smaller files are not worth the bookkeeping (and an Orbax step has many tiny ones).
@@ -35,6 +37,27 @@ RECYCLE_MIN_BYTES = 1 << 20
 # A file of the pool being filled (not takeable until it is renamed "<size>-<nonce>").
 WARM_PREFIX = ".warm-"
 WARM_CHUNK_BYTES = 8 << 20
+
+_quiet = 0  # restores running in this process (see quiet())
+_quiet_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def quiet():
+    """Held by a restore: no pool is filled in this process meanwhile (a fill in progress stops)."""
+    global _quiet
+    with _quiet_lock:
+        _quiet += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet -= 1
+
+
+def quieted() -> bool:
+    """A restore runs in this process (fills stop)."""
+    return _quiet > 0
 
 
 def spare_dir(root: Path) -> Path:

@@ -261,7 +261,7 @@ class HostWriter:
             st = os.statvfs(self.root)
             t0 = time.monotonic()
             added = spares.prewarm(spare, [f.size for f in manifest.files], st.f_bavail * st.f_frsize,
-                                   stop=lambda: not self._queue.empty())
+                                   stop=lambda: not self._queue.empty() or spares.quieted())
             if added:
                 log.info("spare pool of %s: %d bytes ready for the next save (%.3fs)", self.root, added,
                          time.monotonic() - t0)

@@ -90,3 +90,18 @@ def test_prewarm_adds_nothing_to_a_pool_in_use_or_a_tight_disk_and_stops_when_as
     assert spares.drop_spares(pool) == 1 << 20
     assert spares.prewarm(pool, sizes, free_bytes=1 << 30) == 5 << 20
     assert sorted(n for n, _ in spares._spare_entries(pool)) == [2 << 20, 3 << 20]
+
+
+def test_no_pool_is_filled_while_a_restore_runs_in_the_process(tmp_path: Path) -> None:
+    root = tmp_path / "ram"
+    w = writer.HostWriter(root)
+    try:
+        with spares.quiet():
+            w.submit(_hs(root, 1, 1.0), keep=None)
+            w.wait()
+            time.sleep(0.2)  # the writer thread has reached its fill (and stopped at once)
+            assert spares.spare_bytes(spares.spare_dir(root)) == 0
+        assert not spares.quieted()
+    finally:
+        w.close()
+    assert spares.prewarm(spares.spare_dir(root), [2 << 20], free_bytes=1 << 30) == 2 << 20

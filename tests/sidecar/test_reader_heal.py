@@ -106,12 +106,11 @@ def test_only_the_needed_file_of_another_rank_is_fetched_and_a_bad_one_fetched_a
     assert list(layout.fetch_dir(tmp_path / "0").iterdir()) == []
 
 
-def test_a_copy_dropped_as_corrupt_under_a_concurrent_read_is_reported_as_corrupt(tmp_path, monkeypatch):
-    """Two threads read two shards of one copy; the first finds a bad byte and drops (deletes) the copy while
-    the second is about to read its file. The second reports the corruption, not an absent file."""
-    import threading
-
-    from sidecar import reader
+def _two_leaves_one_bad_byte(tmp_path, pristine=None):
+    """Host 0's step 1 of leaves "a" and "b" (x and x + 1), a bad byte in the file of a's first shard;
+    ``pristine``: a copy of the step made before the damage. Returns x, the step dir, its manifest, and
+    a's and b's first shards."""
+    import shutil
 
     devs = jax.devices()[:4]
     mesh = Mesh(np.array(devs).reshape(1, 4), ("data", "model"))
@@ -123,6 +122,8 @@ def test_a_copy_dropped_as_corrupt_under_a_concurrent_read_is_reported_as_corrup
     mgr.save(1, tree)
     mgr.wait_until_finished()
     step_dir = tmp_path / "0" / "steps" / "1"
+    if pristine is not None:
+        shutil.copytree(step_dir, pristine)
     m = layout.read_manifest(step_dir)
     bad = next(a for a in m.arrays if a.path == "['a']").shards[0]
     good = next(a for a in m.arrays if a.path == "['b']").shards[0]
@@ -130,6 +131,17 @@ def test_a_copy_dropped_as_corrupt_under_a_concurrent_read_is_reported_as_corrup
     data = bytearray(victim.read_bytes())
     data[1] ^= 0x10
     victim.write_bytes(bytes(data))
+    return x, step_dir, m, bad, good
+
+
+def test_a_copy_dropped_as_corrupt_under_a_concurrent_read_is_reported_as_corrupt(tmp_path, monkeypatch):
+    """Two threads read two shards of one copy; the first finds a bad byte and drops (deletes) the copy while
+    the second is about to read its file. The second reports the corruption, not an absent file."""
+    import threading
+
+    from sidecar import reader
+
+    x, step_dir, m, bad, good = _two_leaves_one_bad_byte(tmp_path)
 
     dropped = threading.Event()
     real_read = checksums.read_verified
@@ -186,30 +198,12 @@ def test_a_read_that_finds_its_copy_dropped_as_bad_waits_for_the_heal_in_flight(
     """Two threads read two shards of this host's own copy; the first finds a bad byte and drops the copy.
     The second finds the files gone before the first starts fetching a good copy: it gets the good copy (by
     waiting for that fetch, or doing it), and does not fail the shard while its heal is in flight."""
-    import shutil
     import threading
 
     from sidecar import reader
 
-    devs = jax.devices()[:4]
-    mesh = Mesh(np.array(devs).reshape(1, 4), ("data", "model"))
-    x = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
-    tree = {"a": jax.device_put(x, NamedSharding(mesh, P(None, "model"))),
-            "b": jax.device_put(x + 1, NamedSharding(mesh, P(None, "model")))}
-    opts = CheckpointManagerOptions(local_directory=str(tmp_path / "{host}"), job_name="t")
-    mgr = CheckpointManager(opts, devices=devs, topology=HostTopology.simulated(devs, 1, 2))
-    mgr.save(1, tree)
-    mgr.wait_until_finished()
-    step_dir = tmp_path / "0" / "steps" / "1"
     pristine = tmp_path / "pristine"
-    shutil.copytree(step_dir, pristine)
-    m = layout.read_manifest(step_dir)
-    bad = next(a for a in m.arrays if a.path == "['a']").shards[0]
-    good = next(a for a in m.arrays if a.path == "['b']").shards[0]
-    victim = step_dir / bad.file
-    data = bytearray(victim.read_bytes())
-    data[1] ^= 0x10
-    victim.write_bytes(bytes(data))
+    x, step_dir, m, bad, good = _two_leaves_one_bad_byte(tmp_path, pristine)
 
     dropped, second_past_drop = threading.Event(), threading.Event()
     first = threading.current_thread()

@@ -83,10 +83,15 @@ def block_crc32cs(data: Any, block_size: int) -> tuple[int, tuple[int, ...]]:
     flat = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8) if not isinstance(data, np.ndarray) \
         else data.reshape(-1).view(np.uint8)
     blocks = tuple(crc32c(flat[i : i + block_size]) for i in range(0, flat.nbytes, block_size))
+    return combine_blocks(blocks, block_size, flat.nbytes), blocks
+
+
+def combine_blocks(blocks: Sequence[int], block_size: int, nbytes: int) -> int:
+    """The crc32c of ``nbytes`` bytes from the crc32cs of their ``block_size`` blocks (the last may be shorter)."""
     whole = 0
     for i, c in enumerate(blocks):
-        whole = crc32c_combine(whole, c, min(block_size, flat.nbytes - i * block_size))
-    return whole, blocks
+        whole = crc32c_combine(whole, c, min(block_size, nbytes - i * block_size))
+    return whole
 
 
 def crc32c_extend(crc: int, data: Any) -> int:

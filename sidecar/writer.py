@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from replicator.net import priority
 from sidecar import checksums, commit, faults, layout, spares
 from sidecar.notify import notify_step_committed
 
@@ -62,6 +63,11 @@ class HostStep:
         return sum(s.data.nbytes for a in self.arrays for s in a.shards)
 
 
+# Unit of a shard file's write: a multiple of layout.BLOCK_BYTES that stays in the CPU's cache between its
+# crc32c and its copy into the page cache (1-4 MiB measured best; 16 MiB lost most of the gain).
+WRITE_CHUNK_BYTES = 4 * layout.BLOCK_BYTES
+
+
 class SaveError(RuntimeError):
     """A background save failed; raised at the next call on the writer."""
 
@@ -75,21 +81,29 @@ def _write_file(path: Path, data: np.ndarray) -> tuple[int, tuple[int, ...]]:
     overwritten instead of freshly allocated: ~4.9 vs ~2.6 GiB/s measured), sized to ``data``.
     """
     flat = data.reshape(-1).view(np.uint8)
+    blocked = flat.nbytes > layout.BLOCK_BYTES
+    blocks: list[int] = []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         if flat.nbytes:
             os.posix_fallocate(fd, 0, flat.nbytes)
             faults.point("save.mid_file")
         view = memoryview(flat)
-        off = 0
-        chunk = 64 << 20
-        while off < flat.nbytes:
-            off += os.pwrite(fd, view[off : off + chunk], off)
+        # Each chunk's crc32cs are taken just before it is written, while its bytes are in the CPU's cache:
+        # one pass over the source instead of two (512 MiB: 0.21-0.22 CPU-s against 0.26 measured).
+        for start in range(0, flat.nbytes, WRITE_CHUNK_BYTES):
+            end = min(flat.nbytes, start + WRITE_CHUNK_BYTES)
+            if blocked:
+                blocks.extend(checksums.crc32c(flat[b : min(end, b + layout.BLOCK_BYTES)])
+                              for b in range(start, end, layout.BLOCK_BYTES))
+            off = start
+            while off < end:
+                off += os.pwrite(fd, view[off:end], off)
         os.fsync(fd)
     finally:
         os.close(fd)
-    if flat.nbytes > layout.BLOCK_BYTES:
-        return checksums.block_crc32cs(flat, layout.BLOCK_BYTES)
+    if blocked:
+        return checksums.combine_blocks(blocks, layout.BLOCK_BYTES, flat.nbytes), tuple(blocks)
     return checksums.crc32c(flat), ()
 
 
@@ -193,6 +207,8 @@ class HostWriter:
         self._pending = 0
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"mtc-writer-{self.root.name}", daemon=True)
+        self._warm: threading.Thread | None = None  # the pool's fill after the last save, if any
+        self._warm_stop = threading.Event()
         self.root.mkdir(parents=True, exist_ok=True)
         commit.remove_tmp_dirs(layout.steps_dir(self.root))
         self._thread.start()
@@ -203,6 +219,7 @@ class HostWriter:
         self.raise_if_failed()
         with self._cv:
             self._pending += 1
+        self._warm_stop.set()  # a fill still running yields to this save at its next chunk
         self._queue.put((hs, keep, notify))
 
     def in_flight(self) -> int:
@@ -231,6 +248,7 @@ class HostWriter:
             if item is None:
                 return
             hs, keep, notify = item
+            self._warm_stop.set()
             try:
                 manifest = write_step(hs, self.threads)
                 if keep is not None:
@@ -251,17 +269,29 @@ class HostWriter:
                 with self._cv:
                     self._pending -= 1
                     self._cv.notify_all()
-            if manifest is not None and self.prewarm:
-                self._prewarm(manifest)
+            if manifest is not None and self.prewarm and self._queue.empty() and not (
+                    self._warm is not None and self._warm.is_alive()):
+                self._warm_stop.clear()
+                if self._queue.empty():  # else the save queued meanwhile goes first
+                    self._warm = threading.Thread(target=self._prewarm, args=(manifest,), daemon=True,
+                                                  name=f"mtc-prewarm-{self.root.name}")
+                    self._warm.start()
 
     def _prewarm(self, manifest: layout.StepManifest) -> None:
-        """Fill an empty spare pool for the next save (sidecar.spares), until another save is queued."""
+        """Fill an empty spare pool for the next save (sidecar.spares), until another save is queued.
+
+        Its own thread at idle CPU priority: the fill is for a save to come, so it takes only CPU time nobody
+        else wants. Right after a save that is the host's own replication of the step, its peers' (several
+        hosts share a machine in tests and benchmarks) and the training steps. It is not joined by the next
+        save, which only asks it to stop (at its next chunk) and writes meanwhile: an idle thread on a busy
+        CPU may wait long for its turn to see the request."""
+        priority.lower_current_thread("idle")
         spare = spares.spare_dir(self.root)
         try:
             st = os.statvfs(self.root)
             t0 = time.monotonic()
             added = spares.prewarm(spare, [f.size for f in manifest.files], st.f_bavail * st.f_frsize,
-                                   stop=lambda: not self._queue.empty() or spares.quieted())
+                                   stop=lambda: self._warm_stop.is_set() or spares.quieted())
             if added:
                 log.info("spare pool of %s: %d bytes ready for the next save (%.3fs)", self.root, added,
                          time.monotonic() - t0)
@@ -269,8 +299,11 @@ class HostWriter:
             log.warning("could not fill the spare pool of %s: %s", self.root, e)
 
     def close(self) -> None:
+        self._warm_stop.set()
         self._queue.put(None)
         self._thread.join(timeout=60)
+        if self._warm is not None:
+            self._warm.join(timeout=60)
 
 
 def raise_failures(writers: list[HostWriter], timeout_seconds: float | None = None, wait: bool = False) -> None:

@@ -219,3 +219,24 @@ def test_any_region_assembles_from_verified_blocks(tmp_path, monkeypatch):
         assert sum(read) <= shards * ((r1 - r0) * 200 + 2 * 4096)
 
     check()
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(0, 9000), block=st.integers(1, 600), blocks_per_chunk=st.integers(1, 5))
+def test_a_written_file_has_the_bytes_and_crcs_of_its_data_at_any_chunking(tmp_path_factory, size, block,
+                                                                           blocks_per_chunk):
+    # The writer takes each chunk's block crc32cs just before writing it: any chunk (a multiple of the block
+    # size) and any file size, a last block short or not, gives the same file and crcs as one pass.
+    from sidecar import writer
+
+    data = np.frombuffer(np.random.default_rng(size).bytes(size), dtype=np.uint8)
+    path = tmp_path_factory.mktemp("w") / "f.bin"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layout, "BLOCK_BYTES", block)
+        mp.setattr(writer, "WRITE_CHUNK_BYTES", block * blocks_per_chunk)
+        whole, blocks = writer._write_file(path, data)
+    assert path.read_bytes() == data.tobytes()
+    if size > block:
+        assert (whole, blocks) == checksums.block_crc32cs(data, block)
+    else:
+        assert (whole, blocks) == (checksums.crc32c(data), ())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -52,9 +53,8 @@ def test_a_save_fills_an_empty_spare_pool_for_the_next_save(tmp_path: Path) -> N
         w.submit(_hs(root, 1, 1.0), keep=None)
         w.wait()
         pool = spares.spare_dir(root)
-        for _ in range(500):  # the pool fills in the writer's thread, after the save is done
-            if spares.spare_bytes(pool) == 2 << 20:
-                break
+        deadline = time.monotonic() + 30  # the pool fills in a thread at idle priority, after the save is done
+        while spares.spare_bytes(pool) != 2 << 20 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert spares.spare_bytes(pool) == 2 << 20
         [name] = os.listdir(pool)
@@ -67,6 +67,38 @@ def test_a_save_fills_an_empty_spare_pool_for_the_next_save(tmp_path: Path) -> N
         assert (np.fromfile(path, dtype=np.float32) == 2.0).all()
     finally:
         w.close()
+
+
+def test_the_fill_runs_at_idle_priority_and_yields_to_the_next_save(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "ram"
+    seen: dict[str, object] = {}
+    started, release = threading.Event(), threading.Event()
+    real = spares.prewarm
+
+    def slow_prewarm(spare, sizes, free_bytes, stop):  # the first fill waits until a second save is queued
+        seen.setdefault("policy", os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None)
+        seen.setdefault("thread", threading.current_thread().name)
+        started.set()
+        release.wait(30)
+        seen.setdefault("stop_asked", stop())
+        return real(spare, sizes, free_bytes, stop)
+
+    monkeypatch.setattr(spares, "prewarm", slow_prewarm)
+    w = writer.HostWriter(root)
+    try:
+        w.submit(_hs(root, 1, 1.0), keep=None)
+        assert started.wait(30)
+        w.submit(_hs(root, 2, 2.0), keep=None)
+        w.wait(timeout_seconds=30)  # written while the first fill still holds its thread: not joined
+        assert layout.read_manifest(layout.steps_dir(root) / "2").step == 2
+        release.set()
+    finally:
+        release.set()
+        w.close()
+    assert seen["thread"].startswith("mtc-prewarm-")
+    assert seen["stop_asked"] is True  # the second save asked the fill to stop
+    if hasattr(os, "SCHED_IDLE"):  # Linux: any thread may lower itself to SCHED_IDLE
+        assert seen["policy"] == os.SCHED_IDLE
 
 
 def test_prewarm_adds_nothing_to_a_pool_in_use_or_a_tight_disk_and_stops_when_asked(tmp_path: Path,

@@ -108,7 +108,9 @@ class FaultProxy:
     ``inject(kind, count, match)`` makes the next ``count`` requests whose "METHOD path" contains
     ``match`` fail: ``"503"`` answers 503 without forwarding; ``"drop"`` closes the connection without
     an answer; ``"late"`` forwards the request (it takes effect) but answers only after ``late_seconds``,
-    i.e. after the client's timeout. Location headers are rewritten so resumable uploads stay proxied.
+    i.e. after the client's timeout; ``"corrupt"`` forwards the request with one byte of its body flipped
+    (bytes damaged on the way: a fault a real service cannot be made to cause). Location headers are
+    rewritten so resumable uploads stay proxied.
     """
 
     def __init__(self, upstream_port: int, late_seconds: float = 2.0):
@@ -140,6 +142,9 @@ class FaultProxy:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
+                if fault == "corrupt" and body:
+                    mid = len(body) // 2
+                    body = body[:mid] + bytes([body[mid] ^ 0xFF]) + body[mid + 1 :]
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
                 headers["Host"] = f"127.0.0.1:{proxy.upstream_port}"

@@ -106,6 +106,24 @@ def test_503s_on_uploads_and_chunks_are_retried(fake_gcs, fault_proxy, tmp_path:
     assert fault_proxy.pending() == 0
 
 
+def test_bytes_damaged_on_the_way_up_never_stay_stored_as_the_object(fake_gcs, fault_proxy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # The upload sends no client-side checksum pass of its own: the stored object's crc32c, as the service
+    # reports it, must equal ours. A damaged chunk is caught there, and the bad object is not left behind.
+    store = proxied(fake_gcs, fault_proxy)
+    data = os.urandom((3 << 20) + 11)
+    src = tmp_path / "big"
+    src.write_bytes(data)
+    fault_proxy.inject("corrupt", 1, "PUT /upload")
+    try:
+        store.write("damaged", src, crc32c=crc32c(data))
+    except ChecksumError:
+        with pytest.raises(FileNotFoundError):
+            store.stat("damaged")
+    else:  # retried: then the object holds the right bytes
+        assert store.read("damaged") == data
+    assert fault_proxy.pending() == 0 and any(x.startswith("corrupt PUT") for x in fault_proxy.injected)
+
+
 def test_create_only_write_whose_answer_was_lost_succeeds_once(fake_gcs, fault_proxy) -> None:  # type: ignore[no-untyped-def]
     store = proxied(fake_gcs, fault_proxy)
     # The first attempt lands but its answer comes after the timeout; the retry then meets 412.

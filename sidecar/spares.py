@@ -84,19 +84,28 @@ def spare_bytes(spare: Path) -> int:
     return sum(size for size, _ in _spare_entries(Path(spare)))
 
 
+def drop_warm(spare: Path) -> None:
+    """Unlink the pool's files still being filled (a fill in progress ends quietly: see :func:`prewarm`), e.g.
+    those a process that crashed mid-fill left behind."""
+    try:
+        names = os.listdir(spare)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith(WARM_PREFIX):
+            try:
+                os.unlink(Path(spare) / name)
+            except FileNotFoundError:
+                pass
+
+
 def drop_spares(spare: Path) -> int:
     """Unlink every file of the pool (after ENOSPC: its pages are needed for real data), those being filled
     too; returns bytes freed."""
     freed = 0
-    try:
-        for name in os.listdir(spare):
-            if name.startswith(WARM_PREFIX):
-                try:
-                    os.unlink(Path(spare) / name)
-                except FileNotFoundError:
-                    pass
-    except FileNotFoundError:
+    if not Path(spare).is_dir():
         return 0
+    drop_warm(spare)
     for size, name in _spare_entries(Path(spare)):
         try:
             os.unlink(Path(spare) / name)

@@ -211,6 +211,7 @@ class HostWriter:
         self._warm_stop = threading.Event()
         self.root.mkdir(parents=True, exist_ok=True)
         commit.remove_tmp_dirs(layout.steps_dir(self.root))
+        spares.drop_warm(spares.spare_dir(self.root))  # a fill cut short by a crash is not a spare
         self._thread.start()
 
     def submit(self, hs: HostStep, keep: int | None, notify: bool = False) -> None:

@@ -124,6 +124,17 @@ def test_prewarm_adds_nothing_to_a_pool_in_use_or_a_tight_disk_and_stops_when_as
     assert sorted(n for n, _ in spares._spare_entries(pool)) == [2 << 20, 3 << 20]
 
 
+def test_a_writer_starting_removes_a_fill_left_half_done_by_a_crash(tmp_path: Path) -> None:
+    root = tmp_path / "ram"
+    pool = spares.spare_dir(root)
+    pool.mkdir(parents=True)
+    (pool / f"{spares.WARM_PREFIX}dead").write_bytes(bytes(3 << 20))
+    (pool / f"{2 << 20}-kept").write_bytes(bytes(2 << 20))
+    w = writer.HostWriter(root, prewarm=False)
+    w.close()
+    assert sorted(os.listdir(pool)) == [f"{2 << 20}-kept"]  # the finished spare stays in the pool
+
+
 def test_no_pool_is_filled_while_a_restore_runs_in_the_process(tmp_path: Path) -> None:
     root = tmp_path / "ram"
     w = writer.HostWriter(root)

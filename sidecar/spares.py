@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 # fallocate alone leaves them untouched, and the writes fault them in later), for the next save to take:
 # the second save of a run is as fast as a steady-state one (bench.emergency's safe_after). That adds one
 # step's worth, the most GC's recycling keeps there too, and only when the RAM disk has room for twice as
-# much. The writer fills in a thread of its own at idle CPU priority, and stops as soon as another save is
+# much. The writer fills in a thread of its own, and stops as soon as another save is
 # queued or a restore runs in this process (the restore needs the memory bandwidth: a 1 GiB restore right
 # after a save took 0.63-0.77 s instead of 0.31-0.39 s).
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from replicator.net import priority
 from sidecar import checksums, commit, faults, layout, spares
 from sidecar.notify import notify_step_committed
 
@@ -281,12 +280,13 @@ class HostWriter:
     def _prewarm(self, manifest: layout.StepManifest) -> None:
         """Fill an empty spare pool for the next save (sidecar.spares), until another save is queued.
 
-        Its own thread at idle CPU priority: the fill is for a save to come, so it takes only CPU time nobody
-        else wants. Right after a save that is the host's own replication of the step, its peers' (several
-        hosts share a machine in tests and benchmarks) and the training steps. It is not joined by the next
-        save, which only asks it to stop (at its next chunk) and writes meanwhile: an idle thread on a busy
-        CPU may wait long for its turn to see the request."""
-        priority.lower_current_thread("idle")
+        Its own thread, not joined by the next save: that save asks it to stop (at its next chunk) and writes
+        meanwhile. At the process's normal CPU priority, not SCHED_IDLE. With SCHED_IDLE,
+        tests/controller_client/test_elastic.py::test_rollback_then_save_forward failed in each of 4 runs of
+        its file, and passed without it. The likely cause: this thread holds the GIL between its writes, and
+        an idle-class thread descheduled while holding it stalls every Python thread of the process (the
+        training loop's too) for as long as the CPU is busy elsewhere.
+        """
         spare = spares.spare_dir(self.root)
         try:
             st = os.statvfs(self.root)

@@ -53,7 +53,7 @@ def test_a_save_fills_an_empty_spare_pool_for_the_next_save(tmp_path: Path) -> N
         w.submit(_hs(root, 1, 1.0), keep=None)
         w.wait()
         pool = spares.spare_dir(root)
-        deadline = time.monotonic() + 30  # the pool fills in a thread at idle priority, after the save is done
+        deadline = time.monotonic() + 30  # the pool fills in a thread of its own, after the save is done
         while spares.spare_bytes(pool) != 2 << 20 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert spares.spare_bytes(pool) == 2 << 20
@@ -69,7 +69,7 @@ def test_a_save_fills_an_empty_spare_pool_for_the_next_save(tmp_path: Path) -> N
         w.close()
 
 
-def test_the_fill_runs_at_idle_priority_and_yields_to_the_next_save(tmp_path: Path, monkeypatch) -> None:
+def test_the_fill_runs_in_its_own_thread_and_yields_to_the_next_save(tmp_path: Path, monkeypatch) -> None:
     root = tmp_path / "ram"
     seen: dict[str, object] = {}
     started, release = threading.Event(), threading.Event()
@@ -97,8 +97,8 @@ def test_the_fill_runs_at_idle_priority_and_yields_to_the_next_save(tmp_path: Pa
         w.close()
     assert seen["thread"].startswith("mtc-prewarm-")
     assert seen["stop_asked"] is True  # the second save asked the fill to stop
-    if hasattr(os, "SCHED_IDLE"):  # Linux: any thread may lower itself to SCHED_IDLE
-        assert seen["policy"] == os.SCHED_IDLE
+    if hasattr(os, "SCHED_IDLE"):  # never idle-class: holding the GIL there would stall the whole process
+        assert seen["policy"] != os.SCHED_IDLE
 
 
 def test_prewarm_adds_nothing_to_a_pool_in_use_or_a_tight_disk_and_stops_when_asked(tmp_path: Path,

@@ -77,18 +77,32 @@ class StepFile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class FetchFilesRequest(_message.Message):
-    __slots__ = ("owner_rank", "step", "files", "dest_dir", "timeout_seconds")
+    __slots__ = ("owner_rank", "step", "files", "dest_dir", "timeout_seconds", "pieces")
     OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     DEST_DIR_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
     owner_rank: int
     step: int
     files: _containers.RepeatedCompositeFieldContainer[StepFile]
     dest_dir: str
     timeout_seconds: float
-    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., files: _Optional[_Iterable[_Union[StepFile, _Mapping]]] = ..., dest_dir: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    pieces: _containers.RepeatedCompositeFieldContainer[FilePiece]
+    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., files: _Optional[_Iterable[_Union[StepFile, _Mapping]]] = ..., dest_dir: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., pieces: _Optional[_Iterable[_Union[FilePiece, _Mapping]]] = ...) -> None: ...
+
+class FilePiece(_message.Message):
+    __slots__ = ("name", "offset", "length", "crc32c")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    length: int
+    crc32c: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class FetchFilesResponse(_message.Message):
     __slots__ = ("source", "bytes")

@@ -51,14 +51,26 @@ class GetManifestResponse(_message.Message):
     def __init__(self, manifest_json: _Optional[bytes] = ...) -> None: ...
 
 class OpenTransferRequest(_message.Message):
-    __slots__ = ("rank", "step", "files")
+    __slots__ = ("rank", "step", "files", "pieces")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     files: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ...) -> None: ...
+    pieces: _containers.RepeatedCompositeFieldContainer[TransferPiece]
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., pieces: _Optional[_Iterable[_Union[TransferPiece, _Mapping]]] = ...) -> None: ...
+
+class TransferPiece(_message.Message):
+    __slots__ = ("name", "offset", "length")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    length: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class TransferFile(_message.Message):
     __slots__ = ("name", "size", "crc32c")

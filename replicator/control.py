@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -34,7 +34,8 @@ class ControlTarget(Protocol):
     def fetch_for_sidecar(self, owner: int, step: int, manifest_only: bool, replace_local: bool,
                           timeout_seconds: float) -> tuple[str, bytes]: ...
     def fetch_files_for_sidecar(self, owner: int, step: int, entries: list[layout.FileEntry], dest_rel: str,
-                                timeout_seconds: float) -> tuple[str, int]: ...
+                                timeout_seconds: float,
+                                pieces: Sequence[layout.FilePiece] = ()) -> tuple[str, int]: ...
     def stream_for_sidecar(self, owner: int, step: int,
                            timeout_seconds: float) -> Iterator[control_pb2.StepLanding]: ...
     def request_backup_now(self) -> None: ...
@@ -74,8 +75,11 @@ class LocalControl(control_pb2_grpc.LocalControlServicer):
         # ManifestError (INVALID_ARGUMENT): a malformed file list.
         entries = [layout.FileEntry.from_dict({"name": f.name, "size": f.size, "crc32c": f.crc32c})
                    for f in request.files]
+        # ValueError (INVALID_ARGUMENT): a piece of another file, out of its file, or out of order.
+        pieces = [layout.FilePiece(pc.name, pc.offset, pc.length, pc.crc32c) for pc in request.pieces]
+        layout.check_pieces(entries, pieces)
         source, nbytes = self.daemon.fetch_files_for_sidecar(request.owner_rank, request.step, entries,
-                                                             request.dest_dir, request.timeout_seconds)
+                                                             request.dest_dir, request.timeout_seconds, pieces)
         return control_pb2.FetchFilesResponse(source=source, bytes=nbytes)
 
     def GetPreemption(self, request, context):

@@ -17,7 +17,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -460,13 +460,13 @@ class Replicator:
                 return
 
     def fetch_files_for_sidecar(self, owner: int, step: int, entries: list[layout.FileEntry], dest_rel: str,
-                                timeout_seconds: float) -> tuple[str, int]:
+                                timeout_seconds: float, pieces: Sequence[layout.FilePiece] = ()) -> tuple[str, int]:
         """Bring only ``entries`` (files of ``owner``'s ``step``, as the caller's copy of its manifest lists
         them) into the caller's scratch directory ``dest_rel``: from a peer's RAM disk through the peer
         service, else the bucket with ranged reads. A source whose manifest does not list every entry
         identically (another save, or a replica that names its files differently) fails and the next is tried;
         each file gets its name only once its crc32c matched, and a source that fails mid-way leaves the rest to
-        the next.
+        the next. ``pieces``: only these byte ranges of the entries, from a peer (the bucket sends whole files).
         Returns (where from, bytes moved)."""
         layout.step_name(step)
         self._check_owner(owner)
@@ -475,7 +475,7 @@ class Replicator:
         dest = layout.check_fetch_dir(self.store.root, dest_rel)
         commit.remove_tmp_dirs(dest.parent)  # scratch directories of readers that died (unlocked ones)
         srcs, savers = self._other_sources(owner, step, timeout_seconds)
-        return self.fetcher.files_for_sidecar(srcs, savers, owner, step, entries, dest)
+        return self.fetcher.files_for_sidecar(srcs, savers, owner, step, entries, dest, pieces)
 
     def _check_owner(self, owner: int) -> None:
         if not 0 <= owner < self.nodes:

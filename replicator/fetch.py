@@ -52,8 +52,10 @@ class Source(Protocol):
     def manifest(self, step: int) -> layout.StepManifest:
         """The step's manifest, without its data."""
 
-    def files(self, step: int, entries: list[layout.FileEntry], dest: Path) -> int:
-        """``entries`` into ``dest``, each verified; the bytes moved."""
+    def files(self, step: int, entries: list[layout.FileEntry], dest: Path,
+              pieces: Sequence[layout.FilePiece] = ()) -> int:
+        """``entries`` into ``dest``, each verified (only ``pieces`` of them, where the tier can); the bytes
+        moved."""
 
 
 class PeerSource:
@@ -75,13 +77,14 @@ class PeerSource:
         return peer_client.get_manifest(self.address, self.owner_rank, step, token=f.token, tls=f.tls,
                                         timeout_seconds=f.opts.rpc_timeout_seconds)
 
-    def files(self, step: int, entries: list[layout.FileEntry], dest: Path) -> int:
+    def files(self, step: int, entries: list[layout.FileEntry], dest: Path,
+              pieces: Sequence[layout.FilePiece] = ()) -> int:
         # No manifest round trip: the peer offers the files as its manifest lists them (a mismatch is
-        # refused), and each file must match the asked-for crc32c on arrival.
+        # refused), and each file (or piece) must match the asked-for crc32c on arrival.
         f = self._f
         return peer_client.fetch_files(self.address, self.owner_rank, step, entries, dest, token=f.token,
                                        tls=f.tls, throttle=f.throttle,
-                                       timeout_seconds=f.opts.transfer_timeout_seconds)
+                                       timeout_seconds=f.opts.transfer_timeout_seconds, pieces=pieces)
 
 
 class BucketSource:
@@ -107,8 +110,9 @@ class BucketSource:
     def manifest(self, step: int) -> layout.StepManifest:
         return self._agent().read_manifest(step, self.owner_rank)
 
-    def files(self, step: int, entries: list[layout.FileEntry], dest: Path) -> int:
-        return self._agent().fetch_files(step, self.owner_rank, entries, dest)
+    def files(self, step: int, entries: list[layout.FileEntry], dest: Path,
+              pieces: Sequence[layout.FilePiece] = ()) -> int:
+        return self._agent().fetch_files(step, self.owner_rank, entries, dest)  # whole files, ranged reads
 
 
 def fetch_from(sources: Sequence[Source], attempt: Callable[[Source], T], *, what: str, missing: str) -> T:
@@ -269,7 +273,8 @@ class Fetcher:
                                        f"(savers {savers})")
 
     def files_for_sidecar(self, sources: Sequence[cpb.RestoreSource], savers: list[int], owner: int, step: int,
-                          entries: list[layout.FileEntry], dest: Path) -> tuple[str, int]:
+                          entries: list[layout.FileEntry], dest: Path,
+                          pieces: Sequence[layout.FilePiece] = ()) -> tuple[str, int]:
         """``entries`` of ``owner``'s ``step`` into ``dest`` from the first sources that serve them (a source
         that fails mid-way leaves the files still missing to the next): (where from, bytes moved)."""
         t0 = time.monotonic()
@@ -279,11 +284,13 @@ class Fetcher:
             nonlocal moved
             todo = [e for e in entries if not (dest / e.name).exists()]
             if todo:
-                moved += src.files(step, todo, dest)
+                names = {e.name for e in todo}
+                n = src.files(step, todo, dest, [pc for pc in pieces if pc.name in names])
+                moved += n
                 self.counters.add("reshard_files", len(todo))
-                self.counters.add("reshard_bytes", sum(e.size for e in todo))
-                log.info("%d files (%d bytes) of rank %d step %d fetched for the sidecar from %s in %.3fs",
-                         len(todo), sum(e.size for e in todo), owner, step, src.where, time.monotonic() - t0)
+                self.counters.add("reshard_bytes", n)  # the bytes moved: of files fetched in pieces, the pieces
+                log.info("%d files (%d bytes moved) of rank %d step %d fetched for the sidecar from %s in %.3fs",
+                         len(todo), n, owner, step, src.where, time.monotonic() - t0)
             return src.where, moved
 
         return fetch_from([self.source(s) for s in sources], attempt,

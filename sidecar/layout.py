@@ -205,6 +205,34 @@ class FileEntry:
         return cls(name, size, crc)
 
 
+@dataclasses.dataclass(frozen=True)
+class FilePiece:
+    """Bytes [offset, offset + length) of file ``name`` of a step, and their crc32c: what a restore onto
+    another mesh fetches of a saved shard when it needs only some of its rows (the blocks covering them;
+    the crc32c combined from the manifest's block crc32cs)."""
+
+    name: str
+    offset: int
+    length: int
+    crc32c: int
+
+
+def check_pieces(files: Sequence[FileEntry], pieces: Sequence[FilePiece]) -> None:
+    """ValueError unless every piece names one of ``files``, is non-empty and within it, and starts past the
+    end of the previous piece of the same file (the order they are sent and written in)."""
+    sizes = {f.name: f.size for f in files}
+    ends: dict[str, int] = {}
+    for pc in pieces:
+        if pc.name not in sizes:
+            raise ValueError(f"piece of {pc.name!r}, which is not among the files asked for")
+        if pc.length <= 0 or pc.offset < ends.get(pc.name, 0) or pc.offset + pc.length > sizes[pc.name]:
+            raise ValueError(f"piece {pc.offset}+{pc.length} of {pc.name!r} (size {sizes[pc.name]}) is empty, "
+                             f"out of the file or not after the previous piece of it")
+        if not 0 <= pc.crc32c < 2**32:
+            raise ValueError(f"bad crc32c for a piece of {pc.name!r}")
+        ends[pc.name] = pc.offset + pc.length
+
+
 # Shards larger than this also get a crc32c per block of this size (``ShardEntry.block_crc32c``): a restore
 # onto another mesh that needs part of a saved shard reads and verifies only the blocks covering it.
 BLOCK_BYTES = 1 << 20

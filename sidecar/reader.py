@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -34,6 +34,56 @@ MAP_MIN_BYTES = 1 << 20
 MANIFEST_FETCH_THREADS = 8
 
 
+# What a read needs of a remote rank's file: saved shard -> bytes [a, b) of it (block-aligned), None: all.
+Needs = dict[layout.ShardEntry, tuple[int, int] | None]
+
+
+def _span_covers(have: tuple[int, int] | None, span: tuple[int, int] | None) -> bool:
+    """Bytes ``have`` of a shard (None: all) include bytes ``span`` of it (None: all)."""
+    return have is None or (span is not None and have[0] <= span[0] and span[1] <= have[1])
+
+
+def merge_needs(into: dict[str, Needs], more: Mapping[str, Needs]) -> dict[str, Needs]:
+    """Add ``more`` to ``into`` (file -> shard -> bytes needed): one span per shard, the hull of both."""
+    for file, shards in more.items():
+        have = into.setdefault(file, {})
+        for sh, span in shards.items():
+            if sh in have:
+                old = have[sh]
+                have[sh] = None if old is None or span is None else (min(old[0], span[0]), max(old[1], span[1]))
+            else:
+                have[sh] = span
+    return into
+
+
+def _pieces(m: layout.StepManifest, needs: Mapping[str, Needs]
+            ) -> tuple[list[layout.FilePiece], dict[str, Needs]]:
+    """The pieces to fetch of ``needs``' files, and per file fetched in pieces the bytes of each shard its
+    pieces hold (None: the whole shard). A file every shard of which is needed whole is fetched whole (not
+    listed). A piece's crc32c is the shard's, or one combined from its block crc32cs."""
+    shards_of: dict[str, list[layout.ShardEntry]] = {}
+    for a in m.arrays:
+        for sh in a.shards:
+            shards_of.setdefault(sh.file, []).append(sh)
+    pieces: list[layout.FilePiece] = []
+    spans: dict[str, Needs] = {}
+    for file, need in sorted(needs.items()):
+        if all(need.get(sh, 0) is None for sh in shards_of.get(file, ())):
+            continue
+        spans[file] = {}
+        for sh in sorted(need, key=lambda e: e.offset):
+            span = need[sh]
+            if span is None:
+                pieces.append(layout.FilePiece(file, sh.offset, sh.length, sh.crc32c))
+            else:
+                bs = sh.block_size
+                crc = checksums.combine_blocks(sh.block_crc32c[span[0] // bs : -(-span[1] // bs)], bs,
+                                               span[1] - span[0])
+                pieces.append(layout.FilePiece(file, sh.offset + span[0], span[1] - span[0], crc))
+            spans[file][sh] = span
+    return pieces, spans
+
+
 @dataclasses.dataclass(frozen=True)
 class RemoteRank:
     """Where a shard is when no copy on this host holds it: remote rank ``rank``'s data, fetched on demand."""
@@ -47,6 +97,12 @@ class SavedShard:
     step_dir: Path | Landing | RemoteRank
     entry: layout.ShardEntry
     copy: int = 0  # which load of ``step_dir`` (a bad copy replaced under the same name is a new one)
+    # Bytes [a, b) of the shard this copy holds, when it holds only those (a fetched piece); None: all.
+    have: tuple[int, int] | None = None
+
+    def covers(self, part: tuple[int, int] | None) -> bool:
+        """This copy can serve bytes ``part`` of the shard (None: the whole shard)."""
+        return _span_covers(self.have, part)
 
 
 @dataclasses.dataclass
@@ -89,10 +145,12 @@ class Fetcher(Protocol):
 
         ``replace``: the local copy is bad; fetch another one from a peer or the bucket."""
 
-    def fetch_files(self, owner: int, step: int, files: Sequence[layout.FileEntry]) -> Path:
+    def fetch_files(self, owner: int, step: int, files: Sequence[layout.FileEntry],
+                    pieces: Sequence[layout.FilePiece] = ()) -> Path:
         """Bring only ``files`` of ``owner``'s ``step`` (as its manifest lists them) onto this host, each
         verified by its crc32c: a new scratch directory of this process holding just them (no manifest), for
-        the reader to remove with ``commit.remove_owned_dir`` when done."""
+        the reader to remove with ``commit.remove_owned_dir`` when done. ``pieces``: only these byte ranges
+        of them (each verified by its own crc32c) where the tier can; the fetcher may bring the whole files."""
 
     # Optional: ``stream(owner, step) -> Landing``, the whole step as it lands (see sidecar.landing); a
     # fetcher without it makes a host that lacks its own data wait for the committed copy instead.
@@ -144,6 +202,8 @@ class StepSource:
         self._remote: dict[int, layout.StepManifest] = {}  # manifests of ranks with no copy on this host
         self._scratch: dict[Path, int] = {}  # scratch directory of fetched files -> owner rank
         self._have: dict[tuple[int, str], Path] = {}  # (owner, file) -> scratch directory holding it
+        # (owner, file) -> (scratch directory, the bytes of each shard it holds) of each fetch of pieces of it.
+        self._have_pieces: dict[tuple[int, str], list[tuple[Path, Needs]]] = {}
         # Copies found corrupt (and dropped) -> why; may be shared by the ranks of one restore call.
         self.bad: dict[Path, str] = bad if bad is not None else {}
         self._bad_owner: dict[Path, int] = {}  # a copy dropped as bad here -> whose data it held
@@ -360,6 +420,12 @@ class StepSource:
     def remote_files_for(self, path: str, index: tuple[tuple[int, int], ...]) -> dict[int, set[str]]:
         """Remote rank -> its files a read of ``index`` of ``path`` will need (the saved shards overlapping
         ``index`` that no copy on this host holds)."""
+        return {o: set(files) for o, files in self.remote_needs(path, index).items()}
+
+    def remote_needs(self, path: str, index: tuple[tuple[int, int], ...]) -> dict[int, dict[str, Needs]]:
+        """Remote rank -> file -> (saved shard -> the bytes [a, b) of it a read of ``index`` of ``path`` will
+        need, block-aligned; None: all of it), for the saved shards overlapping ``index`` that no copy on this
+        host holds. Merge several reads' needs with :func:`merge_needs`; fetch them with :meth:`prefetch`."""
         arr = self.arrays.get(path)
         if arr is None or self.fetcher is None:
             return {}
@@ -367,40 +433,55 @@ class StepSource:
         if self._covered(arr, index, local_only=True) >= size:
             return {}
         self.load_all_manifests()  # where the rest is (once per step source)
-        out: dict[int, set[str]] = {}
+        out: dict[int, dict[str, Needs]] = {}
         for sidx, locs in arr.shards.items():
             if not locs or not all(isinstance(sl.step_dir, RemoteRank) for sl in locs):
                 continue
             inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, sidx, strict=True)]
             if all(lo < hi for lo, hi in inter):
-                out.setdefault(locs[0].step_dir.rank, set()).add(locs[0].entry.file)
+                e = locs[0].entry
+                need = None
+                src_sl = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(inter, sidx, strict=True))
+                rows = self._partial_rows(arr, sidx, src_sl) if size > 0 else None
+                if rows is not None:
+                    row_bytes = e.length // max(1, sidx[0][1] - sidx[0][0])
+                    first, last = checksums.blocks_covering(e, rows[0] * row_bytes, rows[1] * row_bytes)
+                    need = (first * e.block_size, min(last * e.block_size, e.length))
+                merge_needs(out.setdefault(locs[0].step_dir.rank, {}), {e.file: {e: need}})
         return out
 
     def remote_owners_for(self, path: str, index: tuple[tuple[int, int], ...]) -> set[int]:
         """Remote ranks whose data a read of ``index`` of ``path`` will need (shards no local copy covers)."""
         return set(self.remote_files_for(path, index))
 
-    def prefetch(self, owner: int, files: Iterable[str] | None = None) -> None:
-        """Fetch ``files`` of ``owner``'s data now (all of it when None): restores fetch what every host
-        needs in parallel before reading."""
+    def prefetch(self, owner: int, files: Iterable[str] | Mapping[str, Needs] | None = None) -> None:
+        """Fetch ``files`` of ``owner``'s data now (all of it when None; given as :meth:`remote_needs` maps
+        them, only the pieces needed): restores fetch what every host needs in parallel before reading."""
         if files is not None and owner in self._remote and owner != self.own_rank:
             self.fetch_files(owner, files)
             return
         self._materialise(SavedShard(RemoteRank(owner), None))  # type: ignore[arg-type]
 
-    def fetch_files(self, owner: int, files: Iterable[str]) -> list[SavedShard]:
+    def fetch_files(self, owner: int, files: Iterable[str] | Mapping[str, Needs]) -> list[SavedShard]:
         """Fetch the named files of remote rank ``owner`` (those not fetched already) and make the shards
-        they hold readable here; returns the new locations."""
+        they hold readable here; returns the new locations. ``files`` as :meth:`remote_needs` maps them: of
+        a file whose every needed shard needs only some of its bytes, only those pieces."""
         if self.fetcher is None:
             return []
         m = self._remote[owner]
+        needs: Mapping[str, Needs] = files if isinstance(files, Mapping) else {}
         with self._heal:  # one fetch at a time per source; concurrent readers wait for the files they need
             want = sorted(f for f in set(files) if (owner, f) not in self._have)
             if not want:
                 return []
             by_name = {f.name: f for f in m.files}
+            pieces, spans = _pieces(m, {f: needs[f] for f in want if f in needs})
+            want = [f for f in want if f not in spans or not self._pieces_held(owner, f, spans[f])]
+            if not want:
+                return []
+            pieces = [pc for pc in pieces if pc.name in set(want)]
             t0 = time.monotonic()
-            d = self.fetcher.fetch_files(owner, self.step, [by_name[f] for f in want])
+            d = self.fetcher.fetch_files(owner, self.step, [by_name[f] for f in want], pieces=pieces)
             new = []
             with self._lock:
                 self._scratch[d] = owner
@@ -411,14 +492,27 @@ class StepSource:
                     sa = self.arrays[a.path]
                     for sh in a.shards:
                         if sh.file in names:
-                            loc = SavedShard(d, sh, copy)
+                            have = spans[sh.file].get(sh) if sh.file in spans else None
+                            if sh.file in spans and sh not in spans[sh.file]:
+                                continue  # a shard of a file fetched in pieces that none of them covers
+                            loc = SavedShard(d, sh, copy, have)
                             sa.shards.setdefault(sh.index, []).append(loc)
                             new.append(loc)
                 for f in want:
-                    self._have[(owner, f)] = d
-        log.info("%d files (%d bytes) of rank %d's step %d fetched to %s (%.3fs)", len(want),
-                 sum(by_name[f].size for f in want), owner, self.step, d, time.monotonic() - t0)
+                    if f in spans:
+                        self._have_pieces.setdefault((owner, f), []).append((d, spans[f]))
+                    else:
+                        self._have[(owner, f)] = d
+        moved = sum(pc.length for pc in pieces) + sum(by_name[f].size for f in want if f not in spans)
+        log.info("%d files (%d bytes%s) of rank %d's step %d fetched to %s (%.3fs)", len(want), moved,
+                 f", {len(pieces)} pieces" if pieces else "", owner, self.step, d, time.monotonic() - t0)
         return new
+
+    def _pieces_held(self, owner: int, file: str, spans: Needs) -> bool:
+        """Every span of ``file`` is in pieces fetched already."""
+        with self._lock:
+            held = list(self._have_pieces.get((owner, file), ()))
+        return all(any(sh in h and _span_covers(h[sh], span) for _, h in held) for sh, span in spans.items())
 
     def _drop_fetched(self, d: Path, file: str) -> None:
         """A fetched file turned out bad: forget (and delete) it, so that a read fetches it again."""
@@ -429,6 +523,11 @@ class StepSource:
                     sa.shards[idx] = [x for x in sa.shards[idx] if x.step_dir != d or x.entry.file != file]
             if self._have.get((owner, file)) == d:
                 del self._have[(owner, file)]
+            held = [x for x in self._have_pieces.get((owner, file), []) if x[0] != d]
+            if held:
+                self._have_pieces[(owner, file)] = held
+            else:
+                self._have_pieces.pop((owner, file), None)
             try:
                 layout.resolve_under(d, file).unlink()
             except (OSError, ValueError):
@@ -447,6 +546,7 @@ class StepSource:
                         sa.shards[idx] = [x for x in sa.shards[idx] if x.step_dir != d]
             self._scratch.clear()
             self._have.clear()
+            self._have_pieces.clear()
 
     def _owner_of(self, step_dir: Path) -> int | None:
         for d, m in self.manifests:
@@ -487,7 +587,9 @@ class StepSource:
             # Committed copies here first, then one still landing here, then remote ones.
             locs = sorted(arr.shards.get(index, []), key=lambda sl: (isinstance(sl.step_dir, RemoteRank),
                                                                       isinstance(sl.step_dir, Landing)))
-            locs = [sl for sl in locs if (sl.step_dir, sl.copy) not in tried]
+            # (A copy holding only pieces of the shard serves only reads within them.)
+            locs = [sl for sl in locs if (sl.step_dir, sl.copy) not in tried
+                    and sl.covers(None if part is None else (part[0], part[1]))]
             if not locs:
                 break
             loc = locs[0]

@@ -86,16 +86,20 @@ class ReplicatorFetcher:
         self.manifests[(owner, step)] = m = layout.parse_manifest(resp.manifest_json)
         return m
 
-    def fetch_files(self, owner: int, step: int, files: Sequence[layout.FileEntry]) -> Path:
+    def fetch_files(self, owner: int, step: int, files: Sequence[layout.FileEntry],
+                    pieces: Sequence[layout.FilePiece] = ()) -> Path:
         """Bring only ``files`` of ``owner``'s ``step`` into a new scratch directory of this process under
         ``<root>/fetch`` (each verified by its crc32c before it gets its name); the caller removes it with
-        ``commit.remove_owned_dir`` once read."""
+        ``commit.remove_owned_dir`` once read. ``pieces``: only these byte ranges of them, where the tier can
+        send ranges (a peer), each verified alike; else the whole files."""
         dest = commit.make_tmp_dir(layout.fetch_dir(self.root), step)
         try:
             rel = dest.relative_to(self.root).as_posix()
             req = control_pb2.FetchFilesRequest(
                 owner_rank=owner, step=step, dest_dir=rel, timeout_seconds=self.timeout,
-                files=[control_pb2.StepFile(name=f.name, size=f.size, crc32c=f.crc32c) for f in files])
+                files=[control_pb2.StepFile(name=f.name, size=f.size, crc32c=f.crc32c) for f in files],
+                pieces=[control_pb2.FilePiece(name=pc.name, offset=pc.offset, length=pc.length, crc32c=pc.crc32c)
+                        for pc in pieces])
             resp = self._call("FetchFiles", req, self.timeout + 5)
         except BaseException:
             commit.remove_owned_dir(dest)

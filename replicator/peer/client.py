@@ -231,8 +231,84 @@ class _FileSink:
             self._part = None
 
 
+class _PieceSink:
+    """Receives byte ranges ("pieces") of files, in order, into files of their full size under ``dest_dir``
+    (sparse on tmpfs: only the pieces take pages). Same interface as :class:`_FileSink`, whose ``entries``
+    are here the pieces (``size`` = the piece's length, ``crc32c`` = its crc32c), so the receive loops are
+    the same. A file gets its final name once each of its pieces matched its crc32c; ``abort()`` removes
+    the parts. The caller reads only the pieces of those files."""
+
+    def __init__(self, dest_dir: Path, files: Sequence[FileEntry], pieces: Sequence[layout.FilePiece]):
+        layout.check_pieces(files, pieces)
+        self.dest_dir = Path(dest_dir)
+        self.pieces = list(pieces)
+        self.entries = [FileEntry(pc.name, pc.length, pc.crc32c) for pc in self.pieces]
+        self._size = {f.name: f.size for f in files}
+        self._last = {pc.name: i for i, pc in enumerate(self.pieces)}
+        self._fds: dict[str, tuple[int, Path]] = {}
+        self._idx, self._pos, self._crc = -1, 0, 0
+        self.bytes = 0
+        self.done: list[FileEntry] = []
+        for name in self._last:
+            if layout.resolve_under(self.dest_dir, name).exists():
+                raise FileExistsError(f"{self.dest_dir / name} already exists")
+
+    def _fd(self, name: str) -> int:
+        if name not in self._fds:
+            final = self.dest_dir / layout.safe_relpath(name)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            layout.resolve_under(self.dest_dir, name)  # a symlinked parent must not lead out
+            part = final.with_name(final.name + PART_SUFFIX)
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.ftruncate(fd, self._size[name])
+            self._fds[name] = (fd, part)
+        return self._fds[name][0]
+
+    def write(self, idx: int, offset: int, data: Any, running_crc: int | None = None) -> None:
+        if idx != self._idx:
+            if idx != len(self.done) or idx >= len(self.pieces):
+                raise ConnectionError(f"out-of-order data: piece {idx} while expecting {len(self.done)}")
+            self._idx, self._pos, self._crc = idx, 0, 0
+        pc = self.pieces[idx]
+        if offset != self._pos:
+            raise ConnectionError(f"out-of-order data in {pc.name}: offset {offset} != {self._pos}")
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        if self._pos + n > pc.length:
+            raise ConnectionError(f"too much data for the piece {pc.offset}+{pc.length} of {pc.name}")
+        if n:
+            self._crc = checksums.crc32c_extend(self._crc, view) if running_crc is None else running_crc
+            fd, done = self._fd(pc.name), 0
+            while done < n:
+                done += os.pwrite(fd, view[done:], pc.offset + offset + done)
+                faults.point("peer.fetch.mid_transfer")
+        self._pos += n
+        self.bytes += n
+
+    def finish(self, idx: int) -> None:
+        pc = self.pieces[idx]
+        if idx != self._idx or self._pos != pc.length:
+            raise ConnectionError(f"{pc.name}: got {self._pos if idx == self._idx else 0} of the piece's "
+                                  f"{pc.length} bytes")
+        if self._crc != pc.crc32c:
+            self.abort()
+            raise ChecksumError(f"{pc.name} (piece {pc.offset}+{pc.length}) from peer", pc.crc32c, self._crc)
+        self.done.append(self.entries[idx])
+        if self._last[pc.name] == idx:
+            fd, part = self._fds.pop(pc.name)
+            os.fsync(fd)
+            os.close(fd)
+            os.rename(part, part.with_name(part.name[: -len(PART_SUFFIX)]))
+
+    def abort(self) -> None:
+        for fd, part in self._fds.values():
+            os.close(fd)
+            part.unlink(missing_ok=True)
+        self._fds.clear()
+
+
 def _receive_tcp(
-    host: str, port: int, ticket: bytes, sink: _FileSink, deadline: float, limiter: RateLimiter
+    host: str, port: int, ticket: bytes, sink: _FileSink | _PieceSink, deadline: float, limiter: RateLimiter
 ) -> None:
     """Receive the ticket's files from the data port: recv thread + writer thread (crc32c, pwrite)."""
     sock = socket.create_connection(
@@ -351,8 +427,12 @@ def fetch_files(
     token: str | None = None,
     tls: TlsOptions | None = None,
     use_data_port: bool = True,
+    pieces: Sequence[layout.FilePiece] = (),
 ) -> int:
     """Copy some files of ``owner_rank``'s ``step`` from ``peer`` into the existing ``dest_dir``.
+
+    ``pieces``: only these byte ranges of ``entries`` (over the data port; the gRPC stream sends whole
+    files): each lands at its offset in a file of the full size, once its crc32c matched.
 
     ``entries`` come from the manifest the caller trusts (``get_manifest``); every file lands under its
     final name only once its crc32c matched. Files already present in ``dest_dir`` → FileExistsError
@@ -372,6 +452,7 @@ def fetch_files(
             deadline,
             throttle,
             use_data_port and tls is None,
+            pieces=pieces,
         )
 
 
@@ -387,17 +468,21 @@ def _fetch_files_on(
     use_data_port: bool,
     pool: spares.SparePool | None = None,
     progress: FetchProgress | None = None,
+    pieces: Sequence[layout.FilePiece] = (),
 ) -> int:
     limiter = RateLimiter((throttle or Throttle()).bytes_per_second)
     entries = list(entries)
-    sink = _FileSink(dest_dir, entries, pool, progress)
+    sink: _FileSink | _PieceSink = (_PieceSink(dest_dir, entries, pieces) if pieces
+                                    else _FileSink(dest_dir, entries, pool, progress))
     start = time.monotonic()
     path = "stream"
     stub = peer_pb2_grpc.PeerStub(channel)
     try:
         done_tcp = False
         if use_data_port and entries:
-            req = peer_pb2.OpenTransferRequest(rank=owner_rank, step=step, files=[e.name for e in entries])
+            req = peer_pb2.OpenTransferRequest(rank=owner_rank, step=step, files=[e.name for e in entries],
+                                               pieces=[peer_pb2.TransferPiece(name=pc.name, offset=pc.offset,
+                                                                              length=pc.length) for pc in pieces])
             resp = stub.OpenTransfer(req, timeout=min(rpc.RPC_TIMEOUT_SECONDS, _remaining(deadline)))
             offered = [FileEntry(f.name, f.size, f.crc32c) for f in resp.files]
             if offered != entries:
@@ -418,6 +503,9 @@ def _fetch_files_on(
                         e,
                     )
         if not done_tcp:
+            if isinstance(sink, _PieceSink):  # the stream sends whole files: those, then
+                sink.abort()
+                sink = _FileSink(dest_dir, entries, pool, progress)
             _receive_stream(stub, owner_rank, step, sink, deadline, limiter)
     except BaseException:
         sink.abort()

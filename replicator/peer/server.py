@@ -108,6 +108,11 @@ class _Grant:
     step_dir: Path
     files: tuple[FileEntry, ...]
     expires_at: float  # time.monotonic()
+    # (file, offset, length) to send, in order: the whole files unless the request named pieces.
+    sends: tuple[tuple[FileEntry, int, int], ...] = ()
+
+    def sent(self) -> tuple[tuple[FileEntry, int, int], ...]:
+        return self.sends or tuple((e, 0, e.size) for e in self.files)
 
 
 class TicketBook:
@@ -119,7 +124,8 @@ class TicketBook:
         self._grants: dict[bytes, _Grant] = {}
         self._lock = threading.Lock()
 
-    def issue(self, rank: int, step: int, step_dir: Path, files: Sequence[FileEntry]) -> bytes:
+    def issue(self, rank: int, step: int, step_dir: Path, files: Sequence[FileEntry],
+              sends: Sequence[tuple[FileEntry, int, int]] = ()) -> bytes:
         ticket = secrets.token_bytes(TICKET_BYTES)
         now = time.monotonic()
         with self._lock:
@@ -127,7 +133,8 @@ class TicketBook:
                 del self._grants[t]
             if len(self._grants) >= self._max_pending:
                 raise OSError(errno.EAGAIN, f"too many pending transfer tickets ({self._max_pending})")
-            self._grants[ticket] = _Grant(rank, step, Path(step_dir), tuple(files), now + self.ttl_seconds)
+            self._grants[ticket] = _Grant(rank, step, Path(step_dir), tuple(files), now + self.ttl_seconds,
+                                          tuple(sends))
         return ticket
 
     def redeem(self, ticket: bytes) -> _Grant | None:
@@ -141,6 +148,17 @@ class TicketBook:
     def clear(self) -> None:
         with self._lock:
             self._grants.clear()
+
+
+def _pieces(entries: Sequence[FileEntry], pieces: Sequence[Any]) -> tuple[tuple[FileEntry, int, int], ...]:
+    """The (file, offset, length) ranges an OpenTransfer asks for instead of whole files (ValueError, i.e.
+    INVALID_ARGUMENT, on a piece of another file, out of its file, or out of order)."""
+    if len(pieces) > MAX_FILES_PER_REQUEST:
+        raise ValueError(f"{len(pieces)} pieces in one request (at most {MAX_FILES_PER_REQUEST})")
+    asked = [layout.FilePiece(pc.name, int(pc.offset), int(pc.length), 0) for pc in pieces]
+    layout.check_pieces(entries, asked)
+    by_name = {e.name: e for e in entries}
+    return tuple((by_name[pc.name], pc.offset, pc.length) for pc in asked)
 
 
 # --------------------------------------------------------------------------- the data port
@@ -245,10 +263,12 @@ class TransferServer:
         log.info("transfer data port listening on %s:%d", self.host, self.port)
         return self.port
 
-    def issue_ticket(self, rank: int, step: int, step_dir: Path, files: Sequence[FileEntry]) -> bytes:
+    def issue_ticket(self, rank: int, step: int, step_dir: Path, files: Sequence[FileEntry],
+                     sends: Sequence[tuple[FileEntry, int, int]] = ()) -> bytes:
+        """A ticket for ``files`` of the step, or (``sends``) only these (file, offset, length) ranges."""
         if not self.running:
             raise OSError(errno.ESHUTDOWN, "transfer server is not running")
-        return self.tickets.issue(rank, step, step_dir, files)
+        return self.tickets.issue(rank, step, step_dir, files, sends)
 
     def stop(self, grace_seconds: float = 0.0) -> None:
         """Stop accepting, let transfers run for ``grace_seconds``, then abandon the rest and join."""
@@ -436,13 +456,14 @@ class TransferServer:
         # The reader must keep up with the minimum rate after the grace; time spent in our own throttle
         # does not count against it.
         allowance = start + self.min_rate_grace_seconds
-        for entry, path in zip(grant.files, paths, strict=True):
-            with open(path, "rb") as f:
-                offset = 0
-                while offset < entry.size:
+        where = {e.name: path for e, path in zip(grant.files, paths, strict=True)}
+        for entry, first, length in grant.sent():
+            with open(where[entry.name], "rb") as f:
+                offset, end = first, first + length
+                while offset < end:
                     if self._stop.is_set():
                         raise ConnectionAbortedError("transfer server stopping")
-                    n = min(SENDFILE_SLICE_BYTES, entry.size - offset)
+                    n = min(SENDFILE_SLICE_BYTES, end - offset)
                     t0 = time.monotonic()
                     self.limiter.acquire(n, self._stop)
                     allowance += time.monotonic() - t0 + n / self.min_bytes_per_second
@@ -457,11 +478,12 @@ class TransferServer:
             self.bytes_sent += sent
         dt = max(time.monotonic() - start, 1e-9)
         log.info(
-            "sent rank %d step %d to %s: %d files, %d bytes in %.3fs (%.1f MiB/s)",
+            "sent rank %d step %d to %s: %d files%s, %d bytes in %.3fs (%.1f MiB/s)",
             grant.rank,
             grant.step,
             addr,
             len(grant.files),
+            f" ({len(grant.sends)} pieces)" if grant.sends else "",
             sent,
             dt,
             sent / dt / 2**20,
@@ -616,14 +638,15 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     @rpc.map_errors
     def OpenTransfer(self, request: Any, context: grpc.ServicerContext) -> Any:
         step_dir, _, entries = self._entries(request, context)
+        sends = _pieces(entries, request.pieces)
         resp = peer_pb2.OpenTransferResponse(
             files=[peer_pb2.TransferFile(name=e.name, size=e.size, crc32c=e.crc32c) for e in entries]
         )
         ts = self.transfer_server
         if ts is not None and ts.running:
             try:
-                resp.ticket = ts.issue_ticket(request.rank, request.step, step_dir, entries)
-            except OSError as e:  # stopping, or too many pending tickets: the client streams instead
+                resp.ticket = ts.issue_ticket(request.rank, request.step, step_dir, entries, sends)
+            except OSError as e:  # stopping, or too many pending tickets: the client streams (whole files)
                 log.warning("no data-port ticket for rank %d step %d: %s", request.rank, request.step, e)
             else:
                 resp.data_port = ts.port

@@ -164,6 +164,43 @@ def test_reshard_fetches_only_the_files_of_the_shards_it_needs(cluster_factory, 
     mgr.close()
 
 
+def test_reshard_fetches_only_the_blocks_of_the_rows_it_needs(cluster_factory, monkeypatch):  # noqa: F811
+    # Saved on a 2x4 mesh (each shard 2048 rows x 256 columns, 2 MiB: two 1 MiB blocks), restored onto 4x2: a
+    # host needs half of the rows of each of its partner host's two shards. Only those blocks cross the wire.
+    cl = cluster_factory(nodes=4, data_parallelism=2, replicas=0)
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    x = np.random.default_rng(8).standard_normal((4096, 1024)).astype(np.float32)
+    tree = {"w": jax.device_put(x, NamedSharding(Mesh(np.array(devs).reshape(2, 4), ("data", "model")), FSDP)),
+            "step": 8}
+    mgr.save(8, tree)
+    mgr.wait_until_finished()
+    calls = spy_fetches(monkeypatch)
+    other = Mesh(np.array(devs).reshape(4, 2), ("data", "model"))
+    assert_equal(tree, mgr.restore(8, {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, FSDP)),
+                                       "step": 8}))
+    got = {}
+    for root, method, req, resp in calls:
+        if method == "FetchFiles":
+            host = next(r for r in range(cl.nodes) if cl.ram(r).resolve() == root)
+            got[host] = (req.owner_rank, sorted(f.name for f in req.files), sorted((pc.name, pc.offset, pc.length)
+                                                                                   for pc in req.pieces), resp.bytes)
+    assert sorted(got) == [0, 1, 2, 3]
+    for host, (owner, files, pieces, moved) in got.items():
+        assert owner == host ^ 1  # its partner in the slice
+        m = layout.read_manifest(cl.ram(owner) / "steps" / "8")
+        w = next(a for a in m.arrays if a.path == "['w']")
+        assert len(files) == 2 and {f.size for f in m.files if f.name in files} == {2 << 20}
+        # Rows [1024 h, 1024 (h + 1)) of the saved half: the first or the second block of each shard.
+        half = (host % 2) << 20
+        assert pieces == sorted((sh.file, half, 1 << 20) for sh in w.shards if sh.file in files)
+        assert moved == 2 << 20  # half of the two files' bytes
+    for r in range(4):
+        assert not list(cl.ram(r).glob("fetch/*"))  # the scratch copies are gone
+    mgr.close()
+
+
 def test_reshard_fetch_heals_a_corrupt_peer_file_from_the_bucket(cluster_factory, monkeypatch):  # noqa: F811
     cl = cluster_factory(nodes=4, data_parallelism=2, replicas=0)
     cl.extra = ["--backup-url", f"file://{cl.base / 'bucket'}", "--backup-interval-steps", "1"]

@@ -67,7 +67,7 @@ class FilesFetcher:
     def fetch(self, owner, step, replace=False):
         raise AssertionError("a whole step was fetched")
 
-    def fetch_files(self, owner, step, files):
+    def fetch_files(self, owner, step, files, pieces=()):  # whole files (a fetcher may)
         self.calls.append((owner, [f.name for f in files]))
         dest = commit.make_tmp_dir(layout.fetch_dir(self.root), step)
         for f in files:
@@ -254,3 +254,57 @@ def test_a_read_that_finds_its_copy_dropped_as_bad_waits_for_the_heal_in_flight(
     np.testing.assert_array_equal(got["['a']"], x[:, slice(*bad.index[1])])
     assert fetcher.fetches == [(0, True)]  # one fetch of the own copy, shared by both reads
     assert layout.read_manifest(step_dir).content_hash == m.content_hash
+
+
+class PiecesFetcher(FilesFetcher):
+    """Brings only the pieces asked for (each at its offset of a file of full size), as a peer does."""
+
+    def fetch_files(self, owner, step, files, pieces=()):
+        self.calls.append((owner, [(pc.name, pc.offset, pc.length) for pc in pieces] or [f.name for f in files]))
+        dest = commit.make_tmp_dir(layout.fetch_dir(self.root), step)
+        src = self.base / str(owner) / "steps" / str(step)
+        for f in files:
+            mine = [pc for pc in pieces if pc.name == f.name]
+            if not mine:
+                (dest / f.name).write_bytes((src / f.name).read_bytes())
+                continue
+            with open(src / f.name, "rb") as a, open(dest / f.name, "wb") as b:
+                b.truncate(f.size)
+                for pc in mine:
+                    a.seek(pc.offset)
+                    data = a.read(pc.length)
+                    assert checksums.crc32c(data) == pc.crc32c  # the reader derived it from the block crc32cs
+                    b.seek(pc.offset)
+                    b.write(data)
+        return dest
+
+
+def test_a_read_outside_the_fetched_pieces_fetches_the_whole_file(tmp_path):
+    # Rows 0-1024 of another rank's 2 MiB shard come as one piece (its first 1 MiB block); a later read of
+    # rows the piece does not hold never reads the sparse file's zeros: it fetches the whole file.
+    from sidecar import reader
+
+    devs = jax.devices()
+    mesh = Mesh(np.array(devs).reshape(2, 4), ("data", "model"))
+    x = np.random.default_rng(2).standard_normal((4096, 1024)).astype(np.float32)
+    tree = {"w": jax.device_put(x, NamedSharding(mesh, P("data", "model")))}  # shards of 2048 x 256: 2 MiB
+    opts = CheckpointManagerOptions(local_directory=str(tmp_path / "{host}"), job_name="t")
+    mgr = CheckpointManager(opts, devices=devs, topology=HostTopology.simulated(devs, 2, 2))
+    mgr.save(1, tree)
+    mgr.wait_until_finished()
+    [arr] = layout.read_manifest(tmp_path / "1" / "steps" / "1").arrays
+    shard = next(s for s in arr.shards if s.index == ((0, 2048), (512, 768)))  # one of rank 1's
+    fetcher = PiecesFetcher(tmp_path, tmp_path / "0")
+    src = reader.StepSource(1, [tmp_path / "0"], fetcher=fetcher, drop_bad=True, own_rank=0)
+    top = ((0, 1024), (512, 768))
+    needs = src.remote_needs(arr.path, top)
+    assert needs == {1: {shard.file: {shard: (0, 1 << 20)}}}
+    src.prefetch(1, needs[1])
+    np.testing.assert_array_equal(src.assemble(arr.path, top), x[0:1024, 512:768])
+    assert fetcher.calls == [(1, [(shard.file, 0, 1 << 20)])]  # the first block only
+    np.testing.assert_array_equal(src.assemble(arr.path, ((1024, 2048), (512, 768))), x[1024:2048, 512:768])
+    assert fetcher.calls[1:] == [(1, [shard.file])]  # then the whole file, once
+    np.testing.assert_array_equal(src.assemble(arr.path, shard.index), x[0:2048, 512:768])
+    assert len(fetcher.calls) == 2
+    src.close()
+    assert list(layout.fetch_dir(tmp_path / "0").iterdir()) == []

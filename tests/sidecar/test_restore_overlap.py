@@ -28,7 +28,7 @@ class SlowFetcher:
     def fetch(self, owner, step, replace=False):
         raise AssertionError("a whole step was fetched")
 
-    def fetch_files(self, owner, step, files):
+    def fetch_files(self, owner, step, files, pieces=()):  # whole files (a fetcher may)
         self.log.append(self.local_read.wait(WAIT_SECONDS))
         dest = commit.make_tmp_dir(layout.fetch_dir(self.root), step)
         for f in files:

@@ -178,6 +178,66 @@ def test_fetch_subset_of_files(host: PeerHost, tmp_path: Path) -> None:
         peer_client.fetch_files(host.address, 1, 5, wanted, dest, token=TOKEN)
 
 
+def _piece(src: Path, name: str, offset: int, length: int) -> layout.FilePiece:
+    with open(src / name, "rb") as f:
+        f.seek(offset)
+        return layout.FilePiece(name, offset, length, checksums.crc32c(f.read(length)))
+
+
+@pytest.mark.parametrize("use_data_port", [True, False], ids=["tcp", "grpc-stream"])
+def test_fetch_pieces_of_files(host: PeerHost, tmp_path: Path, use_data_port: bool) -> None:
+    # Only the asked-for byte ranges cross the wire (the data port), each at its offset of a full-size file;
+    # the gRPC stream sends whole files instead, which hold the same bytes there.
+    m = make_step(layout.steps_dir(host.root), 1, 5, {"a.bin": 5 << 20, "b.bin": 3 << 20, "c.bin": 10})
+    src = layout.steps_dir(host.root) / "5"
+    wanted = [f for f in m.files if f.name != "c.bin"]
+    pieces = [_piece(src, "a.bin", 1 << 20, 1 << 20), _piece(src, "a.bin", 3 << 20, (2 << 20) - 5),
+              _piece(src, "b.bin", 0, 4096)]
+    dest = tmp_path / "pieces"
+    dest.mkdir()
+    n = peer_client.fetch_files(host.address, 1, 5, wanted, dest, token=TOKEN, pieces=pieces,
+                                use_data_port=use_data_port)
+    assert sorted(tree(dest)) == ["a.bin", "b.bin"]  # final names, no part files
+    for pc in pieces:
+        with open(dest / pc.name, "rb") as f, open(src / pc.name, "rb") as g:
+            f.seek(pc.offset)
+            g.seek(pc.offset)
+            assert f.read(pc.length) == g.read(pc.length)
+    assert (dest / "a.bin").stat().st_size == 5 << 20
+    if use_data_port:
+        assert n == sum(pc.length for pc in pieces) == host.ts.bytes_sent
+        with open(dest / "a.bin", "rb") as f:
+            assert f.read(1 << 20) == bytes(1 << 20)  # not asked for: never sent
+    else:
+        assert n == sum(f.size for f in wanted)
+        assert_same_files(src, dest, StepManifest("t", 5, 1, NODES, tuple(wanted)))
+
+
+def test_a_bad_piece_lands_nowhere_and_bad_requests_change_nothing(host: PeerHost, tmp_path: Path) -> None:
+    m = make_step(layout.steps_dir(host.root), 1, 5, {"a.bin": 3 << 20})
+    src = layout.steps_dir(host.root) / "5"
+    dest = tmp_path / "d"
+    dest.mkdir()
+    good = _piece(src, "a.bin", 4096, 1 << 20)
+    with pytest.raises(ChecksumError):  # the crc32c the caller derived from the manifest is not what came
+        peer_client.fetch_files(host.address, 1, 5, list(m.files), dest, token=TOKEN,
+                                pieces=[layout.FilePiece("a.bin", good.offset, good.length, good.crc32c ^ 1)])
+    assert tree(dest) == {}
+    for bad in ([layout.FilePiece("other.bin", 0, 10, 0)], [layout.FilePiece("a.bin", (3 << 20) - 4, 8, 0)],
+                [layout.FilePiece("a.bin", 0, 0, 0)], [good, layout.FilePiece("a.bin", 0, 10, 0)]):
+        with pytest.raises(ValueError):  # checked before anything is asked for
+            peer_client.fetch_files(host.address, 1, 5, list(m.files), dest, token=TOKEN, pieces=bad)
+        # The server refuses the same requests itself.
+        ch, stub = host.stub(TOKEN)
+        try:
+            req = peer_pb2.OpenTransferRequest(rank=1, step=5, files=["a.bin"], pieces=[
+                peer_pb2.TransferPiece(name=pc.name, offset=pc.offset, length=pc.length) for pc in bad])
+            assert _code(stub.OpenTransfer, req, timeout=10) == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            ch.close()
+    assert tree(dest) == {}
+
+
 def test_fetch_refuses_existing_step(host: PeerHost, tmp_path: Path) -> None:
     make_step(layout.steps_dir(host.root), 1, 7, {"a": 10})
     dest = tmp_path / "d"

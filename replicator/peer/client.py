@@ -135,6 +135,14 @@ def get_manifest(
         return _get_manifest(peer_pb2_grpc.PeerStub(channel), rank, step, timeout_seconds)
 
 
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset`` of ``fd`` (a fetch's bytes landing on the RAM disk)."""
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], offset + done)
+        faults.point("peer.fetch.mid_transfer")
+
+
 class _FileSink:
     """Writes the expected files into ``dest_dir`` under part names, in order; verifies and renames.
 
@@ -196,10 +204,7 @@ class _FileSink:
             raise ConnectionError(f"too much data for {self.entries[idx].name}")
         if n:
             self._crc = checksums.crc32c_extend(self._crc, view) if running_crc is None else running_crc
-            done = 0
-            while done < n:
-                done += os.pwrite(self._fd, view[done:], offset + done)
-                faults.point("peer.fetch.mid_transfer")
+            _pwrite_all(self._fd, view, offset)
         self._pos += n
         self.bytes += n
         if self.progress is not None and n:
@@ -278,10 +283,7 @@ class _PieceSink:
             raise ConnectionError(f"too much data for the piece {pc.offset}+{pc.length} of {pc.name}")
         if n:
             self._crc = checksums.crc32c_extend(self._crc, view) if running_crc is None else running_crc
-            fd, done = self._fd(pc.name), 0
-            while done < n:
-                done += os.pwrite(fd, view[done:], pc.offset + offset + done)
-                faults.point("peer.fetch.mid_transfer")
+            _pwrite_all(self._fd(pc.name), view, pc.offset + offset)
         self._pos += n
         self.bytes += n
 

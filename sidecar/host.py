@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar import commit, faults, layout, reader, saves, spares, tree, writer
+from sidecar import commit, faults, layout, pieces, reader, saves, spares, tree, writer
 from sidecar.notify import notify_step_committed
 from sidecar.remote import ReplicatorFetcher, backup_now, preemption_noticed
 
@@ -336,15 +336,15 @@ def _restore_leaf(config: HostConfig, sources: dict[int, reader.StepSource], lea
 
 def _prefetch_plan(sources: dict[int, reader.StepSource], leaves: Sequence[RestoreLeaf],
                    plans: Sequence[list[tuple[Any, int, tuple[tuple[int, int], ...]]]]
-                   ) -> dict[tuple[int, int], dict[str, reader.Needs]]:
+                   ) -> dict[tuple[int, int], dict[str, pieces.Needs]]:
     """(reading rank, other rank) -> the files of the other rank's data the reading rank needs for its target
     shards (a restore onto another mesh or onto other slices): only the saved shards overlapping them, and of
     those only the bytes covering the rows needed (see ``reader.StepSource.remote_needs``)."""
-    wanted: dict[tuple[int, int], dict[str, reader.Needs]] = {}
+    wanted: dict[tuple[int, int], dict[str, pieces.Needs]] = {}
 
     def need(r: int, idx: tuple[tuple[int, int], ...], path: str) -> None:
         for o, files in sources[r].remote_needs(path, idx).items():
-            reader.merge_needs(wanted.setdefault((r, o), {}), files)
+            pieces.merge_needs(wanted.setdefault((r, o), {}), files)
 
     for leaf, targets in zip(leaves, plans, strict=True):
         if leaf.as_bytes:
@@ -356,7 +356,7 @@ def _prefetch_plan(sources: dict[int, reader.StepSource], leaves: Sequence[Resto
     return wanted
 
 
-def _prefetch(sources: dict[int, reader.StepSource], wanted: dict[tuple[int, int], dict[str, reader.Needs]]) -> None:
+def _prefetch(sources: dict[int, reader.StepSource], wanted: dict[tuple[int, int], dict[str, pieces.Needs]]) -> None:
     """Fetch the planned files in parallel, instead of one shard at a time as the reads reach them."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(wanted))) as pool:
         futs = [pool.submit(sources[r].prefetch, o, files) for (r, o), files in sorted(wanted.items())]

@@ -3,9 +3,9 @@
 The target shard need not match a saved one: it is assembled from every saved shard that overlaps it, which
 is what restoring onto a different mesh (elastic training) needs.
 
-One module past 600 lines on purpose: it is mostly one class, :class:`StepSource`, whose copies, dropped bad
+One module past 700 lines on purpose: it is mostly one class, :class:`StepSource`, whose copies, dropped bad
 copies, fetched scratch files and landing copies are guarded by one lock and one heal order; the landing
-copy itself lives in :mod:`sidecar.landing`.
+copy itself lives in :mod:`sidecar.landing`, the planning of pieces of other ranks' files in :mod:`sidecar.pieces`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 
 from sidecar import checksums, commit, layout, saves, tree
 from sidecar.landing import Landing
+from sidecar.pieces import Needs, merge_needs, plan_pieces, span_covers
 
 log = logging.getLogger(__name__)
 
@@ -32,56 +33,6 @@ log = logging.getLogger(__name__)
 MAP_MIN_BYTES = 1 << 20
 # Manifests of savers with no copy here fetched at once (each a round trip through the host's replicator).
 MANIFEST_FETCH_THREADS = 8
-
-
-# What a read needs of a remote rank's file: saved shard -> bytes [a, b) of it (block-aligned), None: all.
-Needs = dict[layout.ShardEntry, tuple[int, int] | None]
-
-
-def _span_covers(have: tuple[int, int] | None, span: tuple[int, int] | None) -> bool:
-    """Bytes ``have`` of a shard (None: all) include bytes ``span`` of it (None: all)."""
-    return have is None or (span is not None and have[0] <= span[0] and span[1] <= have[1])
-
-
-def merge_needs(into: dict[str, Needs], more: Mapping[str, Needs]) -> dict[str, Needs]:
-    """Add ``more`` to ``into`` (file -> shard -> bytes needed): one span per shard, the hull of both."""
-    for file, shards in more.items():
-        have = into.setdefault(file, {})
-        for sh, span in shards.items():
-            if sh in have:
-                old = have[sh]
-                have[sh] = None if old is None or span is None else (min(old[0], span[0]), max(old[1], span[1]))
-            else:
-                have[sh] = span
-    return into
-
-
-def _pieces(m: layout.StepManifest, needs: Mapping[str, Needs]
-            ) -> tuple[list[layout.FilePiece], dict[str, Needs]]:
-    """The pieces to fetch of ``needs``' files, and per file fetched in pieces the bytes of each shard its
-    pieces hold (None: the whole shard). A file every shard of which is needed whole is fetched whole (not
-    listed). A piece's crc32c is the shard's, or one combined from its block crc32cs."""
-    shards_of: dict[str, list[layout.ShardEntry]] = {}
-    for a in m.arrays:
-        for sh in a.shards:
-            shards_of.setdefault(sh.file, []).append(sh)
-    pieces: list[layout.FilePiece] = []
-    spans: dict[str, Needs] = {}
-    for file, need in sorted(needs.items()):
-        if all(need.get(sh, 0) is None for sh in shards_of.get(file, ())):
-            continue
-        spans[file] = {}
-        for sh in sorted(need, key=lambda e: e.offset):
-            span = need[sh]
-            if span is None:
-                pieces.append(layout.FilePiece(file, sh.offset, sh.length, sh.crc32c))
-            else:
-                bs = sh.block_size
-                crc = checksums.combine_blocks(sh.block_crc32c[span[0] // bs : -(-span[1] // bs)], bs,
-                                               span[1] - span[0])
-                pieces.append(layout.FilePiece(file, sh.offset + span[0], span[1] - span[0], crc))
-            spans[file][sh] = span
-    return pieces, spans
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +53,7 @@ class SavedShard:
 
     def covers(self, part: tuple[int, int] | None) -> bool:
         """This copy can serve bytes ``part`` of the shard (None: the whole shard)."""
-        return _span_covers(self.have, part)
+        return span_covers(self.have, part)
 
 
 @dataclasses.dataclass
@@ -475,11 +426,12 @@ class StepSource:
             if not want:
                 return []
             by_name = {f.name: f for f in m.files}
-            pieces, spans = _pieces(m, {f: needs[f] for f in want if f in needs})
+            pieces, spans = plan_pieces(m, {f: needs[f] for f in want if f in needs})
             want = [f for f in want if f not in spans or not self._pieces_held(owner, f, spans[f])]
             if not want:
                 return []
-            pieces = [pc for pc in pieces if pc.name in set(want)]
+            names = set(want)
+            pieces = [pc for pc in pieces if pc.name in names]
             t0 = time.monotonic()
             d = self.fetcher.fetch_files(owner, self.step, [by_name[f] for f in want], pieces=pieces)
             new = []
@@ -512,7 +464,7 @@ class StepSource:
         """Every span of ``file`` is in pieces fetched already."""
         with self._lock:
             held = list(self._have_pieces.get((owner, file), ()))
-        return all(any(sh in h and _span_covers(h[sh], span) for _, h in held) for sh, span in spans.items())
+        return all(any(sh in h and span_covers(h[sh], span) for _, h in held) for sh, span in spans.items())
 
     def _drop_fetched(self, d: Path, file: str) -> None:
         """A fetched file turned out bad: forget (and delete) it, so that a read fetches it again."""

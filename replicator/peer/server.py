@@ -5,7 +5,7 @@ connection to the ``TransferServer`` (``sendfile`` from the RAM disk), authorise
 expiring ticket that ``OpenTransfer`` issued over the authenticated channel. ``ReadFiles`` (gRPC
 streaming, per-chunk crc32c) is the fallback. Every request is validated before anything touches disk.
 
-Why ~680 lines in one module: the servicer and the data port share the ticket table and one validation
+Why ~700 lines in one module: the servicer and the data port share the ticket table and one validation
 path for every peer-supplied name; keeping them together keeps that one check in one place.
 """
 

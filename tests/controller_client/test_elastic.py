@@ -139,16 +139,25 @@ def fetched_files(cl, calls) -> dict:
     return out
 
 
-def test_reshard_fetches_only_the_files_of_the_shards_it_needs(cluster_factory, monkeypatch):  # noqa: F811
-    cl = cluster_factory(nodes=4, data_parallelism=2, replicas=0)  # no peer copies: only host 1 has rank 1's
+def saved_fsdp(cluster_factory, shape: tuple[int, int], seed: int, step: int, bucket: bool = False):  # noqa: F811
+    """4 hosts, 2 slices, no peer copies (only a rank's own host holds its data; ``bucket``: every step backed
+    up to a local folder too): ``x`` of ``shape`` saved as step ``step`` on the 2x4 FSDP mesh. Returns
+    (cluster, manager, x, tree)."""
+    cl = cluster_factory(nodes=4, data_parallelism=2, replicas=0)
+    if bucket:
+        cl.extra = ["--backup-url", f"file://{cl.base / 'bucket'}", "--backup-interval-steps", "1"]
     cl.start_all()
-    devs = jax.devices()
     mgr = mgr_for(cl)
-    x = np.random.default_rng(3).standard_normal((16, 4096)).astype(np.float32)
-    tree = {"w": jax.device_put(x, NamedSharding(Mesh(np.array(devs).reshape(2, 4), ("data", "model")), FSDP)),
-            "step": 3}
-    mgr.save(3, tree)
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    tree = {"w": jax.device_put(x, NamedSharding(mesh, FSDP)), "step": step}
+    mgr.save(step, tree)
     mgr.wait_until_finished()
+    return cl, mgr, x, tree
+
+
+def test_reshard_fetches_only_the_files_of_the_shards_it_needs(cluster_factory, monkeypatch):  # noqa: F811
+    cl, mgr, x, tree = saved_fsdp(cluster_factory, (16, 4096), 3, 3)  # only host 1 has rank 1's data
     calls = spy_fetches(monkeypatch)
     assert_equal(tree, mgr.restore(3, swapped_target(x, 3)))
     need0 = shard_file(cl, 1, 3, ((0, 8), (2048, 3072)))  # host 0's device 0 now holds this shard of rank 1
@@ -167,15 +176,8 @@ def test_reshard_fetches_only_the_files_of_the_shards_it_needs(cluster_factory, 
 def test_reshard_fetches_only_the_blocks_of_the_rows_it_needs(cluster_factory, monkeypatch):  # noqa: F811
     # Saved on a 2x4 mesh (each shard 2048 rows x 256 columns, 2 MiB: two 1 MiB blocks), restored onto 4x2: a
     # host needs half of the rows of each of its partner host's two shards. Only those blocks cross the wire.
-    cl = cluster_factory(nodes=4, data_parallelism=2, replicas=0)
-    cl.start_all()
+    cl, mgr, x, tree = saved_fsdp(cluster_factory, (4096, 1024), 8, 8)
     devs = jax.devices()
-    mgr = mgr_for(cl)
-    x = np.random.default_rng(8).standard_normal((4096, 1024)).astype(np.float32)
-    tree = {"w": jax.device_put(x, NamedSharding(Mesh(np.array(devs).reshape(2, 4), ("data", "model")), FSDP)),
-            "step": 8}
-    mgr.save(8, tree)
-    mgr.wait_until_finished()
     calls = spy_fetches(monkeypatch)
     other = Mesh(np.array(devs).reshape(4, 2), ("data", "model"))
     assert_equal(tree, mgr.restore(8, {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, FSDP)),
@@ -202,16 +204,7 @@ def test_reshard_fetches_only_the_blocks_of_the_rows_it_needs(cluster_factory, m
 
 
 def test_reshard_fetch_heals_a_corrupt_peer_file_from_the_bucket(cluster_factory, monkeypatch):  # noqa: F811
-    cl = cluster_factory(nodes=4, data_parallelism=2, replicas=0)
-    cl.extra = ["--backup-url", f"file://{cl.base / 'bucket'}", "--backup-interval-steps", "1"]
-    cl.start_all()
-    devs = jax.devices()
-    mgr = mgr_for(cl)
-    x = np.random.default_rng(4).standard_normal((16, 4096)).astype(np.float32)
-    tree = {"w": jax.device_put(x, NamedSharding(Mesh(np.array(devs).reshape(2, 4), ("data", "model")), FSDP)),
-            "step": 5}
-    mgr.save(5, tree)
-    mgr.wait_until_finished()
+    cl, mgr, x, tree = saved_fsdp(cluster_factory, (16, 4096), 4, 5, bucket=True)
     wait_for(lambda: 5 in status(cl).backup.committed_steps, what="backup of step 5", timeout=60)
     # Host 1's copy of the one shard host 0 will fetch goes bad (host 1 itself does not read it).
     need0 = shard_file(cl, 1, 5, ((0, 8), (2048, 3072)))

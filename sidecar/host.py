@@ -13,7 +13,7 @@ import enum
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -234,24 +234,23 @@ def _restore_leaves(config: HostConfig, sources: dict[int, reader.StepSource], l
         check_structure(src, all_paths)
     plans = [_targets(config, sources, leaf) for leaf in leaves]
     wanted = _prefetch_plan(sources, leaves, plans)
-    got: dict[tuple[str, int, tuple[tuple[int, int], ...]], np.ndarray] = {}
+    # Every target shard of all leaves in one parallel pass, the largest first, so that both cores stay busy to
+    # the end. The buffers become the device buffers (on CPU without a copy), so this holds no more host memory
+    # than placing leaf by leaf.
+    keys = _shard_keys(leaves, plans, lambda p, r, idx: True)
+    partials: dict[tuple[str, int, tuple[tuple[int, int], ...]], reader.Partial] = {}
     if wanted:
-        # Other ranks' files (a restore onto another mesh) are fetched in the background while target shards
-        # that need none of them are read from this host's RAM disk.
+        # Other ranks' files (a restore onto another mesh) are fetched in the background while the parts of
+        # every target shard that this host's RAM disk holds are read; the rest once they are here.
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-prefetch") as bg:
             prefetch = bg.submit(_prefetch, sources, wanted)
-            local_first = _shard_keys(leaves, plans, lambda p, r, idx: not sources[r].remote_files_for(p, idx))
-            if local_first:
-                got.update(_assemble_all(config, sources, local_first, until=prefetch))
-                for src in sources.values():
-                    src.drop_cache()
-            prefetch.result()
-    # Every target shard not read yet, of all leaves, in one parallel pass, the largest first, so that both
-    # cores stay busy to the end. The buffers become the device buffers (on CPU without a copy), so this holds
-    # no more host memory than placing leaf by leaf.
-    rest = _shard_keys(leaves, plans, lambda p, r, idx: (p, r, idx) not in got)
-    if rest:
-        got.update(_assemble_all(config, sources, rest))
+            try:
+                partials = _assemble_all(config, sources, keys, local_only=True)
+            finally:
+                prefetch.result()
+        for src in sources.values():
+            src.drop_cache()
+    got = _assemble_all(config, sources, keys, partials=partials) if keys else {}
     return [_restore_leaf(config, sources, leaf, targets, got) for leaf, targets in zip(leaves, plans, strict=True)]
 
 
@@ -279,18 +278,19 @@ def _targets(config: HostConfig, sources: dict[int, reader.StepSource],
 
 
 def _assemble_all(config: HostConfig, sources: dict[int, reader.StepSource],
-                  keys: Sequence[tuple[str, int, tuple[tuple[int, int], ...]]],
-                  until: concurrent.futures.Future | None = None) -> dict:
-    """Read distinct target shards (leaf path, rank, index) in parallel (reads and crc32c release the GIL);
-    with ``until``, only while it runs (the rest is left out of the result)."""
-    def one(k: tuple[str, int, tuple[tuple[int, int], ...]]) -> np.ndarray | None:
-        if until is not None and until.done():
-            return None
-        return sources[k[1]].assemble(k[0], k[2])
+                  keys: Sequence[tuple[str, int, tuple[tuple[int, int], ...]]], *, local_only: bool = False,
+                  partials: Mapping[tuple[str, int, tuple[tuple[int, int], ...]], reader.Partial] | None = None
+                  ) -> dict:
+    """Read distinct target shards (leaf path, rank, index) in parallel (reads and crc32c release the GIL).
+    ``local_only``: only the parts copies on this host hold (``reader.Partial`` values); ``partials``: what
+    such a pass read already."""
+    def one(k: tuple[str, int, tuple[tuple[int, int], ...]]) -> Any:
+        if local_only:
+            return sources[k[1]].assemble_local(k[0], k[2])
+        return sources[k[1]].assemble(k[0], k[2], (partials or {}).get(k))
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, config.write_threads)) as pool:
-        got = dict(zip(keys, pool.map(one, keys), strict=True))
-    return {k: v for k, v in got.items() if v is not None}
+        return dict(zip(keys, pool.map(one, keys), strict=True))
 
 
 def _restore_leaf(config: HostConfig, sources: dict[int, reader.StepSource], leaf: RestoreLeaf,

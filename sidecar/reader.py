@@ -107,6 +107,17 @@ class Fetcher(Protocol):
     # fetcher without it makes a host that lacks its own data wait for the committed copy instead.
 
 
+@dataclasses.dataclass
+class Partial:
+    """A region being assembled (:meth:`StepSource.assemble_local`): its buffer, the saved shards copied into
+    it and the elements they cover; ``whole``: the region is one saved shard, read already."""
+
+    out: np.ndarray | None
+    whole: np.ndarray | None = None
+    done: set[tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=set)
+    covered: int = 0
+
+
 class BadCopyError(checksums.ChecksumError):
     """A copy of a shard is unusable (checksum mismatch, short or missing file); other copies may be fine."""
 
@@ -401,10 +412,6 @@ class StepSource:
                 merge_needs(out.setdefault(locs[0].step_dir.rank, {}), {e.file: {e: need}})
         return out
 
-    def remote_owners_for(self, path: str, index: tuple[tuple[int, int], ...]) -> set[int]:
-        """Remote ranks whose data a read of ``index`` of ``path`` will need (shards no local copy covers)."""
-        return set(self.remote_files_for(path, index))
-
     def prefetch(self, owner: int, files: Iterable[str] | Mapping[str, Needs] | None = None) -> None:
         """Fetch ``files`` of ``owner``'s data now (all of it when None; given as :meth:`remote_needs` maps
         them, only the pieces needed): restores fetch what every host needs in parallel before reading."""
@@ -678,26 +685,48 @@ class StepSource:
             return None
         return r0, r1
 
-    def assemble(self, path: str, index: tuple[tuple[int, int], ...]) -> np.ndarray:
-        """Build the region ``index`` of array ``path`` from the saved shards overlapping it."""
+    def assemble_local(self, path: str, index: tuple[tuple[int, int], ...]) -> Partial:
+        """The first half of :meth:`assemble`: the parts of region ``index`` of array ``path`` that copies on
+        this host hold (read and verified now), so that a restore reads them while other ranks' files are
+        still being fetched; pass the result to :meth:`assemble` for the rest."""
         arr = self.arrays[path]
-        shape = tuple(b - a for a, b in index)
-        if arr.shards.get(index):
+        locs = arr.shards.get(index, [])
+        if any(isinstance(sl.step_dir, Path) for sl in locs):
+            return Partial(None, whole=self.read_shard(arr, index))
+        return self._fill(arr, index, Partial(None), local_only=True)
+
+    def assemble(self, path: str, index: tuple[tuple[int, int], ...], partial: Partial | None = None) -> np.ndarray:
+        """Build the region ``index`` of array ``path`` from the saved shards overlapping it (with ``partial``,
+        from :meth:`assemble_local`: only the parts it has not read)."""
+        arr = self.arrays[path]
+        if partial is not None and partial.whole is not None:
+            return partial.whole
+        if partial is None and arr.shards.get(index):
             try:
                 return self.read_shard(arr, index)
             except (OSError, layout.ManifestError):
                 if self.fetcher is None:
                     raise
-        size = math.prod(shape)
+        size = math.prod(b - a for a, b in index)
         if self.fetcher is not None and self._covered(arr, index, local_only=False) < size:
             self.load_all_manifests()
+        return self._check_covered(arr, index, self._fill(arr, index, partial or Partial(None), local_only=False))
+
+    def _fill(self, arr: SavedArray, index: tuple[tuple[int, int], ...], got: Partial, local_only: bool) -> Partial:
+        """Copy into ``got.out`` each saved shard overlapping ``index`` not copied yet (with ``local_only``, only
+        those a copy on this host holds)."""
+        shape = tuple(b - a for a, b in index)
+        size = math.prod(shape)
         dtype = tree.dtype_from_name(arr.dtype)
-        out = checksums.aligned_empty(size * dtype.itemsize).view(dtype).reshape(shape)
+        if got.out is None:
+            got.out = checksums.aligned_empty(size * dtype.itemsize).view(dtype).reshape(shape)
+        out = got.out
         # The saved shards of one step partition the array (every saver used the same sharding; replicas
         # share an index), so summing intersections counts each element once.
-        covered = 0
-        for sidx, locs in arr.shards.items():
-            if not locs:
+        for sidx, locs in list(arr.shards.items()):
+            if not locs or sidx in got.done:
+                continue
+            if local_only and not any(isinstance(sl.step_dir, Path) for sl in locs):
                 continue
             inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, sidx, strict=True)]
             if any(lo >= hi for lo, hi in inter) and size > 0:
@@ -712,7 +741,14 @@ class StepSource:
             else:
                 src = self.read_shard(arr, sidx)
             out[dst_sl] = src[src_sl]
-            covered += math.prod(hi - lo for lo, hi in inter)
+            got.done.add(sidx)
+            got.covered += math.prod(hi - lo for lo, hi in inter)
+        return got
+
+    def _check_covered(self, arr: SavedArray, index: tuple[tuple[int, int], ...], got: Partial) -> np.ndarray:
+        """``got.out`` when the copied shards cover all of ``index``; else why not (FileNotFoundError, or
+        CorruptStepError naming the copies dropped as corrupt)."""
+        path, covered, size = arr.path, got.covered, math.prod(b - a for a, b in index)
         if covered < size:
             if self.fetcher is None:
                 where = "the rest lives on another host (run the replicator)"
@@ -728,7 +764,8 @@ class StepSource:
                 bad = "; ".join(f"{d}: {why}" for d, why in sorted(self.bad.items()))
                 raise CorruptStepError(f"{msg}; corrupt copies (dropped): {bad}")
             raise FileNotFoundError(msg)
-        return out
+        assert got.out is not None
+        return got.out
 
 
 def normalize_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

@@ -572,7 +572,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         except (FileNotFoundError, NotADirectoryError):
             raise FileNotFoundError(f"rank {rank} step {step} is not held by rank {self.own_rank}") from None
         try:
-            manifest = StepManifest.from_json(raw)
+            manifest = layout.parse_manifest(raw)  # remembered by its bytes: asked for once per fetch
             if manifest.rank != rank or manifest.step != step:
                 raise ManifestError(f"manifest says rank {manifest.rank} step {manifest.step}")
         except ManifestError as e:

@@ -1,5 +1,6 @@
-"""A restore onto another mesh reads the target shards it can build from this host's RAM disk while other
-ranks' files are still being fetched (instead of after the fetch)."""
+"""A restore onto another mesh reads what it can build from this host's RAM disk while other ranks' files
+are still being fetched (instead of after the fetch): whole target shards, and the local parts of target
+shards that need another rank's data too."""
 
 import threading
 
@@ -12,7 +13,7 @@ from controller_client.manager import CheckpointManager, CheckpointManagerOption
 from controller_client.topology import HostTopology
 from sidecar import checksums, commit, host, layout, reader
 
-WAIT_SECONDS = 20.0
+WAIT_SECONDS = 10.0
 
 
 class SlowFetcher:
@@ -36,7 +37,9 @@ class SlowFetcher:
         return dest
 
 
-def test_local_target_shards_are_read_while_other_ranks_files_are_fetched(tmp_path, monkeypatch):
+def _restore_with_slow_fetches(tmp_path, monkeypatch, target_spec) -> list[bool]:
+    """Save a 64x256 array sharded 2x4 on 4 simulated hosts, restore it as ``target_spec`` on a 2x4 or 4x2
+    mesh with fetches that wait for a local read of the fetching host: whether each fetch saw one first."""
     devs = jax.devices()
     mesh = Mesh(np.array(devs).reshape(2, 4), ("a", "b"))
     x = np.random.default_rng(3).standard_normal((64, 256)).astype(np.float32)
@@ -68,10 +71,24 @@ def test_local_target_shards_are_read_while_other_ranks_files_are_fetched(tmp_pa
     monkeypatch.setattr(host, "open_step", lambda config, rank, step, located=None, bad=None, manifests=None: reader.StepSource(
         step, [config.root(rank)], fetcher=SlowFetcher(tmp_path, rank, events[rank], fetched_after_local_read),
         drop_bad=True, own_rank=rank, bad=bad))
-    # On a 4x2 mesh each host's first device needs only its own shards, its second one another host's.
-    other = Mesh(np.array(devs).reshape(4, 2), ("a", "b"))
-    out = mgr.restore(1, {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, P("a", "b")))})
+    mesh_shape, spec = target_spec
+    other = Mesh(np.array(devs).reshape(*mesh_shape), ("a", "b"))
+    out = mgr.restore(1, {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, spec))})
     np.testing.assert_array_equal(np.asarray(out["w"]), x)
+    assert all(not any(layout.fetch_dir(tmp_path / str(r)).iterdir()) for r in range(4))
+    return fetched_after_local_read
+
+
+def test_local_target_shards_are_read_while_other_ranks_files_are_fetched(tmp_path, monkeypatch):
+    # On a 4x2 mesh each host's first device needs only its own shards, its second one another host's.
+    fetched_after_local_read = _restore_with_slow_fetches(tmp_path, monkeypatch, ((4, 2), P("a", "b")))
     assert len(fetched_after_local_read) == 4
     assert all(fetched_after_local_read)
-    assert all(not any(layout.fetch_dir(tmp_path / str(r)).iterdir()) for r in range(4))
+
+
+def test_the_local_part_of_a_target_shard_is_read_while_the_rest_is_fetched(tmp_path, monkeypatch):
+    # Columns only: each device needs all 64 rows of its column block, rows 0-31 saved by a host of slice 0
+    # and rows 32-63 by one of slice 1, so every target shard needs this host's data and another host's.
+    fetched_after_local_read = _restore_with_slow_fetches(tmp_path, monkeypatch, ((2, 4), P(None, "b")))
+    assert len(fetched_after_local_read) == 4
+    assert all(fetched_after_local_read)

@@ -692,7 +692,12 @@ class StepSource:
         arr = self.arrays[path]
         locs = arr.shards.get(index, [])
         if any(isinstance(sl.step_dir, Path) for sl in locs):
-            return Partial(None, whole=self.read_shard(arr, index))
+            try:
+                return Partial(None, whole=self.read_shard(arr, index))
+            except (OSError, layout.ManifestError):
+                if self.fetcher is None:
+                    raise
+                return Partial(None)  # :meth:`assemble` builds it from whatever copies are left
         return self._fill(arr, index, Partial(None), local_only=True)
 
     def assemble(self, path: str, index: tuple[tuple[int, int], ...], partial: Partial | None = None) -> np.ndarray:

@@ -103,7 +103,9 @@ def test_single_slice_ring_copy_restores_a_wiped_host(cluster_factory):
     cl.wipe(2)
     cl.start(2)
     assert_equal(trees[2], mgr.restore(None, target(trees[2])))
-    assert commit.committed_steps(cl.ram(2) / "steps") == [2]
+    # The restore reads the copy while it lands; the replicator commits it on the RAM disk just after.
+    wait_for(lambda: commit.committed_steps(cl.ram(2) / "steps") == [2], what="rank 2's step 2 committed again",
+             timeout=30)
     mgr.close()
 
 

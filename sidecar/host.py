@@ -237,7 +237,7 @@ def _restore_leaves(config: HostConfig, sources: dict[int, reader.StepSource], l
     # Every target shard of all leaves in one parallel pass, the largest first, so that both cores stay busy to
     # the end. The buffers become the device buffers (on CPU without a copy), so this holds no more host memory
     # than placing leaf by leaf.
-    keys = _shard_keys(leaves, plans, lambda p, r, idx: True)
+    keys = _shard_keys(leaves, plans)
     partials: dict[tuple[str, int, tuple[tuple[int, int], ...]], reader.Partial] = {}
     if wanted:
         # Other ranks' files (a restore onto another mesh) are fetched in the background while the parts of
@@ -250,16 +250,15 @@ def _restore_leaves(config: HostConfig, sources: dict[int, reader.StepSource], l
                 prefetch.result()
         for src in sources.values():
             src.drop_cache()
-    got = _assemble_all(config, sources, keys, partials=partials) if keys else {}
+    got = _assemble_all(config, sources, keys, partials=partials)
     return [_restore_leaf(config, sources, leaf, targets, got) for leaf, targets in zip(leaves, plans, strict=True)]
 
 
-def _shard_keys(leaves: Sequence[RestoreLeaf], plans: Sequence[list[tuple[Any, int, tuple[tuple[int, int], ...]]]],
-                keep: Any) -> list[tuple[str, int, tuple[tuple[int, int], ...]]]:
-    """The distinct target shards (leaf path, rank, index) that ``keep(path, rank, index)`` accepts, the
-    largest first."""
+def _shard_keys(leaves: Sequence[RestoreLeaf], plans: Sequence[list[tuple[Any, int, tuple[tuple[int, int], ...]]]]
+                ) -> list[tuple[str, int, tuple[tuple[int, int], ...]]]:
+    """The distinct target shards (leaf path, rank, index) of all leaves, the largest first."""
     keys = [(leaf.path, r, idx) for leaf, targets in zip(leaves, plans, strict=True)
-            for r, idx in dict.fromkeys((r, idx) for _, r, idx in targets) if keep(leaf.path, r, idx)]
+            for r, idx in dict.fromkeys((r, idx) for _, r, idx in targets)]
     keys.sort(key=lambda k: -math.prod(b - a for a, b in k[2]))
     return keys
 

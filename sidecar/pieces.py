@@ -31,8 +31,7 @@ def merge_needs(into: dict[str, Needs], more: Mapping[str, Needs]) -> dict[str, 
     return into
 
 
-def plan_pieces(m: layout.StepManifest, needs: Mapping[str, Needs]
-            ) -> tuple[list[layout.FilePiece], dict[str, Needs]]:
+def plan_pieces(m: layout.StepManifest, needs: Mapping[str, Needs]) -> tuple[list[layout.FilePiece], dict[str, Needs]]:
     """The pieces to fetch of ``needs``' files, and per file fetched in pieces the bytes of each shard its
     pieces hold (None: the whole shard). A file every shard of which is needed whole is fetched whole (not
     listed). A piece's crc32c is the shard's, or one combined from its block crc32cs."""

@@ -379,11 +379,6 @@ class StepSource:
         log.info("rank %d's data of step %d now at %s (%.3fs)", owner, self.step, d, time.monotonic() - t0)
         return [SavedShard(d, s) for a in m.arrays for s in a.shards]
 
-    def remote_files_for(self, path: str, index: tuple[tuple[int, int], ...]) -> dict[int, set[str]]:
-        """Remote rank -> its files a read of ``index`` of ``path`` will need (the saved shards overlapping
-        ``index`` that no copy on this host holds)."""
-        return {o: set(files) for o, files in self.remote_needs(path, index).items()}
-
     def remote_needs(self, path: str, index: tuple[tuple[int, int], ...]) -> dict[int, dict[str, Needs]]:
         """Remote rank -> file -> (saved shard -> the bytes [a, b) of it a read of ``index`` of ``path`` will
         need, block-aligned; None: all of it), for the saved shards overlapping ``index`` that no copy on this
@@ -691,7 +686,7 @@ class StepSource:
         still being fetched; pass the result to :meth:`assemble` for the rest."""
         arr = self.arrays[path]
         locs = arr.shards.get(index, [])
-        if any(isinstance(sl.step_dir, Path) for sl in locs):
+        if _held_here(locs):
             try:
                 return Partial(None, whole=self.read_shard(arr, index))
             except (OSError, layout.ManifestError):
@@ -731,7 +726,7 @@ class StepSource:
         for sidx, locs in list(arr.shards.items()):
             if not locs or sidx in got.done:
                 continue
-            if local_only and not any(isinstance(sl.step_dir, Path) for sl in locs):
+            if local_only and not _held_here(locs):
                 continue
             inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, sidx, strict=True)]
             if any(lo >= hi for lo, hi in inter) and size > 0:
@@ -771,6 +766,11 @@ class StepSource:
             raise FileNotFoundError(msg)
         assert got.out is not None
         return got.out
+
+
+def _held_here(locs: Iterable[SavedShard]) -> bool:
+    """A copy on this host (committed, or fetched into scratch) is among ``locs``: no fetch, no landing wait."""
+    return any(isinstance(sl.step_dir, Path) for sl in locs)
 
 
 def normalize_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

@@ -96,7 +96,7 @@ def test_only_the_needed_file_of_another_rank_is_fetched_and_a_bad_one_fetched_a
     src = reader.StepSource(1, [tmp_path / "0"], fetcher=fetcher, drop_bad=True, own_rank=0)
     assert arr.path in src.paths  # every saver's manifest is known; no bytes moved yet
     assert fetcher.calls == []
-    assert src.remote_files_for(arr.path, wanted.index) == {1: {wanted.file}}
+    assert {o: set(f) for o, f in src.remote_needs(arr.path, wanted.index).items()} == {1: {wanted.file}}
     got = src.assemble(arr.path, wanted.index)
     np.testing.assert_array_equal(got, x[0:8, 32:48])
     # Only that shard's file, twice: the corrupt copy was detected by its crc32c and fetched again.

@@ -9,6 +9,7 @@ uploads what it is assigned and downloads what a restore plan sends it to the bu
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import sys
@@ -38,6 +39,8 @@ RETRY_MAX_SECONDS = 16.0
 RECHECK_SECONDS = 1.0
 # While the newest complete step stays below the newest one seen, the bucket is listed again at most this often.
 RELIST_SECONDS = 30.0
+# How many recent stagings each host remembers its uploads into (a task repeated for one is not redone).
+UPLOADS_REMEMBERED = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,17 +64,29 @@ class BackupAgent:
         self._lock = threading.Lock()
         self.uploaded_bytes = 0
         self.last_error = ""
+        # staging id -> the ranks this host uploaded into it (the newest few stagings). A task handed out again
+        # before its report reached the coordinator (the heartbeat that asked was sent while it ran) is
+        # answered from here: uploading again could race the commit that renames the staging away.
+        self._uploaded: collections.OrderedDict[str, set[int]] = collections.OrderedDict()
         # Called after each rank's upload: the daemon's metrics and logs.
         self.on_upload: UploadObserver | None = None
 
     def run_task(self, task: pb.BackupTask, store: Any) -> None:
-        staging = self.bucket.open_staging(task.staging)
-        done, error = [], ""
+        done: list[int] = []
+        error = ""
+        with self._lock:
+            already = set(self._uploaded.get(task.staging, ()))
         try:
             owners = list(task.source_owner_ranks) or list(task.ranks)
             if len(owners) != len(task.ranks):
                 raise ValueError(f"backup task: {len(owners)} source owners for {len(task.ranks)} ranks")
+            staging = None
             for rank, owner in zip(task.ranks, owners, strict=True):
+                if rank in already:  # uploaded by this host already: reported again, not redone
+                    done.append(rank)
+                    continue
+                if staging is None:
+                    staging = self.bucket.open_staging(task.staging)
                 step_dir = store.step_dir(owner, task.step)
                 manifest = read_manifest(step_dir)
                 if owner != rank:
@@ -81,6 +96,7 @@ class BackupAgent:
                 res = self.bucket.upload_rank(staging, rank, step_dir, manifest)
                 self.uploaded_bytes += res.bytes_uploaded
                 done.append(rank)
+                self._note_uploaded(task.staging, rank)
                 if self.on_upload is not None:
                     self.on_upload(task.step, rank, res.bytes_uploaded, res.seconds, "")
         except Exception as e:
@@ -93,6 +109,13 @@ class BackupAgent:
             # The staging id is echoed: the coordinator counts the report only toward that run.
             self._reports.append(pb.BackupReport(step=task.step, uploaded_ranks=done, error=error,
                                                  staging=task.staging))
+
+    def _note_uploaded(self, staging_id: str, rank: int) -> None:
+        with self._lock:
+            self._uploaded.setdefault(staging_id, set()).add(rank)
+            self._uploaded.move_to_end(staging_id)
+            while len(self._uploaded) > UPLOADS_REMEMBERED:
+                self._uploaded.popitem(last=False)
 
     def download(self, step: int, rank: int, dest_parent: Path) -> Path:
         """``rank``'s committed backup of ``step`` into ``dest_parent`` (committed there, verified)."""

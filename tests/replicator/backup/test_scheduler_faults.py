@@ -182,6 +182,33 @@ def test_reports_of_another_staging_do_not_count(tmp_path: Path) -> None:
     assert job.sched.failures == 0, job.sched.last_error
 
 
+def test_a_share_handed_out_again_before_its_report_is_not_uploaded_again(tmp_path: Path) -> None:
+    """Host 0's heartbeat was sent while its upload ran, so the answer repeats its share. The repeat runs
+    after the commit renamed the staging away: it is reported done, not uploaded again (which failed, and
+    counted as a backup failure: the flaky test_local_folder_backup_retention_and_restore_after_losing_all_ram)."""
+    job = Job(tmp_path, 2)
+    for r in (0, 1):
+        job.save(1, r)
+    job.peer_copy(0, 1, 1)
+    job.peer_copy(1, 0, 1)
+    job.report(1)
+    first = job.beat(0)  # uploads rank 0; the report waits for the next heartbeat
+    again = job.sched.task_for(job.state, 0, {})  # the heartbeat sent while it ran gets the share again
+    assert first is not None and again is not None and list(again.ranks) == [0] == list(first.ranks)
+    job.beat(0)
+    job.beat(1)
+    job.report(1)
+    job.sched.report(job.state, 1, job.agents[1].drain_reports())  # every rank in: the commit runs
+    job.join(job.sched)
+    assert job.committed() == [1]
+    job.agents[0].run_task(again, job.stores[0])
+    assert job.agents[0].last_error == ""
+    job.rounds(2)
+    assert job.sched.failures == 0, job.sched.last_error
+    assert job.committed() == [1]
+    assert not list((tmp_path / "bucket" / JOB / "staging").glob("*")), "a staging was left or recreated"
+
+
 def test_a_failed_commit_is_retried(tmp_path: Path) -> None:
     """A commit that fails (here: the staging's upload of rank 1 vanished before it) is redone."""
     job = Job(tmp_path, 2)

@@ -72,6 +72,13 @@ class Job:
     def save(self, step: int, rank: int) -> Path:
         return make_step(layout.steps_dir(self.stores[rank].root), step, rank, self.nodes, files_for(rank), JOB)
 
+    def save_on_both(self, step: int) -> None:
+        """Hosts 0 and 1 save ``step``, and each holds a peer copy of the other's."""
+        for r in (0, 1):
+            self.save(step, r)
+        self.peer_copy(0, 1, step)
+        self.peer_copy(1, 0, step)
+
     def peer_copy(self, dest: int, owner: int, step: int) -> None:
         src = self.stores[owner].step_dir(owner, step)
         dst = self.stores[dest].step_dir(owner, step)
@@ -156,10 +163,7 @@ def test_reports_of_another_staging_do_not_count(tmp_path: Path) -> None:
     report reaches the new coordinator, whose run of the same step must not count it (it did, committed,
     and the commit failed with IncompleteBackupError, never retried)."""
     job = Job(tmp_path, 2)
-    for r in (0, 1):
-        job.save(1, r)
-    job.peer_copy(0, 1, 1)
-    job.peer_copy(1, 0, 1)
+    job.save_on_both(1)
     old_state = CoordinatorState(job.topology)
     for r in (0, 1):
         old_state.register(r, job.inc[r])
@@ -187,10 +191,7 @@ def test_a_share_handed_out_again_before_its_report_is_not_uploaded_again(tmp_pa
     after the commit renamed the staging away: it is reported done, not uploaded again (which failed, and
     counted as a backup failure: the flaky test_local_folder_backup_retention_and_restore_after_losing_all_ram)."""
     job = Job(tmp_path, 2)
-    for r in (0, 1):
-        job.save(1, r)
-    job.peer_copy(0, 1, 1)
-    job.peer_copy(1, 0, 1)
+    job.save_on_both(1)
     job.report(1)
     first = job.beat(0)  # uploads rank 0; the report waits for the next heartbeat
     again = job.sched.task_for(job.state, 0, {})  # the heartbeat sent while it ran gets the share again
@@ -212,10 +213,7 @@ def test_a_share_handed_out_again_before_its_report_is_not_uploaded_again(tmp_pa
 def test_a_failed_commit_is_retried(tmp_path: Path) -> None:
     """A commit that fails (here: the staging's upload of rank 1 vanished before it) is redone."""
     job = Job(tmp_path, 2)
-    for r in (0, 1):
-        job.save(1, r)
-    job.peer_copy(0, 1, 1)
-    job.peer_copy(1, 0, 1)
+    job.save_on_both(1)
     job.report(1)
     job.beat(0)
     job.beat(1)

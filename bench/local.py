@@ -12,6 +12,9 @@
 - reshard_restore_vs_local (elastic; real replicators on loopback): time to restore onto a different mesh of
   the same 8 devices (4x2 instead of the saved 2x4), where each host needs another host's shards fetched
   from a peer, / time of a same-mesh restore from the hosts' own RAM disks (target <= 2);
+  reshard_copy_vs_local: the copy alone that such a restore cannot avoid (every target shard built in fresh
+  memory from the two saved shards it overlaps, plain numpy, no checksum, no fetch, no RPC) / the same-mesh
+  restore;
 - preemption_flush_seconds_per_gib: after SIGTERM to every replicator, the seconds until the newest
   complete step is committed in the bucket (a local folder), per GiB of the step (``--elastic-mib``).
 """
@@ -125,6 +128,34 @@ def abstract(tree: dict) -> dict:
     )
 
 
+def plain_assembly(restored: dict, target: dict, keep: list | None = None) -> int:
+    """Build every target shard of ``target``'s shardings from ``restored`` (the same arrays on the saved
+    mesh, their shards mapped from the RAM disks) in fresh aligned buffers by plain numpy slicing; returns
+    the bytes built. The buffers are dropped at once, or appended to ``keep`` as (leaf, index, buffer)."""
+    from sidecar.checksums import aligned_empty
+
+    built = 0
+    for x, t in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
+        if not isinstance(x, jax.Array):
+            continue
+        saved = [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
+        for idx in t.sharding.devices_indices_map(t.shape).values():
+            box = [sl.indices(n)[:2] for sl, n in zip(idx, t.shape, strict=True)]
+            shape = tuple(b - a for a, b in box)
+            out = aligned_empty(int(np.prod(shape)) * x.dtype.itemsize).view(x.dtype).reshape(shape)
+            for sidx, data in saved:
+                sbox = [sl.indices(n)[:2] for sl, n in zip(sidx, t.shape, strict=True)]
+                lo = [max(a, c) for (a, _), (c, _) in zip(box, sbox, strict=True)]
+                hi = [min(b, d) for (_, b), (_, d) in zip(box, sbox, strict=True)]
+                if all(a < b for a, b in zip(lo, hi, strict=True)):
+                    out[tuple(slice(a - o, b - o) for a, b, (o, _) in zip(lo, hi, box, strict=True))] = \
+                        data[tuple(slice(a - o, b - o) for a, b, (o, _) in zip(lo, hi, sbox, strict=True))]
+            built += out.nbytes
+            if keep is not None:
+                keep.append((x, idx, out))
+    return built
+
+
 EXTRA = os.environ.get("MTC_BENCH_REPLICATOR_ARGS", "").split()
 
 
@@ -144,7 +175,7 @@ def elastic(mib: int, repeats: int) -> dict:
     reshard_target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, x.sharding.spec))
         if isinstance(x, jax.Array) else x, tree)
-    t: dict[str, list[float]] = {"local_restore": [], "reshard_restore": []}
+    t: dict[str, list[float]] = {"local_restore": [], "reshard_restore": [], "plain_assembly": []}
     flush = None
     cl = LocalCluster(base, nodes=4, data_parallelism=2, replicas=0,
                       extra=["--backup-url", f"file://{base / 'bucket'}", "--backup-interval-minutes", "60",
@@ -159,8 +190,13 @@ def elastic(mib: int, repeats: int) -> dict:
             mgr.save(step, tree, force=True)
             mgr.wait_until_finished()
             t0 = time.monotonic()
-            jax.block_until_ready(mgr.restore(step, abstract(tree)))
+            restored = jax.block_until_ready(mgr.restore(step, abstract(tree)))
             t["local_restore"].append(time.monotonic() - t0)
+            t0 = time.monotonic()
+            if plain_assembly(restored, reshard_target) != size:
+                raise AssertionError("the plain assembly did not build every target shard")
+            t["plain_assembly"].append(time.monotonic() - t0)
+            del restored
             t0 = time.monotonic()
             jax.block_until_ready(mgr.restore(step, reshard_target))
             t["reshard_restore"].append(time.monotonic() - t0)
@@ -179,6 +215,7 @@ def elastic(mib: int, repeats: int) -> dict:
     med = {k: statistics.median(v[1:]) for k, v in t.items()}
     return {
         "reshard_restore_vs_local": round(med["reshard_restore"] / med["local_restore"], 3),
+        "reshard_copy_vs_local": round(med["plain_assembly"] / med["local_restore"], 3),
         "preemption_flush_seconds_per_gib": None if flush is None else round(flush / (size / 2**30), 3),
         "elastic_bytes": size,
         "elastic_seconds": {**{k: round(v, 4) for k, v in med.items()}, "preemption_flush": flush},

@@ -8,7 +8,9 @@ of the same bytes over loopback in the same run (sender ``sendall`` from memory,
 ``recv_into`` a reused buffer, no disk, no checksum) — the ceiling of any copy. ``peer_vs_tcp_to_file``
 compares with plain TCP written unverified to a file on the same RAM disk instead. ``recovery_vs_local``:
 time to restore a wiped host from its peer / from its own RAM disk (real replicators, CheckpointManager);
-``recovery_vs_tcp``: the same recovery / a plain loopback TCP transfer of the host's bytes in the same run.
+``recovery_vs_tcp``: the same recovery / a plain loopback TCP transfer of the host's bytes in the same run;
+``recovery_floor_vs_tcp``: that plain transfer written (unverified) to a new file on the RAM disk, the least
+a recovery that keeps its copy must do, / the plain transfer.
 Medians of interleaved
 repeats, because the machines are noisy. Add a measurement by writing a function that returns a dict
 and listing it in ``MEASUREMENTS``.
@@ -256,7 +258,10 @@ def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: i
     ``restore`` returns (its data comes from host 0 and is read while it lands, each block verified; the
     copy is committed on the RAM disk for next time). "tcp": a plain loopback TCP transfer of the same byte
     count (sender ``sendall`` from memory in another process, receiver ``recv_into`` a reused buffer),
-    interleaved with the rounds: ``recovery_vs_tcp`` = peer / tcp.
+    interleaved with the rounds: ``recovery_vs_tcp`` = peer / tcp. "floor": the same plain transfer written
+    unverified to a new file on the RAM disk (fresh tmpfs pages, as on a wiped host), also interleaved: the
+    least work of a recovery that keeps a RAM-disk copy, done the plain way. ``recovery_floor_vs_tcp`` =
+    floor / tcp is what ``recovery_vs_tcp`` cannot go much below on the machine that ran it.
     """
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import jax
@@ -278,7 +283,7 @@ def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: i
     target = {"w": jax.ShapeDtypeStruct(tree["w"].shape, tree["w"].dtype, sharding=sharding)}
     scratch = _scratch_dir()
     cluster = LocalCluster(scratch / "cluster", nodes=2, data_parallelism=2, heartbeat_seconds=0.1)
-    times: dict[str, list[float]] = {"local": [], "peer": [], "tcp": []}
+    times: dict[str, list[float]] = {"local": [], "peer": [], "tcp": [], "floor": []}
     nbytes = rows * cols * 4
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()
@@ -301,6 +306,11 @@ def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: i
             t0 = time.monotonic()
             _raw_receive(raw_port, nbytes)
             times["tcp"].append(time.monotonic() - t0)
+            floor_file = scratch / "floor.bin"
+            t0 = time.monotonic()
+            _raw_receive(raw_port, nbytes, into_file=floor_file)
+            times["floor"].append(time.monotonic() - t0)
+            floor_file.unlink()
             # The previous round's recovered copy is committed on host 1's RAM disk (the replicator commits it
             # after the restore returned; as its own step, or as rank 0's identical replica under peer/):
             # else this "local" restore would join that copy still landing.
@@ -324,12 +334,15 @@ def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: i
         cluster.stop_all()
         _stop_child(sender, parent_conn)
         shutil.rmtree(scratch, ignore_errors=True)
-    local, peer, tcp = (statistics.median(times[k][1:]) for k in ("local", "peer", "tcp"))
+    local, peer, tcp, floor = (statistics.median(times[k][1:]) for k in ("local", "peer", "tcp", "floor"))
     return {
         "recovery_vs_local": round(peer / local, 3),
         "recovery_vs_tcp": round(peer / tcp, 3),
+        "recovery_floor_vs_tcp": round(floor / tcp, 3),
+        "recovery_floor_vs_local": round(floor / local, 3),
         "recovery_bytes_per_host": nbytes,
-        "recovery_seconds": {"local": round(local, 4), "peer": round(peer, 4), "tcp": round(tcp, 4)},
+        "recovery_seconds": {"local": round(local, 4), "peer": round(peer, 4), "tcp": round(tcp, 4),
+                             "floor": round(floor, 4)},
         "recovery_peer_seconds": [round(x, 4) for x in times["peer"][1:]],
     }
 

@@ -19,3 +19,19 @@ def test_plain_read_reads_the_steps_and_not_the_spare_pool(tmp_path: Path) -> No
     (pool / f"{2 << 20}-abc").write_bytes(bytes(2 << 20))
     (pool / f"{spares.WARM_PREFIX}def").write_bytes(b"being filled")
     assert local.plain_read(tmp_path) == 1002
+
+
+def test_plain_assembly_builds_each_target_shard_from_the_saved_ones() -> None:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    tree = local.make_tree(2)
+    other = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, x.sharding.spec))
+                          if isinstance(x, jax.Array) else x, tree)
+    built: list = []
+    assert local.plain_assembly(tree, target, keep=built) == local.nbytes(tree)
+    assert len(built) == 8 * (len(tree["layers"]) + len(tree["small"]))
+    for x, idx, out in built:
+        np.testing.assert_array_equal(out, np.asarray(x)[idx])

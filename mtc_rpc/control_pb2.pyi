@@ -21,18 +21,20 @@ class LocalLocateResponse(_message.Message):
     def __init__(self, savers: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class FetchStepRequest(_message.Message):
-    __slots__ = ("owner_rank", "step", "manifest_only", "replace_local", "timeout_seconds")
+    __slots__ = ("owner_rank", "step", "manifest_only", "replace_local", "timeout_seconds", "min_generation")
     OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_ONLY_FIELD_NUMBER: _ClassVar[int]
     REPLACE_LOCAL_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_GENERATION_FIELD_NUMBER: _ClassVar[int]
     owner_rank: int
     step: int
     manifest_only: bool
     replace_local: bool
     timeout_seconds: float
-    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., manifest_only: _Optional[bool] = ..., replace_local: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    min_generation: int
+    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., manifest_only: _Optional[bool] = ..., replace_local: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ..., min_generation: _Optional[int] = ...) -> None: ...
 
 class FetchStepResponse(_message.Message):
     __slots__ = ("step_dir", "manifest_json")

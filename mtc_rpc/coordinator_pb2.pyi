@@ -122,12 +122,14 @@ class CopyTask(_message.Message):
     def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., source_rank: _Optional[int] = ..., source_address: _Optional[str] = ..., content_hash: _Optional[str] = ...) -> None: ...
 
 class Deletion(_message.Message):
-    __slots__ = ("owner_rank", "step")
+    __slots__ = ("owner_rank", "step", "content_hash")
     OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     owner_rank: int
     step: int
-    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    content_hash: str
+    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., content_hash: _Optional[str] = ...) -> None: ...
 
 class RestoreSource(_message.Message):
     __slots__ = ("kind", "holder_rank", "holder_address", "owner_rank", "content_hash")

@@ -63,7 +63,8 @@ class LocalControl(control_pb2_grpc.LocalControlServicer):
     @map_errors_as_unavailable
     def FetchStep(self, request, context):
         rel, manifest = self.daemon.fetch_for_sidecar(request.owner_rank, request.step, request.manifest_only,
-                                                      request.replace_local, request.timeout_seconds)
+                                                      request.replace_local, request.timeout_seconds,
+                                                      min_generation=request.min_generation)
         return control_pb2.FetchStepResponse(step_dir=rel, manifest_json=manifest)
 
     @map_errors_as_unavailable

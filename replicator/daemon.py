@@ -32,7 +32,7 @@ from replicator.coordinator.model import Tier
 from replicator.coordinator.service import BackupScheduler, Coordinator
 from replicator.coordinator.tier_wire import from_wire
 from replicator.coordinator.topology import JobTopology
-from replicator.fetch import Fetcher, other_sources
+from replicator.fetch import AbandonedSave, Fetcher, other_sources
 from replicator.heartbeat import Heartbeat, new_incarnation
 from replicator.local.store import RamDiskStore
 from replicator.metrics import ReplicatorMetrics, TimedCoordinator
@@ -76,6 +76,9 @@ class _ServingOnly:
 PREEMPTION_RECORD = "preemption.json"
 # A streamed restore looks for the progress of the fetch it started (or joined) this often until it appears.
 STREAM_POLL_SECONDS = 0.005
+# How long a manifest request waits for the coordinator to hear of a step's newer save when the copies it
+# names are of an abandoned one (a rolled-back job saved the step again): a few heartbeats at any job size.
+ABANDONED_WAIT_SECONDS = 30.0
 
 
 class Replicator:
@@ -343,12 +346,14 @@ class Replicator:
         return list(resp.savers), resp.generation
 
     def fetch_for_sidecar(self, owner: int, step: int, manifest_only: bool, replace_local: bool,
-                          timeout_seconds: float) -> tuple[str, bytes]:
+                          timeout_seconds: float, min_generation: int = 0) -> tuple[str, bytes]:
         """Bring ``owner``'s data of ``step`` here (or just its manifest) from the fastest other tier.
 
         Returns (the copy's directory relative to the local root, the manifest JSON when ``manifest_only``).
         A copy of a byte-identical data-parallel replica serves as well. ``replace_local``: the local copy
-        is bad — drop it, fetch another.
+        is bad — drop it, fetch another. ``min_generation`` (manifests): a copy of an older save of the step
+        is abandoned, no answer; until the coordinator has heard where the newer save is (the next
+        heartbeats), ask it again, for up to ``timeout_seconds`` (at most ``ABANDONED_WAIT_SECONDS``).
         """
         layout.step_name(step)
         self._check_owner(owner)
@@ -357,16 +362,30 @@ class Replicator:
                 log.warning("the sidecar found a bad copy of rank %d step %d: dropping it", owner, step)
                 self.store.delete(owner, step)
                 self.wake()
-        elif (m := self.store.manifest(owner, step)) is not None:
+        elif (m := self.store.manifest(owner, step)) is not None and (not manifest_only
+                                                                       or m.generation >= min_generation):
             rel = self.store.step_dir(owner, step).relative_to(self.store.root).as_posix()
             return (("", m.to_json()) if manifest_only else (rel, b""))
-        srcs, savers = self._other_sources(owner, step, timeout_seconds, any_held=manifest_only)
-        if manifest_only and (m := self._held_replica(srcs, step)) is not None:
-            return "", m.to_json()  # an identical replica's copy held here: its manifest serves
-        out = self.fetcher.for_sidecar(srcs, savers, owner, step, manifest_only)
-        if not manifest_only:
-            self.wake()
-        return out
+        if not manifest_only or min_generation <= 0:
+            srcs, savers = self._other_sources(owner, step, timeout_seconds, any_held=manifest_only)
+            if manifest_only and (m := self._held_replica(srcs, step)) is not None:
+                return "", m.to_json()  # an identical replica's copy held here: its manifest serves
+            out = self.fetcher.for_sidecar(srcs, savers, owner, step, manifest_only)
+            if not manifest_only:
+                self.wake()
+            return out
+        deadline = time.monotonic() + min(max(timeout_seconds, 1.0), ABANDONED_WAIT_SECONDS)
+        while True:
+            srcs, savers = self._other_sources(owner, step, max(0.0, deadline - time.monotonic()), any_held=True)
+            if (m := self._held_replica(srcs, step)) is not None and m.generation >= min_generation:
+                return "", m.to_json()
+            try:
+                return self.fetcher.for_sidecar(srcs, savers, owner, step, True, min_generation=min_generation)
+            except AbandonedSave as e:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("rank %d's step %d: %s; asking the coordinator again", owner, step, e)
+            time.sleep(min(0.5, self.opts.heartbeat_seconds))
 
     def _held_replica(self, srcs: list[Any], step: int) -> layout.StepManifest | None:
         """The manifest of a copy held here of one of ``srcs`` (its owner, its content), if any."""

@@ -115,21 +115,32 @@ class BucketSource:
         return self._agent().fetch_files(step, self.owner_rank, entries, dest)  # whole files, ranged reads
 
 
+class AbandonedSave(FileNotFoundError):
+    """Every source holds only an older save of the step than the one asked for (the job rolled back and
+    saved the step again; the coordinator has not heard of the newer copies yet)."""
+
+
 def fetch_from(sources: Sequence[Source], attempt: Callable[[Source], T], *, what: str, missing: str) -> T:
     """``attempt(source)`` for each source in turn (fastest first) until one succeeds: its answer.
 
-    Raises ``FileNotFoundError(missing)`` when there is no source at all, :class:`Unavailable` naming every
-    source's error when none served.
+    Raises ``FileNotFoundError(missing)`` when there is no source at all, :class:`AbandonedSave` when every
+    source held only an abandoned save, :class:`Unavailable` naming every source's error when none served.
     """
     errors = []
+    abandoned = 0
     for src in sources:
         try:
             return attempt(src)
+        except AbandonedSave as e:
+            abandoned += 1
+            errors.append(f"{src.where}: {e}")
         except Exception as e:  # the next tier
             log.warning("%s from %s failed: %s", what, src.where, e)
             errors.append(f"{src.where}: {type(e).__name__}: {details(e)}")
     if not sources:
         raise FileNotFoundError(missing)
+    if abandoned == len(sources):
+        raise AbandonedSave(f"{what}: " + "; ".join(errors))
     raise Unavailable(f"{what} is unreachable: " + "; ".join(errors))
 
 
@@ -250,13 +261,18 @@ class Fetcher:
 
     # ------------------------------------------------------------------ for the sidecar
     def for_sidecar(self, sources: Sequence[cpb.RestoreSource], savers: list[int], owner: int, step: int,
-                    manifest_only: bool) -> tuple[str, bytes]:
+                    manifest_only: bool, min_generation: int = 0) -> tuple[str, bytes]:
         """``owner``'s ``step`` (or its manifest) from the first of ``sources`` that serves it: (the copy's
-        directory relative to the local root, or the manifest JSON when ``manifest_only``)."""
+        directory relative to the local root, or the manifest JSON when ``manifest_only``; of a save of at
+        least ``min_generation``, else :class:`AbandonedSave`)."""
 
         def attempt(src: Source) -> tuple[str, bytes]:
             if manifest_only:
-                return "", src.manifest(step).to_json()
+                m = src.manifest(step)
+                if m.generation < min_generation:
+                    raise AbandonedSave(f"its copy is of an abandoned save (generation {m.generation} < "
+                                        f"{min_generation})")
+                return "", m.to_json()
             if not self.store.has(src.owner_rank, step, src.content_hash):
                 if self.store.has(src.owner_rank, step):
                     self.store.delete(src.owner_rank, step)  # a stale copy of an older save

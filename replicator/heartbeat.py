@@ -233,8 +233,9 @@ class Heartbeat:
         for x in resp.deletions:
             if not tasks.busy(x.owner_rank, x.step):
                 faults.point("gc.before_delete")
-                store.delete(x.owner_rank, x.step)
-                counters.add("deletions")
+                # Only the copy the coordinator chose: a save committed since under the same step stays.
+                if store.delete(x.owner_rank, x.step, content_hash=x.content_hash or None):
+                    counters.add("deletions")
         for c in resp.copies:
             if c.source_rank == d.rank:
                 if store.attest_replica(c.owner_rank, c.step, c.content_hash):

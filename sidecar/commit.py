@@ -19,6 +19,7 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -271,20 +272,32 @@ def committed_steps(parent: Path) -> list[int]:
     return sorted(out)
 
 
-def delete_step(step_dir: Path, *, spare: Path | None = None) -> None:
+def delete_step(step_dir: Path, *, spare: Path | None = None, only_if: Callable[[Path], bool] | None = None) -> bool:
     """Delete a step directory crash-safely: renamed to a trash name first, then removed.
 
     A process killed mid-way leaves ``.trash-*`` (removed by :func:`remove_tmp_dirs` at start), never a
     half-deleted directory under the step's name, so the step number can be saved again at once.
     ``spare``: the RAM disk's :func:`spare_dir`; the step's large files move there (their tmpfs pages
     stay allocated) for the next save or copy to overwrite instead of allocating fresh pages.
+    ``only_if``: asked with the step under its trash name, where no writer can commit over it; when it
+    answers False the step is renamed back and kept (another save was committed under the same name after
+    the caller chose to delete). Returns whether a step was deleted.
     """
     step_dir = Path(step_dir)
     trash = step_dir.with_name(f"{TRASH_PREFIX}{step_dir.name}-{uuid.uuid4().hex[:12]}")
     try:
         os.rename(step_dir, trash)
     except FileNotFoundError:
-        return
+        return False
+    if only_if is not None and not only_if(trash):
+        try:
+            os.rename(trash, step_dir)  # onto nothing, or onto the empty debris of a killed writer
+        except OSError as e:
+            # Yet another step was committed under the name meanwhile: the one taken away is superseded.
+            log.warning("%s was saved again while being kept (%s): deleting the superseded copy", step_dir, e)
+        else:
+            fsync_dir(step_dir.parent)
+            return False
     fsync_dir(step_dir.parent)
     _release_owned(step_dir)
     faults.point("gc.mid_delete")
@@ -294,3 +307,4 @@ def delete_step(step_dir: Path, *, spare: Path | None = None) -> None:
         except OSError as e:  # recycling is an optimisation: never a reason for a delete to fail
             log.warning("could not keep the pages of %s for reuse: %s", step_dir, e)
     shutil.rmtree(trash, ignore_errors=True)
+    return True

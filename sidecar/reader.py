@@ -88,8 +88,9 @@ class Fetcher(Protocol):
     def locate(self, step: int) -> tuple[tuple[int, ...], int]:
         """(the ranks that saved ``step``, the save's generation); FileNotFoundError if no tier has it."""
 
-    def manifest(self, owner: int, step: int) -> layout.StepManifest:
-        """``owner``'s verified manifest of ``step`` from the fastest tier holding it."""
+    def manifest(self, owner: int, step: int, min_generation: int = 0) -> layout.StepManifest:
+        """``owner``'s verified manifest of ``step`` from the fastest tier holding it; of a save of at least
+        ``min_generation`` (older copies are of an abandoned save of the step)."""
 
     def fetch(self, owner: int, step: int, replace: bool = False) -> Path:
         """Bring ``owner``'s data of ``step`` (or a byte-identical replica's) onto this host; its directory.
@@ -326,7 +327,7 @@ class StepSource:
 
         def one(owner: int) -> layout.StepManifest | BaseException:
             try:
-                return fetcher.manifest(owner, self.step)
+                return fetcher.manifest(owner, self.step, min_generation=max(self.generation, 0))
             except (OSError, layout.ManifestError) as e:
                 return e
 
@@ -343,6 +344,8 @@ class StepSource:
                 self.unreachable.setdefault(owner, str(m))
                 continue
             if m.generation < self.generation:
+                log.info("ignoring rank %d's manifest of step %d: generation %d, an abandoned save (this step's "
+                         "is %d)", owner, self.step, m.generation, self.generation)
                 continue
             self._remote_layout(m)
 

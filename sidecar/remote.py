@@ -77,12 +77,14 @@ class ReplicatorFetcher:
         self.located[step] = found = (tuple(resp.savers), int(resp.generation))
         return found
 
-    def manifest(self, owner: int, step: int) -> layout.StepManifest:
+    def manifest(self, owner: int, step: int, min_generation: int = 0) -> layout.StepManifest:
         hit = self.manifests.get((owner, step))
-        if hit is not None:
+        if hit is not None and hit.generation >= min_generation:
             return hit
         resp = self._call("FetchStep", control_pb2.FetchStepRequest(owner_rank=owner, step=step, manifest_only=True,
-                                                                    timeout_seconds=self.timeout), self.timeout + 5)
+                                                                    timeout_seconds=self.timeout,
+                                                                    min_generation=min_generation),
+                          self.timeout + 5)
         self.manifests[(owner, step)] = m = layout.parse_manifest(resp.manifest_json)
         return m
 

@@ -540,7 +540,8 @@ class CoordinatorState:
     def gc_plan(self, keep_local: int) -> dict[int, list[Key]]:
         """What each host may delete: ``{holder_rank: [(owner_rank, step), ...]}`` (hosts with nothing omitted).
 
-        Never touched: the newest globally complete step, steps being backed up, pinned steps. Each
+        Never touched: the newest globally complete step, steps being backed up, pinned steps (but copies of
+        an abandoned save of them go: a rolled-back job saved the step again). Each
         host keeps its ``keep_local`` newest steps (local and peer together); older steps go, and so
         do incomplete steps older than the newest complete one and copies whose hash contradicts the
         owner's (or the bucket's) definitive hash.
@@ -566,6 +567,11 @@ class CoordinatorState:
         doomed = []
         for key, h in held.items():
             step = h.step
+            if not self._current(h):
+                # A copy of an abandoned save of the step (the job rolled back and saved it again): never a
+                # source, whatever protects the step (its newest save may be the newest complete step).
+                doomed.append(key)
+                continue
             if step in protected or step == newest:
                 continue
             drop = step not in newest_held

@@ -431,7 +431,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if all_reported and (newest is not None or not st.lost):
             doomed = st.gc_for(rank, self.keep_local)
             for owner, step in doomed:
-                resp.deletions.append(pb.Deletion(owner_rank=owner, step=step))
+                h = st.holding(rank, (owner, step))
+                resp.deletions.append(pb.Deletion(owner_rank=owner, step=step,
+                                                  content_hash=h.content_hash if h is not None else ""))
             # Counted for nothing from now until the host's next report: no fallback to a step whose
             # pieces are being deleted (issue #19, found by tests/simulation).
             st.deleting(rank, doomed)

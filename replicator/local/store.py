@@ -206,17 +206,33 @@ class RamDiskStore:
         return True
 
     # ------------------------------------------------------------------ deletion
-    def delete(self, owner: int, step: int) -> None:
+    def delete(self, owner: int, step: int, content_hash: str | None = None) -> bool:
+        """Delete this host's copy of ``owner``'s ``step`` and the replica attestations that go with it.
+
+        ``content_hash``: only the copy with that content (the coordinator names the holding it chose to
+        delete). A newer save committed under the same name since then — a job that rolled back saves the
+        step again, and its sidecar may commit while the coordinator's answer is on its way — is kept, and
+        so are attestations of other content. Returns whether a copy was deleted."""
         d = self.step_dir(owner, step)
-        commit.delete_step(d, spare=spares.spare_dir(self.root))  # pages kept for the next copy
+        if content_hash and (m := self.manifest(owner, step)) is not None and m.content_hash != content_hash:
+            deleted = False  # the usual case of that race: the newer save is here already
+        else:
+            # Checked again once the directory is out of the writers' way (a commit may land in between).
+            deleted = commit.delete_step(d, spare=spares.spare_dir(self.root),  # pages kept for the next copy
+                                         only_if=None if not content_hash else
+                                         lambda trash: _content_hash_in(trash) in (content_hash, None))
         faults.point("gc.after_delete")
         with self._lock:
             self._cache.pop(d, None)
+        if content_hash and not deleted and d.exists():
+            log.warning("kept rank %d step %d in %s: it holds another save than the one to delete (content %s)",
+                        owner, step, d, content_hash[:12])
         # A self-attestation goes with the last replica's copy it names (checked outside the lock: manifest()).
         left = {m.content_hash for o, s in self.peer_steps() if s == step and (m := self.manifest(o, s)) is not None}
         with self._lock:
             changed = False
-            for key in [k for k in self._replica_of if k[1] == step and (owner == self.rank or k[0] == owner)]:
+            for key in [k for k, h in self._replica_of.items() if k[1] == step and (owner == self.rank or k[0] == owner)
+                        and (not content_hash or h == content_hash or deleted)]:
                 del self._replica_of[key]
                 changed = True
             mine = self._replica_of.get((self.rank, step))
@@ -225,4 +241,14 @@ class RamDiskStore:
                 changed = True
             if changed:
                 self._save_replicas()
-        log.info("deleted step %d of rank %d from %s", step, owner, d)
+        if deleted:
+            log.info("deleted step %d of rank %d from %s", step, owner, d)
+        return deleted
+
+
+def _content_hash_in(step_dir: Path) -> str | None:
+    """The content hash of the step in ``step_dir``; None when it has no readable manifest (debris)."""
+    try:
+        return layout.read_manifest(step_dir).content_hash
+    except (OSError, layout.ManifestError):
+        return None

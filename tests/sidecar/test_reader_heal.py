@@ -61,7 +61,7 @@ class FilesFetcher:
         self.base, self.root = base, root
         self.calls: list[tuple[int, list[str]]] = []
 
-    def manifest(self, owner, step):
+    def manifest(self, owner, step, min_generation=0):
         return layout.read_manifest(self.base / str(owner) / "steps" / str(step))
 
     def fetch(self, owner, step, replace=False):

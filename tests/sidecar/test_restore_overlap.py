@@ -23,7 +23,7 @@ class SlowFetcher:
     def __init__(self, base, rank, local_read: threading.Event, log: list):
         self.base, self.root, self.local_read, self.log = base, base / str(rank), local_read, log
 
-    def manifest(self, owner, step):
+    def manifest(self, owner, step, min_generation=0):
         return layout.read_manifest(self.base / str(owner) / "steps" / str(step))
 
     def fetch(self, owner, step, replace=False):

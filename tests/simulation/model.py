@@ -346,6 +346,9 @@ class Sim:
             return
         h.epoch = resp.epoch
         for d in resp.deletions:
+            held = h.disk.get((d.owner_rank, d.step))
+            if d.content_hash and held is not None and held.content_hash != d.content_hash:
+                continue  # another save of the step than the one the coordinator chose: kept (as the daemon does)
             if not h.busy(d.owner_rank, d.step):
                 self.inv.check_deletion(self, rank, d.owner_rank, d.step, coord)
                 h.delete(d.owner_rank, d.step)

@@ -49,3 +49,23 @@ def test_newer_save_of_a_step_supersedes_and_rollback_abandons_newer_steps():
         st.report_inventory(r, [Holding(r, 4, f"again{r}", 10, Tier.LOCAL, 200, ((0, 1),))])
     assert st.expected_ranks(4) == [0, 1]
     assert {s.content_hash for srcs in st.sources(4).values() for s in srcs} == {"again0", "again1"}
+
+
+def test_copies_of_an_abandoned_save_of_the_newest_step_are_collected():
+    """Step 6 saved again after a rollback is the newest complete step, which GC never touches; a peer copy
+    of its abandoned save (a copy that was landing while the step was saved again) still goes, or hosts
+    lacking that rank's data are handed the abandoned manifest."""
+    st = state()
+    for r in range(4):
+        st.report_inventory(r, [Holding(r, 6, f"old{r}", 10, Tier.LOCAL, 5)])
+    assert st.newest_complete_step() == 6
+    for r in range(4):
+        held = [Holding(r, 6, f"new{r}", 10, Tier.LOCAL, 9)]
+        if r == 0:
+            held.append(Holding(2, 6, "old2", 10, Tier.PEER, 5))
+        st.report_inventory(r, held)
+    assert st.newest_complete_step() == 6 and st.step_generation(6) == 9
+    assert st.gc_for(0, keep_local=2) == [(2, 6)]
+    assert all(st.gc_for(r, keep_local=2) == [] for r in (1, 2, 3))
+    st.pin(6)
+    assert st.gc_for(0, keep_local=2) == [(2, 6)]

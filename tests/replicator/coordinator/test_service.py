@@ -248,3 +248,12 @@ def test_an_unchanged_heartbeat_rederives_nothing(monkeypatch):
     delta(coord, 5, digest(items[5]), new, added=[(5, 2, "x", "local")])
     # One new fact: only rank 5's replica group of step 2 is re-derived.
     assert sorted(calls) == [("_derive_coverage", 2, 1), ("_derive_tasks", 2, 1)]
+
+
+def test_a_deletion_names_the_content_of_the_copy_it_means():
+    """The host deletes only that content: a save of the step committed since the answer left is kept."""
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=1)
+    for r in range(4):
+        beat(coord, r, HOLDINGS[r])
+    resp = beat(coord, 0, HOLDINGS[0])
+    assert {(d.owner_rank, d.step, d.content_hash) for d in resp.deletions} == {(0, 2, "A2")}

@@ -133,6 +133,7 @@ def plain_assembly(restored: dict, target: dict, keep: list | None = None) -> in
     mesh, their shards mapped from the RAM disks) in fresh aligned buffers by plain numpy slicing; returns
     the bytes built. The buffers are dropped at once, or appended to ``keep`` as (leaf, index, buffer)."""
     from sidecar.checksums import aligned_empty
+    from sidecar.reader import normalize_index
 
     built = 0
     for x, t in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
@@ -140,11 +141,11 @@ def plain_assembly(restored: dict, target: dict, keep: list | None = None) -> in
             continue
         saved = [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
         for idx in t.sharding.devices_indices_map(t.shape).values():
-            box = [sl.indices(n)[:2] for sl, n in zip(idx, t.shape, strict=True)]
+            box = normalize_index(idx, t.shape)
             shape = tuple(b - a for a, b in box)
             out = aligned_empty(int(np.prod(shape)) * x.dtype.itemsize).view(x.dtype).reshape(shape)
             for sidx, data in saved:
-                sbox = [sl.indices(n)[:2] for sl, n in zip(sidx, t.shape, strict=True)]
+                sbox = normalize_index(sidx, t.shape)
                 lo = [max(a, c) for (a, _), (c, _) in zip(box, sbox, strict=True)]
                 hi = [min(b, d) for (_, b), (_, d) in zip(box, sbox, strict=True)]
                 if all(a < b for a, b in zip(lo, hi, strict=True)):

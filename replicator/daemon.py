@@ -366,22 +366,20 @@ class Replicator:
                                                                        or m.generation >= min_generation):
             rel = self.store.step_dir(owner, step).relative_to(self.store.root).as_posix()
             return (("", m.to_json()) if manifest_only else (rel, b""))
-        if not manifest_only or min_generation <= 0:
-            srcs, savers = self._other_sources(owner, step, timeout_seconds, any_held=manifest_only)
-            if manifest_only and (m := self._held_replica(srcs, step)) is not None:
-                return "", m.to_json()  # an identical replica's copy held here: its manifest serves
-            out = self.fetcher.for_sidecar(srcs, savers, owner, step, manifest_only)
-            if not manifest_only:
-                self.wake()
+        if not manifest_only:
+            srcs, savers = self._other_sources(owner, step, timeout_seconds)
+            out = self.fetcher.for_sidecar(srcs, savers, owner, step, False)
+            self.wake()
             return out
-        deadline = time.monotonic() + min(max(timeout_seconds, 1.0), ABANDONED_WAIT_SECONDS)
+        wait = timeout_seconds if min_generation <= 0 else min(max(timeout_seconds, 1.0), ABANDONED_WAIT_SECONDS)
+        deadline = time.monotonic() + wait
         while True:
             srcs, savers = self._other_sources(owner, step, max(0.0, deadline - time.monotonic()), any_held=True)
             if (m := self._held_replica(srcs, step)) is not None and m.generation >= min_generation:
-                return "", m.to_json()
+                return "", m.to_json()  # an identical replica's copy held here: its manifest serves
             try:
                 return self.fetcher.for_sidecar(srcs, savers, owner, step, True, min_generation=min_generation)
-            except AbandonedSave as e:
+            except AbandonedSave as e:  # never with min_generation 0
                 if time.monotonic() >= deadline:
                     raise
                 log.info("rank %d's step %d: %s; asking the coordinator again", owner, step, e)

@@ -52,6 +52,5 @@ def test_only_abandoned_saves_is_its_own_answer_and_a_newer_copy_wins() -> None:
     with pytest.raises(AbandonedSave, match="peer a holds generation 1; peer b: peer b holds"):
         fetch_from([_Src("peer a", True), _Src("peer b", True)], attempt, what="x", missing="none")
     with pytest.raises(Unavailable):  # one abandoned, one down: not only abandoned
-        fetch_from([_Src("peer a", True), _Src("bucket", False)],
-                   lambda s: attempt(s) if s.where == "peer a" else _attempt(_Src("bucket", True)),
-                   what="x", missing="none")
+        fetch_from([_Src("peer a", True), _Src("bucket", True)],
+                   lambda s: attempt(s) if s.where == "peer a" else _attempt(s), what="x", missing="none")

@@ -11,6 +11,7 @@ import abc
 import dataclasses
 import functools
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,12 +20,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sidecar import host, tree
+from sidecar import failures, host, tree
+
+log = logging.getLogger(__name__)
 
 # Size of the per-device answer buffer of a colocated query or of a restore's plain values (JSON, one row per
 # device). A host's answer does not grow with the job's size (ranks travel as ranges, see sidecar.saves): a
 # STEPS answer is ~100 bytes per held step at any node count.
 QUERY_BYTES = 1 << 16
+# Size of the per-device status row a colocated save returns (empty, or a failure record: sidecar.failures).
+STATUS_BYTES = 1 << 12
 
 
 class Dispatcher(abc.ABC):
@@ -78,13 +83,22 @@ def _spec(x: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
+def _has_colocation_id(device: Any) -> bool:
+    try:
+        device.colocation_id  # noqa: B018 - only whether the runtime defines it
+    except AttributeError:
+        return False
+    return True
+
+
 def _colocated_cpu(colocated_python: Any, devices: Sequence[Any]) -> list[Any]:
-    """One colocated CPU device per device, order kept; a CPU device is its own (as JAX documents it; JAX's
-    CPU fallback instead hands out process 0's first CPU devices, so the devices of slice 1 alone would map
-    to slice 0's)."""
-    if all(getattr(d, "platform", None) == "cpu" for d in devices):
+    """One colocated CPU device per device, order kept (``colocated_cpu_devices``: on Pathways each
+    accelerator device's host CPU device). Plain CPU devices, which define no ``colocation_id``, are their own:
+    JAX's CPU fallback would hand out process 0's first CPU devices, so the devices of slice 1 alone would map
+    to slice 0's."""
+    if all(getattr(d, "platform", None) == "cpu" and not _has_colocation_id(d) for d in devices):
         return list(devices)
-    return list(colocated_python.colocated_cpu_devices(devices))
+    return list(colocated_python.colocated_cpu_devices(tuple(devices)))
 
 
 def _install_pathways_ids() -> None:
@@ -122,37 +136,88 @@ def _host_config(config: host.HostConfig, handle: jax.Array) -> host.HostConfig:
     return dataclasses.replace(config, device_rank=device_rank)
 
 
+def _status_rows(handle: jax.Array, payload: Any) -> jax.Array:
+    """One status row per device of ``handle`` (empty, or a failure record), built where the call runs."""
+    row = np.zeros(STATUS_BYTES, np.uint8)
+    if payload is not None:
+        data = failures.encode_row(payload, STATUS_BYTES)
+        row[: len(data)] = np.frombuffer(data, np.uint8)
+    sharding = NamedSharding(handle.sharding.mesh, PartitionSpec("d", None))
+    bufs = [jax.device_put(row[None], s.device) for s in handle.addressable_shards]
+    return jax.make_array_from_single_device_arrays((handle.shape[0], STATUS_BYTES), sharding, bufs)
+
+
+def _failure(e: Exception, ranks: Sequence[int]) -> dict[str, Any]:
+    log.warning("host function for ranks %s failed: %s", list(ranks), e)
+    return failures.failure_payload(failures.capture(e, list(ranks)))
+
+
 def _coloc_save(handle, arrays, *, _ids=None, config, step, metas, host_arrays, values, generation=0, replace=False):
     config = _host_config(config, handle)
     ranks = host.ranks_of(config, [s.device for s in handle.addressable_shards])
-    host.save_on_hosts(config, ranks, step, arrays, metas, host_arrays, values, generation, replace)
-    return handle
+    try:
+        host.save_on_hosts(config, ranks, step, arrays, metas, host_arrays, values, generation, replace)
+    except Exception as e:  # noqa: BLE001 - every failure travels back as data (sidecar.failures)
+        return _status_rows(handle, _failure(e, ranks))
+    return _status_rows(handle, None)
+
+
+def _placeholder(lf: host.RestoreLeaf) -> jax.Array:
+    """A zero array of a restore's output ``lf`` (its outputs must exist even when the host function failed)."""
+    if lf.as_bytes:
+        shape, dtype = (int(np.prod(lf.shape, dtype=np.int64)) * tree.dtype_from_name(lf.dtype).itemsize,), np.uint8
+    else:
+        shape, dtype = tuple(lf.shape), tree.dtype_from_name(lf.dtype)
+    arr = jax.make_array_from_callback(shape, lf.sharding, lambda idx: np.zeros(
+        tuple(len(range(*i.indices(n))) for i, n in zip(idx, shape, strict=True)), dtype))
+    return jax.random.wrap_key_data(arr, impl=lf.key_impl) if lf.key_impl else arr
 
 
 def _coloc_restore(handle, rows, *, _ids=None, config, step, leaves, all_paths):
     config = _host_config(config, handle)
     ranks = host.ranks_of(config, [s.device for s in handle.addressable_shards])
-    res = host.restore_on_hosts(config, ranks, step, leaves, all_paths)
+    try:
+        res = host.restore_on_hosts(config, ranks, step, leaves, all_paths)
+        arrays, payload = list(res.arrays), res.values
+    except Exception as e:  # noqa: BLE001 - every failure travels back as data (sidecar.failures)
+        arrays, payload = [_placeholder(lf) for lf in leaves], _failure(e, ranks)
     # The plain values travel back in the same call, one row per device (every rank read the same values).
-    row = encode_values(res.values)
+    row = encode_values(payload)
     bufs = [jax.device_put(row[None], s.device) for s in rows.addressable_shards]
-    return list(res.arrays), jax.make_array_from_single_device_arrays(rows.shape, rows.sharding, bufs)
+    return arrays, jax.make_array_from_single_device_arrays(rows.shape, rows.sharding, bufs)
 
 
 def encode_values(values: dict[str, Any]) -> np.ndarray:
-    """A restore's plain values as one row (length-prefixed JSON; they are JSON-able by construction)."""
+    """A restore's plain values (or its failure record) as one row (length-prefixed JSON; they are JSON-able
+    by construction)."""
     data = json.dumps(values).encode()
     if len(data) > QUERY_BYTES - 4:
         raise ValueError(f"the plain values of the step take {len(data)} bytes, more than {QUERY_BYTES - 4}")
     buf = np.zeros(QUERY_BYTES, dtype=np.uint8)
-    buf[:4] = np.frombuffer(len(data).to_bytes(4, "little"), dtype=np.uint8)
-    buf[4 : 4 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    data = failures.encode_row(values, QUERY_BYTES)
+    buf[: len(data)] = np.frombuffer(data, dtype=np.uint8)
     return buf
 
 
 def decode_values(row: np.ndarray) -> dict[str, Any]:
-    n = int.from_bytes(bytes(row[:4]), "little")
-    return json.loads(bytes(row[4 : 4 + n])) if n else {}
+    return failures.decode_row(bytes(row)) or {}
+
+
+def raise_host_failures(payloads: Sequence[Any]) -> None:
+    """Raise the first host failure among decoded rows (the others named in a note); nothing if none."""
+    found: dict[tuple[int, ...], failures.Failure] = {}
+    for p in payloads:
+        f = failures.failure_of(p)
+        if f is not None:
+            found.setdefault(f.ranks, f)
+    if not found:
+        return
+    first, *rest = [found[k] for k in sorted(found)]
+    err = failures.revive(first)
+    if rest:
+        err.add_note("other hosts failed too: " + "; ".join(f"ranks {list(f.ranks)}: {f.type}: {f.message}"
+                                                            for f in rest))
+    raise err
 
 
 def _restore_out_specs(leaves: Sequence[host.RestoreLeaf]) -> list[jax.ShapeDtypeStruct]:
@@ -178,16 +243,29 @@ def _restore_out_specs(leaves: Sequence[host.RestoreLeaf]) -> list[jax.ShapeDtyp
 def _coloc_query(handle, rows, *, _ids=None, config, query, arg):
     config = _host_config(config, handle)
     ranks = host.ranks_of(config, [s.device for s in rows.addressable_shards])
-    answers = host.query_on_hosts(config, ranks, query, arg)
-    bufs = []
-    for s in rows.addressable_shards:
-        r = config.device_rank[s.device.id]
-        bufs.append(jax.device_put(host.encode_result(query, {r: answers[r]}, QUERY_BYTES)[None], s.device))
+    try:
+        answers = host.query_on_hosts(config, ranks, query, arg)
+        encoded = {r: host.encode_result(query, {r: answers[r]}, QUERY_BYTES) for r in ranks}
+    except Exception as e:  # noqa: BLE001 - every failure travels back as data (sidecar.failures)
+        row = np.zeros(QUERY_BYTES, np.uint8)
+        data = failures.encode_row(_failure(e, ranks), QUERY_BYTES)
+        row[: len(data)] = np.frombuffer(data, np.uint8)
+        encoded = dict.fromkeys(ranks, row)
+    bufs = [jax.device_put(encoded[config.device_rank[s.device.id]][None], s.device) for s in rows.addressable_shards]
     return jax.make_array_from_single_device_arrays(rows.shape, rows.sharding, bufs)
 
 
 class ColocatedDispatcher(Dispatcher):
-    """Host operations through colocated Python on the CPU devices colocated with the job's devices."""
+    """Host operations through colocated Python on the CPU devices colocated with the job's devices.
+
+    A colocated call takes arrays on one device list: the handle's, which is ``devices`` in their order (their
+    colocated CPU devices). A leaf on other devices or another sharding kind (a single-device array such as
+    ``jax.random.key(0)``, a mesh over other devices or in another order) is first placed on that list:
+    replicated, or with its own partitioning over a mesh of the same shape. Saves move each leaf to the CPU
+    devices and restores move each back onto the target's sharding, as Pathways does between a TPU and its
+    host. A host function's own exception comes back as data and is raised here as its own type
+    (``sidecar.failures``); a ``JaxRuntimeError`` from a call is the runtime's (a host or slice lost).
+    """
 
     def __init__(self, config: host.HostConfig, devices: Sequence[Any]):
         # Imported here: colocated Python / Orbax's Pathways patch only when dispatching to Pathways workers.
@@ -195,6 +273,7 @@ class ColocatedDispatcher(Dispatcher):
 
         self._cp = colocated_python
         self.devices = list(devices)
+        self._ids = tuple(d.id for d in self.devices)
         self.cpu_devices = _colocated_cpu(colocated_python, self.devices)
         # The host functions see the colocated CPU devices: map those to ranks.
         rank_by_cpu = {c.id: config.device_rank[d.id] for d, c in zip(self.devices, self.cpu_devices, strict=True)}
@@ -203,18 +282,42 @@ class ColocatedDispatcher(Dispatcher):
         self._mesh = Mesh(np.array(self.cpu_devices), ("d",))
         self._handle_sharding = NamedSharding(self._mesh, PartitionSpec("d"))
         self._rows_sharding = NamedSharding(self._mesh, PartitionSpec("d", None))
+        self._replicated = NamedSharding(Mesh(np.array(self.devices), ("d",)), PartitionSpec())
         self._same_devices = [d.id for d in self.devices] == [c.id for c in self.cpu_devices]
 
     def _handle(self) -> jax.Array:
         return _ranks_handle([self.cpu_config.device_rank[c.id] for c in self.cpu_devices], self._handle_sharding)
 
-    def _to_cpu(self, x: jax.Array) -> jax.Array:
-        if self._same_devices:
-            return x
-        return jax.device_put(x, self.cpu_sharding(x.sharding))
+    def on_devices(self, sharding: Any, any_order: bool = False) -> Any:
+        """``sharding`` itself when it is a ``NamedSharding`` over ``devices`` in their order (``any_order``: in
+        any order); else the layout a colocated call can take: its partitioning over a mesh of ``devices`` of
+        the same shape (same devices, another order), or replicated over ``devices`` (a single device, other
+        devices, other kinds). A call's inputs must be on the handle's device list; its outputs (a restore's
+        arrays) may be on the same devices in another order."""
+        if isinstance(sharding, NamedSharding):
+            ids = tuple(d.id for d in sharding.mesh.devices.flat)
+            if ids == self._ids or (any_order and sorted(ids) == sorted(self._ids)):
+                return sharding
+            if sorted(ids) == sorted(self._ids):
+                devs = np.array(self.devices, dtype=object).reshape(sharding.mesh.devices.shape)
+                return NamedSharding(Mesh(devs, sharding.mesh.axis_names), sharding.spec)
+        return self._replicated
+
+    def _to_cpu(self, x: jax.Array, path: str) -> jax.Array:
+        """``x`` on the colocated CPU devices, in the handle's device order."""
+        try:
+            on = self.on_devices(x.sharding)
+            if on is not x.sharding:
+                x = jax.device_put(x, on)
+            if not self._same_devices:
+                x = jax.device_put(x, self.cpu_sharding(x.sharding))
+        except Exception as e:
+            e.add_note(f"while moving leaf {path!r} ({x.shape} {x.dtype}, {type(x.sharding).__name__}) to the hosts")
+            raise
+        return x
 
     def cpu_sharding(self, sharding: Any) -> Any:
-        """The same layout over the colocated CPU devices."""
+        """The same layout over the colocated CPU devices (``sharding`` is one of :meth:`on_devices`)."""
         if self._same_devices or sharding is None:
             return sharding
         if not isinstance(sharding, NamedSharding):
@@ -224,25 +327,32 @@ class ColocatedDispatcher(Dispatcher):
         return NamedSharding(Mesh(devs, sharding.mesh.axis_names), sharding.spec)
 
     def save(self, step, arrays, metas, host_arrays, values, generation=0, replace=False):
+        moved = [self._to_cpu(a, m.path) for a, m in zip(arrays, metas, strict=True)]
         fn = functools.partial(_coloc_save, _ids=_PathwaysIds(), config=self.cpu_config, step=step, metas=list(metas),
                                host_arrays=list(host_arrays), values=list(values), generation=generation,
                                replace=replace)
         h = self._handle()
-        self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: _spec(h))(
-            h, [self._to_cpu(a) for a in arrays])
+        status_spec = jax.ShapeDtypeStruct((len(self.cpu_devices), STATUS_BYTES), np.uint8,
+                                           sharding=self._rows_sharding)
+        status = self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: status_spec)(h, moved)
+        # Reading the status waits for the host copies (the files are written in the background).
+        raise_host_failures([failures.decode_row(bytes(r)) for r in np.asarray(status)])
 
     def restore(self, step, leaves, all_paths):
-        cpu_leaves = [dataclasses.replace(lf, sharding=self.cpu_sharding(lf.sharding)) for lf in leaves]
+        placed = [dataclasses.replace(lf, sharding=self.on_devices(lf.sharding, any_order=True)) for lf in leaves]
+        cpu_leaves = [dataclasses.replace(lf, sharding=self.cpu_sharding(lf.sharding)) for lf in placed]
         fn = functools.partial(_coloc_restore, _ids=_PathwaysIds(), config=self.cpu_config, step=step,
                                leaves=cpu_leaves, all_paths=list(all_paths))
         rows = jax.device_put(np.zeros((len(self.cpu_devices), QUERY_BYTES), np.uint8), self._rows_sharding)
         specs = (_restore_out_specs(cpu_leaves), _spec(rows))
         out, vals = self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: specs)(
             self._handle(), rows)
+        raise_host_failures([failures.decode_row(bytes(r)) for r in np.asarray(vals)])
         values = decode_values(np.asarray(vals.addressable_shards[0].data)[0])
-        if not self._same_devices:
-            # Each leaf's own (logical) sharding: a PRNG key leaf's request carries its key data's.
-            out = [jax.device_put(x, spec.sharding) for x, spec in zip(out, _restore_out_specs(leaves), strict=True)]
+        # Each leaf onto its target's own (logical) sharding: a PRNG key leaf's request carries its key data's.
+        wanted = _restore_out_specs(leaves)
+        out = [x if x.sharding == spec.sharding else jax.device_put(x, spec.sharding)
+               for x, spec in zip(out, wanted, strict=True)]
         return host.RestoreResult(list(out), values)
 
     def query(self, query, arg=None):
@@ -250,6 +360,8 @@ class ColocatedDispatcher(Dispatcher):
         fn = functools.partial(_coloc_query, _ids=_PathwaysIds(), config=self.cpu_config,
                                query=host.HostQuery(query).value, arg=arg)
         res = self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: _spec(rows))(self._handle(), rows)
+        payloads = [failures.decode_row(bytes(r)) for r in np.asarray(res)]
+        raise_host_failures(payloads)
         out: dict[int, Any] = {}
         for row in np.asarray(res):
             out.update(host.decode_result(query, row))

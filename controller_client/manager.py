@@ -19,6 +19,9 @@ from controller_client.topology import HostTopology
 from replicator.coordinator.client import CoordinatorClient
 from replicator.net.security import TlsOptions
 from sidecar import host, layout, saves, tree
+from sidecar.failures import StepAlreadyExistsError
+
+__all__ = ["CheckpointManager", "CheckpointManagerOptions", "StepAlreadyExistsError"]
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +143,9 @@ class CheckpointManager:
         self.dispatcher = dispatcher
         self._replicated = NamedSharding(Mesh(np.array(self.devices), ("all",)), PartitionSpec())
         self._last_saved: int | None = None
+        # Steps known saved (complete), for the rule of :meth:`save`; None until the first save asks the hosts.
+        self._saved: set[int] | None = None
+        self._skipping: int | None = None  # the first step of the current run of skipped saves
         self._restored_step: int | None = None
         # The newest complete step this manager has reported (latest_step/all_steps) since its last
         # restore: a restore without a step does not quietly go back past it.
@@ -150,9 +156,18 @@ class CheckpointManager:
         return step % self.options.save_interval_steps == 0
 
     def save(self, step: int, pytree: Any, force: bool = False) -> bool:
-        """Save ``pytree`` as ``step`` if the interval (or ``force``) says so; True when a save started."""
+        """Save ``pytree`` as ``step`` if the interval (or ``force``) says so; True when a save started.
+
+        As Orbax's ``CheckpointManager.save``: a step at or below the newest saved step is not saved again
+        (False, logged once per run of such steps) unless ``force``, and ``force`` on a step that is already
+        saved raises :class:`StepAlreadyExistsError` naming it. After ``restore`` (or ``mark_restored``) of an
+        older step the newer steps are abandoned: saving forward replaces them. A step saved on some hosts
+        only (the job failed during its save) is not saved: it is saved again, replacing those copies.
+        """
         layout.step_name(step)
         if not force and not self.should_save(step):
+            return False
+        if self._already_saved(step, force):
             return False
         leaves, _ = tree.flatten(pytree)
         arrays, metas, host_arrays, values = [], [], [], []
@@ -173,10 +188,54 @@ class CheckpointManager:
         t0 = time.monotonic()
         # After a restore of an older step (a rollback), newer steps are abandoned: saving one replaces it.
         replace = self._restored_step is not None and step > self._restored_step
-        self.dispatcher.save(step, arrays, metas, host_arrays, values, self._generation(), replace)
+        try:
+            self.dispatcher.save(step, arrays, metas, host_arrays, values, self._generation(), replace)
+        except BaseException:
+            self._saved = None  # whatever the hosts hold now is asked again at the next save
+            raise
         self._last_saved = step
+        if self._saved is not None:
+            self._saved.add(step)
+        self._skipping = None
         log.info("save of step %d started (blocked %.3fs)", step, time.monotonic() - t0)
         return True
+
+    def _already_saved(self, step: int, force: bool) -> bool:
+        """Orbax's rule for a step not newer than the newest saved one: True to skip it (logged once per run
+        of skipped steps); with ``force``, :class:`StepAlreadyExistsError` when it is saved. The steps are
+        asked once per manager (at its first save), then followed here; a step that looks saved is asked
+        again, once the hosts' queued saves are written, before it is skipped or refused (a save cut short
+        by a failure is saved again)."""
+        if self._saved is None:
+            self._saved = self._saved_steps()
+        if not self._covers(step, force):
+            return False
+        self.dispatcher.query(host.HostQuery.WAIT, self.options.wait_timeout_seconds)
+        self._saved = self._saved_steps()
+        if not self._covers(step, force):
+            return False
+        newest = max(self._saved)
+        if force:
+            raise StepAlreadyExistsError(f"step {step} is already saved (the newest saved step is {newest}); "
+                                         "restore an older step first to save it again")
+        if self._skipping is None:
+            self._skipping = step
+            log.info("step %d is not newer than step %d, the newest saved step: not saved again (as Orbax's "
+                     "CheckpointManager; force=True raises)", step, newest)
+        return True
+
+    def _covers(self, step: int, force: bool) -> bool:
+        """Whether the known saved steps make ``step`` one not to save (``force``: one already saved)."""
+        if force:
+            return step in self._saved
+        return bool(self._saved) and step <= max(self._saved)
+
+    def _saved_steps(self) -> set[int]:
+        """The complete steps, less those a restore of an older step abandoned (unless saved since)."""
+        steps = set(self._complete_steps())
+        if self._restored_step is not None:
+            steps = {s for s in steps if s <= self._restored_step or s in (self._saved or ())}
+        return steps
 
     def _generation(self) -> int:
         """This save's generation: the controller's clock, the same on every host (a later save of a step
@@ -291,8 +350,6 @@ class CheckpointManager:
                 sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
             elif not sharding.is_fully_replicated:
                 raise ValueError(f"leaf {path!r}: PRNG keys restore onto NamedSharding or replicated targets")
-            else:
-                sharding = self._replicated
             return host.RestoreLeaf(path, data_shape, "uint32", impl, sharding)
         return host.RestoreLeaf(path, shape, tree.dtype_name(dtype), None, sharding, as_bytes=as_numpy)
 
@@ -351,7 +408,7 @@ class CheckpointManager:
                     raise ValueError(f"leaf {path!r} is an array in step {step}, target has a {type(leaf).__name__}")
                 out[i] = values[path]
         log.info("restored step %d in %.3fs", step, time.monotonic() - t0)
-        self._restored_step = self._newest_reported = step
+        self._restored(step)
         return tree.unflatten(treedef, out)
 
     def _restore_waiting(self, step: int, requests: list[host.RestoreLeaf], all_paths: list[str]) -> Any:
@@ -397,7 +454,12 @@ class CheckpointManager:
         """The train state is now ``step``, restored from elsewhere (an in-memory snapshot): saving forward
         replaces the abandoned newer steps, as after ``restore(step)``, instead of ``FileExistsError``."""
         layout.step_name(step)
+        self._restored(step)
+
+    def _restored(self, step: int) -> None:
+        """The train state is ``step`` now: newer steps are abandoned (saving forward replaces them)."""
         self._restored_step = self._newest_reported = step
+        self._saved = {s for s in self._saved if s <= step} if self._saved is not None else {step}
 
     # ------------------------------------------------------------------ suspend-resume
     def reached_preemption(self, step: int) -> bool:

@@ -12,7 +12,8 @@ Same as ``mtc demo --elastic --snapshotter``. The loop is
     ckpt = ElasticCheckpointer(options, topology=HostTopology.from_devices(jax.devices()),
                                devices=active_devices(elastic_manager), snapshotter=snapshotter)
 
-    @elastic_manager.elastic_retry(minimum_slice_count=1)     # None: pause and resume
+    @elastic_manager.elastic_retry(minimum_slice_count=1,     # None: pause and resume
+                                   retry_policy=manager.ElasticRetryLimit(max_attempts=10))
     def train_loop():
         mesh = create_mesh(active_devices(elastic_manager))   # shim: pathwaysutils 0.1.13 lacks the property
         restored = ckpt.restore(abstract_state(mesh))         # the snapshot or the checkpoint: the newer

@@ -21,8 +21,9 @@ import jax
 import numpy as np
 
 from sidecar import commit, faults, layout, pieces, reader, saves, spares, tree, writer
+from sidecar.failures import RankMismatchError, StepAlreadyExistsError
 from sidecar.notify import notify_step_committed
-from sidecar.remote import ReplicatorFetcher, backup_now, preemption_noticed
+from sidecar.remote import ReplicatorFetcher, backup_now, preemption_noticed, replicator_rank
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,37 @@ def ranks_of(config: HostConfig, devices: Sequence[Any]) -> list[int]:
     return sorted({config.device_rank[d.id] for d in devices if d.id in config.device_rank})
 
 
+# Roots whose replicator confirmed the rank this process acts for there (a sidecar lives for many calls).
+_CONFIRMED: dict[Path, int] = {}
+
+
+def confirm_ranks(config: HostConfig, ranks: Sequence[int]) -> None:
+    """Check, once per root and process, that the replicator serving each rank's root serves that rank.
+
+    The controller derives a host's rank from its devices (slice index and index in the slice); the
+    replicator takes its rank from its own flags (on Kubernetes the JobSet Pod index). Were they to differ,
+    one host's shards would be labelled as another rank's. A root no replicator serves yet is checked at a
+    later call. Raises :class:`RankMismatchError` (before anything is written) on a mismatch."""
+    if not (config.notify_replicator or config.remote_fetch):
+        return
+    for r in ranks:
+        root = config.root(r)
+        if _CONFIRMED.get(root) == r:
+            continue
+        served = replicator_rank(root)
+        if served is None:
+            continue
+        if served != r:
+            import socket
+
+            raise RankMismatchError(
+                f"host {socket.gethostname()}: the controller assigned it rank {r} (from its devices' slice index "
+                f"and index in the slice), but the replicator serving {root} serves rank {served} (its --rank, on "
+                "Kubernetes the JobSet Pod index): likely the Pod index and the device order disagree (check "
+                "`mtc manifests` --rank source and the devices' slice_index / task index); nothing was written")
+        _CONFIRMED[root] = r
+
+
 def save_on_hosts(
     config: HostConfig,
     ranks: Sequence[int],
@@ -86,6 +118,7 @@ def save_on_hosts(
     abandoned and replaced rather than an error.
     """
     layout.step_name(step)
+    confirm_ranks(config, ranks)
     writers = {r: writer.writer_for(config.root(r), config.write_threads) for r in ranks}
     writer.raise_failures(list(writers.values()))
     # A step committed on every host is saved: saving it again is a mistake, unless the job rolled back (it
@@ -94,8 +127,8 @@ def save_on_hosts(
     # replaces those copies atomically (writer.write_step).
     held = [r for r, w in writers.items() if (layout.steps_dir(w.root) / str(step) / layout.MANIFEST_NAME).is_file()]
     if held and len(held) == len(writers) and not replace:
-        raise FileExistsError(f"step {step} already exists for ranks {held} (to save it again, restore an older "
-                              "step first)")
+        raise StepAlreadyExistsError(f"step {step} already exists for ranks {held} (to save it again, restore an "
+                                     "older step first)")
     if held:
         log.warning("ranks %s: step %d is saved again: the abandoned copies are replaced", held, step)
     per_rank: dict[int, list[writer.ArrayCopy]] = {r: [] for r in ranks}
@@ -213,6 +246,7 @@ def restore_on_hosts(
     config: HostConfig, ranks: Sequence[int], step: int, leaves: Sequence[RestoreLeaf], all_paths: Sequence[str]
 ) -> RestoreResult:
     """Build each leaf's arrays from the verified saved shards; each rank fills its own devices only."""
+    confirm_ranks(config, ranks)
     with spares.quiet():  # no spare pool is filled while this reads
         writer.raise_failures([writer.writer_for(config.root(r), config.write_threads) for r in ranks], wait=True)
         located: dict[int, tuple[tuple[int, ...], int]] = {}
@@ -402,6 +436,7 @@ def query_on_hosts(config: HostConfig, ranks: Sequence[int], query: HostQuery | 
                    arg: Any = None) -> dict[int, Any]:
     """Ask each of ``ranks`` one :class:`HostQuery` (its value string is accepted: it crosses processes)."""
     query = HostQuery(query)
+    confirm_ranks(config, ranks)
     result: dict[int, Any] = {}
     writers = [writer.writer_for(config.root(r), config.write_threads) for r in ranks]
     if query in (HostQuery.STEPS, HostQuery.WAIT):

@@ -185,3 +185,9 @@ def preemption_noticed(root: Path) -> bool:
 def backup_now(root: Path) -> bool:
     """Ask the host's replicator to back the newest complete step up now; True when it answered."""
     return _quick(root, "BackupNow", control_pb2.BackupNowRequest()) is not None
+
+
+def replicator_rank(root: Path) -> int | None:
+    """The rank the replicator serving ``root`` serves, or None when none answers (not started, restarting)."""
+    resp = _quick(root, "GetLocalStatus", control_pb2.GetLocalStatusRequest())
+    return None if resp is None else int(resp.rank)

@@ -37,11 +37,14 @@ from typing import Any
 from controller_client.demo.cluster import LocalCluster
 from controller_client.demo.run import _setup_jax
 from controller_client.topology import HostTopology
+from sidecar.failures import StepAlreadyExistsError
 
 log = logging.getLogger(__name__)
 
 SLICES = 2
 HOSTS_PER_SLICE = 2
+# elastic_retry's retry_policy (pathwaysutils.elastic.manager.ElasticRetryLimit): attempts per controller process.
+RETRY_ATTEMPTS = 10
 DEVICES_PER_SLICE = 4
 
 
@@ -227,7 +230,9 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
     with sim.patched(), quiet_simulated_failures():
         elastic = elastic_manager.Manager(devices)
 
-        @elastic.elastic_retry(minimum_slice_count=1, poll_interval=0.2, timeout=120)
+        # A bounded retry (without a policy elastic_retry retries slice-down errors forever).
+        @elastic.elastic_retry(minimum_slice_count=1, poll_interval=0.2, timeout=120,
+                               retry_policy=elastic_manager.ElasticRetryLimit(max_attempts=RETRY_ATTEMPTS))
         def run() -> None:
             slices = sorted(elastic.active_slice_indices)
             active = [d for s in slices for d in elastic.slice_to_devices[s]]
@@ -255,7 +260,8 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
 
                 while step < schedule.total_steps:
                     if elastic.available_inactive_slices:
-                        ckpt.save(step, checkpoint(), force=True)
+                        with contextlib.suppress(StepAlreadyExistsError):  # saved at its interval already
+                            ckpt.save(step, checkpoint(), force=True)
                         ckpt.wait_until_finished()
                         events.append(f"scale up at step {step}: slices {sorted(elastic.available_inactive_slices)}")
                         raise elastic_manager.ScaleUpSignalError()

@@ -41,6 +41,7 @@ from controller_client.demo.cluster import LocalCluster
 from controller_client.demo.elastic import (
     DEVICES_PER_SLICE,
     HOSTS_PER_SLICE,
+    RETRY_ATTEMPTS,
     SLICES,
     SimulatedSlices,
     _model,
@@ -128,7 +129,9 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
         ckpt = ElasticCheckpointer(opts, topology=topology, devices=active_devices(elastic_manager),
                                    snapshotter=snapshotter)
 
-        @elastic_manager.elastic_retry(minimum_slice_count=minimum_slice_count, poll_interval=0.2, timeout=120)
+        # A bounded retry (without a policy elastic_retry retries slice-down errors forever).
+        @elastic_manager.elastic_retry(minimum_slice_count=minimum_slice_count, poll_interval=0.2, timeout=120,
+                                       retry_policy=manager.ElasticRetryLimit(max_attempts=RETRY_ATTEMPTS))
         def train_loop() -> None:
             mesh = create_mesh(active_devices(elastic_manager))
             slices = sorted(elastic_manager.active_slice_indices)

@@ -110,14 +110,20 @@ def test_sim_devices_carry_pathways_attributes(sim):
     assert HostTopology.from_devices(devs).nodes == 4
 
 
-def test_sim_colocated_cpu_devices_are_the_devices_themselves(sim):
-    """One colocated CPU device per device, order kept, for any subset (JAX's CPU fallback, without
-    colocation ids, handed slice 1's devices process 0's first CPU devices, i.e. slice 0's)."""
+def test_sim_colocated_cpu_devices_are_other_devices_of_the_same_host(sim):
+    """One colocated CPU device per device, order kept, for any subset and for meshes: another device of the
+    same host (so that the accelerator -> CPU transfer of a save, and back after a restore, happens), never
+    JAX's CPU fallback (process 0's first CPU devices: slice 1's devices would map to slice 0's)."""
     from jax.experimental import colocated_python
 
     devs = jax.devices()
-    assert list(colocated_python.colocated_cpu_devices(tuple(devs[4:]))) == devs[4:]
-    assert list(colocated_python.colocated_cpu_devices(tuple(devs[::2]))) == devs[::2]
+    assert list(colocated_python.colocated_cpu_devices(tuple(devs[4:]))) == [devs[5], devs[4], devs[7], devs[6]]
+    cpu = list(colocated_python.colocated_cpu_devices(tuple(devs[::2])))
+    assert cpu == devs[1::2]
+    assert [sim.host_of_id[c.id].host for c in cpu] == [sim.host_of_id[d.id].host for d in devs[::2]]
+    mesh = jax.sharding.Mesh(np.array(devs).reshape(2, 4), ("a", "b"))
+    cpu_mesh = colocated_python.colocated_cpu_devices(mesh)
+    assert cpu_mesh.axis_names == ("a", "b") and [d.id for d in cpu_mesh.devices.flat] == [1, 0, 3, 2, 5, 4, 7, 6]
 
 
 # --------------------------------------------------------------------------- the native path

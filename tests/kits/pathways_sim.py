@@ -183,6 +183,7 @@ class PathwaysSim:
                  "colocation_id": _lookup(colo_of, "colocation_id")},
                 lambda d: (f"CpuDevice(id={d.id}, slice_index={slice_of[d.id]}, logical_task={task_of[d.id]})"
                            if d.id in slice_of else None)))
+            self._stack.enter_context(self._colocated_cpu_devices())
             self._stack.enter_context(self._hook())
         except BaseException:
             self.close()
@@ -252,6 +253,41 @@ class PathwaysSim:
                 self._conns[host] = conn
         finally:
             listener.close()
+
+    # ------------------------------------------------------------------ accelerator -> colocated CPU devices
+    def cpu_device_id(self, device_id: int) -> int:
+        """The controller-side id of the colocated CPU device of accelerator device ``device_id``: the next
+        device of the same host (cyclically), so that every save moves each shard to another device and every
+        restore moves it back, as Pathways moves it between a TPU and its host's CPU; with one device per
+        host, the device itself."""
+        ids = self.host_of_id[device_id].device_ids
+        return ids[(ids.index(device_id) + 1) % len(ids)]
+
+    @contextlib.contextmanager
+    def _colocated_cpu_devices(self) -> Iterator[None]:
+        """JAX's ``colocated_cpu_devices`` answers as Pathways does: each device's own colocated CPU device
+        (:meth:`cpu_device_id`), order kept, for devices and meshes (JAX's own lookup cannot tell the roles
+        apart here: every simulated device is a CPU device)."""
+        import jax
+        import numpy as np
+        from jax.experimental import colocated_python
+        from jax.experimental.colocated_python import api
+
+        by_id = {d.id: d for d in self.devices}
+
+        def colocated(devices_or_mesh: Any) -> Any:
+            if isinstance(devices_or_mesh, jax.sharding.Mesh):
+                mesh = devices_or_mesh
+                devs = np.vectorize(lambda d: by_id[self.cpu_device_id(d.id)], otypes=[object])(mesh.devices)
+                return jax.sharding.Mesh(devs, mesh.axis_names)
+            return [by_id[self.cpu_device_id(d.id)] for d in devices_or_mesh]
+
+        saved = (colocated_python.colocated_cpu_devices, api.colocated_cpu_devices)
+        colocated_python.colocated_cpu_devices = api.colocated_cpu_devices = colocated
+        try:
+            yield
+        finally:
+            colocated_python.colocated_cpu_devices, api.colocated_cpu_devices = saved
 
     # ------------------------------------------------------------------ the colocated-program hook
     @contextlib.contextmanager
@@ -324,12 +360,20 @@ class PathwaysSim:
         """Send each host its message, then gather every answer (the workers run concurrently)."""
         for h, msg in msgs.items():
             self._conns[h].send(msg)
+        import jax
+
         answers, error = {}, None
         for h in msgs:
             conn = self._conns[h]
-            if not conn.poll(CALL_TIMEOUT_SECONDS):
-                raise TimeoutError(f"Pathways worker of host {h} did not answer in {CALL_TIMEOUT_SECONDS}s")
-            kind, payload = conn.recv()
+            try:
+                if not conn.poll(CALL_TIMEOUT_SECONDS):
+                    raise jax.errors.JaxRuntimeError(
+                        f"DEADLINE_EXCEEDED: the Pathways worker of host {h} did not answer in {CALL_TIMEOUT_SECONDS}s "
+                        "(simulated Pathways)")
+                kind, payload = conn.recv()
+            except (EOFError, OSError) as e:  # the worker process is gone: its host is lost
+                raise jax.errors.JaxRuntimeError(
+                    f"DATA_LOSS: the Pathways worker of host {h} is gone ({type(e).__name__}) (simulated Pathways)") from None
             if kind == "ok":
                 answers[h] = payload
             elif error is None:
@@ -358,14 +402,15 @@ def _assemble(spec: Any, got: dict[int, Any]) -> Any:
 
 
 def _revive(host: int, payload: tuple[bytes | None, str]) -> BaseException:
-    """The worker's exception (its own type when it unpickles), with the worker's traceback as a note."""
+    """The worker's exception as Pathways surfaces it on the controller: a ``jax.errors.JaxRuntimeError``
+    carrying a status and the exception's text, not its Python type (docs/pathways.md: what is known of the
+    real format). The status is ``INTERNAL``, the worst case for a caller: pathwaysutils counts it as a
+    slice-down. The worker's traceback is a note."""
+    import jax
+
     blob, text = payload
-    err: BaseException | None = None
-    if blob is not None:
-        with contextlib.suppress(Exception):
-            err = pickle.loads(blob)
-    if not isinstance(err, BaseException):
-        err = RuntimeError(text.strip().splitlines()[-1] if text.strip() else "worker failed")
+    what = text.strip().splitlines()[-1] if text.strip() else "worker failed"
+    err = jax.errors.JaxRuntimeError(f"INTERNAL: colocated Python function raised on host {host}: {what}")
     err.add_note(f"(raised on simulated Pathways host {host})\n{text}")
     return err
 

@@ -1,0 +1,170 @@
+"""The Pathways guide's elastic loop exactly as the guide writes it, with our ``CheckpointManager`` directly
+underneath (no ``ElasticCheckpointer``, no ``mark_restored``).
+
+The guide's loop (``../shared/pathways-guide.txt``, "Elastic training"): one ``manager.Manager`` and one
+Orbax ``Snapshotter(replica_axis_index=0)`` per controller process; ``@elastic_manager.elastic_retry(
+minimum_slice_count=1, ..., retry_policy=manager.ElasticRetryLimit(...))`` around the training function;
+each attempt builds its mesh from the active devices, restores the latest snapshot when there is one, trains,
+snapshots every few steps, and scales up in place when ``available_inactive_slices`` is non-empty. What we
+add is what a user adds: a ``CheckpointManager`` over the attempt's active devices that saves every
+``save_every`` steps and, in a new process (no snapshot), restores the newest complete step; and an
+``on_elastic_event_callback`` that closes the lost attempt's manager.
+
+After an elastic event the snapshot is usually *older* than the newest checkpoint (snapshots every 2 steps,
+checkpoints every 3): the attempt trains forward and calls ``save`` on steps already saved. As Orbax's
+``CheckpointManager`` does, those saves are skipped (``save`` returns False), never an error that
+``elastic_retry`` would re-raise. State is replicated along the replica axis, as the guide requires.
+tests/controller_client/test_guide_loop.py runs it on the simulated Pathways.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from controller_client.demo.elastic import (
+    SimulatedSlices,
+    _model,
+    _wait,
+    allocation_topology,
+    quiet_simulated_failures,
+    replace_slice,
+)
+from controller_client.demo.elastic_snapshot import active_devices, create_mesh, lose_slice, wait_redundant
+
+
+@dataclasses.dataclass
+class GuideSchedule:
+    """When things happen, in completed training steps."""
+
+    total_steps: int = 17
+    snapshot_every: int = 2
+    save_every: int = 3
+    fail_at: int = 10  # slice 1 is lost before this step runs (after step 9's checkpoint, snapshot 8)
+    return_at: int = 12  # slice 1 is healthy again before this step runs: in-place scale-up
+    restart_at: int = 14  # the controller process restarts after this step; slice 1 comes back replaced
+    max_attempts: int = 4  # manager.ElasticRetryLimit per controller process
+
+
+def train_guide_loop(cluster: Any, schedule: GuideSchedule, sim: SimulatedSlices,
+                     events: list[str] | None = None) -> dict[int, float]:
+    """Run the story of :class:`GuideSchedule`; returns each step's loss (the last computation of a step)."""
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS.
+    import jax
+    import pathwaysutils
+    from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter
+    from pathwaysutils.elastic import manager
+
+    from controller_client.demo.elastic_data import ElasticBatches
+    from controller_client.manager import CheckpointManager, CheckpointManagerOptions
+    from controller_client.resilience import close_after_failure
+
+    pathwaysutils.initialize()
+    events = events if events is not None else []
+    init, target, dataset, train_step = _model("replicated")
+    devices = sim.devices
+    topology = allocation_topology(devices)
+    opts = CheckpointManagerOptions(local_directory=cluster.local_template, job_name="t",
+                                    save_interval_steps=schedule.save_every, coordinator_address=cluster.coordinator,
+                                    restore_wait_seconds=60)
+    losses: dict[int, float] = {}
+
+    def controller_process(stop_after: int) -> None:
+        elastic_manager = manager.Manager(devices)
+        snapshotter = Snapshotter(replica_axis_index=0)
+        current: dict[str, CheckpointManager] = {}
+
+        def close_lost_attempt(*_: Any) -> None:
+            """on_elastic_event_callback: the lost attempt's manager reaches lost hosts; close it quietly."""
+            mgr = current.pop("mgr", None)
+            if mgr is not None:
+                close_after_failure(mgr, "after an elastic event")
+
+        def manager_on(active: list[Any]) -> CheckpointManager:
+            old = current.pop("mgr", None)
+            if old is not None:
+                old.close()
+            current["mgr"] = CheckpointManager(opts, devices=active, topology=topology)
+            return current["mgr"]
+
+        @elastic_manager.elastic_retry(minimum_slice_count=1, poll_interval=0.2, timeout=120,
+                                       retry_policy=manager.ElasticRetryLimit(max_attempts=schedule.max_attempts),
+                                       on_elastic_event_callback=close_lost_attempt)
+        def run_training_loop() -> None:
+            active = active_devices(elastic_manager)
+            mesh = create_mesh(active)
+            mgr = manager_on(active)
+            slices = sorted(elastic_manager.active_slice_indices)
+            events.append(f"attempt on slices {slices}")
+            data = ElasticBatches(dataset(), mesh)
+            params, step = init(mesh)["params"], 0
+            try:
+                if snapshotter.latest is not None:  # the guide: the latest in-memory snapshot first
+                    snapshotter.join()
+                    restored = snapshotter.load({**target(mesh), "data": data.get_state()})
+                    params, step = restored["params"], int(restored["step"])
+                    data.set_state(restored["data"])
+                    events.append(f"restored step {step} from the snapshot onto {len(slices)} slice(s)")
+                elif (latest := mgr.latest_step()) is not None:  # a new process: the multi-tier checkpoint
+                    restored = mgr.restore(latest, {**target(mesh), "data": data.get_state()})
+                    params, step = restored["params"], restored["step"]
+                    data.set_state(restored["data"])
+                    events.append(f"restored step {step} from the checkpoint onto {len(slices)} slice(s)")
+                while step < stop_after:
+                    if elastic_manager.available_inactive_slices:  # the guide's in-place scale-up
+                        elastic_manager.active_slice_indices = (elastic_manager.active_slice_indices
+                                                                | elastic_manager.available_inactive_slices)
+                        active = active_devices(elastic_manager)
+                        mesh = create_mesh(active)
+                        position = data.get_state()
+                        data.close()
+                        data = ElasticBatches(dataset(), mesh)
+                        data.set_state(position)
+                        params = jax.device_put(params, jax.tree.map(lambda t: t.sharding, target(mesh)["params"]))
+                        mgr = manager_on(active)
+                        events.append(f"scale up in place at step {step}: slices "
+                                      f"{sorted(elastic_manager.active_slice_indices)}")
+                        continue
+                    if step + 1 == schedule.fail_at and 1 in elastic_manager.active_slice_indices \
+                            and "lost" not in sim.history:
+                        mgr.wait_until_finished()  # the failure strikes between steps
+                        snapshotter.join()
+                        sim.history.append("lost")
+                        lose_slice(sim, 1)
+                        events.append(f"slice 1 lost before step {step + 1}")
+                        raise jax.errors.JaxRuntimeError("DATA_LOSS: slice 1 is down (simulated)")
+                    if step + 1 == schedule.return_at and 1 in sim.down:
+                        sim.heal(1)
+                        events.append(f"slice 1 is back before step {step + 1}")
+                        _wait(lambda: elastic_manager.available_inactive_slices, 30, "the monitor to see slice 1")
+                        continue
+                    b = next(data)
+                    params, loss = train_step(params, b["x"], b["y"])
+                    step += 1
+                    losses[step] = float(loss)
+                    state = {"params": params, "step": step, "data": data.get_state()}
+                    if step % schedule.snapshot_every == 0:
+                        snapshotter.save(step, state)
+                    if step % schedule.save_every == 0:
+                        saved = mgr.save(step, state)
+                        events.append(f"save({step}) -> {saved}")
+            finally:
+                data.close()
+
+        try:
+            run_training_loop()
+        finally:
+            snapshotter.join()
+            last = current.pop("mgr", None)
+            if last is not None:
+                last.close()
+
+    with sim.patched(), quiet_simulated_failures():
+        controller_process(schedule.restart_at)
+        newest = wait_redundant(cluster)
+        events.append(f"controller restarts after step {schedule.restart_at}; slice 1 replaced (empty RAM disks; "
+                      f"step {newest} has its copies on peers)")
+        replace_slice(cluster, 1)
+        sim.heal(1)
+        controller_process(schedule.total_steps)
+    return losses

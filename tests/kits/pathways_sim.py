@@ -4,8 +4,9 @@ colocated-Python sidecar.
 What it models (docs/pathways.md has the full list and what it does not model):
 
 - Controller devices carry Pathways' attributes: ``slice_index``, ``virtual_task_index`` (the host's index
-  in its slice), ``process_index`` 0 for all, a repr with ``logical_task=``, and a ``colocation_id`` (its own
-  id: each device is its own colocated CPU device). They are this process's real
+  in its slice), ``process_index`` 0 for all, a repr with ``logical_task=``, and a ``colocation_id``. Each
+  device's colocated CPU device (``colocated_cpu_devices``, answered here) is another device of its host, so
+  every save moves each shard to another device and every restore moves it back, as on Pathways. They are this process's real
   CPU devices (the attributes are added to JAX's device class while the simulation runs), so the product's
   meshes and arrays are ordinary JAX objects.
 - A colocated-Python program runs the way Pathways runs it: JAX pickles the function and its specialization
@@ -20,6 +21,8 @@ What it models (docs/pathways.md has the full list and what it does not model):
   the PjRt-IFRT id is the controller-side id.
 - Host functions keep state between calls in the worker (writer threads, JAX's result store), as a
   long-running sidecar does, and share nothing with the controller but the pickles.
+- A worker's exception comes back as Pathways returns it: a ``JaxRuntimeError`` with status ``INTERNAL``
+  and the exception's text, not its type; a dead worker makes the call raise ``DATA_LOSS``.
 - Lost hosts (``lose_hosts``/``heal_hosts``): a program or call spanning one raises the ``DATA_LOSS``
   ``JaxRuntimeError`` of a slice-down without reaching any worker; the worker process itself stays (a
   replaced host keeps it: docs/pathways.md).

@@ -203,7 +203,8 @@ class CheckpointManager:
     def _already_saved(self, step: int, force: bool) -> bool:
         """Orbax's rule for a step not newer than the newest saved one: True to skip it (logged once per run
         of skipped steps); with ``force``, :class:`StepAlreadyExistsError` when it is saved. The steps are
-        asked once per manager (at its first save), then followed here; a step that looks saved is asked
+        asked once per manager (at its first save, unless ``all_steps``/``latest_step`` asked already: one
+        ``STEPS`` fan-out, ~5 ms on 8 CPU devices), then followed here; a step that looks saved is asked
         again, once the hosts' queued saves are written, before it is skipped or refused (a save cut short
         by a failure is saved again)."""
         if self._saved is None:
@@ -314,6 +315,8 @@ class CheckpointManager:
         steps = self._complete_steps()
         if steps and (self._newest_reported is None or steps[-1] > self._newest_reported):
             self._newest_reported = steps[-1]
+        if self._saved is None and self._restored_step is None:
+            self._saved = set(steps)  # what the first save would ask (a job asks latest_step() first)
         return steps
 
     @property

@@ -56,6 +56,8 @@ POLL_SECONDS = 0.1
 HANDSHAKE_STOP_GRACE_SECONDS = 0.25
 # PrepareRestore is asked in slices of this length, so that SIGTERM or a newer handshake is noticed.
 PREPARE_SLICE_SECONDS = 5.0
+# The step the guide says the replicator service reserves for "no checkpoint" (never restored in Orbax mode).
+RESERVED_STEP = 0
 
 
 class HandshakeError(RuntimeError):
@@ -350,9 +352,15 @@ class OrbaxMode:
             return None, None
         if resp is None or not registered:
             raise HandshakeError(f"no restore plan within {opts.handshake_timeout_seconds}s: {last_error}")
+        if resp.step == RESERVED_STEP:
+            # The guide: "Step 0 is reserved by the replicator service to indicate 'no checkpoint'" (and
+            # Orbax's colocated manager never restores it): a job whose only complete step is 0 starts over.
+            log.info("the newest complete step is step 0, which is reserved for 'no checkpoint': nothing to "
+                     "restore")
+            return None, None
         if resp.step < 0:
             log.info("nothing to restore: %s", resp.reason)
-            held = sorted(set(store.own_steps()) | {s for _, s in store.peer_steps()})
+            held = sorted((set(store.own_steps()) | {s for _, s in store.peer_steps()}) - {RESERVED_STEP})
             if held:
                 # Orbax starts from scratch: say so, and what is missing (e.g. after an elastic event no
                 # survivor held some in-slice position's data), instead of a silent "nothing".

@@ -349,3 +349,21 @@ def test_replicator_options_from_replicator_yaml(tmp_path: Path) -> None:
         ReplicatorOptions(local_dir=tmp_path).validate()
     with pytest.raises(ConfigError, match="go together"):
         ReplicatorOptions(local_dir=tmp_path, coordinator="c:1", jax_coordinator="h:1").validate()
+
+
+def test_step_zero_is_reserved_for_no_checkpoint(base) -> None:
+    """The guide: "Step 0 is reserved by the replicator service to indicate 'no checkpoint'". Orbax 0.12.8
+    (multi-controller) saves step 0 like any other (test_orbax_multiprocess); our replicator keeps it, but a
+    restart whose newest complete step is 0 answers "nothing to restore" (the empty s0 marker)."""
+    cl = _cluster(base, 2)
+    first = cl.run_job("zero", slices=2, save_steps="0")
+    _ok(cl, first)
+    wait_for(lambda: all((cl.local(r) / "steps" / "0" / layout.MANIFEST_NAME).is_file() for r in range(2)),
+             what="step 0 ingested on both hosts")
+    second = cl.run_job("zero", slices=2, save_steps="1")
+    _ok(cl, second)
+    assert [r["latest_at_start"] for r in second.results] == [None, None], cl.describe(second)
+    # A later step restores as usual.
+    wait_for(lambda: all((cl.local(r) / "steps" / "1" / layout.MANIFEST_NAME).is_file() for r in range(2)),
+             what="step 1 ingested on both hosts")
+    _restored(cl, cl.run_job("zero", slices=2, restore_step=1), 1)

@@ -95,8 +95,8 @@ def confirm_ranks(config: HostConfig, ranks: Sequence[int]) -> None:
             raise RankMismatchError(
                 f"host {socket.gethostname()}: the controller assigned it rank {r} (from its devices' slice index "
                 f"and index in the slice), but the replicator serving {root} serves rank {served} (its --rank, on "
-                "Kubernetes the JobSet Pod index): likely the Pod index and the device order disagree (check "
-                "`mtc manifests` --rank source and the devices' slice_index / task index); nothing was written")
+                "Kubernetes the JobSet job index x hosts per slice + Pod index): likely cause: the Pods' indices "
+                "and the order of the devices' slice_index / task index disagree; nothing was written")
         _CONFIRMED[root] = r
 
 

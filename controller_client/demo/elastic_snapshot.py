@@ -33,7 +33,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,19 +159,8 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
                         events.append(f"scale up in place at step {step}: slices "
                                       f"{sorted(elastic_manager.active_slice_indices)}")
                         continue
-                    if step + 1 == schedule.fail_at and 1 in elastic_manager.active_slice_indices \
-                            and "lost" not in sim.history:
-                        ckpt.wait_until_finished()  # the failure strikes between steps
-                        sim.history.append("lost")
-                        lose_slice(sim, 1)
-                        events.append(f"slice 1 lost before step {step + 1}")
-                        if minimum_slice_count is None:  # pause and resume: it comes back while we wait
-                            threading.Timer(1.0, sim.heal, (1,)).start()
-                        raise jax.errors.JaxRuntimeError("DATA_LOSS: slice 1 is down (simulated)")
-                    if step + 1 == schedule.return_at and 1 in sim.down:
-                        sim.heal(1)
-                        events.append(f"slice 1 is back before step {step + 1}")
-                        _wait(lambda: elastic_manager.available_inactive_slices, 30, "the monitor to see slice 1")
+                    if scheduled_slice_event(sim, schedule, step, elastic_manager, events, ckpt.wait_until_finished,
+                                             pause_resume=minimum_slice_count is None):
                         continue
                     b = next(data)
                     params, loss = train_step(params, b["x"], b["y"])
@@ -192,6 +181,39 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
         finally:
             ckpt.close()
 
+    run_with_restart(cluster, sim, schedule, controller_process, events)
+    return losses
+
+
+def scheduled_slice_event(sim: SimulatedSlices, schedule: Any, step: int, elastic_manager: Any, events: list[str],
+                          flush: Callable[[], None], pause_resume: bool = False) -> bool:
+    """The story's slice events before step ``step + 1``: slice 1 is lost at ``schedule.fail_at`` once
+    (``flush`` first: the failure strikes between steps; raises the slice-down error; ``pause_resume``: it
+    comes back a second later), and is back at ``schedule.return_at``. True when it came back (the loop
+    looks at ``available_inactive_slices`` again)."""
+    # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS (module docstring).
+    import jax
+
+    if step + 1 == schedule.fail_at and 1 in elastic_manager.active_slice_indices and "lost" not in sim.history:
+        flush()
+        sim.history.append("lost")
+        lose_slice(sim, 1)
+        events.append(f"slice 1 lost before step {step + 1}")
+        if pause_resume:  # it comes back while the retry waits
+            threading.Timer(1.0, sim.heal, (1,)).start()
+        raise jax.errors.JaxRuntimeError("DATA_LOSS: slice 1 is down (simulated)")
+    if step + 1 == schedule.return_at and 1 in sim.down:
+        sim.heal(1)
+        events.append(f"slice 1 is back before step {step + 1}")
+        _wait(lambda: elastic_manager.available_inactive_slices, 30, "the monitor to see slice 1")
+        return True
+    return False
+
+
+def run_with_restart(cluster: Any, sim: SimulatedSlices, schedule: Any, controller_process: Callable[[int], None],
+                     events: list[str]) -> None:
+    """Two lifetimes of the controller: up to ``schedule.restart_at``, then (slice 1 replaced by empty hosts
+    once the newest step has its peer copies) up to ``schedule.total_steps``."""
     with sim.patched(), quiet_simulated_failures():
         controller_process(schedule.restart_at)
         newest = wait_redundant(cluster)
@@ -200,7 +222,6 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
         replace_slice(cluster, 1)
         sim.heal(1)
         controller_process(schedule.total_steps)
-    return losses
 
 
 def wait_redundant(cluster: Any, timeout_seconds: float = 60) -> int:

@@ -22,15 +22,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from controller_client.demo.elastic import (
-    SimulatedSlices,
-    _model,
-    _wait,
-    allocation_topology,
-    quiet_simulated_failures,
-    replace_slice,
+from controller_client.demo.elastic import SimulatedSlices, _model, allocation_topology
+from controller_client.demo.elastic_snapshot import (
+    active_devices,
+    create_mesh,
+    run_with_restart,
+    scheduled_slice_event,
 )
-from controller_client.demo.elastic_snapshot import active_devices, create_mesh, lose_slice, wait_redundant
 
 
 @dataclasses.dataclass
@@ -80,6 +78,11 @@ def train_guide_loop(cluster: Any, schedule: GuideSchedule, sim: SimulatedSlices
             if mgr is not None:
                 close_after_failure(mgr, "after an elastic event")
 
+        def flush() -> None:
+            """Before a simulated loss: the attempt's pending saves and snapshot are done."""
+            current["mgr"].wait_until_finished()
+            snapshotter.join()
+
         def manager_on(active: list[Any]) -> CheckpointManager:
             old = current.pop("mgr", None)
             if old is not None:
@@ -125,18 +128,7 @@ def train_guide_loop(cluster: Any, schedule: GuideSchedule, sim: SimulatedSlices
                         events.append(f"scale up in place at step {step}: slices "
                                       f"{sorted(elastic_manager.active_slice_indices)}")
                         continue
-                    if step + 1 == schedule.fail_at and 1 in elastic_manager.active_slice_indices \
-                            and "lost" not in sim.history:
-                        mgr.wait_until_finished()  # the failure strikes between steps
-                        snapshotter.join()
-                        sim.history.append("lost")
-                        lose_slice(sim, 1)
-                        events.append(f"slice 1 lost before step {step + 1}")
-                        raise jax.errors.JaxRuntimeError("DATA_LOSS: slice 1 is down (simulated)")
-                    if step + 1 == schedule.return_at and 1 in sim.down:
-                        sim.heal(1)
-                        events.append(f"slice 1 is back before step {step + 1}")
-                        _wait(lambda: elastic_manager.available_inactive_slices, 30, "the monitor to see slice 1")
+                    if scheduled_slice_event(sim, schedule, step, elastic_manager, events, flush):
                         continue
                     b = next(data)
                     params, loss = train_step(params, b["x"], b["y"])
@@ -159,12 +151,5 @@ def train_guide_loop(cluster: Any, schedule: GuideSchedule, sim: SimulatedSlices
             if last is not None:
                 last.close()
 
-    with sim.patched(), quiet_simulated_failures():
-        controller_process(schedule.restart_at)
-        newest = wait_redundant(cluster)
-        events.append(f"controller restarts after step {schedule.restart_at}; slice 1 replaced (empty RAM disks; "
-                      f"step {newest} has its copies on peers)")
-        replace_slice(cluster, 1)
-        sim.heal(1)
-        controller_process(schedule.total_steps)
+    run_with_restart(cluster, sim, schedule, controller_process, events)
     return losses

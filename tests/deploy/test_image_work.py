@@ -96,8 +96,8 @@ def _assert_workers_ran_the_image(base: Path) -> None:
     patch and parsed absl flags in place at its start by the image's own doing."""
     reports = [json.loads((base / "reports" / f"worker-{p}.json").read_text()) for p in range(4)]
     for r in reports:
-        for pkg in ("sidecar", "controller_client", "replicator", "orbax"):
-            assert r[pkg] is not None and r[pkg].startswith(f"{SITE}/{pkg}/"), r
+        for pkg in ("sidecar", "controller_client", "replicator", "orbax.checkpoint"):
+            assert r[pkg] is not None and r[pkg].startswith(f"{SITE}/{pkg.replace('.', '/')}/"), r
             assert not r[pkg].startswith(TESTS_MOUNT), r
         assert r["jax"] == pinned("jax") and r["jax_file"].startswith(SITE), r
         assert r["orbax_patch_at_start"] is True, r

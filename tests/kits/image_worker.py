@@ -20,24 +20,29 @@ REPORT_ENV = "MTC_IMAGE_REPORT_DIR"
 
 
 def _origin(name: str) -> str | None:
-    spec = importlib.util.find_spec(name)
+    try:
+        spec = importlib.util.find_spec(name)
+    except ModuleNotFoundError:  # its parent package is missing
+        return None
     return None if spec is None else spec.origin
 
 
 def report() -> dict:
     import jax
     import jax.experimental.colocated_python  # noqa: F401 - what the colocated-Python server imports first
-    from absl import flags
 
-    patched = None
-    if importlib.util.find_spec("orbax") is not None:
+    parsed = patched = None
+    if _origin("absl.flags") is not None:
+        from absl import flags
+
+        parsed = flags.FLAGS.is_parsed()
+    if _origin("orbax.checkpoint") is not None:
         from orbax.checkpoint._src.multihost import colocated_transport
 
         patched = bool(colocated_transport._PATHWAYS_SERIALIZATION_PATCH_INSTALLED)
     return {"process": jax.process_index(), "uid": os.getuid(), "jax": jax.__version__, "jax_file": jax.__file__,
-            "sidecar": _origin("sidecar"), "controller_client": _origin("controller_client"),
-            "replicator": _origin("replicator"), "orbax": _origin("orbax"), "orbax_patch_at_start": patched,
-            "absl_flags_parsed_at_start": flags.FLAGS.is_parsed()}
+            **{name: _origin(name) for name in ("sidecar", "controller_client", "replicator", "orbax.checkpoint")},
+            "orbax_patch_at_start": patched, "absl_flags_parsed_at_start": parsed}
 
 
 def setup() -> None:

@@ -35,11 +35,11 @@ from jax.sharding import PartitionSpec as P
 
 from controller_client.demo.cluster import LocalCluster
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
-from controller_client.topology import HostTopology
 from sidecar import checksums, layout
+from tests.kits.image_trainer import differences, state, target_on
 from tests.kits.image_worker import REPORT_ENV
 from tests.kits.images import TESTS_MOUNT, Store, pinned
-from tests.kits.jax_procs import free_port
+from tests.kits.jax_procs import REPO, free_port
 from tests.kits.pathways_sim import PathwaysSim
 
 pytestmark = [pytest.mark.image, pytest.mark.timeout(1500)]
@@ -47,37 +47,8 @@ pytestmark = [pytest.mark.image, pytest.mark.timeout(1500)]
 SITE = "/opt/venv/lib/python3.11/site-packages"  # the colocated-Python stand-in's environment
 
 
-# --------------------------------------------------------------------------- trees
-
-def state(step: int, devices, shape=(2, 4)) -> dict:
-    mesh = Mesh(np.array(devices).reshape(shape), ("data", "model"))
-    rng = np.random.default_rng(step)
-    return {"w": jax.device_put(rng.standard_normal((16, 64)).astype(np.float32),
-                                NamedSharding(mesh, P("data", "model"))),
-            "v": jax.device_put(rng.standard_normal((8, 32)).astype(np.float32), NamedSharding(mesh, P(None, "model"))),
-            "rng": jax.device_put(jax.random.key(step), NamedSharding(mesh, P())),
-            "host": np.arange(5, dtype=np.int64) * step,
-            "step": step}
-
-
-def target_on(tree: dict, devices, shape) -> dict:
-    mesh = Mesh(np.array(devices).reshape(shape), ("data", "model"))
-    specs = {"w": P("data", "model"), "v": P(None, "model"), "rng": P()}
-    out = {k: jax.ShapeDtypeStruct(tree[k].shape, tree[k].dtype, sharding=NamedSharding(mesh, s))
-           for k, s in specs.items()}
-    return {**out, "host": np.zeros(5, np.int64), "step": tree["step"]}
-
-
-def assert_equal(a: dict, b: dict) -> None:
-    for k, x in a.items():
-        y = b[k]
-        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x, y = jax.random.key_data(x), jax.random.key_data(y)
-        if isinstance(x, (jax.Array, np.ndarray)):
-            assert np.asarray(x).dtype == np.asarray(y).dtype, k
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=k)
-        else:
-            assert x == y, k
+def assert_equal(want: dict, got: dict) -> None:
+    assert not differences(want, got), differences(want, got)
 
 
 # --------------------------------------------------------------------------- the sidecar image
@@ -286,27 +257,34 @@ def _files(step_dir: Path) -> dict[str, int]:
     return {str(p.relative_to(step_dir)): p.stat().st_ino for p in sorted(step_dir.rglob("*")) if p.is_file()}
 
 
+def _trainer(store: Store, image: str, ram: Path, reps: Replicators, *args: str) -> dict:
+    """tests/kits/image_trainer.py in a container of the sidecar image, as its user (UID 1000, the replicator's:
+    they share the RAM disk), every host's RAM disk at its own path."""
+    mounts = [f"{REPO / 'tests'}:{TESTS_MOUNT}/tests:ro", *(f"{ram / str(r)}:{ram / str(r)}" for r in range(4))]
+    out = store.podman("run", "--rm", "--network", "host", "--workdir", TESTS_MOUNT, "--env",
+                       f"PYTHONPATH={TESTS_MOUNT}", *(a for m in mounts for a in ("--volume", m)), image, "python",
+                       "-m", "tests.kits.image_trainer", *args, "--ram", str(ram), "--coordinator", reps.coordinator,
+                       check=False, timeout=300)  # fmt: skip
+    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}\n" + "\n".join(
+        reps.logs(r) for r in range(reps.nodes))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_replicator_image_serves_kills_and_refills_on_ram_disks(store: Store, replicator_image: str,
-                                                               workdir: Path) -> None:
+                                                               sidecar_image: str, workdir: Path) -> None:
+    """Four replicator containers as on a node: user 1000, read-only root, a memory limit, a 64 MiB tmpfs as
+    /local. The save and restores come from the training side: here a container of the sidecar image with the
+    same user (a host process as root creates directories such as ``<local>/fetch`` that the replicator's user
+    then cannot write into), 8 CPU devices as 2 slices x 2 hosts."""
     ram = workdir / "ram"
-    devs = jax.devices()
-    topo = HostTopology.simulated(devs, slices=2, hosts_per_slice=2)
     reps = Replicators(store, replicator_image, ram, 4)
-
-    def manager() -> CheckpointManager:
-        opts = CheckpointManagerOptions(local_directory=str(ram / "{host}"), job_name="t",
-                                        coordinator_address=reps.coordinator, restore_wait_seconds=60,
-                                        rpc_timeout_seconds=10)
-        return CheckpointManager(opts, devices=devs, topology=topo)
-
     with contextlib.ExitStack() as stack:
         for r in range(4):
             stack.enter_context(ram_disk(ram / str(r)))
         stack.callback(reps.stop_all)
-        reps.start(0)
-        for r in range(1, 4):
+        for r in range(4):
             reps.start(r)
-        # The containers as a Pod spec would run them (docs/deploy.md): checked on the running container.
+        # The containers as a Pod spec runs them (docs/deploy.md), checked on a running one.
         inspect = json.loads(store.podman("inspect", reps.name(1)).stdout)[0]
         assert inspect["HostConfig"]["ReadonlyRootfs"] is True
         assert inspect["HostConfig"]["Memory"] == 512 << 20
@@ -315,18 +293,12 @@ def test_replicator_image_serves_kills_and_refills_on_ram_disks(store: Store, re
         df = store.podman("exec", reps.name(1), "df", "-B1", "--output=fstype,size", "/local").stdout.split()
         assert df[-2:] == ["tmpfs", str(LOCAL_BYTES)], df
 
-        mgr = manager()
-        trees = {}
-        for step in (1, 2):
-            trees[step] = state(step, devs)
-            assert mgr.save(step, trees[step])
-            mgr.wait_until_finished()
+        assert _trainer(store, sidecar_image, ram, reps, "save", "--steps", "1", "2") == {"saved": [1, 2]}
         deadline = time.monotonic() + 60
         while not all(any((ram / str(r)).glob("peer/*/2")) for r in range(4)):
             assert time.monotonic() < deadline, "no peer copies of step 2:\n" + "\n".join(
                 reps.logs(r) for r in range(4))
             time.sleep(0.2)
-        mgr.close()
 
         # Host 1's replicator is killed and comes back with its RAM disk. Its peers' copies of its step are
         # dropped: the restore can only read host 1's own copy, which stays as it was.
@@ -335,11 +307,8 @@ def test_replicator_image_serves_kills_and_refills_on_ram_disks(store: Store, re
         reps.start(1)
         for r in range(4):
             shutil.rmtree(layout.peer_dir(ram / str(r), 1) / "2", ignore_errors=True)
-        mgr = manager()
-        assert mgr.latest_step() == 2
-        assert_equal(trees[2], mgr.restore(None, target_on(trees[2], devs, (2, 4))))
+        assert _trainer(store, sidecar_image, ram, reps, "restore") == {"step": 2, "differences": []}
         assert _files(layout.steps_dir(ram / "1") / "2") == own
-        mgr.close()
 
         # Host 3 comes back with an empty RAM disk: refilled from its data-parallel peer (host 1).
         reps.kill(3)
@@ -348,11 +317,10 @@ def test_replicator_image_serves_kills_and_refills_on_ram_disks(store: Store, re
                         "mtc-test-ram", str(ram / "3")], check=True, timeout=30)  # fmt: skip
         assert not any((ram / "3").iterdir())
         reps.start(3)
-        mgr = manager()
-        assert_equal(trees[2], mgr.restore(2, target_on(trees[2], devs, (4, 2))))
-        mgr.close()
-        refilled = [layout.steps_dir(ram / "3") / "2", *(ram / "3").glob("peer/*/2")]
-        assert any((d / layout.MANIFEST_NAME).is_file() for d in refilled), os.listdir(ram / "3")
+        got = _trainer(store, sidecar_image, ram, reps, "restore", "--steps", "2", "--shape", "4x2")
+        assert got == {"step": 2, "differences": []}
+        refilled = [d for d in [layout.steps_dir(ram / "3") / "2", *(ram / "3").glob("peer/*/2")]
+                    if (d / layout.MANIFEST_NAME).is_file()]
+        assert refilled, os.listdir(ram / "3")
         for d in refilled:
-            if (d / layout.MANIFEST_NAME).is_file():
-                checksums.verify_step_dir(d)
+            checksums.verify_step_dir(d)

@@ -8,9 +8,15 @@
   (tests/kits/image_worker.py). The replicators are host processes here (the replicator image's test is below);
   the worker containers run as root because those replicators' control sockets (mode 0600) are root's.
 - **Replicator image**: four containers as on a node (user 1000, read-only root filesystem, a memory limit, a
-  size-limited tmpfs as ``/local``) serve a save made from the host side; one is killed and started again with
-  its ``/local`` kept (the CSI RAM disk outlives a Pod restart on the node) and the restore reads its own RAM
-  disk; one starts with an empty ``/local`` and is refilled from its data-parallel peer.
+  size-limited tmpfs as ``/local``) serve a save made from outside them (a sidecar-image container with the same
+  user: tests/kits/image_trainer.py); one is killed and started again with its ``/local`` kept (the CSI RAM disk
+  outlives a Pod restart on the node) and the restore reads its own RAM disk; one starts with an empty
+  ``/local`` and is refilled from its data-parallel peer.
+
+Shown failing before the change (issue #30): on the old Dockerfile.sidecar every test here fails (no
+orbax-checkpoint in the image: ``ModuleNotFoundError: No module named 'orbax'`` on the worker's first program);
+with orbax-checkpoint but without the start hook, the Orbax test fails at Orbax's init with ``Invalid device ID
+2``.
 
 Marked ``image`` (``make image-test``; left out of ``make test``).
 """

@@ -232,9 +232,12 @@ class Replicators:
                 "--rpc-timeout-seconds", "5", "--transfer-timeout-seconds", "60"]
         if rank != 0:
             args += ["--coordinator", self.coordinator]
+        # As the Pod spec runs it (controller_client/manifests_jobsets.py): read-only root with only /tmp
+        # writable (podman's own /run and /var/tmp tmpfs left out), no capabilities, no privilege escalation.
         self.store.podman("run", "--detach", "--name", self.name(rank), "--network", "host", "--read-only",
-                          "--memory", MEMORY_LIMIT, "--volume", f"{self.ram / str(rank)}:/local", self.image,
-                          "-v", *args)  # fmt: skip
+                          "--read-only-tmpfs=false", "--tmpfs", "/tmp:size=64m", "--cap-drop", "all",
+                          "--security-opt", "no-new-privileges", "--memory", MEMORY_LIMIT,
+                          "--volume", f"{self.ram / str(rank)}:/local", self.image, "-v", *args)  # fmt: skip
         self.wait_listening(rank)
 
     def wait_listening(self, rank: int, timeout_seconds: float = 90) -> None:
@@ -295,7 +298,10 @@ def test_replicator_image_serves_kills_and_refills_on_ram_disks(store: Store, re
         assert inspect["HostConfig"]["ReadonlyRootfs"] is True
         assert inspect["HostConfig"]["Memory"] == 512 << 20
         assert store.podman("exec", reps.name(1), "id", "-u").stdout.strip() == "1000"
-        assert store.podman("exec", reps.name(1), "touch", "/usr/x", check=False).returncode != 0
+        for path in ("/usr/x", "/run/x", "/var/tmp/x"):
+            assert store.podman("exec", reps.name(1), "touch", path, check=False).returncode != 0, path
+        status = store.podman("exec", reps.name(1), "cat", "/proc/self/status").stdout
+        assert "CapEff:\t0000000000000000" in status and "NoNewPrivs:\t1" in status, status
         df = store.podman("exec", reps.name(1), "df", "-B1", "--output=fstype,size", "/local").stdout.split()
         assert df[-2:] == ["tmpfs", str(LOCAL_BYTES)], df
 

@@ -5,8 +5,9 @@
   so the colocated programs of a native save, a restore onto another mesh and Orbax's colocated checkpointing run
   on the packages the image installed. Only the repository's ``tests/`` is mounted (at a path holding none of the
   product's packages); each worker reports where its ``sidecar`` comes from and what was in place at its start
-  (tests/kits/image_worker.py). The replicators are host processes here (the replicator image's test is below);
-  the worker containers run as root because those replicators' control sockets (mode 0600) are root's.
+  (tests/kits/image_worker.py). In the native test each host is a worker container and a replicator container
+  of the replicator image, both as UID 1000 on the host's RAM disk; in Orbax's, the replicators (Orbax mode)
+  are host processes as root, so its worker containers run as root (the control socket is mode 0600).
 - **Replicator image**: four containers as on a node (user 1000, read-only root filesystem, a memory limit, a
   size-limited tmpfs as ``/local``) serve a save made from outside them (a sidecar-image container with the same
   user: tests/kits/image_trainer.py); one is killed and started again with its ``/local`` kept (the CSI RAM disk
@@ -39,7 +40,6 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from controller_client.demo.cluster import LocalCluster
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from sidecar import checksums, layout
 from tests.kits.image_trainer import differences, state, target_on
@@ -59,16 +59,19 @@ def assert_equal(want: dict, got: dict) -> None:
 
 # --------------------------------------------------------------------------- the sidecar image
 
-def _sim(store: Store, image: str, base: Path, setup_env: dict[str, str] | None = None) -> PathwaysSim:
-    """2 slices x 2 hosts whose workers run in containers of ``image``; ``base`` is shared at its own path."""
+def _sim(store: Store, image: str, base: Path, shared: list[Path], setup_env: dict[str, str] | None = None,
+         user: str | None = None) -> PathwaysSim:
+    """2 slices x 2 hosts whose workers run in containers of ``image`` as ``user`` (default: the image's), with
+    ``shared`` and ``<base>/reports`` (their reports) at their own paths."""
     reports = base / "reports"
     reports.mkdir(parents=True, exist_ok=True)
+    reports.chmod(0o777)  # written by the workers' user
     return PathwaysSim(2, 2, log_dir=base / "logs", worker_setup="tests.kits.image_worker:setup",
                        worker_env={REPORT_ENV: str(reports), **(setup_env or {})},
-                       worker_command=store.sim_worker_command(image, [base]))
+                       worker_command=store.sim_worker_command(image, [reports, *shared], user=user))
 
 
-def _assert_workers_ran_the_image(base: Path) -> None:
+def _assert_workers_ran_the_image(base: Path, uid: int) -> None:
     """Every worker ran on the image's packages (none from the mounted tests/), on the base's jax, with Orbax's
     patch and parsed absl flags in place at its start by the image's own doing."""
     reports = [json.loads((base / "reports" / f"worker-{p}.json").read_text()) for p in range(4)]
@@ -79,6 +82,7 @@ def _assert_workers_ran_the_image(base: Path) -> None:
         assert r["jax"] == pinned("jax") and r["jax_file"].startswith(SITE), r
         assert r["orbax_patch_at_start"] is True, r
         assert r["absl_flags_parsed_at_start"] is True, r
+        assert r["uid"] == uid, r
 
 
 @pytest.fixture
@@ -88,36 +92,43 @@ def workdir(tmp_path: Path) -> Iterator[Path]:
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def test_sidecar_image_runs_the_pathways_workers_native_save_and_restore(store: Store, sidecar_image: str,
-                                                                         workdir: Path) -> None:
-    """Native path: save two steps, restore onto the saved mesh and onto another one; every colocated program
-    ran in the image's containers (``_PathwaysIds`` imports Orbax's patch on the worker: an image without
-    orbax-checkpoint fails the first save with ModuleNotFoundError)."""
-    cl = LocalCluster(workdir / "cluster", nodes=4, data_parallelism=2)
-    try:
-        cl.start_all()
-        with _sim(store, sidecar_image, workdir) as sim:
-            devs = jax.devices()
-            opts = CheckpointManagerOptions(local_directory=cl.local_template, job_name="t",
-                                            coordinator_address=cl.coordinator, restore_wait_seconds=60,
-                                            rpc_timeout_seconds=10)
-            mgr = CheckpointManager(opts, devices=devs)
-            assert mgr.topology.nodes == 4
-            trees = {}
-            for step in (1, 2):
-                trees[step] = state(step, devs)
-                assert mgr.save(step, trees[step])
-                mgr.wait_until_finished()
-            for r in range(4):  # each host's shards, written by its worker container
-                checksums.verify_step_dir(layout.steps_dir(cl.ram(r)) / "2")
-            assert mgr.latest_step() == 2
-            assert_equal(trees[2], mgr.restore(None, target_on(trees[2], devs, (2, 4))))
-            assert_equal(trees[1], mgr.restore(1, target_on(trees[1], devs, (4, 2))))  # another mesh
-            mgr.close()
-            assert {hosts for _, hosts in sim.calls} == {(0, 1, 2, 3)}
-        _assert_workers_ran_the_image(workdir)
-    finally:
-        cl.stop_all(signal.SIGKILL)
+def test_sidecar_image_runs_the_pathways_workers_native_save_and_restore(
+        store: Store, sidecar_image: str, replicator_image: str, workdir: Path) -> None:
+    """Native path, each host as its Pod runs it: a worker container of the sidecar image and a replicator
+    container, both as UID 1000 on the host's RAM disk. Save two steps, restore onto the saved mesh and onto
+    another one; every colocated program ran in the image's containers (``_PathwaysIds`` imports Orbax's patch
+    on the worker: an image without orbax-checkpoint fails the first save with ModuleNotFoundError)."""
+    ram = workdir / "ram"
+    reps = Replicators(store, replicator_image, ram, 4)
+    with contextlib.ExitStack() as stack:
+        for r in range(4):
+            stack.enter_context(ram_disk(ram / str(r)))
+        stack.callback(reps.stop_all)
+        for r in range(4):
+            reps.start(r)
+        # Each RAM disk on its own (pytest's tmp_path is mode 0700: the workers' user could not pass it).
+        sim = stack.enter_context(_sim(store, sidecar_image, workdir, [ram / str(r) for r in range(4)]))
+        devs = jax.devices()
+        opts = CheckpointManagerOptions(local_directory=str(ram / "{host}"), job_name="t",
+                                        coordinator_address=reps.coordinator, restore_wait_seconds=60,
+                                        rpc_timeout_seconds=10)
+        mgr = CheckpointManager(opts, devices=devs)
+        assert mgr.topology.nodes == 4
+        trees = {}
+        for step in (1, 2):
+            trees[step] = state(step, devs)
+            assert mgr.save(step, trees[step])
+            mgr.wait_until_finished()
+        for r in range(4):  # each host's shards, written by its worker container as UID 1000
+            step_dir = layout.steps_dir(ram / str(r)) / "2"
+            checksums.verify_step_dir(step_dir)
+            assert step_dir.stat().st_uid == 1000
+        assert mgr.latest_step() == 2
+        assert_equal(trees[2], mgr.restore(None, target_on(trees[2], devs, (2, 4))))
+        assert_equal(trees[1], mgr.restore(1, target_on(trees[1], devs, (4, 2))))  # another mesh
+        mgr.close()
+        assert {hosts for _, hosts in sim.calls} == {(0, 1, 2, 3)}
+    _assert_workers_ran_the_image(workdir, uid=1000)
 
 
 @pytest.fixture
@@ -161,7 +172,8 @@ def test_sidecar_image_runs_orbax_colocated_checkpointing(store: Store, sidecar_
     try:
         cl.start_all()
         env = {HOST_CWD_ENV: cl.host_cwd_template, PATCH_ENV: "0", GLOBAL_IDS_ENV: "1"}
-        with _sim(store, sidecar_image, workdir, env):
+        # As root: these replicators are host processes (as root), whose control sockets are mode 0600.
+        with _sim(store, sidecar_image, workdir, [cl.base], env, user="0:0"):
             devs = jax.devices()
             mesh = Mesh(np.array(devs).reshape(2, -1), ("data", "model"))
             sharding = NamedSharding(mesh, P("model"))
@@ -191,7 +203,7 @@ def test_sidecar_image_runs_orbax_colocated_checkpointing(store: Store, sidecar_
             for k, v in want.items():
                 assert np.asarray(got[k]).tobytes() == v.tobytes(), k
             mgr.close()
-        _assert_workers_ran_the_image(workdir)
+        _assert_workers_ran_the_image(workdir, uid=0)
     finally:
         cl.stop_all(signal.SIGKILL)
 

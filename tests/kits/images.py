@@ -150,18 +150,19 @@ class Store:
         return ["env", f"CONTAINERS_CONF={self.conf}", f"TMPDIR={self.root / 'tmp'}", *self.podman_args, *args]
 
     def sim_worker_command(self, image: str, shared: Sequence[Path],
-                           user: str = "0:0") -> Callable[[list[str], dict[str, str]], list[str]]:
+                           user: str | None = None) -> Callable[[list[str], dict[str, str]], list[str]]:
         """``PathwaysSim(worker_command=...)``: each simulated worker runs as ``python -m
         tests.kits.pathways_sim worker ...`` in a container of ``image`` (host network: the workers reach the
-        controller and each other on 127.0.0.1), with tests/ at :data:`TESTS_MOUNT` and each of ``shared`` at
-        its own path (the hosts' RAM disks, the replicators' sockets)."""
+        controller and each other on 127.0.0.1) as ``user`` (default: the image's), with tests/ at
+        :data:`TESTS_MOUNT` and each of ``shared`` at its own path (the hosts' RAM disks, the replicators'
+        sockets)."""
 
         def wrap(argv: list[str], env: dict[str, str]) -> list[str]:
             env = {**env, "PYTHONPATH": TESTS_MOUNT}
             mounts = [f"{REPO / 'tests'}:{TESTS_MOUNT}/tests:ro", *(f"{p}:{p}" for p in shared)]
             return self.podman_command(
                 "run", "--rm", "--name", f"mtc-sim-worker-{next(self._names)}", "--network", "host",
-                "--user", user, "--workdir", TESTS_MOUNT, *(a for m in mounts for a in ("--volume", m)),
+                *(["--user", user] if user else []), "--workdir", TESTS_MOUNT, *(a for m in mounts for a in ("--volume", m)),
                 *(a for k, v in env.items() for a in ("--env", f"{k}={v}")), image, "python", *argv[1:])
 
         return wrap

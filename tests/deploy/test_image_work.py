@@ -8,8 +8,8 @@
   (tests/kits/image_worker.py). In the native test each host is a worker container and a replicator container
   of the replicator image, both as UID 1000 on the host's RAM disk; in Orbax's, the replicators (Orbax mode)
   are host processes as root, so its worker containers run as root (the control socket is mode 0600).
-- **Replicator image**: four containers as on a node (user 1000, read-only root filesystem, a memory limit, a
-  size-limited tmpfs as ``/local``) serve a save made from outside them (a sidecar-image container with the same
+- **Replicator image**: four containers as on a node (user 1000, read-only root filesystem but /tmp, no
+  capabilities, a memory limit, a size-limited tmpfs as ``/local``) serve a save made from outside them (a sidecar-image container with the same
   user: tests/kits/image_trainer.py); one is killed and started again with its ``/local`` kept (the CSI RAM disk
   outlives a Pod restart on the node) and the restore reads its own RAM disk; one starts with an empty
   ``/local`` and is refilled from its data-parallel peer.

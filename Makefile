@@ -26,7 +26,7 @@ test: $(STAMP)
 
 # Real builds of Dockerfile.replicator and Dockerfile.sidecar with Debian's buildah (vfs, chroot isolation)
 # on a base made by debootstrap, and the built images doing real work under Debian's podman with runc
-# (tests/deploy/test_image_build.py, test_image_work.py; ~5.5 min on 2 cores; needs root, Debian's archive, PyPI).
+# (tests/deploy/test_image_build.py, test_image_work.py; ~6 min on 2 cores; needs root, Debian's archive, PyPI).
 IMAGE_TOOLS := buildah podman runc debootstrap
 image-test: $(STAMP)
 	$(foreach t,$(IMAGE_TOOLS),command -v $(t) >/dev/null &&) true || \

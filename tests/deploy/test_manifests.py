@@ -758,7 +758,7 @@ def test_dockerfiles_install_with_the_constraints_file() -> None:
     # Google's base: the base's environment is the constraint (its jax kept), refused outside our jax range;
     # a plain Python base: .[jax] at our pins.
     assert '-c /tmp/constraints.txt "$(ls /wheels/*.whl)[jax]"' in side and 'JAX_FROM" = pinned' in side
-    assert "-c /tmp/all.txt /wheels/*.whl" in side and "server_constraints.txt" in side
+    assert '-c /tmp/all.txt "$(ls /wheels/*.whl)[jax]"' in side and "server_constraints.txt" in side
     assert "this project supports jax" in side
     assert "jax.__version__ == jaxlib.__version__" in side
     assert _entrypoint("Dockerfile.replicator") == ["mtc-replicator"]

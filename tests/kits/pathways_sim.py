@@ -126,7 +126,8 @@ class PathwaysSim:
 
     def __init__(self, slices: int = 2, hosts_per_slice: int = 2, devices: Sequence[Any] | None = None,
                  log_dir: Path | None = None, worker_setup: str | None = None,
-                 worker_env: dict[str, str] | None = None):
+                 worker_env: dict[str, str] | None = None,
+                 worker_command: Callable[[list[str], dict[str, str]], list[str]] | None = None):
         import jax
 
         self.devices = list(devices if devices is not None else jax.devices())
@@ -138,6 +139,9 @@ class PathwaysSim:
         self.worker_setup = worker_setup
         # Extra environment of every worker (read by ``worker_setup``, e.g. where the host's own disk is).
         self.worker_env = dict(worker_env or {})
+        # Wraps a worker's argv and the environment it needs (beyond the inherited one) into the command that
+        # starts it, e.g. a `podman run` of the sidecar image (tests/deploy/test_image_work.py).
+        self.worker_command = worker_command
         self._procs: list[subprocess.Popen] = []
         self._conns: dict[int, Any] = {}  # host -> connection to its worker
         self._lock = threading.Lock()
@@ -222,20 +226,23 @@ class PathwaysSim:
         n = len(self.hosts)
         per = len(self.hosts[0].device_ids)
         table = [dataclasses.asdict(h) for h in self.hosts]
-        env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+        own = dict(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={per}",
                    MTC_SIM_AUTHKEY=authkey.hex(), MTC_SIM_HOSTS=repr(table), MTC_SIM_SETUP=self.worker_setup or "",
                    **self.worker_env)
+        env = dict(os.environ, **own)
         for p in range(n):
             out = subprocess.DEVNULL
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 out = open(self.log_dir / f"pathways-worker-{p}.log", "wb")  # noqa: SIM115 - the child owns it
+            argv = [sys.executable, "-m", "tests.kits.pathways_sim", "worker", "--process", str(p),
+                    "--processes", str(n), "--coordinator", coord,
+                    "--controller", f"{listener.address[0]}:{listener.address[1]}"]
+            if self.worker_command is not None:
+                argv = self.worker_command(argv, dict(own))
             self._procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.kits.pathways_sim", "worker", "--process", str(p),
-                 "--processes", str(n), "--coordinator", coord,
-                 "--controller", f"{listener.address[0]}:{listener.address[1]}"],
-                env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+                argv, env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
             if out is not subprocess.DEVNULL:
                 out.close()
         deadline = time.monotonic() + START_TIMEOUT_SECONDS

@@ -105,10 +105,10 @@ def _install_pathways_ids() -> None:
     """Runs where a colocated call is unpickled: has JAX's colocated deserialization resolve the controller's
     device ids (on a Pathways worker, CPU devices have local ids and carry the controller-side one as
     ``PjRtIFRTDeviceId=`` in their repr) with Orbax's patch for exactly that (orbax-checkpoint is in [jax])."""
-    # Imported here: colocated Python / Orbax's Pathways patch only when dispatching to Pathways workers.
-    from orbax.checkpoint._src.multihost import colocated_transport
+    # Imported here: Orbax's Pathways patch only where a colocated call is unpickled (one owner of it).
+    from sidecar.pathways_start import install_orbax_patch
 
-    colocated_transport.install_pathways_colocated_serialization_patch()
+    install_orbax_patch()
 
 
 class _PathwaysIds:

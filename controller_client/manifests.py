@@ -191,10 +191,30 @@ def _ramdisk_daemonset(opts: ManifestOptions) -> dict[str, Any]:
     }
 
 
+def _preempt_role(opts: ManifestOptions) -> dict[str, Any]:
+    """What the workers' preStop hook may read: Pods and Jobs of the namespace, nothing else, no writes.
+
+    `mtc preempt --kube-api-dir` reads its own Pod and the Job owning it to tell a JobSet restart or hot-swap
+    (the Job is being deleted or has failed: no save window, no flush) from a preemption notice.
+    """
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": _meta(f"{opts.job}-mtc-preempt", opts),
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
+                      {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get"]}]}
+
+
+def _preempt_role_binding(opts: ManifestOptions) -> dict[str, Any]:
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": _meta(f"{opts.job}-mtc-preempt", opts),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{opts.job}-mtc-preempt"},
+            "subjects": [{"kind": "ServiceAccount", "name": opts.service_account}]}
+
+
 def objects(opts: ManifestOptions) -> dict[str, dict[str, Any]]:
     """File name -> Kubernetes object, in apply order."""
     opts.validate()
     out: dict[str, dict[str, Any]] = {"serviceaccount.yaml": _service_account(opts),
+                                      "role.yaml": _preempt_role(opts), "rolebinding.yaml": _preempt_role_binding(opts),
                                       "configmap.yaml": _config_map(opts), "service.yaml": _service(opts)}
     if opts.priority_value is not None:
         out["priorityclass.yaml"] = _priority_class(opts)
@@ -257,7 +277,7 @@ _HELP = {
     "hosts_per_slice": "hosts per slice (default 2)",
     "backup_url": "bucket tier, e.g. gs://BUCKET/ckpt (default: none)",
     "ramdisk": "csi (GKE Multi-Tier Checkpointing driver), hostpath (node tmpfs kept by a DaemonSet) or memory "
-               "(emptyDir); default csi for the native front door, hostpath for orbax",
+               "(emptyDir); default csi for the native front door, memory for orbax (hostpath needs a privileged DaemonSet)",
     "ramdisk_size": "RAM disk size per host (default 64Gi)",
     "tls": "mutual TLS from a cert-manager Certificate",
     "tls_identity": "with --tls: shared (one Certificate for the job; any holder may report for any rank) or pod "

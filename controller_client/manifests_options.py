@@ -72,7 +72,8 @@ class ManifestOptions:
       backup_url: the bucket tier (``gs://bucket/prefix``); empty = no backup tier.
       ramdisk: ``csi`` (GKE Multi-Tier Checkpointing's node RAM disk), ``hostpath`` (a node tmpfs kept by
         this job's DaemonSet) or ``memory`` (``emptyDir``, for trying it out). Empty = the front door's
-        default: ``csi`` for native, ``hostpath`` for orbax (GKE's replicator would answer Orbax on csi).
+        default: ``csi`` for native, ``memory`` for orbax (GKE's replicator would answer Orbax on csi; the
+        hostpath DaemonSet is privileged, so it is opt-in).
       ramdisk_size: size of the RAM disk per host (Kubernetes quantity).
       tls: mutual TLS between replicators and the controller from a cert-manager ``Certificate``.
       tls_identity: ``shared`` (one ``Certificate`` for every Pod; it names no rank, so the replicators run
@@ -151,7 +152,9 @@ class ManifestOptions:
 
     @property
     def ramdisk_kind(self) -> str:
-        return self.ramdisk or ("csi" if self.front_door_kind == "native" else "hostpath")
+        # Orbax: not csi (GKE's replicator would answer Orbax's replicator.yaml there) and not hostpath by
+        # default (its DaemonSet is privileged): the Pod's own memory, deploy/components/ramdisk-hostpath to keep it.
+        return self.ramdisk or ("csi" if self.front_door_kind == "native" else "memory")
 
     @property
     def worker_failure_kind(self) -> str:
@@ -191,7 +194,7 @@ class ManifestOptions:
             raise ValueError(f"--front-door must be one of {', '.join(FRONT_DOORS)}, got {self.front_door!r}")
         if self.front_door_kind == "orbax" and self.ramdisk_kind == "csi":
             raise ValueError("--ramdisk csi with --front-door orbax: GKE's own replicator serves that volume "
-                             "and would answer Orbax's replicator.yaml too; use --ramdisk hostpath")
+                             "and would answer Orbax's replicator.yaml too; use --ramdisk memory or hostpath")
         if self.worker_failure_policy not in ("",) + WORKER_FAILURE_POLICIES:
             raise ValueError(f"--worker-failure-policy must be one of {', '.join(WORKER_FAILURE_POLICIES)}")
         if self.worker_failure_kind == "restart-slice" and self.mode != "pathways":

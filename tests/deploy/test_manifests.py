@@ -95,14 +95,15 @@ def test_done_when_command_writes_a_set_that_passes_schema_validation(tmp_path: 
     out = tmp_path / "out"
     assert main(DONE_WHEN + ["-o", str(out)]) == 0
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted(["serviceaccount.yaml", "configmap.yaml", "service.yaml", "networkpolicy.yaml",
-                            "jobset.yaml", "kustomization.yaml"])
+    assert names == sorted(["serviceaccount.yaml", "role.yaml", "rolebinding.yaml", "configmap.yaml", "service.yaml",
+                            "networkpolicy.yaml", "jobset.yaml", "kustomization.yaml"])
     kust = yaml.safe_load((out / "kustomization.yaml").read_text())
     assert sorted(kust["resources"]) == sorted(n for n in names if n != "kustomization.yaml")
     docs = kit.kustomize_build(out)
     for d in docs:
         kit.validate(d)
-    assert {d["kind"] for d in docs} == {"ServiceAccount", "ConfigMap", "Service", "NetworkPolicy", "JobSet"}
+    assert {d["kind"] for d in docs} == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "NetworkPolicy",
+                                        "JobSet"}
     assert "Secret" not in {d["kind"] for d in docs}, "a token is never rendered"
 
 

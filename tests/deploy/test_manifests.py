@@ -656,6 +656,21 @@ def test_base_plus_components_builds_what_mtc_manifests_renders(components: list
         assert kit.by_key(kit.run_real_kustomize(real, overlay)) == want
 
 
+@pytest.mark.parametrize("comp", ["ramdisk-hostpath-pathways-orbax", "ramdisk-hostpath-multi-controller"])
+def test_orbax_base_plus_hostpath_component_builds_what_mtc_manifests_renders(comp: str, tmp_path: Path) -> None:
+    regen = _regen()
+    base_name = regen.COMPONENT_BASE[comp]
+    base = regen.BASE_OPTIONS[base_name]
+    want = kit.by_key(mf.objects(dataclasses.replace(base, **regen.COMPONENTS[comp])).values())
+    overlay = _overlay(tmp_path, base_name, [comp])
+    built = kit.by_key(kit.kustomize_build(overlay))
+    assert built == want
+    assert any(k[0] == "DaemonSet" for k in built), "the hostpath RAM disk's DaemonSet"
+    real = kit.real_kustomize()
+    if real is not None:
+        assert kit.by_key(kit.run_real_kustomize(real, overlay)) == want
+
+
 @pytest.mark.parametrize("mode", ["pathways", "multi-controller", "pathways-orbax", "multi-controller-native"])
 def test_kustomize_bases_validate(mode: str) -> None:
     docs = kit.kustomize_build(REPO / "deploy" / mode)

@@ -26,8 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from controller_client import preempt  # noqa: E402
 from kits.certs import CertAuthority  # noqa: E402
+
+from controller_client import preempt  # noqa: E402
 from replicator.preemption import RESTART_RECORD, restart_recorded  # noqa: E402
 
 POD = {"metadata": {"name": "demo-workers-0-0-x", "ownerReferences": [{"kind": "Job", "name": "demo-workers-0"}]}}

@@ -291,6 +291,8 @@ _HELP = {
     "network_policy": "render the NetworkPolicy (default on; --no-network-policy to skip)",
     "gcp_service_account": "Workload Identity: Google service account for the bucket (annotation)",
     "controller_command": "the training program (default: python /app/train.py); quote it as one string",
+    "proxy_args": "extra flags of the Pathways proxy, quoted as one string (e.g. '--xla_tpu_foo=1 --bar=2'), "
+                  "appended after the rendered ones",
     "backup_interval_minutes": "Pathways mode: back up every N minutes (default 30; Orbax sets its own)",
     "backup_keep": "backups kept in the bucket (default 3)",
     "replicas": "extra verified copies of each host's step on other slices (default 1)",
@@ -324,7 +326,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if str(f.type) == "bool":
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=_HELP.get(name))
-        elif name == "controller_command":
+        elif name in ("controller_command", "proxy_args"):
             parser.add_argument(flag, dest=name, default=None, help=_HELP[name])
         else:
             kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
@@ -336,10 +338,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> ManifestOptions:
     kwargs = {name: getattr(args, name) for name in _FIELDS if getattr(args, name, None) is not None}
-    if isinstance(kwargs.get("controller_command"), str):
-        import shlex
+    import shlex
 
-        kwargs["controller_command"] = tuple(shlex.split(kwargs["controller_command"]))
+    for name in ("controller_command", "proxy_args"):
+        if isinstance(kwargs.get(name), str):
+            kwargs[name] = tuple(shlex.split(kwargs[name]))
     return ManifestOptions(**kwargs).validate()
 
 

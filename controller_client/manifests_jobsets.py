@@ -402,6 +402,7 @@ def _pathways_head(opts: ManifestOptions, instance_type: str, scratch: str) -> d
         # The flag the proxy takes (pathwaysutils, the PathwaysJob operator and xpk recipes all pass this
         # one; no public source passes --num_elastic_instances).
         proxy_args.append(f"--num_elastic_slices={opts.elastic_slices}")
+    proxy_args += list(opts.proxy_args)  # --proxy-args: whatever else the proxy should get (the guide's flags)
     proxy = {"name": "pathways-proxy", "image": opts.pathways_proxy_image, **PULL, "restartPolicy": "Always",
              "args": proxy_args, "env": [head_env, {"name": "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS", "value": "true"}],
              "ports": [{"containerPort": PATHWAYS_PROXY_PORT, "protocol": "TCP"}],

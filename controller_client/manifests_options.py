@@ -90,6 +90,7 @@ class ManifestOptions:
       max_restarts: the JobSet's ``failurePolicy.maxRestarts``.
       termination_grace_seconds: the worker Pods' ``terminationGracePeriodSeconds``, shared after a
         preemption notice as save 30 %, flush 50 %, reserve 20 % (manifests_jobsets.PreemptionBudget).
+      proxy_args: extra flags of the Pathways proxy (``pathways-proxy``), after the rendered ones.
       head_node_pool: node pool of the Pathways head (``cloud.google.com/gke-nodepool``); empty = anywhere.
       grpc_port, data_port: the replicator's gRPC port and fixed TCP bulk-data port.
       metrics_port: the replicator's Prometheus port (``deploy/monitoring`` scrapes it).
@@ -133,6 +134,7 @@ class ManifestOptions:
     sidecar_image: str = "REGISTRY/mtc-sidecar:0.1.0"
     controller_image: str = ""
     controller_command: tuple[str, ...] = ("python", "/app/train.py")
+    proxy_args: tuple[str, ...] = ()
     pathways_server_image: str = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/server:jax-0.10.2"
     pathways_proxy_image: str = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/proxy_server:jax-0.10.2"
     pathways_scratch: str = ""
@@ -200,6 +202,10 @@ class ManifestOptions:
         if self.worker_failure_kind == "restart-slice" and self.mode != "pathways":
             raise ValueError("--worker-failure-policy restart-slice needs Pathways (multi-controller JAX cannot "
                              "go on without a slice)")
+        if any(not a.startswith("--") for a in self.proxy_args):
+            raise ValueError(f"--proxy-args: flags only (each starting with --), got {list(self.proxy_args)}")
+        if self.proxy_args and self.mode != "pathways":
+            raise ValueError("--proxy-args: the Pathways proxy runs in --mode pathways only")
         if self.max_restarts < 0:
             raise ValueError("--max-restarts must be >= 0")
         if self.termination_grace_seconds < 20:

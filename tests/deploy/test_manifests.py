@@ -911,3 +911,15 @@ def test_wheel_built_from_the_docker_context_has_the_console_scripts(tmp_path: P
     for script, target in pyproject["project"]["scripts"].items():
         assert f"{script} = {target}" in entry_points
     assert "controller_client/manifests.py" in names and "replicator/options.py" in names
+
+
+def test_proxy_args_are_appended_to_the_proxy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["manifests", "--job", "demo", "--backup-url", "gs://b/c",
+                 "--proxy-args", "--xla_tpu_enable_foo=true --bar=1"]) == 0
+    js = next(d for d in yaml.safe_load_all(capsys.readouterr().out) if d and d["kind"] == "JobSet")
+    proxy = next(c for c in _pod(js, "head")["initContainers"] if c["name"] == "pathways-proxy")
+    assert proxy["args"][-2:] == ["--xla_tpu_enable_foo=true", "--bar=1"]
+    assert proxy["args"][:-2] == next(c for c in _pod(_jobset(CASES["pathways-default"]), "head")["initContainers"]
+                                      if c["name"] == "pathways-proxy")["args"]
+    with pytest.raises(ValueError, match="flags only"):
+        mf.objects(dataclasses.replace(CASES["pathways-default"], proxy_args=("oops",)))

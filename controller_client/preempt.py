@@ -68,6 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def hold(port: int, interval_seconds: float = 5.0, misses_allowed: int = 3) -> int:
     """Block until SIGTERM (143) or until ``port`` was up and then refused ``misses_allowed`` checks in a row (1)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return watch_port(port, interval_seconds, misses_allowed)
+
+
+def watch_port(port: int, interval_seconds: float, misses_allowed: int) -> int:
+    """Return 1 once ``port`` on localhost answered and then refused ``misses_allowed`` checks in a row."""
     seen, misses = False, 0
     while True:
         time.sleep(interval_seconds)

@@ -137,3 +137,21 @@ def test_an_unreachable_or_refusing_api_server_means_a_notice(api: tuple[Path, d
     os.environ["KUBERNETES_SERVICE_PORT"] = "1"  # nothing listens
     assert preempt.classify(kube, timeout_seconds=1) == preempt.NOTICE
     assert preempt.classify(tmp_path / "missing") == preempt.NOTICE
+
+
+def test_the_notice_container_ends_when_pathways_worker_does() -> None:
+    """restartPolicy Never: the Pod fails only once every main container ended, so the holder must follow
+    pathways-worker (its port) down; before the port ever answered it keeps waiting (startup)."""
+    import socket
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(preempt.watch_port(port, interval_seconds=0.05, misses_allowed=2)),
+                         daemon=True)
+    t.start()
+    time.sleep(0.5)
+    assert not result, "the worker still serves"
+    srv.close()
+    t.join(timeout=5)
+    assert result == [1]

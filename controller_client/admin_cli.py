@@ -122,6 +122,9 @@ def register(sub: Any, log_args: Callable[[argparse.ArgumentParser], None]) -> N
     p.add_argument("--slices", type=int, default=1)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--keep", type=int, default=2, help="--keep-local of the replicators (default 2)")
+    p.add_argument("--snapshotter", action="store_true",
+                   help="the loop also snapshots with Orbax's in-memory Snapshotter: count its pinned-host copy "
+                        "of each host's shards in the host RAM budget")
     add_bucket(p, required=False)
 
 def _runner(fn: Callable[..., int], online: bool) -> Callable[[argparse.Namespace], int]:

@@ -191,10 +191,30 @@ def _ramdisk_daemonset(opts: ManifestOptions) -> dict[str, Any]:
     }
 
 
+def _preempt_role(opts: ManifestOptions) -> dict[str, Any]:
+    """What the workers' preStop hook may read: Pods and Jobs of the namespace, nothing else, no writes.
+
+    `mtc preempt --kube-api-dir` reads its own Pod and the Job owning it to tell a JobSet restart or hot-swap
+    (the Job is being deleted or has failed: no save window, no flush) from a preemption notice.
+    """
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": _meta(f"{opts.job}-mtc-preempt", opts),
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
+                      {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get"]}]}
+
+
+def _preempt_role_binding(opts: ManifestOptions) -> dict[str, Any]:
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": _meta(f"{opts.job}-mtc-preempt", opts),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{opts.job}-mtc-preempt"},
+            "subjects": [{"kind": "ServiceAccount", "name": opts.service_account}]}
+
+
 def objects(opts: ManifestOptions) -> dict[str, dict[str, Any]]:
     """File name -> Kubernetes object, in apply order."""
     opts.validate()
     out: dict[str, dict[str, Any]] = {"serviceaccount.yaml": _service_account(opts),
+                                      "role.yaml": _preempt_role(opts), "rolebinding.yaml": _preempt_role_binding(opts),
                                       "configmap.yaml": _config_map(opts), "service.yaml": _service(opts)}
     if opts.priority_value is not None:
         out["priorityclass.yaml"] = _priority_class(opts)
@@ -257,7 +277,7 @@ _HELP = {
     "hosts_per_slice": "hosts per slice (default 2)",
     "backup_url": "bucket tier, e.g. gs://BUCKET/ckpt (default: none)",
     "ramdisk": "csi (GKE Multi-Tier Checkpointing driver), hostpath (node tmpfs kept by a DaemonSet) or memory "
-               "(emptyDir); default csi for the native front door, hostpath for orbax",
+               "(emptyDir); default csi for the native front door, memory for orbax (hostpath needs a privileged DaemonSet)",
     "ramdisk_size": "RAM disk size per host (default 64Gi)",
     "tls": "mutual TLS from a cert-manager Certificate",
     "tls_identity": "with --tls: shared (one Certificate for the job; any holder may report for any rank) or pod "
@@ -271,6 +291,8 @@ _HELP = {
     "network_policy": "render the NetworkPolicy (default on; --no-network-policy to skip)",
     "gcp_service_account": "Workload Identity: Google service account for the bucket (annotation)",
     "controller_command": "the training program (default: python /app/train.py); quote it as one string",
+    "proxy_args": "extra flags of the Pathways proxy, quoted as one string (e.g. '--xla_tpu_foo=1 --bar=2'), "
+                  "appended after the rendered ones",
     "backup_interval_minutes": "Pathways mode: back up every N minutes (default 30; Orbax sets its own)",
     "backup_keep": "backups kept in the bucket (default 3)",
     "replicas": "extra verified copies of each host's step on other slices (default 1)",
@@ -304,7 +326,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if str(f.type) == "bool":
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=_HELP.get(name))
-        elif name == "controller_command":
+        elif name in ("controller_command", "proxy_args"):
             parser.add_argument(flag, dest=name, default=None, help=_HELP[name])
         else:
             kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
@@ -316,10 +338,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> ManifestOptions:
     kwargs = {name: getattr(args, name) for name in _FIELDS if getattr(args, name, None) is not None}
-    if isinstance(kwargs.get("controller_command"), str):
-        import shlex
+    import shlex
 
-        kwargs["controller_command"] = tuple(shlex.split(kwargs["controller_command"]))
+    for name in ("controller_command", "proxy_args"):
+        if isinstance(kwargs.get(name), str):
+            kwargs[name] = tuple(shlex.split(kwargs[name]))
     return ManifestOptions(**kwargs).validate()
 
 

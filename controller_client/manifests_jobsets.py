@@ -34,6 +34,7 @@ from controller_client.manifests_options import (
     _pod_security,
     _restricted,
 )
+from controller_client.preemption_exit import PREEMPTED_EXIT_CODE
 
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 # The label JobSet puts on every Pod when spec.coordinator is set: the coordinator Pod's stable DNS name.
@@ -78,13 +79,36 @@ def preemption_budget(opts: ManifestOptions) -> PreemptionBudget:
     return PreemptionBudget(g, int(g * SAVE_SHARE), int(g * FLUSH_SHARE))
 
 
+# Where the preStop hook finds the API server's credentials (the projected volume ``kube-api``): it reads its
+# own Pod and Job to tell a JobSet restart from a preemption notice (controller_client/preempt.py).
+KUBE_API_DIR = "/var/run/mtc/kube-api"
+
+
 def _preempt_command(opts: ManifestOptions, *, wait: bool) -> list[str]:
-    """`mtc preempt`: the preStop hook telling this host's replicator of the notice (controller_client/preempt.py)."""
+    """`mtc preempt`: the preStop hook telling this host's replicator of the notice (controller_client/preempt.py).
+
+    A deletion whose Job is going away (a JobSet restart, a hot-swap) is no notice: the hook returns at once
+    and, where the RAM disk outlives the Pod (csi, hostpath), the replicator skips its SIGTERM flush too.
+    """
     b = preemption_budget(opts)
     cmd = ["mtc", "preempt", "--local-dir", opts.local_dir, "--flush-seconds", str(b.flush)]
     if wait:
         cmd += ["--save-window-seconds", str(b.save), "--wait"]
+    cmd += ["--kube-api-dir", KUBE_API_DIR,
+            "--on-restart", "flush" if opts.ramdisk_kind == "memory" else "skip"]
     return cmd
+
+
+def _kube_api_volume() -> dict[str, Any]:
+    """A short-lived token of the job's ServiceAccount (manifests._preempt_role: get its Pods and Jobs only)."""
+    return {"name": "kube-api", "projected": {"defaultMode": 0o440, "sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}},
+                                   {"path": "pod-name", "fieldRef": {"fieldPath": "metadata.name"}}]}}]}}
+
+
+KUBE_API_MOUNT = {"name": "kube-api", "mountPath": KUBE_API_DIR, "readOnly": True}
 
 
 # --------------------------------------------------------------------------- containers
@@ -223,17 +247,18 @@ def _common_volumes(opts: ManifestOptions, *, worker: bool = True) -> list[dict[
 
 
 def _pod_spec(opts: ManifestOptions, *, worker: bool) -> dict[str, Any]:
-    # The head: restartPolicy Never and backoffLimit 0 as in Google's JobSets: a failed controller fails its
-    # Job and the JobSet's failure policy restarts the job (a restarted controller alone would find workers
-    # holding a previous session's state).
-    spec: dict[str, Any] = {"restartPolicy": "OnFailure" if worker else "Never",
+    # restartPolicy Never everywhere: a podFailurePolicy (_pod_failure_policy) requires it. The head: backoffLimit
+    # 0 as in Google's JobSets: a failed controller fails its Job and the JobSet's failure policy restarts the
+    # job (a restarted controller alone would find workers holding a previous session's state).
+    spec: dict[str, Any] = {"restartPolicy": "Never",
                             "serviceAccountName": opts.service_account, "automountServiceAccountToken": False}
     if opts.priority_class:
         # Head and workers (as gcluster's --priority): a restarted job preempts lower-priority Pods (spare
         # capacity placeholders, other jobs) instead of waiting behind them.
         spec["priorityClassName"] = opts.priority_class
+    # The head too: after a notice on the head the trainer saves within this grace (its SIGTERM is the notice).
+    spec["terminationGracePeriodSeconds"] = opts.termination_grace_seconds
     if worker:
-        spec["terminationGracePeriodSeconds"] = opts.termination_grace_seconds
         spec["nodeSelector"] = {"cloud.google.com/gke-tpu-accelerator": opts.tpu_accelerator,
                                 "cloud.google.com/gke-tpu-topology": opts.tpu_topology}
     elif opts.head_node_pool:
@@ -245,29 +270,65 @@ def _pod_spec(opts: ManifestOptions, *, worker: bool) -> dict[str, Any]:
 def _worker_backoff(opts: ManifestOptions) -> int:
     # restart-jobset: the first failed worker Pod fails its Job, so the JobSet restarts (hot-swap: the
     # re-created Jobs are placed on any free node pool, a spare one included). restart-slice (elastic):
-    # Pathways handles a lost slice, the Job re-creates its Pods, the controller keeps running.
+    # Pathways handles a lost slice, the Job re-creates its Pods (it never fails within this budget, so the
+    # JobSet never restarts the other slices: the default-on way, no RestartJob feature gate), the controller
+    # keeps running.
     if opts.worker_failure_kind == "restart-jobset":
         return 0
     return opts.hosts_per_slice * ELASTIC_WORKER_RESTARTS_PER_HOST
 
 
+# The Pod condition the scheduler's preemption, the Eviction API, the taint manager, PodGC and the kubelet's
+# node-shutdown and node-pressure evictions add to a Pod they terminate.
+DISRUPTION = {"type": "DisruptionTarget", "status": "True"}
+# The reason the Job controller gives a Job failed by a podFailurePolicy FailJob rule.
+POD_FAILURE_POLICY_REASON = "PodFailurePolicy"
+
+
+def _pod_failure_policy(opts: ManifestOptions, *, replicated_job: str) -> dict[str, Any]:
+    """Which failed Pods fail their Job at once (FailJob: reason PodFailurePolicy), which are not counted.
+
+    Setting one also makes the Job controller count a terminating Pod only once it is Failed (isPodFailed,
+    onlyReplaceFailedPods in pkg/controller/job/job_controller.go): a notice never fails a Job before the
+    Pod's save and flush are done. ``trainer``: the container whose PREEMPTED_EXIT_CODE means "saved after a
+    preemption notice, resume me" (Pathways: the head's controller; multi-controller: every worker's train).
+    """
+    elastic_workers = replicated_job == "workers" and opts.worker_failure_kind == "restart-slice"
+    # Elastic: a preempted slice's Pods are re-created by their Job without counting (Pathways carries on
+    # with the other slices); otherwise a preempted Pod fails its Job, whose reason the JobSet rule matches.
+    rules: list[dict[str, Any]] = [{"action": "Ignore" if elastic_workers else "FailJob", "onPodConditions": [DISRUPTION]}]
+    trainer = "controller" if replicated_job == "head" else ("train" if opts.mode == "multi-controller" else "")
+    if trainer:
+        rules.append({"action": "FailJob", "onExitCodes": {"containerName": trainer, "operator": "In",
+                                                           "values": [PREEMPTED_EXIT_CODE]}})
+    return {"rules": rules}
+
+
 def _job_template(pod: dict[str, Any], completions: int, backoff: int, topology: str,
-                  *, on_job: bool = False) -> dict[str, Any]:
+                  failure: dict[str, Any], *, on_job: bool = False) -> dict[str, Any]:
     # One slice per node pool (workers), the head alone on its node: exclusive placement per replicated Job
     # (on the JobSet it would also claim a whole node pool for the head), where Google's JobSets put it.
     ann = {EXCLUSIVE_TOPOLOGY: topology}
     return {**({"metadata": {"annotations": dict(ann)}} if on_job else {}),
             "spec": {"completionMode": "Indexed", "completions": completions, "parallelism": completions,
-                     "backoffLimit": backoff, "template": {"metadata": {"annotations": dict(ann)}, "spec": pod}}}
+                     "backoffLimit": backoff, "podFailurePolicy": failure,
+                     "template": {"metadata": {"annotations": dict(ann)}, "spec": pod}}}
 
 
 def _failure_policy(opts: ManifestOptions) -> dict[str, Any]:
-    if opts.worker_failure_kind == "restart-jobset":
-        rule = {"name": "worker-failed-restart-jobset", "action": "RestartJobSet", "targetReplicatedJobs": ["workers"]}
-    else:
-        rule = {"name": "slice-failed-restart-slice", "action": "RestartJob", "targetReplicatedJobs": ["workers"]}
-    # Recreate: every child Job is deleted and re-created, so the scheduler places each slice afresh.
-    return {"maxRestarts": opts.max_restarts, "restartStrategy": "Recreate", "rules": [rule]}
+    """The JobSet's answer to a failed Job; rule names as the JobSet webhook allows (no hyphens).
+
+    A Job failed by a podFailurePolicy FailJob rule (a preemption, an eviction, a trainer that saved after a
+    notice) restarts the JobSet without using up maxRestarts; any other failed Job (a worker or the controller
+    exited non-zero: backoffLimit exceeded) restarts it and counts. Only actions of a default JobSet >= v0.8
+    (RestartJob is alpha, feature gate RestartJob, v0.12; the webhook refuses it while the gate is off).
+    """
+    return {"maxRestarts": opts.max_restarts,
+            # Recreate: every child Job is deleted and re-created, so the scheduler places each slice afresh.
+            "restartStrategy": "Recreate",
+            "rules": [{"name": "preempted_or_saved_restart_uncounted", "action": "RestartJobSetAndIgnoreMaxRestarts",
+                       "onJobFailureReasons": [POD_FAILURE_POLICY_REASON]},
+                      {"name": "failed_restart_counted", "action": "RestartJobSet"}]}
 
 
 def _tpu_resources(opts: ManifestOptions) -> dict[str, Any]:
@@ -341,6 +402,7 @@ def _pathways_head(opts: ManifestOptions, instance_type: str, scratch: str) -> d
         # The flag the proxy takes (pathwaysutils, the PathwaysJob operator and xpk recipes all pass this
         # one; no public source passes --num_elastic_instances).
         proxy_args.append(f"--num_elastic_slices={opts.elastic_slices}")
+    proxy_args += list(opts.proxy_args)  # --proxy-args: whatever else the proxy should get (the guide's flags)
     proxy = {"name": "pathways-proxy", "image": opts.pathways_proxy_image, **PULL, "restartPolicy": "Always",
              "args": proxy_args, "env": [head_env, {"name": "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS", "value": "true"}],
              "ports": [{"containerPort": PATHWAYS_PROXY_PORT, "protocol": "TCP"}],
@@ -406,18 +468,22 @@ def _pathways_worker(opts: ManifestOptions, scratch: str) -> dict[str, Any]:
                                 {"name": "ramdisk", "mountPath": opts.local_dir}]}
     # The replicator is a native sidecar too, so its own SIGTERM comes last; this main container exists to
     # give the notice at the start of the grace period (its preStop hook) and waits for the flush.
+    # It exits 143 on SIGTERM: a terminated worker Pod always ends Failed (never Succeeded: its Indexed Job would
+    # take the index as done and not re-create it), so the Job's podFailurePolicy decides what it means; and 1
+    # once pathways-worker has ended (restartPolicy Never: the Pod fails only when every main container ended).
     notice = {"name": "preemption-notice", "image": opts.replicator_image,
-              "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 1; done"],
+              "command": ["mtc", "preempt", "--local-dir", opts.local_dir,
+                          "--hold-while-port", str(PATHWAYS_WORKER_PORT)],
               "lifecycle": {"preStop": {"exec": {"command": _preempt_command(opts, wait=True)}}},
               "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "256Mi"}},
               "securityContext": {**_restricted(), "readOnlyRootFilesystem": True},
-              "volumeMounts": [{"name": "ramdisk", "mountPath": opts.local_dir}]}
+              "volumeMounts": [{"name": "ramdisk", "mountPath": opts.local_dir}, KUBE_API_MOUNT]}
     wspec = _pod_spec(opts, worker=True)
     wspec["initContainers"] = [_ramdisk_owner(opts), _replicator(opts), sidecar]
     wspec["containers"] = [worker, notice]
     wspec["volumes"] = [{"name": "shared-tmp", "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}},
                         {"name": "shared-memory", "emptyDir": {"medium": "Memory"}},
-                        _ramdisk_volume(opts)] + _common_volumes(opts)
+                        _ramdisk_volume(opts)] + _common_volumes(opts) + [_kube_api_volume()]
     return wspec
 
 
@@ -437,10 +503,13 @@ def pathways_jobset(opts: ManifestOptions) -> dict[str, Any]:
             "successPolicy": {"operator": "All", "targetReplicatedJobs": ["head"]},
             "failurePolicy": _failure_policy(opts),
             "replicatedJobs": [
-                {"name": "head", "replicas": 1, "template": _job_template(head, 1, 0, "kubernetes.io/hostname", on_job=True)},
+                {"name": "head", "replicas": 1,
+                 "template": _job_template(head, 1, 0, "kubernetes.io/hostname",
+                                           _pod_failure_policy(opts, replicated_job="head"), on_job=True)},
                 {"name": "workers", "replicas": opts.slices,
                  "template": _job_template(wspec, opts.hosts_per_slice, _worker_backoff(opts),
-                                           "cloud.google.com/gke-nodepool")},
+                                           "cloud.google.com/gke-nodepool",
+                                           _pod_failure_policy(opts, replicated_job="workers"))},
             ],
         },
     }
@@ -480,7 +549,7 @@ def multi_controller_jobset(opts: ManifestOptions) -> dict[str, Any]:
     train["lifecycle"] = {"preStop": {"exec": {"command": _preempt_command(opts, wait=not orbax)}}}
     # TPU device access as in Google's TPU JobSets; UID 1000 like the replicator (shared RAM disk).
     train["securityContext"] = {"privileged": True, "runAsUser": UID, "runAsGroup": UID}
-    train["volumeMounts"] = [{"name": "ramdisk", "mountPath": opts.local_dir}] + _mtc_mounts(opts)
+    train["volumeMounts"] = [{"name": "ramdisk", "mountPath": opts.local_dir}] + _mtc_mounts(opts) + [KUBE_API_MOUNT]
     inits: list[dict[str, Any]] = [_ramdisk_owner(opts)]
     if orbax:
         inits.append({
@@ -500,7 +569,7 @@ def multi_controller_jobset(opts: ManifestOptions) -> dict[str, Any]:
     wspec = _pod_spec(opts, worker=True)
     wspec["initContainers"] = inits + [_replicator(opts)]
     wspec["containers"] = [train]
-    wspec["volumes"] = [_ramdisk_volume(opts)] + _common_volumes(opts)
+    wspec["volumes"] = [_ramdisk_volume(opts)] + _common_volumes(opts) + [_kube_api_volume()]
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": _meta(opts.job, opts),
         "spec": {
@@ -508,6 +577,7 @@ def multi_controller_jobset(opts: ManifestOptions) -> dict[str, Any]:
             "failurePolicy": _failure_policy(opts),
             "replicatedJobs": [{"name": "workers", "replicas": opts.slices,
                                 "template": _job_template(wspec, opts.hosts_per_slice, _worker_backoff(opts),
-                                                          "cloud.google.com/gke-nodepool")}],
+                                                          "cloud.google.com/gke-nodepool",
+                                                          _pod_failure_policy(opts, replicated_job="workers"))}],
         },
     }

@@ -72,7 +72,8 @@ class ManifestOptions:
       backup_url: the bucket tier (``gs://bucket/prefix``); empty = no backup tier.
       ramdisk: ``csi`` (GKE Multi-Tier Checkpointing's node RAM disk), ``hostpath`` (a node tmpfs kept by
         this job's DaemonSet) or ``memory`` (``emptyDir``, for trying it out). Empty = the front door's
-        default: ``csi`` for native, ``hostpath`` for orbax (GKE's replicator would answer Orbax on csi).
+        default: ``csi`` for native, ``memory`` for orbax (GKE's replicator would answer Orbax on csi; the
+        hostpath DaemonSet is privileged, so it is opt-in).
       ramdisk_size: size of the RAM disk per host (Kubernetes quantity).
       tls: mutual TLS between replicators and the controller from a cert-manager ``Certificate``.
       tls_identity: ``shared`` (one ``Certificate`` for every Pod; it names no rank, so the replicators run
@@ -89,6 +90,7 @@ class ManifestOptions:
       max_restarts: the JobSet's ``failurePolicy.maxRestarts``.
       termination_grace_seconds: the worker Pods' ``terminationGracePeriodSeconds``, shared after a
         preemption notice as save 30 %, flush 50 %, reserve 20 % (manifests_jobsets.PreemptionBudget).
+      proxy_args: extra flags of the Pathways proxy (``pathways-proxy``), after the rendered ones.
       head_node_pool: node pool of the Pathways head (``cloud.google.com/gke-nodepool``); empty = anywhere.
       grpc_port, data_port: the replicator's gRPC port and fixed TCP bulk-data port.
       metrics_port: the replicator's Prometheus port (``deploy/monitoring`` scrapes it).
@@ -132,6 +134,7 @@ class ManifestOptions:
     sidecar_image: str = "REGISTRY/mtc-sidecar:0.1.0"
     controller_image: str = ""
     controller_command: tuple[str, ...] = ("python", "/app/train.py")
+    proxy_args: tuple[str, ...] = ()
     pathways_server_image: str = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/server:jax-0.10.2"
     pathways_proxy_image: str = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/proxy_server:jax-0.10.2"
     pathways_scratch: str = ""
@@ -151,7 +154,9 @@ class ManifestOptions:
 
     @property
     def ramdisk_kind(self) -> str:
-        return self.ramdisk or ("csi" if self.front_door_kind == "native" else "hostpath")
+        # Orbax: not csi (GKE's replicator would answer Orbax's replicator.yaml there) and not hostpath by
+        # default (its DaemonSet is privileged): the Pod's own memory, deploy/components/ramdisk-hostpath to keep it.
+        return self.ramdisk or ("csi" if self.front_door_kind == "native" else "memory")
 
     @property
     def worker_failure_kind(self) -> str:
@@ -191,12 +196,16 @@ class ManifestOptions:
             raise ValueError(f"--front-door must be one of {', '.join(FRONT_DOORS)}, got {self.front_door!r}")
         if self.front_door_kind == "orbax" and self.ramdisk_kind == "csi":
             raise ValueError("--ramdisk csi with --front-door orbax: GKE's own replicator serves that volume "
-                             "and would answer Orbax's replicator.yaml too; use --ramdisk hostpath")
+                             "and would answer Orbax's replicator.yaml too; use --ramdisk memory or hostpath")
         if self.worker_failure_policy not in ("",) + WORKER_FAILURE_POLICIES:
             raise ValueError(f"--worker-failure-policy must be one of {', '.join(WORKER_FAILURE_POLICIES)}")
         if self.worker_failure_kind == "restart-slice" and self.mode != "pathways":
             raise ValueError("--worker-failure-policy restart-slice needs Pathways (multi-controller JAX cannot "
                              "go on without a slice)")
+        if any(not a.startswith("--") for a in self.proxy_args):
+            raise ValueError(f"--proxy-args: flags only (each starting with --), got {list(self.proxy_args)}")
+        if self.proxy_args and self.mode != "pathways":
+            raise ValueError("--proxy-args: the Pathways proxy runs in --mode pathways only")
         if self.max_restarts < 0:
             raise ValueError("--max-restarts must be >= 0")
         if self.termination_grace_seconds < 20:

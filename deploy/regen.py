@@ -5,8 +5,8 @@
 ``deploy/pathways`` and ``deploy/multi-controller`` are ``render()`` of the default options of each mode
 (native front door on Pathways, Orbax on multi-controller); ``deploy/pathways-orbax`` and
 ``deploy/multi-controller-native`` the other front door of each.
-Each component under ``deploy/components`` is the difference between the Pathways base and one variant of
-the options: new objects become the component's resources, changed objects JSON 6902 patches (list items
+Each component under ``deploy/components`` is the difference between a base (the Pathways one unless
+COMPONENT_BASE names another) and one variant of the options: new objects become the component's resources, changed objects JSON 6902 patches (list items
 appended with ``/-`` so that components compose). tests/deploy checks that regenerating yields no diff and
 that base + component builds exactly what ``mtc manifests`` renders for that variant.
 """
@@ -43,7 +43,14 @@ COMPONENTS = {
     "ramdisk-hostpath": {"ramdisk": "hostpath"},
     "ramdisk-memory": {"ramdisk": "memory"},
     "workload-identity": {"gcp_service_account": "mtc-backup@PROJECT_ID.iam.gserviceaccount.com"},
+    # The Orbax bases' RAM disk is the Pod's memory (no privilege); these keep it on the node instead (a tmpfs
+    # per job that outlives the Pods, prepared by a privileged DaemonSet): one per base, their JobSets differ.
+    "ramdisk-hostpath-pathways-orbax": {"ramdisk": "hostpath"},
+    "ramdisk-hostpath-multi-controller": {"ramdisk": "hostpath"},
 }
+# Component name -> the base it is the difference to (default: pathways).
+COMPONENT_BASE = {"ramdisk-hostpath-pathways-orbax": "pathways-orbax",
+                  "ramdisk-hostpath-multi-controller": "multi-controller"}
 
 
 def _pointer(path: list[str | int]) -> str:
@@ -108,8 +115,8 @@ def generate() -> dict[str, str]:
     for mode, opts in BASE_OPTIONS.items():
         for name, text in render(opts).items():
             out[f"{mode}/{name}"] = text
-    base = BASE_OPTIONS["pathways"]
     for comp, changes in COMPONENTS.items():
+        base = BASE_OPTIONS[COMPONENT_BASE.get(comp, "pathways")]
         for name, text in component(base, dataclasses.replace(base, **changes)).items():
             out[f"components/{comp}/{name}"] = text
     return out

@@ -26,7 +26,7 @@ import grpc
 from mtc_rpc import control_pb2, peer_pb2_grpc
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
-from replicator import logs
+from replicator import logs, preemption
 from replicator.control import serve_control
 from replicator.coordinator.model import Tier
 from replicator.coordinator.service import BackupScheduler, Coordinator
@@ -148,6 +148,7 @@ class Replicator:
         # Preemption (SIGTERM): this host got the notice / the coordinator says some host did.
         self.preempting = False
         self.preemption_noticed = False
+        self.started_wall = time.time()  # a restart record older than this daemon is an earlier Pod's
         self._backup_now = False
         # Typed, locked counters and every Prometheus metric of this process (see replicator/metrics.py).
         self.metrics = ReplicatorMetrics(self.store.root)
@@ -273,7 +274,12 @@ class Replicator:
         while not done.wait(1.0):
             pass
         if got and got[0] == signal.SIGTERM and self.opts.preemption_grace_seconds > 0:
-            self.flush_on_preemption(self.opts.preemption_grace_seconds)
+            if preemption.restart_recorded(self.store.root, self.started_wall):
+                # `mtc preempt --on-restart skip`: a JobSet restart or hot-swap, not a notice; the RAM disk
+                # outlives this Pod, the replacement restores from it and from peers.
+                log.info("SIGTERM of a JobSet restart: no emergency backup")
+            else:
+                self.flush_on_preemption(self.opts.preemption_grace_seconds)
         self.stop()
 
     def flush_on_preemption(self, grace_seconds: float) -> dict[str, Any]:

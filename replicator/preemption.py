@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from mtc_rpc import control_pb2
@@ -28,6 +29,9 @@ from mtc_rpc import control_pb2
 log = logging.getLogger(__name__)
 
 PREEMPTION_RECORD = "preemption.json"
+# Written by `mtc preempt --on-restart skip` when the Pod is deleted because its Job is going away (a JobSet
+# restart, a hot-swap): the daemon's SIGTERM then skips the emergency backup.
+RESTART_RECORD = "restart.json"
 _lock = threading.Lock()
 
 
@@ -63,3 +67,11 @@ def _handle(daemon: Any, notice_step: int, window: float, flush: float) -> None:
         daemon.flush_on_preemption(flush)
     except Exception:  # the SIGTERM path flushes again
         log.exception("preemption flush failed")
+
+
+def restart_recorded(root: Path, since_wall: float) -> bool:
+    """A restart record written since ``since_wall`` (``time.time()`` at this daemon's start)."""
+    try:
+        return (root / RESTART_RECORD).stat().st_mtime >= since_wall
+    except FileNotFoundError:
+        return False

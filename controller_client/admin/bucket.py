@@ -110,7 +110,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 def ram_disk_plan(per_rank_bytes: int, *, slices: int, replicas: int, keep: int,
-                  distinct_replicas: bool = False) -> dict[str, Any]:
+                  distinct_replicas: bool = False, snapshotter: bool = False) -> dict[str, Any]:
     """RAM disk per host for a rank holding ``per_rank_bytes`` of its own data per step.
 
     Each host holds, per kept step, its own shards plus the byte copies it keeps for other ranks:
@@ -124,8 +124,14 @@ def ram_disk_plan(per_rank_bytes: int, *, slices: int, replicas: int, keep: int,
     rule = ("ram_disk_per_host = (keep + 1) x own_bytes_per_step x (1 + byte_copies) x 1.1, "
             "byte_copies = replicas - (slices - 1) when data-parallel replicas are byte-identical, "
             "else replicas")
+    # Orbax's in-memory Snapshotter (the guide's loop, docs/elastic.md) keeps one more copy of the host's own
+    # shards in pinned host memory: not on the RAM disk, but in the same host RAM the RAM disk is carved from.
+    snapshot = per_rank_bytes if snapshotter else 0
     return {"own_bytes_per_step": per_rank_bytes, "byte_copies_per_rank": extra, "keep": keep,
-            "ram_disk_bytes_per_host": need, "rule": rule}
+            "ram_disk_bytes_per_host": need, "snapshot_bytes_per_host": snapshot,
+            "host_ram_bytes_per_host": need + snapshot,
+            "rule": rule + ("; host_ram = ram_disk_per_host + own_bytes_per_step (the Snapshotter's pinned-host "
+                            "copy)" if snapshotter else "")}
 
 def cmd_plan(args: argparse.Namespace, conn: Conn | None) -> int:
     source = "flags"
@@ -161,7 +167,7 @@ def cmd_plan(args: argparse.Namespace, conn: Conn | None) -> int:
         raise UsageError("give --state-bytes with --hosts, or a saved step (--coordinator [--step N], or "
                          "--backup-url [--step N])")
     plan = ram_disk_plan(per_rank, slices=args.slices, replicas=args.replicas, keep=args.keep,
-                         distinct_replicas=distinct)
+                         distinct_replicas=distinct, snapshotter=args.snapshotter)
     plan.update(source=source, slices=args.slices, replicas=args.replicas)
     if args.output == "json":
         emit_json(plan)
@@ -173,6 +179,10 @@ def cmd_plan(args: argparse.Namespace, conn: Conn | None) -> int:
         t.add_row("steps kept (+1 being written)", f"{args.keep} (+1)")
         t.add_row("RAM disk per host", f"{fmt_bytes(plan['ram_disk_bytes_per_host'])} "
                   f"({plan['ram_disk_bytes_per_host']} bytes)")
+        if args.snapshotter:
+            t.add_row("Snapshotter's pinned-host copy", fmt_bytes(plan["snapshot_bytes_per_host"]))
+            t.add_row("host RAM per host (both)", f"{fmt_bytes(plan['host_ram_bytes_per_host'])} "
+                      f"({plan['host_ram_bytes_per_host']} bytes)")
         t.add_row("rule", plan["rule"])
         console().print(t)
     return EXIT_OK

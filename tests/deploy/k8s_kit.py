@@ -45,6 +45,8 @@ def validate(doc: dict[str, Any]) -> None:
     if kind == "JobSet":
         errors = sorted(_jobset_validator().iter_errors(doc), key=lambda e: list(e.path))
         assert not errors, f"{where}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors[:5])
+        violated = cel_violations(doc)
+        assert not violated, f"{where}: CEL: " + "; ".join(violated)
         for rj in doc["spec"]["replicatedJobs"]:
             job_spec = rj["template"]["spec"]
             _k8s({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": rj["name"]}, "spec": job_spec},
@@ -63,6 +65,52 @@ def validate(doc: dict[str, Any]) -> None:
         assert spec.get("dnsNames") or spec.get("uris") or spec.get("commonName"), f"{where}: names no one"
         return
     _k8s(doc, where)
+
+
+def cel_violations(doc: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
+    """The JobSet CRD's ``x-kubernetes-validations`` (CEL) that ``doc`` breaks, evaluated with PyPI cel-python.
+
+    ``old``: the stored object of an update (transition rules, those naming ``oldSelf``, are evaluated only
+    then, as the API server does); None = a create.
+    """
+    schema = json.loads(JOBSET_SCHEMA.read_text())
+    out: list[str] = []
+    _cel_walk(schema, doc, old, [], out)
+    return out
+
+
+@functools.cache
+def _cel_program(rule: str) -> Any:
+    import celpy
+
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def _cel_walk(schema: dict[str, Any], value: Any, old: Any, path: list[str | int], out: list[str]) -> None:
+    import celpy
+
+    for v in schema.get("x-kubernetes-validations", []):
+        transition = "oldSelf" in v["rule"]
+        if transition and old is None:
+            continue
+        act = {"self": celpy.json_to_cel(value)}
+        if transition:
+            act["oldSelf"] = celpy.json_to_cel(old)
+        result = _cel_program(v["rule"]).evaluate(act)
+        if result is not True and not (isinstance(result, celpy.celtypes.BoolType) and bool(result)):
+            out.append(f"{'.'.join(map(str, path)) or '<root>'}: {v.get('message', v['rule'])}")
+    if isinstance(value, dict):
+        for k, sub in value.items():
+            child = schema.get("properties", {}).get(k) or (schema.get("additionalProperties")
+                                                            if isinstance(schema.get("additionalProperties"), dict) else None)
+            if child is not None:
+                # A field absent from the stored object: its transition rules are skipped (old None).
+                _cel_walk(child, sub, old.get(k) if isinstance(old, dict) else None, path + [k], out)
+    elif isinstance(value, list) and "items" in schema:
+        for i, sub in enumerate(value):
+            o = old[i] if isinstance(old, list) and i < len(old) else None
+            _cel_walk(schema["items"], sub, o, path + [i], out)
 
 
 def _k8s(doc: dict[str, Any], where: str) -> None:

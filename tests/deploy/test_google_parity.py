@@ -46,7 +46,15 @@ INTENDED = {
     f"{RJ}[workers].template.spec.backoffLimit": "restart-jobset: the first failed worker fails its Job so the "
                                                  "JobSet restarts onto any free node pool (pathwaysutils: "
                                                  "hosts x 1e6 Pod retries in place, as our restart-slice)",
-    f"{RJ}[*].template.spec.template.spec.serviceAccountName": "a ServiceAccount without API access (ours)",
+    f"{RJ}[*].template.spec.podFailurePolicy.rules": "a preemption / eviction (DisruptionTarget) or a trainer that "
+                                                     "saved after a notice (exit 75) restarts the JobSet without "
+                                                     "counting; a terminating Pod fails nothing before its save "
+                                                     "and flush (docs/deploy.md, failure handling)",
+    f"{WORKER}.restartPolicy": "Never: a podFailurePolicy requires it",
+    f"{HEAD}.terminationGracePeriodSeconds": "the trainer's save after a notice on the head",
+    f"{WORKER}.volumes[kube-api]*": "the preStop hook's token (get Pods and Jobs): a JobSet restart is no notice",
+    f"{RJ}[*].template.spec.template.spec.serviceAccountName": "a ServiceAccount allowed to read Pods and Jobs "
+                                                               "only (the preStop hook; ours)",
     f"{RJ}[*].template.spec.template.spec.automountServiceAccountToken": "no Kubernetes API token in any Pod",
     f"{RJ}[*].template.spec.template.spec.securityContext.*": "fsGroup 1000 (shared RAM disk) and seccomp "
                                                               "RuntimeDefault",

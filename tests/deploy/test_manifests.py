@@ -95,14 +95,15 @@ def test_done_when_command_writes_a_set_that_passes_schema_validation(tmp_path: 
     out = tmp_path / "out"
     assert main(DONE_WHEN + ["-o", str(out)]) == 0
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted(["serviceaccount.yaml", "configmap.yaml", "service.yaml", "networkpolicy.yaml",
-                            "jobset.yaml", "kustomization.yaml"])
+    assert names == sorted(["serviceaccount.yaml", "role.yaml", "rolebinding.yaml", "configmap.yaml", "service.yaml",
+                            "networkpolicy.yaml", "jobset.yaml", "kustomization.yaml"])
     kust = yaml.safe_load((out / "kustomization.yaml").read_text())
     assert sorted(kust["resources"]) == sorted(n for n in names if n != "kustomization.yaml")
     docs = kit.kustomize_build(out)
     for d in docs:
         kit.validate(d)
-    assert {d["kind"] for d in docs} == {"ServiceAccount", "ConfigMap", "Service", "NetworkPolicy", "JobSet"}
+    assert {d["kind"] for d in docs} == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "NetworkPolicy",
+                                        "JobSet"}
     assert "Secret" not in {d["kind"] for d in docs}, "a token is never rendered"
 
 
@@ -655,6 +656,21 @@ def test_base_plus_components_builds_what_mtc_manifests_renders(components: list
         assert kit.by_key(kit.run_real_kustomize(real, overlay)) == want
 
 
+@pytest.mark.parametrize("comp", ["ramdisk-hostpath-pathways-orbax", "ramdisk-hostpath-multi-controller"])
+def test_orbax_base_plus_hostpath_component_builds_what_mtc_manifests_renders(comp: str, tmp_path: Path) -> None:
+    regen = _regen()
+    base_name = regen.COMPONENT_BASE[comp]
+    base = regen.BASE_OPTIONS[base_name]
+    want = kit.by_key(mf.objects(dataclasses.replace(base, **regen.COMPONENTS[comp])).values())
+    overlay = _overlay(tmp_path, base_name, [comp])
+    built = kit.by_key(kit.kustomize_build(overlay))
+    assert built == want
+    assert any(k[0] == "DaemonSet" for k in built), "the hostpath RAM disk's DaemonSet"
+    real = kit.real_kustomize()
+    if real is not None:
+        assert kit.by_key(kit.run_real_kustomize(real, overlay)) == want
+
+
 @pytest.mark.parametrize("mode", ["pathways", "multi-controller", "pathways-orbax", "multi-controller-native"])
 def test_kustomize_bases_validate(mode: str) -> None:
     docs = kit.kustomize_build(REPO / "deploy" / mode)
@@ -895,3 +911,15 @@ def test_wheel_built_from_the_docker_context_has_the_console_scripts(tmp_path: P
     for script, target in pyproject["project"]["scripts"].items():
         assert f"{script} = {target}" in entry_points
     assert "controller_client/manifests.py" in names and "replicator/options.py" in names
+
+
+def test_proxy_args_are_appended_to_the_proxy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["manifests", "--job", "demo", "--backup-url", "gs://b/c",
+                 "--proxy-args", "--xla_tpu_enable_foo=true --bar=1"]) == 0
+    js = next(d for d in yaml.safe_load_all(capsys.readouterr().out) if d and d["kind"] == "JobSet")
+    proxy = next(c for c in _pod(js, "head")["initContainers"] if c["name"] == "pathways-proxy")
+    assert proxy["args"][-2:] == ["--xla_tpu_enable_foo=true", "--bar=1"]
+    assert proxy["args"][:-2] == next(c for c in _pod(_jobset(CASES["pathways-default"]), "head")["initContainers"]
+                                      if c["name"] == "pathways-proxy")["args"]
+    with pytest.raises(ValueError, match="flags only"):
+        mf.objects(dataclasses.replace(CASES["pathways-default"], proxy_args=("oops",)))

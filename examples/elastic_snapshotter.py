@@ -24,9 +24,12 @@ Same as ``mtc demo --elastic --snapshotter``. The loop is
                 mesh = create_mesh(active_devices(elastic_manager))
                 state = jax.device_put(state, shardings(mesh))
             state = train_step(state, next(data))
-            ckpt.save(step, state)                            # snapshot every step, checkpoint every N
-            if ckpt.reached_preemption(step):
-                ckpt.save(step, state, force=True); ckpt.backup_now(); return
+            saved = ckpt.save(step, state)                    # snapshot every step, checkpoint every N
+            if ckpt.reached_preemption(step):                 # suspend-resume (docs/elastic.md)
+                if not saved:
+                    ckpt.save(step, state, force=True)
+                ckpt.backup_now()
+                sys.exit(preemption_exit.exit_code(preempted=True))  # 75: the JobSet resumes, never Completed
 
 Slice 1 is lost (its buffers deleted, a ``DATA_LOSS`` error raised), training shrinks to slice 0 from the
 snapshot (replicated state) or the checkpoint (FSDP state, whose part on slice 1 is gone), slice 1 returns

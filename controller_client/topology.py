@@ -63,9 +63,6 @@ class HostTopology:
     def slice_of(self, rank: int) -> int:
         return rank // self.hosts_per_slice
 
-    def devices_of(self, rank: int, devices: Sequence[Any]) -> list[Any]:
-        return [d for d in devices if self.device_rank.get(d.id) == rank]
-
     def ranks_of(self, devices: Sequence[Any]) -> list[int]:
         """The ranks (hosts) that ``devices`` belong to, ascending: the active set when given the active devices."""
         return sorted({self.rank_of(d) for d in devices})

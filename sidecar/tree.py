@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -46,16 +45,6 @@ def dtype_from_name(name: str) -> np.dtype:
         return jnp.dtype(name)
     except TypeError as e:
         raise ValueError(f"unknown dtype {name!r} in manifest") from e
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafSpec:
-    """What a target leaf asks for: shape and dtype of the *stored* data, plus the key impl for PRNG keys."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    key_impl: str | None
 
 
 def key_impl_name(x: Any) -> str:

@@ -206,11 +206,3 @@ class CoordinatorClient:
 
     def close(self) -> None:
         self._candidates.close()
-
-
-def status_to_dict(resp: pb.GetStatusResponse) -> dict[str, Any]:
-    """The typed status as plain JSON-printable data (for people; code reads the message's fields)."""
-    from google.protobuf import json_format
-
-    return json_format.MessageToDict(resp, preserving_proto_field_name=True,
-                                     always_print_fields_with_no_presence=True, unquote_int64_if_possible=True)

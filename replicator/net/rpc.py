@@ -29,8 +29,6 @@ log = logging.getLogger(__name__)
 
 # Small control RPCs (list, manifest, ticket): a healthy peer answers in milliseconds.
 RPC_TIMEOUT_SECONDS = 10.0
-# Waiting for a channel to connect before the first call.
-CONNECT_TIMEOUT_SECONDS = 5.0
 # Health probe.
 HEALTH_TIMEOUT_SECONDS = 2.0
 # A whole bulk transfer of one step (overridable per fetch): 64 GiB at 200 MiB/s throttled fits.
@@ -150,11 +148,6 @@ def make_channel(
     if token is not None:
         channel = grpc.intercept_channel(channel, BearerTokenClientInterceptor(token))
     return channel
-
-
-def wait_ready(channel: grpc.Channel, timeout_seconds: float = CONNECT_TIMEOUT_SECONDS) -> None:
-    """Block until ``channel`` is connected; raises ``grpc.FutureTimeoutError`` after the timeout."""
-    grpc.channel_ready_future(channel).result(timeout=timeout_seconds)
 
 
 # --------------------------------------------------------------------------- errors → status codes

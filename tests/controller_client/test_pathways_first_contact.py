@@ -169,14 +169,22 @@ def test_our_errors_keep_their_type_and_are_not_slice_downs(sim, tmp_path):  # n
             mgr.dispatcher.save(6, [], [], [], [], 1, False)
         not_slice_down(e.value)
         assert isinstance(e.value, FileExistsError) and isinstance(e.value, ValueError)
-        # Corrupt bytes in every copy of a shard: a checksum error, naming the file.
-        for f in tmp_path.glob("*/steps/6/*.bin"):
+    # Corrupt bytes in every copy: a checksum error, naming the file. Each host reads only its own copies
+    # (cross_host_reads off): a host that drops another's bad copy in its own process would make that host's
+    # read find its copy gone rather than corrupt (simulated hosts on one disk only; a test artefact).
+    root = tmp_path / "corrupt"
+    x = {"x": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8),
+                             NamedSharding(Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b")), P("a", "b")))}
+    with local_mgr(root, cross_host_reads=False) as mgr:
+        mgr.save(6, x)
+        mgr.wait_until_finished()
+        for f in root.glob("*/steps/6/*.bin"):
             with open(f, "r+b") as fh:
                 b = fh.read(1)
                 fh.seek(0)
                 fh.write(bytes([b[0] ^ 0xFF]))
         with pytest.raises((ChecksumError, CorruptStepError)) as e:
-            mgr.restore(6, target_of(tree))
+            mgr.restore(6, target_of(x))
         not_slice_down(e.value)
         assert ".bin" in str(e.value)
 

@@ -47,6 +47,7 @@ from tests.kits.image_worker import REPORT_ENV
 from tests.kits.images import TESTS_MOUNT, Store, pinned
 from tests.kits.jax_procs import REPO, free_port
 from tests.kits.pathways_sim import PathwaysSim
+from tests.replicator.orbax.test_colocated_pathways import pathways_orbax  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.image, pytest.mark.timeout(1500)]
 
@@ -99,13 +100,8 @@ def test_sidecar_image_runs_the_pathways_workers_native_save_and_restore(
     another one; every colocated program ran in the image's containers (``_PathwaysIds`` imports Orbax's patch
     on the worker: an image without orbax-checkpoint fails the first save with ModuleNotFoundError)."""
     ram = workdir / "ram"
-    reps = Replicators(store, replicator_image, ram, 4)
     with contextlib.ExitStack() as stack:
-        for r in range(4):
-            stack.enter_context(ram_disk(ram / str(r)))
-        stack.callback(reps.stop_all)
-        for r in range(4):
-            reps.start(r)
+        reps = _replicators_on_ram_disks(stack, store, replicator_image, ram)
         # Each RAM disk on its own (pytest's tmp_path is mode 0700: the workers' user could not pass it).
         sim = stack.enter_context(_sim(store, sidecar_image, workdir, [ram / str(r) for r in range(4)]))
         devs = jax.devices()
@@ -131,21 +127,8 @@ def test_sidecar_image_runs_the_pathways_workers_native_save_and_restore(
     _assert_workers_ran_the_image(workdir, uid=1000)
 
 
-@pytest.fixture
-def pathways_orbax(monkeypatch):
-    """Orbax's colocated manager refuses plain CPU JAX: only its Pathways check is patched, on the controller."""
-    from absl import flags
-    from orbax.checkpoint._src.multihost import multihost
-    from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import replicator_checkpoint_manager
-
-    monkeypatch.setattr(multihost, "is_pathways_backend", lambda: True)
-    monkeypatch.setattr(replicator_checkpoint_manager.multihost, "is_pathways_backend", lambda: True)
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS(["pytest"])
-
-
 def test_sidecar_image_runs_orbax_colocated_checkpointing(store: Store, sidecar_image: str, workdir: Path,
-                                                          pathways_orbax) -> None:
+                                                          pathways_orbax) -> None:  # noqa: F811
     """Unchanged Orbax (``use_colocated_python=True``) against real replicators in Orbax mode: init, save, a
     new incarnation's init, latest_step and a bit-exact restore, every worker in the image's containers. The
     test's worker setup leaves Orbax's patch off (``MTC_SIM_ORBAX_PATCH=0``): the image's start hook installs
@@ -274,6 +257,17 @@ class Replicators:
             self.store.podman("rm", "--force", "--time", "0", self.name(r), check=False)
 
 
+def _replicators_on_ram_disks(stack: contextlib.ExitStack, store: Store, image: str, ram: Path) -> Replicators:
+    """Four replicator containers, each on its own RAM disk ``ram/<rank>``, stopped when ``stack`` closes."""
+    reps = Replicators(store, image, ram, 4)
+    for r in range(4):
+        stack.enter_context(ram_disk(ram / str(r)))
+    stack.callback(reps.stop_all)
+    for r in range(4):
+        reps.start(r)
+    return reps
+
+
 def _files(step_dir: Path) -> dict[str, int]:
     return {str(p.relative_to(step_dir)): p.stat().st_ino for p in sorted(step_dir.rglob("*")) if p.is_file()}
 
@@ -298,13 +292,8 @@ def test_replicator_image_serves_kills_and_refills_on_ram_disks(store: Store, re
     same user (a host process as root creates directories such as ``<local>/fetch`` that the replicator's user
     then cannot write into), 8 CPU devices as 2 slices x 2 hosts."""
     ram = workdir / "ram"
-    reps = Replicators(store, replicator_image, ram, 4)
     with contextlib.ExitStack() as stack:
-        for r in range(4):
-            stack.enter_context(ram_disk(ram / str(r)))
-        stack.callback(reps.stop_all)
-        for r in range(4):
-            reps.start(r)
+        reps = _replicators_on_ram_disks(stack, store, replicator_image, ram)
         # The containers as a Pod spec runs them (docs/deploy.md), checked on a running one.
         inspect = json.loads(store.podman("inspect", reps.name(1)).stdout)[0]
         assert inspect["HostConfig"]["ReadonlyRootfs"] is True

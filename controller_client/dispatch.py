@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -136,12 +135,18 @@ def _host_config(config: host.HostConfig, handle: jax.Array) -> host.HostConfig:
     return dataclasses.replace(config, device_rank=device_rank)
 
 
+def _row(payload: Any, size: int) -> np.ndarray:
+    """``payload`` as one zero-padded row of ``size`` bytes (all zeros for None)."""
+    row = np.zeros(size, np.uint8)
+    if payload is not None:
+        data = failures.encode_row(payload, size)
+        row[: len(data)] = np.frombuffer(data, np.uint8)
+    return row
+
+
 def _status_rows(handle: jax.Array, payload: Any) -> jax.Array:
     """One status row per device of ``handle`` (empty, or a failure record), built where the call runs."""
-    row = np.zeros(STATUS_BYTES, np.uint8)
-    if payload is not None:
-        data = failures.encode_row(payload, STATUS_BYTES)
-        row[: len(data)] = np.frombuffer(data, np.uint8)
+    row = _row(payload, STATUS_BYTES)
     sharding = NamedSharding(handle.sharding.mesh, PartitionSpec("d", None))
     bufs = [jax.device_put(row[None], s.device) for s in handle.addressable_shards]
     return jax.make_array_from_single_device_arrays((handle.shape[0], STATUS_BYTES), sharding, bufs)
@@ -190,13 +195,10 @@ def _coloc_restore(handle, rows, *, _ids=None, config, step, leaves, all_paths):
 def encode_values(values: dict[str, Any]) -> np.ndarray:
     """A restore's plain values (or its failure record) as one row (length-prefixed JSON; they are JSON-able
     by construction)."""
-    data = json.dumps(values).encode()
-    if len(data) > QUERY_BYTES - 4:
-        raise ValueError(f"the plain values of the step take {len(data)} bytes, more than {QUERY_BYTES - 4}")
-    buf = np.zeros(QUERY_BYTES, dtype=np.uint8)
-    data = failures.encode_row(values, QUERY_BYTES)
-    buf[: len(data)] = np.frombuffer(data, dtype=np.uint8)
-    return buf
+    try:
+        return _row(values, QUERY_BYTES)
+    except ValueError as e:
+        raise ValueError(f"the plain values of the step do not fit in {QUERY_BYTES - 4} bytes: {e}") from None
 
 
 def decode_values(row: np.ndarray) -> dict[str, Any]:
@@ -247,10 +249,7 @@ def _coloc_query(handle, rows, *, _ids=None, config, query, arg):
         answers = host.query_on_hosts(config, ranks, query, arg)
         encoded = {r: host.encode_result(query, {r: answers[r]}, QUERY_BYTES) for r in ranks}
     except Exception as e:  # noqa: BLE001 - every failure travels back as data (sidecar.failures)
-        row = np.zeros(QUERY_BYTES, np.uint8)
-        data = failures.encode_row(_failure(e, ranks), QUERY_BYTES)
-        row[: len(data)] = np.frombuffer(data, np.uint8)
-        encoded = dict.fromkeys(ranks, row)
+        encoded = dict.fromkeys(ranks, _row(_failure(e, ranks), QUERY_BYTES))
     bufs = [jax.device_put(encoded[config.device_rank[s.device.id]][None], s.device) for s in rows.addressable_shards]
     return jax.make_array_from_single_device_arrays(rows.shape, rows.sharding, bufs)
 

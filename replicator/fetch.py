@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# How long a peer that refuses connections is waited for before its copy counts as failed (the next tier,
+# often the bucket, is tried then): a restarting daemon (every daemon restarts at each Orbax handshake) is
+# back within a second, and a bucket download of a large step takes minutes.
+PEER_RESTART_WAIT_SECONDS = 3.0
+
 
 class Source(Protocol):
     """One place a rank's data of a step can come from."""
@@ -200,7 +205,8 @@ class Fetcher:
             m = peer_client.fetch_step(address, owner, step, dest, token=self.token, tls=self.tls,
                                        timeout_seconds=self.opts.transfer_timeout_seconds,
                                        throttle=self.throttle, expected_content_hash=content_hash,
-                                       spare_dir=spares.spare_dir(self.store.root), progress=progress)
+                                       spare_dir=spares.spare_dir(self.store.root), progress=progress,
+                                       connect_wait_seconds=PEER_RESTART_WAIT_SECONDS)
         except BaseException as e:
             progress.failed(e)  # e.g. the manifest call failed before the fetch began
             raise

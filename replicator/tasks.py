@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 TaskKey = tuple[str, int, int]  # (kind, owner rank, step); owner -1 for a backup (all ranks of the step)
 RECENT_ERRORS_KEPT = 20
+# How many times a caller of TaskRunner.once whose concurrent fetch failed tries again (as the fetcher).
+ONCE_ATTEMPTS = 2
 
 
 class TaskRunner:
@@ -100,18 +102,22 @@ class TaskRunner:
              present: Callable[[], layout.StepManifest | None]) -> layout.StepManifest:
         """Bring ``owner``'s ``step`` here once, from whichever tier: a copy task, a restore and a sidecar's
         fetch may want the same directory at the same time; later callers wait for the first (then read
-        what it left with ``present()``) instead of moving the bytes twice (and colliding on its commit)."""
+        what it left with ``present()``) instead of moving the bytes twice (and colliding on its commit).
+        A waiter whose first fetch failed (its peer was unreachable, say) tries once more itself."""
         key = (owner, step)
-        with self._lock:
-            running = self._fetching.get(key)
-            if running is None:
-                self._fetching[key] = threading.Event()
-        if running is not None:
+        for _ in range(ONCE_ATTEMPTS):
+            with self._lock:
+                running = self._fetching.get(key)
+                if running is None:
+                    self._fetching[key] = threading.Event()
+                    break
             running.wait(self._wait_seconds)
             m = present()
-            if m is None or (content_hash and m.content_hash != content_hash):
-                raise RuntimeError(f"concurrent fetch of rank {owner} step {step} did not produce it")
-            return m
+            if m is not None and (not content_hash or m.content_hash == content_hash):
+                return m
+            # The first caller failed (its peer was unreachable, say): try again ourselves.
+        else:
+            raise RuntimeError(f"concurrent fetches of rank {owner} step {step} did not produce it")
         try:
             return fetch()
         finally:

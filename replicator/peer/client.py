@@ -87,6 +87,14 @@ def _open(peer: Peer, token: str | None, tls: TlsOptions | None) -> Iterator[tup
         yield peer, None
 
 
+def _wait_until_connected(channel: grpc.Channel, seconds: float) -> None:
+    """Wait up to ``seconds`` for ``channel`` to connect; a peer still unreachable then fails the next call."""
+    try:
+        grpc.channel_ready_future(channel).result(timeout=seconds)
+    except grpc.FutureTimeoutError:
+        pass
+
+
 def _remaining(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
@@ -540,8 +548,13 @@ def fetch_step(
     expected_content_hash: str | None = None,
     spare_dir: Path | None = None,
     progress: FetchProgress | None = None,
+    connect_wait_seconds: float = 0.0,
 ) -> StepManifest:
     """Copy ``owner_rank``'s ``step`` from ``peer`` and commit it as ``dest_parent/<step>``.
+
+    ``connect_wait_seconds``: how long a peer that refuses connections is waited for before the fetch fails
+    (gRPC's own channel readiness, reconnecting with ``rpc.RECONNECT_OPTIONS``): a daemon that restarts (every
+    daemon of an Orbax handshake restarts at once) is back within a second, and its copy beats the bucket.
 
     ``spare_dir``: the destination RAM disk's pool of recycled files (``spares.spare_dir``), whose
     already-allocated pages are overwritten instead of allocating fresh ones. ``progress``: told the
@@ -564,6 +577,8 @@ def fetch_step(
     deadline = time.monotonic() + timeout_seconds
     with _open(peer, token, tls) as (channel, host):
         stub = peer_pb2_grpc.PeerStub(channel)
+        if connect_wait_seconds > 0:
+            _wait_until_connected(channel, min(connect_wait_seconds, _remaining(deadline)))
         manifest = _get_manifest(
             stub, owner_rank, step, min(rpc.RPC_TIMEOUT_SECONDS, _remaining(deadline))
         )

@@ -73,6 +73,7 @@ class PeerHost:
         server_throttle: peer_protocol.Throttle | None = None,
         max_message_bytes: int = rpc.MAX_MESSAGE_BYTES,
         advertise_host: str = "",
+        listen: str = "127.0.0.1:0",
     ):
         self.root = root
         self.ts = None
@@ -88,7 +89,7 @@ class PeerHost:
             advertise_host=advertise_host,
         )
         self.server, port = rpc.create_server(
-            "127.0.0.1:0",
+            listen,
             [(peer_pb2_grpc.add_PeerServicer_to_server, self.servicer)],
             token=TOKEN,
             max_message_bytes=max_message_bytes,
@@ -418,6 +419,36 @@ def test_data_port_unreachable_falls_back_to_stream(tmp_path: Path) -> None:
         assert h.ts is not None and h.ts.transfers_completed == 0
     finally:
         h.stop()
+
+
+def test_a_restarting_peer_is_waited_for_within_the_connect_wait(tmp_path: Path) -> None:
+    """A peer whose daemon restarts (every Orbax handshake restarts them all) refuses connections for a moment:
+    a fetch given a connect wait reaches its new server on the same port; one without fails at once, and a
+    peer that never comes back costs the wait and no more."""
+    h = PeerHost(tmp_path / "src")
+    address = h.address
+    make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 1 << 20})
+    h.stop()
+    with pytest.raises(grpc.RpcError) as e:
+        peer_client.fetch_step(address, 1, 7, tmp_path / "d0", token=TOKEN)
+    assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError):
+        peer_client.fetch_step(address, 1, 7, tmp_path / "d1", token=TOKEN, connect_wait_seconds=0.5)
+    assert 0.5 <= time.monotonic() - t0 < 5
+
+    restarted: list[PeerHost] = []
+    starter = threading.Timer(0.4, lambda: restarted.append(PeerHost(tmp_path / "src", listen=address)))
+    starter.start()
+    try:
+        m = peer_client.fetch_step(address, 1, 7, tmp_path / "d2", token=TOKEN, connect_wait_seconds=5)
+        assert restarted and m.step == 7
+        checksums.verify_step_dir(tmp_path / "d2" / "7")
+    finally:
+        starter.join()
+        for r in restarted:
+            r.stop()
 
 
 @pytest.mark.parametrize("recycled", [False, True])

@@ -54,6 +54,28 @@ RECONNECT_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
+# gRPC keepalive: a connection whose peer stopped answering (a partition, a host gone without a FIN) is closed
+# within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS while calls are waiting on it, instead of hanging on TCP
+# retransmission for tens of seconds after the link is back; the next call dials afresh (RECONNECT_OPTIONS).
+# Clients ping only while calls are active (an idle channel costs nothing); servers accept pings that often
+# and ping their clients too, so a stream to a vanished client does not hold a worker thread.
+KEEPALIVE_TIME_MS = 2000
+KEEPALIVE_TIMEOUT_MS = 3000
+CHANNEL_KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),  # keep pinging a call that waits for an answer
+]
+SERVER_KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),  # never answer a client's pings with GOAWAY
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
 def _message_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     if not isinstance(max_message_bytes, int) or max_message_bytes < 1024:
         raise ValueError(f"max_message_bytes must be an int >= 1024, got {max_message_bytes!r}")
@@ -82,7 +104,7 @@ def create_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc-server"),
         interceptors=interceptors,
-        options=[*_message_options(max_message_bytes), ("grpc.so_reuseport", 0)],
+        options=[*_message_options(max_message_bytes), *SERVER_KEEPALIVE_OPTIONS, ("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=max_workers * 4,
     )
     health_servicer = health.HealthServicer()
@@ -138,7 +160,7 @@ def make_channel(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> grpc.Channel:
     """A channel to ``address`` ("host:port") adding the bearer token to every call when given."""
-    options = _message_options(max_message_bytes) + RECONNECT_OPTIONS
+    options = _message_options(max_message_bytes) + RECONNECT_OPTIONS + CHANNEL_KEEPALIVE_OPTIONS
     if tls is not None:
         channel = grpc.secure_channel(
             address, tls.channel_credentials(), options=options + tls.channel_options()

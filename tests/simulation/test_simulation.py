@@ -3,9 +3,9 @@
 ``MTC_SIM_SEEDS=N`` runs N schedules instead of 1,000. A failing invariant names its first seed and shows that
 schedule's event trace; replay it with ``python -m tests.simulation --replay SEED``.
 
-Known defects (found by this simulation; strict xfails, so they fail the suite as XPASS once fixed and the
-marker must go with the fix) are listed in ``KNOWN``, each with a guard test replaying its shortest failing
-seed; none is open now. Fixed ones keep a test replaying the seed that found them.
+Known defects (found by this simulation) are listed in ``KNOWN``: their invariant's test is a strict xfail,
+so it fails the suite as XPASS once fixed and the entry must go with the fix; none is open now. Fixed ones
+keep a test replaying the seed that found them.
 """
 
 from __future__ import annotations
@@ -70,19 +70,6 @@ def test_invariant_holds(results, name):
         pytest.fail(f"{name} violated in {len(seeds)} schedules (seeds {seeds[:10]}); "
                     f"{results['first'][name]}\nevent trace of seed {seeds[0]} (last 80 events):\n"
                     f"{_trace(seeds[0])}", pytrace=False)
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=r))
-                                  for n, (_, r) in KNOWN.items()])
-def test_known_defect_seed(name):
-    """The shortest failing seed of each known defect, replayed on its own (the regression guard)."""
-    seed = KNOWN[name][0]
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(seed)
-    finally:
-        logging.disable(logging.NOTSET)
-    assert name not in found, found[name]
 
 
 def test_a_seed_replays_exactly():

@@ -49,8 +49,9 @@ CPU is reported with its exact error under ``errors`` and left out of the compar
 ``*_vs_best_orbax`` divide our time by the faster Orbax manager's (below 1: we are faster); those of
 ``ours_orbax`` are ``ours_orbax_*_vs_best_orbax``.
 
-(Over 600 lines: the state, the three systems that share one job, and the orchestration of every system
-are one scenario read together; the fourth system's job incarnations are bench/emergency_orbax.py.)
+(One module: the three systems that share one job and the orchestration of every system are one scenario
+read together; the state and constants it shares with the fourth system are bench/emergency_common.py, that
+system's job incarnations bench/emergency_orbax.py.)
 """
 
 from __future__ import annotations
@@ -70,126 +71,30 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from bench.emergency_common import (
+    DEVICES_PER_PROCESS,
+    LOST_HOST,
+    MEASURES,
+    PROCESSES,
+    REPO,
+    RPC_TIMEOUT_SECONDS,
+    SLICES,
+    WAIT_SECONDS,
+    check_state,
+    make_state,
+    wait_for,
+)
 from controller_client.demo.ports import free_port as _free_port
 
-REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("ours", "orbax_p2p", "orbax_emergency", "ours_orbax")
 # Run in one job per round (ours_orbax runs job incarnations of its own: bench/emergency_orbax.py).
 JOB_SYSTEMS = ("ours", "orbax_p2p", "orbax_emergency")
-MEASURES = ("save_block", "safe_after", "restore_local", "restore_one_lost", "restore_all_lost")
-PROCESSES, SLICES, DEVICES_PER_PROCESS = 4, 2, 2
-LOST_HOST = 3
 ROUND_TIMEOUT_SECONDS = 1800.0
-WAIT_SECONDS = 300.0
-RPC_TIMEOUT_SECONDS = 10.0
 
 
 def _scratch_dir() -> Path:
     shm = Path("/dev/shm")
     return Path(tempfile.mkdtemp(prefix="mtc-bench-emergency-", dir=shm if shm.is_dir() else None))
-
-
-def _wait_for(pred: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
-# --------------------------------------------------------------------------- the state (in each worker)
-
-def leaf_specs(total_mib: int) -> list[tuple[str, tuple[int, ...], str, bool]]:
-    """(name, global shape, dtype, 2-D) of the state: ~total_mib MiB, mixed shapes and dtypes."""
-    total = total_mib << 20
-    big = [("embed", 2048, "float32"), ("mlp_in", 1024, "bfloat16"), ("mlp_out", 4096, "float32"),
-           ("attn", 512, "bfloat16"), ("opt_mu", 1024, "float32"), ("counts", 2048, "int32")]
-    per = total * 95 // 100 // len(big)
-    out = []
-    for name, cols, dtype in big:
-        item = 2 if dtype == "bfloat16" else 4
-        rows = max(8, per // (cols * item) // 8 * 8)
-        out.append((name, (rows, cols), dtype, True))
-    small = total - sum(r * c * (2 if d == "bfloat16" else 4) for _, (r, c), d, _ in out)
-    n_small = 16
-    each = max(64, small // n_small // 4 // 64 * 64)
-    out += [(f"bias{i}", (each,), "float32", False) for i in range(n_small)]
-    return out
-
-
-def _value(name: str, shape: tuple[int, ...], dtype: str, index: tuple[slice, ...]) -> Any:
-    """The deterministic block ``index`` of leaf ``name`` (every host computes its own shards only)."""
-    import numpy as np
-
-    starts = [sl.start or 0 for sl in index]
-    sizes = [(sl.stop if sl.stop is not None else n) - (sl.start or 0) for sl, n in zip(index, shape, strict=True)]
-    seed = (sum(ord(c) for c in name) * 1_000_003 + starts[-1]) % (2**32)
-    rng = np.random.default_rng(seed)
-    if dtype == "int32":
-        return rng.integers(-(2**31), 2**31 - 1, size=sizes, dtype=np.int32)
-    x = rng.standard_normal(size=sizes, dtype=np.float32)
-    return x.astype(dtype) if dtype != "float32" else x
-
-
-def make_state(mesh: Any, total_mib: int) -> tuple[dict, dict]:
-    """(state, abstract state) on ``mesh`` (axes ``replica``, ``model``): sharded within, replicated across."""
-    import jax
-    import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    state, abstract = {}, {}
-    for name, shape, dtype, two_d in leaf_specs(total_mib):
-        spec = P(None, "model") if two_d else P("model")
-        sh = NamedSharding(mesh, spec)
-        np_dtype = jax.numpy.dtype(dtype)
-        state[name] = jax.make_array_from_callback(
-            shape, sh, lambda idx, n=name, s=shape, d=dtype: _value(n, s, d, idx))
-        abstract[name] = jax.ShapeDtypeStruct(shape, np_dtype, sharding=sh)
-    return state, abstract
-
-
-def abstract_state(mesh: Any, total_mib: int) -> dict:
-    """The abstract state of :func:`make_state` (shapes, dtypes, shardings), without computing any value."""
-    import jax
-    import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    return {name: jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype),
-                                       sharding=NamedSharding(mesh, P(None, "model") if two_d else P("model")))
-            for name, shape, dtype, two_d in leaf_specs(total_mib)}
-
-
-def check_state(restored: dict, abstract: dict) -> int:
-    """Raise ValueError unless every addressable shard is bit for bit what was saved, except for zeros whose
-    sign was lost (a saved -0.0 restored as +0.0 or back: equal as numbers, not as bits), which are
-    counted and returned: Orbax's emergency managers do that when they broadcast a replica's restored data
-    to the other slices (a sum with the other replicas' zeros)."""
-    import numpy as np
-
-    sign_lost = 0
-    for name, want in abstract.items():
-        got = restored[name]
-        if got.shape != want.shape or got.dtype != want.dtype:
-            raise ValueError(f"{name}: restored {got.shape} {got.dtype}, saved {want.shape} {want.dtype}")
-        for shard in got.addressable_shards:
-            expect = np.asarray(_value(name, want.shape, str(want.dtype), shard.index))
-            data = np.asarray(shard.data)
-            if data.tobytes() == expect.tobytes():
-                continue
-            bits = np.dtype(f"u{expect.dtype.itemsize}")
-            a, b = data.view(bits), expect.view(bits)
-            differ = a != b
-            floats = np.issubdtype(expect.dtype, np.floating) or expect.dtype.name == "bfloat16"
-            if floats and np.all((data[differ] == 0) & (expect[differ] == 0)):
-                sign_lost += int(differ.sum())
-                continue
-            raise ValueError(f"{name}: shard {shard.index} differs from what was saved "
-                             f"({int(differ.sum())} of {differ.size} elements)")
-    return sign_lost
 
 
 # --------------------------------------------------------------------------- systems (in each worker)
@@ -299,7 +204,7 @@ class Ours(System):
                                      stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=str(REPO))
         # (In the worker's process group: the orchestrator's kill of a stuck round's group ends it too.)
         log.close()
-        _wait_for(self._serving, 60, f"replicator {self.rank} to serve")
+        wait_for(self._serving, 60, f"replicator {self.rank} to serve")
 
     def _serving(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
@@ -348,7 +253,7 @@ class Ours(System):
     def wait_safe(self, step: int) -> None:
         self.wait()
         if self.rank == 0:
-            _wait_for(lambda: (s := self._summary(step)[1]) is not None and s.complete and s.redundant,
+            wait_for(lambda: (s := self._summary(step)[1]) is not None and s.complete and s.redundant,
                       WAIT_SECONDS, f"step {step} redundant")
 
     def wait_persistent(self, step: int) -> None:
@@ -356,7 +261,7 @@ class Ours(System):
         # step 2 explicitly, as Orbax's persistent.save_interval_steps=2 saves it.
         self.mgr.backup_now()
         if self.rank == 0:
-            _wait_for(lambda: step in self._summary(step)[0].backup.committed_steps, WAIT_SECONDS,
+            wait_for(lambda: step in self._summary(step)[0].backup.committed_steps, WAIT_SECONDS,
                       f"step {step} backed up")
 
     def settle(self, step: int) -> None:
@@ -364,7 +269,7 @@ class Ours(System):
         # the daemons: copies to peers and the backup. They end before the timed steps start.
         self.wait_safe(step)
         if self.rank == 0:
-            _wait_for(lambda: step in self._summary(step)[0].backup.committed_steps, WAIT_SECONDS,
+            wait_for(lambda: step in self._summary(step)[0].backup.committed_steps, WAIT_SECONDS,
                       f"step {step} backed up")
 
     def restore(self) -> dict:

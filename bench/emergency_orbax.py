@@ -59,7 +59,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.emergency import (
+from bench.emergency_common import (
+    DEVICES_PER_PROCESS,
     LOST_HOST,
     MEASURES,
     PROCESSES,
@@ -67,16 +68,15 @@ from bench.emergency import (
     RPC_TIMEOUT_SECONDS,
     SLICES,
     WAIT_SECONDS,
-    _free_port,
-    _wait_for,
     abstract_state,
     check_state,
     make_state,
+    wait_for,
 )
+from controller_client.demo.ports import free_port as _free_port
 
 NAME = "ours_orbax"
 JOB = "bench"
-DEVICES_PER_PROCESS = 2
 UNTIMED = ("init_seconds", "handshake_seconds", "after_init_seconds", "open_seconds")
 RESTORES = (("restore_local", []), ("restore_one_lost", [LOST_HOST]), ("restore_all_lost", list(range(PROCESSES))))
 # Bounds Orbax's ack wait and JAX's start-up (it only ends a broken run; the daemons answer in ~1 s and
@@ -400,11 +400,11 @@ def _wait_safe(coordinator: str, step: int) -> None:
         s = next((s for s in _status(coordinator).steps if s.step == step), None)
         return s is not None and s.complete and s.redundant
 
-    _wait_for(redundant, WAIT_SECONDS, f"step {step} redundant")
+    wait_for(redundant, WAIT_SECONDS, f"step {step} redundant")
 
 
 def _wait_backed_up(coordinator: str, step: int) -> None:
-    _wait_for(lambda: step in _status(coordinator).backup.committed_steps, WAIT_SECONDS, f"step {step} backed up")
+    wait_for(lambda: step in _status(coordinator).backup.committed_steps, WAIT_SECONDS, f"step {step} backed up")
 
 
 def main(argv: list[str] | None = None) -> int:

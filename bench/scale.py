@@ -150,8 +150,8 @@ def _round_during_backup(sim: Sim, reps: int = 3) -> float:
     import tempfile
 
     from replicator.backup.bucket import BackupStore
+    from replicator.backup.scheduler import BucketScheduler
     from replicator.backup.storage.filesystem import FileStore
-    from replicator.backup.tier import BucketScheduler
 
     def best() -> float:
         out = math.inf

@@ -38,10 +38,8 @@ class Dispatcher(abc.ABC):
         self.config = config
 
     @abc.abstractmethod
-    def save(self, step: int, arrays: Sequence[jax.Array], metas: Sequence[host.ArrayMeta],
-             host_arrays: Sequence[tuple[str, np.ndarray]], values: Sequence[Any], generation: int = 0,
-             replace: bool = False) -> None:
-        """Start saving (returns once host copies are taken)."""
+    def save(self, request: host.SaveRequest, arrays: Sequence[jax.Array]) -> None:
+        """Start saving ``request`` (``arrays``: its device arrays); returns once host copies are taken."""
 
     @abc.abstractmethod
     def restore(self, step: int, leaves: Sequence[host.RestoreLeaf], all_paths: Sequence[str]) -> host.RestoreResult:
@@ -59,8 +57,8 @@ class InProcessDispatcher(Dispatcher):
         super().__init__(config)
         self.ranks = host.ranks_of(config, local_devices if local_devices is not None else jax.local_devices())
 
-    def save(self, step, arrays, metas, host_arrays, values, generation=0, replace=False):
-        host.save_on_hosts(self.config, self.ranks, step, arrays, metas, host_arrays, values, generation, replace)
+    def save(self, request, arrays):
+        host.save_on_hosts(self.config, self.ranks, request, arrays)
 
     def restore(self, step, leaves, all_paths):
         return host.restore_on_hosts(self.config, self.ranks, step, leaves, all_paths)
@@ -157,11 +155,11 @@ def _failure(e: Exception, ranks: Sequence[int]) -> dict[str, Any]:
     return failures.failure_payload(failures.capture(e, list(ranks)))
 
 
-def _coloc_save(handle, arrays, *, _ids=None, config, step, metas, host_arrays, values, generation=0, replace=False):
+def _coloc_save(handle, arrays, *, _ids=None, config, request):
     config = _host_config(config, handle)
     ranks = host.ranks_of(config, [s.device for s in handle.addressable_shards])
     try:
-        host.save_on_hosts(config, ranks, step, arrays, metas, host_arrays, values, generation, replace)
+        host.save_on_hosts(config, ranks, request, arrays)
     except Exception as e:  # noqa: BLE001 - every failure travels back as data (sidecar.failures)
         return _status_rows(handle, _failure(e, ranks))
     return _status_rows(handle, None)
@@ -325,11 +323,10 @@ class ColocatedDispatcher(Dispatcher):
         devs = np.vectorize(lambda d: by_id[d.id], otypes=[object])(sharding.mesh.devices)
         return NamedSharding(Mesh(devs, sharding.mesh.axis_names), sharding.spec)
 
-    def save(self, step, arrays, metas, host_arrays, values, generation=0, replace=False):
-        moved = [self._to_cpu(a, m.path) for a, m in zip(arrays, metas, strict=True)]
-        fn = functools.partial(_coloc_save, _ids=_PathwaysIds(), config=self.cpu_config, step=step, metas=list(metas),
-                               host_arrays=list(host_arrays), values=list(values), generation=generation,
-                               replace=replace)
+    def save(self, request, arrays):
+        # The arrays are the call's array argument (moved to the workers by JAX); the request is pickled.
+        moved = [self._to_cpu(a, m.path) for a, m in zip(arrays, request.metas, strict=True)]
+        fn = functools.partial(_coloc_save, _ids=_PathwaysIds(), config=self.cpu_config, request=request)
         h = self._handle()
         status_spec = jax.ShapeDtypeStruct((len(self.cpu_devices), STATUS_BYTES), np.uint8,
                                            sharding=self._rows_sharding)

@@ -189,7 +189,8 @@ class CheckpointManager:
         # After a restore of an older step (a rollback), newer steps are abandoned: saving one replaces it.
         replace = self._restored_step is not None and step > self._restored_step
         try:
-            self.dispatcher.save(step, arrays, metas, host_arrays, values, self._generation(), replace)
+            self.dispatcher.save(host.SaveRequest(step, tuple(metas), tuple(host_arrays), tuple(values),
+                                                  self._generation(), replace), arrays)
         except BaseException:
             self._saved = None  # whatever the hosts hold now is asked again at the next save
             raise

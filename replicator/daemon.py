@@ -45,7 +45,7 @@ from replicator.tasks import TaskRunner
 from sidecar import commit, layout
 
 if TYPE_CHECKING:  # the bucket's backends load only when a --backup-url is configured
-    from replicator.backup.tier import BackupAgent
+    from replicator.backup.agent import BackupAgent
 
 __all__ = ["PREEMPTION_RECORD", "Replicator", "build_replicator", "new_incarnation"]
 

@@ -30,7 +30,7 @@ from replicator.tasks import TaskRunner
 from sidecar import faults, layout, spares
 
 if TYPE_CHECKING:  # the bucket's backends load only when a --backup-url is configured
-    from replicator.backup.tier import BackupAgent
+    from replicator.backup.agent import BackupAgent
 
 log = logging.getLogger(__name__)
 

@@ -68,7 +68,7 @@ class Host(Protocol):
     coordinator: Coordinator | None
     my_candidate: int | None
     fence_nodes: int
-    bucket: Any  # replicator.backup.tier.BackupAgent | None
+    bucket: Any  # replicator.backup.agent.BackupAgent | None
     tasks: TaskRunner
     fetcher: Fetcher
     metrics: ReplicatorMetrics

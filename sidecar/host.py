@@ -65,6 +65,23 @@ class ArrayMeta:
     key_impl: str | None
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: it holds numpy arrays, which have no plain equality
+class SaveRequest:
+    """One save as the controller hands it to the hosts: built once (``CheckpointManager.save``) and passed
+    down unchanged through the dispatcher (and a colocated call, pickled) to :func:`save_on_hosts`.
+
+    The device arrays are not in it: they travel beside it, as the colocated call's array argument (JAX moves
+    them to each worker; everything else of a colocated call is pickled). ``metas`` describes them, in order.
+    """
+
+    step: int
+    metas: tuple[ArrayMeta, ...]  # one per device array: its tree path and PRNG key implementation
+    host_arrays: tuple[tuple[str, np.ndarray], ...]  # numpy leaves (tree path, value): every host writes them
+    values: tuple[layout.ValueEntry, ...]  # plain leaves (ints, strings, ...)
+    generation: int = 0  # this save's (the same on every host; a newer save of a step number supersedes)
+    replace: bool = False  # the job rolled back: a committed copy of ``step`` is abandoned and replaced
+
+
 def ranks_of(config: HostConfig, devices: Sequence[Any]) -> list[int]:
     return sorted({config.device_rank[d.id] for d in devices if d.id in config.device_rank})
 
@@ -100,23 +117,10 @@ def confirm_ranks(config: HostConfig, ranks: Sequence[int]) -> None:
         _CONFIRMED[root] = r
 
 
-def save_on_hosts(
-    config: HostConfig,
-    ranks: Sequence[int],
-    step: int,
-    arrays: Sequence[jax.Array],
-    metas: Sequence[ArrayMeta],
-    host_arrays: Sequence[tuple[str, np.ndarray]],
-    values: Sequence[layout.ValueEntry],
-    generation: int = 0,
-    replace: bool = False,
-) -> None:
-    """Take a host copy of each rank's addressable shards and queue the background write.
-
-    ``generation``: this save's (the same on every host; a newer save of a step number supersedes older
-    ones). ``replace``: the job rolled back (restored an older step), so a committed copy of ``step`` is
-    abandoned and replaced rather than an error.
-    """
+def save_on_hosts(config: HostConfig, ranks: Sequence[int], request: SaveRequest, arrays: Sequence[jax.Array]) -> None:
+    """Take a host copy of each rank's addressable shards of ``arrays`` and queue the background write of
+    ``request`` (its ``generation`` and ``replace``: see :class:`SaveRequest`)."""
+    step = request.step
     layout.step_name(step)
     confirm_ranks(config, ranks)
     writers = {r: writer.writer_for(config.root(r), config.write_threads) for r in ranks}
@@ -126,13 +130,13 @@ def save_on_hosts(
     # on some hosts only was never complete (the trainer died between the hosts' commits): saving it again
     # replaces those copies atomically (writer.write_step).
     held = [r for r, w in writers.items() if (layout.steps_dir(w.root) / str(step) / layout.MANIFEST_NAME).is_file()]
-    if held and len(held) == len(writers) and not replace:
+    if held and len(held) == len(writers) and not request.replace:
         raise StepAlreadyExistsError(f"step {step} already exists for ranks {held} (to save it again, restore an "
                                      "older step first)")
     if held:
         log.warning("ranks %s: step %d is saved again: the abandoned copies are replaced", held, step)
     per_rank: dict[int, list[writer.ArrayCopy]] = {r: [] for r in ranks}
-    for arr, meta in zip(arrays, metas, strict=True):
+    for arr, meta in zip(arrays, request.metas, strict=True):
         copies: dict[int, writer.ArrayCopy] = {}
         seen: dict[int, set] = {}
         for shard in arr.addressable_shards:
@@ -155,14 +159,14 @@ def save_on_hosts(
             per_rank[r].append(copies[r])
     faults.point("save.after_host_copy")
     for r in ranks:
-        for path, value in host_arrays:
+        for path, value in request.host_arrays:
             full = tuple((0, n) for n in value.shape)
             per_rank[r].append(
                 writer.ArrayCopy(path, tuple(value.shape), tree.dtype_name(value.dtype), None,
                                  [writer.ShardCopy(full, writer.host_copy(value))])
             )
-        hs = writer.HostStep(config.root(r), config.job, step, r, config.nodes, per_rank[r], list(values),
-                             savers=tuple(config.savers), generation=generation)
+        hs = writer.HostStep(config.root(r), config.job, step, r, config.nodes, per_rank[r], list(request.values),
+                             savers=tuple(config.savers), generation=request.generation)
         writers[r].submit(hs, config.keep_local, config.notify_replicator)
 
 

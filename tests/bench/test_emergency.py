@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from bench import emergency
+from bench import emergency, emergency_common
 
 pytestmark = pytest.mark.slow
 
 
 def test_state_has_the_requested_size_and_mixed_dtypes():
-    specs = emergency.leaf_specs(64)
+    specs = emergency_common.leaf_specs(64)
     size = sum(math.prod(shape) * (2 if dtype == "bfloat16" else 4) for _, shape, dtype, _ in specs)
     assert 0.95 * (64 << 20) <= size <= 64 << 20
     assert {dtype for _, _, dtype, _ in specs} == {"float32", "bfloat16", "int32"}
@@ -40,7 +40,7 @@ def _run(systems: tuple[str, ...]) -> dict:
     try:
         proc = subprocess.run([sys.executable, "-m", "bench.emergency", "--mib", "2", "--repeats", "1",
                                "--systems", ",".join(systems), "--timeout", "180", "--keep", str(run / "run")],
-                              capture_output=True, text=True, timeout=220, cwd=str(emergency.REPO))
+                              capture_output=True, text=True, timeout=220, cwd=str(emergency_common.REPO))
     finally:
         shutil.rmtree(run, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -48,14 +48,14 @@ def _run(systems: tuple[str, ...]) -> dict:
     assert "errors" not in result, result["errors"]
     assert set(result["seconds"]) == set(systems)
     for system in systems:
-        assert all(result["seconds"][system][m] > 0 for m in emergency.MEASURES), result["seconds"][system]
+        assert all(result["seconds"][system][m] > 0 for m in emergency_common.MEASURES), result["seconds"][system]
     return result
 
 
 @pytest.mark.timeout(240)
 def test_one_round_of_every_system_reports_every_ratio():
     result = _run(emergency.JOB_SYSTEMS)
-    for m in emergency.MEASURES:
+    for m in emergency_common.MEASURES:
         assert result[f"{m}_vs_best_orbax"] > 0
         assert result["best_orbax"][m] in ("orbax_p2p", "orbax_emergency")
     assert not any(k.startswith("ours_orbax") for k in result)
@@ -68,13 +68,13 @@ def test_our_orbax_mode_runs_every_measure_in_job_incarnations_of_its_own():
     what was saved is an error of the system, so ``errors`` would name it."""
     assert "ours_orbax" in emergency.SYSTEMS
     result = _run(("ours_orbax", "orbax_emergency"))
-    for m in emergency.MEASURES:
+    for m in emergency_common.MEASURES:
         assert result[f"ours_orbax_{m}_vs_best_orbax"] > 0
         assert result["best_orbax"][m] == "orbax_emergency"
         assert f"{m}_vs_best_orbax" not in result  # those are ours (the native front door), not run here
     assert "ours_orbax" not in result.get("zero_sign_lost", {})
     untimed = result["ours_orbax_untimed"]
-    restores = [m for m in emergency.MEASURES if m.startswith("restore")]
+    restores = [m for m in emergency_common.MEASURES if m.startswith("restore")]
     assert set(untimed) == {"init_seconds", "handshake_seconds", "after_init_seconds", "open_seconds"}
     for m in restores:
         # Orbax's initialize holds our daemons' handshake; the restore's clock is the handshake + the span
@@ -95,18 +95,18 @@ def test_check_state_counts_zeros_that_lost_their_sign_and_refuses_any_other_dif
 
     saved = np.arange(1, 16 * 8 + 1, dtype=np.float32).reshape(16, 8).astype(ml_dtypes.bfloat16)
     saved[3, 5] = -0.0
-    monkeypatch.setattr(emergency, "_value", lambda name, shape, dtype, index: saved[index])
+    monkeypatch.setattr(emergency_common, "_value", lambda name, shape, dtype, index: saved[index])
     sh = NamedSharding(Mesh(np.array(jax.devices()).reshape(2, 4), ("replica", "model")), P(None, "model"))
     abstract = {"attn": jax.ShapeDtypeStruct((16, 8), saved.dtype, sharding=sh)}
 
     def restored(values):
         return {"attn": jax.make_array_from_callback((16, 8), sh, lambda idx: values[idx])}
 
-    assert emergency.check_state(restored(saved), abstract) == 0
+    assert emergency_common.check_state(restored(saved), abstract) == 0
     plus = saved.copy()
     plus[3, 5] = 0.0
-    assert emergency.check_state(restored(plus), abstract) == 2  # both slices hold that column
+    assert emergency_common.check_state(restored(plus), abstract) == 2  # both slices hold that column
     other = saved.copy()
     other.view(np.uint16)[0, 0] ^= 1
     with pytest.raises(ValueError, match="attn: shard .* differs from what was saved"):
-        emergency.check_state(restored(other), abstract)
+        emergency_common.check_state(restored(other), abstract)

@@ -371,7 +371,7 @@ def test_host_queries_stay_small_at_10000_hosts(ram_dir):
         # Two saves by every rank of the job (savers "all"), of which only these 8 hosts' data exist here.
         every = ColocatedDispatcher(dataclasses.replace(mgr.config, savers=()), devs)
         for step in (1, 2):
-            every.save(step, [x], [host.ArrayMeta("x", None)], [], [], generation=step)
+            every.save(host.SaveRequest(step, (host.ArrayMeta("x", None),), (), (), generation=step), [x])
         every.query(host.HostQuery.WAIT, 30.0)
         assert mgr.all_steps() == []  # 9,992 savers' data are nowhere: incomplete, and no ValueError
         answers = mgr.dispatcher.query(host.HostQuery.STEPS)

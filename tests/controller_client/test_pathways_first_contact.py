@@ -166,7 +166,7 @@ def test_our_errors_keep_their_type_and_are_not_slice_downs(sim, tmp_path):  # n
         not_slice_down(e.value)
         # A refused request: the step is saved on every host already (the host's own check).
         with pytest.raises(StepAlreadyExistsError) as e:
-            mgr.dispatcher.save(6, [], [], [], [], 1, False)
+            mgr.dispatcher.save(host.SaveRequest(6, (), (), (), 1, False), [])
         not_slice_down(e.value)
         assert isinstance(e.value, FileExistsError) and isinstance(e.value, ValueError)
     # Corrupt bytes in every copy: a checksum error, naming the file. Each host reads only its own copies
@@ -281,14 +281,14 @@ def test_a_rank_mismatch_fails_the_first_call_naming_both_and_writes_nothing(sim
         assert not list(tmp_path.glob("*/steps/*"))
         # A host function acting for the mismatched host refuses before it writes (the others are theirs).
         with pytest.raises(failures.RankMismatchError):
-            mgr.dispatcher.save(1, [tree["x"]], [host.ArrayMeta("['x']", None)], [], [], 1)
+            mgr.dispatcher.save(host.SaveRequest(1, (host.ArrayMeta("['x']", None),), (), (), 1), [tree["x"]])
         assert not list((tmp_path / "1").glob("steps/*"))
         mgr._coordinator.close()
         # Ranks that agree are confirmed once and saved as usual.
         servers[1].stop(0)
         servers[1] = serve_rank(tmp_path / "1", 1)
         mgr = CheckpointManager(opts, devices=jax.devices())
-        mgr.dispatcher.save(2, [tree["x"]], [host.ArrayMeta("['x']", None)], [], [], 2)
+        mgr.dispatcher.save(host.SaveRequest(2, (host.ArrayMeta("['x']", None),), (), (), 2), [tree["x"]])
         mgr.dispatcher.query(host.HostQuery.WAIT, 30)
         assert sorted(p.parent.parent.name for p in tmp_path.glob("*/steps/2")) == ["0", "1", "2", "3"]
         mgr._coordinator.close()

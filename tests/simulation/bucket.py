@@ -1,5 +1,5 @@
 """The bucket as an in-memory model, behind the methods of :class:`replicator.backup.bucket.BackupStore` that the
-real :class:`replicator.backup.tier.BucketScheduler` calls.
+real :class:`replicator.backup.scheduler.BucketScheduler` calls.
 
 A staging holds the ranks uploaded into it; ``commit`` refuses (``IncompleteBackupError``) while a saver's
 upload is missing from *that* staging, like the real store, so a report that names the wrong staging shows up.

@@ -2,7 +2,7 @@
 
 One schedule = one seed. Everything random comes from ``random.Random(seed)``, time is a virtual clock
 injected into the real :class:`replicator.coordinator.service.Coordinator` and the real
-:class:`replicator.backup.tier.BucketScheduler` (whose bucket is :class:`tests.simulation.bucket.BucketModel`),
+:class:`replicator.backup.scheduler.BucketScheduler` (whose bucket is :class:`tests.simulation.bucket.BucketModel`),
 and events run from one priority queue ordered by (virtual time, sequence number): the same seed gives the
 same schedule, the same RPCs and the same answers, so a failing seed replays exactly.
 
@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
-from replicator.backup.tier import BucketScheduler
+from replicator.backup.scheduler import BucketScheduler
 from replicator.coordinator.model import Holding, Tier, inventory_digest
 from replicator.coordinator.service import Coordinator
 from replicator.coordinator.tier_wire import to_wire

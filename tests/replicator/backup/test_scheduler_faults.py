@@ -13,9 +13,10 @@ import shutil
 from pathlib import Path
 
 from mtc_rpc import coordinator_pb2 as pb
+from replicator.backup.agent import BackupAgent
 from replicator.backup.bucket import BackupStore
+from replicator.backup.scheduler import BucketScheduler
 from replicator.backup.storage import open_store
-from replicator.backup.tier import BackupAgent, BucketScheduler
 from replicator.coordinator.model import Tier
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.topology import JobTopology

@@ -130,8 +130,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         address: str = "",
         max_waiters: int = MAX_WAITERS,
         authorizer: RankAuthorizer | None = None,
+        other_candidates: bool = False,
     ):
         self.topology = topology
+        # Other candidates may serve when this one is cut off: then an isolated coordinator stops deciding.
+        self.other_candidates = other_candidates
+        self._isolated_since: float | None = None
         self.authorizer = authorizer
         self.job = job
         self.keep_local = keep_local
@@ -256,6 +260,33 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if not self.active:
             self._abort_bad(context, "standby coordinator candidate: try the next candidate",
                             grpc.StatusCode.UNAVAILABLE)
+
+    def isolated(self) -> bool:
+        """Serving, with other candidates, and every host but one (its own) declared lost: most likely this
+        coordinator is the one cut off (a partition), and another candidate serves the rest with a newer
+        epoch. It then decides nothing (no deletion, copy, restore or backup task) and answers no client
+        (``UNAVAILABLE``: callers try the next candidate), until another host reports again — whose report
+        deposes it if that host accepted a newer epoch meanwhile. Its view is stale, not wrong to keep."""
+        isolated = (self.other_candidates and self.active and self.topology.nodes > 1
+                    and len(self.state.lost) >= self.topology.nodes - 1)
+        if isolated and self._isolated_since is None:
+            self._isolated_since = self._clock()
+            log.warning("coordinator (epoch %d) is isolated: every other host has been silent for %.1fs; it "
+                        "decides nothing and answers no client until another host reports", self.epoch,
+                        self.lost_after())
+        elif not isolated and self._isolated_since is not None:
+            log.info("coordinator (epoch %d) hears other hosts again after %.1fs isolated", self.epoch,
+                     self._clock() - self._isolated_since)
+            self._isolated_since = None
+        return isolated
+
+    def _check_serving(self, context: grpc.ServicerContext) -> None:
+        """A client's call (steps, restores, status): active and not :meth:`isolated`."""
+        self._check_active(context)
+        self._expire()
+        if self.isolated():
+            self._abort_bad(context, f"isolated coordinator (epoch {self.epoch}): no other host reported for "
+                            f"{self.lost_after():.1f}s; try the next candidate", grpc.StatusCode.UNAVAILABLE)
 
     def _ready(self, rank: int, step: int, sources: list[Source]) -> bool:
         """Does host ``rank`` hold its data of ``step`` (or a byte-identical replica's) on its RAM disk?"""
@@ -390,6 +421,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             resp.newest_complete_step = -1 if newest is None else newest
             if not accepted:
                 return resp  # no trustworthy picture of this host yet: it sends a full report at once
+            if self.isolated():
+                return resp  # a stale view decides nothing (see isolated())
             self._answer(rank, now, newest, resp)
         return resp
 
@@ -476,7 +509,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def _get_steps(self, request: pb.GetStepsRequest, context: grpc.ServicerContext) -> pb.GetStepsResponse:
         with self._lock:
-            self._check_active(context)
+            self._check_serving(context)
             # Bounded in heartbeats: a host silent that long is declared lost and not waited for.
             wait = min(max(0.0, request.wait_seconds), self.lost_after() + 2 * self.heartbeat_interval())
             self._wait(self._clock() + wait, lambda: self._all_reported() and self._reached(request), context)
@@ -499,13 +532,14 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         start = self._clock()
         deadline = start + wait
         with self._lock:
-            self._check_active(context)
+            self._check_serving(context)
             # A plan is trusted only on fresh reports: a host that restarted (perhaps with a wiped RAM
             # disk) must not be judged on what its previous incarnation held. Wait until every live rank
             # reported after this request; a host silent for lost_after() is declared lost meanwhile, so
             # this is bounded in heartbeats, not by the caller's wait.
             reports_by = start + min(wait, self.lost_after() + 2 * self.heartbeat_interval())
             self._wait(reports_by, lambda: not self._silent_since(start), context)
+            self._check_serving(context)  # every other host fell silent meanwhile: not this one's plan
             forced = request.step if request.step >= 0 else self.restore_target()
             if request.step < 0 and forced == self.state.newest_complete_step():
                 forced = None  # nothing pinned: plain "newest recoverable"
@@ -546,7 +580,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             if not 0 <= o < self.topology.nodes:
                 self._abort_bad(context, f"unknown rank {o}", grpc.StatusCode.NOT_FOUND)
         with self._lock:
-            self._check_active(context)
+            self._check_serving(context)
             step = request.step
             if step not in self.state.known_steps():
                 self._abort_bad(context, f"step {step} is on no tier (known steps: {self.state.known_steps()})",
@@ -569,8 +603,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
         self._check_nodes(request.nodes, context)
         with self._lock:
-            self._check_active(context)
-            self._expire()
+            self._check_serving(context)
             return self._status(request)
 
     def _status(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:

@@ -257,3 +257,46 @@ def test_a_deletion_names_the_content_of_the_copy_it_means():
         beat(coord, r, HOLDINGS[r])
     resp = beat(coord, 0, HOLDINGS[0])
     assert {(d.owner_rank, d.step, d.content_hash) for d in resp.deletions} == {(0, 2, "A2")}
+
+
+def test_an_isolated_coordinator_decides_nothing_and_answers_no_client_until_a_host_reports():
+    """Issue #33: the coordinator's host cut off from every other host (a partition) while another candidate
+    takes over. Its view goes stale: it hands out no deletion and answers no client (they try the next
+    candidate) until another host reports again, whose newer epoch then deposes it."""
+    clock = Clock()
+    items = {r: [(r, s, f"h{r}-{s}", "local") for s in (1, 2, 3, 4)] for r in range(3)}
+    coord = Coordinator(JobTopology(3, 1, 1), "t", heartbeat_seconds=1.0, host_lost_seconds=5.0, clock=clock,
+                        keep_local=2, other_candidates=True, epoch=10)
+    for r in range(3):
+        full(coord, r, items[r])
+    assert list(full(coord, 0, items[0]).deletions)  # the whole picture: steps 1-2 go
+    assert coord.GetSteps(pb.GetStepsRequest(), Ctx()).newest_complete_step == 4
+    for _ in range(3):  # only its own host's reports arrive (it has not acted on those deletions yet)
+        clock.t += 6.0
+        resp = full(coord, 0, items[0])
+        assert not resp.deletions and not resp.copies and not resp.HasField("restore")
+    assert coord.isolated()
+    for call, req in (("GetSteps", pb.GetStepsRequest()), ("GetStatus", pb.GetStatusRequest()),
+                      ("PrepareRestore", pb.PrepareRestoreRequest(step=-1)),
+                      ("LocateStep", pb.LocateStepRequest(step=4))):
+        with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*isolated"):
+            getattr(coord, call)(req, Ctx())
+    # A host that never moved to another coordinator reports again: it serves again.
+    full(coord, 1, items[1])
+    assert not coord.isolated()
+    coord.GetSteps(pb.GetStepsRequest(), Ctx())  # answers again (rank 2 is still lost: nothing complete)
+    # One that accepted a newer epoch deposes it.
+    with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*deposed"):
+        full(coord, 2, items[2], epoch=11)
+    assert not coord.active
+
+
+def test_a_coordinator_without_other_candidates_keeps_serving_alone():
+    clock = Clock()
+    coord = Coordinator(JobTopology(2, 1, 1), "t", heartbeat_seconds=1.0, host_lost_seconds=5.0, clock=clock)
+    full(coord, 0, [(0, 1, "a", "local")])
+    full(coord, 1, [(1, 1, "b", "local")])
+    clock.t += 9.0
+    full(coord, 0, [(0, 1, "a", "local")])
+    assert not coord.isolated() and set(coord.state.lost) == {1}
+    assert coord.GetSteps(pb.GetStepsRequest(), Ctx()).newest_complete_step == -1  # answered: rank 1 is lost

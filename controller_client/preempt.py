@@ -39,10 +39,8 @@ from typing import Any
 import grpc
 
 from mtc_rpc import control_pb2, control_pb2_grpc
-from replicator.preemption import RESTART_RECORD
+from replicator import preemption
 from sidecar import layout
-
-PREEMPTION_RECORD = "preemption.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -151,13 +149,12 @@ def notify(local_dir: Path, save_window_seconds: float, flush_seconds: float,
         return control_pb2_grpc.LocalControlStub(ch).Preempt(req, timeout=timeout_seconds)
 
 
-def wait_for_record(local_dir: Path, timeout_seconds: float) -> dict | None:
+def wait_for_record(local_dir: Path, timeout_seconds: float) -> preemption.PreemptionRecord | None:
     """The flush's record once written, None when ``timeout_seconds`` passed first."""
-    path = local_dir / PREEMPTION_RECORD
     deadline = time.monotonic() + timeout_seconds
     while time.monotonic() < deadline:
         try:
-            return json.loads(path.read_text())
+            return preemption.read_record(local_dir)
         except (FileNotFoundError, ValueError):
             time.sleep(0.2)
     return None
@@ -170,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     if args.kube_api_dir and classify(Path(args.kube_api_dir)) == RESTART:
         if args.on_restart == "skip":
-            (local / RESTART_RECORD).write_text(json.dumps({"restart": True}) + "\n")
+            preemption.record_restart(local)
         print(f"mtc preempt: the Pod's Job is going away (a JobSet restart): no save window, "
               f"{'no emergency backup' if args.on_restart == 'skip' else 'the replicator flushes on SIGTERM'}",
               file=sys.stderr)
@@ -186,5 +183,6 @@ def run(args: argparse.Namespace) -> int:
     if args.wait:
         budget = args.save_window_seconds + args.flush_seconds + 1.0 - (time.monotonic() - t0)
         rec = wait_for_record(local, budget)
-        print(f"mtc preempt: {rec if rec is not None else 'no flush record within the budget'}", file=sys.stderr)
+        print(f"mtc preempt: {rec.to_dict() if rec is not None else 'no flush record within the budget'}",
+              file=sys.stderr)
     return 0

@@ -17,7 +17,6 @@ from typing import Protocol
 import grpc
 
 from mtc_rpc import control_pb2, control_pb2_grpc
-from replicator import preemption
 from replicator.net.rpc import map_errors_as_unavailable
 from sidecar import faults, layout
 
@@ -25,27 +24,36 @@ from sidecar import faults, layout
 class ControlTarget(Protocol):
     """What the service asks of its daemon (:class:`replicator.daemon.Replicator`)."""
 
-    preemption_noticed: bool
-    newest_complete: int
-
     def wake(self) -> None: ...
     def local_status(self) -> control_pb2.GetLocalStatusResponse: ...
-    def locate(self, step: int) -> tuple[list[int], int]: ...
-    def fetch_for_sidecar(self, owner: int, step: int, manifest_only: bool, replace_local: bool,
-                          timeout_seconds: float) -> tuple[str, bytes]: ...
-    def fetch_files_for_sidecar(self, owner: int, step: int, entries: list[layout.FileEntry], dest_rel: str,
-                                timeout_seconds: float,
-                                pieces: Sequence[layout.FilePiece] = ()) -> tuple[str, int]: ...
-    def stream_for_sidecar(self, owner: int, step: int,
-                           timeout_seconds: float) -> Iterator[control_pb2.StepLanding]: ...
     def request_backup_now(self) -> None: ...
 
 
-class LocalControl(control_pb2_grpc.LocalControlServicer):
-    """Thin servicer over the daemon."""
+class StepService(Protocol):
+    """Where a step is and its data brought here (:class:`replicator.sidecar_fetch.SidecarFetch`)."""
 
-    def __init__(self, daemon: ControlTarget):
+    def locate(self, step: int) -> tuple[list[int], int]: ...
+    def fetch_step(self, owner: int, step: int, manifest_only: bool, replace_local: bool,
+                   timeout_seconds: float, min_generation: int = 0) -> tuple[str, bytes]: ...
+    def fetch_files(self, owner: int, step: int, entries: list[layout.FileEntry], dest_rel: str,
+                    timeout_seconds: float, pieces: Sequence[layout.FilePiece] = ()) -> tuple[str, int]: ...
+    def stream_step(self, owner: int, step: int, timeout_seconds: float) -> Iterator[control_pb2.StepLanding]: ...
+
+
+class NoticeService(Protocol):
+    """A preemption notice and whether the job got one (:class:`replicator.preemption.Preemption`)."""
+
+    def status(self) -> control_pb2.GetPreemptionResponse: ...
+    def on_notice(self, request: control_pb2.PreemptRequest) -> control_pb2.PreemptResponse: ...
+
+
+class LocalControl(control_pb2_grpc.LocalControlServicer):
+    """Thin servicer over the daemon, its sidecar data service and its preemption handling."""
+
+    def __init__(self, daemon: ControlTarget, steps: StepService, preemption: NoticeService):
         self.daemon = daemon
+        self.steps = steps
+        self.preemption = preemption
 
     def StepCommitted(self, request, context):
         faults.point("notify.received")
@@ -57,19 +65,19 @@ class LocalControl(control_pb2_grpc.LocalControlServicer):
 
     @map_errors_as_unavailable
     def LocateStep(self, request, context):
-        savers, generation = self.daemon.locate(request.step)
+        savers, generation = self.steps.locate(request.step)
         return control_pb2.LocalLocateResponse(savers=savers, generation=generation)
 
     @map_errors_as_unavailable
     def FetchStep(self, request, context):
-        rel, manifest = self.daemon.fetch_for_sidecar(request.owner_rank, request.step, request.manifest_only,
-                                                      request.replace_local, request.timeout_seconds,
-                                                      min_generation=request.min_generation)
+        rel, manifest = self.steps.fetch_step(request.owner_rank, request.step, request.manifest_only,
+                                              request.replace_local, request.timeout_seconds,
+                                              min_generation=request.min_generation)
         return control_pb2.FetchStepResponse(step_dir=rel, manifest_json=manifest)
 
     @map_errors_as_unavailable
     def StreamStep(self, request, context):
-        yield from self.daemon.stream_for_sidecar(request.owner_rank, request.step, request.timeout_seconds)
+        yield from self.steps.stream_step(request.owner_rank, request.step, request.timeout_seconds)
 
     @map_errors_as_unavailable
     def FetchFiles(self, request, context):
@@ -79,30 +87,28 @@ class LocalControl(control_pb2_grpc.LocalControlServicer):
         # ValueError (INVALID_ARGUMENT): a piece of another file, out of its file, or out of order.
         pieces = [layout.FilePiece(pc.name, pc.offset, pc.length, pc.crc32c) for pc in request.pieces]
         layout.check_pieces(entries, pieces)
-        source, nbytes = self.daemon.fetch_files_for_sidecar(request.owner_rank, request.step, entries,
-                                                             request.dest_dir, request.timeout_seconds, pieces)
+        source, nbytes = self.steps.fetch_files(request.owner_rank, request.step, entries, request.dest_dir,
+                                                request.timeout_seconds, pieces)
         return control_pb2.FetchFilesResponse(source=source, bytes=nbytes)
 
     def GetPreemption(self, request, context):
-        noticed = self.daemon.preemption_noticed
-        return control_pb2.GetPreemptionResponse(noticed=noticed, notice_step=self.daemon.newest_complete
-                                                 if noticed else -1)
+        return self.preemption.status()
 
     def BackupNow(self, request, context):
         self.daemon.request_backup_now()
         return control_pb2.BackupNowResponse()
 
     def Preempt(self, request, context):
-        return preemption.on_notice(self.daemon, request)
+        return self.preemption.on_notice(request)
 
 
-def serve_control(daemon: ControlTarget, root: Path) -> grpc.Server:
+def serve_control(daemon: ControlTarget, steps: StepService, preemption: NoticeService, root: Path) -> grpc.Server:
     """Start the local control service on ``<root>``'s control socket (replacing a stale one)."""
     sock = layout.control_socket(root)
     sock.unlink(missing_ok=True)
     # A streamed restore holds a worker for as long as its copy lands: room for it and the other calls.
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=8))
-    control_pb2_grpc.add_LocalControlServicer_to_server(LocalControl(daemon), server)
+    control_pb2_grpc.add_LocalControlServicer_to_server(LocalControl(daemon, steps, preemption), server)
     server.add_insecure_port(f"unix:{sock}")
     server.start()
     os.chmod(sock, 0o600)

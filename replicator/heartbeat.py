@@ -7,12 +7,13 @@ answers, and this host's own candidate taking over once every lower one has been
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
 import threading
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -24,12 +25,16 @@ from replicator.coordinator.service import Coordinator, lost_after_seconds
 from replicator.coordinator.tier_wire import to_wire
 from replicator.fetch import Fetcher
 from replicator.local.store import RamDiskStore
-from replicator.metrics import HostCounters, ReplicatorMetrics
+from replicator.metrics import ReplicatorMetrics
 from replicator.net import retry, rpc
 from replicator.net.security import TlsOptions
 from replicator.options import ReplicatorOptions
+from replicator.preemption import PreemptionState
 from replicator.tasks import TaskRunner
 from sidecar import faults
+
+if TYPE_CHECKING:  # the bucket's backends load only when a --backup-url is configured
+    from replicator.backup.agent import BackupAgent
 
 log = logging.getLogger(__name__)
 
@@ -54,45 +59,63 @@ class NoCoordinator(RuntimeError):
     """No coordinator candidate answered this heartbeat."""
 
 
-class Host(Protocol):
-    """What the heartbeat reads and drives of its daemon (:class:`replicator.daemon.Replicator`)."""
+class Wakeup:
+    """The heartbeat's doorbell: whoever has news for the coordinator rings it; the loop waits on it."""
 
-    opts: ReplicatorOptions
-    store: RamDiskStore
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def ring(self) -> None:
+        self._event.set()
+
+    def wait(self, seconds: float) -> None:
+        """Until rung or ``seconds`` passed (then ready for the next ring)."""
+        self._event.wait(seconds)
+        self._event.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class Reporter:
+    """Who this host is in its reports: fixed for the daemon's life."""
+
+    job: str
     rank: int
     nodes: int
-    job: str
-    incarnation: int
-    address: str
-    token: str | None
-    coordinator: Coordinator | None
-    my_candidate: int | None
-    fence_nodes: int
-    bucket: Any  # replicator.backup.agent.BackupAgent | None
+    # Orbax mode: the node count the reports carry (a coordinator of another node count is skipped); 0 native.
+    fence_nodes: int = 0
+    my_candidate: int | None = None  # this host's place among the coordinator candidates, None: not one
+
+
+@dataclasses.dataclass(frozen=True)
+class HostParts:
+    """The parts of this host's daemon (:class:`replicator.daemon.Replicator`) the heartbeat reports and drives."""
+
+    store: RamDiskStore
     tasks: TaskRunner
     fetcher: Fetcher
     metrics: ReplicatorMetrics
-    counters: HostCounters
+    preemption: PreemptionState
+    wakeup: Wakeup
     stopping: threading.Event
-    preempting: bool
-    preemption_noticed: bool
-    newest_complete: int
-
-    def tls(self) -> TlsOptions | None: ...
-    def wake(self) -> None: ...
-    def wait_for_wake(self, seconds: float) -> None: ...
-    def take_backup_now(self) -> bool: ...
-    def restored_among(self, steps: set[int]) -> set[int]: ...
-    def restore(self, task: cpb.RestoreTask) -> None: ...
+    coordinator: Coordinator | None = None  # this host's coordinator candidate, if it is one
+    bucket: BackupAgent | None = None  # this host's side of the backup tier (None: no --backup-url)
 
 
 class Heartbeat:
-    """The heartbeat loop and the coordinator link of one :class:`~replicator.daemon.Replicator`."""
+    """The heartbeat loop and the coordinator link of one :class:`~replicator.daemon.Replicator`.
 
-    def __init__(self, daemon: Host):
-        self.d = daemon
-        opts = daemon.opts
+    It also keeps what the last answer said (:attr:`newest_complete`), this process's :attr:`incarnation`,
+    which own steps a restore brought (not saves), and a backup the training loop asked for."""
+
+    def __init__(self, opts: ReplicatorOptions, me: Reporter, parts: HostParts, *, incarnation: int,
+                 tls: TlsOptions | None = None, token: str | None = None):
         self.opts = opts
+        self.me = me
+        self.parts = parts
+        self.incarnation = incarnation
+        self._tls, self._token = tls, token
+        self.address = ""  # this host's, set by :meth:`connect`
+        self.newest_complete = -1  # as the last answer said
         self.candidates: Candidates | None = None  # set by :meth:`connect` once the daemon's address is known
         self.epoch = 0  # highest coordinator epoch accepted (fences a deposed coordinator's deletions)
         self._acked: tuple[str, dict[tuple[int, int], Any]] | None = None  # (digest, inventory) the coordinator holds
@@ -101,9 +124,14 @@ class Heartbeat:
         self._lower_down_since: float | None = None
         self._backup_reports: list[cpb.BackupReport] = []
         self._seen_own: set[int] | None = None
+        self._lock = threading.Lock()
+        self._restoring: set[int] = set()  # steps being fetched for a restore: not saves
+        self._backup_now = False
 
-    def connect(self, addresses: list[str]) -> None:
-        tls, token, mmb = self.d.tls(), self.d.token, self.opts.max_message_bytes
+    def connect(self, addresses: list[str], own_address: str) -> None:
+        """Reach the coordinator candidates at ``addresses``; this host reports ``own_address``."""
+        self.address = own_address
+        tls, token, mmb = self._tls, self._token, self.opts.max_message_bytes
         self.candidates = Candidates(addresses, lambda a: rpc.make_channel(a, token=token, tls=tls,
                                                                            max_message_bytes=mmb))
 
@@ -127,7 +155,7 @@ class Heartbeat:
 
     def failover_window(self) -> float:
         """How long a restore waits for another coordinator candidate to take over."""
-        coord = self.d.coordinator
+        coord = self.parts.coordinator
         lost = coord.lost_after() if coord is not None else 10 * self.opts.heartbeat_seconds
         return max(3 * self.opts.rpc_timeout_seconds, lost + 4 * self.opts.heartbeat_seconds)
 
@@ -136,7 +164,7 @@ class Heartbeat:
 
     def _send(self, req: cpb.HeartbeatRequest) -> cpb.HeartbeatResponse:
         """Heartbeat the lowest-ranked candidate that answers; a candidate takes over when all lower ones are down."""
-        cands, coord, mine = self.candidates, self.d.coordinator, self.d.my_candidate
+        cands, coord, mine = self.candidates, self.parts.coordinator, self.me.my_candidate
         if cands is None:
             raise RuntimeError("the replicator is not started")
         timeout = self.opts.rpc_timeout_seconds
@@ -150,7 +178,7 @@ class Heartbeat:
                 # before taking over: a lost heartbeat or a quick restart does not move the coordinator.
                 if now - self._lower_down_since < max(2 * self.opts.heartbeat_seconds, coord.lost_after() / 2):
                     raise NoCoordinator(f"lower coordinator candidates unreachable ({last}); waiting to take over")
-                log.warning("no lower coordinator candidate answers: rank %d takes over", self.d.rank)
+                log.warning("no lower coordinator candidate answers: rank %d takes over", self.me.rank)
                 coord.activate(max(time.time_ns(), self.epoch + 1))
             try:
                 resp = cands.call_one(i, "Heartbeat", req, timeout, self._probe_timeout())
@@ -166,25 +194,50 @@ class Heartbeat:
             return resp
         raise NoCoordinator(f"no coordinator candidate answers ({last})")
 
+    # ------------------------------------------------------------------ what the training loop and restores ask
+    def request_backup_now(self) -> None:
+        """The training loop asks for an immediate backup of the newest complete step (the next report)."""
+        self._backup_now = True
+        self.parts.wakeup.ring()
+
+    def _take_backup_now(self) -> bool:
+        """Whether the training loop asked for a backup since the last heartbeat (and forget it)."""
+        asked, self._backup_now = self._backup_now, False
+        return asked
+
+    def _restore(self, task: cpb.RestoreTask) -> None:
+        """The restore task: this rank's data of the step to restore (not counted as a save when it lands)."""
+        with self._lock:
+            self._restoring.add(task.step)
+        self.parts.fetcher.restore(self.me.rank, task)
+
+    def _restored_among(self, steps: set[int]) -> set[int]:
+        """Which of these own steps on the RAM disk a restore brought (forgotten once asked)."""
+        with self._lock:
+            restored = self._restoring & steps
+            self._restoring -= restored
+        return restored
+
     # ------------------------------------------------------------------ one heartbeat
     def beat(self) -> float:
         """One report and its answer's work; returns the delay until the next one."""
-        d = self.d
-        store = d.store
+        me, parts = self.me, self.parts
+        store = parts.store
         inv = store.inventory()
         # Copies of ranks this job no longer has (it was re-initialised on fewer hosts, e.g. Orbax after a
         # slice was lost) cannot be addressed: not reported, so the coordinator accepts the rest.
-        inv = [h for h in inv if h.owner_rank < d.nodes]
+        inv = [h for h in inv if h.owner_rank < me.nodes]
         own = store.own_steps()
         digest = inventory_digest(inv)
         self._note_saves(inv)
         req = cpb.HeartbeatRequest(
-            job=d.job, rank=d.rank, incarnation=d.incarnation, address=d.address,
+            job=me.job, rank=me.rank, incarnation=self.incarnation, address=self.address,
             newest_saved_step=own[-1] if own else -1,
             backup_requests=store.backup_requests(),
-            inventory_digest=digest, known_epoch=self.epoch, preempting=d.preempting, nodes=d.fence_nodes,
+            inventory_digest=digest, known_epoch=self.epoch, preempting=parts.preemption.preempting,
+            nodes=me.fence_nodes,
         )
-        if d.take_backup_now() and own:
+        if self._take_backup_now() and own:
             req.backup_requests.append(own[-1])
         current = {h.key: h for h in inv}
         if self._acked is None:
@@ -200,9 +253,9 @@ class Heartbeat:
                                    size=h.size, tier=to_wire(h.tier), generation=h.generation)
             for a, b in h.savers:
                 pbh.savers.add(first=a, last=b)
-        if d.bucket is not None:
+        if parts.bucket is not None:
             # Kept until a coordinator took them: a failed heartbeat (e.g. during a failover) loses none.
-            self._backup_reports = (self._backup_reports + d.bucket.drain_reports())[-BACKUP_REPORTS_KEPT:]
+            self._backup_reports = (self._backup_reports + parts.bucket.drain_reports())[-BACKUP_REPORTS_KEPT:]
             req.backups.extend(self._backup_reports)
         resp = self._send(req)
         faults.point("heartbeat.after_response")
@@ -211,25 +264,24 @@ class Heartbeat:
             self._acked = (digest, current)
         else:
             self._acked = None
-            d.wake()  # the coordinator has no picture of this host (restart, failover): report all now
+            parts.wakeup.ring()  # the coordinator has no picture of this host (restart, failover): report all now
         if resp.epoch < self.epoch:
             log.warning("ignoring the answer of a deposed coordinator (epoch %d < %d)", resp.epoch, self.epoch)
             return self.interval
         self.epoch = resp.epoch
         self.interval = max(0.05, resp.heartbeat_interval_ms / 1000.0 or self.opts.heartbeat_seconds)
-        d.newest_complete = resp.newest_complete_step
-        d.metrics.newest_complete_step = resp.newest_complete_step
-        if resp.preemption_noticed and not d.preemption_noticed:
+        self.newest_complete = resp.newest_complete_step
+        parts.metrics.newest_complete_step = resp.newest_complete_step
+        if resp.preemption_noticed and parts.preemption.coordinator_noticed():
             log.warning("the coordinator reports a preemption notice")
-            d.preemption_noticed = True
         self._act(resp)
         # Jittered so that hosts started together do not report in lockstep.
         return self.interval * random.uniform(0.9, 1.1)
 
     def _act(self, resp: cpb.HeartbeatResponse) -> None:
         """The answer's work: deletions now, copies, a restore and a backup share as tasks."""
-        d, tasks = self.d, self.d.tasks
-        store, counters = d.store, d.counters
+        parts = self.parts
+        store, tasks, counters = parts.store, parts.tasks, parts.metrics.counters
         for x in resp.deletions:
             if not tasks.busy(x.owner_rank, x.step):
                 faults.point("gc.before_delete")
@@ -237,32 +289,32 @@ class Heartbeat:
                 if store.delete(x.owner_rank, x.step, content_hash=x.content_hash or None):
                     counters.add("deletions")
         for c in resp.copies:
-            if c.source_rank == d.rank:
+            if c.source_rank == self.me.rank:
                 if store.attest_replica(c.owner_rank, c.step, c.content_hash):
                     counters.add("hash_only")
-                    d.wake()
+                    parts.wakeup.ring()
                 continue
             if not store.has(c.owner_rank, c.step, c.content_hash):
-                tasks.submit("copy", c.owner_rank, c.step, d.fetcher.copy, c)
+                tasks.submit("copy", c.owner_rank, c.step, parts.fetcher.copy, c)
         if resp.HasField("restore"):
-            tasks.submit("restore", d.rank, resp.restore.step, d.restore, resp.restore)
-        if resp.HasField("backup") and d.bucket is not None:
+            tasks.submit("restore", self.me.rank, resp.restore.step, self._restore, resp.restore)
+        if resp.HasField("backup") and parts.bucket is not None:
             # Emergency backup (preempting): its own thread at normal priority, not the idle-priority pool.
-            tasks.submit("backup", -1, resp.backup.step, d.bucket.run_task, resp.backup, store,
-                         urgent=d.preempting)
+            tasks.submit("backup", -1, resp.backup.step, parts.bucket.run_task, resp.backup, store,
+                         urgent=parts.preemption.preempting)
 
     def _note_saves(self, inv: list[Any]) -> None:
         """Count and log each own step that appeared on the RAM disk since the last heartbeat."""
-        d = self.d
-        own = {h.step: h.size for h in inv if h.owner_rank == d.rank and Tier(h.tier) is Tier.LOCAL}
+        rank, counters = self.me.rank, self.parts.metrics.counters
+        own = {h.step: h.size for h in inv if h.owner_rank == rank and Tier(h.tier) is Tier.LOCAL}
         if self._seen_own is None:  # at start: what is already there was saved by an earlier incarnation
             self._seen_own = set(own)
             return
-        restored = d.restored_among(set(own))
+        restored = self._restored_among(set(own))
         for step in sorted(set(own) - self._seen_own - restored):
-            d.counters.add("saves")
-            d.counters.add("save_bytes", own[step])
-            log.info("save: rank %d committed step %d on the RAM disk: %d bytes", d.rank, step, own[step])
+            counters.add("saves")
+            counters.add("save_bytes", own[step])
+            log.info("save: rank %d committed step %d on the RAM disk: %d bytes", rank, step, own[step])
         self._seen_own = set(own)
 
     # ------------------------------------------------------------------ the loop
@@ -274,13 +326,12 @@ class Heartbeat:
         host that backs off for longer is declared lost although it is alive (its data re-planned around,
         its restores waited for), which costs the job more than its retries cost the coordinator.
         """
-        d = self.d
         if not self._answered and failures <= STARTUP_RETRIES and _unreachable(error):
             # Starting together with the coordinator's host (a job restart, an Orbax handshake): it is
             # likely up in milliseconds; waiting the interval would delay this host's first report (and so
             # a restore plan) by seconds. A few quick tries, then the backoff.
             return STARTUP_RETRY_SECONDS * 2 ** (failures - 1) * random.uniform(0.8, 1.2)
-        if d.my_candidate is not None and isinstance(error, NoCoordinator):
+        if self.me.my_candidate is not None and isinstance(error, NoCoordinator):
             # A candidate watching for a takeover keeps the plain interval.
             return self.interval * random.uniform(0.8, 1.2)
         cap = lost_after_seconds(self.opts.host_lost_seconds, self.interval) / 3
@@ -288,23 +339,23 @@ class Heartbeat:
 
     def run(self) -> None:
         """Heartbeat until the daemon stops; failures back off (never sooner than the interval)."""
-        d = self.d
+        me, parts = self.me, self.parts
         failures = 0
-        while not d.stopping.is_set():
+        while not parts.stopping.is_set():
             try:
                 delay = self.beat()
                 failures = 0
                 self._answered = True
             except (grpc.RpcError, NoCoordinator) as e:
                 failures += 1
-                d.counters.add("heartbeat_failures")
+                parts.metrics.counters.add("heartbeat_failures")
                 if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     # Our incarnation was superseded (a report under our rank registered after us, e.g.
                     # a forged one or a brief double start): take a new one and report everything again,
                     # so no other process can lock this host out.
-                    d.incarnation = new_incarnation()
+                    self.incarnation = new_incarnation()
                     self._acked = None
-                    logs.set_context(job=d.job, rank=d.rank, incarnation=d.incarnation)
+                    logs.set_context(job=me.job, rank=me.rank, incarnation=self.incarnation)
                 if failures % 10 == 1:
                     log.warning("heartbeat to the coordinator failed: %s",
                                 e.details() if isinstance(e, grpc.RpcError) else e)
@@ -312,4 +363,4 @@ class Heartbeat:
             except Exception:  # keep the daemon alive; the next heartbeat retries
                 log.exception("heartbeat handling failed")
                 delay = self.interval
-            d.wait_for_wake(delay)
+            parts.wakeup.wait(delay)

@@ -45,6 +45,7 @@ from replicator.options import ConfigError, ReplicatorOptions
 from replicator.orbax import allocation, elastic
 from replicator.orbax import contract as oc
 from replicator.orbax.store import OrbaxStore
+from replicator.preemption import PreemptionRecord
 from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
@@ -412,7 +413,7 @@ class OrbaxMode:
         return owners or {rank}
 
 
-def flush_on_sigterm(mode: OrbaxMode, grace_seconds: float) -> dict[str, Any] | None:
+def flush_on_sigterm(mode: OrbaxMode, grace_seconds: float) -> PreemptionRecord | None:
     """SIGTERM (a preemption notice) in Orbax mode: the current incarnation's Replicator flushes the newest
     complete step to the bucket like a native one (``<local>/preemption.json``), before the daemon stops.
 
@@ -424,7 +425,7 @@ def flush_on_sigterm(mode: OrbaxMode, grace_seconds: float) -> dict[str, Any] | 
     if daemon is None or grace_seconds <= 0:
         log.info("SIGTERM: no preemption flush (%s)", "no handshake yet" if daemon is None else "no grace left")
         return None
-    return daemon.flush_on_preemption(grace_seconds)
+    return daemon.preemption.flush(grace_seconds)
 
 
 def run_orbax_mode(opts: ReplicatorOptions) -> int:

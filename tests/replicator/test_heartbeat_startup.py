@@ -16,7 +16,7 @@ from controller_client.demo.ports import free_port as _free_port
 from replicator.coordinator.client import CoordinatorClient
 from replicator.coordinator.service import lost_after_seconds
 from replicator.daemon import Replicator
-from replicator.heartbeat import STARTUP_RETRIES, Heartbeat, NoCoordinator
+from replicator.heartbeat import STARTUP_RETRIES, Heartbeat, NoCoordinator, Reporter
 from replicator.options import ReplicatorOptions
 
 INTERVAL = 5.0  # the backoff after a failed heartbeat never goes below it
@@ -71,7 +71,7 @@ def test_failed_heartbeats_back_off_but_retry_well_within_the_lost_host_time(tmp
     opts = ReplicatorOptions(local_dir=tmp_path, listen="127.0.0.1:0", job="t", rank=1, nodes=2,
                              coordinator="127.0.0.1:1", heartbeat_seconds=interval,
                              host_lost_seconds=host_lost).validate()
-    beat = Heartbeat(SimpleNamespace(opts=opts, my_candidate=None))
+    beat = Heartbeat(opts, Reporter(job="t", rank=1, nodes=2), SimpleNamespace(), incarnation=1)  # no parts used
     lost = lost_after_seconds(host_lost, interval)
     random.seed(7)
     for answered in (False, True):

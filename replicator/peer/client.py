@@ -577,11 +577,14 @@ def fetch_step(
     deadline = time.monotonic() + timeout_seconds
     with _open(peer, token, tls) as (channel, host):
         stub = peer_pb2_grpc.PeerStub(channel)
-        if connect_wait_seconds > 0:
+        try:
+            manifest = _get_manifest(stub, owner_rank, step, min(rpc.RPC_TIMEOUT_SECONDS, _remaining(deadline)))
+        except grpc.RpcError as e:
+            if connect_wait_seconds <= 0 or e.code() is not grpc.StatusCode.UNAVAILABLE:
+                raise
+            # Refused (a restarting daemon, say): wait for the peer to listen again, then ask once more.
             _wait_until_connected(channel, min(connect_wait_seconds, _remaining(deadline)))
-        manifest = _get_manifest(
-            stub, owner_rank, step, min(rpc.RPC_TIMEOUT_SECONDS, _remaining(deadline))
-        )
+            manifest = _get_manifest(stub, owner_rank, step, min(rpc.RPC_TIMEOUT_SECONDS, _remaining(deadline)))
         if any(f.name == layout.MANIFEST_NAME for f in manifest.files):
             raise ManifestError(
                 f"rank {owner_rank} step {step}: the manifest lists a file named {layout.MANIFEST_NAME}"

@@ -199,3 +199,15 @@ class RemoteRank:
 
     def forget(self, step: Heals, loc: SavedShard, err: BaseException, attempt: Attempt) -> None:
         step.fetch_failed(self, err, attempt)
+
+
+@dataclasses.dataclass
+class SavedArray:
+    """One array of a step: its shape and type, and every copy of each of its saved shards found so far."""
+
+    path: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    key_impl: str | None
+    # Saved shard index -> its copies (own directory first).
+    shards: dict[tuple[tuple[int, int], ...], list[SavedShard]]

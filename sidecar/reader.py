@@ -13,7 +13,6 @@ arithmetic (:mod:`sidecar.regions`).
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
@@ -23,8 +22,18 @@ from typing import Protocol
 
 import numpy as np
 
-from sidecar import checksums, commit, layout, regions, saves, tree
-from sidecar.copies import HERE, Attempt, Copy, FetchedFiles, LandingCopy, RemoteRank, SavedShard, StepDir
+from sidecar import assemble, checksums, commit, layout, regions, saves, tree
+from sidecar.assemble import Partial
+from sidecar.copies import (
+    Attempt,
+    Copy,
+    FetchedFiles,
+    LandingCopy,
+    RemoteRank,
+    SavedArray,
+    SavedShard,
+    StepDir,
+)
 from sidecar.fetched import FetchedFileSet
 from sidecar.landing import Landing
 from sidecar.pieces import Needs, merge_needs, plan_pieces
@@ -33,16 +42,6 @@ log = logging.getLogger(__name__)
 
 # Manifests of savers with no copy here fetched at once (each a round trip through the host's replicator).
 MANIFEST_FETCH_THREADS = 8
-
-
-@dataclasses.dataclass
-class SavedArray:
-    path: str
-    global_shape: tuple[int, ...]
-    dtype: str
-    key_impl: str | None
-    # One entry per distinct global index; the first location found wins (own directory first).
-    shards: dict[tuple[tuple[int, int], ...], list[SavedShard]]
 
 
 def step_dirs_in(root: Path, step: int) -> list[Path]:
@@ -86,17 +85,6 @@ class ReplicatorLink(Protocol):
 
     # Optional: ``stream(owner, step) -> Landing``, the whole step as it lands (see sidecar.landing); a
     # link without it makes a host that lacks its own data wait for the committed copy instead.
-
-
-@dataclasses.dataclass
-class Partial:
-    """A region being assembled (:meth:`StepSource.assemble_local`): its buffer, the saved shards copied into
-    it and the elements they cover; ``whole``: the region is one saved shard, read already."""
-
-    out: np.ndarray | None
-    whole: np.ndarray | None = None
-    done: set[tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=set)
-    covered: int = 0
 
 
 class BadCopyError(checksums.ChecksumError):
@@ -367,7 +355,7 @@ class StepSource:
         if arr is None or self.fetcher is None:
             return {}
         size = regions.size(index)
-        if self._covered(arr, index, local_only=True) >= size:
+        if assemble.covered(arr, index, local_only=True) >= size:
             return {}
         self.load_all_manifests()  # where the rest is (once per step source)
         out: dict[int, dict[str, Needs]] = {}
@@ -579,108 +567,33 @@ class StepSource:
         with self._lock:
             self._cache.clear()
 
-    def _covered(self, arr: SavedArray, index: regions.Region, local_only: bool) -> int:
-        """Elements of ``index`` covered by saved shards (with ``local_only``, those with a copy on this host
-        or landing here)."""
-        return regions.covered(index, (sidx for sidx, locs in arr.shards.items() if locs and not (
-            local_only and all(sl.where.remote is not None for sl in locs))))
-
-    def _partial_rows(self, arr: SavedArray, sidx: regions.Region, src_sl: tuple[slice, ...]) -> tuple[int, int] | None:
-        """:func:`regions.partial_rows` of saved shard ``sidx`` (None when no copy of it is left)."""
-        locs = arr.shards.get(sidx)
-        return regions.partial_rows(locs[0].entry, sidx, src_sl) if locs else None
+    def not_covered(self, path: str, index: regions.Region, covered: int) -> OSError:
+        """Why only ``covered`` elements of region ``index`` of ``path`` could be read: FileNotFoundError, or
+        CorruptStepError naming the copies dropped as corrupt."""
+        size = regions.size(index)
+        if self.fetcher is None:
+            where = "the rest lives on another host (run the replicator)"
+        elif self.unreachable:
+            first = min(self.unreachable)
+            where = (f"ranks {sorted(self.unreachable)} of savers {list(self.savers)} are unreachable "
+                     f"(rank {first}: {self.unreachable[first]})")
+        else:
+            where = f"no tier holds it (savers {list(self.savers)}, reachable here {sorted(self.owners)})"
+        msg = (f"step {self.step}: the saved shards reachable here cover {covered} of {size} "
+               f"elements of {path!r}{list(index)}; {where}")
+        if self.bad:
+            bad = "; ".join(f"{d}: {why}" for d, why in sorted(self.bad.items()))
+            return CorruptStepError(f"{msg}; corrupt copies (dropped): {bad}")
+        return FileNotFoundError(msg)
 
     def assemble_local(self, path: str, index: regions.Region) -> Partial:
-        """The first half of :meth:`assemble`: the parts of region ``index`` of array ``path`` that copies on
-        this host hold (read and verified now), so that a restore reads them while other ranks' files are
-        still being fetched; pass the result to :meth:`assemble` for the rest."""
-        arr = self.arrays[path]
-        locs = arr.shards.get(index, [])
-        if _held_here(locs):
-            try:
-                return Partial(None, whole=self.read_shard(arr, index))
-            except (OSError, layout.ManifestError):
-                if self.fetcher is None:
-                    raise
-                return Partial(None)  # :meth:`assemble` builds it from whatever copies are left
-        return self._fill(arr, index, Partial(None), local_only=True)
+        """The parts of region ``index`` of array ``path`` that copies on this host hold, read now (see
+        :func:`sidecar.assemble.assemble_local`)."""
+        return assemble.assemble_local(self, path, index)
 
     def assemble(self, path: str, index: regions.Region, partial: Partial | None = None) -> np.ndarray:
-        """Build the region ``index`` of array ``path`` from the saved shards overlapping it (with ``partial``,
-        from :meth:`assemble_local`: only the parts it has not read)."""
-        arr = self.arrays[path]
-        if partial is not None and partial.whole is not None:
-            return partial.whole
-        if partial is None and arr.shards.get(index):
-            try:
-                return self.read_shard(arr, index)
-            except (OSError, layout.ManifestError):
-                if self.fetcher is None:
-                    raise
-        if self.fetcher is not None and self._covered(arr, index, local_only=False) < regions.size(index):
-            self.load_all_manifests()
-        return self._check_covered(arr, index, self._fill(arr, index, partial or Partial(None), local_only=False))
-
-    def _fill(self, arr: SavedArray, index: regions.Region, got: Partial, local_only: bool) -> Partial:
-        """Copy into ``got.out`` each saved shard overlapping ``index`` not copied yet (with ``local_only``, only
-        those a copy on this host holds)."""
-        shape = regions.shape(index)
-        size = regions.size(index)
-        dtype = tree.dtype_from_name(arr.dtype)
-        if got.out is None:
-            got.out = checksums.aligned_empty(size * dtype.itemsize).view(dtype).reshape(shape)
-        out = got.out
-        # The saved shards of one step partition the array (every saver used the same sharding; replicas
-        # share an index), so summing intersections counts each element once.
-        for sidx, locs in list(arr.shards.items()):
-            if not locs or sidx in got.done:
-                continue
-            if local_only and not _held_here(locs):
-                continue
-            inter = regions.intersection(index, sidx)
-            if size > 0 and not regions.overlaps(index, sidx):
-                continue
-            dst_sl = regions.slices_within(inter, index)
-            src_sl = regions.slices_within(inter, sidx)
-            rows = self._partial_rows(arr, sidx, src_sl) if size > 0 else None
-            if rows is not None:
-                # Part of the saved shard's rows: a contiguous byte range, read (and verified) alone.
-                src = self.read_shard(arr, sidx, rows=rows)
-                src_sl = (slice(None), *src_sl[1:])
-            else:
-                src = self.read_shard(arr, sidx)
-            out[dst_sl] = src[src_sl]
-            got.done.add(sidx)
-            got.covered += regions.size(inter)
-        return got
-
-    def _check_covered(self, arr: SavedArray, index: regions.Region, got: Partial) -> np.ndarray:
-        """``got.out`` when the copied shards cover all of ``index``; else why not (FileNotFoundError, or
-        CorruptStepError naming the copies dropped as corrupt)."""
-        path, covered, size = arr.path, got.covered, regions.size(index)
-        if covered < size:
-            if self.fetcher is None:
-                where = "the rest lives on another host (run the replicator)"
-            elif self.unreachable:
-                first = min(self.unreachable)
-                where = (f"ranks {sorted(self.unreachable)} of savers {list(self.savers)} are unreachable "
-                         f"(rank {first}: {self.unreachable[first]})")
-            else:
-                where = f"no tier holds it (savers {list(self.savers)}, reachable here {sorted(self.owners)})"
-            msg = (f"step {self.step}: the saved shards reachable here cover {covered} of {size} "
-                   f"elements of {path!r}{list(index)}; {where}")
-            if self.bad:
-                bad = "; ".join(f"{d}: {why}" for d, why in sorted(self.bad.items()))
-                raise CorruptStepError(f"{msg}; corrupt copies (dropped): {bad}")
-            raise FileNotFoundError(msg)
-        assert got.out is not None
-        return got.out
-
-
-def _held_here(locs: Iterable[SavedShard]) -> bool:
-    """A copy on this host (committed, or fetched into scratch) is among ``locs``: no fetch, no landing wait."""
-    return any(sl.where.rung == HERE for sl in locs)
-
+        """Build the region ``index`` of array ``path`` (see :func:`sidecar.assemble.assemble`)."""
+        return assemble.assemble(self, path, index, partial)
 
 def _bad_copy(where: Copy, entry: layout.ShardEntry, err: BaseException) -> checksums.ChecksumError:
     """``err`` (a failed read of ``entry`` from ``where``) as the checksum error it stands for."""

@@ -31,7 +31,7 @@ class ReplicatorUnavailableError(FileNotFoundError):
 
 
 class ReplicatorFetcher:
-    """:class:`sidecar.reader.Fetcher` over the host replicator's ``LocateStep``/``FetchStep`` calls."""
+    """:class:`sidecar.reader.ReplicatorLink` over the host replicator's ``LocateStep``/``FetchStep`` calls."""
 
     def __init__(self, root: Path, timeout_seconds: float = 300.0,
                  located: dict[int, tuple[tuple[int, ...], int]] | None = None,

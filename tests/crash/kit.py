@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sidecar import checksums, commit, faults, layout, reader, writer
+from sidecar import checksums, commit, copies, faults, layout, reader, writer
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("child.py")
@@ -62,7 +62,7 @@ def check_step_dir(d: Path, rank: int, step: int) -> None:
         # same leaves, which the reader would rightly use if a running daemon's GC removed d meanwhile.
         for arr in src.arrays.values():
             for index, locs in arr.shards.items():
-                arr.shards[index] = [loc for loc in locs if loc.step_dir == d]
+                arr.shards[index] = [loc for loc in locs if loc.where == copies.StepDir(d)]
         try:
             for path, want in expected.items():
                 got = src.assemble(path, tuple((0, n) for n in want.shape))

@@ -54,7 +54,7 @@ def test_no_good_copy_left_is_a_checksum_error_not_eof(tmp_path):
 
 
 class FilesFetcher:
-    """A Fetcher over other hosts' directories in one tmp dir; the first copy of each file it brings is
+    """A ReplicatorLink over other hosts' directories in one tmp dir; the first copy of each file it brings is
     corrupt (a bad byte on the way), the next ones good."""
 
     def __init__(self, base, root):
@@ -208,7 +208,7 @@ def test_a_read_that_finds_its_copy_dropped_as_bad_waits_for_the_heal_in_flight(
     dropped, second_past_drop = threading.Event(), threading.Event()
     first = threading.current_thread()
     real_read, real_delete = checksums.read_verified, commit.delete_step
-    real_drop, real_replace = reader.StepSource._drop, reader.StepSource._replace_copy
+    real_drop, real_replace = reader.StepSource.drop_copy, reader.StepSource.replace_copy
 
     def read_verified(path, *a, **kw):
         if str(path).endswith(good.file) and not dropped.is_set():
@@ -232,8 +232,8 @@ def test_a_read_that_finds_its_copy_dropped_as_bad_waits_for_the_heal_in_flight(
 
     monkeypatch.setattr(checksums, "read_verified", read_verified)
     monkeypatch.setattr(commit, "delete_step", delete_step)
-    monkeypatch.setattr(reader.StepSource, "_drop", drop)
-    monkeypatch.setattr(reader.StepSource, "_replace_copy", replace_copy)
+    monkeypatch.setattr(reader.StepSource, "drop_copy", drop)
+    monkeypatch.setattr(reader.StepSource, "replace_copy", replace_copy)
     fetcher = RefillFetcher(pristine, step_dir)
     src = reader.StepSource(1, [tmp_path / "0"], fetcher=fetcher, drop_bad=True, own_rank=0)
     got: dict[str, object] = {}

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mtc_rpc import coordinator_pb2 as cpb
-from replicator.coordinator.model import Tier
+from replicator.coordinator.model import BUCKET_HOLDER, HolderRank, Tier
 from replicator.coordinator.tier_wire import from_wire
 from replicator.local.store import RamDiskStore
 from replicator.metrics import ReplicatorMetrics
@@ -47,7 +47,7 @@ class Source(Protocol):
 
     tier: Tier
     owner_rank: int
-    holder_rank: int
+    holder_rank: HolderRank  # BUCKET_HOLDER for the bucket
     content_hash: str | None
     where: str  # for logs and errors
 
@@ -96,7 +96,7 @@ class BucketSource:
     """The job's committed backups."""
 
     tier = Tier.BUCKET
-    holder_rank = -1
+    holder_rank = BUCKET_HOLDER
     content_hash = None
     where = "bucket"
 
@@ -255,8 +255,8 @@ class Fetcher:
             self.metrics.restore_seconds.observe(now - t0)
             self.counters.add("restores")
             self.counters.add("restore_bytes", nbytes)
-            log.info("restore: rank %d now holds its data of step %d from %s rank %d: %d bytes in %.3fs",
-                     rank, task.step, src.tier, src.holder_rank, nbytes, now - t0)
+            log.info("restore: rank %d now holds its data of step %d from %s: %d bytes in %.3fs",
+                     rank, task.step, src.where, nbytes, now - t0)
             if src.owner_rank != rank:
                 # Kept under the replica's name: record (and report) that it is this rank's data too, so the
                 # identity does not rest on the replica's host alone (issue #19).

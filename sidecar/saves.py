@@ -1,4 +1,5 @@
-"""Which saves of which steps count: rank ranges, one step's save as seen, and the one completeness/rollback rule.
+"""Which saves of which steps count: rank ranges (and their text), one step's save as seen, and the one
+completeness/rollback rule.
 
 Pure (no I/O, no clocks), the bottom of the dependency graph: the controller (``controller_client.manager``),
 the coordinator's planner and the reader (``sidecar.reader``) all decide with these functions.
@@ -20,6 +21,32 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 
+def rank_ranges(ranks: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """``[0, 1, 2, 5]`` -> ``((0, 2), (5, 5))``: a set of ranks as inclusive ranges (compact at any scale)."""
+    out: list[tuple[int, int]] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1][1] == r - 1:
+            out[-1] = (out[-1][0], r)
+        else:
+            out.append((r, r))
+    return tuple(out)
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (``""`` when empty): how people read a set of ranks in logs, errors,
+    status and the CLI, short even for thousands of ranks."""
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in rank_ranges(ranks))
+
+
+def parse_rank_span(text: str) -> tuple[int, int]:
+    """One range as people type it, ``"A-B"``, ``"A-"`` (to the last rank) or ``"A"`` -> ``(first, last)``, with
+    ``last`` -1 for an open end; ValueError for anything else."""
+    a, sep, b = text.partition("-")
+    if not a.isdigit() or (b and not b.isdigit()):
+        raise ValueError(f"a rank range must be A-B, A- or A, got {text!r}")
+    return int(a), (int(b) if b else -1) if sep else int(a)
+
+
 @dataclasses.dataclass(frozen=True)
 class RankRanges:
     """A set of ranks as sorted, disjoint, non-adjacent inclusive ranges ``((first, last), ...)``.
@@ -38,13 +65,7 @@ class RankRanges:
 
     @classmethod
     def of(cls, ranks: Iterable[int]) -> RankRanges:
-        out: list[list[int]] = []
-        for r in sorted(set(int(r) for r in ranks)):
-            if out and r == out[-1][1] + 1:
-                out[-1][1] = r
-            else:
-                out.append([r, r])
-        return cls(tuple((a, b) for a, b in out))
+        return cls(rank_ranges(int(r) for r in ranks))
 
     @classmethod
     def every(cls, nodes: int) -> RankRanges:

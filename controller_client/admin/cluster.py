@@ -30,6 +30,7 @@ from mtc_rpc import admin_pb2 as pb
 from mtc_rpc import control_pb2, control_pb2_grpc
 from replicator.coordinator.tier_wire import tier_name
 from sidecar.layout import control_socket
+from sidecar.saves import parse_rank_span
 
 
 def summary_doc(s: Any) -> dict[str, Any]:
@@ -150,13 +151,13 @@ def cmd_status(args: argparse.Namespace, conn: Conn | None) -> int:
     return EXIT_DEGRADED if s.degraded else EXIT_OK
 
 def _rank_range(text: str | None) -> tuple[int, int]:
-    """``"A-B"``, ``"A-"`` or ``"A"`` -> (first, last); last -1 = to the end. None = every rank."""
+    """``--ranks`` as (first, last) (:func:`sidecar.saves.parse_rank_span`; last -1 = to the end). None = every rank."""
     if not text:
         return 0, -1
-    a, sep, b = text.partition("-")
-    if not a.isdigit() or (b and not b.isdigit()):
-        raise UsageError(f"--ranks must be A-B, A- or A, got {text!r}")
-    return int(a), (int(b) if b else -1) if sep else int(a)
+    try:
+        return parse_rank_span(text)
+    except ValueError:
+        raise UsageError(f"--ranks must be A-B, A- or A, got {text!r}") from None
 
 
 def step_doc(i: Any) -> dict[str, Any]:

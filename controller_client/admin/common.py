@@ -28,9 +28,9 @@ from mtc_rpc import admin_pb2_grpc
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
 from replicator.coordinator.client import Candidates, FailoverStub, parse_addresses
-from replicator.coordinator.model import ranges as rank_ranges_text
 from replicator.net import rpc
 from replicator.net.security import TlsOptions, read_token_file
+from sidecar.saves import format_ranks
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DEGRADED = 0, 1, 2, 3
 
@@ -51,8 +51,8 @@ def console(stderr: bool = False) -> Any:
     return Console(file=stream, width=width, highlight=False)
 
 def ranges(ranks: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"``; ``-`` when empty."""
-    return rank_ranges_text(ranks) or "-"
+    """:func:`sidecar.saves.format_ranks` for a table cell: ``[0, 1, 2, 5]`` -> ``"0-2,5"``; ``-`` when empty."""
+    return format_ranks(ranks) or "-"
 
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -19,26 +19,16 @@ from mtc_rpc import admin_pb2 as pb
 from mtc_rpc import admin_pb2_grpc as pb_grpc
 from mtc_rpc import coordinator_pb2 as cpb
 from replicator.coordinator.backup_status import BackupSchedulerStatus
-from replicator.coordinator.model import Tier
-from replicator.coordinator.tier_wire import from_wire, to_wire
+from replicator.coordinator.model import BUCKET_HOLDER, Tier
+from replicator.coordinator.tier_wire import from_wire, holder_to_wire, to_wire
 from replicator.metrics import ClusterView
+from sidecar.saves import format_ranks
 
 log = logging.getLogger(__name__)
 
 # A minutes-based backup is overdue once its newest commit is older than this many intervals: one
 # interval plus time for the upload itself, so that a healthy schedule never reads as degraded.
 OVERDUE_INTERVALS = 1.5
-
-
-def _rank_ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"``: a problem line stays short with thousands of lost hosts."""
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _backup(coord: Any) -> BackupSchedulerStatus | None:
@@ -227,7 +217,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         elif not any_redundant:
             problems.append("no complete step has two copies of every rank on distinct hosts")
         if lost:
-            problems.append(f"hosts lost: {len(lost)} (ranks {_rank_ranges(lost)})")
+            problems.append(f"hosts lost: {len(lost)} (ranks {format_ranks(lost)})")
         if sched is not None:
             interval = resp.backup_interval_seconds
             if interval:
@@ -327,7 +317,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             for rank, srcs in sorted(st.sources(request.step).items()):
                 resp.ranks.append(pb.RankData(rank=rank, owner_rank=srcs[0].owner_rank))
             for rank, digest in st.backup_ranks(request.step).items():
-                resp.pieces.append(pb.Piece(owner_rank=rank, holder_rank=-1, tier=to_wire(Tier.BUCKET),
+                resp.pieces.append(pb.Piece(owner_rank=rank, holder_rank=holder_to_wire(BUCKET_HOLDER), tier=to_wire(Tier.BUCKET),
                                             content_hash=digest or ""))
             sched = _backup(coord)
             if sched is not None:
@@ -411,7 +401,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             sched = _backup(coord)
             if sched is not None and sched.keep < len(sched.committed_steps):
                 for step in sched.committed_steps[:-sched.keep]:
-                    items.append(pb.GcItem(tier=to_wire(Tier.BUCKET), holder_rank=-1, owner_rank=-1, step=step,
+                    items.append(pb.GcItem(tier=to_wire(Tier.BUCKET), holder_rank=holder_to_wire(BUCKET_HOLDER), owner_rank=-1, step=step,
                                            reason=f"bucket retention keeps the newest {sched.keep} backups"))
         return pb.GcPlanResponse(items=items, protected_steps=sorted(protected))
 

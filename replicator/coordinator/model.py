@@ -1,7 +1,8 @@
 """The coordinator's value objects: tiers, holdings, copy tasks, restore sources and plans, their validation.
 
 Frozen dataclasses with ``to_dict``/``from_dict`` where they cross a boundary; the rules that act on them
-live in :mod:`replicator.coordinator.planner`.
+live in :mod:`replicator.coordinator.planner` and its parts. Rank ranges and their text are
+:mod:`sidecar.saves`' (:func:`~sidecar.saves.rank_ranges`, :func:`~sidecar.saves.format_ranks`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ class Tier(enum.StrEnum):
     # its own rank's data has this hash, so the identity survives the loss of the replica's host.
     REPLICA = "replica"
     BUCKET = "bucket"  # a committed backup
+
+
+HolderRank = int | None
+"""Who holds a copy of some data: a host's rank, or ``None`` for the bucket (:data:`BUCKET_HOLDER`)."""
+
+BUCKET_HOLDER: HolderRank = None
+"""The bucket as a holder, everywhere in the coordinator's model and the daemon's fetch ladder (no host holds
+it). The wire spells it -1: :func:`replicator.coordinator.tier_wire.holder_to_wire` converts, in one place."""
 
 
 class NotRegisteredError(LookupError):
@@ -139,13 +148,14 @@ class Source:
     """Where a restoring rank gets its data.
 
     ``kind`` LOCAL: already on the restoring host (``holder_rank`` == the rank); PEER: fetch from
-    ``holder_rank``; BUCKET: download (``holder_rank`` is None). ``owner_rank`` is whose data it is:
-    the rank itself or a byte-identical data-parallel replica (then the data is that rank's directory).
+    ``holder_rank``; BUCKET: download (``holder_rank`` is :data:`BUCKET_HOLDER`). ``owner_rank`` is whose
+    data it is: the rank itself or a byte-identical data-parallel replica (then the data is that rank's
+    directory).
     ``content_hash`` is None only for a bucket copy whose hash nobody reported.
     """
 
     kind: Tier
-    holder_rank: int | None
+    holder_rank: HolderRank
     owner_rank: int
     content_hash: str | None
     size: int = 0
@@ -191,19 +201,3 @@ def inventory_digest(holdings: Iterable[Holding]) -> str:
     lines = sorted(f"{h.owner_rank}/{h.step}/{h.content_hash}/{h.size}/{h.tier}/{h.generation}/{h.savers}"
                    for h in holdings)
     return hashlib.blake2b("\n".join(lines).encode(), digest_size=16).hexdigest()
-
-
-def ranges(ranks: Iterable[int]) -> str:
-    """Sorted rank ranges, e.g. ``"0-63,128"``: readable even for thousands of ranks."""
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in rank_ranges(ranks))
-
-
-def rank_ranges(ranks: Iterable[int]) -> tuple[tuple[int, int], ...]:
-    """``[0, 1, 2, 5]`` -> ``((0, 2), (5, 5))``: a set of ranks as inclusive ranges (compact at any scale)."""
-    out: list[tuple[int, int]] = []
-    for r in sorted(set(ranks)):
-        if out and out[-1][1] == r - 1:
-            out[-1] = (out[-1][0], r)
-        else:
-            out.append((r, r))
-    return tuple(out)

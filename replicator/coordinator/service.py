@@ -34,13 +34,13 @@ from replicator.coordinator.model import (
     Source,
     StaleIncarnationError,
     Tier,
-    ranges,
 )
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.step_tracking import FirstSeen, RestoreTarget
-from replicator.coordinator.tier_wire import from_wire, to_wire
+from replicator.coordinator.tier_wire import from_wire, holder_to_wire, to_wire
 from replicator.coordinator.topology import JobTopology
 from replicator.net.security import RankAuthorizer
+from sidecar.saves import format_ranks
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +306,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             return  # a standby hears from nobody: it declares nobody lost
         lost = self.state.expire(self._clock(), self.lost_after())
         if lost:
-            log.warning("hosts %s declared lost: no report for %.1fs", ranges(lost), self.lost_after())
+            log.warning("hosts %s declared lost: no report for %.1fs", format_ranks(lost), self.lost_after())
             for r in lost:
                 self._digest.pop(r, None)
 
@@ -328,7 +328,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             if s.kind is Tier.PEER and s.holder_rank not in self._addresses:
                 continue
             out.append(pb.RestoreSource(
-                kind=to_wire(s.kind), holder_rank=-1 if s.holder_rank is None else s.holder_rank,
+                kind=to_wire(s.kind), holder_rank=holder_to_wire(s.holder_rank),
                 holder_address=self._addresses.get(s.holder_rank, "") if s.holder_rank is not None else "",
                 owner_rank=s.owner_rank, content_hash=s.content_hash or ""))
         return pb.RestoreTask(step=step, sources=out) if out else None
@@ -562,15 +562,15 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             silent = [r for r in self._silent_since(start) if r in pending]
         ready = [r for r in range(self.topology.nodes) if r not in pending and r not in lost]
         if pending:
-            reason = f"step {step}: ranks {ranges(pending)} not ready after {wait}s"
+            reason = f"step {step}: ranks {format_ranks(pending)} not ready after {wait}s"
             if silent:
-                reason += f" (no report from ranks {ranges(silent)})"
+                reason += f" (no report from ranks {format_ranks(silent)})"
         else:
             reason = plan.reason
         if lost:
-            reason += f"; lost hosts not waited for: ranks {ranges(lost)}"
+            reason += f"; lost hosts not waited for: ranks {format_ranks(lost)}"
         return pb.PrepareRestoreResponse(step=step, reason=reason, ready_ranks=ready, ready=not pending,
-                                         lost_ranks=lost, unreachable=ranges(pending))
+                                         lost_ranks=lost, unreachable=format_ranks(pending))
 
     def LocateStep(self, request: pb.LocateStepRequest, context: grpc.ServicerContext) -> pb.LocateStepResponse:
         """Elastic restore: the savers of a step and, for the owners asked, every source of their data."""
@@ -595,7 +595,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     addr = self._addresses.get(src.holder_rank, "") if src.holder_rank is not None else ""
                     if src.kind is not Tier.BUCKET and not addr:
                         continue
-                    rs.sources.add(kind=to_wire(src.kind), holder_rank=-1 if src.holder_rank is None else src.holder_rank,
+                    rs.sources.add(kind=to_wire(src.kind), holder_rank=holder_to_wire(src.holder_rank),
                                    holder_address=addr, owner_rank=src.owner_rank,
                                    content_hash=src.content_hash or "")
         return resp
@@ -620,14 +620,14 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             newest_complete_step=complete[-1] if complete else -1, complete_steps=complete,
             restore_target=-1 if target is None else target, pinned_steps=sorted(pinned),
             backing_up_steps=sorted(backing), hosts_registered=len(st.registered),
-            hosts_reported=st.reported_count, hosts_lost=len(lost), lost_ranks=ranges(lost),
+            hosts_reported=st.reported_count, hosts_lost=len(lost), lost_ranks=format_ranks(lost),
             hosts_reregistered=st.reregistered, heartbeat_interval_seconds=self.heartbeat_interval(),
             host_lost_seconds=self.lost_after())
         by_time: dict[int, list[int]] = {}
         for r, since in lost.items():
             by_time.setdefault(int(now - since), []).append(r)
         for age, rs in sorted(by_time.items())[:64]:
-            resp.lost.append(pb.LostHosts(ranks=ranges(rs), lost_for_seconds=float(age)))
+            resp.lost.append(pb.LostHosts(ranks=format_ranks(rs), lost_for_seconds=float(age)))
         for step in st.known_steps():
             covered = st.covered_count(step)
             backed = st.backup_rank_count(step)
@@ -638,9 +638,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             missing = st.missing_ranks(step)
             resp.steps.append(pb.StepSummary(
                 step=step, complete=st.is_complete(step), redundant=st.is_redundant(step), ranks_covered=covered,
-                missing_ranks=ranges(missing) if missing else "",
+                missing_ranks=format_ranks(missing) if missing else "",
                 ranks_backed_up=backed, backed_up=backed_up, pinned=step in pinned,
-                backing_up=step in backing, savers=ranges(savers)))
+                backing_up=step in backing, savers=format_ranks(savers)))
         b = self.backup.status()
         if b is not None:
             resp.backup.CopyFrom(pb.BackupStatus(
@@ -668,7 +668,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             for r in detail:
                 srcs = st.rank_sources(step, r)
                 d.ranks.append(pb.RankSources(rank=r, sources=[
-                    pb.SourceInfo(kind=to_wire(s.kind), holder_rank=-1 if s.holder_rank is None else s.holder_rank,
+                    pb.SourceInfo(kind=to_wire(s.kind), holder_rank=holder_to_wire(s.holder_rank),
                                   owner_rank=s.owner_rank) for s in srcs]))
         return resp
 

@@ -1,13 +1,15 @@
-"""The one conversion between :class:`~replicator.coordinator.planner.Tier` and the wire's ``mtc.v1.Tier``.
+"""The one conversion between the coordinator's model and the wire for tiers and holders.
 
-Code compares tiers as ``Tier`` members; messages carry the proto enum; people read the names
-(``local``, ``peer``, ``replica``, ``bucket``) in CLI tables and status JSON.
+Code compares tiers as :class:`~replicator.coordinator.model.Tier` members; messages carry the proto enum
+``mtc.v1.Tier``; people read the names (``local``, ``peer``, ``replica``, ``bucket``) in CLI tables and status
+JSON. A holder is a rank or :data:`~replicator.coordinator.model.BUCKET_HOLDER` in the model; messages'
+``holder_rank`` fields spell the bucket -1.
 """
 
 from __future__ import annotations
 
 from mtc_rpc import tier_pb2
-from replicator.coordinator.model import Tier
+from replicator.coordinator.model import HolderRank, Tier
 
 _TO_WIRE = {
     Tier.LOCAL: tier_pb2.TIER_LOCAL,
@@ -34,3 +36,11 @@ def from_wire(value: int) -> Tier:
 def tier_name(value: int) -> str:
     """The human name of a wire tier (``"local"``, ``"peer"``, ``"replica"``, ``"bucket"``)."""
     return str(from_wire(value))
+
+
+WIRE_BUCKET_HOLDER = -1  # a message's holder_rank for the bucket
+
+
+def holder_to_wire(holder: HolderRank) -> int:
+    """A message's ``holder_rank`` for ``holder`` (the bucket: -1)."""
+    return WIRE_BUCKET_HOLDER if holder is None else holder  # None: BUCKET_HOLDER

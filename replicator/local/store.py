@@ -8,8 +8,9 @@ import os
 import threading
 from pathlib import Path
 
-from replicator.coordinator.model import Holding, Tier, rank_ranges
+from replicator.coordinator.model import Holding, Tier
 from sidecar import commit, faults, layout, spares
+from sidecar.saves import rank_ranges
 
 log = logging.getLogger(__name__)
 

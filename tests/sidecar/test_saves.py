@@ -2,7 +2,16 @@
 
 import pytest
 
-from sidecar.saves import RankRanges, StepSave, complete_steps, merge, rolled_back
+from sidecar.saves import (
+    RankRanges,
+    StepSave,
+    complete_steps,
+    format_ranks,
+    merge,
+    parse_rank_span,
+    rank_ranges,
+    rolled_back,
+)
 
 
 def test_rank_ranges_compress_and_round_trip():
@@ -17,6 +26,23 @@ def test_rank_ranges_compress_and_round_trip():
     assert not RankRanges.of([1, 4]).issubset(RankRanges.every(4))
     with pytest.raises(ValueError):
         RankRanges(((0, 2), (3, 4)))  # adjacent: not canonical
+
+
+def test_rank_ranges():
+    assert rank_ranges([5, 0, 1, 2]) == ((0, 2), (5, 5))
+    assert rank_ranges([]) == ()
+
+
+def test_rank_ranges_as_people_read_and_type_them():
+    assert format_ranks([5, 0, 1, 2, 2]) == "0-2,5"
+    assert format_ranks([]) == ""
+    assert format_ranks(range(10_000)) == "0-9999"
+    assert parse_rank_span("3-7") == (3, 7)
+    assert parse_rank_span("3-") == (3, -1)  # open end: to the last rank
+    assert parse_rank_span("3") == (3, 3)
+    for bad in ("", "-3", "a-b", "3-x", "3--4"):
+        with pytest.raises(ValueError):
+            parse_rank_span(bad)
 
 
 def save(step, gen, savers, held):

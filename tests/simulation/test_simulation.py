@@ -132,18 +132,18 @@ def test_fixed_issue19_seeds(seed, names):
 def test_plan_check_catches_a_stale_incremental_view(monkeypatch):
     """The from-scratch comparison can fail: with a planner that forgets to re-derive a group when a piece
     is removed, the simulation reports plan-from-scratch."""
-    from replicator.coordinator.planner import CoordinatorState
+    from replicator.coordinator.facts import Facts
 
-    remove = CoordinatorState._remove
+    remove = Facts.remove
 
     def remove_without_touch(self, holder, key):
-        self._touch = lambda step, owner: None
+        self.touch = lambda step, owner: None
         try:
             remove(self, holder, key)
         finally:
-            del self._touch
+            del self.touch
 
-    monkeypatch.setattr(CoordinatorState, "_remove", remove_without_touch)
+    monkeypatch.setattr(Facts, "remove", remove_without_touch)
     logging.disable(logging.WARNING)
     try:
         res = run_seeds(range(5))

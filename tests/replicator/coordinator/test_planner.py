@@ -354,7 +354,7 @@ def test_nothing_recoverable_gives_an_empty_plan_with_reason():
     save(st, 10, differing(st, 10), ranks=[0, 3])
     plan = st.restore_plan()
     assert plan.step is None and "lacks ranks 1-2" in plan.reason
-    assert st._pinned == set()
+    assert st.pinned_steps() == []
 
 
 def test_force_step_override():
@@ -466,12 +466,12 @@ def rebuild(st):
         ranks = st.backup_ranks(step)
         if ranks:
             events.append(lambda s=step, b=ranks: fresh.report_backup_ranks(s, b))
-    for step in st._backups_in_progress:
+    for step in st.backups_in_progress():
         events.append(lambda s=step: fresh.mark_backup_in_progress(s))
     # A host that stays silent is declared lost by the fresh coordinator too (after --host-lost-seconds).
     for rank, since in st.lost.items():
         events.append(lambda r=rank, t=since: fresh.forget_host(r, t))
-    for step in st._pinned:
+    for step in st.pinned_steps():
         events.append(lambda s=step: fresh.pin(s))
     rng.shuffle(events)
     for event in events:
@@ -653,7 +653,7 @@ def check_restore(st):
 
 def check_gc(st, plan, keep):
     newest = st.newest_complete_step()
-    protected = set(st._backups_in_progress) | set(st._pinned) | ({newest} if newest is not None else set())
+    protected = set(st.backups_in_progress()) | set(st.pinned_steps()) | ({newest} if newest is not None else set())
     before = {r: {h.key for h in st.holdings_of(r)} for r in st.registered}
     complete = set(st.globally_complete_steps())
     for holder, keys in plan.items():

@@ -1,6 +1,6 @@
 """The planner's elastic rules: completeness over each step's savers, newer saves supersede older ones."""
 
-from replicator.coordinator.model import Holding, Tier, rank_ranges
+from replicator.coordinator.model import Holding, Tier
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.topology import JobTopology
 
@@ -10,11 +10,6 @@ def state() -> CoordinatorState:
     for r in range(4):
         st.register(r, 1)
     return st
-
-
-def test_rank_ranges():
-    assert rank_ranges([5, 0, 1, 2]) == ((0, 2), (5, 5))
-    assert rank_ranges([]) == ()
 
 
 def test_step_saved_by_one_slice_is_complete_over_its_savers():

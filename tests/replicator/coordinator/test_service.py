@@ -227,7 +227,8 @@ def test_client_fails_over_to_the_serving_candidate_and_honours_retry_advice():
 
 
 def test_an_unchanged_heartbeat_rederives_nothing(monkeypatch):
-    from replicator.coordinator.planner import CoordinatorState
+    from replicator.coordinator.copies import CopyPlanner
+    from replicator.coordinator.coverage import Coverage
 
     coord = Coordinator(JobTopology(8, 2, 1), "t")
     items = {r: [(r, 1, f"h{r % 4}", "local")] for r in range(8)}
@@ -236,9 +237,9 @@ def test_an_unchanged_heartbeat_rederives_nothing(monkeypatch):
     for r in range(8):  # hand out (and forget) the first answers: views now derived
         delta(coord, r, digest(items[r]), items[r])
     calls = []
-    for name in ("_derive_coverage", "_derive_tasks"):
-        real = getattr(CoordinatorState, name)
-        monkeypatch.setattr(CoordinatorState, name,
+    for part, name in ((Coverage, "_derive_coverage"), (CopyPlanner, "_derive_tasks")):
+        real = part._derive
+        monkeypatch.setattr(part, "_derive",
                             lambda self, *a, n=name, f=real: (calls.append((n, *a)), f(self, *a))[1])
     for _ in range(5):
         for r in range(8):

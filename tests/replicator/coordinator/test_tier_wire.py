@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from mtc_rpc import tier_pb2
-from replicator.coordinator.model import Tier
-from replicator.coordinator.tier_wire import from_wire, tier_name, to_wire
+from replicator.coordinator.model import BUCKET_HOLDER, Tier
+from replicator.coordinator.tier_wire import from_wire, holder_to_wire, tier_name, to_wire
 
 REPO = Path(__file__).resolve().parents[3]
 _NAMES = "local|peer|replica|bucket"
@@ -37,3 +37,8 @@ def test_no_tier_or_kind_string_literal_comparisons() -> None:
                 if _LITERAL_COMPARISON.search(line):
                     hits.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert hits == []
+
+
+def test_the_bucket_as_a_holder_is_minus_one_on_the_wire_only() -> None:
+    assert holder_to_wire(BUCKET_HOLDER) == -1
+    assert holder_to_wire(0) == 0 and holder_to_wire(7) == 7

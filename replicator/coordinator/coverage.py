@@ -1,0 +1,208 @@
+"""Which content hash of each rank's data is accepted, who holds valid copies of it, which steps are complete.
+Part of :class:`CoordinatorState`.
+
+:class:`Coverage` is derived from :class:`~replicator.coordinator.facts.Facts` only, per (step, replica group):
+a change marks the group dirty (``Facts.dirty``) and the next query re-derives just the dirty groups. It
+records what it re-derived (:attr:`Coverage.changed`, :attr:`Coverage.vanished`) for the copy-task view.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from replicator.coordinator.facts import Facts, carries_bytes
+from replicator.coordinator.model import BUCKET_HOLDER, Holding, Source, Tier
+
+_TIER_ORDER = {Tier.LOCAL: 0, Tier.PEER: 1, Tier.BUCKET: 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Auth:
+    """The accepted content hash of one rank's step and whether it is definitive (owner or bucket said so)."""
+
+    content_hash: str | None
+    definitive: bool
+
+
+class Coverage:
+    """Per step: each rank's accepted hash (:attr:`auth`), its sources (:attr:`cov`), and completeness.
+
+    Completeness is kept incrementally: per step, what its expected ranks are keyed by, that set, and how
+    many of them no tier covers; re-deriving a group adjusts the count by its own members only.
+    """
+
+    def __init__(self, facts: Facts):
+        self._facts = facts
+        self.auth: dict[int, dict[int, Auth]] = {}
+        self.cov: dict[int, dict[int, tuple[Source, ...]]] = {}
+        self.complete: set[int] = set()
+        self._expected: dict[int, tuple[Any, frozenset[int]]] = {}
+        self._uncovered: dict[int, int] = {}
+        # Since the copy-task view last looked: step -> groups re-derived; steps no tier holds any more.
+        self.changed: dict[int, set[int]] = {}
+        self.vanished: set[int] = set()
+
+    def clear(self) -> None:
+        """Forget every derived view (the next refresh after touching every group recomputes them)."""
+        for view in (self.auth, self.cov, self._expected, self._uncovered, self.changed):
+            view.clear()
+        self.complete.clear()
+        self.vanished.clear()
+
+    def refresh(self) -> None:
+        """Re-derive the groups that changed since the last refresh."""
+        facts = self._facts
+        if facts.dirty:
+            dirty, facts.dirty = facts.dirty, {}
+            for step, groups in dirty.items():
+                self._refresh_step(step, groups)
+
+    # ---------------------------------------------------------------------------------------- queries
+
+    def sources(self, step: int) -> dict[int, list[Source]]:
+        self.refresh()
+        return {r: list(s) for r, s in sorted(self.cov.get(step, {}).items())}
+
+    def rank_sources(self, step: int, rank: int) -> list[Source]:
+        self.refresh()
+        return list(self.cov.get(step, {}).get(rank, ()))
+
+    def covered_count(self, step: int) -> int:
+        self.refresh()
+        return len(self.cov.get(step, {}))
+
+    def missing_ranks(self, step: int) -> list[int]:
+        self.refresh()
+        found = self.cov.get(step, {})
+        return [r for r in self._facts.expected_ranks(step) if r not in found]
+
+    def is_complete(self, step: int) -> bool:
+        self.refresh()
+        return step in self.complete and not self._facts.is_abandoned(step)
+
+    def complete_steps(self) -> list[int]:
+        self.refresh()
+        return sorted(s for s in self.complete if not self._facts.is_abandoned(s))
+
+    def newest_complete_step(self) -> int | None:
+        self.refresh()
+        for step in sorted(self.complete, reverse=True):
+            if not self._facts.is_abandoned(step):
+                return step
+        return None
+
+    def is_redundant(self, step: int) -> bool:
+        self.refresh()
+        found = self.cov.get(step, {})
+        if len(found) < len(self._facts.expected_ranks(step)):
+            return False
+        # BUCKET_HOLDER counts as one holder, distinct from every host.
+        return all(len({s.holder_rank for s in srcs}) >= 2 for srcs in found.values())
+
+    # ------------------------------------------------------------------------------------- derivation
+
+    def _refresh_step(self, step: int, groups: set[int]) -> None:
+        facts = self._facts
+        if not facts.has_step(step):
+            for view in (self.auth, self.cov, self._expected, self._uncovered, self.changed):
+                view.pop(step, None)
+            self.complete.discard(step)
+            self.vanished.add(step)
+            return
+        self.changed.setdefault(step, set()).update(groups)
+        key = facts.expected_key(step)
+        cached = self._expected.get(step)
+        cov = self.cov.setdefault(step, {})
+        if cached is None or cached[0] != key or step not in self._uncovered:
+            for g in groups:
+                self._derive(step, g)
+            expected = frozenset(facts.expected_ranks(step))
+            self._expected[step] = (key, expected)
+            uncovered = sum(1 for r in expected if r not in cov)
+        else:
+            expected = cached[1]
+            uncovered = self._uncovered[step]
+            for g in groups:
+                members = facts.members[g]
+                before = sum(1 for r in members if r in expected and r in cov)
+                self._derive(step, g)
+                uncovered -= sum(1 for r in members if r in expected and r in cov) - before
+        self._uncovered[step] = uncovered
+        if uncovered == 0:
+            self.complete.add(step)
+        else:
+            self.complete.discard(step)
+
+    def _derive(self, step: int, group: int) -> None:
+        """Recompute the accepted hashes and sources of one replica group of one step from the facts."""
+        facts = self._facts
+        members = facts.members[group]
+        by_owner = facts.index.get(step, {})
+        bucket = facts.bucket.get(step, {})
+        auth = self.auth.setdefault(step, {})
+        for o in members:
+            current = {x: h for x, h in by_owner.get(o, {}).items() if facts.current(h)}
+            a = _auth_one(current, bucket, o)
+            if a is None:
+                auth.pop(o, None)
+            else:
+                auth[o] = a
+        cov = self.cov.setdefault(step, {})
+        for r in members:
+            found = self._rank_sources(step, r, auth)
+            if found:
+                cov[r] = tuple(found)
+            else:
+                cov.pop(r, None)
+
+    def _rank_sources(self, step: int, rank: int, auth: Mapping[int, Auth]) -> list[Source]:
+        """Valid sources of ``rank``'s data: its own or an identical replica's, local < peer < bucket."""
+        facts = self._facts
+        by_owner = facts.index.get(step, {})
+        mine = auth.get(rank)
+        want = mine.content_hash if mine is not None else None
+        found = []
+        group = facts.members[rank % facts.h]
+        for owner in (rank, *(m for m in group if m != rank)):
+            a = auth.get(owner)
+            for holder, h in by_owner.get(owner, {}).items():
+                if not facts.current(h):
+                    continue  # a copy of an abandoned save of this step number (before a rollback)
+                if not carries_bytes(h) or a is None or h.content_hash != a.content_hash:
+                    continue  # an attestation, or a stale copy of an older save of this step
+                if owner != rank and h.content_hash != want:
+                    continue  # a replica's data counts only when proven identical
+                kind = Tier.LOCAL if holder == rank else Tier.PEER
+                found.append(Source(kind, holder, owner, h.content_hash, h.size))
+        bucket = facts.bucket.get(step, {})
+        if rank in bucket:
+            b = bucket[rank]
+            if b is None or want is None or b == want:
+                size = found[0].size if found else 0
+                found.append(Source(Tier.BUCKET, BUCKET_HOLDER, rank, b if b is not None else want, size))
+        order = _TIER_ORDER
+        found.sort(key=lambda s: (order[s.kind], s.owner_rank != rank, s.holder_rank or 0, s.owner_rank))
+        return found
+
+
+def _auth_one(holders: Mapping[int, Holding], bucket: Mapping[int, str | None], owner: int) -> Auth | None:
+    """The accepted hash of ``owner``'s data of one step.
+
+    Definitive: the owner's local copy, else the bucket's. Otherwise the hash most copies (and
+    replica attestations) agree on, ties by smallest hash.
+    """
+    mine = holders.get(owner)
+    if mine is not None and mine.tier is Tier.LOCAL:
+        return Auth(mine.content_hash, True)
+    if bucket.get(owner) is not None:
+        return Auth(bucket[owner], True)
+    if holders:
+        votes = collections.Counter(h.content_hash for h in holders.values())
+        best = min(votes.items(), key=lambda kv: (-kv[1], kv[0]))[0]
+        return Auth(best, False)
+    if owner in bucket:
+        return Auth(None, False)
+    return None

@@ -11,15 +11,29 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from sidecar import checksums, layout, regions, tree
 from sidecar.copies import HERE, SavedArray, SavedShard
 
-if TYPE_CHECKING:
-    from sidecar.reader import StepSource
+
+class StepSource(Protocol):
+    """What assembling needs of a step being read (:class:`sidecar.reader.StepSource`; a protocol, so that
+    the reader, which hands off to this module, is not imported back)."""
+
+    arrays: dict[str, SavedArray]
+    fetcher: Any  # the link to the host's replicator, None when reading only this host's copies
+
+    def read_shard(self, arr: SavedArray, index: regions.Region, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The verified bytes of one saved shard (or rows of it)."""
+
+    def load_all_manifests(self) -> None:
+        """Learn every rank's manifest of the step (to find copies elsewhere)."""
+
+    def not_covered(self, path: str, index: regions.Region, covered: int) -> OSError:
+        """Why a region could be read only in part."""
 
 
 @dataclasses.dataclass

@@ -25,6 +25,7 @@ import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
+from replicator.coordinator import answers
 from replicator.coordinator.admission import MAX_WAITERS, WaiterGate
 from replicator.coordinator.backup_status import BackupSchedulerStatus
 from replicator.coordinator.fence import EpochFence
@@ -37,7 +38,7 @@ from replicator.coordinator.model import (
 )
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.step_tracking import FirstSeen, RestoreTarget
-from replicator.coordinator.tier_wire import from_wire, holder_to_wire, to_wire
+from replicator.coordinator.tier_wire import from_wire
 from replicator.coordinator.topology import JobTopology
 from replicator.net.security import RankAuthorizer
 from sidecar.saves import format_ranks
@@ -321,16 +322,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         sources = self.state.rank_sources(step, rank)
         if not sources or self._ready(rank, step, sources):
             return None
-        out = []
-        for s in sources:  # fastest tier first; the daemon tries them in order
-            if s.kind is Tier.LOCAL:
-                continue
-            if s.kind is Tier.PEER and s.holder_rank not in self._addresses:
-                continue
-            out.append(pb.RestoreSource(
-                kind=to_wire(s.kind), holder_rank=holder_to_wire(s.holder_rank),
-                holder_address=self._addresses.get(s.holder_rank, "") if s.holder_rank is not None else "",
-                owner_rank=s.owner_rank, content_hash=s.content_hash or ""))
+        # Fastest tier first (the daemon tries them in order); not its own copy, nor a host of unknown address.
+        out = [w for s in sources if s.kind is not Tier.LOCAL and (w := answers.wire_source(s, self._addresses))]
         return pb.RestoreTask(step=step, sources=out) if out else None
 
     def _all_reported(self) -> bool:
@@ -590,14 +583,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                                          generation=self.state.step_generation(step),
                                          complete=self.state.is_complete(step))
             for owner in request.owners:
-                rs = resp.ranks.add(owner_rank=owner)
-                for src in sources.get(owner, []):
-                    addr = self._addresses.get(src.holder_rank, "") if src.holder_rank is not None else ""
-                    if src.kind is not Tier.BUCKET and not addr:
-                        continue
-                    rs.sources.add(kind=to_wire(src.kind), holder_rank=holder_to_wire(src.holder_rank),
-                                   holder_address=addr, owner_rank=src.owner_rank,
-                                   content_hash=src.content_hash or "")
+                resp.ranks.add(owner_rank=owner).sources.extend(
+                    w for src in sources.get(owner, []) if (w := answers.wire_source(src, self._addresses)))
         return resp
 
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
@@ -607,70 +594,16 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             return self._status(request)
 
     def _status(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
-        st, t = self.state, self.topology
-        now = self._clock()
-        complete = st.globally_complete_steps()
         target = self.restore_target()
-        lost = st.lost
-        pinned, backing = set(st.pinned), set(st.backing_up)
-        resp = pb.GetStatusResponse(
+        t = self.topology
+        header = pb.GetStatusResponse(
             job=self.job, topology=pb.Topology(nodes=t.nodes, data_parallelism=t.data_parallelism,
                                                replicas=t.replicas),
             epoch=self.epoch, coordinator_address=self.address,
-            newest_complete_step=complete[-1] if complete else -1, complete_steps=complete,
-            restore_target=-1 if target is None else target, pinned_steps=sorted(pinned),
-            backing_up_steps=sorted(backing), hosts_registered=len(st.registered),
-            hosts_reported=st.reported_count, hosts_lost=len(lost), lost_ranks=format_ranks(lost),
-            hosts_reregistered=st.reregistered, heartbeat_interval_seconds=self.heartbeat_interval(),
+            restore_target=-1 if target is None else target, heartbeat_interval_seconds=self.heartbeat_interval(),
             host_lost_seconds=self.lost_after())
-        by_time: dict[int, list[int]] = {}
-        for r, since in lost.items():
-            by_time.setdefault(int(now - since), []).append(r)
-        for age, rs in sorted(by_time.items())[:64]:
-            resp.lost.append(pb.LostHosts(ranks=format_ranks(rs), lost_for_seconds=float(age)))
-        for step in st.known_steps():
-            covered = st.covered_count(step)
-            backed = st.backup_rank_count(step)
-            savers = st.expected_ranks(step)  # elastic: the ranks that saved the step
-            backed_up = self.in_bucket(step)
-            if backed_up:
-                resp.backed_up_steps.append(step)
-            missing = st.missing_ranks(step)
-            resp.steps.append(pb.StepSummary(
-                step=step, complete=st.is_complete(step), redundant=st.is_redundant(step), ranks_covered=covered,
-                missing_ranks=format_ranks(missing) if missing else "",
-                ranks_backed_up=backed, backed_up=backed_up, pinned=step in pinned,
-                backing_up=step in backing, savers=format_ranks(savers)))
-        b = self.backup.status()
-        if b is not None:
-            resp.backup.CopyFrom(pb.BackupStatus(
-                url=b.url, committed_steps=b.committed_steps, in_progress_step=b.in_progress_step,
-                in_progress_done_ranks=len(b.in_progress_done_ranks), skipped=b.skipped, failures=b.failures,
-                last_error=b.last_error, interval_steps=b.interval_steps, interval_minutes=b.interval_minutes,
-                keep=b.keep))
-        first = max(0, request.rank_first)
-        last = t.nodes - 1 if request.rank_count <= 0 else min(first + request.rank_count, t.nodes) - 1
-        detail = range(first, last + 1)
-        if request.hosts:
-            registered = st.registered
-            for r in detail:
-                held = st.holdings_of(r)
-                seen = st.last_seen(r)
-                resp.hosts.append(pb.HostStatus(
-                    rank=r, address=self._addresses.get(r, ""), incarnation=registered.get(r, 0),
-                    inventory_reported=st.is_reported(r),
-                    last_report_age_seconds=-1.0 if seen is None or r not in registered else now - seen,
-                    lost=r in lost, lost_for_seconds=now - lost[r] if r in lost else 0.0,
-                    steps=sorted({h.step for h in held}), pieces=len(held),
-                    bytes=sum(h.size for h in held if h.tier is not Tier.REPLICA)))
-        for step in request.detail_steps:
-            d = resp.step_details.add(step=step)
-            for r in detail:
-                srcs = st.rank_sources(step, r)
-                d.ranks.append(pb.RankSources(rank=r, sources=[
-                    pb.SourceInfo(kind=to_wire(s.kind), holder_rank=holder_to_wire(s.holder_rank),
-                                  owner_rank=s.owner_rank) for s in srcs]))
-        return resp
+        return answers.status_response(self.state, request, header, now=self._clock(), in_bucket=self.in_bucket,
+                                           backup=self.backup.status(), addresses=self._addresses)
 
     # ------------------------------------------------------------------ queries for the admin service and metrics
     def lost_ranks(self) -> list[int]:

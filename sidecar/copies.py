@@ -124,8 +124,8 @@ def read_file(directory: Path, entry: layout.ShardEntry, span: Span) -> np.ndarr
 
 
 @dataclasses.dataclass(frozen=True)
-class StepDir:
-    """A committed step directory on this host (its own copy, or a replica it holds)."""
+class _FilesHere:
+    """Verified files in a directory on this host, read straight from it."""
 
     path: Path
     rung: ClassVar[int] = HERE
@@ -137,26 +137,21 @@ class StepDir:
 
     def read(self, step: Heals, entry: layout.ShardEntry, span: Span) -> np.ndarray:
         return read_file(self.path, entry, span)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDir(_FilesHere):
+    """A committed step directory on this host (its own copy, or a replica it holds)."""
 
     def forget(self, step: Heals, loc: SavedShard, err: BaseException, attempt: Attempt) -> None:
         step.dir_failed(self, loc, err, attempt)
 
 
 @dataclasses.dataclass(frozen=True)
-class FetchedFiles:
+class FetchedFiles(_FilesHere):
     """A scratch directory of files (whole, or pieces of them) of ``owner``'s data, fetched for this read."""
 
-    path: Path
     owner: int
-    rung: ClassVar[int] = HERE
-    remote: ClassVar[None] = None
-    failures: ClassVar[tuple[type[BaseException], ...]] = (OSError, EOFError, checksums.ChecksumError)
-
-    def __str__(self) -> str:
-        return str(self.path)
-
-    def read(self, step: Heals, entry: layout.ShardEntry, span: Span) -> np.ndarray:
-        return read_file(self.path, entry, span)
 
     def forget(self, step: Heals, loc: SavedShard, err: BaseException, attempt: Attempt) -> None:
         step.fetched_failed(self, loc, err, attempt)

@@ -75,21 +75,25 @@ class Rig:
     def quiesce(self) -> None:
         """Pause the trainer until its newest step is redundant (then resume it yourself)."""
         self.trainer.pause()
-        time.sleep(0.1)
         step = self.trainer.step
         wait_for(lambda: self.redundant(step), SETTLE_TIMEOUT_SECONDS, f"step {step} redundant")
 
     def run_case(self, name: str, fault: Callable[[], None], cut_seconds: float = CUT_SECONDS,
-                 quiesced: bool = False, **case_kw: object) -> Case:
-        """Quiesce (unless done), fault, keep saving for ``cut_seconds``, heal, wait for progress, restore."""
-        if not quiesced:
-            self.quiesce()
+                 after_heal: Callable[[], None] | None = None, train_during_fault: bool = True,
+                 **case_kw: object) -> Case:
+        """Quiesce, fault, keep saving (unless not ``train_during_fault``) for ``cut_seconds``, heal, wait
+        for progress, restore. The case's history is returned for :func:`_assert_passed`."""
+        self.quiesce()
         t_cut = time.monotonic()
         fault()
-        self.trainer.resume()
+        if train_during_fault:
+            self.trainer.resume()
         time.sleep(cut_seconds)
         t_heal = time.monotonic()
         self.net.heal()
+        self.trainer.resume()
+        if after_heal is not None:
+            after_heal()
         extra: list[str] = []
         t_progress = None
         try:
@@ -108,8 +112,6 @@ class Rig:
         time.sleep(1.0)  # the probes' answers after the restore
         case = Case(name, t_cut, t_heal, self.client_streams(), self.direct(), list(self.trainer.saves),
                     PROGRESS_BOUND_SECONDS, t_progress, restored, extra=extra, **case_kw)  # type: ignore[arg-type]
-        violations = case.check()
-        SUMMARY.add(name, violations, case.seconds_to_progress())
         return case
 
     def check_restored(self, step: int) -> list[str]:
@@ -119,6 +121,22 @@ class Rig:
                 check_copy(self.cluster.ram(rank) / layout.STEPS_DIR / str(step), rank, step)
             except (AssertionError, OSError, ValueError) as e:
                 out.append(f"rank {rank}'s restored step {step}: {type(e).__name__}: {e}")
+        return out
+
+    def check_every_copy(self) -> list[str]:
+        """Every committed step directory on every host (own and peer copies) verifies bit for bit."""
+        out = []
+        for rank in range(NODES):
+            ram = self.cluster.ram(rank)
+            dirs = [(rank, d) for d in (ram / layout.STEPS_DIR).glob("[0-9]*")]
+            dirs += [(int(p.name), d) for p in (ram / layout.PEER_DIR).glob("[0-9]*") for d in p.glob("[0-9]*")]
+            for owner, d in dirs:
+                try:
+                    check_copy(d, owner, int(d.name))
+                except FileNotFoundError:
+                    continue  # deleted meanwhile (retention)
+                except (AssertionError, OSError, ValueError) as e:
+                    out.append(f"{d}: {type(e).__name__}: {e}")
         return out
 
     def client_streams(self) -> list[list[dict]]:
@@ -140,8 +158,10 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
             r.cluster.stop()
 
 
-def _assert_passed(rig: Rig, case: Case) -> None:
+def _assert_passed(rig: Rig, case: Case, known_defect: bool = False) -> None:
+    """The history checked, the case counted in the summary line (a known defect's apart)."""
     violations = case.check()
+    SUMMARY.add(case.name, violations, case.seconds_to_progress(), known_defect=known_defect)
     assert not violations, "\n".join(violations) + "\n" + rig.cluster.logs()
 
 
@@ -149,4 +169,63 @@ def test_coordinator_host_cut_off_fails_over_and_the_old_coordinator_stays_silen
     old, successor = (rig.cluster.addresses[r] for r in CANDIDATES)
     case = rig.run_case("coordinator-host-cut", lambda: rig.net.cut(0), old_coordinator=old,
                         successor=successor, isolated_after=ISOLATED_AFTER_SECONDS)
+    _assert_passed(rig, case)
+
+
+def test_the_two_slices_cut_from_each_other_and_healed(rig: Rig) -> None:
+    # Each side keeps a coordinator (candidate 0 still hears host 1; candidate 2 takes over for slice 1);
+    # after the heal the epoch fence leaves one. Neither side's answers may go backwards, nor lose a step.
+    case = rig.run_case("slices-cut", lambda: rig.net.cut_between([0, 1], [2, 3]))
+    _assert_passed(rig, case)
+
+
+BIG_STEP_BYTES = 16 << 20
+SLOW_MBIT = 20
+
+
+def _cut_mid_copy(rig: Rig, train_during_fault: bool) -> Case:
+    """Host 3's link slowed to 20 Mbit/s, a 16 MiB step saved, host 3 cut once a peer copy of it is under
+    way (the step is complete, host 3's data of it on host 3 alone)."""
+    big: list[int] = []
+
+    def in_flight() -> bool:
+        tmp = [f for r in range(NODES) for f in rig.cluster.ram(r).glob(f"peer/*/.tmp-{big[0]}-*/**/*")]
+        return sum(f.stat().st_size for f in tmp if f.is_file()) >= 1 << 20
+
+    def fault() -> None:
+        rig.net.throttle(3, SLOW_MBIT)
+        big.append(rig.trainer.save_next(nbytes=BIG_STEP_BYTES))
+        wait_for(in_flight, 30, f"a peer copy of step {big[0]} under way", interval=0.05)
+        rig.net.cut(3)
+
+    name = "host-cut-mid-copy" + ("-training-on" if train_during_fault else "")
+    case = rig.run_case(name, fault, train_during_fault=train_during_fault)
+    case.unreplicated = big[0]  # complete only while host 3, holding its data alone, was heard from
+    case.extra += rig.check_every_copy()
+    return case
+
+
+def test_a_host_cut_off_in_the_middle_of_a_peer_copy_and_healed(rig: Rig) -> None:
+    # A synchronous job stalls while one of its hosts is unreachable: no save during the cut.
+    _assert_passed(rig, _cut_mid_copy(rig, train_during_fault=False))
+
+
+@pytest.mark.xfail(strict=True, reason="known defect (issue #33): while the cut host is silent but not yet "
+                   "lost, the in-flight step counts as the newest complete one and the hosts' newer saves push "
+                   "the last redundant step out of --keep-local; the cut host's loss then leaves only the "
+                   "bucket's step")
+def test_a_host_cut_off_mid_copy_while_the_others_save_on_keeps_the_last_redundant_step(rig: Rig) -> None:
+    _assert_passed(rig, _cut_mid_copy(rig, train_during_fault=True), known_defect=True)
+
+
+def test_a_slow_link_stalls_no_save_and_no_other_host(rig: Rig) -> None:
+    """Host 1's link at 20 Mbit/s while every host saves 4 MiB a second (more than the link carries)."""
+    def fault() -> None:
+        rig.net.throttle(1, SLOW_MBIT)
+        rig.trainer.nbytes = 4 << 20
+
+    def after_heal() -> None:
+        rig.trainer.nbytes = 64 << 10
+
+    case = rig.run_case("slow-link", fault, after_heal=after_heal, slow_only=True)
     _assert_passed(rig, case)

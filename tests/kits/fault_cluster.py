@@ -42,11 +42,12 @@ def step_bytes(rank: int, step: int, nbytes: int) -> np.ndarray:
     return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
 
 
-def save_rank(root: Path, rank: int, step: int, nbytes: int) -> None:
+def save_rank(root: Path, rank: int, step: int, nbytes: int) -> bool:
+    """Write and commit rank ``rank``'s data of ``step`` under ``root``; whether its daemon acknowledged."""
     data = step_bytes(rank, step, nbytes)
     arrays = [writer.ArrayCopy("w", (nbytes,), "uint8", None, [writer.ShardCopy(((0, nbytes),), data)])]
     writer.write_step(writer.HostStep(root, "t", step, rank, NODES, arrays, [layout.ValueEntry("step", step)]))
-    notify_step_committed(root, step)
+    return notify_step_committed(root, step)
 
 
 def check_copy(step_dir: Path, rank: int, step: int) -> None:
@@ -131,27 +132,33 @@ class Trainer:
     nbytes: int = 64 << 10
     saves: list[dict] = field(default_factory=list)
     step: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
     _paused: threading.Event = field(default_factory=threading.Event)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def save_next(self, nbytes: int | None = None) -> int:
+        with self._lock:
+            return self._save_next(nbytes)
+
+    def _save_next(self, nbytes: int | None) -> int:
         self.step += 1
         t0 = time.monotonic()
-        ok, error = True, ""
+        ok, error, notified = True, "", True
         for rank in range(NODES):
             try:
-                save_rank(self.cluster.ram(rank), rank, self.step, nbytes or self.nbytes)
+                notified &= save_rank(self.cluster.ram(rank), rank, self.step, nbytes or self.nbytes)
             except Exception as e:  # recorded: the checker counts failed saves
                 ok, error = False, f"rank {rank}: {type(e).__name__}: {e}"
         self.saves.append({"t": t0, "step": self.step, "ok": ok, "seconds": time.monotonic() - t0,
-                           "error": error})
+                           "error": error, "notified": notified})
         return self.step
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self._paused.is_set():
-                self.save_next()
+            with self._lock:
+                if not self._paused.is_set():
+                    self._save_next(None)
             self._stop.wait(self.period)
 
     def start(self) -> None:
@@ -159,7 +166,10 @@ class Trainer:
         self._thread.start()
 
     def pause(self) -> None:
+        """No save starts after this returns."""
         self._paused.set()
+        with self._lock:
+            pass
 
     def resume(self) -> None:
         self._paused.clear()

@@ -148,6 +148,7 @@ class Rig:
 
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
+    faultnet.reap_stale()
     with faultnet.FaultNetwork(NODES) as net:
         r = Rig(net, tmp_path)
         try:

@@ -9,8 +9,11 @@ Needs root, ``ip``, ``iptables`` and ``tc``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
+import signal
 import subprocess
 import uuid
 from collections.abc import Iterable, Sequence
@@ -18,6 +21,7 @@ from collections.abc import Iterable, Sequence
 COMMAND_TIMEOUT_SECONDS = 10.0
 SUBNET = "10.213.0"  # private to these namespaces: the root namespace never sees it
 IFACE = "eth0"  # a host's interface to the bridge, inside its namespace
+_OURS = re.compile(r"^mtcf-(\d+)-[0-9a-f]{4}-(?:br|h\d+)$")  # the names FaultNetwork gives, with its pid
 
 
 def available() -> str:
@@ -33,6 +37,34 @@ def _run(argv: Sequence[str], check: bool = True) -> str:
     if check and res.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}): {res.stderr.strip()}")
     return res.stdout
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_stale() -> list[str]:
+    """Delete the namespaces an earlier run left behind when it was killed outright (SIGKILL: no teardown):
+    those named as :class:`FaultNetwork` names them, by a process no longer alive. The processes still in
+    them (that run's daemons) are SIGKILLed by pid first (``ip netns pids``). Returns the names deleted."""
+    gone = []
+    for line in _run(["ip", "netns", "list"], check=False).splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = _OURS.match(name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        for pid in _run(["ip", "netns", "pids", name], check=False).split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        _run(["ip", "netns", "delete", name], check=False)
+        gone.append(name)
+    return gone
 
 
 class FaultNetwork:

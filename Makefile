@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -rfER -n 2 --reruns 1 -m "not image and not faults" tests
 
 # Network faults against real replicators, each host in a network namespace of the test's own joined by a
-# bridge in another (tests/faults; root, ip, iptables, tc; ~3 min): partitions and a slow link, healed, then
+# bridge in another (tests/faults; root, ip, iptables, tc; ~2.5 min): partitions and a slow link, healed, then
 # checked by a history checker that prints one JSON line (docs/testing.md, "Network faults"). No reruns:
 # a flaky fault test is a finding.
 test-faults: $(STAMP)

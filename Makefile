@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test lint proto bench clean constraints smoke-newest image-test
+.PHONY: demo test lint proto bench clean constraints smoke-newest image-test test-faults
 
 # Everything the demo and the suite need, at the exact versions of constraints.txt.
 EXTRAS := jax,elastic,dev
@@ -22,7 +22,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -rfER -n 2 --reruns 1 -m "not image" tests
+	$(PY) -m pytest -q -rfER -n 2 --reruns 1 -m "not image and not faults" tests
+
+# Network faults against real replicators, each host in a network namespace of the test's own joined by a
+# bridge in another (tests/faults; root, ip, iptables, tc; ~2.5 min): partitions and a slow link, healed, then
+# checked by a history checker that prints one JSON line (docs/testing.md, "Network faults"). No reruns:
+# a flaky fault test is a finding.
+test-faults: $(STAMP)
+	$(PY) -m pytest -q -rfER -p no:cacheprovider -m faults tests/faults
 
 # Real builds of Dockerfile.replicator and Dockerfile.sidecar with Debian's buildah (vfs, chroot isolation)
 # on a base made by debootstrap, and the built images doing real work under Debian's podman with runc

@@ -506,6 +506,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             # Bounded in heartbeats: a host silent that long is declared lost and not waited for.
             wait = min(max(0.0, request.wait_seconds), self.lost_after() + 2 * self.heartbeat_interval())
             self._wait(self._clock() + wait, lambda: self._all_reported() and self._reached(request), context)
+            if not self._all_reported():  # a view rebuilt from some hosts' reports (after a takeover) may
+                # say an older or a newer step than the whole picture: answer once every live host reported
+                self._abort_bad(context, f"coordinator (epoch {self.epoch}) is rebuilding its view from the "
+                                "hosts' reports; try again", grpc.StatusCode.UNAVAILABLE)
             complete = self.state.globally_complete_steps()
             backed = [s for s in self.state.known_steps() if self.in_bucket(s)]
             served = self._restore.served()  # a forced restore: released once a newer step completes

@@ -185,7 +185,10 @@ def test_waiters_are_bounded_and_oversized_reports_refused():
     coord = Coordinator(JobTopology(2, 1, 1), "t", max_waiters=0)
     with pytest.raises(grpc.RpcError, match="RESOURCE_EXHAUSTED"):
         coord.PrepareRestore(pb.PrepareRestoreRequest(step=-1, wait_seconds=1), Ctx())
-    assert coord.GetSteps(pb.GetStepsRequest(wait_seconds=0), Ctx()).newest_complete_step == -1
+    answered = Coordinator(JobTopology(2, 1, 1), "t", max_waiters=0)
+    for r in range(2):  # GetSteps answers once every host reported (issue #33)
+        full(answered, r, [])
+    assert answered.GetSteps(pb.GetStepsRequest(wait_seconds=0), Ctx()).newest_complete_step == -1
     limit = coord.max_pieces_per_host()
     many = [(0, s, f"h{s}", "local") for s in range(limit + 1)]
     with pytest.raises(grpc.RpcError, match="INVALID_ARGUMENT.*at most"):
@@ -290,6 +293,30 @@ def test_an_isolated_coordinator_decides_nothing_and_answers_no_client_until_a_h
     with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*deposed"):
         full(coord, 2, items[2], epoch=11)
     assert not coord.active
+
+
+def test_a_coordinator_rebuilding_its_view_answers_get_steps_only_once_every_live_host_reported():
+    """Issue #33 (tests/faults): a candidate that just took over (or came back) rebuilds its view from the
+    hosts' next reports. Answered from some of them, GetSteps said newest complete step -1 to a client that
+    had been told 3 (and a partial view can also say a step not complete yet). It answers UNAVAILABLE
+    (callers retry, or try the next candidate) until every live host reported or was declared lost."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", heartbeat_seconds=1.0, host_lost_seconds=5.0, clock=clock,
+                        other_candidates=True, epoch=10)
+    with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*rebuilding"):
+        coord.GetSteps(pb.GetStepsRequest(), Ctx())
+    for r in (0, 1):
+        beat(coord, r, HOLDINGS[r])
+    assert coord.state.newest_complete_step() == 3  # the premature picture is not handed out
+    with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*rebuilding"):
+        coord.GetSteps(pb.GetStepsRequest(), Ctx())
+    beat(coord, 2, HOLDINGS[2])
+    for _ in range(2):  # rank 3 stays silent: declared lost, no longer waited for
+        clock.t += 3.0
+        for r in (0, 1, 2):
+            beat(coord, r, HOLDINGS[r])
+    assert set(coord.state.lost) == {3}
+    assert coord.GetSteps(pb.GetStepsRequest(), Ctx()).newest_complete_step == 3
 
 
 def test_a_coordinator_without_other_candidates_keeps_serving_alone():

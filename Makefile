@@ -29,6 +29,9 @@ test: $(STAMP)
 # checked by a history checker that prints one JSON line (docs/testing.md, "Network faults"). No reruns:
 # a flaky fault test is a finding.
 test-faults: $(STAMP)
+	command -v ip >/dev/null && command -v tc >/dev/null && command -v iptables >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      iproute2 iptables >/dev/null; }
 	$(PY) -m pytest -q -rfER -p no:cacheprovider -m faults tests/faults
 
 # Real builds of Dockerfile.replicator and Dockerfile.sidecar with Debian's buildah (vfs, chroot isolation)

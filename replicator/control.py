@@ -9,6 +9,7 @@ anything transient — a peer, the bucket, the coordinator).
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -71,13 +72,13 @@ class LocalControl(control_pb2_grpc.LocalControlServicer):
     @map_errors_as_unavailable
     def FetchStep(self, request, context):
         rel, manifest = self.steps.fetch_step(request.owner_rank, request.step, request.manifest_only,
-                                              request.replace_local, request.timeout_seconds,
+                                              request.replace_local, _wait_seconds(request.timeout_seconds),
                                               min_generation=request.min_generation)
         return control_pb2.FetchStepResponse(step_dir=rel, manifest_json=manifest)
 
     @map_errors_as_unavailable
     def StreamStep(self, request, context):
-        yield from self.steps.stream_step(request.owner_rank, request.step, request.timeout_seconds)
+        yield from self.steps.stream_step(request.owner_rank, request.step, _wait_seconds(request.timeout_seconds))
 
     @map_errors_as_unavailable
     def FetchFiles(self, request, context):
@@ -88,7 +89,7 @@ class LocalControl(control_pb2_grpc.LocalControlServicer):
         pieces = [layout.FilePiece(pc.name, pc.offset, pc.length, pc.crc32c) for pc in request.pieces]
         layout.check_pieces(entries, pieces)
         source, nbytes = self.steps.fetch_files(request.owner_rank, request.step, entries, request.dest_dir,
-                                                request.timeout_seconds, pieces)
+                                                _wait_seconds(request.timeout_seconds), pieces)
         return control_pb2.FetchFilesResponse(source=source, bytes=nbytes)
 
     def GetPreemption(self, request, context):
@@ -100,6 +101,14 @@ class LocalControl(control_pb2_grpc.LocalControlServicer):
 
     def Preempt(self, request, context):
         return self.preemption.on_notice(request)
+
+
+def _wait_seconds(value: float) -> float:
+    """A request's ``timeout_seconds``: finite and not negative (ValueError, i.e. INVALID_ARGUMENT: a NaN
+    made every deadline computed from it unreachable, and the call never returned)."""
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"timeout_seconds must be a finite number >= 0, got {value!r}")
+    return value
 
 
 def serve_control(daemon: ControlTarget, steps: StepService, preemption: NoticeService, root: Path) -> grpc.Server:

@@ -100,6 +100,10 @@ class BackupStore:
     """Backups of job ``job`` in ``store`` (see the module docstring for the layout and protocol).
 
     Thread-safe; several processes (one per host) may upload ranks of the same staging concurrently.
+
+    Why ~550 lines in one class: staging, commit, reads and retention are one protocol over one bucket layout
+    (staging ids, the commit marker or rename, the content-addressed data names); split apart, each part
+    would re-derive that layout (the records and names it shares live in ``records.py``).
     """
 
     def __init__(self, store: Store, job: str, options: BackupOptions | None = None):

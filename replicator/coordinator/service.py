@@ -111,6 +111,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     ``active=False`` makes a standby candidate: every RPC answers UNAVAILABLE until :meth:`activate`.
     ``authorizer`` (mutual TLS): a heartbeat is accepted only from a client certificate that may report
     for its rank (:class:`replicator.net.security.RankAuthorizer`); refused ones change nothing.
+
+    Why ~540 lines in one class: every RPC reads or changes the state under one lock and one epoch fence,
+    and their order matters (a deposed or isolated coordinator must not answer); the planning is in
+    :class:`~replicator.coordinator.planner.CoordinatorState`, the wire views in ``answers.py``.
     """
 
     def __init__(

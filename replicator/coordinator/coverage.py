@@ -31,7 +31,8 @@ class Coverage:
     """Per step: each rank's accepted hash (:attr:`auth`), its sources (:attr:`cov`), and completeness.
 
     Completeness is kept incrementally: per step, what its expected ranks are keyed by, that set, and how
-    many of them no tier covers; re-deriving a group adjusts the count by its own members only.
+    many of them no tier covers; re-deriving a group adjusts the count by its own members only. So is
+    redundancy: how many expected ranks have fewer than two distinct holders (the bucket counts as one).
     """
 
     def __init__(self, facts: Facts):
@@ -41,13 +42,14 @@ class Coverage:
         self.complete: set[int] = set()
         self._expected: dict[int, tuple[Any, frozenset[int]]] = {}
         self._uncovered: dict[int, int] = {}
+        self._fragile: dict[int, int] = {}  # step -> expected ranks with fewer than two distinct holders
         # Since the copy-task view last looked: step -> groups re-derived; steps no tier holds any more.
         self.changed: dict[int, set[int]] = {}
         self.vanished: set[int] = set()
 
     def clear(self) -> None:
         """Forget every derived view (the next refresh after touching every group recomputes them)."""
-        for view in (self.auth, self.cov, self._expected, self._uncovered, self.changed):
+        for view in (self.auth, self.cov, self._expected, self._uncovered, self._fragile, self.changed):
             view.clear()
         self.complete.clear()
         self.vanished.clear()
@@ -94,6 +96,14 @@ class Coverage:
                 return step
         return None
 
+    def newest_redundant_step(self) -> int | None:
+        """The newest complete step whose every rank has two distinct holders (O(steps), kept incrementally)."""
+        self.refresh()
+        for step in sorted(self.complete, reverse=True):
+            if self._fragile.get(step, 1) == 0 and not self._facts.is_abandoned(step):
+                return step
+        return None
+
     def is_redundant(self, step: int) -> bool:
         self.refresh()
         found = self.cov.get(step, {})
@@ -107,7 +117,7 @@ class Coverage:
     def _refresh_step(self, step: int, groups: set[int]) -> None:
         facts = self._facts
         if not facts.has_step(step):
-            for view in (self.auth, self.cov, self._expected, self._uncovered, self.changed):
+            for view in (self.auth, self.cov, self._expected, self._uncovered, self._fragile, self.changed):
                 view.pop(step, None)
             self.complete.discard(step)
             self.vanished.add(step)
@@ -122,15 +132,19 @@ class Coverage:
             expected = frozenset(facts.expected_ranks(step))
             self._expected[step] = (key, expected)
             uncovered = sum(1 for r in expected if r not in cov)
+            fragile = sum(1 for r in expected if _holders(cov.get(r)) < 2)
         else:
             expected = cached[1]
-            uncovered = self._uncovered[step]
+            uncovered, fragile = self._uncovered[step], self._fragile[step]
             for g in groups:
-                members = facts.members[g]
-                before = sum(1 for r in members if r in expected and r in cov)
+                members = [r for r in facts.members[g] if r in expected]
+                before = sum(1 for r in members if r in cov)
+                fragile_before = sum(1 for r in members if _holders(cov.get(r)) < 2)
                 self._derive(step, g)
-                uncovered -= sum(1 for r in members if r in expected and r in cov) - before
+                uncovered -= sum(1 for r in members if r in cov) - before
+                fragile += sum(1 for r in members if _holders(cov.get(r)) < 2) - fragile_before
         self._uncovered[step] = uncovered
+        self._fragile[step] = fragile
         if uncovered == 0:
             self.complete.add(step)
         else:
@@ -186,6 +200,11 @@ class Coverage:
         order = _TIER_ORDER
         found.sort(key=lambda s: (order[s.kind], s.owner_rank != rank, s.holder_rank or 0, s.owner_rank))
         return found
+
+
+def _holders(sources: tuple[Source, ...] | None) -> int:
+    """How many distinct holders (the bucket one of them) ``sources`` name."""
+    return len({s.holder_rank for s in sources}) if sources else 0
 
 
 def _auth_one(holders: Mapping[int, Holding], bucket: Mapping[int, str | None], owner: int) -> Auth | None:

@@ -15,6 +15,12 @@ def gc_for(facts: Facts, coverage: Coverage, holder: int, keep_local: int) -> li
     complete = set(coverage.complete_steps())
     newest = max(complete) if complete else None
     protected = facts.backups_in_progress | facts.pinned
+    # The newest step every rank of which has two copies stays until a newer one has them too: while the
+    # newest complete step has one copy of some rank (its copies in flight, or their holder cut off and not
+    # yet declared lost), it is the step that survives a loss (issue #33).
+    redundant = coverage.newest_redundant_step()
+    if redundant is not None and redundant != newest:
+        protected = protected | {redundant}
     newest_held = set(sorted({s for _, s in held}, reverse=True)[:keep_local])
     doomed = []
     for key, h in held.items():

@@ -316,6 +316,10 @@ class CoordinatorState:
     def newest_complete_step(self) -> int | None:
         return self._coverage.newest_complete_step()
 
+    def newest_redundant_step(self) -> int | None:
+        """The newest complete step every rank of which has two distinct holders (GC keeps it)."""
+        return self._coverage.newest_redundant_step()
+
     def is_redundant(self, step: int) -> bool:
         """Every rank's data has at least two copies on distinct hosts (the bucket counts as one)."""
         return self._coverage.is_redundant(step)

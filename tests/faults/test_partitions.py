@@ -211,12 +211,8 @@ def test_a_host_cut_off_in_the_middle_of_a_peer_copy_and_healed(rig: Rig) -> Non
     _assert_passed(rig, _cut_mid_copy(rig, train_during_fault=False))
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (issue #33): while the cut host is silent but not yet "
-                   "lost, the in-flight step counts as the newest complete one and the hosts' newer saves push "
-                   "the last redundant step out of --keep-local; the cut host's loss then leaves only the "
-                   "bucket's step")
 def test_a_host_cut_off_mid_copy_while_the_others_save_on_keeps_the_last_redundant_step(rig: Rig) -> None:
-    _assert_passed(rig, _cut_mid_copy(rig, train_during_fault=True), known_defect=True)
+    _assert_passed(rig, _cut_mid_copy(rig, train_during_fault=True))
 
 
 def test_a_slow_link_stalls_no_save_and_no_other_host(rig: Rig) -> None:

@@ -550,6 +550,23 @@ def test_gc_keeps_newest_complete_backups_and_pins():
         st.gc_plan(0)
 
 
+def test_gc_keeps_the_newest_redundant_step_until_a_newer_one_is_redundant():
+    """Issue #33 (found by make test-faults): a newer step is complete but some rank has one copy (its copies
+    in flight, or their holder cut off and not yet lost): the newest step with two copies of every rank is the
+    one that survives a loss, so it stays whatever keep_local says, until the newer step has its copies."""
+    st = make(2, replicas=1)
+    for step in (1, 2):
+        save(st, step, [f"a{step}", f"b{step}"])
+        apply_copies(st, st.replication_plan(step))
+    for step in (3, 4):
+        save(st, step, [f"a{step}", f"b{step}"])  # complete, not yet copied
+    assert st.newest_complete_step() == 4 and st.is_redundant(2) and not st.is_redundant(4)
+    assert {s for keys in st.gc_plan(keep_local=1).values() for _, s in keys} == {1, 3}
+    apply_copies(st, st.replication_plan(4))
+    assert st.is_redundant(4)
+    assert {s for keys in st.gc_plan(keep_local=1).values() for _, s in keys} == {1, 2, 3}
+
+
 def test_gc_deletes_incomplete_steps_older_than_newest_complete():
     st = make(4, d=2)
     save(st, 10, differing(st, 10), ranks=[0, 1])  # never completed
@@ -654,6 +671,9 @@ def check_restore(st):
 def check_gc(st, plan, keep):
     newest = st.newest_complete_step()
     protected = set(st.backups_in_progress()) | set(st.pinned_steps()) | ({newest} if newest is not None else set())
+    redundant = st.newest_redundant_step()
+    if redundant is not None:
+        protected.add(redundant)
     before = {r: {h.key for h in st.holdings_of(r)} for r in st.registered}
     complete = set(st.globally_complete_steps())
     for holder, keys in plan.items():
@@ -670,6 +690,8 @@ def check_gc(st, plan, keep):
     assert shadow.newest_complete_step() == newest
     if newest is not None:
         assert shadow.sources(newest) == st.sources(newest)
+    if redundant is not None:  # the newest step with two copies of every rank keeps them
+        assert shadow.is_redundant(redundant)
     for keys in after.values():
         steps = {s for _, s in keys}
         assert len(steps - protected) <= keep

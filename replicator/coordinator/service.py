@@ -510,6 +510,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             # Bounded in heartbeats: a host silent that long is declared lost and not waited for.
             wait = min(max(0.0, request.wait_seconds), self.lost_after() + 2 * self.heartbeat_interval())
             self._wait(self._clock() + wait, lambda: self._all_reported() and self._reached(request), context)
+            self._check_serving(context)  # every other host fell silent meanwhile: not this one's answer
             if not self._all_reported():  # a view rebuilt from some hosts' reports (after a takeover) may
                 # say an older or a newer step than the whole picture: answer once every live host reported
                 self._abort_bad(context, f"coordinator (epoch {self.epoch}) is rebuilding its view from the "

@@ -22,7 +22,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -rfER -n 2 --reruns 1 -m "not image and not faults" tests
+	$(PY) -m pytest -q -rfER -n 2 -m "not image and not faults" tests
 
 # Network faults against real replicators, each host in a network namespace of the test's own joined by a
 # bridge in another (tests/faults; root, ip, iptables, tc; ~2.5 min): partitions and a slow link, healed, then

@@ -88,13 +88,18 @@ class Daemon:
         """SIGTERM, a bounded wait, then SIGKILL: by this process's pid only."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=STOP_TIMEOUT_SECONDS)
+        _stop(self.proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, a bounded wait, then SIGKILL: by this process's pid only."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=STOP_TIMEOUT_SECONDS)
 
 
 class Probe:
@@ -114,13 +119,7 @@ class Probe:
         return [json.loads(line) for line in self.out.read_text().splitlines() if line.endswith("}")]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=STOP_TIMEOUT_SECONDS)
+        _stop(self.proc)
 
 
 @dataclass

@@ -77,7 +77,7 @@ class Rig:
                  after_heal: Callable[[], None] | None = None, train_during_fault: bool = True,
                  **case_kw: object) -> Case:
         """Quiesce, fault, keep saving (unless not ``train_during_fault``) for ``cut_seconds``, heal, wait
-        for progress, restore. The case's history is returned for :func:`_assert_passed`."""
+        for progress, restore. The case's history is returned for :func:`assert_passed`."""
         self.quiesce()
         t_cut = time.monotonic()
         fault()

@@ -12,7 +12,7 @@ class GetSummaryRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetSummaryResponse(_message.Message):
-    __slots__ = ("job", "nodes", "hosts_registered", "lost_ranks", "newest_complete_step", "newest_redundant", "pinned_steps", "restore_target", "backup_url", "newest_backup_step", "backup_last_success_unix", "backup_interval_seconds", "backup_interval_steps", "backup_skipped", "backup_failures", "backup_last_error", "backup_in_progress_step", "degraded", "problems", "newest_complete_bytes")
+    __slots__ = ("job", "nodes", "hosts_registered", "lost_ranks", "newest_complete_step", "newest_redundant", "pinned_steps", "restore_target", "backup_url", "newest_backup_step", "backup_last_success_unix", "backup_interval_seconds", "backup_interval_steps", "backup_skipped", "backup_failures", "backup_last_error", "backup_in_progress_step", "degraded", "problems", "newest_complete_bytes", "epoch")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     HOSTS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class GetSummaryResponse(_message.Message):
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     NEWEST_COMPLETE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     job: str
     nodes: int
     hosts_registered: int
@@ -53,7 +54,8 @@ class GetSummaryResponse(_message.Message):
     degraded: bool
     problems: _containers.RepeatedScalarFieldContainer[str]
     newest_complete_bytes: int
-    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[int] = ..., hosts_registered: _Optional[int] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., newest_complete_step: _Optional[int] = ..., newest_redundant: _Optional[bool] = ..., pinned_steps: _Optional[_Iterable[int]] = ..., restore_target: _Optional[int] = ..., backup_url: _Optional[str] = ..., newest_backup_step: _Optional[int] = ..., backup_last_success_unix: _Optional[float] = ..., backup_interval_seconds: _Optional[float] = ..., backup_interval_steps: _Optional[int] = ..., backup_skipped: _Optional[int] = ..., backup_failures: _Optional[int] = ..., backup_last_error: _Optional[str] = ..., backup_in_progress_step: _Optional[int] = ..., degraded: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ..., newest_complete_bytes: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[int] = ..., hosts_registered: _Optional[int] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., newest_complete_step: _Optional[int] = ..., newest_redundant: _Optional[bool] = ..., pinned_steps: _Optional[_Iterable[int]] = ..., restore_target: _Optional[int] = ..., backup_url: _Optional[str] = ..., newest_backup_step: _Optional[int] = ..., backup_last_success_unix: _Optional[float] = ..., backup_interval_seconds: _Optional[float] = ..., backup_interval_steps: _Optional[int] = ..., backup_skipped: _Optional[int] = ..., backup_failures: _Optional[int] = ..., backup_last_error: _Optional[str] = ..., backup_in_progress_step: _Optional[int] = ..., degraded: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ..., newest_complete_bytes: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ListStepsRequest(_message.Message):
     __slots__ = ()
@@ -94,16 +96,18 @@ class StepInfo(_message.Message):
     def __init__(self, step: _Optional[int] = ..., complete: _Optional[bool] = ..., redundant: _Optional[bool] = ..., pinned: _Optional[bool] = ..., backing_up: _Optional[bool] = ..., backed_up: _Optional[bool] = ..., local_ranks: _Optional[_Iterable[int]] = ..., peer_ranks: _Optional[_Iterable[int]] = ..., bucket_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., first_seen_unix: _Optional[float] = ..., backup_unix: _Optional[float] = ..., restore_target: _Optional[bool] = ..., complete_unix: _Optional[float] = ...) -> None: ...
 
 class ListStepsResponse(_message.Message):
-    __slots__ = ("job", "nodes", "newest_complete_step", "steps")
+    __slots__ = ("job", "nodes", "newest_complete_step", "steps", "epoch")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     NEWEST_COMPLETE_STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     job: str
     nodes: int
     newest_complete_step: int
     steps: _containers.RepeatedCompositeFieldContainer[StepInfo]
-    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[int] = ..., newest_complete_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepInfo, _Mapping]]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[int] = ..., newest_complete_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepInfo, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ListHostsRequest(_message.Message):
     __slots__ = ("first_rank", "last_rank")

@@ -198,16 +198,18 @@ class GetStepsRequest(_message.Message):
     def __init__(self, wait_seconds: _Optional[float] = ..., min_step: _Optional[int] = ...) -> None: ...
 
 class GetStepsResponse(_message.Message):
-    __slots__ = ("newest_complete_step", "complete_steps", "backed_up_steps", "forced_restore_step")
+    __slots__ = ("newest_complete_step", "complete_steps", "backed_up_steps", "forced_restore_step", "epoch")
     NEWEST_COMPLETE_STEP_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_STEPS_FIELD_NUMBER: _ClassVar[int]
     BACKED_UP_STEPS_FIELD_NUMBER: _ClassVar[int]
     FORCED_RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     newest_complete_step: int
     complete_steps: _containers.RepeatedScalarFieldContainer[int]
     backed_up_steps: _containers.RepeatedScalarFieldContainer[int]
     forced_restore_step: int
-    def __init__(self, newest_complete_step: _Optional[int] = ..., complete_steps: _Optional[_Iterable[int]] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., forced_restore_step: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, newest_complete_step: _Optional[int] = ..., complete_steps: _Optional[_Iterable[int]] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., forced_restore_step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PrepareRestoreRequest(_message.Message):
     __slots__ = ("step", "wait_seconds", "nodes")
@@ -220,20 +222,22 @@ class PrepareRestoreRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., nodes: _Optional[int] = ...) -> None: ...
 
 class PrepareRestoreResponse(_message.Message):
-    __slots__ = ("step", "reason", "ready_ranks", "ready", "lost_ranks", "unreachable")
+    __slots__ = ("step", "reason", "ready_ranks", "ready", "lost_ranks", "unreachable", "epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     READY_RANKS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     LOST_RANKS_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     reason: str
     ready_ranks: _containers.RepeatedScalarFieldContainer[int]
     ready: bool
     lost_ranks: _containers.RepeatedScalarFieldContainer[int]
     unreachable: str
-    def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ..., ready_ranks: _Optional[_Iterable[int]] = ..., ready: _Optional[bool] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., unreachable: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ..., ready_ranks: _Optional[_Iterable[int]] = ..., ready: _Optional[bool] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., unreachable: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ("hosts", "detail_steps", "rank_first", "rank_count", "nodes")

@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 
 class _ServingOnly:
-    """A servicer whose RPCs answer only on the serving coordinator candidate (a standby's view is empty)."""
+    """A servicer whose RPCs answer only on the serving coordinator candidate, and not while it is isolated
+    (a standby's view is empty, an isolated one's stale: ``Coordinator.check_serving``)."""
 
     def __init__(self, inner: Any, coordinator: Coordinator):
         self._inner = inner
@@ -64,8 +65,7 @@ class _ServingOnly:
             return fn
 
         def call(request: Any, context: grpc.ServicerContext) -> Any:
-            if not self._coordinator.active:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "standby coordinator candidate: ask the serving one")
+            self._coordinator.check_serving(context)
             return fn(request, context)
 
         return call

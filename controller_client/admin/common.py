@@ -127,7 +127,7 @@ class Conn:
         # one is tried, as the hosts and the CheckpointManager do.
         self._candidates = Candidates(parse_addresses(args.coordinator),
                                       lambda a: rpc.make_channel(a, token=self.token, tls=self.tls),
-                                      stub_class=admin_pb2_grpc.AdminStub)
+                                      stub_class=admin_pb2_grpc.AdminStub, fence_epochs=True)
         self.admin = FailoverStub(self._candidates)
 
     def close(self) -> None:

@@ -196,7 +196,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 newest_complete_step=-1 if newest is None else newest,
                 newest_redundant=newest_redundant,
                 pinned_steps=st.pinned_steps(), restore_target=-1 if target is None else target,
-                newest_backup_step=-1, backup_in_progress_step=-1)
+                newest_backup_step=-1, backup_in_progress_step=-1, epoch=coord.epoch)
             if newest is not None:
                 resp.newest_complete_bytes = sum(srcs[0].size for srcs in st.sources(newest).values())
             sched = _backup(coord)
@@ -277,7 +277,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             if not i.bytes:  # only in the bucket, which hosts do not report sizes for
                 i.bytes = total
         return pb.ListStepsResponse(job=coord.job, nodes=nodes, steps=infos,
-                                    newest_complete_step=-1 if newest is None else newest)
+                                    newest_complete_step=-1 if newest is None else newest, epoch=coord.epoch)
 
     def ListHosts(self, request: pb.ListHostsRequest, context: grpc.ServicerContext) -> pb.ListHostsResponse:
         coord = self.coord

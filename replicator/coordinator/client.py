@@ -5,6 +5,10 @@ candidates in order on every call: a dead one fails fast (refused connection) or
 deadline, a standby one answers UNAVAILABLE. Whole rounds that fail are retried with jittered
 exponential backoff until the caller's deadline, so a failover costs callers a few heartbeats, not an
 error, and a crowd of callers does not retry in lockstep.
+
+A client remembers the highest coordinator epoch it has been answered with and refuses an answer of a lower
+one as if that candidate were a standby (:class:`StaleEpochError`, a failover code): a deposed coordinator
+that has not heard of its successor yet (cut off, just healed) cannot take a client's view backwards.
 """
 
 from __future__ import annotations
@@ -50,6 +54,29 @@ def retry_after_seconds(e: grpc.RpcError) -> float | None:
     return None
 
 
+class StaleEpochError(grpc.RpcError):
+    """An answer from a coordinator of a lower epoch than one this client was answered with before."""
+
+    def __init__(self, address: str, epoch: int, highest: int) -> None:
+        super().__init__(f"{address} answered with epoch {epoch}, older than epoch {highest} seen before")
+        self._details = str(self.args[0])
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+
+def answer_epoch(resp: Any) -> int:
+    """The epoch an answer carries (its ``epoch`` field); 0 for a message without one."""
+    desc = getattr(resp, "DESCRIPTOR", None)
+    return int(resp.epoch) if desc is not None and "epoch" in desc.fields_by_name else 0
+
+
 class FailoverStub:
     """A stub-like object: ``stub.Method(request, timeout=...)`` goes to the first candidate that answers."""
 
@@ -70,8 +97,12 @@ class Candidates:
     """Stubs to the ordered coordinator candidates; :meth:`call` goes to the first one that answers."""
 
     def __init__(self, addresses: Sequence[str], make_channel: Callable[[str], grpc.Channel],
-                 stub_class: Callable[[grpc.Channel], Any] = pb_grpc.CoordinatorStub):
+                 stub_class: Callable[[grpc.Channel], Any] = pb_grpc.CoordinatorStub, fence_epochs: bool = False):
+        """``fence_epochs``: refuse answers of a lower epoch than seen before (clients; the hosts' heartbeat
+        has its own fence, which also tells the coordinator)."""
         self.addresses = list(addresses)
+        self.fence_epochs = fence_epochs
+        self.highest_epoch = 0
         self._make_channel = make_channel
         self._stub_class = stub_class
         self._channels: dict[int, grpc.Channel] = {}
@@ -94,6 +125,14 @@ class Candidates:
             if e.code() in FAILOVER_CODES:
                 self._failed.add(index)
             raise
+        if self.fence_epochs:
+            epoch = answer_epoch(resp)
+            if 0 < epoch < self.highest_epoch:
+                log.warning("refusing %s's answer to %s: epoch %d is older than epoch %d seen before",
+                            self.addresses[index], method, epoch, self.highest_epoch)
+                self._failed.add(index)
+                raise StaleEpochError(self.addresses[index], epoch, self.highest_epoch)
+            self.highest_epoch = max(self.highest_epoch, epoch)
         self._failed.discard(index)
         self.serving = index
         return resp
@@ -156,11 +195,17 @@ class CoordinatorClient:
         self.address = self.addresses[0]
         self.timeout = rpc_timeout_seconds
         self.failover_seconds = 3 * rpc_timeout_seconds if failover_seconds is None else failover_seconds
-        self._candidates = Candidates(self.addresses, lambda a: rpc.make_channel(a, token=token, tls=tls))
+        self._candidates = Candidates(self.addresses, lambda a: rpc.make_channel(a, token=token, tls=tls),
+                                      fence_epochs=True)
 
     def _call(self, method: str, request: Any, timeout: float, extra_seconds: float = 0.0) -> Any:
         deadline = time.monotonic() + self.failover_seconds + extra_seconds
         return self._candidates.call_until(method, request, timeout, deadline)
+
+    @property
+    def highest_epoch(self) -> int:
+        """The highest coordinator epoch this client has been answered with (0: none yet)."""
+        return self._candidates.highest_epoch
 
     @property
     def serving_address(self) -> str | None:

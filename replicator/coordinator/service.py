@@ -285,6 +285,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self._isolated_since = None
         return isolated
 
+    def check_serving(self, context: grpc.ServicerContext) -> None:
+        """Abort a client's call (the admin service's included) unless this candidate serves and is not
+        :meth:`isolated`: a standby's view is empty and an isolated one's stale."""
+        with self._lock:
+            self._check_serving(context)
+
     def _check_serving(self, context: grpc.ServicerContext) -> None:
         """A client's call (steps, restores, status): active and not :meth:`isolated`."""
         self._check_active(context)
@@ -519,8 +525,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             backed = [s for s in self.state.known_steps() if self.in_bucket(s)]
             served = self._restore.served()  # a forced restore: released once a newer step completes
             forced = -1 if served is None else served
+            epoch = self.epoch
         return pb.GetStepsResponse(newest_complete_step=complete[-1] if complete else -1,
-                                   complete_steps=complete, backed_up_steps=backed, forced_restore_step=forced)
+                                   complete_steps=complete, backed_up_steps=backed, forced_restore_step=forced,
+                                   epoch=epoch)
 
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: grpc.ServicerContext) -> pb.PrepareRestoreResponse:
@@ -548,9 +556,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             try:
                 plan = self.state.restore_plan(restoring=True, force_step=forced)
             except ValueError as e:
-                return pb.PrepareRestoreResponse(step=-1, reason=str(e), lost_ranks=sorted(self.state.lost))
+                return pb.PrepareRestoreResponse(step=-1, reason=str(e), lost_ranks=sorted(self.state.lost),
+                                                 epoch=self.epoch)
             if plan.empty:
-                return pb.PrepareRestoreResponse(step=-1, reason=plan.reason, lost_ranks=sorted(self.state.lost))
+                return pb.PrepareRestoreResponse(step=-1, reason=plan.reason, lost_ranks=sorted(self.state.lost),
+                                                 epoch=self.epoch)
             step = plan.step
             self._restore.pin(step)
 
@@ -562,6 +572,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             pending = not_ready()
             lost = sorted(self.state.lost)
             silent = [r for r in self._silent_since(start) if r in pending]
+            epoch = self.epoch
         ready = [r for r in range(self.topology.nodes) if r not in pending and r not in lost]
         if pending:
             reason = f"step {step}: ranks {format_ranks(pending)} not ready after {wait}s"
@@ -572,7 +583,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if lost:
             reason += f"; lost hosts not waited for: ranks {format_ranks(lost)}"
         return pb.PrepareRestoreResponse(step=step, reason=reason, ready_ranks=ready, ready=not pending,
-                                         lost_ranks=lost, unreachable=format_ranks(pending))
+                                         lost_ranks=lost, unreachable=format_ranks(pending), epoch=epoch)
 
     def LocateStep(self, request: pb.LocateStepRequest, context: grpc.ServicerContext) -> pb.LocateStepResponse:
         """Elastic restore: the savers of a step and, for the owners asked, every source of their data."""

@@ -5,7 +5,7 @@ A case has a fault window ``[t_cut, t_heal]`` (``time.monotonic()``). Invariants
 
 - every save succeeded;
 - each ``CoordinatorClient`` (one per probe process) never returned a newest complete step lower than one it
-  returned before;
+  returned before, nor an answer of a lower coordinator epoch than one it returned before;
 - no complete step is lost: after the heal a newest complete step at least the highest ever returned, and
   newer than the last step saved before the heal, is returned within the progress bound, and a restore
   is prepared of a step at least that high;
@@ -121,7 +121,13 @@ class Case:
     def _check_monotonic(self, i: int, stream: list[dict]) -> list[str]:
         v: list[str] = []
         high = floor = -1
+        epoch = 0
         for r in _ok(stream):
+            got = max(r.get("steps_epoch", 0), r["epoch"])
+            if min(r.get("steps_epoch", got), r["epoch"]) < epoch:
+                v.append(f"client {i}: an answer of epoch {min(r.get('steps_epoch', got), r['epoch'])} after "
+                         f"epoch {epoch} (t={r['t'] - self.t_cut:.2f}s after the cut)")
+            epoch = max(epoch, got)
             n = r["newest"]
             if n < high:
                 if high == self.unreplicated and n >= floor:

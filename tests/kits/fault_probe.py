@@ -42,6 +42,7 @@ def _client_record(client: CoordinatorClient) -> dict:
     try:
         steps = client.steps(wait_seconds=0)
         rec["newest"] = steps.newest_complete_step
+        rec["steps_epoch"] = steps.epoch
         st = client.status()
         rec.update(code="OK", serving=client.serving_address, epoch=st.epoch, address=st.coordinator_address,
                    status_newest=st.newest_complete_step, lost=st.lost_ranks,

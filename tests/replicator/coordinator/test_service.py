@@ -285,6 +285,15 @@ def test_an_isolated_coordinator_decides_nothing_and_answers_no_client_until_a_h
                       ("LocateStep", pb.LocateStepRequest(step=4))):
         with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*isolated"):
             getattr(coord, call)(req, Ctx())
+    # The admin service (`mtc status`, the operator's commands) as the daemon serves it: refused too.
+    from mtc_rpc import admin_pb2 as apb
+    from replicator.coordinator.admin import AdminServicer
+    from replicator.daemon import _ServingOnly
+
+    admin = _ServingOnly(AdminServicer(coord), coord)
+    for call, req in (("GetSummary", apb.GetSummaryRequest()), ("ListSteps", apb.ListStepsRequest())):
+        with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*isolated"):
+            getattr(admin, call)(req, Ctx())
     # A host that never moved to another coordinator reports again: it serves again.
     full(coord, 1, items[1])
     assert not coord.isolated()
@@ -328,3 +337,68 @@ def test_a_coordinator_without_other_candidates_keeps_serving_alone():
     full(coord, 0, [(0, 1, "a", "local")])
     assert not coord.isolated() and set(coord.state.lost) == {1}
     assert coord.GetSteps(pb.GetStepsRequest(), Ctx()).newest_complete_step == -1  # answered: rank 1 is lost
+
+
+def test_a_client_refuses_answers_of_an_epoch_older_than_one_it_was_answered_with():
+    """Issue #33: after a partition heals, the old coordinator (candidate 0, epoch 5) answers again from its
+    stale view before it hears of its successor (epoch 9). A client that was answered with epoch 9 fails over
+    past it instead of believing an older newest step; a fresh client (no epoch seen) may still be answered
+    by it, and the coordinator side's fence (isolation, deposition by a host's report) covers that one."""
+    from mtc_rpc import admin_pb2 as apb
+    from mtc_rpc import admin_pb2_grpc as apb_grpc
+    from mtc_rpc import coordinator_pb2_grpc as pb_grpc
+    from replicator.coordinator.admin import AdminServicer
+    from replicator.coordinator.client import Candidates, CoordinatorClient, StaleEpochError
+    from replicator.daemon import _ServingOnly
+    from replicator.net import rpc
+
+    old = Coordinator(JobTopology(2, 1, 1), "t", active=False, address="old")
+    new = Coordinator(JobTopology(2, 1, 1), "t", active=False, address="new")
+    new.activate(9)
+    for r in range(2):  # the successor's view: step 3 complete on both hosts
+        full(new, r, [(r, 3, f"h{r}", "local")])
+    servers, addrs = [], []
+    for c in (old, new):
+        server, port = rpc.create_server("127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, c),
+                                                         (apb_grpc.add_AdminServicer_to_server,
+                                                          _ServingOnly(AdminServicer(c), c))])
+        server.start()
+        servers.append(server)
+        addrs.append(f"127.0.0.1:{port}")
+    client = CoordinatorClient(",".join(addrs), rpc_timeout_seconds=2, failover_seconds=1.0)
+    admin = Candidates(addrs, rpc.make_channel, stub_class=apb_grpc.AdminStub, fence_epochs=True)
+    try:
+        steps = client.steps(wait_seconds=0)  # old is a standby: the successor answers
+        assert (steps.newest_complete_step, steps.epoch, client.highest_epoch) == (3, 9, 9)
+        assert admin.call("GetSummary", apb.GetSummaryRequest(), timeout=2).epoch == 9
+        # The old one serves again with its stale view (it never heard of epoch 9): nothing complete.
+        old.activate(5)
+        for r in range(2):
+            full(old, r, [])
+        assert old.active and old.epoch == 5
+        assert old.GetSteps(pb.GetStepsRequest(wait_seconds=0), Ctx()).newest_complete_step == -1
+        for _ in range(3):
+            got = client.steps(wait_seconds=0)
+            assert (got.newest_complete_step, got.epoch) == (3, 9) and client.serving_address == addrs[1]
+        assert client.status().epoch == 9
+        assert client.prepare_restore(None, wait_seconds=0) == 3
+        summary = admin.call("GetSummary", apb.GetSummaryRequest(), timeout=2)
+        assert (summary.epoch, summary.newest_complete_step) == (9, 3)
+        # With the successor gone, the stale one is refused outright: an error, not an older answer.
+        servers[1].stop(0)
+        with pytest.raises(grpc.RpcError) as e:
+            client.steps(wait_seconds=0)
+        assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        with pytest.raises(StaleEpochError, match="epoch 5, older than epoch 9"):
+            admin.call_one(0, "ListSteps", apb.ListStepsRequest(), timeout=2, probe_timeout=2)
+        # A fresh client has seen no epoch: the old coordinator's answer is the best it has.
+        fresh = CoordinatorClient(addrs[0], rpc_timeout_seconds=2, failover_seconds=1.0)
+        try:
+            assert fresh.steps(wait_seconds=0).epoch == 5
+        finally:
+            fresh.close()
+    finally:
+        client.close()
+        admin.close()
+        for s in servers:
+            s.stop(0)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,6 +137,8 @@ class Trainer:
     _paused: threading.Event = field(default_factory=threading.Event)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    # Called with (rank, step) before each rank's data of a step is written (a fault mid-save).
+    before_rank: Callable[[int, int], None] | None = None
 
     def save_next(self, nbytes: int | None = None) -> int:
         with self._lock:
@@ -145,6 +149,8 @@ class Trainer:
         t0 = time.monotonic()
         ok, error, notified = True, "", True
         for rank in range(NODES):
+            if self.before_rank is not None:
+                self.before_rank(rank, self.step)
             try:
                 notified &= save_rank(self.cluster.ram(rank), rank, self.step, nbytes or self.nbytes)
             except Exception as e:  # recorded: the checker counts failed saves
@@ -228,6 +234,21 @@ class FaultCluster:
                              capture_output=True, text=True, timeout=wait_seconds + 30, check=False)
         lines = res.stdout.strip().splitlines()
         return json.loads(lines[-1]) if lines else {"error": res.stderr[-300:]}
+
+    def replace(self, rank: int) -> None:
+        """Host ``rank`` replaced: its daemon stopped (by pid), its RAM dir deleted, the daemon started again."""
+        self.daemons[rank].stop()
+        shutil.rmtree(self.ram(rank), ignore_errors=True)
+        self.daemons[rank].start()
+
+    def restore_started(self, wait_seconds: float = 60.0) -> subprocess.Popen:
+        """:meth:`restore`'s probe started and not waited for (a fault while it runs); its one JSON line is
+        on its stdout. The caller waits for it, bounded."""
+        argv = [sys.executable, "-m", "tests.kits.fault_probe", "restore", "--candidates", self.candidates,
+                "--wait", str(wait_seconds)]
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        return subprocess.Popen(self.net.command(self.net.bridge_ns, argv), env=env, cwd=str(REPO),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def committed(self, rank: int) -> list[int]:
         return commit.committed_steps(self.ram(rank) / layout.STEPS_DIR)

@@ -148,8 +148,32 @@ class FaultNetwork:
         self.run(self.host_ns[rank], ["tc", "qdisc", "replace", "dev", IFACE, "root", *tbf])
         self.run(self.bridge_ns, ["tc", "qdisc", "replace", "dev", f"v{rank}", "root", *tbf])
 
+    def lossy(self, rank: int, share: float) -> None:
+        """A random ``share`` of the packets on host ``rank``'s link is dropped, each direction on its
+        receiving side (the kernel has no netem): what reaches ``rank``, and what ``rank`` sends, as it
+        arrives at every other host and at the controller's namespace."""
+        drop = ["-m", "statistic", "--mode", "random", "--probability", f"{share:.4f}", "-j", "DROP"]
+        self.run(self.host_ns[rank], ["iptables", "-A", "INPUT", "-i", IFACE, *drop])
+        for ns in [self.bridge_ns, *(n for r, n in enumerate(self.host_ns) if r != rank)]:
+            self.run(ns, ["iptables", "-A", "INPUT", "-s", self.ip(rank), *drop])
+
+    def lossy_everywhere(self, share: float) -> None:
+        """A random ``share`` of the packets dropped as they arrive at every host and at the controller's
+        namespace: each packet crosses one receiving side, so each is lost with probability ``share``."""
+        drop = ["-m", "statistic", "--mode", "random", "--probability", f"{share:.4f}", "-j", "DROP"]
+        self.run(self.bridge_ns, ["iptables", "-A", "INPUT", *drop])
+        for ns in self.host_ns:
+            self.run(ns, ["iptables", "-A", "INPUT", "-i", IFACE, *drop])
+
+    def one_way(self, src: int, dst: int) -> None:
+        """Host ``dst`` no longer hears host ``src`` (``src``'s packets dropped as they arrive at ``dst``);
+        ``src`` still hears ``dst``. TCP needs both directions, so connections fail either way, but only
+        ``dst``'s packets still arrive (``src`` sees SYNs and requests it cannot answer)."""
+        self.run(self.host_ns[dst], ["iptables", "-A", "INPUT", "-s", self.ip(src), "-j", "DROP"])
+
     def heal(self) -> None:
         """Every rule and qdisc of the faults above removed."""
+        self.run(self.bridge_ns, ["iptables", "-F", "INPUT"])
         for rank, ns in enumerate(self.host_ns):
             self.run(ns, ["iptables", "-F", "INPUT"])
             self.run(ns, ["iptables", "-F", "OUTPUT"])

@@ -116,6 +116,17 @@ class CoordinatorState:
             self._replan_all()
         self._facts.version += 1
 
+    def reinstate(self, ranks: Iterable[int], now: float) -> list[int]:
+        """Lost hosts expected again, as at a takeover: not lost, watched from ``now``, their next report their
+        first (a coordinator that was itself cut off declared them lost; issue #33). Returns those reinstated."""
+        back = [r for r in ranks if self._hosts.found(r)]
+        for r in back:
+            self._hosts.watch(r, now)
+        if back:
+            self._replan_all()
+            self._facts.version += 1
+        return back
+
     def watch(self, ranks: Iterable[int], now: float) -> None:
         """Start the lost-host clock of ``ranks`` at ``now`` (a coordinator taking over expects them all)."""
         for r in ranks:

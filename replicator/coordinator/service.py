@@ -271,7 +271,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         coordinator is the one cut off (a partition), and another candidate serves the rest with a newer
         epoch. It then decides nothing (no deletion, copy, restore or backup task) and answers no client
         (``UNAVAILABLE``: callers try the next candidate), until another host reports again — whose report
-        deposes it if that host accepted a newer epoch meanwhile. Its view is stale, not wrong to keep."""
+        deposes it if that host accepted a newer epoch meanwhile. Its view is stale, not wrong to keep.
+
+        When another host reports again, the hosts it declared lost are expected again (``reinstate``): it was
+        the one cut off, so it rebuilds its view from their reports as after a takeover (clients are answered
+        once each reported or was declared lost afresh), instead of answering from a view without them."""
         isolated = (self.other_candidates and self.active and self.topology.nodes > 1
                     and len(self.state.lost) >= self.topology.nodes - 1)
         if isolated and self._isolated_since is None:
@@ -280,16 +284,29 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                         "decides nothing and answers no client until another host reports", self.epoch,
                         self.lost_after())
         elif not isolated and self._isolated_since is not None:
-            log.info("coordinator (epoch %d) hears other hosts again after %.1fs isolated", self.epoch,
-                     self._clock() - self._isolated_since)
+            back = self.state.reinstate(sorted(self.state.lost), self._clock())
+            log.info("coordinator (epoch %d) hears other hosts again after %.1fs isolated; ranks %s expected "
+                     "again", self.epoch, self._clock() - self._isolated_since, format_ranks(back) or "none")
             self._isolated_since = None
         return isolated
 
     def check_serving(self, context: grpc.ServicerContext) -> None:
-        """Abort a client's call (the admin service's included) unless this candidate serves and is not
-        :meth:`isolated`: a standby's view is empty and an isolated one's stale."""
+        """Abort a client's read (the admin service's included) unless this candidate serves, is not
+        :meth:`isolated` and has its whole view: a standby's view is empty, an isolated one's stale, and one
+        being rebuilt partial."""
         with self._lock:
             self._check_serving(context)
+            self._check_whole_view(context)
+
+    def _check_whole_view(self, context: grpc.ServicerContext) -> None:
+        """A view rebuilt from some hosts' reports (after a takeover or a restart) may say an older or a newer
+        step than the whole picture, and nobody lost: answer once every live host reported or was declared
+        lost (bounded by :meth:`lost_after` from activation). Found by the fault tests (docs/testing.md)."""
+        if not self._all_reported():
+            waiting = self.topology.nodes - self.state.reported_count - len(self.state.lost)
+            self._abort_bad(context, f"coordinator (epoch {self.epoch}) is rebuilding its view from the hosts' "
+                            f"reports ({waiting} not heard yet; each is waited for at most "
+                            f"{self.lost_after():.0f}s); try again", grpc.StatusCode.UNAVAILABLE)
 
     def _check_serving(self, context: grpc.ServicerContext) -> None:
         """A client's call (steps, restores, status): active and not :meth:`isolated`."""
@@ -517,10 +534,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             wait = min(max(0.0, request.wait_seconds), self.lost_after() + 2 * self.heartbeat_interval())
             self._wait(self._clock() + wait, lambda: self._all_reported() and self._reached(request), context)
             self._check_serving(context)  # every other host fell silent meanwhile: not this one's answer
-            if not self._all_reported():  # a view rebuilt from some hosts' reports (after a takeover) may
-                # say an older or a newer step than the whole picture: answer once every live host reported
-                self._abort_bad(context, f"coordinator (epoch {self.epoch}) is rebuilding its view from the "
-                                "hosts' reports; try again", grpc.StatusCode.UNAVAILABLE)
+            self._check_whole_view(context)
             complete = self.state.globally_complete_steps()
             backed = [s for s in self.state.known_steps() if self.in_bucket(s)]
             served = self._restore.served()  # a forced restore: released once a newer step completes
@@ -611,6 +625,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._check_nodes(request.nodes, context)
         with self._lock:
             self._check_serving(context)
+            self._check_whole_view(context)
             return self._status(request)
 
     def _status(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:

@@ -114,14 +114,7 @@ def test_a_host_cut_off_mid_restore_and_healed(rig: Rig) -> None:
     assert_passed(rig, case)
 
 
-RESTARTED_COORDINATOR_DEFECT = (
-    "a coordinator candidate restarted while cut off takes over with a new (higher) epoch and answers GetStatus "
-    "from the view it is rebuilding (only its own host reported: newest complete step 1, nobody lost) until it "
-    "declares the others lost; GetSteps already refuses while rebuilding (docs/testing.md, 'Links')")
-
-
-@pytest.mark.parametrize("rank", [3, pytest.param(0, marks=pytest.mark.xfail(
-    strict=True, reason=RESTARTED_COORDINATOR_DEFECT))], ids=["host", "coordinator-host"])
+@pytest.mark.parametrize("rank", [3, 0], ids=["host", "coordinator-host"])
 def test_a_host_restarted_while_cut_off_and_healed(rig: Rig, rank: int) -> None:
     """Host ``rank`` cut off with the others saving on; once it is declared lost its daemon is stopped (by
     pid) and started again with its RAM dir kept, still cut off; the heal 6 s after it listens again. A probe
@@ -146,4 +139,4 @@ def test_a_host_restarted_while_cut_off_and_healed(rig: Rig, rank: int) -> None:
     case.client_streams.append([r for r in recs if r["who"] == "client"])
     case.direct += [r for r in recs if r["who"] != "client"]
     case.extra += rig.check_every_copy()
-    assert_passed(rig, case, known_defect=rank == CANDIDATES[0])
+    assert_passed(rig, case)

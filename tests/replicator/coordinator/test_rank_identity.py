@@ -86,13 +86,15 @@ def test_admin_certificate_reads_status_and_calls_admin_rpcs(served: ServedCoord
     coord_stub, _ = served.stubs(served.ca.issue_rank("t", 0))
     beat(coord_stub, 0)
     admin_coord, admin_stub = served.stubs(served.ca.issue_admin("t"))
+    with pytest.raises(grpc.RpcError, match="rebuilding"):  # answers once every host reported (issue #33)
+        admin_coord.GetStatus(pb.GetStatusRequest(hosts=True), timeout=10)
+    for rank in range(1, NODES):
+        beat(served.stubs(served.ca.issue_rank("t", rank))[0], rank)
     st = admin_coord.GetStatus(pb.GetStatusRequest(hosts=True), timeout=10)
-    assert st.hosts_registered == 1 and st.hosts[0].address == "127.0.0.1:7000"
+    assert st.hosts_registered == NODES and st.hosts[0].address == "127.0.0.1:7000"
     assert admin_stub.GetSummary(admin_pb2.GetSummaryRequest(), timeout=10).job == "t"
     # Hosts read too (Orbax mode and multi-controller managers plan restores with their own certificate).
-    assert coord_stub.GetStatus(pb.GetStatusRequest(), timeout=10).hosts_registered == 1
-    for rank in range(1, NODES):  # GetSteps answers once every host reported (issue #33)
-        beat(served.stubs(served.ca.issue_rank("t", rank))[0], rank)
+    assert coord_stub.GetStatus(pb.GetStatusRequest(), timeout=10).hosts_registered == NODES
     assert admin_coord.GetSteps(pb.GetStepsRequest(), timeout=10).newest_complete_step == 5
     assert list(admin_stub.Pin(admin_pb2.PinRequest(step=5), timeout=10).pinned_steps) == [5]
 

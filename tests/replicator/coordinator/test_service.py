@@ -178,6 +178,8 @@ def test_callers_of_another_node_count_are_sent_to_the_next_candidate():
     # The same node count, or none said (native hosts, the CLI): served as before.
     req.nodes, req.known_epoch = 4, 0
     assert coord.Heartbeat(req, Ctx()).epoch == 50
+    for r in (0, 2, 3):  # GetStatus answers once every host reported (issue #33)
+        full(coord, r, [])
     assert coord.GetStatus(pb.GetStatusRequest(), Ctx()).topology.nodes == 4
 
 
@@ -212,6 +214,8 @@ def test_client_fails_over_to_the_serving_candidate_and_honours_retry_advice():
         server.start()
         servers.append(server)
         addrs.append(f"127.0.0.1:{port}")
+    for r in range(2):  # answers once every host reported (issue #33)
+        full(busy, r, [])
     dead = "127.0.0.1:1"  # nothing listens: refused at once
     client = CoordinatorClient(",".join([dead, *addrs]), rpc_timeout_seconds=2, failover_seconds=1.5)
     try:
@@ -297,7 +301,11 @@ def test_an_isolated_coordinator_decides_nothing_and_answers_no_client_until_a_h
     # A host that never moved to another coordinator reports again: it serves again.
     full(coord, 1, items[1])
     assert not coord.isolated()
-    coord.GetSteps(pb.GetStepsRequest(), Ctx())  # answers again (rank 2 is still lost: nothing complete)
+    # It was the one cut off: the hosts it declared lost are expected again, and clients are answered once
+    # they reported (or were declared lost afresh), not from a view without them (nothing complete).
+    assert not coord.state.lost
+    with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*rebuilding.*1 not heard yet"):
+        coord.GetSteps(pb.GetStepsRequest(wait_seconds=0), Ctx())
     # One that accepted a newer epoch deposes it.
     with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*deposed"):
         full(coord, 2, items[2], epoch=11)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -251,3 +252,85 @@ def test_a_replicator_oom_killed_mid_copy_restarts_and_nothing_is_half_visible(r
     if daemon.proc is None or daemon.proc.poll() is not None:
         case.extra.append(f"rank {LIMITED}'s restarted daemon died under {limit >> 20} MiB")
     assert_passed(rig, case)
+
+
+# Six of the gs:// backend's default 64 MiB resumable chunks. An upload holds about two chunks at once (measured
+# +139 MB over its baseline for a 192 MiB file as for this one), whatever the file's size: half this step.
+GCS_STEP_BYTES = 384 << 20
+
+
+def _gcs_worker(endpoint: str, step_dir: str, dest: str) -> None:
+    """In the limited process: wait for the go (the test measures this process at rest first), back up the step
+    to the emulator with the product's default GCS options, and download it back (a bucket restore)."""
+    import sys
+
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    from replicator.backup.storage.gcs import GcsOptions, GcsStore
+    from tests.kits.storage import BUCKET
+
+    client = storage.Client(project="test", credentials=AnonymousCredentials(),
+                            client_options={"api_endpoint": endpoint})
+    backup = BackupStore(GcsStore(BUCKET, "mem", options=GcsOptions(), client=client), "t")
+    print("ready", flush=True)
+    sys.stdin.readline()
+    step = int(Path(step_dir).name)
+    staging = backup.begin(step, 1)
+    backup.upload_rank(staging, 0, Path(step_dir))
+    backup.commit(staging)
+    backup.download_rank(step, 0, Path(dest))
+    print("done", flush=True)
+
+
+def test_a_replicator_process_limited_below_half_a_step_backs_up_to_gcs_and_restores_from_it(
+        tmp_path: Path) -> None:
+    """The bucket tier alone against the GCS emulator (tests/kits/storage.py; the rig's hosts are in network
+    namespaces the emulator on loopback does not reach), in a process limited to its baseline plus half a
+    384 MiB step, with the product's default GCS options: the upload (resumable, 64 MiB chunks) and the
+    download stream; a backend that held a whole file would be OOM-killed."""
+    from tests.kits.fault_cluster import save_rank
+    from tests.kits.fault_history import SUMMARY
+    from tests.kits.storage import Emulator
+
+    cgroup.reap_stale()
+    violations: list[str] = []
+    root, dest = tmp_path / "ram", tmp_path / "restored"
+    save_rank(root, 0, 7, GCS_STEP_BYTES)  # notify fails quietly: no daemon (the files are committed)
+    dest.mkdir()
+    emu = Emulator("fake-gcs", tmp_path)
+    argv = [sys.executable, "-c", "import sys; from tests.faults.test_memory import _gcs_worker; "
+            "_gcs_worker(*sys.argv[1:])", emu.url, str(root / layout.STEPS_DIR / "7"), str(dest)]
+    try:
+        with cgroup.MemoryCgroup() as cg:
+            m = MemoryRig(None, cg, 0)  # type: ignore[arg-type]
+            proc = subprocess.Popen(cg.wrap(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    cwd=str(Path(__file__).resolve().parents[2]))
+            try:
+                assert proc.stdout is not None and proc.stdin is not None
+                assert proc.stdout.readline().strip() == "ready", "the worker did not start"
+                baseline = m.own()
+                limit = baseline + GCS_STEP_BYTES // 2
+                cg.set_limit(limit)
+                with m.sampled():
+                    proc.stdin.write("go\n")
+                    proc.stdin.flush()
+                    rc = proc.wait(timeout=240)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10)
+            print(f"memory gcs case: baseline {baseline >> 20} MiB, limit {limit >> 20} MiB, peak own "
+                  f"{m.peak_own >> 20} MiB, exit {rc}, oom kills {cg.oom_kills()}")
+            if rc != 0 or cg.oom_kills():
+                violations.append(f"the backup/restore process exited {rc} under {limit >> 20} MiB "
+                                  f"(baseline {baseline >> 20} MiB), oom kills {cg.oom_kills()}")
+    finally:
+        emu.stop()
+    if not violations:
+        try:
+            check_copy(dest / "7", 0, 7)
+        except (AssertionError, OSError, ValueError) as e:
+            violations.append(f"the step restored from the bucket: {type(e).__name__}: {e}")
+    SUMMARY.add("memory-limit-gcs-backup-restore", violations, None)
+    assert not violations, "\n".join(violations)

@@ -27,7 +27,8 @@ test: $(STAMP)
 # Network faults against real replicators, each host in a network namespace of the test's own joined by a
 # bridge in another (tests/faults; root, ip, iptables, tc; ~2.5 min): partitions and a slow link, healed, then
 # checked by a history checker that prints one JSON line (docs/testing.md, "Network faults"). No reruns:
-# a flaky fault test is a finding.
+# a flaky fault test is a finding. The memory cases (tests/faults/test_memory.py) also make a memory cgroup
+# (v1 or v2) and a tmpfs of their own, removed at teardown; skipped when there is no memory controller.
 test-faults: $(STAMP)
 	command -v ip >/dev/null && command -v tc >/dev/null && command -v iptables >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \

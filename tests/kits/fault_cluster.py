@@ -27,6 +27,7 @@ import numpy as np
 
 from sidecar import checksums, commit, layout, writer
 from sidecar.notify import notify_step_committed
+from tests.kits.cgroup import MemoryCgroup
 from tests.kits.faultnet import FaultNetwork
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,13 +70,18 @@ class Daemon:
     def __init__(self, net: FaultNetwork, rank: int, args: list[str], log_path: Path) -> None:
         self.net, self.rank, self.args, self.log_path = net, rank, args, log_path
         self.proc: subprocess.Popen | None = None
+        # A memory cgroup (tests/kits/cgroup.py) the daemon starts in, every (re)start: see in_cgroup.
+        self.cgroup: MemoryCgroup | None = None
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO))
         start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             argv = [sys.executable, "-m", "controller_client.cli", "-v", "replicator", *self.args]
-            self.proc = subprocess.Popen(self.net.command(self.net.host_ns[self.rank], argv), stdout=log,
+            argv = self.net.command(self.net.host_ns[self.rank], argv)
+            if self.cgroup is not None:  # the shell moves itself in, then execs: nothing is charged elsewhere
+                argv = self.cgroup.wrap(argv)
+            self.proc = subprocess.Popen(argv, stdout=log,
                                          stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         while time.monotonic() < deadline:
@@ -209,6 +215,10 @@ class FaultCluster:
                 *(extra or [])], self.base / "logs" / f"replicator-{r}.log")
             for r in range(NODES)}
         self.probes: list[Probe] = []
+
+    def in_cgroup(self, rank: int, cgroup: MemoryCgroup) -> None:
+        """Start (and restart) rank ``rank``'s daemon inside ``cgroup`` (call before :meth:`start`)."""
+        self.daemons[rank].cgroup = cgroup
 
     def ram(self, rank: int) -> Path:
         return self.base / "ram" / str(rank)

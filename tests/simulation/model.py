@@ -22,7 +22,9 @@ Modelled (as the daemon, ``replicator/daemon.py``, does it):
   replaced by a new instance of a higher epoch rebuilt from heartbeats (crashed, or deposed while some hosts
   still talk to it), the coordinator's host replaced (both), a replicator restarted with its RAM disk
   (new incarnation, in-flight tasks lost), heartbeats lost before or after the coordinator handled them,
-  delayed answers, slow and failing uploads.
+  delayed answers, slow and failing uploads;
+- the network (in most schedules; :mod:`tests.simulation.network`): two coordinator candidates picked as the
+  heartbeat client picks them, per-message loss, duplicated heartbeats and answers, reordering, partitions.
 
 After the fault window the schedule runs quiet (no faults, no saves) so that liveness can be checked.
 """

@@ -483,6 +483,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         # deleting saves no step (issue #19, found by tests/simulation).
         if all_reported and (newest is not None or not st.lost):
             doomed = st.gc_for(rank, self.keep_local)
+            if st.lost:
+                # Nor a step newer than the newest complete one while hosts are declared lost: with their
+                # pieces it may be complete (a partition: another candidate serves them and counts it
+                # complete). It goes once they report again or are replaced (issue #33, tests/simulation).
+                doomed = [k for k in doomed if newest is None or k[1] <= newest]
             for owner, step in doomed:
                 h = st.holding(rank, (owner, step))
                 resp.deletions.append(pb.Deletion(owner_rank=owner, step=step,

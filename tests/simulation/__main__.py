@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from tests.simulation import replay, run_seeds
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=1000, help="schedules to run (seeds first..first+N-1)")
     ap.add_argument("--first", type=int, default=0, help="first seed")
     ap.add_argument("--replay", type=int, help="replay this seed with its event trace")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: one per core)")
     ap.add_argument("--details", action="store_true", help="also print the seeds per violated invariant")
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)  # the coordinator logs every fault it handles
@@ -27,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         for msg in found.values():
             print(msg)
         return 1 if found else 0
-    res = run_seeds(range(args.first, args.first + args.seeds))
-    out = {k: res[k] for k in ("schedules", "events", "violations", "seconds")}
+    res = run_seeds(range(args.first, args.first + args.seeds), workers=args.workers)
+    out = {k: res[k] for k in ("schedules", "events", "violations", "seconds")} | {"workers": args.workers}
     if args.details:
         out["by_invariant"] = {k: v[:20] for k, v in res["by_invariant"].items()}
         out["first"] = res["first"]

@@ -26,6 +26,8 @@ After every event (safety):
 
 - ``backup-share-held``: a backup share (rank, step) is handed only to a host that, by the coordinator's
   current facts, holds the piece to upload (the share follows the data, not the host's old incarnation).
+- ``stale-epoch-order``: no host process acts on an answer of a coordinator of an older epoch than one it
+  accepted before (with duplicated, delayed and reordered answers and two candidates serving at once).
 - ``backup-run-fenced``: the scheduler never tries to commit a staging a saver did not upload into (an
   upload report of another run, e.g. a deposed coordinator's, must not count).
 
@@ -39,7 +41,7 @@ At the end of the quiet phase (liveness):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mtc_rpc import coordinator_pb2 as pb
 from replicator.coordinator.model import Tier
@@ -53,10 +55,10 @@ if TYPE_CHECKING:
 # The from-scratch comparisons (the costly checks) run on a change of the coordinator's facts, at most this
 # often in virtual time (a stale incremental view stays stale until touched, so it is still caught), and
 # at every fault.
-PLAN_CHECK_SECONDS = 0.5
-# Whether the newest complete step became durable (survives any one host's loss): at most once a virtual
-# second (it rebuilds the state once per host).
-DURABLE_CHECK_SECONDS = 1.0
+PLAN_CHECK_SECONDS = 2.0
+# Whether the newest complete step became durable (survives any one host's loss): at most this often in
+# virtual time (it rebuilds the state once per host).
+DURABLE_CHECK_SECONDS = 3.0
 
 
 def violate(sim: Sim, name: str, msg: str) -> None:
@@ -137,6 +139,10 @@ def check_backup_task(sim: Sim, coord: Coordinator, rank: int, task: pb.BackupTa
             return
 
 
+# Events that change no host's RAM disk (an answer does when it deletes: ``Sim.disk_changed``).
+_NO_DISK_CHANGE = frozenset({"beat", "redeliver", "timeout", "save", "restore_poll"})
+
+
 def check_after_event(sim: Sim, kind: str) -> None:
     coord = sim.coord
     st = coord.state
@@ -161,8 +167,9 @@ def check_after_event(sim: Sim, kind: str) -> None:
             names = ("complete", "newest", "sources", "redundant", "copies", "gc", "restore")
             diff = [n for n, a, b in zip(names, mine, scratch, strict=True) if a != b]
             violate(sim, "plan-from-scratch", f"incremental views differ from a recomputation in {diff}")
-    elif kind == "beat":
-        return  # neither the coordinator's facts nor the hosts' RAM disks changed
+    elif kind in _NO_DISK_CHANGE or (kind in ("answer", "answer_again") and not sim.disk_changed):
+        return  # the hosts' RAM disks did not change (and the facts are checked at most once a second)
+    sim.disk_changed = False
     newest = st.newest_complete_step()
     if newest is not None:
         _check_restorable(sim, newest)
@@ -231,18 +238,36 @@ def check_deletion(sim: Sim, rank: int, owner: int, step: int, coord: Coordinato
     newest = max(sim.max_durable_seen or -1, sim.coord.state.newest_complete_step() or -1,
                  coord.state.newest_complete_step() or -1)
     protected = {newest: "the newest complete step"}
+    ordering_newest = coord.state.newest_complete_step()
     for c in {id(x): x for x in (coord, sim.coord)}.values():
         cur = getattr(c.backup, "current", None)
-        if cur is not None:
+        # Another coordinator's backup (one serving other hosts in a partition, or the successor of a
+        # deposed one) of a step older than the ordering one's newest complete step is stale work: it
+        # fails and retries on a newer step (backup-reaches-newest checks that it catches up).
+        if cur is not None and (c is coord or ordering_newest is None or cur.step >= ordering_newest):
             protected.setdefault(cur.step, "being backed up")
-    if sim.restore_step is not None:
+    by = sim.restore_by
+    if sim.restore_step is not None and by is not None and by[0].active and by[0].epoch == by[1]:
+        # A pin lives in the coordinator that answered PrepareRestore: one that crashed, stepped down or
+        # took over again (a fresh view) lost it (by design), and the trainer's next PrepareRestore pins again on the serving one.
         protected.setdefault(sim.restore_step, "pinned for a restore")
     if step in protected and model_holds(sim, step):
         violate(sim, "gc-protected", f"host {rank} deletes rank {owner}'s data of step {step} "
                 f"({protected[step]}) on the order of epoch {coord.epoch}")
 
 
-def check_restore(sim: Sim, step: int, lost: set[int]) -> None:
+def check_order(sim: Sim, h: Any, epoch: int, coord: Coordinator) -> None:
+    """Host ``h`` acts on an answer of ``epoch``: never older than an epoch this process accepted before."""
+    key = (h.rank, h.incarnation)
+    seen = sim.accepted.get(key, 0)
+    if epoch < seen:
+        violate(sim, "stale-epoch-order", f"host {h.rank} acts on an answer of epoch {epoch} (coordinator "
+                f"epoch {coord.epoch}) after accepting epoch {seen}")
+    else:
+        sim.accepted[key] = epoch
+
+
+def check_restore(sim: Sim, step: int, lost: set[int], coord: Coordinator | None = None) -> None:
     """PrepareRestore said ``step`` is ready on every host but the ``lost`` ones (not waited for)."""
     top = sim.max_durable_seen
     if top is not None and step < top and model_holds(sim, top):
@@ -274,5 +299,5 @@ def check_at_end(sim: Sim) -> None:
 INVARIANTS = (
     "backup-share-held", "backup-run-fenced", "plan-from-scratch", "complete-is-restorable", "newest-complete-regressed", "gc-protected",
     "restore-older-than-newest", "restore-not-held", "backup-reaches-newest", "complete-step-lost",
-    "job-resumed",
+    "job-resumed", "stale-epoch-order",
 )

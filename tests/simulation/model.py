@@ -22,7 +22,9 @@ Modelled (as the daemon, ``replicator/daemon.py``, does it):
   replaced by a new instance of a higher epoch rebuilt from heartbeats (crashed, or deposed while some hosts
   still talk to it), the coordinator's host replaced (both), a replicator restarted with its RAM disk
   (new incarnation, in-flight tasks lost), heartbeats lost before or after the coordinator handled them,
-  delayed answers, slow and failing uploads.
+  delayed answers, slow and failing uploads;
+- the network (in most schedules; :mod:`tests.simulation.network`): two coordinator candidates picked as the
+  heartbeat client picks them, per-message loss, duplicated heartbeats and answers, reordering, partitions.
 
 After the fault window the schedule runs quiet (no faults, no saves) so that liveness can be checked.
 """
@@ -45,6 +47,7 @@ from replicator.coordinator.service import Coordinator
 from replicator.coordinator.tier_wire import to_wire
 from replicator.coordinator.topology import JobTopology
 from tests.simulation.bucket import BucketModel
+from tests.simulation.network import Network, Partition
 
 JOB = "sim"
 SIZE = 1 << 20
@@ -128,6 +131,7 @@ class Host:
         self.not_before: dict[tuple[str, int, int], float] = {}
         self.backup_reports: list[pb.BackupReport] = []
         self.waiting = False  # a heartbeat is out (the daemon sends one at a time)
+        self.lower_down_since: float | None = None  # a candidate's host: since when no lower candidate answers
         self.coordinator: Coordinator | None = None  # whom it talks to (None: the newest)
 
     def own(self, step: int) -> Holding | None:
@@ -164,10 +168,12 @@ class Host:
 class Sim:
     """One schedule. :meth:`run` returns the violations found: invariant -> its first violation (empty = held)."""
 
-    def __init__(self, seed: int, *, config: Config | None = None, keep_trace: bool = True):
+    def __init__(self, seed: int, *, config: Config | None = None, keep_trace: bool = True,
+                 network: bool | None = None):
         self.seed = seed
         self.rng = random.Random(seed)
         self.cfg = config or Config.draw(self.rng)
+        self.net = Network(seed, network)  # network=False: the schedule as before the network was modelled
         self.clock = Clock()
         self.topo = JobTopology(self.cfg.nodes, self.cfg.slices, 1)
         self.keep_local = 2
@@ -176,6 +182,13 @@ class Sim:
         self.epoch = 1
         self.coord = self._new_coordinator(1)
         self.deposed: list[Coordinator] = []
+        # With the network on: the coordinator candidates (None: its host is down) and their hosts' ranks.
+        self.cand_rank = [0, self.topo.hosts_per_slice]
+        self.cands: list[Coordinator | None] = []
+        if self.net.cfg.on:
+            self.cands = [self.coord, self._new_coordinator(0, active=False)]
+        self.disk_changed = False  # an answer deleted a piece since the last check (invariants.py)
+        self.accepted: dict[tuple[int, int], int] = {}  # (rank, incarnation) -> highest epoch it accepted
         self.hosts = [Host(r, self._nonce()) for r in range(self.cfg.nodes)]
         self.queue: list[tuple[float, int, str, tuple]] = []
         self.seq = itertools.count()
@@ -189,6 +202,7 @@ class Sim:
         self.training = True
         self.restoring_since: float | None = None
         self.restore_step: int | None = None  # pinned by the trainer's PrepareRestore
+        self.restore_by: tuple[Coordinator, int] | None = None  # ... on this coordinator, of this epoch
         self.restore_asked: tuple[Coordinator, float] | None = None  # to whom and when PrepareRestore was sent
         self.restored: list[int] = []
         # Facts the invariants track (see tests/simulation/invariants.py).
@@ -212,7 +226,7 @@ class Sim:
     def _nonce(self) -> int:
         return self.rng.randrange(1, 1 << 62)
 
-    def _new_coordinator(self, epoch: int) -> Coordinator:
+    def _new_coordinator(self, epoch: int, *, active: bool = True) -> Coordinator:
         factory: Callable[[], Any] | None = None
         if self.bucket is not None:
             bucket = self.bucket
@@ -220,7 +234,8 @@ class Sim:
             def factory() -> BucketScheduler:
                 return BucketScheduler(bucket, self.topo, interval_steps=1, keep=3, clock=self.clock)  # type: ignore[arg-type]
         return Coordinator(self.topo, JOB, keep_local=2, heartbeat_seconds=self.heartbeat_seconds,
-                           backup_factory=factory, clock=self.clock, host_lost_seconds=4.0, epoch=epoch)
+                           backup_factory=factory, clock=self.clock, host_lost_seconds=4.0, epoch=epoch,
+                           active=active, other_candidates=self.net.cfg.on)
 
     def _at(self, t: float, kind: str, args: tuple) -> None:
         heapq.heappush(self.queue, (t, next(self.seq), kind, args))
@@ -262,6 +277,8 @@ class Sim:
             self.events += 1
             getattr(self, "_ev_" + kind)(*args)
             self._join_commits()
+            if self.cands:
+                self._refresh_serving()
             self.inv.check_after_event(self, kind)
         self.clock.now = end
         self.inv.check_at_end(self)
@@ -272,10 +289,50 @@ class Sim:
         h = self.host(rank, inc)
         if h is None or h.waiting:
             return
+        if self.cands:
+            self._beat_candidates(h)
+            return
         coord = h.coordinator if h.coordinator is not None and h.coordinator.active else self.coord
         if coord is not self.coord and self.rng.random() < 0.5:
             coord = self.coord  # tries the candidates in order; the newest answers
         h.coordinator = coord
+        req, digest, current = self._request(h)
+        h.waiting = True
+        if self.faulty and self.rng.random() < self.cfg.p_request_lost:
+            self.note(f"beat {rank} lost on the way")
+            self._at(self.clock.now + 2.0, "timeout", (rank, inc))
+            return
+        try:
+            resp = coord.Heartbeat(req, Ctx())
+        except Aborted as e:
+            self._beat_failed(h, coord, e)
+            return
+        if self.keep_trace:
+            self.note(f"beat {rank} -> e{coord.epoch}: {_summary(resp)}")
+        self._join_commits()
+        if resp.HasField("backup"):
+            self.inv.check_backup_task(self, coord, rank, resp.backup)
+        if self.faulty and self.rng.random() < self.cfg.p_answer_lost:
+            self.note(f"answer to {rank} lost")
+            self._at(self.clock.now + 2.0, "timeout", (rank, inc))
+            return
+        delay = self.rng.uniform(0.5, 2.5) if self.faulty and self.rng.random() < self.cfg.p_answer_delayed else 0.0
+        self._at(self.clock.now + delay, "answer", (rank, inc, resp, digest, current, coord))
+
+    def _beat_failed(self, h: Host, coord: Coordinator, e: Aborted) -> None:
+        """A heartbeat's error other than a failover one: as ``Heartbeat.run`` handles it."""
+        self.note(f"beat {h.rank} -> e{coord.epoch}: {e}")
+        h.waiting = False
+        if e.code is grpc.StatusCode.FAILED_PRECONDITION:  # a superseded incarnation: take a new one
+            self._restart_replicator(h.rank, keep_disk=True, why="stale incarnation")
+            return
+        if e.code is grpc.StatusCode.UNAVAILABLE:
+            h.coordinator = None
+        self._at(self.clock.now + self.heartbeat_seconds, "beat", (h.rank, h.incarnation))
+
+    def _request(self, h: Host) -> tuple[pb.HeartbeatRequest, str, dict]:
+        """The heartbeat as ``Heartbeat.beat`` builds it: a full report, or a delta against the acked inventory."""
+        rank = h.rank
         inv = list(h.disk.values())
         digest = inventory_digest(inv)
         own = sorted(s for (o, s), x in h.disk.items() if o == rank and x.tier is Tier.LOCAL)
@@ -294,34 +351,139 @@ class Sim:
         req.holdings.extend(pb.Holding(owner_rank=x.owner_rank, step=x.step, content_hash=x.content_hash,
                                        size=x.size, tier=to_wire(x.tier), generation=x.generation) for x in changed)
         req.backups.extend(h.backup_reports)
-        h.waiting = True
-        if self.faulty and self.rng.random() < self.cfg.p_request_lost:
-            self.note(f"beat {rank} lost on the way")
-            self._at(self.clock.now + 2.0, "timeout", (rank, inc))
-            return
-        try:
-            resp = coord.Heartbeat(req, Ctx())
-        except Aborted as e:
-            self.note(f"beat {rank} -> e{coord.epoch}: {e}")
-            h.waiting = False
-            if e.code is grpc.StatusCode.FAILED_PRECONDITION:  # a superseded incarnation: take a new one
-                self._restart_replicator(rank, keep_disk=True, why="stale incarnation")
+        return req, digest, current
+
+    # ------------------------------------------------------------------ the network (tests/simulation/network.py)
+    def _beat_candidates(self, h: Host) -> None:
+        """One heartbeat as ``Heartbeat._send`` sends it: the lowest-ranked candidate that answers; a host's own
+        candidate takes over once every lower one has been silent long enough."""
+        req, digest, current = self._request(h)
+        now, net, faulty = self.clock.now, self.net, self.faulty
+        mine = self.cand_rank.index(h.rank) if h.rank in self.cand_rank else None
+        last = "no candidate"
+        for i, c in enumerate(self.cands):
+            if i == mine and c is not None and not c.active:
+                if h.lower_down_since is None:
+                    h.lower_down_since = now
+                if now - h.lower_down_since < max(2 * self.heartbeat_seconds, c.lost_after() / 2):
+                    last = f"{last}; waiting to take over"
+                    break  # NoCoordinator
+                c.activate(max(h.epoch + 1, self._epoch_clock()))
+                self.note(f"FAILOVER rank {h.rank}: no lower candidate answers, candidate {i} takes over "
+                          f"(epoch {c.epoch})")
+            if c is None or not net.reaches(h.rank, i, self.cand_rank[i], now):
+                last = f"candidate {i} unreachable"
+                continue  # DEADLINE_EXCEEDED: the next candidate
+            if faulty and net.chance(net.cfg.p_request_lost):
+                last = f"beat lost on the way to candidate {i}"
+                continue
+            try:
+                resp = c.Heartbeat(req, Ctx())
+            except Aborted as e:
+                if e.code is grpc.StatusCode.UNAVAILABLE:
+                    last = f"candidate {i}: {e}"
+                    continue
+                self._beat_failed(h, c, e)
                 return
-            if e.code is grpc.StatusCode.UNAVAILABLE:
-                h.coordinator = None
-            self._at(self.clock.now + self.heartbeat_seconds, "beat", (rank, inc))
+            if self.keep_trace:
+                self.note(f"beat {h.rank} -> c{i} e{c.epoch}: {_summary(resp)}")
+            self._join_commits()
+            if resp.HasField("backup"):
+                self.inv.check_backup_task(self, c, h.rank, resp.backup)
+            if faulty and net.chance(net.cfg.p_request_dup):
+                self._at(now + net.rng.uniform(0.0, 2.0), "redeliver", (i, c, req))
+            if faulty and net.chance(net.cfg.p_answer_lost):
+                last = f"answer of candidate {i} lost"
+                continue  # the call times out: the next candidate
+            if mine is not None and i < mine:
+                h.lower_down_since = None
+                own = self.cands[mine]
+                if own is not None and own.active:
+                    own.deactivate(f"lower candidate {i} serves")
+                    self.note(f"rank {h.rank}: candidate {i} answers, candidate {mine} steps down")
+            h.waiting = True
+            delay = self.rng.uniform(0.5, 2.5) if faulty and self.rng.random() < self.cfg.p_answer_delayed else 0.0
+            self._at(now + delay, "answer", (h.rank, h.incarnation, resp, digest, current, c))
+            if faulty and net.chance(net.cfg.p_answer_dup):
+                self._at(now + delay + net.rng.uniform(0.0, 0.5), "answer_again", (h.rank, h.incarnation, resp, c))
             return
-        if self.keep_trace:
-            self.note(f"beat {rank} -> e{coord.epoch}: {_summary(resp)}")
-        self._join_commits()
-        if resp.HasField("backup"):
-            self.inv.check_backup_task(self, coord, rank, resp.backup)
-        if self.faulty and self.rng.random() < self.cfg.p_answer_lost:
-            self.note(f"answer to {rank} lost")
-            self._at(self.clock.now + 2.0, "timeout", (rank, inc))
+        self.note(f"beat {h.rank}: no coordinator answers ({last})")
+        self._at(now + self.heartbeat_seconds * net.rng.uniform(0.8, 1.2), "beat", (h.rank, h.incarnation))
+
+    def _ev_redeliver(self, i: int, c: Coordinator, req: pb.HeartbeatRequest) -> None:
+        """The coordinator handles a heartbeat again (a duplicate, or an old one after newer ones); its answer
+        goes nowhere (the host's call has ended)."""
+        try:
+            resp = c.Heartbeat(req, Ctx())
+        except Aborted as e:
+            self.note(f"duplicate beat {req.rank} -> c{i} e{c.epoch}: {e}")
             return
-        delay = self.rng.uniform(0.5, 2.5) if self.faulty and self.rng.random() < self.cfg.p_answer_delayed else 0.0
-        self._at(self.clock.now + delay, "answer", (rank, inc, resp, digest, current, coord))
+        self.note(f"duplicate beat {req.rank} -> c{i} e{c.epoch} handled again: {_summary(resp)}")
+
+    def _epoch_clock(self) -> int:
+        """A taking-over candidate's ``time_ns()``: above every earlier one, unless its clock is behind."""
+        behind = self.net.rng.random() < 0.2
+        self.epoch += 1
+        return self.epoch - 2 if behind else self.epoch
+
+    def _refresh_serving(self) -> None:
+        """``coord``: the active candidate of the newest epoch (the invariants' view); ``deposed``: the others."""
+        active = [c for c in self.cands if c is not None and c.active]
+        if active:
+            newest = max(active, key=lambda c: c.epoch)
+            if newest is not self.coord:
+                self.coord = newest
+                self.last_version = None
+                self.epoch = max(self.epoch, newest.epoch)
+        self.deposed = [c for c in active if c is not self.coord]
+
+    def _client_coordinator(self) -> Coordinator | None:
+        """Whom the trainer's client (on rank 0) asks: the first candidate it reaches that serves."""
+        if not self.cands:
+            return self.coord
+        for i, c in enumerate(self.cands):
+            if (c is not None and c.active and self.net.reaches(0, i, self.cand_rank[i], self.clock.now)
+                    and not c.isolated()):
+                return c
+        return None
+
+    def _partition(self) -> None:
+        """Hosts cut from the serving candidate for a while (healed when the fault window ends at the latest)."""
+        rng, n = self.net.rng, self.cfg.nodes
+        s = next((i for i, c in enumerate(self.cands) if c is self.coord), 0)
+        other = self.cand_rank[1 - s]
+        pool = [r for r in range(n) if r not in self.cand_rank]
+        kind = rng.random()
+        if kind < 0.6:  # the other candidate's host among them: it takes over, two candidates serve
+            ranks = {other, *rng.sample(pool, rng.randrange(len(pool)))}
+            what = "split"
+        elif kind < 0.8:  # only the candidates cannot reach each other
+            ranks = {other}
+            what = "candidates cut from each other"
+        else:  # hosts cut from the serving candidate; the other candidate stays a standby
+            ranks = set(rng.sample(pool, rng.randrange(1, len(pool) + 1)))
+            what = "hosts cut off"
+        until = min(self.clock.now + rng.uniform(2.0, 10.0), self.cfg.fault_seconds)
+        self.net.heal(self.clock.now)
+        self.net.partitions.append(Partition(frozenset(ranks), s, until))
+        self.note(f"FAULT partition ({what}): hosts {sorted(ranks)} cannot reach candidate {s} "
+                  f"until {until:.1f}")
+
+    def _candidate_restarts(self, rank: int, down: bool) -> None:
+        """The replicator on a candidate's host restarts (or its host goes down): a new coordinator instance
+        (candidate 0 activates at start, as ``Replicator.start`` does; candidate 1 starts a standby)."""
+        if not self.cands or rank not in self.cand_rank:
+            return
+        i = self.cand_rank.index(rank)
+        old = self.cands[i]
+        if old is not None:
+            old.deactivate("its replicator stopped")
+        if down:
+            self.cands[i] = None
+            return
+        self.cands[i] = self._new_coordinator(self._epoch_clock() if i == 0 else 0, active=i == 0)
+        self.note(f"candidate {i} starts on rank {rank}" + (f" and serves (epoch {self.cands[i].epoch})"
+                                                             if i == 0 else " as a standby"))
 
     def _ev_timeout(self, rank: int, inc: int) -> None:
         h = self.host(rank, inc)
@@ -345,6 +507,23 @@ class Sim:
             self.note(f"host {rank} ignores the answer of deposed epoch {resp.epoch} < {h.epoch}")
             return
         h.epoch = resp.epoch
+        self._act(h, resp, coord)
+
+    def _ev_answer_again(self, rank: int, inc: int, resp: pb.HeartbeatResponse, coord: Coordinator) -> None:
+        """The same answer delivered a second time: acted on again under the same epoch rule."""
+        h = self.host(rank, inc)
+        if h is None:
+            return
+        if resp.epoch < h.epoch:
+            self.note(f"host {rank} ignores a duplicate answer of epoch {resp.epoch} < {h.epoch}")
+            return
+        self.note(f"host {rank} acts on a duplicate answer of epoch {resp.epoch}")
+        self._act(h, resp, coord)
+
+    def _act(self, h: Host, resp: pb.HeartbeatResponse, coord: Coordinator) -> None:
+        """The answer's work (``Heartbeat._act``)."""
+        rank = h.rank
+        self.inv.check_order(self, h, resp.epoch, coord)
         for d in resp.deletions:
             held = h.disk.get((d.owner_rank, d.step))
             if d.content_hash and held is not None and held.content_hash != d.content_hash:
@@ -352,6 +531,7 @@ class Sim:
             if not h.busy(d.owner_rank, d.step):
                 self.inv.check_deletion(self, rank, d.owner_rank, d.step, coord)
                 h.delete(d.owner_rank, d.step)
+                self.disk_changed = True
         for c in resp.copies:
             if c.source_rank == rank:  # hash only: record the equivalence
                 mine = h.own(c.step)
@@ -495,23 +675,27 @@ class Sim:
         if not all(h.up for h in self.hosts):
             self.restore_asked = None
             return  # the job's processes start when every host is back
-        if self.restore_asked is None or self.restore_asked[0] is not self.coord:
-            self.restore_asked = (self.coord, self.clock.now)
-        if self.coord._silent_since(self.restore_asked[1]):
+        coord = self._client_coordinator()
+        if coord is None:
+            return  # no candidate serves the client: it retries
+        if self.restore_asked is None or self.restore_asked[0] is not coord:
+            self.restore_asked = (coord, self.clock.now)
+        if coord._silent_since(self.restore_asked[1]):
             return  # PrepareRestore first waits for every live host's report made after the request
         try:
-            resp = self.coord.PrepareRestore(pb.PrepareRestoreRequest(step=-1, wait_seconds=0.0), Ctx())
+            resp = coord.PrepareRestore(pb.PrepareRestoreRequest(step=-1, wait_seconds=0.0), Ctx())
         except Aborted as e:
             self.note(f"PrepareRestore: {e}")
             return
         self.restore_step = resp.step if resp.step >= 0 else None
+        self.restore_by = (coord, coord.epoch)
         if resp.step < 0:
             if self.clock.now - (self.restoring_since or 0.0) > 12.0:
                 self.note(f"trainer starts from scratch: {resp.reason}")
                 self._resume(None)
             return
         if resp.ready:
-            self.inv.check_restore(self, resp.step, set(resp.lost_ranks))
+            self.inv.check_restore(self, resp.step, set(resp.lost_ranks), coord)
             if all(self._holds_data_for(h, resp.step, self.content(h.rank, resp.step)) for h in self.hosts):
                 self._resume(resp.step)
             else:  # a host the coordinator declared lost lacks its data: its read fails, the job retries
@@ -524,6 +708,7 @@ class Sim:
         self.training = True
         self.restoring_since = None
         self.restore_step = None
+        self.restore_by = None
         self.restore_asked = None
 
     # ------------------------------------------------------------------ faults
@@ -531,6 +716,9 @@ class Sim:
         if not self.faulty:
             return
         self._at(self.clock.now + self.rng.expovariate(1.0 / self.cfg.fault_every), "fault", ())
+        if self.cands and self.net.chance(self.net.cfg.p_partition):
+            self._partition()
+            return
         r = self.rng.random()
         n = self.cfg.nodes
         if r < 0.30:
@@ -557,6 +745,7 @@ class Sim:
             new.epoch = 0
             del old
             self.hosts[r] = new
+            self._candidate_restarts(r, down=True)
             self._at(self.clock.now + down, "host_up", (r, new.incarnation))
         self._job_restarts(why)
 
@@ -566,6 +755,7 @@ class Sim:
             return
         h.up = True
         self.note(f"host {rank} is back (incarnation {inc % 1000})")
+        self._candidate_restarts(rank, down=False)
         self._at(self.clock.now + self.rng.uniform(0.0, 0.3), "beat", (rank, inc))
 
     def _restart_replicator(self, rank: int, *, keep_disk: bool, why: str) -> None:
@@ -575,10 +765,20 @@ class Sim:
         new = Host(rank, self._nonce())
         new.disk = dict(old.disk) if keep_disk else {}
         self.hosts[rank] = new
+        if why != "stale incarnation":  # that one only takes a new incarnation; the process runs on
+            self._candidate_restarts(rank, down=False)
         self.note(f"FAULT {why}: host {rank} incarnation {new.incarnation % 1000}")
         self._at(self.clock.now + self.rng.uniform(0.1, 1.0), "beat", (rank, new.incarnation))
 
     def _failover(self, *, crash: bool) -> None:
+        if self.cands:
+            if crash:  # the serving candidate's coordinator restarts
+                i = next((i for i, c in enumerate(self.cands) if c is self.coord), 0)
+                self.note(f"FAULT coordinator candidate {i} (epoch {self.coord.epoch}) crashes")
+                self._candidate_restarts(self.cand_rank[i], down=False)
+            else:  # deposed while still answering: the other candidate takes over for the hosts cut from it
+                self._partition()
+            return
         old = self.coord
         self.epoch = max(self.epoch, old.epoch) + 1
         self.coord = self._new_coordinator(self.epoch)

@@ -140,3 +140,36 @@ def test_a_rank_restored_from_its_replica_stays_covered_when_the_replica_is_lost
                               holdings=held[0][:1])
     coord.Heartbeat(req, Ctx())
     assert st.newest_complete_step() is None and st.missing_ranks(4) == [0]
+
+
+def test_no_deletion_of_a_step_newer_than_the_newest_complete_while_hosts_are_lost():
+    """gc-protected (simulation seed 1005, issue #33): a partition cut host 2 from candidate 0, candidate 1
+    took over for it and, once hosts 1 and 3 reached it too, counted step 2 complete. Candidate 0, hearing
+    only from hosts 0, 1 and 3, declared host 2 lost, saw step 1 as its newest complete step and told host 0
+    to delete its step 2 (beyond keep_local 2 of its own steps 1-4): a piece of the step the serving
+    coordinator would restore. With hosts lost, steps newer than the newest complete one are kept."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=4.0)
+    copy = _holding(2, 1, 0, tier=tier_pb2.TIER_PEER)  # host 3's copy of rank 2's step 1
+
+    def report(rank, steps, extra=()):
+        req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
+                                  full_report=True, holdings=[_holding(rank, s, rank % 2) for s in steps])
+        req.holdings.extend(extra)
+        return coord.Heartbeat(req, Ctx())
+
+    report(2, [1, 2])
+    for r in (0, 1, 3):
+        report(r, [1, 2, 3], [copy] if r == 3 else ())
+    clock.now += 10.0  # host 2 silent: declared lost; step 2 lacks rank 2, step 1 is the newest complete
+    for r in (1, 3):
+        report(r, [1, 2, 3, 4], [copy] if r == 3 else ())
+    resp = report(0, [1, 2, 3, 4])
+    assert sorted(coord.state.lost) == [2]
+    assert coord.state.newest_complete_step() == 1
+    assert (0, 2) not in [(d.owner_rank, d.step) for d in resp.deletions]
+    # Once host 2 reports again, step 2 is complete and GC goes on as before (keep_local 2 of 4 and 3).
+    report(2, [1, 2, 3, 4])
+    assert coord.state.newest_complete_step() == 4
+    resp = report(0, [1, 2, 3, 4])
+    assert sorted((d.owner_rank, d.step) for d in resp.deletions) == [(0, 1), (0, 2)]

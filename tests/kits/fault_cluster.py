@@ -67,9 +67,11 @@ class Daemon:
     def __init__(self, net: FaultNetwork, rank: int, args: list[str], log_path: Path) -> None:
         self.net, self.rank, self.args, self.log_path = net, rank, args, log_path
         self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}  # more environment (e.g. STORAGE_EMULATOR_HOST for a gs:// bucket)
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO))
+        env.update(self.env)
         start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             argv = [sys.executable, "-m", "controller_client.cli", "-v", "replicator", *self.args]

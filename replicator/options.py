@@ -109,6 +109,8 @@ class ReplicatorOptions:
     heartbeat_seconds: float = _opt('report to the coordinator every N seconds (default 2)', 2.0)
     rpc_timeout_seconds: float = _opt('deadline of each control RPC (default 10)', 10.0)
     transfer_timeout_seconds: float = _opt('deadline of one step copy (default 600)', 600.0)
+    bucket_timeout_seconds: float = _opt(
+        'gs:// bucket: how long one request may wait for the service before it is retried (default 120)', 120.0)
     max_bytes_per_second: int = _opt('throttle for replication and backup, 0 = none', 0)
     transfer_threads: int = _opt('parallel transfers (default 2)', 2)
     max_message_bytes: int = _opt('bound on gRPC message size (default 64 MiB)', MAX_MESSAGE_BYTES)
@@ -260,7 +262,7 @@ class ReplicatorOptions:
         if self.host_lost_seconds < 0:
             raise ConfigError("--host-lost-seconds must be >= 0")
         for name in ("heartbeat_seconds", "rpc_timeout_seconds", "transfer_timeout_seconds",
-                     "handshake_timeout_seconds", "max_heartbeats_per_second"):
+                     "handshake_timeout_seconds", "max_heartbeats_per_second", "bucket_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if bool(self.tls_cert) != bool(self.tls_key):

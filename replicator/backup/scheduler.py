@@ -40,6 +40,10 @@ RETRY_MAX_SECONDS = 16.0
 RECHECK_SECONDS = 1.0
 # While the newest complete step stays below the newest one seen, the bucket is listed again at most this often.
 RELIST_SECONDS = 30.0
+# A run's begin record is written in a thread of its own, like its commit: a bucket answering 503s or not at
+# all must not hold the coordinator's lock (every heartbeat and client waits on it; issue #33). The heartbeat
+# that starts a run waits this long for it, so that a healthy bucket hands out the first share at once.
+BEGIN_WAIT_SECONDS = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,7 @@ class CommitOutcome:
     rank_hashes: tuple[str, ...] | None
     note: str  # why the commit failed; else what retention did ("deleted [..]", or why it failed), or ""
     generation: int  # the committed save's generation (0 when the commit failed)
+    committed_steps: tuple[int, ...] | None = None  # the bucket's committed steps read after it (None: unread)
 
     @property
     def committed(self) -> bool:
@@ -62,7 +67,7 @@ class BackupRun:
     """The state of the one backup in progress (kept by the coordinator's :class:`BucketScheduler`)."""
 
     step: int
-    staging: Staging
+    staging: Staging | None  # None while its begin record is being written (see BEGIN_WAIT_SECONDS)
     assign: dict[int, int]  # owner rank -> the host rank that uploads it
     primaries: set[int]  # one rank per distinct content: uploaded first, their replicas then add a manifest
     started: float  # scheduler clock
@@ -170,8 +175,11 @@ class BucketScheduler(BackupScheduler):
         self.last_success_unix: float | None = None  # wall-clock time of the newest committed backup
         self.requested: set[int] = set()
         self._loaded = False
+        # The run's bucket work in the background: its begin (the result a Staging or the error), or its commit.
         self._commit_thread: threading.Thread | None = None
         self._commit_result: CommitOutcome | None = None
+        self._begin_result: Staging | Exception | None = None
+        self._beginning = False
         self._due_while_busy = False
         self.emergency_step: int | None = None
         # A run that did not commit (abandoned, its commit failed, or it could not start) is redone, newest
@@ -271,7 +279,6 @@ class BucketScheduler(BackupScheduler):
 
     def _start(self, state: CoordinatorState, step: int) -> None:
         savers = state.expected_ranks(step)
-        staging = self.bucket.begin(step, self.topology.nodes, savers)
         sources = state.sources(step)
         assign: dict[int, int] = {}
         primaries: set[int] = set()
@@ -281,10 +288,6 @@ class BucketScheduler(BackupScheduler):
         for rank in savers:
             pick = _pick_holder(rank, sources.get(rank, []), None)
             if pick is None:
-                try:
-                    self.bucket.abort(staging)
-                except Exception as e:  # any bucket error: clean_stale_staging removes it later
-                    log.warning("could not remove staging %s: %s", staging.staging_id, e)
                 raise RuntimeError(f"no live host holds rank {rank}'s data of step {step} (nor an identical "
                                    "replica of it)")
             assert pick.holder_rank is not None
@@ -296,7 +299,7 @@ class BucketScheduler(BackupScheduler):
                 seen_hash.add(h)
                 primaries.add(rank)
         state.mark_backup_in_progress(step)
-        self.current = BackupRun(step=step, staging=staging, assign=assign, primaries=primaries,
+        self.current = BackupRun(step=step, staging=None, assign=assign, primaries=primaries,
                                  started=self.clock(), savers=list(savers), source_owner=source_owner,
                                  content=content)
         self.current.checked_version = state.version
@@ -304,8 +307,34 @@ class BucketScheduler(BackupScheduler):
         self.last_start = self.clock()
         self.last_step = step
         self.requested.discard(step)
-        log.info("backup of step %d started (staging %s, %d distinct pieces)", step, staging.staging_id,
-                 len(primaries))
+        self._beginning = True
+        self._commit_thread = threading.Thread(target=self._begin, args=(step, list(savers)), daemon=True,
+                                               name="mtc-backup-begin")
+        self._commit_thread.start()
+        self._commit_thread.join(BEGIN_WAIT_SECONDS)
+        self._finish_commit(state)
+
+    def _begin(self, step: int, savers: list[int]) -> None:
+        """The begin thread: write the run's begin record, and leave the staging (or the error)."""
+        try:
+            self._begin_result = self.bucket.begin(step, self.topology.nodes, savers)
+        except Exception as e:  # deliberately broad: this thread must leave an outcome whatever failed
+            self._begin_result = e
+
+    def _finish_begin(self, state: CoordinatorState) -> None:
+        got, self._begin_result, self._beginning = self._begin_result, None, False
+        cur = self.current
+        if cur is None:  # abandoned meanwhile: its staging, if any, is left to clean_stale_staging
+            return
+        if not isinstance(got, Staging):
+            self.current = None
+            self._due_while_busy = False
+            state.clear_backup_in_progress(cur.step)
+            self._failed(f"cannot start backup of step {cur.step}: {got}")
+            return
+        cur.staging = got
+        log.info("backup of step %d started (staging %s, %d distinct pieces)", cur.step, got.staging_id,
+                 len(cur.primaries))
 
     def task_for(self, state: CoordinatorState, rank: int, newest_saved: dict[int, int]) -> pb.BackupTask | None:
         self._load(state)
@@ -330,7 +359,7 @@ class BucketScheduler(BackupScheduler):
                         "the next one starts when it ends", due,
                         self.current.step if self.current else "commit", self.skipped)
         cur = self.current
-        if cur is None:
+        if cur is None or cur.staging is None:
             return None
         # A share follows the data: the asker's share is checked against what it holds now (O(its share));
         # every open share when the facts changed, at most once a second (a lost holder never asks).
@@ -382,7 +411,7 @@ class BucketScheduler(BackupScheduler):
         for rep in reports:
             # Fenced by the staging id: an upload into another run's staging (a deposed coordinator's, an
             # abandoned run's) does not count toward this one.
-            if cur is None or rep.step != cur.step or rep.staging != cur.staging.staging_id:
+            if cur is None or cur.staging is None or rep.step != cur.step or rep.staging != cur.staging.staging_id:
                 continue
             cur.mark_done(list(rep.uploaded_ranks))
             if rep.error:
@@ -408,6 +437,8 @@ class BucketScheduler(BackupScheduler):
         cur, self.current = self.current, None
         if cur is not None:
             state.clear_backup_in_progress(cur.step)
+            if cur.staging is None:
+                return  # its begin is still being written: clean_stale_staging removes what it leaves
             try:
                 self.bucket.abort(cur.staging)
             except Exception as e:  # any bucket error: clean_stale_staging removes it later
@@ -434,7 +465,11 @@ class BucketScheduler(BackupScheduler):
         except Exception as e:  # any bucket error: the backup is committed all the same
             note = f"retention failed: {type(e).__name__}: {e}"
             log.warning("backup of step %d: %s", step, note)
-        self._commit_result = CommitOutcome(step, tuple(rec.rank_hashes), note, rec.generation)
+        try:
+            committed: tuple[int, ...] | None = tuple(self.bucket.committed_steps())
+        except Exception:  # any bucket error: the list is re-read at the next commit or re-list
+            committed = None
+        self._commit_result = CommitOutcome(step, tuple(rec.rank_hashes), note, rec.generation, committed)
 
     def _landed(self, staging: Staging) -> bool:
         """The bucket's commit record of the step names ``staging``."""
@@ -449,6 +484,9 @@ class BucketScheduler(BackupScheduler):
         if t is None or t.is_alive():
             return
         self._commit_thread = None
+        if self._beginning:
+            self._finish_begin(state)
+            return
         out = self._commit_result or CommitOutcome(-1, None, "no result", 0)
         self._commit_result = None
         cur, self.current = self.current, None
@@ -466,9 +504,9 @@ class BucketScheduler(BackupScheduler):
         _report_committed(state, out.step, out.rank_hashes)
         self.committed_gen[out.step] = out.generation
         self.last_success_unix = time.time()
-        try:
-            self.committed = self.bucket.committed_steps()
-        except Exception:  # any bucket error: the list is re-read at the next commit or re-list
+        if out.committed_steps is not None:  # read in the commit thread: no bucket call under the lock
+            self.committed = list(out.committed_steps)
+        else:
             self.committed = sorted(set(self.committed) | {out.step})
         self.committed_gen = {s: g for s, g in self.committed_gen.items() if s in self.committed}
         _withdraw_backups(state, set(state.known_steps()) - set(self.committed))

@@ -6,6 +6,7 @@ Used by the bucket backends (every library call runs through :func:`call_with_re
 from __future__ import annotations
 
 import dataclasses
+import email.utils
 import logging
 import random
 import threading
@@ -56,6 +57,26 @@ class RetryPolicy:
 
 
 _RETRYABLE_HTTP = frozenset({408, 429, 500, 502, 503, 504})
+# A service's Retry-After (429/503) is honoured up to this long; the policy's deadline still bounds the call.
+RETRY_AFTER_CAP_SECONDS = 60.0
+
+
+def retry_after_seconds(exc: BaseException) -> float | None:
+    """The ``Retry-After`` of the HTTP answer behind ``exc`` (seconds, or an HTTP date), else None."""
+    for e in (exc, exc.__cause__):
+        headers = getattr(getattr(e, "response", None), "headers", None)
+        value = headers.get("Retry-After") if hasattr(headers, "get") else None
+        if not value:
+            continue
+        try:
+            seconds = float(value)
+        except ValueError:
+            try:
+                seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+            except (TypeError, ValueError):
+                continue
+        return min(RETRY_AFTER_CAP_SECONDS, max(0.0, seconds))
+    return None
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -128,6 +149,9 @@ def call_with_retry(fn: Callable[[int], T], *, what: str, policy: RetryPolicy) -
                 raise
             cap = min(policy.max_backoff_seconds, policy.initial_backoff_seconds * (2**attempt))
             sleep = random.uniform(0, cap)
+            asked = retry_after_seconds(e)
+            if asked is not None:  # the service said when (a 429/503 storm): no sooner
+                sleep = max(sleep, asked)
             elapsed = time.monotonic() - start
             if elapsed + sleep > policy.deadline_seconds:
                 log.warning("%s: giving up after %d attempts in %.1fs: %s", what, attempt + 1, elapsed, e)

@@ -72,9 +72,11 @@ class Daemon:
         self.proc: subprocess.Popen | None = None
         # A memory cgroup (tests/kits/cgroup.py) the daemon starts in, every (re)start: see in_cgroup.
         self.cgroup: MemoryCgroup | None = None
+        self.env: dict[str, str] = {}  # more environment (e.g. STORAGE_EMULATOR_HOST for a gs:// bucket)
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO))
+        env.update(self.env)
         start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             argv = [sys.executable, "-m", "controller_client.cli", "-v", "replicator", *self.args]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import http.client
 import http.server
 import os
@@ -12,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -102,6 +105,21 @@ class Emulator:
         self._log.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A time-based fault of :class:`FaultProxy`: every request matching ``match`` from ``start`` to ``end``
+    (``time.monotonic()``) is answered ``status`` (``kind`` "storm", with ``Retry-After`` when
+    ``retry_after`` is set), or stalled: ``kind`` "stall" sends nothing, "stall-body" the headers and half
+    the body; either holds the connection until the window ends, then closes it."""
+
+    kind: str
+    start: float
+    end: float
+    match: str = ""
+    status: int = 503
+    retry_after: float | None = None
+
+
 class FaultProxy:
     """HTTP proxy on 127.0.0.1 in front of an emulator that injects faults into chosen requests.
 
@@ -120,6 +138,9 @@ class FaultProxy:
         self._lock = threading.Lock()
         self.injected: list[str] = []
         self.requests = 0
+        self.public_host = "127.0.0.1"  # the host in rewritten Location headers (NetnsFaultProxy: its address)
+        self._windows: list[Window] = []
+        self.log: list[tuple[float, str, str, str]] = []  # (monotonic time, client, "METHOD path", window kind)
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -131,6 +152,10 @@ class FaultProxy:
             def _handle(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 fault = proxy._take(f"{self.command} {self.path}")
+                window = proxy._in_window(f"{self.command} {self.path}", self.client_address[0])
+                if window is not None and window.kind != "stall-body":
+                    proxy._answer_window(self, window)
+                    return
                 if fault == "503":
                     self._reply(
                         503,
@@ -155,8 +180,11 @@ class FaultProxy:
                 for k, v in resp.getheaders():
                     if k.lower() in ("transfer-encoding", "connection", "content-length"):
                         continue
-                    out[k] = v.replace(f"127.0.0.1:{proxy.upstream_port}", f"127.0.0.1:{proxy.port}")
+                    out[k] = v.replace(f"127.0.0.1:{proxy.upstream_port}", f"{proxy.public_host}:{proxy.port}")
                 conn.close()
+                if window is not None:  # "stall-body": the headers and half the body, then nothing
+                    proxy._stall_mid_body(self, resp.status, out, data, window)
+                    return
                 if fault == "late":
                     time.sleep(proxy.late_seconds)
                 try:
@@ -199,9 +227,125 @@ class FaultProxy:
         with self._lock:
             return sum(f[1] for f in self._faults)
 
+    # ------------------------------------------------------------------ time-based faults (issue #33)
+
+    def storm(self, status: int, seconds: float, match: str = "", retry_after: float | None = None) -> Window:
+        """Every request matching ``match`` answered ``status`` (429, 503, ...) for ``seconds`` from now."""
+        now = time.monotonic()
+        w = Window("storm", now, now + seconds, match, status, retry_after)
+        with self._lock:
+            self._windows.append(w)
+        return w
+
+    def stall(self, seconds: float, match: str = "", mid_body: bool = False) -> Window:
+        """Every request matching ``match`` accepted and left unanswered (``mid_body``: answered with the
+        headers and half the body) until ``seconds`` from now, when its connection is closed."""
+        now = time.monotonic()
+        w = Window("stall-body" if mid_body else "stall", now, now + seconds, match)
+        with self._lock:
+            self._windows.append(w)
+        return w
+
+    def end_windows(self) -> None:
+        """Every time-based fault over now (requests still held are released at their window's end)."""
+        with self._lock:
+            self._windows.clear()
+
+    def requests_in(self, window: Window, match: str = "") -> list[tuple[float, str, str, str]]:
+        """The requests that arrived during ``window`` (whose "METHOD path" contains ``match``)."""
+        with self._lock:
+            return [r for r in self.log if window.start <= r[0] <= window.end and match in r[2]]
+
+    def _in_window(self, request: str, client: str) -> Window | None:
+        now = time.monotonic()
+        with self._lock:
+            hit = next((w for w in self._windows if w.start <= now < w.end and w.match in request), None)
+            self.log.append((now, client, request, hit.kind if hit else ""))
+        return hit
+
+    @staticmethod
+    def _answer_window(handler: http.server.BaseHTTPRequestHandler, w: Window) -> None:
+        if w.kind == "storm":
+            headers = {"Content-Type": "application/json"}
+            if w.retry_after is not None:
+                headers["Retry-After"] = f"{w.retry_after:g}"
+            body = b'{"error":{"code":%d,"message":"injected storm"}}' % w.status
+            try:
+                handler._reply(w.status, headers, body)  # type: ignore[attr-defined]
+            except OSError:
+                pass
+            return
+        time.sleep(max(0.0, w.end - time.monotonic()))  # "stall": nothing at all
+        handler.close_connection = True
+        with contextlib.suppress(OSError):
+            handler.connection.shutdown(socket.SHUT_RDWR)
+
+    @staticmethod
+    def _stall_mid_body(handler: http.server.BaseHTTPRequestHandler, status: int, headers: dict[str, str],
+                        data: bytes, w: Window) -> None:
+        handler.close_connection = True
+        try:
+            handler.send_response(status)
+            for k, v in headers.items():
+                handler.send_header(k, v)
+            handler.send_header("Content-Length", str(len(data)))
+            handler.end_headers()
+            handler.wfile.write(data[: len(data) // 2])
+            handler.wfile.flush()
+            time.sleep(max(0.0, w.end - time.monotonic()))
+            handler.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # the client gave up first (that was the point)
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+@contextlib.contextmanager
+def in_netns(name: str) -> Iterator[None]:
+    """The calling thread in network namespace ``name`` (``ip netns``) for the block, then back in its own.
+    Sockets made inside stay in ``name``; threads started inside inherit it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(target, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
+        try:
+            yield
+        finally:
+            if libc.setns(own, _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns back")
+    finally:
+        os.close(own)
+        os.close(target)
+
+
+class NetnsFaultProxy(FaultProxy):
+    """A :class:`FaultProxy` listening on ``host`` inside network namespace ``ns`` (e.g. the fault tests'
+    bridge namespace, where every test host reaches it), in front of an emulator on this process's own
+    loopback: only the listening socket is in ``ns``; the threads serving it, and their connections to
+    the emulator, stay in this process's namespace."""
+
+    def __init__(self, upstream_port: int, ns: str, host: str, late_seconds: float = 2.0):
+        super().__init__(upstream_port, late_seconds)
+        handler = self.server.RequestHandlerClass
+        self.close()
+        with in_netns(ns):
+            server = http.server.ThreadingHTTPServer((host, 0), handler)
+        server.daemon_threads = True
+        self.server = server
+        self.public_host = host
+        self.port = server.server_address[1]
+        self.url = f"http://{host}:{self.port}"
+        self._thread = threading.Thread(target=server.serve_forever, daemon=True)
+        self._thread.start()
 
 
 BACKENDS = ["file", "memory", "gcs-fake", "gcs-emulator", "fsspec-memory"]

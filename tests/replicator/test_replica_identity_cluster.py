@@ -34,7 +34,10 @@ def test_restored_host_keeps_the_replica_proof_when_the_replica_slice_is_replace
     cl.wipe(0)
     cl.start(0)
     assert_equal(trees[4], mgr.restore(None, target(trees[4])))
-    assert 4 in commit.committed_steps(cl.ram(0) / "peer" / "2"), "rank 0 was not restored from rank 2's data"
+    # The restore may have read rank 2's data through the replicator while host 0's own restore task was
+    # still landing it (the read does not wait for the landing): wait for the kept copy, bounded.
+    wait_for(lambda: 4 in commit.committed_steps(cl.ram(0) / "peer" / "2"), timeout=30,
+             what="rank 0 restored from rank 2's data and kept as its copy")
     assert commit.committed_steps(cl.ram(0) / "steps") == []
     mgr.close()
 

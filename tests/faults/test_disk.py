@@ -1,0 +1,169 @@
+"""Faults of the RAM disk (issue #33): real I/O errors at byte N of a write and of a read, served by a FUSE
+filesystem (tests/kits/faultfs.py) under host 3's RAM dir, and a small tmpfs there filled by bytes or by
+files -- while the rig's daemons copy, serve and back up and its trainer saves every second
+(tests/kits/fault_rig.py). Each case runs as the rig's cases do (fault, keep saving, clear, progress,
+restore, history checked); the saves of host 3 that the fault must fail are checked for their error and
+taken out of the history, any other failure stays a violation. ``make test-faults``; needs root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar import layout, reader
+from sidecar.remote import ReplicatorFetcher
+from tests.kits import faultfs, faultnet
+from tests.kits.fault_cluster import NODES, check_copy, step_bytes
+from tests.kits.fault_history import Case
+from tests.kits.fault_rig import Rig, assert_passed
+
+pytestmark = [pytest.mark.faults,
+              pytest.mark.skipif(bool(faultnet.available() or faultfs.available()),
+                                 reason=faultnet.available() or faultfs.available() or "available")]
+
+DISK = 3  # the host whose RAM disk fails; its peer (the other slice's rank 1) copies to it and from it
+FAULT_SECONDS = 6.0  # a disk fault needs no host-lost timing: a few saves fail, then it is cleared
+AT_BYTE = 20_000  # inside the first 64 KiB write of a shard (the trainer's steps are 64 KiB a rank)
+TMPFS_BYTES = 16 << 20
+TMPFS_INODES = 4000
+
+
+@pytest.fixture
+def disk_rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Rig, object]]:
+    """The rig with host 3's RAM dir on a faultfs mount (``fuse``) or a small tmpfs (``tmpfs``), made before
+    the daemons start and unmounted after they stopped, even on failure."""
+    faultnet.reap_stale()
+    ram = tmp_path / "ram" / str(DISK)
+    with contextlib.ExitStack() as stack:
+        disk: object
+        if request.param == "fuse":
+            disk = stack.enter_context(faultfs.FaultMount(tmp_path / "backing", ram, tmp_path / "faultfs.json"))
+        else:
+            disk = stack.enter_context(faultfs.Tmpfs(ram, TMPFS_BYTES, TMPFS_INODES))
+        net = stack.enter_context(faultnet.FaultNetwork(NODES))
+        r = Rig(net, tmp_path)
+        try:
+            r.start()
+            yield r, disk
+        finally:
+            r.trainer.stop()
+            r.cluster.stop()
+
+
+def _run(rig: Rig, name: str, fault: Callable[[], None], clear: Callable[[], None]) -> tuple[Case, float]:
+    """The rig's case with the disk fault cleared right after the (no-op) network heal; returns the case and
+    when the fault was cleared (a save started before then may still meet it)."""
+    cleared: list[float] = []
+
+    def after_heal() -> None:
+        clear()
+        cleared.append(time.monotonic())
+
+    case = rig.run_case(name, fault, cut_seconds=FAULT_SECONDS, after_heal=after_heal)
+    return case, cleared[0]
+
+
+def _expected_failures(case: Case, t_clear: float, pattern: str) -> list[int]:
+    """Take host 3's saves that failed as ``pattern`` says while the fault was on out of the history (the
+    fault's expected outcome); the steps they were. Any other failure stays for the checker."""
+    failed, kept = [], []
+    for s in case.saves:
+        if not s["ok"] and case.t_cut <= s["t"] <= t_clear and re.fullmatch(pattern, s["error"]):
+            failed.append(s["step"])
+        else:
+            kept.append(s)
+    case.saves = kept
+    if not failed:
+        case.extra.append(f"no save failed with {pattern!r} while the fault was on")
+    return failed
+
+
+def _nothing_half_visible(rig: Rig, failed: list[int]) -> list[str]:
+    """No committed step directory of a failed save on host 3, no temporary directory left on its disk."""
+    ram = rig.cluster.ram(DISK)
+    out = [f"step {s} failed on host {DISK} but is committed there" for s in failed if s in rig.cluster.committed(DISK)]
+    tmp = [str(p.relative_to(ram)) for p in [*ram.glob(f"{layout.STEPS_DIR}/{layout.TMP_PREFIX}*"),
+                                             *ram.glob(f"{layout.PEER_DIR}/*/{layout.TMP_PREFIX}*")]]
+    if tmp:
+        out.append(f"temporary directories left on host {DISK}'s RAM disk: {tmp}")
+    return out
+
+
+def _fired(mount: faultfs.FaultMount, op: str, at: int) -> list[str]:
+    hits = [h for h in mount.hit_records() if h["op"] == op]
+    if not hits:
+        return [f"the {op} fault never fired"]
+    if op != "create" and min(h["offset"] for h in hits) != at:
+        return [f"the {op} fault fired first at byte {min(h['offset'] for h in hits)}, not {at}"]
+    return []
+
+
+@pytest.mark.parametrize("disk_rig", ["fuse"], indirect=True)
+@pytest.mark.parametrize("err", ["EIO", "ENOSPC"])
+def test_a_write_error_at_byte_n_fails_the_save_cleanly(disk_rig: tuple[Rig, faultfs.FaultMount], err: str) -> None:
+    """Host 3's shard writes fail at byte N: each save there fails with an OSError of that errno naming the
+    step and the RAM disk; no step of a failed save is committed, no temporary directory stays; once the
+    disk writes again the job saves, completes and restores a newer step."""
+    rig, mount = disk_rig
+    ram = rig.cluster.ram(DISK)
+    rule = {"op": "write", "glob": f"{layout.STEPS_DIR}/{layout.TMP_PREFIX}*/*.bin", "at": AT_BYTE, "errno": err}
+    case, t_clear = _run(rig, f"disk-write-{err.lower()}-at-byte-n", lambda: mount.set([rule]),
+                         lambda: mount.set([]))
+    what = r"\[Errno 5\] Input/output error" if err == "EIO" else r"\[Errno 28\] RAM disk full"
+    failed = _expected_failures(case, t_clear, rf"rank {DISK}: OSError: {what} while writing step \d+ to "
+                                               rf"{re.escape(str(ram))}.*")
+    case.extra += _nothing_half_visible(rig, failed) + _fired(mount, "write", AT_BYTE)
+    assert_passed(rig, case)
+
+
+@pytest.mark.parametrize("disk_rig", ["fuse"], indirect=True)
+def test_a_read_error_at_byte_n_of_a_committed_copy_heals_from_the_peer(
+        disk_rig: tuple[Rig, faultfs.FaultMount]) -> None:
+    """Host 3's committed shard file of a redundant step S reads EIO from byte N on. The sidecar's reader
+    restoring S on host 3 returns nothing unverified: it drops the copy and reads rank 3's data of S from the
+    other tier (the peer copy, fetched by host 3's replicator) -- bit-exact, the local copy replaced by a good
+    one. Meanwhile the job saves on; afterwards it completes and restores a newer step."""
+    rig, mount = disk_rig
+    ram, backing = rig.cluster.ram(DISK), Path(mount.backing)
+    got: dict[str, object] = {}
+
+    def fault() -> None:
+        step = rig.trainer.step  # redundant: quiesced
+        shard = layout.shard_file_name(0, 0)
+        ino = os.stat(backing / layout.STEPS_DIR / str(step) / shard).st_ino
+        mount.set([{"op": "read", "glob": f"{layout.STEPS_DIR}/{step}/{shard}", "at": AT_BYTE, "errno": "EIO",
+                    "inodes": [ino]}])
+        got.update(step=step, ino=ino)
+        src = reader.StepSource(step, [ram], fetcher=ReplicatorFetcher(ram, 60.0), drop_bad=True, own_rank=DISK)
+        try:
+            nbytes = rig.trainer.nbytes
+            data = src.assemble("w", ((0, nbytes),))
+            got["exact"] = bytes(data) == step_bytes(DISK, step, nbytes).tobytes()
+        except Exception as e:  # recorded as a violation below
+            got["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            src.close()
+
+    case, _ = _run(rig, "disk-read-eio-at-byte-n", fault, lambda: mount.set([]))
+    step = got["step"]
+    if "error" in got:
+        case.extra.append(f"restoring step {step} on host {DISK} failed: {got['error']}")
+    elif not got.get("exact"):
+        case.extra.append(f"restoring step {step} on host {DISK} returned other bytes than saved")
+    case.extra += _fired(mount, "read", AT_BYTE)
+    local = ram / layout.STEPS_DIR / str(step)
+    if local.exists():
+        try:
+            check_copy(local, DISK, int(str(step)))
+            if os.stat(backing / layout.STEPS_DIR / str(step) / layout.shard_file_name(0, 0)).st_ino == got["ino"]:
+                case.extra.append(f"host {DISK}'s bad copy of step {step} is still the one committed")
+        except FileNotFoundError:
+            pass  # deleted since by retention
+    assert_passed(rig, case)

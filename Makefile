@@ -28,10 +28,13 @@ test: $(STAMP)
 # bridge in another (tests/faults; root, ip, iptables, tc; ~2.5 min): partitions and a slow link, healed, then
 # checked by a history checker that prints one JSON line (docs/testing.md, "Network faults"). No reruns:
 # a flaky fault test is a finding.
+# RAM-disk faults: a FUSE filesystem (Debian fuse3, PyPI mfusepy) and small tmpfs mounts of the test's own.
 test-faults: $(STAMP)
 	command -v ip >/dev/null && command -v tc >/dev/null && command -v iptables >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	      iproute2 iptables >/dev/null; }
+	command -v fusermount3 >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install \
+	  -y -qq --no-install-recommends fuse3 >/dev/null; }
 	$(PY) -m pytest -q -rfER -p no:cacheprovider -m faults tests/faults
 
 # Real builds of Dockerfile.replicator and Dockerfile.sidecar with Debian's buildah (vfs, chroot isolation)

@@ -10,7 +10,7 @@ changes, so a test arms and clears them while daemons work on the mount:
 
 - ``write``: a write to a file whose path (relative to the mount, ``fnmatch``) matches ``glob`` writes the
   bytes before offset ``at`` and fails with ``errno`` from there on (a short write, then the error);
-- ``read``: a read covering byte ``at`` or beyond of a matching file returns the bytes before it, then fails;
+- ``read``: a read of a matching file that covers byte ``at`` or any beyond fails (the whole request);
   ``inodes`` (optional) limits the rule to those backing inode numbers (one bad copy of a file: a rewritten
   file with the same name reads well);
 - ``create``: creating a matching file or directory fails (a full file table).
@@ -72,11 +72,11 @@ class Rules:
                 return r
         return None
 
-    def hit(self, rule: dict[str, Any], path: str, offset: int) -> int:
+    def hit(self, rule: dict[str, Any], path: str, offset: int, size: int = 0) -> int:
         err = getattr(errno, rule["errno"])
         with self._lock, open(self.hits, "a") as f:
             f.write(json.dumps({"t": time.time(), "op": rule["op"], "path": path.lstrip("/"), "offset": offset,
-                                "errno": rule["errno"]}) + "\n")
+                                "size": size, "errno": rule["errno"]}) + "\n")
         return err
 
 
@@ -183,9 +183,9 @@ def _serve(backing: str, mountpoint: str, control: str) -> None:
         def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
             rule = rules.match("read", path, os.fstat(fh).st_ino)
             if rule is not None and offset + size > rule["at"]:
-                if offset >= rule["at"]:
-                    raise mfusepy.FuseOSError(rules.hit(rule, path, offset))
-                size = rule["at"] - offset  # the bytes before the bad one; the next read fails
+                # The whole request fails: a short read would be taken for the end of the file (FUSE then
+                # shrinks its idea of the file's size, and sendfile sees EOF, not an error).
+                raise mfusepy.FuseOSError(rules.hit(rule, path, offset, size))
             return os.pread(fh, size, offset)
 
         def write(self, path: str, data: bytes, offset: int, fh: int) -> int:

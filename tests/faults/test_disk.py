@@ -21,7 +21,7 @@ from sidecar import layout, reader
 from sidecar.remote import ReplicatorFetcher
 from tests.kits import faultfs, faultnet
 from tests.kits.fault_cluster import NODES, check_copy, step_bytes
-from tests.kits.fault_history import Case
+from tests.kits.fault_history import SUMMARY, Case
 from tests.kits.fault_rig import Rig, assert_passed
 
 pytestmark = [pytest.mark.faults,
@@ -245,3 +245,76 @@ def test_a_read_error_at_byte_n_while_serving_a_peer_copy_commits_no_bad_copy(
     if not [d for d in peer.glob("[0-9]*") if int(d.name) > before[0]]:
         case.extra.append(f"no copy of rank {DISK}'s steps after {before[0]} landed on host {PEER}")
     assert_passed(rig, case)
+
+
+def test_a_jax_save_through_the_manager_meets_a_write_error_then_a_read_error(tmp_path: Path) -> None:
+    """A real JAX save through ``CheckpointManager`` (4 simulated hosts, local dirs on a faultfs mount):
+    host 3's shard writes fail with EIO at byte N, so ``wait_until_finished`` raises ``SaveError`` naming
+    the step and host 3's RAM disk, no step of it is listed, host 3 has no temporary directory; once cleared the
+    next save succeeds. Then host 3's committed files of it read EIO from byte N on: the restore returns the
+    saved values bit-exact (from the other slice's copy) or fails with a clear error, never other bytes."""
+    jax = pytest.importorskip("jax")
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from controller_client.manager import CheckpointManager, CheckpointManagerOptions
+    from controller_client.topology import HostTopology
+    from sidecar.writer import SaveError
+
+    violations: list[str] = []
+    with faultfs.FaultMount(tmp_path / "backing", tmp_path / "mnt", tmp_path / "faultfs.json") as mount:
+        devs = jax.devices()
+        if len(devs) < 8:
+            pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+        mesh = Mesh(np.array(devs).reshape(2, 4), ("a", "b"))
+        rng = np.random.default_rng(0)
+        # 512 KiB a shard: files below the reader's 1 MiB mapping threshold (an mmap'd bad page is a SIGBUS).
+        tree = {"w": jax.device_put(rng.standard_normal((256, 2048)).astype(np.float32),
+                                    NamedSharding(mesh, P(None, "b")))}
+        opts = CheckpointManagerOptions(local_directory=str(tmp_path / "mnt" / "{host}"), job_name="t")
+        topo = HostTopology.simulated(devs, slices=2, hosts_per_slice=2)
+        ram3 = tmp_path / "mnt" / str(DISK)
+        with CheckpointManager(opts, devices=devs, topology=topo) as mgr:
+            mgr.save(1, tree)
+            mgr.wait_until_finished()
+            mount.set([{"op": "write", "glob": f"{DISK}/{layout.STEPS_DIR}/{layout.TMP_PREFIX}*/*.bin",
+                        "at": AT_BYTE, "errno": "EIO"}])
+            try:
+                mgr.save(2, tree)
+                mgr.wait_until_finished()
+                violations.append("the save of step 2 on a failing disk succeeded")
+            except SaveError as e:
+                if not re.search(rf"Input/output error while writing step 2 to {re.escape(str(ram3))}", str(e)):
+                    violations.append(f"the save's error names neither the step nor the disk: {e}")
+            mount.set([])
+            t_clear = time.monotonic()
+            if 2 in mgr.all_steps():
+                violations.append(f"step 2 listed after its save failed: {mgr.all_steps()}")
+            left = sorted(os.listdir(ram3 / layout.STEPS_DIR))
+            if left != ["1"]:
+                violations.append(f"host {DISK}'s steps after the failed save: {left}")
+            violations += _fired(mount, "write", AT_BYTE)
+            mgr.save(3, tree)
+            mgr.wait_until_finished()
+            progress = time.monotonic() - t_clear
+            if 3 not in mgr.all_steps():
+                violations.append(f"the save after the fault did not commit: {mgr.all_steps()}")
+            back = tmp_path / "backing" / str(DISK) / layout.STEPS_DIR / "3"
+            inodes = [os.stat(f).st_ino for f in back.glob("*.bin")]
+            mount.set([{"op": "read", "glob": f"{DISK}/{layout.STEPS_DIR}/3/*.bin", "at": AT_BYTE, "errno": "EIO",
+                        "inodes": inodes}])
+            target = {"w": jax.ShapeDtypeStruct(tree["w"].shape, tree["w"].dtype, sharding=tree["w"].sharding)}
+            try:
+                got = mgr.restore(3, target)
+                if not np.array_equal(np.asarray(got["w"]), np.asarray(tree["w"])):
+                    violations.append("the restore returned other values than saved")
+                print(f"restore of step 3 with host {DISK}'s files failing: bit-exact")
+            except Exception as e:  # a clear error is allowed (printed for the run's log)
+                print(f"restore of step 3 with host {DISK}'s files failing: {type(e).__name__}: {e}")
+                if "Input/output error" not in str(e) and "bad copy" not in str(e).lower():
+                    violations.append(f"the restore failed without naming the I/O error: {type(e).__name__}: {e}")
+            mount.set([])
+            violations += _fired(mount, "read", AT_BYTE)
+    SUMMARY.add("disk-jax-save-and-restore", violations, progress)
+    assert not violations, violations

@@ -141,10 +141,11 @@ def test_a_read_error_at_byte_n_of_a_committed_copy_heals_from_the_peer(
     def fault() -> None:
         step = rig.trainer.step  # redundant: quiesced
         shard = layout.shard_file_name(0, 0)
-        ino = os.stat(backing / layout.STEPS_DIR / str(step) / shard).st_ino
+        st = os.stat(backing / layout.STEPS_DIR / str(step) / shard)
+        bad = [st.st_ino, st.st_mtime_ns]
         mount.set([{"op": "read", "glob": f"{layout.STEPS_DIR}/{step}/{shard}", "at": AT_BYTE, "errno": "EIO",
-                    "inodes": [ino]}])
-        got.update(step=step, ino=ino)
+                    "files": [bad]}])
+        got["step"] = step
         src = reader.StepSource(step, [ram], fetcher=ReplicatorFetcher(ram, 60.0), drop_bad=True, own_rank=DISK)
         try:
             nbytes = rig.trainer.nbytes
@@ -159,7 +160,8 @@ def test_a_read_error_at_byte_n_of_a_committed_copy_heals_from_the_peer(
             src.close()
         # Healed: host 3's own copy of the step is a good one again, another file than the bad one.
         try:
-            healed = os.stat(backing / layout.STEPS_DIR / str(step) / shard).st_ino != ino
+            now = os.stat(backing / layout.STEPS_DIR / str(step) / shard)
+            healed = [now.st_ino, now.st_mtime_ns] != bad
             check_copy(ram / layout.STEPS_DIR / str(step), DISK, step)
             got["healed"] = healed
         except (AssertionError, OSError, ValueError) as e:
@@ -235,8 +237,7 @@ def test_a_read_error_at_byte_n_while_serving_a_peer_copy_commits_no_bad_copy(
 
     def fault() -> None:
         before.append(rig.trainer.step)
-        mount.set([{"op": "read", "glob": f"{layout.STEPS_DIR}/*/*.bin", "at": AT_BYTE, "errno": "EIO",
-                    "inodes": []}])
+        mount.set([{"op": "read", "glob": f"{layout.STEPS_DIR}/*/*.bin", "at": AT_BYTE, "errno": "EIO"}])
 
     case, _ = _run(rig, "disk-read-eio-while-serving", fault, lambda: mount.set([]))
     case.extra += _fired(mount, "read", AT_BYTE) + _nothing_half_visible(rig, []) + _progress_during(case)
@@ -301,9 +302,9 @@ def test_a_jax_save_through_the_manager_meets_a_write_error_then_a_read_error(tm
             if 3 not in mgr.all_steps():
                 violations.append(f"the save after the fault did not commit: {mgr.all_steps()}")
             back = tmp_path / "backing" / str(DISK) / layout.STEPS_DIR / "3"
-            inodes = [os.stat(f).st_ino for f in back.glob("*.bin")]
+            files = [[(st := os.stat(f)).st_ino, st.st_mtime_ns] for f in back.glob("*.bin")]
             mount.set([{"op": "read", "glob": f"{DISK}/{layout.STEPS_DIR}/3/*.bin", "at": AT_BYTE, "errno": "EIO",
-                        "inodes": inodes}])
+                        "files": files}])
             target = {"w": jax.ShapeDtypeStruct(tree["w"].shape, tree["w"].dtype, sharding=tree["w"].sharding)}
             try:
                 got = mgr.restore(3, target)

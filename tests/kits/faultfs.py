@@ -6,13 +6,13 @@ PyPI ``mfusepy``; Debian ``fuse3``). The faults are rules in the JSON file CONTR
 changes, so a test arms and clears them while daemons work on the mount:
 
 ``{"op": "write" | "read" | "create", "glob": "steps/.tmp-*/*", "at": N, "errno": "EIO" | "ENOSPC",
-"inodes": [...]}``
+"files": [[ino, mtime_ns], ...]}``
 
 - ``write``: a write to a file whose path (relative to the mount, ``fnmatch``) matches ``glob`` writes the
   bytes before offset ``at`` and fails with ``errno`` from there on (a short write, then the error);
 - ``read``: a read of a matching file that covers byte ``at`` or any beyond fails (the whole request);
-  ``inodes`` (optional) limits the rule to those backing inode numbers (one bad copy of a file: a rewritten
-  file with the same name reads well);
+  ``files`` (optional) limits the rule to those backing files, by inode number and mtime (one bad copy of a
+  file: a rewritten file with the same name reads well, even where the filesystem reuses the inode number);
 - ``create``: creating a matching file or directory fails (a full file table).
 
 Each error served is appended as a JSON line to ``CONTROL.hits``, so a test can tell that its fault fired.
@@ -64,11 +64,11 @@ class Rules:
                 self._stamp = stamp
             return self._rules
 
-    def match(self, op: str, path: str, ino: int | None = None) -> dict[str, Any] | None:
+    def match(self, op: str, path: str, st: os.stat_result | None = None) -> dict[str, Any] | None:
         rel = path.lstrip("/")
         for r in self.current():
             if r["op"] == op and fnmatch.fnmatchcase(rel, r.get("glob", "*")) and (
-                    ino is None or not r.get("inodes") or ino in r["inodes"]):
+                    st is None or not r.get("files") or [st.st_ino, st.st_mtime_ns] in r["files"]):
                 return r
         return None
 
@@ -181,7 +181,7 @@ def _serve(backing: str, mountpoint: str, control: str) -> None:
             return os.open(self._b(path), flags | os.O_CREAT, mode)
 
         def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-            rule = rules.match("read", path, os.fstat(fh).st_ino)
+            rule = rules.match("read", path, os.fstat(fh))
             if rule is not None and offset + size > rule["at"]:
                 # The whole request fails: a short read would be taken for the end of the file (FUSE then
                 # shrinks its idea of the file's size, and sendfile sees EOF, not an error).

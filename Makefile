@@ -25,14 +25,18 @@ test: $(STAMP)
 	$(PY) -m pytest -q -rfER -n 2 -m "not image and not faults" tests
 
 # Network faults against real replicators, each host in a network namespace of the test's own joined by a
-# bridge in another (tests/faults; root, ip, iptables, tc; ~2.5 min): partitions and a slow link, healed, then
+# bridge in another (tests/faults; root, ip, iptables, tc; ~15 min): partitions, lossy/slow links, disk, memory
+# and bucket faults, healed, then
 # checked by a history checker that prints one JSON line (docs/testing.md, "Network faults"). No reruns:
 # a flaky fault test is a finding. The memory cases (tests/faults/test_memory.py) also make a memory cgroup
 # (v1 or v2) and a tmpfs of their own, removed at teardown; skipped when there is no memory controller.
+# RAM-disk faults: a FUSE filesystem (Debian fuse3, PyPI mfusepy) and small tmpfs mounts of the test's own.
 test-faults: $(STAMP)
 	command -v ip >/dev/null && command -v tc >/dev/null && command -v iptables >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	      iproute2 iptables >/dev/null; }
+	command -v fusermount3 >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install \
+	  -y -qq --no-install-recommends fuse3 >/dev/null; }
 	$(PY) -m pytest -q -rfER -p no:cacheprovider -m faults tests/faults
 
 # Real builds of Dockerfile.replicator and Dockerfile.sidecar with Debian's buildah (vfs, chroot isolation)

@@ -106,6 +106,18 @@ def _write_file(path: Path, data: np.ndarray) -> tuple[int, tuple[int, ...]]:
     return checksums.crc32c(flat), ()
 
 
+def _naming_the_disk(e: OSError, hs: HostStep) -> OSError:
+    """``e`` as an error that names the step and the RAM disk. A failing ``pwrite``/``fsync`` names neither
+    (``[Errno 5] Input/output error``): the same errno, hence the same OSError subclass, with the words added.
+    Errors that name a file already, and the project's own OSError types, are kept as they are."""
+    if e.errno == errno.ENOSPC and "RAM disk full" not in str(e):
+        return OSError(errno.ENOSPC, f"RAM disk full while writing step {hs.step} to {hs.root}: {e}")
+    if e.errno is not None and e.filename is None and type(e).__module__ == "builtins" \
+            and str(hs.root) not in str(e):
+        return OSError(e.errno, f"{e.strerror or e} while writing step {hs.step} to {hs.root}")
+    return e
+
+
 def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
     """Write ``hs`` under a temporary directory and commit it as ``<root>/steps/<step>``.
 
@@ -170,9 +182,10 @@ def write_step(hs: HostStep, threads: int = 2) -> layout.StepManifest:
         shutil.rmtree(tmp, ignore_errors=True)
         if e.errno == errno.ENOSPC:  # the recycled pages were not enough: give them back for the retry
             spares.drop_spares(spares.spare_dir(hs.root))
-        if e.errno == errno.ENOSPC and "RAM disk full" not in str(e):
-            raise OSError(errno.ENOSPC, f"RAM disk full while writing step {hs.step} to {hs.root}: {e}") from e
-        raise
+        named = _naming_the_disk(e, hs)
+        if named is e:
+            raise
+        raise named from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

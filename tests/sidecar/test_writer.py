@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sidecar import checksums, layout, spares, writer
 
@@ -148,3 +149,22 @@ def test_no_pool_is_filled_while_a_restore_runs_in_the_process(tmp_path: Path) -
     finally:
         w.close()
     assert spares.prewarm(spares.spare_dir(root), [2 << 20], free_bytes=1 << 30) == 2 << 20
+
+
+def test_an_io_error_mid_write_names_the_step_and_the_disk_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    """A failing write (EIO from the device) keeps its errno and OSError type but says which step and which
+    RAM disk it was writing: the bare ``[Errno 5] Input/output error`` of ``pwrite`` named neither. (Real
+    I/O errors at byte N from a FUSE filesystem: tests/faults/test_disk.py.)"""
+    root = tmp_path / "ram"
+    writer.write_step(_hs(root, 1, 1.0))
+
+    def eio(fd: int, data: object, offset: int) -> int:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(writer.os, "pwrite", eio)
+    with pytest.raises(OSError) as raised:
+        writer.write_step(_hs(root, 2, 2.0))
+    err = raised.value
+    assert type(err) is OSError and err.errno == 5
+    assert str(root) in str(err) and "step 2" in str(err) and "Input/output error" in str(err)
+    assert sorted(os.listdir(layout.steps_dir(root))) == ["1"]  # no step 2, no temporary directory

@@ -23,6 +23,8 @@ import time
 import uuid
 from pathlib import Path
 
+from tests.kits.faultnet import pid_alive
+
 ROOT = Path("/sys/fs/cgroup")
 V1 = ROOT / "memory"
 _OURS = re.compile(r"^mtc-test-(\d+)-[0-9a-f]{6}$")
@@ -57,16 +59,6 @@ def available() -> str:
     return ""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def reap_stale() -> list[str]:
     """Remove the empty groups an earlier run (a process no longer alive) left behind. Returns their names."""
     base = _base()
@@ -75,7 +67,7 @@ def reap_stale() -> list[str]:
     gone = []
     for d in base[0].iterdir():
         m = _OURS.match(d.name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             with contextlib.suppress(OSError):
                 d.rmdir()
                 gone.append(d.name)

@@ -39,7 +39,8 @@ def _run(argv: Sequence[str], check: bool = True) -> str:
     return res.stdout
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a run's owner, for reaping what a killed run left)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -57,7 +58,7 @@ def reap_stale() -> list[str]:
     for line in _run(["ip", "netns", "list"], check=False).splitlines():
         name = line.split()[0] if line.split() else ""
         m = _OURS.match(name)
-        if not m or _alive(int(m.group(1))):
+        if not m or pid_alive(int(m.group(1))):
             continue
         for pid in _run(["ip", "netns", "pids", name], check=False).split():
             with contextlib.suppress(ProcessLookupError, ValueError):

@@ -538,8 +538,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             # Bounded in heartbeats: a host silent that long is declared lost and not waited for.
             wait = min(max(0.0, request.wait_seconds), self.lost_after() + 2 * self.heartbeat_interval())
             self._wait(self._clock() + wait, lambda: self._all_reported() and self._reached(request), context)
-            self._check_serving(context)  # every other host fell silent meanwhile: not this one's answer
-            self._check_whole_view(context)
+            self.check_serving(context)  # every other host fell silent meanwhile: not this one's answer
             complete = self.state.globally_complete_steps()
             backed = [s for s in self.state.known_steps() if self.in_bucket(s)]
             served = self._restore.served()  # a forced restore: released once a newer step completes
@@ -629,8 +628,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
         self._check_nodes(request.nodes, context)
         with self._lock:
-            self._check_serving(context)
-            self._check_whole_view(context)
+            self.check_serving(context)
             return self._status(request)
 
     def _status(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:

@@ -87,7 +87,7 @@ class Sim:
         self.coord = Coordinator(self.topo, JOB, keep_local=2, heartbeat_seconds=2.0)
         self.inv: dict[int, list[Holding]] = {}
         self.digest: dict[int, str] = {}
-        self.epoch = 0
+        self.epoch = self.coord.epoch  # the hosts have had one answer (a report counts under its epoch)
         self.ctx = _Ctx()
 
     def beat(self, rank: int, new: list[Holding] | None = None, gone: list[tuple[int, int]] = ()) -> pb.HeartbeatResponse:

@@ -398,7 +398,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                              request.address)
                     self._digest.pop(rank, None)
                 accepted = False
-                if request.full_report:
+                if request.known_epoch != self.epoch:
+                    # The host has not accepted our epoch yet: it may still act on another candidate's orders
+                    # (our answer lost, it went back to that one), so its pieces count for nothing here until
+                    # it reports again under our epoch, which it learns from this answer (issue #33, seed
+                    # 46583 of tests/simulation: two candidates counting and deleting one host's pieces).
+                    pass
+                elif request.full_report:
                     st.report_inventory(rank, holdings, request.incarnation)
                     accepted = True
                 elif st.is_reported(rank) and request.base_digest == self._digest.get(rank):

@@ -56,7 +56,11 @@ def beat(stub: pb_grpc.CoordinatorStub, rank: int, step: int = 5, address: str =
                               full_report=True, inventory_digest=f"d{rank}",
                               holdings=[pb.Holding(owner_rank=rank, step=step, content_hash=f"h{rank}", size=10,
                                                    tier=tier_pb2.TIER_LOCAL)])
-    return stub.Heartbeat(req, timeout=10)
+    resp = stub.Heartbeat(req, timeout=10)
+    if resp.acked_digest != req.inventory_digest and resp.epoch != req.known_epoch:
+        req.known_epoch = resp.epoch  # as the daemon does: it reports again under the epoch it just accepted
+        resp = stub.Heartbeat(req, timeout=10)
+    return resp
 
 
 def picture(coord: Coordinator, nodes: int) -> tuple:

@@ -37,7 +37,8 @@ class Clock:
 
 def beat(svc, rank, holdings):
     req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
-                              full_report=True, holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=to_wire(t))
+                              full_report=True, known_epoch=svc.epoch,
+                              holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=to_wire(t))
                                         for o, s, h, t in holdings])
     return svc.Heartbeat(req, Ctx())
 
@@ -145,12 +146,14 @@ def test_bad_copy_with_delta_heartbeats() -> None:
         digests[r] = inventory_digest([Holding(o, s, h, 10, t) for o, s, h, t in RING[r]])
         req = pb.HeartbeatRequest(job="t", rank=r, incarnation=1, address=f"127.0.0.1:{7000 + r}",
                                   full_report=True, inventory_digest=digests[r],
+                                  known_epoch=coord.epoch,
                                   holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=to_wire(t))
                                             for o, s, h, t in RING[r]])
         assert svc.Heartbeat(req, Ctx()).acked_digest == digests[r]
 
     def quiet(r, removed=()):
         req = pb.HeartbeatRequest(job="t", rank=r, incarnation=1, base_digest=digests[r],
+                                  known_epoch=coord.epoch,
                                   inventory_digest=digests[r],
                                   removed=[pb.Deletion(owner_rank=o, step=s) for o, s in removed])
         return svc.Heartbeat(req, Ctx())

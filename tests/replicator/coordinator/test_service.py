@@ -21,7 +21,7 @@ class Ctx:
 
 def beat(coord, rank, holdings):
     req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
-                              newest_saved_step=3, full_report=True,
+                              newest_saved_step=3, full_report=True, known_epoch=coord.epoch,
                               holdings=[pb.Holding(owner_rank=o, step=s, content_hash=h, size=10, tier=to_wire(t))
                                         for o, s, h, t in holdings])
     return coord.Heartbeat(req, Ctx())
@@ -85,15 +85,18 @@ def digest(items):
     return inventory_digest([Holding(o, s, h, 10, t) for o, s, h, t in items])
 
 
-def full(coord, rank, items, epoch=0):
+def full(coord, rank, items, epoch=None):
+    """A full report by a host that accepted ``epoch`` (by default this coordinator's, learnt from an answer)."""
     req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
                               newest_saved_step=-1, full_report=True, holdings=pb_holdings(rank, items),
-                              inventory_digest=digest(items), known_epoch=epoch)
+                              inventory_digest=digest(items),
+                              known_epoch=coord.epoch if epoch is None else epoch)
     return coord.Heartbeat(req, Ctx())
 
 
 def delta(coord, rank, base, items, added=(), removed=(), ctx=None):
     req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, newest_saved_step=-1, base_digest=base,
+                              known_epoch=coord.epoch,
                               inventory_digest=digest(items), holdings=pb_holdings(rank, added),
                               removed=[pb.Deletion(owner_rank=o, step=s) for o, s in removed])
     return coord.Heartbeat(req, ctx or Ctx())
@@ -176,7 +179,7 @@ def test_callers_of_another_node_count_are_sent_to_the_next_candidate():
         with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*serves 4 hosts"):
             getattr(coord, method)(request, Ctx())
     # The same node count, or none said (native hosts, the CLI): served as before.
-    req.nodes, req.known_epoch = 4, 0
+    req.nodes, req.known_epoch = 4, 50
     assert coord.Heartbeat(req, Ctx()).epoch == 50
     for r in (0, 2, 3):  # GetStatus answers once every host reported (issue #33)
         full(coord, r, [])

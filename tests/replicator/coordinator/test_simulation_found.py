@@ -29,7 +29,7 @@ class Clock:
 
 def beat(coord, rank, holdings):
     req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
-                              newest_saved_step=3, full_report=True,
+                              newest_saved_step=3, full_report=True, known_epoch=coord.epoch,
                               holdings=[pb.Holding(owner_rank=rank, step=s, content_hash=f"h{s}.{rank % 2}",
                                                    size=10, tier=tier_pb2.TIER_LOCAL) for s in holdings])
     return coord.Heartbeat(req, Ctx())
@@ -59,6 +59,7 @@ def test_gc_still_runs_with_lost_hosts_once_a_step_is_complete():
     coord = Coordinator(JobTopology(2, 1, 1), "t", keep_local=1, clock=clock, host_lost_seconds=4.0)
     peer = [pb.Holding(owner_rank=1, step=2, content_hash="h2.1", size=10, tier=tier_pb2.TIER_PEER)]
     req = pb.HeartbeatRequest(job="t", rank=0, incarnation=1, address="127.0.0.1:7000", full_report=True,
+                              known_epoch=coord.epoch,
                               holdings=[pb.Holding(owner_rank=0, step=s, content_hash=f"h{s}.0", size=10,
                                                    tier=tier_pb2.TIER_LOCAL) for s in (1, 2)] + peer)
     coord.Heartbeat(req, Ctx())
@@ -87,7 +88,8 @@ def test_pieces_being_deleted_do_not_make_an_older_step_complete():
         if rank == 3 and 1 in steps:  # host 3 attested that its step 1 is rank 1's too (not yet 2 and 3)
             held.append(_holding(1, 1, 1, tier_pb2.TIER_REPLICA, size=0))
         req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=incarnation, address=f"127.0.0.1:{7000 + rank}",
-                                  newest_saved_step=max(steps, default=-1), full_report=True, holdings=held)
+                                  newest_saved_step=max(steps, default=-1), full_report=True,
+                                  known_epoch=coord.epoch, holdings=held)
         return coord.Heartbeat(req, Ctx())
 
     for r in range(4):
@@ -122,7 +124,7 @@ def test_a_rank_restored_from_its_replica_stays_covered_when_the_replica_is_lost
     }
     for r in (0, 1, 2, 3):
         req = pb.HeartbeatRequest(job="t", rank=r, incarnation=7, address=f"127.0.0.1:{7000 + r}",
-                                  full_report=True, holdings=held.get(r, []))
+                                  full_report=True, known_epoch=coord.epoch, holdings=held.get(r, []))
         resp = coord.Heartbeat(req, Ctx())
     st = coord.state
     assert st.newest_complete_step() == 4, st.missing_ranks(4)
@@ -137,6 +139,7 @@ def test_a_rank_restored_from_its_replica_stays_covered_when_the_replica_is_lost
     assert resp.newest_complete_step == 4
     # Without its own record, host 0's copy of rank 2's data proves nothing about rank 0.
     req = pb.HeartbeatRequest(job="t", rank=0, incarnation=7, address="127.0.0.1:7000", full_report=True,
+                              known_epoch=coord.epoch,
                               holdings=held[0][:1])
     coord.Heartbeat(req, Ctx())
     assert st.newest_complete_step() is None and st.missing_ranks(4) == [0]
@@ -154,7 +157,8 @@ def test_no_deletion_of_a_step_newer_than_the_newest_complete_while_hosts_are_lo
 
     def report(rank, steps, extra=()):
         req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
-                                  full_report=True, holdings=[_holding(rank, s, rank % 2) for s in steps])
+                                  full_report=True, known_epoch=coord.epoch,
+                                  holdings=[_holding(rank, s, rank % 2) for s in steps])
         req.holdings.extend(extra)
         return coord.Heartbeat(req, Ctx())
 
@@ -173,3 +177,29 @@ def test_no_deletion_of_a_step_newer_than_the_newest_complete_while_hosts_are_lo
     assert coord.state.newest_complete_step() == 4
     resp = report(0, [1, 2, 3, 4])
     assert sorted((d.owner_rank, d.step) for d in resp.deletions) == [(0, 1), (0, 2)]
+
+
+def test_a_report_counts_only_from_a_host_that_accepted_this_epoch():
+    """complete-is-restorable (simulation seed 46583, issue #33): in a partition host 3's heartbeat reached
+    candidate 0 (epoch 1) and, its answer lost, candidate 1 (epoch 2) in the same beat, whose answer was lost
+    too. Host 3, still under epoch 1, went back to candidate 0 and deleted its copy of rank 1's step 1 on its
+    order, while candidate 1 kept counting that copy: step 1 "complete" with no source of rank 1. A report
+    counts only once the host accepted this coordinator's epoch (it learns it from the answer)."""
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=Clock(), host_lost_seconds=4.0, epoch=2)
+    copy = _holding(1, 1, 1, tier=tier_pb2.TIER_PEER)  # host 3's copy of rank 1's step 1
+
+    def report(rank, known_epoch, extra=()):
+        req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
+                                  full_report=True, known_epoch=known_epoch, inventory_digest=f"d{rank}",
+                                  holdings=[_holding(rank, 1, rank % 2), *extra])
+        return coord.Heartbeat(req, Ctx())
+
+    for r in (0, 2):
+        report(r, 2)
+    resp = report(3, 1, [copy])  # still under candidate 0's epoch: its pieces may go on that one's order
+    assert resp.epoch == 2 and resp.acked_digest == ""  # not acknowledged: it reports again under epoch 2
+    assert not resp.deletions and not resp.copies
+    assert coord.state.newest_complete_step() is None and coord.state.rank_sources(1, 1) == []
+    resp = report(3, 2, [copy])  # it accepted epoch 2: candidate 0's orders no longer reach it
+    assert resp.acked_digest == "d3"
+    assert coord.state.newest_complete_step() == 1

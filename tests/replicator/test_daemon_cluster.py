@@ -225,7 +225,9 @@ def test_a_forged_registration_cannot_lock_a_host_out(cluster_factory):
     real = host1().incarnation
     with grpc.insecure_channel(cl.coordinator) as ch:
         # 2**63 - 1: with clock-ordered incarnations this would have outranked every later restart.
-        forged = cpb.HeartbeatRequest(job="t", rank=1, incarnation=2**63 - 1, full_report=True)
+        # Under the serving epoch (any answer tells it): a report of another epoch counts for nothing.
+        forged = cpb.HeartbeatRequest(job="t", rank=1, incarnation=2**63 - 1, full_report=True,
+                                      known_epoch=client.status().epoch)
         cpb_grpc.CoordinatorStub(ch).Heartbeat(forged, timeout=5)
     assert host1().incarnation == 2**63 - 1 and host1().pieces == 0
     wait_for(lambda: host1().incarnation not in (real, 2**63 - 1) and host1().pieces > 0,

@@ -404,8 +404,10 @@ class Sim:
             h.waiting = True
             delay = self.rng.uniform(0.5, 2.5) if faulty and self.rng.random() < self.cfg.p_answer_delayed else 0.0
             self._at(now + delay, "answer", (h.rank, h.incarnation, resp, digest, current, c))
-            if faulty and net.chance(net.cfg.p_answer_dup):
-                self._at(now + delay + net.rng.uniform(0.0, 0.5), "answer_again", (h.rank, h.incarnation, resp, c))
+            if faulty and net.chance(net.cfg.p_answer_dup) and self.keep_trace:
+                # The network may deliver the answer's packets twice, but a unary gRPC call yields one answer:
+                # the duplicate never reaches the daemon (Heartbeat.beat acts once per call).
+                self.note(f"duplicate answer to host {h.rank} dropped by its gRPC stack")
             return
         self.note(f"beat {h.rank}: no coordinator answers ({last})")
         self._at(now + self.heartbeat_seconds * net.rng.uniform(0.8, 1.2), "beat", (h.rank, h.incarnation))
@@ -507,17 +509,6 @@ class Sim:
             self.note(f"host {rank} ignores the answer of deposed epoch {resp.epoch} < {h.epoch}")
             return
         h.epoch = resp.epoch
-        self._act(h, resp, coord)
-
-    def _ev_answer_again(self, rank: int, inc: int, resp: pb.HeartbeatResponse, coord: Coordinator) -> None:
-        """The same answer delivered a second time: acted on again under the same epoch rule."""
-        h = self.host(rank, inc)
-        if h is None:
-            return
-        if resp.epoch < h.epoch:
-            self.note(f"host {rank} ignores a duplicate answer of epoch {resp.epoch} < {h.epoch}")
-            return
-        self.note(f"host {rank} acts on a duplicate answer of epoch {resp.epoch}")
         self._act(h, resp, coord)
 
     def _act(self, h: Host, resp: pb.HeartbeatResponse, coord: Coordinator) -> None:

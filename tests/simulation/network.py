@@ -11,8 +11,9 @@ What a schedule with the network on models, beyond the reliable-network faults o
 - per-message loss rates (a request lost, an answer lost after the coordinator handled it: the call times
   out, the host tries the next candidate);
 - duplicated delivery: the coordinator handles the same heartbeat twice (now, or after the host's newer
-  ones: an older report handled after a newer one, as a request queued in another server thread can be),
-  and a host acts on the same answer twice (its tasks must be idempotent);
+  ones: an older report handled after a newer one, as a request queued in another server thread can be);
+  a duplicated answer is drawn but reaches no daemon (a unary gRPC call yields one answer, and the daemon
+  acts once per call), so it is only noted in the trace;
 - reordering of answers: a late answer of a timed-out call is dropped (gRPC delivers none once the call
   ended, so the daemon never sees it) and an answer of a lower epoch than the host accepted is ignored
   (``Heartbeat.beat``);
@@ -38,7 +39,7 @@ class NetConfig:
     p_request_lost: float
     p_answer_lost: float
     p_request_dup: float  # the coordinator handles the heartbeat again, 0-2 s later
-    p_answer_dup: float  # the host acts on the answer again
+    p_answer_dup: float  # the answer's packets duplicated (dropped by gRPC: noted only)
     p_partition: float  # of a fault, that it is a partition
 
     @classmethod

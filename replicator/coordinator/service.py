@@ -52,6 +52,9 @@ MAX_HEARTBEATS_PER_SECOND = 200.0
 # Waiters (GetSteps, PrepareRestore) poll the state at this period instead of being woken by every
 # heartbeat (at 10,000 hosts a wake-up per heartbeat would cost more than the heartbeats).
 _POLL_SECONDS = 0.1
+# A host silent for longer than this many intervals may be reporting to another candidate: a candidate takes
+# over only after max(2 intervals, lost_after / 2) of silence from the serving one (``Heartbeat._send``).
+SILENT_INTERVALS = 1.5
 
 
 
@@ -489,10 +492,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         # deleting saves no step (issue #19, found by tests/simulation).
         if all_reported and (newest is not None or not st.lost):
             doomed = st.gc_for(rank, self.keep_local)
-            if st.lost:
-                # Nor a step newer than the newest complete one while hosts are declared lost: with their
-                # pieces it may be complete (a partition: another candidate serves them and counts it
-                # complete). It goes once they report again or are replaced (issue #33, tests/simulation).
+            if st.lost or self._silent_since(now - SILENT_INTERVALS * self.heartbeat_interval()):
+                # Nor a step newer than the newest complete one while hosts are declared lost or silent for
+                # longer than a beat's jitter: with their pieces it may be complete (a partition: another
+                # candidate serves them and counts it complete; a candidate takes over only after at least
+                # two intervals of silence from this one, so a host silent for less cannot have moved yet).
+                # It goes once they report again or are replaced (issue #33, tests/simulation seeds 1005
+                # and 15775).
                 doomed = [k for k in doomed if newest is None or k[1] <= newest]
             for owner, step in doomed:
                 h = st.holding(rank, (owner, step))

@@ -112,6 +112,21 @@ def test_fixed_partition_gc_seed():
     assert "gc-protected" not in found, found["gc-protected"]
 
 
+def test_fixed_silent_hosts_gc_seed():
+    """Found in 20,000 schedules (issue #33 item 2), seed 15775: after a failover the deposed coordinator
+    still answered two hosts while the other two, already reporting to its successor, were silent to it but
+    not yet declared lost; it told host 0 to delete its step 5 (beyond keep_local), the step the successor
+    counted complete. Fixed in Coordinator._answer: while a host is silent for longer than a beat's jitter,
+    no step newer than the newest complete one is deleted (focused test:
+    tests/replicator/coordinator/test_simulation_found.py)."""
+    logging.disable(logging.WARNING)
+    try:
+        found, _ = replay(15775)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert "gc-protected" not in found, found["gc-protected"]
+
+
 @pytest.mark.parametrize("seed", [46583, 35089])
 def test_fixed_two_candidates_one_host_seeds(seed):
     """Found by the network model in 100,000 schedules (issue #33 item 2), seed 46583 (35089 of the same

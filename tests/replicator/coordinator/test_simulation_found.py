@@ -203,3 +203,36 @@ def test_a_report_counts_only_from_a_host_that_accepted_this_epoch():
     resp = report(3, 2, [copy])  # it accepted epoch 2: candidate 0's orders no longer reach it
     assert resp.acked_digest == "d3"
     assert coord.state.newest_complete_step() == 1
+
+
+def test_no_deletion_of_a_step_newer_than_the_newest_complete_while_a_host_is_silent():
+    """gc-protected (simulation seed 15775, issue #33): after a failover candidate 0 (epoch 1) still answered
+    hosts 0 and 2, which had not heard of epoch 2, while hosts 1 and 3 already reported to epoch 2 (not yet
+    declared lost by epoch 1: silent for 2-3 s of an 8 s limit). Epoch 2 counted step 5 complete with their
+    reports; epoch 1, without them, saw step 4 as the newest complete one and told host 0 to delete its step 5
+    (beyond keep_local 2 of its steps 4-7). A host silent for longer than a beat's jitter may be reporting to
+    another candidate: while one is, steps newer than the newest complete one are kept."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=8.0,
+                        heartbeat_seconds=1.0)
+
+    def report(rank, steps):
+        req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
+                                  full_report=True, known_epoch=coord.epoch,
+                                  holdings=[_holding(rank, s, rank % 2) for s in steps])
+        return coord.Heartbeat(req, Ctx())
+
+    for r in range(4):
+        report(r, [4])
+    assert coord.state.newest_complete_step() == 4
+    clock.now += 3.0  # hosts 1 and 3 silent for 3 s (2 intervals of 1 s and more): not yet lost
+    report(2, [4, 5, 6, 7])
+    resp = report(0, [4, 5, 6, 7])
+    assert not coord.state.lost and coord.state.newest_complete_step() == 4
+    assert not resp.deletions  # step 5, beyond keep_local, stays: with hosts 1 and 3 it may be complete
+    # Once every host reports again within a beat, GC of those steps goes on (keep_local 2: 7 and 6 stay).
+    for r in (1, 3):
+        report(r, [4, 5, 6, 7])
+    resp = report(0, [4, 5, 6, 7])
+    assert coord.state.newest_complete_step() == 7
+    assert sorted((d.owner_rank, d.step) for d in resp.deletions) == [(0, 4), (0, 5)]

@@ -270,6 +270,11 @@ class CoordinatorState:
     def reported_count(self) -> int:
         return len(self._hosts.reported)
 
+    def all_heard_since(self, since: float) -> bool:
+        """Every watched (live) host reported at ``since`` or later (O(1): the oldest report decides)."""
+        oldest = self._hosts.oldest()
+        return oldest is None or oldest[1] >= since
+
     def last_seen(self, rank: int) -> float | None:
         return self._hosts.seen.get(rank)
 

@@ -492,7 +492,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         # deleting saves no step (issue #19, found by tests/simulation).
         if all_reported and (newest is not None or not st.lost):
             doomed = st.gc_for(rank, self.keep_local)
-            if st.lost or self._silent_since(now - SILENT_INTERVALS * self.heartbeat_interval()):
+            if st.lost or not st.all_heard_since(now - SILENT_INTERVALS * self.heartbeat_interval()):
                 # Nor a step newer than the newest complete one while hosts are declared lost or silent for
                 # longer than a beat's jitter: with their pieces it may be complete (a partition: another
                 # candidate serves them and counts it complete; a candidate takes over only after at least

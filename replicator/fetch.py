@@ -123,6 +123,12 @@ class BucketSource:
         return self._agent().fetch_files(step, self.owner_rank, entries, dest)  # whole files, ranged reads
 
 
+def fetched_tier(src: Source) -> Tier:
+    """The tier a restore's bytes come from, as users read it: ``peer`` (another host's RAM disk, the owner's
+    own or a copy's: the coordinator names the owner's ``local``) or ``bucket``."""
+    return Tier.BUCKET if src.tier is Tier.BUCKET else Tier.PEER
+
+
 class AbandonedSave(FileNotFoundError):
     """Every source holds only an older save of the step than the one asked for (the job rolled back and
     saved the step again; the coordinator has not heard of the newer copies yet)."""
@@ -254,7 +260,7 @@ class Fetcher:
                                       where="this host's RAM disk")
                 return
             t1 = time.monotonic()
-            with clock.fetching(src.tier):
+            with clock.fetching(fetched_tier(src)):
                 if src.tier is not Tier.BUCKET and self.store.has(src.owner_rank, task.step):
                     # A stale copy under the same name (e.g. an older save of this step): replace it.
                     self.store.delete(src.owner_rank, task.step)
@@ -268,7 +274,8 @@ class Fetcher:
             self.metrics.restore_seconds.observe(now - t0)
             self.counters.add("restores")
             self.counters.add("restore_bytes", nbytes)
-            restore_phases.report(clock, self.metrics, rank=rank, tier=src.tier, nbytes=nbytes, where=src.where)
+            restore_phases.report(clock, self.metrics, rank=rank, tier=fetched_tier(src), nbytes=nbytes,
+                                  where=src.where)
             if src.owner_rank != rank:
                 # Kept under the replica's name: record (and report) that it is this rank's data too, so the
                 # identity does not rest on the replica's host alone (issue #19).
@@ -293,7 +300,7 @@ class Fetcher:
                     raise AbandonedSave(f"its copy is of an abandoned save (generation {m.generation} < "
                                         f"{min_generation})")
                 return "", m.to_json()
-            tier = src.tier if not self.store.has(src.owner_rank, step, src.content_hash) else Tier.LOCAL
+            tier = fetched_tier(src) if not self.store.has(src.owner_rank, step, src.content_hash) else Tier.LOCAL
             with clock.fetching(tier) if clock is not None else contextlib.nullcontext():
                 if tier is not Tier.LOCAL:
                     if self.store.has(src.owner_rank, step):
@@ -331,7 +338,7 @@ class Fetcher:
             todo = [e for e in entries if not (dest / e.name).exists()]
             if todo:
                 names = {e.name for e in todo}
-                with clock.fetching(src.tier) if clock is not None else contextlib.nullcontext():
+                with clock.fetching(fetched_tier(src)) if clock is not None else contextlib.nullcontext():
                     n = src.files(step, todo, dest, [pc for pc in pieces if pc.name in names])
                 moved += n
                 self.counters.add("reshard_files", len(todo))
@@ -339,7 +346,7 @@ class Fetcher:
                 log.info("%d files (%d bytes moved) of rank %d step %d fetched for the sidecar from %s in %.3fs",
                          len(todo), n, owner, step, src.where, time.monotonic() - t0)
             if clock is not None:
-                restore_phases.report(clock, self.metrics, rank=self.store.rank, tier=src.tier, nbytes=moved,
+                restore_phases.report(clock, self.metrics, rank=self.store.rank, tier=fetched_tier(src), nbytes=moved,
                                       where=f"{src.where} ({len(entries)} files) for the sidecar")
             return src.where, moved
 

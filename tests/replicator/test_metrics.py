@@ -176,5 +176,20 @@ def test_a_wiped_hosts_restore_shows_its_phases(cluster_factory) -> None:
     table = mtc("status", "--coordinator", cl.coordinator)
     assert "last restore" in table.out and "verify peer" in table.out, table
     local = mtc("status", "--local-dir", str(cl.ram(3)), "-o", "json").json()
-    assert local["last_restore"]["step"] == 4
+    assert local["last_restore"]["step"] == 4 and local["last_restore"]["trigger"] == "task"
+    # A sidecar's fetch of a rank's data host 3 does not hold is a restore too: its plan is the LocateStep.
+    # Once the job is redundant again and host 3 copies nothing, what it holds stays as it is.
+    wait_for(lambda: redundant(cl, 4), timeout=60, what="step 4 redundant again")
+    local = wait_for(lambda: (d := mtc("status", "--local-dir", str(cl.ram(3)), "-o", "json").json())
+                     and not d["in_flight"] and d, what="host 3 idle")
+    held = {o for o, step in local["peer_steps"] if step == 4} | {3}
+    owner = min(set(range(4)) - held)
+    with grpc.insecure_channel(f"unix:{control_socket(cl.ram(3))}") as ch:
+        control_pb2_grpc.LocalControlStub(ch).FetchStep(
+            control_pb2.FetchStepRequest(owner_rank=owner, step=4, timeout_seconds=30), timeout=60)
+    local = mtc("status", "--local-dir", str(cl.ram(3)), "-o", "json").json()["last_restore"]
+    assert (local["trigger"], local["owner_rank"], local["tier"]) == ("sidecar", owner, "peer"), local
+    phases = {(p["phase"], p["tier"]): p["seconds"] for p in local["phases"]}
+    assert phases[("plan", None)] > 0 and phases[("fetch", "peer")] > 0 and phases[("verify", "peer")] > 0
+    assert value(scrape(address), "mtc_restore_phase_seconds_count", phase="plan", tier="") >= 2
     mgr.close()

@@ -73,6 +73,17 @@ def test_peer_crc32c_checks_count_as_verify(tmp_path) -> None:
     assert clock.finish(Tier.PEER, len(data)).phase_seconds("verify", "peer") > 0
 
 
+def test_a_copy_on_its_owners_host_is_fetched_from_the_peer_tier() -> None:
+    """The coordinator names the owner's own RAM disk ``local``; for the host restoring, that is another host."""
+    from types import SimpleNamespace
+
+    from replicator.fetch import fetched_tier
+
+    assert fetched_tier(SimpleNamespace(tier=Tier.LOCAL)) is Tier.PEER
+    assert fetched_tier(SimpleNamespace(tier=Tier.PEER)) is Tier.PEER
+    assert fetched_tier(SimpleNamespace(tier=Tier.BUCKET)) is Tier.BUCKET
+
+
 def test_the_wire_record_and_its_rendering() -> None:
     clock = RestoreClock(9, 2, "files")
     clock.add("plan", None, 0.004)

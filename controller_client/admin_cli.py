@@ -55,11 +55,11 @@ def register(sub: Any, log_args: Callable[[argparse.ArgumentParser], None]) -> N
         p.set_defaults(func=_runner(fn, online))
         return p
 
-    p = add("status", "a short summary of the job's health (exit 3 when degraded)",
+    p = add("status", "a short summary of the job's health and the last restore's phases (exit 3 when degraded)",
             "mtc status --coordinator 10.0.0.2:7070", cmd_status, online=False)
     p.add_argument("--local-dir", help="ask this host's replicator over its Unix socket instead")
     p.add_argument("--hosts", action="store_true", help="also list every host: address, last report, lost, "
-                   "steps held")
+                   "steps held, last restore")
     p.add_argument("--ranks", help="with --hosts: only ranks A-B (or A-, or A)")
     add("steps", "every step by tier: which ranks are local, on a peer, in the bucket; complete, redundant, "
         "pinned, backing up", "mtc steps --coordinator 10.0.0.2:7070 -o json", cmd_steps)

@@ -12,7 +12,7 @@ class GetSummaryRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetSummaryResponse(_message.Message):
-    __slots__ = ("job", "nodes", "hosts_registered", "lost_ranks", "newest_complete_step", "newest_redundant", "pinned_steps", "restore_target", "backup_url", "newest_backup_step", "backup_last_success_unix", "backup_interval_seconds", "backup_interval_steps", "backup_skipped", "backup_failures", "backup_last_error", "backup_in_progress_step", "degraded", "problems", "newest_complete_bytes", "epoch")
+    __slots__ = ("job", "nodes", "hosts_registered", "lost_ranks", "newest_complete_step", "newest_redundant", "pinned_steps", "restore_target", "backup_url", "newest_backup_step", "backup_last_success_unix", "backup_interval_seconds", "backup_interval_steps", "backup_skipped", "backup_failures", "backup_last_error", "backup_in_progress_step", "degraded", "problems", "newest_complete_bytes", "epoch", "last_restore", "last_restore_rank")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     HOSTS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class GetSummaryResponse(_message.Message):
     PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     NEWEST_COMPLETE_BYTES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESTORE_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESTORE_RANK_FIELD_NUMBER: _ClassVar[int]
     job: str
     nodes: int
     hosts_registered: int
@@ -55,7 +57,9 @@ class GetSummaryResponse(_message.Message):
     problems: _containers.RepeatedScalarFieldContainer[str]
     newest_complete_bytes: int
     epoch: int
-    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[int] = ..., hosts_registered: _Optional[int] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., newest_complete_step: _Optional[int] = ..., newest_redundant: _Optional[bool] = ..., pinned_steps: _Optional[_Iterable[int]] = ..., restore_target: _Optional[int] = ..., backup_url: _Optional[str] = ..., newest_backup_step: _Optional[int] = ..., backup_last_success_unix: _Optional[float] = ..., backup_interval_seconds: _Optional[float] = ..., backup_interval_steps: _Optional[int] = ..., backup_skipped: _Optional[int] = ..., backup_failures: _Optional[int] = ..., backup_last_error: _Optional[str] = ..., backup_in_progress_step: _Optional[int] = ..., degraded: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ..., newest_complete_bytes: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    last_restore: _tier_pb2.RestoreBreakdown
+    last_restore_rank: int
+    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[int] = ..., hosts_registered: _Optional[int] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., newest_complete_step: _Optional[int] = ..., newest_redundant: _Optional[bool] = ..., pinned_steps: _Optional[_Iterable[int]] = ..., restore_target: _Optional[int] = ..., backup_url: _Optional[str] = ..., newest_backup_step: _Optional[int] = ..., backup_last_success_unix: _Optional[float] = ..., backup_interval_seconds: _Optional[float] = ..., backup_interval_steps: _Optional[int] = ..., backup_skipped: _Optional[int] = ..., backup_failures: _Optional[int] = ..., backup_last_error: _Optional[str] = ..., backup_in_progress_step: _Optional[int] = ..., degraded: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ..., newest_complete_bytes: _Optional[int] = ..., epoch: _Optional[int] = ..., last_restore: _Optional[_Union[_tier_pb2.RestoreBreakdown, _Mapping]] = ..., last_restore_rank: _Optional[int] = ...) -> None: ...
 
 class ListStepsRequest(_message.Message):
     __slots__ = ()
@@ -118,7 +122,7 @@ class ListHostsRequest(_message.Message):
     def __init__(self, first_rank: _Optional[int] = ..., last_rank: _Optional[int] = ...) -> None: ...
 
 class HostInfo(_message.Message):
-    __slots__ = ("rank", "address", "incarnation", "seconds_since_report", "lost", "steps", "pieces", "bytes")
+    __slots__ = ("rank", "address", "incarnation", "seconds_since_report", "lost", "steps", "pieces", "bytes", "last_restore")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +131,7 @@ class HostInfo(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESTORE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     address: str
     incarnation: int
@@ -135,7 +140,8 @@ class HostInfo(_message.Message):
     steps: _containers.RepeatedScalarFieldContainer[int]
     pieces: int
     bytes: int
-    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., seconds_since_report: _Optional[float] = ..., lost: _Optional[bool] = ..., steps: _Optional[_Iterable[int]] = ..., pieces: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    last_restore: _tier_pb2.RestoreBreakdown
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., seconds_since_report: _Optional[float] = ..., lost: _Optional[bool] = ..., steps: _Optional[_Iterable[int]] = ..., pieces: _Optional[int] = ..., bytes: _Optional[int] = ..., last_restore: _Optional[_Union[_tier_pb2.RestoreBreakdown, _Mapping]] = ...) -> None: ...
 
 class ListHostsResponse(_message.Message):
     __slots__ = ("hosts",)

@@ -74,7 +74,7 @@ class BackupReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uploaded_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., staging: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("job", "rank", "incarnation", "address", "holdings", "backups", "backup_requests", "newest_saved_step", "inventory_digest", "full_report", "base_digest", "removed", "known_epoch", "preempting", "nodes")
+    __slots__ = ("job", "rank", "incarnation", "address", "holdings", "backups", "backup_requests", "newest_saved_step", "inventory_digest", "full_report", "base_digest", "removed", "known_epoch", "preempting", "nodes", "last_restore")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class HeartbeatRequest(_message.Message):
     KNOWN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREEMPTING_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESTORE_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     incarnation: int
@@ -105,7 +106,8 @@ class HeartbeatRequest(_message.Message):
     known_epoch: int
     preempting: bool
     nodes: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., holdings: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ..., backups: _Optional[_Iterable[_Union[BackupReport, _Mapping]]] = ..., backup_requests: _Optional[_Iterable[int]] = ..., newest_saved_step: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., full_report: _Optional[bool] = ..., base_digest: _Optional[str] = ..., removed: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., known_epoch: _Optional[int] = ..., preempting: _Optional[bool] = ..., nodes: _Optional[int] = ...) -> None: ...
+    last_restore: _tier_pb2.RestoreBreakdown
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., holdings: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ..., backups: _Optional[_Iterable[_Union[BackupReport, _Mapping]]] = ..., backup_requests: _Optional[_Iterable[int]] = ..., newest_saved_step: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., full_report: _Optional[bool] = ..., base_digest: _Optional[str] = ..., removed: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., known_epoch: _Optional[int] = ..., preempting: _Optional[bool] = ..., nodes: _Optional[int] = ..., last_restore: _Optional[_Union[_tier_pb2.RestoreBreakdown, _Mapping]] = ...) -> None: ...
 
 class CopyTask(_message.Message):
     __slots__ = ("owner_rank", "step", "source_rank", "source_address", "content_hash")

@@ -317,6 +317,8 @@ class Replicator:
             st.has_backup = True
             st.backup_uploaded_bytes = b.uploaded_bytes
             st.backup_last_error = b.last_error
+        if (last := self.metrics.last_restore) is not None:
+            st.last_restore.CopyFrom(last.to_wire())
         return st
 
 

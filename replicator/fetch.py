@@ -8,6 +8,7 @@ read its ``manifest``, fetch some ``files``); which one is decided once, in :met
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mtc_rpc import coordinator_pb2 as cpb
+from replicator import restore_phases
 from replicator.coordinator.model import BUCKET_HOLDER, HolderRank, Tier
 from replicator.coordinator.tier_wire import from_wire
 from replicator.local.store import RamDiskStore
@@ -26,6 +28,7 @@ from replicator.options import ReplicatorOptions
 from replicator.peer import client as peer_client
 from replicator.peer import protocol as peer_protocol
 from replicator.peer.progress import FetchProgress
+from replicator.restore_phases import RestoreClock
 from replicator.tasks import TaskRunner
 from sidecar import faults, layout, spares
 
@@ -118,6 +121,12 @@ class BucketSource:
     def files(self, step: int, entries: list[layout.FileEntry], dest: Path,
               pieces: Sequence[layout.FilePiece] = ()) -> int:
         return self._agent().fetch_files(step, self.owner_rank, entries, dest)  # whole files, ranged reads
+
+
+def fetched_tier(src: Source) -> Tier:
+    """The tier a restore's bytes come from, as users read it: ``peer`` (another host's RAM disk, the owner's
+    own or a copy's: the coordinator names the owner's ``local``) or ``bucket``."""
+    return Tier.BUCKET if src.tier is Tier.BUCKET else Tier.PEER
 
 
 class AbandonedSave(FileNotFoundError):
@@ -231,23 +240,33 @@ class Fetcher:
         self.counters.add("copies")
         self.counters.add("copy_bytes", m.total_bytes)
 
-    def restore(self, rank: int, task: cpb.RestoreTask) -> None:
-        """A restore task: ``rank``'s (this host's) data of the step to restore, from the first source that has it."""
+    def restore(self, rank: int, task: cpb.RestoreTask, plan_seconds: float = 0.0,
+                planned_at: float | None = None) -> None:
+        """A restore task: ``rank``'s (this host's) data of the step to restore, from the first source that has it.
+
+        ``plan_seconds``: the heartbeat that carried the task (the restore's ``plan`` phase), sent at
+        ``planned_at`` (``time.monotonic()``; None: now)."""
         if not task.sources:
             return
         t0 = time.monotonic()
+        clock = RestoreClock(task.step, rank, "task", started=planned_at)
+        clock.add("plan", None, plan_seconds)
 
         def attempt(src: Source) -> None:
             if self.store.holds_data_for(rank, task.step, src.content_hash):
-                self.store.attest_restored(task.step, src.content_hash)  # held as a replica's copy
+                with clock.fetching(Tier.LOCAL):
+                    self.store.attest_restored(task.step, src.content_hash)  # held as a replica's copy
+                restore_phases.report(clock, self.metrics, rank=rank, tier=Tier.LOCAL, nbytes=0,
+                                      where="this host's RAM disk")
                 return
             t1 = time.monotonic()
-            if src.tier is not Tier.BUCKET and self.store.has(src.owner_rank, task.step):
-                # A stale copy under the same name (e.g. an older save of this step): replace it.
-                self.store.delete(src.owner_rank, task.step)
-            if src.tier is not Tier.BUCKET:
-                faults.point("restore.peer.before_fetch")
-            src.bring(task.step)
+            with clock.fetching(fetched_tier(src)):
+                if src.tier is not Tier.BUCKET and self.store.has(src.owner_rank, task.step):
+                    # A stale copy under the same name (e.g. an older save of this step): replace it.
+                    self.store.delete(src.owner_rank, task.step)
+                if src.tier is not Tier.BUCKET:
+                    faults.point("restore.peer.before_fetch")
+                src.bring(task.step)
             now = time.monotonic()
             m = self.store.manifest(src.owner_rank, task.step)
             nbytes = m.total_bytes if m is not None else 0
@@ -255,8 +274,8 @@ class Fetcher:
             self.metrics.restore_seconds.observe(now - t0)
             self.counters.add("restores")
             self.counters.add("restore_bytes", nbytes)
-            log.info("restore: rank %d now holds its data of step %d from %s: %d bytes in %.3fs",
-                     rank, task.step, src.where, nbytes, now - t0)
+            restore_phases.report(clock, self.metrics, rank=rank, tier=fetched_tier(src), nbytes=nbytes,
+                                  where=src.where)
             if src.owner_rank != rank:
                 # Kept under the replica's name: record (and report) that it is this rank's data too, so the
                 # identity does not rest on the replica's host alone (issue #19).
@@ -267,10 +286,12 @@ class Fetcher:
 
     # ------------------------------------------------------------------ for the sidecar
     def for_sidecar(self, sources: Sequence[cpb.RestoreSource], savers: list[int], owner: int, step: int,
-                    manifest_only: bool, min_generation: int = 0) -> tuple[str, bytes]:
+                    manifest_only: bool, min_generation: int = 0,
+                    clock: RestoreClock | None = None) -> tuple[str, bytes]:
         """``owner``'s ``step`` (or its manifest) from the first of ``sources`` that serves it: (the copy's
         directory relative to the local root, or the manifest JSON when ``manifest_only``; of a save of at
-        least ``min_generation``, else :class:`AbandonedSave`)."""
+        least ``min_generation``, else :class:`AbandonedSave`). ``clock`` (whole steps): the restore's
+        phases, reported once the data is here."""
 
         def attempt(src: Source) -> tuple[str, bytes]:
             if manifest_only:
@@ -279,14 +300,22 @@ class Fetcher:
                     raise AbandonedSave(f"its copy is of an abandoned save (generation {m.generation} < "
                                         f"{min_generation})")
                 return "", m.to_json()
-            if not self.store.has(src.owner_rank, step, src.content_hash):
-                if self.store.has(src.owner_rank, step):
-                    self.store.delete(src.owner_rank, step)  # a stale copy of an older save
-                src.bring(step)
+            tier = fetched_tier(src) if not self.store.has(src.owner_rank, step, src.content_hash) else Tier.LOCAL
+            with clock.fetching(tier) if clock is not None else contextlib.nullcontext():
+                if tier is not Tier.LOCAL:
+                    if self.store.has(src.owner_rank, step):
+                        self.store.delete(src.owner_rank, step)  # a stale copy of an older save
+                    src.bring(step)
             if owner == self.store.rank and src.owner_rank != owner:
                 self.store.attest_restored(step, src.content_hash)  # this rank's data as a replica's copy
             rel = self.store.step_dir(src.owner_rank, step).relative_to(self.store.root).as_posix()
-            log.info("rank %d's data of step %d fetched for the sidecar from %s", owner, step, src.where)
+            if clock is None:
+                log.info("rank %d's data of step %d fetched for the sidecar from %s", owner, step, src.where)
+            else:
+                m = self.store.manifest(src.owner_rank, step)
+                restore_phases.report(clock, self.metrics, rank=self.store.rank, tier=tier,
+                                      nbytes=m.total_bytes if m is not None and tier is not Tier.LOCAL else 0,
+                                      where=f"{src.where} for the sidecar")
             return rel, b""
 
         return fetch_from([self.source(s) for s in sources], attempt,
@@ -296,9 +325,11 @@ class Fetcher:
 
     def files_for_sidecar(self, sources: Sequence[cpb.RestoreSource], savers: list[int], owner: int, step: int,
                           entries: list[layout.FileEntry], dest: Path,
-                          pieces: Sequence[layout.FilePiece] = ()) -> tuple[str, int]:
+                          pieces: Sequence[layout.FilePiece] = (),
+                          clock: RestoreClock | None = None) -> tuple[str, int]:
         """``entries`` of ``owner``'s ``step`` into ``dest`` from the first sources that serve them (a source
-        that fails mid-way leaves the files still missing to the next): (where from, bytes moved)."""
+        that fails mid-way leaves the files still missing to the next): (where from, bytes moved).
+        ``clock``: the restore's phases, reported once every file is here."""
         t0 = time.monotonic()
         moved = 0
 
@@ -307,12 +338,16 @@ class Fetcher:
             todo = [e for e in entries if not (dest / e.name).exists()]
             if todo:
                 names = {e.name for e in todo}
-                n = src.files(step, todo, dest, [pc for pc in pieces if pc.name in names])
+                with clock.fetching(fetched_tier(src)) if clock is not None else contextlib.nullcontext():
+                    n = src.files(step, todo, dest, [pc for pc in pieces if pc.name in names])
                 moved += n
                 self.counters.add("reshard_files", len(todo))
                 self.counters.add("reshard_bytes", n)  # the bytes moved: of files fetched in pieces, the pieces
                 log.info("%d files (%d bytes moved) of rank %d step %d fetched for the sidecar from %s in %.3fs",
                          len(todo), n, owner, step, src.where, time.monotonic() - t0)
+            if clock is not None:
+                restore_phases.report(clock, self.metrics, rank=self.store.rank, tier=fetched_tier(src), nbytes=moved,
+                                      where=f"{src.where} ({len(entries)} files) for the sidecar")
             return src.where, moved
 
         return fetch_from([self.source(s) for s in sources], attempt,

@@ -205,11 +205,12 @@ class Heartbeat:
         asked, self._backup_now = self._backup_now, False
         return asked
 
-    def _restore(self, task: cpb.RestoreTask) -> None:
-        """The restore task: this rank's data of the step to restore (not counted as a save when it lands)."""
+    def _restore(self, task: cpb.RestoreTask, sent_at: float | None = None, round_trip: float = 0.0) -> None:
+        """The restore task: this rank's data of the step to restore (not counted as a save when it lands).
+        ``sent_at``, ``round_trip``: the heartbeat that brought it (the restore's plan phase)."""
         with self._lock:
             self._restoring.add(task.step)
-        self.parts.fetcher.restore(self.me.rank, task)
+        self.parts.fetcher.restore(self.me.rank, task, plan_seconds=round_trip, planned_at=sent_at)
 
     def _restored_among(self, steps: set[int]) -> set[int]:
         """Which of these own steps on the RAM disk a restore brought (forgotten once asked)."""
@@ -257,7 +258,11 @@ class Heartbeat:
             # Kept until a coordinator took them: a failed heartbeat (e.g. during a failover) loses none.
             self._backup_reports = (self._backup_reports + parts.bucket.drain_reports())[-BACKUP_REPORTS_KEPT:]
             req.backups.extend(self._backup_reports)
+        if (last := parts.metrics.last_restore) is not None:
+            req.last_restore.CopyFrom(last.to_wire())  # shown by `mtc status`
+        t_send = time.monotonic()
         resp = self._send(req)
+        round_trip = time.monotonic() - t_send
         faults.point("heartbeat.after_response")
         self._backup_reports = []
         if resp.acked_digest and resp.acked_digest == digest:
@@ -274,12 +279,13 @@ class Heartbeat:
         parts.metrics.newest_complete_step = resp.newest_complete_step
         if resp.preemption_noticed and parts.preemption.coordinator_noticed():
             log.warning("the coordinator reports a preemption notice")
-        self._act(resp)
+        self._act(resp, t_send, round_trip)
         # Jittered so that hosts started together do not report in lockstep.
         return self.interval * random.uniform(0.9, 1.1)
 
-    def _act(self, resp: cpb.HeartbeatResponse) -> None:
-        """The answer's work: deletions now, copies, a restore and a backup share as tasks."""
+    def _act(self, resp: cpb.HeartbeatResponse, sent_at: float | None = None, round_trip: float = 0.0) -> None:
+        """The answer's work: deletions now, copies, a restore and a backup share as tasks (``sent_at``,
+        ``round_trip``: the heartbeat's, the plan phase of a restore it carries)."""
         parts = self.parts
         store, tasks, counters = parts.store, parts.tasks, parts.metrics.counters
         for x in resp.deletions:
@@ -297,7 +303,8 @@ class Heartbeat:
             if not store.has(c.owner_rank, c.step, c.content_hash):
                 tasks.submit("copy", c.owner_rank, c.step, parts.fetcher.copy, c)
         if resp.HasField("restore"):
-            tasks.submit("restore", self.me.rank, resp.restore.step, self._restore, resp.restore)
+            tasks.submit("restore", self.me.rank, resp.restore.step, self._restore, resp.restore, sent_at,
+                         round_trip)
         if resp.HasField("backup") and parts.bucket is not None:
             # Emergency backup (preempting): its own thread at normal priority, not the idle-priority pool.
             tasks.submit("backup", -1, resp.backup.step, parts.bucket.run_task, resp.backup, store,

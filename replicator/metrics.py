@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 
+from replicator.restore_phases import RestoreRecord
+
 log = logging.getLogger(__name__)
 
 CounterName = Literal[
@@ -46,6 +48,8 @@ COUNTER_NAMES: tuple[str, ...] = get_args(CounterName)
 # Seconds: a RAM-disk copy of a few MiB takes milliseconds, a bucket upload of a large rank minutes.
 TRANSFER_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 COORDINATOR_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# Restore phases: a plan's round trip takes milliseconds, a fetch from the bucket minutes.
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TransferKind = Literal["peer_copy", "restore_peer", "restore_bucket", "backup_upload"]
 
 
@@ -110,6 +114,12 @@ class ReplicatorMetrics:
         self.restore_seconds = Histogram(
             "mtc_restore_seconds", "Time for this host to hold its data of a restore step (fetch + verify)",
             buckets=TRANSFER_BUCKETS, registry=self.registry)
+        self.restore_phase_seconds = Histogram(
+            "mtc_restore_phase_seconds", "Time of one phase of a restore of this host's data: plan (asking the "
+            "coordinator where the data is), fetch and verify (crc32c, overlapping fetch) by tier "
+            "(docs/operations.md)", ["phase", "tier"], buckets=PHASE_BUCKETS, registry=self.registry)
+        self._last_restore: RestoreRecord | None = None
+        self._last_restore_lock = threading.Lock()
         self.heartbeat_handling_seconds = Histogram(
             "mtc_coordinator_heartbeat_seconds", "Coordinator: time to handle one host heartbeat",
             buckets=COORDINATOR_BUCKETS, registry=self.registry)
@@ -141,6 +151,19 @@ class ReplicatorMetrics:
     # ------------------------------------------------------------------ events
     def observe_transfer(self, kind: TransferKind, seconds: float) -> None:
         self.transfer_seconds.labels(kind=kind).observe(max(0.0, seconds))
+
+    def observe_restore(self, record: RestoreRecord) -> None:
+        """A finished restore: each of its phases observed, and it is the host's last restore."""
+        for phase, tier, seconds in record.phases:
+            self.restore_phase_seconds.labels(phase=phase, tier=tier).observe(seconds)
+        with self._last_restore_lock:
+            self._last_restore = record
+
+    @property
+    def last_restore(self) -> RestoreRecord | None:
+        """This host's last finished restore (None: none since the process started)."""
+        with self._last_restore_lock:
+            return self._last_restore
 
     # ------------------------------------------------------------------ HTTP endpoint
     def serve(self, host: str, port: int) -> int:

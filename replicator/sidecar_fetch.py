@@ -25,6 +25,7 @@ from replicator.fetch import AbandonedSave, Fetcher, other_sources
 from replicator.local.store import RamDiskStore
 from replicator.net import rpc
 from replicator.peer import protocol as peer_protocol
+from replicator.restore_phases import RestoreClock
 from sidecar import commit, layout
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,10 @@ class SidecarFetch:
             rel = store.step_dir(owner, step).relative_to(store.root).as_posix()
             return (("", m.to_json()) if manifest_only else (rel, b""))
         if not manifest_only:
-            srcs, savers = self._other_sources(owner, step, timeout_seconds)
-            out = self._fetcher.for_sidecar(srcs, savers, owner, step, False)
+            clock = RestoreClock(step, owner, "sidecar")
+            with clock.timing("plan"):
+                srcs, savers = self._other_sources(owner, step, timeout_seconds)
+            out = self._fetcher.for_sidecar(srcs, savers, owner, step, False, clock=clock)
             self._wake()
             return out
         wait = timeout_seconds if min_generation <= 0 else min(max(timeout_seconds, 1.0), ABANDONED_WAIT_SECONDS)
@@ -134,7 +137,9 @@ class SidecarFetch:
         if store.manifest(owner, step) is not None:
             yield committed(owner)
             return
-        srcs, savers = self._other_sources(owner, step, timeout_seconds)
+        clock = RestoreClock(step, owner, "sidecar")
+        with clock.timing("plan"):
+            srcs, savers = self._other_sources(owner, step, timeout_seconds)
         if (m := self._held_replica(srcs, step)) is not None:
             yield committed(m.rank)
             return
@@ -143,7 +148,7 @@ class SidecarFetch:
 
         def fetch() -> None:
             try:
-                outcome["rel"] = self._fetcher.for_sidecar(srcs, savers, owner, step, False)[0]
+                outcome["rel"] = self._fetcher.for_sidecar(srcs, savers, owner, step, False, clock=clock)[0]
             except BaseException as e:  # noqa: BLE001 - handed to the stream
                 outcome["error"] = e
             finally:
@@ -209,8 +214,10 @@ class SidecarFetch:
             raise ValueError("no files asked for")
         dest = layout.check_fetch_dir(self._store.root, dest_rel)
         commit.remove_tmp_dirs(dest.parent)  # scratch directories of readers that died (unlocked ones)
-        srcs, savers = self._other_sources(owner, step, timeout_seconds)
-        return self._fetcher.files_for_sidecar(srcs, savers, owner, step, entries, dest, pieces)
+        clock = RestoreClock(step, owner, "files")
+        with clock.timing("plan"):
+            srcs, savers = self._other_sources(owner, step, timeout_seconds)
+        return self._fetcher.files_for_sidecar(srcs, savers, owner, step, entries, dest, pieces, clock=clock)
 
     # ------------------------------------------------------------------ helpers
     def _check_owner(self, owner: int) -> None:

@@ -26,6 +26,7 @@ from controller_client.admin.common import (
     table,
     when,
 )
+from controller_client.admin.restores import restore_doc, restore_text
 from mtc_rpc import admin_pb2 as pb
 from mtc_rpc import control_pb2, control_pb2_grpc
 from replicator.coordinator.tier_wire import tier_name
@@ -49,6 +50,8 @@ def summary_doc(s: Any) -> dict[str, Any]:
             "in_progress_step": s.backup_in_progress_step if s.backup_in_progress_step >= 0 else None,
         },
         "degraded": s.degraded, "problems": list(s.problems),
+        "last_restore": ({"rank": s.last_restore_rank, **restore_doc(s.last_restore)}
+                         if s.HasField("last_restore") else None),
     }
 
 def _local_status(args: argparse.Namespace) -> int:
@@ -74,6 +77,8 @@ def _local_status(args: argparse.Namespace) -> int:
         t.add_row("backup uploaded bytes", str(resp.backup_uploaded_bytes))
         if resp.backup_last_error:
             t.add_row("backup last error", resp.backup_last_error)
+    if resp.HasField("last_restore"):
+        t.add_row("last restore", restore_text(resp.last_restore))
     if resp.recent_errors:
         t.add_row("recent errors", "\n".join(list(resp.recent_errors)[-5:]))
     console().print(t)
@@ -89,6 +94,7 @@ def local_status_doc(resp: Any) -> dict[str, Any]:
         "newest_complete_step": resp.newest_complete_step if resp.newest_complete_step >= 0 else None,
         "in_flight": [f"{t.kind}:{t.owner_rank}:{t.step}" for t in resp.in_flight],
         "counters": dict(sorted(resp.counters.items())), "recent_errors": list(resp.recent_errors),
+        "last_restore": restore_doc(resp.last_restore) if resp.HasField("last_restore") else None,
     }
     if resp.has_backup:
         doc["backup"] = {"uploaded_bytes": resp.backup_uploaded_bytes, "last_error": resp.backup_last_error}
@@ -110,7 +116,8 @@ def cmd_status(args: argparse.Namespace, conn: Conn | None) -> int:
                                      timeout=conn.timeout).hosts
         doc["hosts"] = [{"rank": h.rank, "address": h.address, "incarnation": h.incarnation or None,
                          "seconds_since_report": h.seconds_since_report if h.seconds_since_report >= 0 else None,
-                         "lost": h.lost, "steps": list(h.steps), "pieces": h.pieces, "bytes": h.bytes}
+                         "lost": h.lost, "steps": list(h.steps), "pieces": h.pieces, "bytes": h.bytes,
+                         "last_restore": restore_doc(h.last_restore) if h.HasField("last_restore") else None}
                         for h in hosts]
     if args.output == "json":
         emit_json(doc)
@@ -138,15 +145,18 @@ def cmd_status(args: argparse.Namespace, conn: Conn | None) -> int:
                 t.add_row("last backup error", s.backup_last_error)
         else:
             t.add_row("bucket", "none configured")
+        if s.HasField("last_restore"):
+            t.add_row("last restore", f"rank {s.last_restore_rank}: {restore_text(s.last_restore)}")
         t.add_row("health", "DEGRADED: " + "; ".join(s.problems) if s.degraded else "ok")
         con = console()
         con.print(t)
         if hosts is not None:
-            h = table("hosts", ["rank", "address", "last report", "state", "steps held", "bytes"])
+            h = table("hosts", ["rank", "address", "last report", "state", "steps held", "bytes", "last restore"])
             for x in hosts:
                 last = f"{x.seconds_since_report:.1f}s ago" if x.seconds_since_report >= 0 else "never"
                 h.add_row(str(x.rank), x.address or "-", last, "LOST" if x.lost else "ok", ranges(x.steps),
-                          fmt_bytes(x.bytes))
+                          fmt_bytes(x.bytes),
+                          restore_text(x.last_restore, short=True) if x.HasField("last_restore") else "-")
             con.print(h)
     return EXIT_DEGRADED if s.degraded else EXIT_OK
 

@@ -210,6 +210,10 @@ class AdminServicer(pb_grpc.AdminServicer):
                 resp.backup_failures = sched.failures
                 resp.backup_last_error = sched.last_error
                 resp.backup_in_progress_step = sched.in_progress_step
+            if coord.last_restores:  # the newest any host reported
+                rank, last = max(coord.last_restores.items(), key=lambda kv: kv[1].finished_unix)
+                resp.last_restore.CopyFrom(last)
+                resp.last_restore_rank = rank
             up_seconds = coord.seconds_since_start()
         problems = []
         if newest is None:
@@ -293,10 +297,13 @@ class AdminServicer(pb_grpc.AdminServicer):
             registered = st.registered
             for r in range(first, last + 1):
                 held = st.holdings_of(r)
-                out.append(pb.HostInfo(rank=r, address=addresses.get(r, ""), incarnation=registered.get(r, 0),
-                                       seconds_since_report=seen.get(r, -1.0), lost=r in lost,
-                                       steps=sorted({h.step for h in held}), pieces=len(held),
-                                       bytes=sum(h.size for h in held if h.tier is not Tier.REPLICA)))
+                info = pb.HostInfo(rank=r, address=addresses.get(r, ""), incarnation=registered.get(r, 0),
+                                   seconds_since_report=seen.get(r, -1.0), lost=r in lost,
+                                   steps=sorted({h.step for h in held}), pieces=len(held),
+                                   bytes=sum(h.size for h in held if h.tier is not Tier.REPLICA))
+                if (last := coord.last_restores.get(r)) is not None:
+                    info.last_restore.CopyFrom(last)
+                out.append(info)
         return pb.ListHostsResponse(hosts=out)
 
     def LocateStep(self, request: pb.LocateStepRequest, context: grpc.ServicerContext) -> pb.LocateStepResponse:

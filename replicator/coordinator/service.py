@@ -25,6 +25,7 @@ import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
+from mtc_rpc import tier_pb2
 from replicator.coordinator import answers
 from replicator.coordinator.admission import MAX_WAITERS, WaiterGate
 from replicator.coordinator.backup_status import BackupSchedulerStatus
@@ -172,6 +173,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._addresses: dict[int, str] = {}
         self._digest: dict[int, str] = {}
         self._newest_saved: dict[int, int] = {}
+        # rank -> its last restore as it reported it (admin: `mtc status`); what hosts say, never decides.
+        self.last_restores: dict[int, tier_pb2.RestoreBreakdown] = {}
         self._first_seen = FirstSeen()
         self._restore = RestoreTarget(self.state, self._force_restore_step)
         self._started = self._clock()
@@ -434,6 +437,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 self._addresses[rank] = request.address
             if request.newest_saved_step >= 0:
                 self._newest_saved[rank] = request.newest_saved_step
+            if request.HasField("last_restore"):
+                self.last_restores[rank] = request.last_restore  # shown by `mtc status` (admin)
             self.backup.report(st, rank, list(request.backups))
             if request.backup_requests:
                 self.backup.request(list(request.backup_requests))

@@ -31,6 +31,7 @@ import grpc
 import numpy as np
 
 from mtc_rpc import peer_pb2, peer_pb2_grpc
+from replicator import restore_phases
 from replicator.net import rpc
 from replicator.net.security import TlsOptions
 from replicator.peer.progress import FetchProgress
@@ -211,7 +212,12 @@ class _FileSink:
         if self._pos + n > self.entries[idx].size:
             raise ConnectionError(f"too much data for {self.entries[idx].name}")
         if n:
-            self._crc = checksums.crc32c_extend(self._crc, view) if running_crc is None else running_crc
+            if running_crc is None:  # the stream path: the file's crc32c here (the data port's is the caller's)
+                t_crc = time.perf_counter()
+                self._crc = checksums.crc32c_extend(self._crc, view)
+                restore_phases.verified(time.perf_counter() - t_crc)
+            else:
+                self._crc = running_crc
             _pwrite_all(self._fd, view, offset)
         self._pos += n
         self.bytes += n
@@ -290,7 +296,12 @@ class _PieceSink:
         if self._pos + n > pc.length:
             raise ConnectionError(f"too much data for the piece {pc.offset}+{pc.length} of {pc.name}")
         if n:
-            self._crc = checksums.crc32c_extend(self._crc, view) if running_crc is None else running_crc
+            if running_crc is None:  # the stream path: the file's crc32c here (the data port's is the caller's)
+                t_crc = time.perf_counter()
+                self._crc = checksums.crc32c_extend(self._crc, view)
+                restore_phases.verified(time.perf_counter() - t_crc)
+            else:
+                self._crc = running_crc
             _pwrite_all(self._fd(pc.name), view, pc.offset + offset)
         self._pos += n
         self.bytes += n
@@ -385,7 +396,9 @@ def _receive_tcp(
                         got += k
                     # crc32c here, while the chunk is still in cache; the writer only copies it to disk.
                     # Measured: this balances the two threads better than crc+write in the writer.
+                    t_crc = time.perf_counter()
                     crc = checksums.crc32c_extend(crc, buf[:want])
+                    restore_phases.verified(time.perf_counter() - t_crc)
                     full.put((idx, offset, buf, want, offset + want == e.size, crc))
                     offset += want
                 if errors:
@@ -410,7 +423,10 @@ def _receive_stream(
             if idx >= len(sink.entries):
                 raise ConnectionError(f"peer sent file index {idx} of {len(sink.entries)}")
             e = sink.entries[idx]
-            if chunk.crc32c != checksums.crc32c(chunk.data):
+            t_crc = time.perf_counter()
+            bad = chunk.crc32c != checksums.crc32c(chunk.data)
+            restore_phases.verified(time.perf_counter() - t_crc)
+            if bad:
                 raise ChecksumError(
                     f"chunk at {chunk.offset} of {e.name} from peer", chunk.crc32c, checksums.crc32c(chunk.data)
                 )

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mtc_rpc import control_pb2, control_pb2_grpc
 from replicator.metrics import HostCounters, ReplicatorMetrics
 from sidecar.layout import control_socket
-from tests.kits.cluster import assert_equal, manager, save_steps, state, target, wait_for
+from tests.kits.cluster import assert_equal, manager, redundant, save_steps, state, target, wait_for
 
 
 def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -123,4 +123,73 @@ def test_metrics_move_after_a_save_and_a_backup(cluster_factory, tmp_path) -> No
     assert value(s3, "mtc_copy_bytes_total", kind="restore") > 0
     assert value(s3, "mtc_saves_total") == 0  # a restored step is not a save
     assert value(scrape(coord), "mtc_coordinator_plan_seconds_count") >= 1
+    mgr.close()
+
+
+@pytest.mark.slow
+def test_a_wiped_hosts_restore_shows_its_phases(cluster_factory) -> None:
+    """Host 3 comes back empty and the operator restores step 4 (`mtc restore`): its replicator times the
+    restore's plan (the heartbeat that carried the task), its fetch from a peer and the crc32c checks, as
+    histograms on its /metrics and as its last restore in `mtc status` (issue #34)."""
+    from tests.kits.admin import mtc
+
+    cl = cluster_factory(nodes=4, data_parallelism=2, extra=["--metrics-port", "0"])
+    cl.start_all()
+    mgr = manager(cl, 2, 2)
+    # Each rank's data its own (not replicated over slices): host 3 cannot hold it already as a replica's copy.
+    save_steps(mgr, [4], replicated_over_slices=False)
+    wait_for(lambda: redundant(cl, 4), timeout=60, what="step 4 redundant")
+    cl.procs[3].stop()
+    cl.wipe(3)
+    cl.start(3)
+
+    def metrics_of_3() -> str | None:
+        try:
+            return metrics_address(cl.ram(3))
+        except grpc.RpcError:  # not listening yet
+            return None
+
+    address = wait_for(metrics_of_3, what="host 3 back")
+    # The coordinator sends host 3 its restore task on its first reports already; `mtc restore` waits for it.
+    r = mtc("restore", "4", "--wait-seconds", "60", "-o", "json", "--coordinator", cl.coordinator)
+    assert r.code == 0 and r.json()["ready"], r
+    s = wait_for(lambda: (s := scrape(address))
+                 and value(s, "mtc_restore_phase_seconds_count", phase="verify", tier="peer") and s,
+                 what="host 3's restore phases observed")
+    for phase in ("plan", "fetch", "verify"):
+        tier = "" if phase == "plan" else "peer"
+        assert value(s, "mtc_restore_phase_seconds_count", phase=phase, tier=tier) >= 1, phase
+        assert value(s, "mtc_restore_phase_seconds_sum", phase=phase, tier=tier) > 0, phase
+    assert value(s, "mtc_restore_seconds_count") >= 1  # the older metric stays
+
+    def breakdown():
+        hosts = mtc("status", "--hosts", "-o", "json", "--coordinator", cl.coordinator).json()["hosts"]
+        return next(h for h in hosts if h["rank"] == 3)["last_restore"]
+
+    last = wait_for(breakdown, what="host 3's last restore in `mtc status`")
+    assert last["step"] == 4 and last["owner_rank"] == 3 and last["tier"] == "peer" and last["bytes"] > 0
+    assert last["trigger"] == "task" and last["finished_unix"] > 0
+    phases = {(p["phase"], p["tier"]): p["seconds"] for p in last["phases"]}
+    assert phases[("plan", None)] > 0 and phases[("fetch", "peer")] > 0 and phases[("verify", "peer")] > 0
+    summary = mtc("status", "-o", "json", "--coordinator", cl.coordinator).json()
+    assert summary["last_restore"]["rank"] == 3 and summary["last_restore"]["step"] == 4
+    table = mtc("status", "--coordinator", cl.coordinator)
+    assert "last restore" in table.out and "verify peer" in table.out, table
+    local = mtc("status", "--local-dir", str(cl.ram(3)), "-o", "json").json()
+    assert local["last_restore"]["step"] == 4 and local["last_restore"]["trigger"] == "task"
+    # A sidecar's fetch of a rank's data host 3 does not hold is a restore too: its plan is the LocateStep.
+    # Once the job is redundant again and host 3 copies nothing, what it holds stays as it is.
+    wait_for(lambda: redundant(cl, 4), timeout=60, what="step 4 redundant again")
+    local = wait_for(lambda: (d := mtc("status", "--local-dir", str(cl.ram(3)), "-o", "json").json())
+                     and not d["in_flight"] and d, what="host 3 idle")
+    held = {o for o, step in local["peer_steps"] if step == 4} | {3}
+    owner = min(set(range(4)) - held)
+    with grpc.insecure_channel(f"unix:{control_socket(cl.ram(3))}") as ch:
+        control_pb2_grpc.LocalControlStub(ch).FetchStep(
+            control_pb2.FetchStepRequest(owner_rank=owner, step=4, timeout_seconds=30), timeout=60)
+    local = mtc("status", "--local-dir", str(cl.ram(3)), "-o", "json").json()["last_restore"]
+    assert (local["trigger"], local["owner_rank"], local["tier"]) == ("sidecar", owner, "peer"), local
+    phases = {(p["phase"], p["tier"]): p["seconds"] for p in local["phases"]}
+    assert phases[("plan", None)] > 0 and phases[("fetch", "peer")] > 0 and phases[("verify", "peer")] > 0
+    assert value(scrape(address), "mtc_restore_phase_seconds_count", phase="plan", tier="") >= 2
     mgr.close()

@@ -11,9 +11,15 @@ from replicator.coordinator.planner import CoordinatorState
 class RestoreTarget:
     """The step every host should hold locally: a pinned restore, else the newest complete step.
 
-    A restore is pinned by PrepareRestore (or the operator's ``--restore-from-backup``, ``forced``). Once
-    served, the pin is released when a step newer than every step known at that time completes (training
-    resumed and saved); until it is served, it is kept.
+    A restore is pinned by PrepareRestore (or the operator's ``--restore-from-backup``, ``forced``). A pin of
+    a step older than the newest complete one (a rollback: the operator's, or a restore naming an older
+    step) is released, once served, when a step newer than every step known at that time completes
+    (training resumed and saved); until it is served, it is kept. A pin of the newest complete step (what
+    ``CheckpointManager.restore()`` and PrepareRestore without a step take) is released as soon as any newer
+    step completes: a step known but incomplete when it was pinned (a host's report was late, a save was
+    cut short) that completes afterwards, or is saved again after the restore, is progress nobody rolled
+    back from, and the next restore must not take the older step over it (found by the simulation, seed
+    14687).
     """
 
     def __init__(self, state: CoordinatorState, forced: int | None = None):
@@ -47,7 +53,8 @@ class RestoreTarget:
         if self.pinned is not None and self.pinned != step:
             self._state.unpin(self.pinned)
         self.pinned = step
-        self._floor = self._newest_known(step)
+        newest = self._state.newest_complete_step()
+        self._floor = step if newest is not None and step >= newest else self._newest_known(step)
 
     def release(self, step: int) -> bool:
         """Forget a restore pinned on ``step``; False when ``step`` is not the pinned one."""

@@ -655,6 +655,11 @@ class Sim:
         if self.training:
             self.note(f"trainer restarts ({why})")
         self.training = False
+        # The job's processes restart: a PrepareRestore in flight ends with them, and the new processes' call
+        # starts afresh (``CoordinatorClient.prepare_restore``: one call, whose wait counts from its own start,
+        # ``Coordinator._prepare_restore``). Kept, a host replaced between two polls would be judged on its
+        # previous incarnation's report (seed 4000).
+        self.restore_asked = None
         if self.restoring_since is None:
             self.restoring_since = self.clock.now
             self._at(self.clock.now + 1.0, "restore_poll", ())

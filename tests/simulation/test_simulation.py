@@ -142,6 +142,23 @@ def test_fixed_two_candidates_one_host_seeds(seed):
     assert not found, found
 
 
+@pytest.mark.parametrize("seed", [4000, 14687])
+def test_fixed_restore_seeds(seed):
+    """Found by the network model in 20,000 schedules (issue #33 item 2). Seed 14687 (product): a restore of
+    the newest step (1, step 2 incomplete while a host was cut off) stayed pinned until a step newer than
+    every step known then completed, so after step 2 completed late the next restore still took step 1
+    (restore-older-than-newest); fixed in RestoreTarget.pin (focused test: test_simulation_found.py).
+    Seed 4000 (model): a host replaced between two restore polls kept the trainer's PrepareRestore start
+    from before the replacement, judging the host on its previous incarnation (restore-not-held); fixed in
+    Sim._job_restarts (the job's new processes call PrepareRestore afresh)."""
+    logging.disable(logging.WARNING)
+    try:
+        found, _ = replay(seed)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert not found, found
+
+
 @pytest.mark.parametrize("seed, names", [
     (273, ("newest-complete-regressed", "complete-step-lost")),
     (239, ("complete-is-restorable",)),

@@ -4,6 +4,7 @@ The simulation seeds that found them are the guards in tests/simulation (they re
 """
 
 import grpc
+import pytest
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import tier_pb2
@@ -236,3 +237,45 @@ def test_no_deletion_of_a_step_newer_than_the_newest_complete_while_a_host_is_si
     resp = report(0, [4, 5, 6, 7])
     assert coord.state.newest_complete_step() == 7
     assert sorted((d.owner_rank, d.step) for d in resp.deletions) == [(0, 4), (0, 5)]
+
+
+def _restore(coord, step=-1):
+    return coord.PrepareRestore(pb.PrepareRestoreRequest(step=step, wait_seconds=0.0), Ctx())
+
+
+@pytest.mark.parametrize("asked", [-1, 1])
+def test_a_newest_restore_does_not_hold_back_a_step_that_completes_after_it(asked):
+    """restore-older-than-newest (simulation seed 14687): the job restored step 1, the newest complete one,
+    because host 3's step 2 was not reported yet (a partition); host 3 came back and step 2 completed; the
+    job failed again before its next save, and the next restore still got step 1, pinned by the first one
+    until a step newer than every step known then (step 3) completed: step 2, complete and held everywhere,
+    was passed over. ``asked`` 1: as ``CheckpointManager.restore()`` pins the newest step it chose (its next
+    ``restore()`` reads the pin as GetSteps' forced_restore_step)."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=4.0)
+    for r in range(3):
+        beat(coord, r, [1, 2])
+    beat(coord, 3, [1])
+    assert coord.state.newest_complete_step() == 1
+    first = _restore(coord, asked)
+    assert (first.step, first.ready) == (1, True)
+    beat(coord, 3, [1, 2])  # host 3's late report: step 2 completes
+    assert coord.state.newest_complete_step() == 2
+    assert coord.GetSteps(pb.GetStepsRequest(), Ctx()).forced_restore_step == -1
+    again = _restore(coord)
+    assert (again.step, again.ready) == (2, True)
+    assert coord.restore_target() == 2
+
+
+def test_a_restore_of_a_chosen_step_still_holds_back_newer_known_steps():
+    """The other side of the rule above: a restore that names its step (a rollback past step 2) keeps that
+    step the restore target until a step newer than every step known then completes."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=4.0)
+    for r in range(4):
+        beat(coord, r, [1, 2])
+    assert _restore(coord, step=1).step == 1
+    assert _restore(coord).step == 1
+    for r in range(4):
+        beat(coord, r, [1, 2, 3])
+    assert _restore(coord).step == 3

@@ -110,7 +110,7 @@ class Config:
         nodes = 6 if rng.random() < 0.15 else 4
         return cls(
             nodes=nodes, slices=2, identical=rng.random() < 0.85, bucket=rng.random() < 0.85,
-            fault_seconds=rng.uniform(8.0, 16.0), quiet_seconds=20.0, save_every=rng.uniform(1.5, 4.0),
+            fault_seconds=rng.uniform(8.0, 16.0), quiet_seconds=18.0, save_every=rng.uniform(1.5, 4.0),
             fault_every=rng.uniform(2.0, 6.0), p_request_lost=rng.choice([0.0, 0.05]),
             p_answer_lost=rng.choice([0.0, 0.05]), p_answer_delayed=rng.choice([0.0, 0.1]),
             p_upload_fails=rng.choice([0.0, 0.0, 0.2]), slow_uploads=rng.random() < 0.3,

@@ -121,7 +121,12 @@ class BucketRig(Rig):
     watcher: BucketWatcher
 
     def backed_up_after(self, t: float, bound: float) -> list[str]:
-        """A step saved after ``t`` committed in the bucket within ``bound`` seconds (else the violation)."""
+        """A step saved after ``t`` committed in the bucket within ``bound`` seconds (else the violation).
+
+        Training runs while it waits: backups go every 5 steps, so the first step saved after the heal may
+        only be covered by a newer one (the case's restore paused the trainer; CI once waited 45 s on a
+        paused trainer whose step 24 fell between the backups of steps 21 and 26)."""
+        self.trainer.resume()
         try:
             step = wait_for(lambda: next((s["step"] for s in self.trainer.saves if s["t"] > t), None), 10,
                             "a save after the heal")
@@ -129,6 +134,8 @@ class BucketRig(Rig):
                      f"a backup of step {step} or newer")
         except TimeoutError as e:
             return [f"no step saved after the heal was backed up within {bound}s: {e}"]
+        finally:
+            self.trainer.pause()
         return []
 
 

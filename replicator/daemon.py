@@ -126,7 +126,8 @@ class Replicator:
                                            force_restore_step=opts.restore_from_backup,
                                            host_lost_seconds=opts.host_lost_seconds,
                                            max_heartbeats_per_second=opts.max_heartbeats_per_second,
-                                           active=False, other_candidates=len(self.candidates) > 1)
+                                           active=False, other_candidates=len(self.candidates) > 1,
+                                           candidate=self.my_candidate)
         self._server: grpc.Server | None = None
         self._control_server: grpc.Server | None = None
         self._transfer_server: peer_server.TransferServer | None = None

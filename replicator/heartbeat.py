@@ -8,6 +8,7 @@ answers, and this host's own candidate taking over once every lower one has been
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import random
@@ -127,6 +128,9 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._restoring: set[int] = set()  # steps being fetched for a restore: not saves
         self._backup_now = False
+        # Numbers this process's reports (HeartbeatRequest.report_seq): the coordinator refuses an older report
+        # the network delivers late or twice instead of taking its inventory as current.
+        self._report_seq = itertools.count(1)
 
     def connect(self, addresses: list[str], own_address: str) -> None:
         """Reach the coordinator candidates at ``addresses``; this host reports ``own_address``."""
@@ -236,7 +240,7 @@ class Heartbeat:
             newest_saved_step=own[-1] if own else -1,
             backup_requests=store.backup_requests(),
             inventory_digest=digest, known_epoch=self.epoch, preempting=parts.preemption.preempting,
-            nodes=me.fence_nodes,
+            nodes=me.fence_nodes, report_seq=next(self._report_seq),
         )
         if self._take_backup_now() and own:
             req.backup_requests.append(own[-1])

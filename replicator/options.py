@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from replicator.coordinator.fence import MAX_CANDIDATES
 from replicator.net.rpc import MAX_MESSAGE_BYTES
 from replicator.net.security import read_token_file
 from sidecar.layout import check_job_name
@@ -259,6 +260,8 @@ class ReplicatorOptions:
             if self.nodes is not None and self.allocation_index is None and any(
                     not 0 <= r < self.nodes for r in cands):
                 raise ConfigError(f"--coordinator-candidates ranks must be within 0..{self.nodes - 1}")
+            if len(cands) > MAX_CANDIDATES:  # an epoch's low bits name its candidate
+                raise ConfigError(f"--coordinator-candidates lists {len(cands)}; at most {MAX_CANDIDATES}")
         if self.host_lost_seconds < 0:
             raise ConfigError("--host-lost-seconds must be >= 0")
         for name in ("heartbeat_seconds", "rpc_timeout_seconds", "transfer_timeout_seconds",

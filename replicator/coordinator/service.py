@@ -38,6 +38,7 @@ from replicator.coordinator.model import (
     Tier,
 )
 from replicator.coordinator.planner import CoordinatorState
+from replicator.coordinator.report_order import ReportOrder, StaleReportError
 from replicator.coordinator.step_tracking import FirstSeen, RestoreTarget
 from replicator.coordinator.tier_wire import from_wire
 from replicator.coordinator.topology import JobTopology
@@ -115,6 +116,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     ``active=False`` makes a standby candidate: every RPC answers UNAVAILABLE until :meth:`activate`.
     ``authorizer`` (mutual TLS): a heartbeat is accepted only from a client certificate that may report
     for its rank (:class:`replicator.net.security.RankAuthorizer`); refused ones change nothing.
+    ``candidate``: this coordinator's index among the candidates; its epochs end in it
+    (:func:`~replicator.coordinator.fence.candidate_epoch`), so no two candidates serve under one epoch.
 
     Why ~540 lines in one class: every RPC reads or changes the state under one lock and one epoch fence,
     and their order matters (a deposed or isolated coordinator must not answer); the planning is in
@@ -140,6 +143,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         max_waiters: int = MAX_WAITERS,
         authorizer: RankAuthorizer | None = None,
         other_candidates: bool = False,
+        candidate: int | None = None,
     ):
         self.topology = topology
         # Other candidates may serve when this one is cut off: then an isolated coordinator stops deciding.
@@ -158,7 +162,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._clock = clock
         self._lock = threading.Condition()
         self._gate = WaiterGate(max_waiters)
-        self._fence = EpochFence()
+        self._fence = EpochFence(candidate)
+        # Kept across a reset: it is about the order of one host's messages, not about the view.
+        self._report_order = ReportOrder()
         self._reset()
         if active:
             self.activate(epoch)
@@ -399,6 +405,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             st = self.state
             now = self._clock()
             try:
+                self._report_order.check(rank, request.incarnation, request.report_seq)
+            except StaleReportError as e:
+                self._abort_bad(context, str(e), grpc.StatusCode.ABORTED)
+            try:
                 if st.register(rank, request.incarnation):
                     log.info("rank %d registered (incarnation %d) at %s", rank, request.incarnation,
                              request.address)
@@ -427,6 +437,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 self._abort_bad(context, str(e), grpc.StatusCode.FAILED_PRECONDITION)
             except (NotRegisteredError, ValueError) as e:
                 self._abort_bad(context, str(e))
+            self._report_order.taken(rank, request.incarnation, request.report_seq)
             if accepted:
                 self._digest[rank] = request.inventory_digest
             else:

@@ -97,6 +97,7 @@ def test_losing_the_coordinator_slice_fails_over_and_rebuilds_redundancy(failove
     first = wait_for(lambda: _status_if(cl, lambda s: s.hosts_reported == 4 and s.hosts_lost == 0), timeout=30,
                      what="every host reported, none lost")
     assert first.coordinator_address == cl.candidate_addresses[0]
+    assert first.epoch % 256 == 0  # an epoch's low bits name its candidate (fence.candidate_epoch)
     # The standby candidate answers nothing from its empty view (coordinator and admin RPCs alike).
     with grpc.insecure_channel(cl.candidate_addresses[2]) as ch:
         for call in (lambda: cpb_grpc.CoordinatorStub(ch).GetStatus(cpb.GetStatusRequest(), timeout=5),
@@ -116,6 +117,7 @@ def test_losing_the_coordinator_slice_fails_over_and_rebuilds_redundancy(failove
     st = wait_for(lambda: _status_if(cl, lambda s: s.hosts_lost == 2), timeout=30,
                   what="slice 0 declared lost by the next candidate")
     assert st.coordinator_address == cl.candidate_addresses[2] and st.epoch > first.epoch
+    assert st.epoch % 256 == 1
     assert st.lost_ranks == "0-1" and [g.ranks for g in st.lost] == ["0-1"]
     hosts = {h.rank: h for h in status(cl, hosts=True).hosts}
     assert hosts[0].lost and hosts[1].lost and not hosts[2].lost and hosts[3].address
@@ -139,7 +141,7 @@ def test_losing_the_coordinator_slice_fails_over_and_rebuilds_redundancy(failove
     cl.start(0)
     st2 = wait_for(lambda: _status_if(cl, lambda s: s.coordinator_address == cl.candidate_addresses[0]
                                       and s.hosts_reported == 4), timeout=30, what="candidate 0 serving again")
-    assert st2.epoch > st.epoch and st2.hosts_lost == 0
+    assert st2.epoch > st.epoch and st2.hosts_lost == 0 and st2.epoch % 256 == 0
     wait_for(lambda: 2 in commit.committed_steps(cl.ram(0) / "steps"), what="rank 0 refilled", timeout=60)
     mgr.close()
 

@@ -131,3 +131,10 @@ def test_coordinator_candidates_by_allocation_index_may_lie_beyond_the_node_coun
     assert o.coordinator_candidate_list() == [(0, "h:1"), (2, "h:3")] and o.allocation_index == 2
     with pytest.raises(ConfigError, match="--allocation-index must be >= 0, got -1"):
         _opts(["--local-dir", str(tmp_path), "--peers", "0=h:1", "--allocation-index", "-1"])
+
+
+def test_at_most_256_coordinator_candidates(tmp_path: Path) -> None:
+    """An epoch's low 8 bits name the candidate that chose it (no two candidates share an epoch)."""
+    cands = ",".join(f"{r}=h:{r + 1}" for r in range(257))
+    with pytest.raises(ConfigError, match="--coordinator-candidates lists 257; at most 256"):
+        _opts(["--local-dir", str(tmp_path), "--rank", "0", "--nodes", "300", "--coordinator-candidates", cands])

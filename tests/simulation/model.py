@@ -9,7 +9,7 @@ same schedule, the same RPCs and the same answers, so a failing seed replays exa
 Modelled (as the daemon, ``replicator/daemon.py``, does it):
 
 - hosts: RAM disk = a dict of pieces (own ``local`` data, ``peer`` copies, ``replica`` attestations, which
-  vanish with the own step they attest); heartbeats with the inventory digest and deltas against the last
+  vanish with the own step they attest); numbered heartbeats with the inventory digest and deltas against the last
   acknowledged inventory, a full report when the coordinator has no picture; backup reports kept until a
   heartbeat is answered; the answer's copies (byte copies fetched from the source host when they finish,
   hash-only ones recorded at once if the own data has that hash), deletions (skipped while a task of that
@@ -51,6 +51,8 @@ from tests.simulation.network import Network, Partition
 
 JOB = "sim"
 SIZE = 1 << 20
+EPOCH_CLOCK_START_NS = 1_700_000_000 * 10**9  # the candidates' time_ns() at virtual time 0
+EPOCH_SKEW_SECONDS = 5.0  # how far behind a candidate's clock may be
 
 
 class Aborted(Exception):
@@ -133,6 +135,7 @@ class Host:
         self.waiting = False  # a heartbeat is out (the daemon sends one at a time)
         self.lower_down_since: float | None = None  # a candidate's host: since when no lower candidate answers
         self.coordinator: Coordinator | None = None  # whom it talks to (None: the newest)
+        self.report_seq = 0  # numbers its reports (HeartbeatRequest.report_seq), as Heartbeat.beat does
 
     def own(self, step: int) -> Holding | None:
         h = self.disk.get((self.rank, step))
@@ -180,13 +183,13 @@ class Sim:
         self.heartbeat_seconds = 1.0
         self.bucket = BucketModel(self.cfg.nodes, self.clock) if self.cfg.bucket else None
         self.epoch = 1
-        self.coord = self._new_coordinator(1)
+        self.coord = self._new_coordinator(1, candidate=0 if self.net.cfg.on else None)
         self.deposed: list[Coordinator] = []
         # With the network on: the coordinator candidates (None: its host is down) and their hosts' ranks.
         self.cand_rank = [0, self.topo.hosts_per_slice]
         self.cands: list[Coordinator | None] = []
         if self.net.cfg.on:
-            self.cands = [self.coord, self._new_coordinator(0, active=False)]
+            self.cands = [self.coord, self._new_coordinator(0, active=False, candidate=1)]
         self.disk_changed = False  # an answer deleted a piece since the last check (invariants.py)
         self.accepted: dict[tuple[int, int], int] = {}  # (rank, incarnation) -> highest epoch it accepted
         self.hosts = [Host(r, self._nonce()) for r in range(self.cfg.nodes)]
@@ -226,7 +229,8 @@ class Sim:
     def _nonce(self) -> int:
         return self.rng.randrange(1, 1 << 62)
 
-    def _new_coordinator(self, epoch: int, *, active: bool = True) -> Coordinator:
+    def _new_coordinator(self, epoch: int, *, active: bool = True, candidate: int | None = None) -> Coordinator:
+        """``candidate``: its index among the candidates (as the daemon passes it; epochs end in it)."""
         factory: Callable[[], Any] | None = None
         if self.bucket is not None:
             bucket = self.bucket
@@ -235,7 +239,7 @@ class Sim:
                 return BucketScheduler(bucket, self.topo, interval_steps=1, keep=3, clock=self.clock)  # type: ignore[arg-type]
         return Coordinator(self.topo, JOB, keep_local=2, heartbeat_seconds=self.heartbeat_seconds,
                            backup_factory=factory, clock=self.clock, host_lost_seconds=4.0, epoch=epoch,
-                           active=active, other_candidates=self.net.cfg.on)
+                           active=active, other_candidates=self.net.cfg.on, candidate=candidate)
 
     def _at(self, t: float, kind: str, args: tuple) -> None:
         heapq.heappush(self.queue, (t, next(self.seq), kind, args))
@@ -333,12 +337,13 @@ class Sim:
     def _request(self, h: Host) -> tuple[pb.HeartbeatRequest, str, dict]:
         """The heartbeat as ``Heartbeat.beat`` builds it: a full report, or a delta against the acked inventory."""
         rank = h.rank
+        h.report_seq += 1
         inv = list(h.disk.values())
         digest = inventory_digest(inv)
         own = sorted(s for (o, s), x in h.disk.items() if o == rank and x.tier is Tier.LOCAL)
         req = pb.HeartbeatRequest(job=JOB, rank=rank, incarnation=h.incarnation, address=f"sim:{rank}",
                                   newest_saved_step=own[-1] if own else -1, inventory_digest=digest,
-                                  known_epoch=h.epoch)
+                                  known_epoch=h.epoch, report_seq=h.report_seq)
         current = dict(h.disk)
         if h.acked is None:
             req.full_report = True
@@ -423,10 +428,16 @@ class Sim:
         self.note(f"duplicate beat {req.rank} -> c{i} e{c.epoch} handled again: {_summary(resp)}")
 
     def _epoch_clock(self) -> int:
-        """A taking-over candidate's ``time_ns()``: above every earlier one, unless its clock is behind."""
-        behind = self.net.rng.random() < 0.2
-        self.epoch += 1
-        return self.epoch - 2 if behind else self.epoch
+        """A starting or taking-over candidate's ``time_ns()``: the virtual time in nanoseconds (after a wall
+        clock's start), in one case of five behind by up to ``EPOCH_SKEW_SECONDS``.
+
+        Nanoseconds, as the daemon's: a coarser clock (a counter, before) gave two candidates equal epochs
+        where real clocks cannot (seed 81300: a restarted candidate 0 and a taking-over candidate 1 whose
+        clock was behind both at epoch 2), and equal epochs defeat the fence between them.
+        """
+        r = self.net.rng.random()  # one draw, as before: the schedules' other draws stay the same
+        skew = r / 0.2 * EPOCH_SKEW_SECONDS if r < 0.2 else 0.0
+        return EPOCH_CLOCK_START_NS + round((self.clock.now - skew) * 1e9)
 
     def _refresh_serving(self) -> None:
         """``coord``: the active candidate of the newest epoch (the invariants' view); ``deposed``: the others."""
@@ -483,7 +494,7 @@ class Sim:
         if down:
             self.cands[i] = None
             return
-        self.cands[i] = self._new_coordinator(self._epoch_clock() if i == 0 else 0, active=i == 0)
+        self.cands[i] = self._new_coordinator(self._epoch_clock() if i == 0 else 0, active=i == 0, candidate=i)
         self.note(f"candidate {i} starts on rank {rank}" + (f" and serves (epoch {self.cands[i].epoch})"
                                                              if i == 0 else " as a standby"))
 

@@ -11,7 +11,8 @@ What a schedule with the network on models, beyond the reliable-network faults o
 - per-message loss rates (a request lost, an answer lost after the coordinator handled it: the call times
   out, the host tries the next candidate);
 - duplicated delivery: the coordinator handles the same heartbeat twice (now, or after the host's newer
-  ones: an older report handled after a newer one, as a request queued in another server thread can be);
+  ones: an older report handled after a newer one, as a request queued in another server thread can be;
+  hosts number their reports, and the coordinator refuses such a one with ABORTED);
   a duplicated answer is drawn but reaches no daemon (a unary gRPC call yields one answer, and the daemon
   acts once per call), so it is only noted in the trace;
 - reordering of answers: a late answer of a timed-out call is dropped (gRPC delivers none once the call

@@ -159,6 +159,69 @@ def test_fixed_restore_seeds(seed):
     assert not found, found
 
 
+@pytest.mark.parametrize("seed", [22603, 34231])
+def test_fixed_stale_report_seeds(seed):
+    """Found by the network model (issue #33 item 2): the coordinator handled a host's older heartbeat again
+    after newer ones (a duplicated or reordered request) and took its inventory as current. Seed 22603:
+    step 1, which host 2 had deleted since, counted as complete with host 2 as rank 0's source
+    (complete-is-restorable); seed 34231: a replaced host's previous incarnation's report, delivered late,
+    made a restore of step 4 ready on data the host no longer held (restore-not-held). Fixed: hosts number
+    their reports (``HeartbeatRequest.report_seq``) and the coordinator answers ABORTED to one not above the
+    last it took from the same incarnation (``replicator/coordinator/report_order.py``; focused tests:
+    tests/replicator/coordinator/test_simulation_found.py, tests/replicator/test_heartbeat_report_seq.py)."""
+    logging.disable(logging.WARNING)
+    try:
+        found, _ = replay(seed)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert not found, found
+
+
+def test_stale_report_seed_fails_without_the_order_check(monkeypatch):
+    """The guard above can fail: with the coordinator's order check off, seed 22603 violates again."""
+    from replicator.coordinator.report_order import ReportOrder
+
+    monkeypatch.setattr(ReportOrder, "check", lambda self, rank, incarnation, seq: None)
+    logging.disable(logging.WARNING)
+    try:
+        found, _ = replay(22603)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert "complete-is-restorable" in found
+
+
+@pytest.mark.parametrize("order_check", [True, False])
+def test_fixed_equal_epoch_seed(monkeypatch, order_check):
+    """Seed 81300 (model defect, issue #33 item 2): the simulated epoch clock was a counter, so a restarted
+    candidate 0 and a taking-over candidate 1 whose clock was behind both got epoch 2; with equal epochs the
+    fence cannot tell them apart, and host 0 deleted step 1 on candidate 1's order while candidate 0 counted
+    it complete (complete-is-restorable). Fixed in Sim._epoch_clock: nanoseconds, as ``time_ns()``. The
+    report order check made the seed pass by chance too, so it is also replayed without it; and no two
+    serving candidates ever share an epoch in it."""
+    from replicator.coordinator.report_order import ReportOrder
+    from tests.simulation import model
+
+    if not order_check:
+        monkeypatch.setattr(ReportOrder, "check", lambda self, rank, incarnation, seq: None)
+    refresh = model.Sim._refresh_serving
+    shared: list[float] = []
+
+    def check_epochs(self):
+        active = [c for c in self.cands if c is not None and c.active]
+        if len({c.epoch for c in active}) < len(active):
+            shared.append(self.clock.now)
+        refresh(self)
+
+    monkeypatch.setattr(model.Sim, "_refresh_serving", check_epochs)
+    logging.disable(logging.WARNING)
+    try:
+        found, _ = replay(81300)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert not found, found
+    assert shared == []
+
+
 @pytest.mark.parametrize("seed, names", [
     (273, ("newest-complete-regressed", "complete-step-lost")),
     (239, ("complete-is-restorable",)),

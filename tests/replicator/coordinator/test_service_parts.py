@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from replicator.coordinator.admission import RETRY_AFTER_KEY, WaiterGate
-from replicator.coordinator.fence import EpochFence
+from replicator.coordinator.fence import MAX_CANDIDATES, EpochFence, candidate_epoch
 from replicator.coordinator.model import Holding
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.step_tracking import FirstSeen, RestoreTarget
@@ -21,6 +21,16 @@ def test_fence_raises_epoch_above_seen_and_steps_down_on_newer():
     assert f.active and f.epoch == 41  # above every epoch a host accepted
     assert not f.observe(41) and f.active
     assert f.observe(42) and not f.active and f.max_seen == 42
+
+
+def test_fence_epochs_end_in_the_candidate_index():
+    f = EpochFence(candidate=3)
+    f.observe(1000)  # 1000 = 3 * 256 + 232
+    f.activate(10)
+    assert f.epoch == 1027 and f.epoch % MAX_CANDIDATES == 3  # the next one above 1000 that names candidate 3
+    assert candidate_epoch(1027, 3) == 1027 and candidate_epoch(1028, 3) == 1027 + MAX_CANDIDATES
+    with pytest.raises(ValueError):
+        EpochFence(candidate=MAX_CANDIDATES)
 
 
 class _Aborted(Exception):

@@ -567,6 +567,12 @@ class BucketScheduler(BackupScheduler):
         rec, _ = self.bucket.commit_record(step)
         self.committed_gen[step] = self.bucket.committed_generation(step)
         _report_committed(state, step, rec.rank_hashes)
+        cur = self.current
+        if cur is not None and cur.step == step:
+            # Reporting the commit ends the step's "being backed up" mark, but this scheduler's own run of it
+            # is still uploading (the commit learned is another's: a deposed coordinator's run, before or
+            # after a failover): GC must keep the step until the run ends (simulation seed 89534).
+            state.mark_backup_in_progress(step)
         return rec
 
     def status(self) -> BackupSchedulerStatus:

@@ -514,8 +514,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 # candidate serves them and counts it complete; a candidate takes over only after at least
                 # two intervals of silence from this one, so a host silent for less cannot have moved yet).
                 # It goes once they report again or are replaced (issue #33, tests/simulation seeds 1005
-                # and 15775).
-                doomed = [k for k in doomed if newest is None or k[1] <= newest]
+                # and 15775). With no step complete, nothing goes: every step is newer than the newest
+                # complete one (seed 42569: a deposed coordinator, the other hosts silent to it, told host
+                # 0 to delete step 1 beyond keep_local, complete on its successor).
+                doomed = [k for k in doomed if newest is not None and k[1] <= newest]
             for owner, step in doomed:
                 h = st.holding(rank, (owner, step))
                 resp.deletions.append(pb.Deletion(owner_rank=owner, step=step,

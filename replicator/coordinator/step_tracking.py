@@ -1,4 +1,5 @@
-"""The coordinator service's per-step bookkeeping beyond the planner: the restore target and first-seen times.
+"""The coordinator service's per-step bookkeeping beyond the planner: the restore target and its GC hold,
+and first-seen times.
 
 Not thread-safe: the service's lock guards both.
 """
@@ -9,31 +10,41 @@ from replicator.coordinator.planner import CoordinatorState
 
 
 class RestoreTarget:
-    """The step every host should hold locally: a pinned restore, else the newest complete step.
+    """The step every host should hold locally (a pinned restore, else the newest complete step), and the
+    restore's hold against GC.
 
-    A restore is pinned by PrepareRestore (or the operator's ``--restore-from-backup``, ``forced``). A pin of
-    a step older than the newest complete one (a rollback: the operator's, or a restore naming an older
-    step) is released, once served, when a step newer than every step known at that time completes
-    (training resumed and saved); until it is served, it is kept. A pin of the newest complete step (what
-    ``CheckpointManager.restore()`` and PrepareRestore without a step take) is released as soon as any newer
-    step completes: a step known but incomplete when it was pinned (a host's report was late, a save was
-    cut short) that completes afterwards, or is saved again after the restore, is progress nobody rolled
-    back from, and the next restore must not take the older step over it (found by the simulation, seed
-    14687).
+    A restore is pinned by PrepareRestore (or the operator's ``--restore-from-backup``, ``forced``). As the
+    target, a pin of a step older than the newest complete one (a rollback: the operator's, or a restore
+    naming an older step) is released, once served, when a step newer than every step known at that time
+    completes (training resumed and saved); until it is served, it is kept. A pin of the newest complete
+    step (what ``CheckpointManager.restore()`` and PrepareRestore without a step take) stops being the
+    target as soon as any newer step completes: a step known but incomplete when it was pinned (a host's
+    report was late, a save was cut short) that completes afterwards, or is saved again after the restore,
+    is progress nobody rolled back from, and the next restore must not take the older step over it (found
+    by the simulation, seed 14687).
+
+    The GC hold is kept apart from the target: the pinned step stays on every host until a step newer than
+    every step known when it was pinned completes, another restore is pinned, or :meth:`release`. When the
+    target moves on to a step that completed late, the job may still be reading the step it was told to
+    restore, until its next PrepareRestore (found by the simulation, seeds 44803, 62014, 82150: a host cut
+    off reported step 3 again mid-restore of step 1, and GC deleted step 1 under the restore).
     """
 
     def __init__(self, state: CoordinatorState, forced: int | None = None):
         self._state = state
-        self.pinned: int | None = forced
-        self._floor: int | None = None  # None = not served yet
+        self.pinned: int | None = forced  # the target
+        self._floor: int | None = None  # the target's: None = not served yet
+        self.held: int | None = forced  # pinned against GC in ``state``
+        self._hold_until: int | None = None  # the hold's: None = not served yet
         if forced is not None:
             state.pin(forced)
 
     def current(self) -> int | None:
         newest = self._state.newest_complete_step()
+        if newest is not None and self._hold_until is not None and newest > self._hold_until:
+            self._drop_hold()
         if self.pinned is not None:
             if self._floor is not None and newest is not None and newest > self._floor:
-                self._state.unpin(self.pinned)
                 self.pinned = self._floor = None
             else:
                 return self.pinned
@@ -45,24 +56,30 @@ class RestoreTarget:
         if target is None or self.pinned is None or target != self.pinned:
             return None
         if self._floor is None:
-            self._floor = self._newest_known(target)
+            self._floor = self._hold_until = self._newest_known(target)
         return target
 
     def pin(self, step: int) -> None:
         """A restore of ``step`` was planned (the planner pinned it): replaces any other pin, served now."""
-        if self.pinned is not None and self.pinned != step:
-            self._state.unpin(self.pinned)
-        self.pinned = step
+        if self.held is not None and self.held != step:
+            self._state.unpin(self.held)
+        self.pinned = self.held = step
         newest = self._state.newest_complete_step()
-        self._floor = step if newest is not None and step >= newest else self._newest_known(step)
+        self._hold_until = self._newest_known(step)
+        self._floor = step if newest is not None and step >= newest else self._hold_until
 
     def release(self, step: int) -> bool:
-        """Forget a restore pinned on ``step``; False when ``step`` is not the pinned one."""
-        if self.pinned != step:
+        """Forget a restore pinned on ``step``; False when ``step`` is not the pinned (held) one."""
+        if self.held != step:
             return False
-        self._state.unpin(step)
+        self._drop_hold()
         self.pinned = self._floor = None
         return True
+
+    def _drop_hold(self) -> None:
+        if self.held is not None:
+            self._state.unpin(self.held)
+        self.held = self._hold_until = None
 
     def _newest_known(self, step: int) -> int:
         known = self._state.known_steps()

@@ -222,6 +222,31 @@ def test_fixed_equal_epoch_seed(monkeypatch, order_check):
     assert shared == []
 
 
+@pytest.mark.parametrize("seed", [44803, 62014, 82150, 42569, 89534])
+def test_fixed_gc_protected_seeds(seed):
+    """Found by the network model in 100,000 schedules (issue #33 item 2), gc-protected:
+
+    - 44803, 62014, 82150: a restore pinned the newest complete step; a newer step completed late (a cut-off
+      host reported again) and the restore target moved on to it (seed 14687), taking the GC hold along:
+      hosts deleted the step the job was still restoring. Fixed in RestoreTarget: the GC hold is kept apart
+      from the target, until a step newer than every step known at the pin completes or another restore.
+    - 42569: a deposed coordinator, the other hosts silent to it and no step complete in its view, ordered a
+      step beyond keep_local deleted, complete on its successor. Fixed in Coordinator._answer: while a host
+      is lost or silent, only steps up to the newest complete one go, none when no step is complete.
+    - 89534: the scheduler re-listed the bucket (the newest complete step fell back) and learned that the
+      deposed coordinator had committed the step its own run was uploading; reporting that commit cleared the
+      step's "being backed up" mark and GC deleted it. Fixed in BucketScheduler._learn_backup.
+
+    Focused tests: tests/replicator/coordinator/test_simulation_found.py and
+    tests/replicator/backup/test_scheduler_faults.py."""
+    logging.disable(logging.WARNING)
+    try:
+        found, _ = replay(seed)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert "gc-protected" not in found, found["gc-protected"]
+
+
 @pytest.mark.parametrize("seed, names", [
     (273, ("newest-complete-regressed", "complete-step-lost")),
     (239, ("complete-is-restorable",)),

@@ -315,3 +315,36 @@ def test_a_failed_run_is_still_redone_after_the_newest_step_fell_back_to_a_backe
     job.clock.now += 20.0
     job.rounds(4)
     assert job.committed() == [1, 2], job.sched.last_error
+
+
+def test_a_run_stays_protected_from_gc_when_the_bucket_shows_its_step_committed_by_another(tmp_path: Path) -> None:
+    """gc-protected (simulation seed 89534): after a failover the new coordinator's run of step 1 was
+    uploading when the newest complete step fell back and the scheduler listed the bucket again; it learned
+    that the deposed coordinator's run had committed step 1, and reporting that commit cleared the step's
+    "being backed up" mark while its own run still read the hosts' step 1: GC then deleted it under the
+    upload. Learning a committed backup keeps the mark of the step the scheduler's own run uploads."""
+    job = Job(tmp_path, 2, replicas=0)
+    job.save_on_both(1)
+    for r in (0, 1):
+        job.report(r)
+    assert job.beat(0, run=False) is not None  # the new coordinator's run of step 1 (the bucket was empty)
+    old_state = CoordinatorState(job.topology)
+    old = job.new_scheduler(old_state)
+    for r in (0, 1):
+        old_state.register(r, job.inc[r])
+    for _ in range(3):  # the deposed coordinator's run of step 1 starts, uploads and commits
+        for r in (0, 1):
+            job.beat(r, sched=old, state=old_state)
+    job.join(old)
+    assert job.committed() == [1]
+    for r in (0, 1):
+        job.save(2, r)
+        job.report(r)
+    job.beat(0, run=False)
+    assert job.state.newest_complete_step() == 2
+    shutil.rmtree(job.stores[1].step_dir(1, 2))  # rank 1's step 2 is gone: the newest complete step falls back
+    job.beat(1, run=False)
+    assert job.state.newest_complete_step() == 1
+    assert sorted(job.state.backup_ranks(1)) == [0, 1]  # the scheduler learned the deposed one's commit
+    assert job.sched.current is not None and job.sched.current.step == 1  # its own run still uploads
+    assert job.state.backups_in_progress() == [1]  # GC keeps step 1 until the run ends

@@ -381,3 +381,76 @@ def test_two_candidates_whose_clocks_are_behind_never_share_an_epoch():
         for server, channel, _ in served:
             channel.close()
             server.stop(0)
+
+
+def test_no_deletion_while_a_host_is_silent_and_no_step_is_complete():
+    """gc-protected (simulation seed 42569, issue #33): after a failover candidate 0 (epoch 1) still answered
+    host 0, while hosts 1-3 already reported to epoch 2 (silent to epoch 1, not yet declared lost). Epoch 2
+    counted step 1 complete; epoch 1, without their reports, saw no complete step and told host 0 to delete
+    its step 1 (beyond keep_local 2 of its steps 1-3). The rule "no deletion of a step newer than the newest
+    complete one while a host is silent" holds when no step is complete too: then nothing goes."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=8.0,
+                        heartbeat_seconds=1.0)
+
+    def report(rank, steps):
+        req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=1, address=f"127.0.0.1:{7000 + rank}",
+                                  full_report=True, known_epoch=coord.epoch,
+                                  holdings=[_holding(rank, s, rank % 2) for s in steps])
+        return coord.Heartbeat(req, Ctx())
+
+    for r in range(1, 4):
+        report(r, [])
+    report(0, [1, 2, 3])
+    clock.now += 3.0  # hosts 1-3 silent for 3 s (2 intervals of 1 s and more): not yet lost
+    resp = report(0, [1, 2, 3])
+    assert not coord.state.lost and coord.state.newest_complete_step() is None
+    assert [(d.owner_rank, d.step) for d in resp.deletions] == []
+    # Once every host reports again within a beat, GC goes on (no step complete: keep_local 2 of 3 stay).
+    for r in range(1, 4):
+        report(r, [])
+    resp = report(0, [1, 2, 3])
+    assert [(d.owner_rank, d.step) for d in resp.deletions] == [(0, 1)]
+
+
+def _gc_of(resp):
+    return {(d.owner_rank, d.step) for d in resp.deletions}
+
+
+def test_a_restored_step_stays_held_against_gc_after_the_target_moves_on():
+    """gc-protected (simulation seeds 44803, 62014, 82150, issue #33): the job's PrepareRestore pinned step
+    1, the newest complete step while host 3's step 2 was not reported (a partition); host 3 came back and
+    step 2 completed, so the restore target moved on to step 2 (seed 14687) and the pin of step 1 went with
+    it: GC told the hosts to delete step 1 (beyond keep_local 1) while the job was still restoring it. The
+    GC hold stays until a step newer than every step known at the pin completes, or another restore."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=1, clock=clock, host_lost_seconds=4.0)
+    for r in range(3):
+        beat(coord, r, [1, 2])
+    beat(coord, 3, [1])
+    assert _restore(coord).step == 1
+    beat(coord, 3, [1, 2])  # host 3's late report: step 2 completes
+    assert coord.state.newest_complete_step() == 2 and coord.restore_target() == 2
+    assert coord.state.pinned_steps() == [1]
+    assert all((r, 1) not in _gc_of(beat(coord, r, [1, 2])) for r in range(4))
+    # A step newer than every step known at the pin (step 2) completes: the hold ends.
+    for r in range(4):
+        beat(coord, r, [1, 2, 3])
+    assert coord.restore_target() == 3 and coord.state.pinned_steps() == []
+    assert (0, 1) in _gc_of(beat(coord, 0, [1, 2, 3]))
+
+
+def test_a_restored_step_is_released_by_the_next_restore():
+    """The other way a restore's GC hold ends: the job's next PrepareRestore pins the step it restores."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=1, clock=clock, host_lost_seconds=4.0)
+    for r in range(3):
+        beat(coord, r, [1, 2])
+    beat(coord, 3, [1])
+    assert _restore(coord).step == 1
+    beat(coord, 3, [1, 2])
+    again = _restore(coord)
+    assert (again.step, again.ready) == (2, True)
+    assert coord.state.pinned_steps() == [2]
+    assert (0, 1) in _gc_of(beat(coord, 0, [1, 2]))
+    assert coord.release_restore_pin(2) and coord.state.pinned_steps() == []

@@ -551,7 +551,14 @@ class Sim:
         if resp.HasField("backup"):
             b = resp.backup
             slow = self.faulty and self.cfg.slow_uploads and self.rng.random() < 0.5
-            self._submit(h, "backup", -1, b.step, self.rng.uniform(3.0, 12.0) if slow else self.rng.uniform(0.1, 1.0),
+            seconds = self.rng.uniform(3.0, 12.0) if slow else self.rng.uniform(0.1, 1.0)
+            if slow:
+                # A slow bucket is a fault of the window: once it ends, the rest goes at normal speed (one
+                # second at most). Drawn as before, so the seeds' streams stay (seed 87623: an upload drawn
+                # slow at the window's end ran on 10 s into the quiet phase, holding up the host's share of
+                # the next staging, and the liveness check came before the backup of step 2 could commit).
+                seconds = min(seconds, self.cfg.fault_seconds - self.clock.now + 1.0)
+            self._submit(h, "backup", -1, b.step, seconds,
                          (b.staging, list(b.ranks), list(b.source_owner_ranks) or list(b.ranks)))
 
     def _submit(self, h: Host, kind: str, owner: int, step: int, seconds: float, args: tuple) -> None:

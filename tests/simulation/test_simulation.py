@@ -319,3 +319,17 @@ def test_stale_epoch_order_catches_a_host_forgetting_its_epoch(monkeypatch):
     finally:
         logging.disable(logging.NOTSET)
     assert res["by_invariant"].get("stale-epoch-order"), res["first"]
+
+
+def test_fixed_slow_upload_model_seed():
+    """Seed 87623 (model defect, issue #33 item 2): an upload drawn slow (3-12 s) at the end of the fault
+    window ran on 10 s into the quiet phase; the host's share of the next staging of the step waited for it,
+    and the liveness check came before the backup of the newest complete step could commit
+    (backup-reaches-newest). A slow bucket is a fault of the window: the model now ends a slow upload at
+    most a second after the window."""
+    logging.disable(logging.WARNING)
+    try:
+        found, _ = replay(87623)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert not found, found

@@ -1,0 +1,136 @@
+"""``bench.goodput``: the arithmetic of its schedule, intervals and ETTR, and a smoke run of every system.
+
+The smoke run (a 2 MiB state, 8 s per system) times nothing: it checks that the harness runs the whole job
+for each system through real failures (4 real JAX processes per incarnation, our real replicators) and
+reports every key; and that our system survives every failure it met.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from bench import goodput, goodput_run, goodput_worker
+from bench.emergency_common import REPO
+
+
+def test_the_schedule_is_seeded_covers_every_kind_first_and_fails_whole_slices():
+    a = goodput_run.schedule(4, 40, 8)
+    assert a == goodput_run.schedule(4, 40, 8)
+    assert a != goodput_run.schedule(5, 40, 8)
+    assert all(0 < f.at_seconds < 40 for f in a)
+    assert [f.at_seconds for f in a] == sorted(f.at_seconds for f in a)
+    long = goodput_run.schedule(0, 100_000, 10)
+    assert 9_500 <= len(long) <= 10_500  # exponential gaps of mean 10 s
+    for i in range(0, 5 * 50, 5):  # each cycle of 5 holds every kind once
+        assert sorted(f.kind for f in long[i:i + 5]) == sorted(goodput_run.KINDS)
+    for f in long[:200]:
+        if f.kind in ("slice_lost", "preemption"):
+            assert f.hosts in ((0, 1), (2, 3))
+        elif f.kind == "job_restart":
+            assert f.hosts == ()
+        else:
+            assert len(f.hosts) == 1 and 0 <= f.hosts[0] < 4
+    with pytest.raises(ValueError):
+        goodput_run.schedule(0, 10, 0)
+
+
+def test_young_daly_interval_from_the_blocking_save_cost_never_below_a_whole_save():
+    seconds, steps = goodput_worker.young_daly(0.5, 1.0, 120, 1.0)
+    assert seconds == pytest.approx(math.sqrt(2 * 0.5 * 120))  # 10.95 s
+    assert steps == 11
+    assert goodput_worker.young_daly(0.01, 3.0, 8, 0.3) == (3.0, 10)  # sqrt(0.16) = 0.4 s < the 3 s save
+    assert goodput_worker.young_daly(0.0, 0.0, 8, 0.3) == (0.0, 1)
+    assert goodput_worker.bucket_interval_steps(32, 0.3, 6) == 108  # 106.7 steps -> a multiple of 6
+    assert goodput_worker.bucket_interval_steps(1, 0.3, 6) == 6
+    with pytest.raises(ValueError):
+        goodput_worker.young_daly(0.1, 0.2, 0, 1)
+
+
+def test_ettr_and_the_comparison_with_the_best_orbax_manager_that_survived():
+    assert goodput.ettr(100, 0.3, 40) == pytest.approx(0.75)
+    with pytest.raises(ValueError):
+        goodput.ettr(1, 0.3, 0)
+
+    def rec(kind, downtime, lost, failed=None):
+        r = {"kind": kind, "downtime_seconds": downtime, "steps_lost": lost,
+             "phases": {p: downtime / 6 for p in goodput.PHASES if p != "failed_attempt"}}
+        return r | ({"failed": failed} if failed else {})
+
+    systems = {
+        "ours": {"ettr": 0.8, "failures": [rec("host_lost", 2.0, 1), rec("corrupt_copy", 3.0, 0)]},
+        "orbax_p2p": {"ettr": 0.7, "failures": [rec("host_lost", 4.0, 2), rec("corrupt_copy", 1.0, 9, "bad")]},
+        "orbax_emergency": {"ettr": 0.6, "failures": [rec("host_lost", 5.0, 3), rec("host_lost", 3.0, 1),
+                                                      rec("corrupt_copy", 6.0, 1)]},
+        "orbax_standard": {"error": "RuntimeError: calibration"},
+    }
+    for r in systems.values():
+        if "failures" in r:
+            r["by_kind"] = goodput.by_kind(r["failures"])
+    emergency = systems["orbax_emergency"]["by_kind"]["host_lost"]
+    assert (emergency["count"], emergency["downtime_seconds"], emergency["steps_lost"]) == (2, 4.0, 4)
+    assert systems["orbax_p2p"]["by_kind"]["corrupt_copy"]["failed"] == "bad"
+    got = goodput.compare(systems)
+    assert got["ettr_minus_best_orbax"] == pytest.approx(0.1)
+    assert got["best_orbax"]["ettr"] == "orbax_p2p"
+    assert got["downtime_host_lost_vs_best_orbax"] == 0.5  # 2.0 / min(4.0, mean(5.0, 3.0))
+    # p2p failed its corrupt copy: the best that survived it is the emergency manager (6.0 s).
+    assert got["downtime_corrupt_copy_vs_best_orbax"] == 0.5
+    assert got["best_orbax"]["corrupt_copy"] == "orbax_emergency"
+    for kind in ("slice_lost", "preemption", "job_restart"):
+        assert got[f"downtime_{kind}_vs_best_orbax"] is None
+
+
+def test_a_corrupt_copy_flips_bytes_of_the_largest_file_of_the_newest_committed_step(tmp_path):
+    for rel, size in (("3/a.bin", 4000), ("3/b.bin", 100), ("4/x/small.bin", 10), ("4/x/big.bin", 2000),
+                      ("5.orbax-checkpoint-tmp-1/huge.bin", 9000)):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(bytes(size))
+    what = goodput_run.corrupt_newest(tmp_path)
+    assert what.startswith("step 4: 4/x/big.bin")
+    data = (tmp_path / "4/x/big.bin").read_bytes()
+    assert data[1000:1064] == b"\xff" * 64 and data.count(0) == 2000 - 64
+    assert (tmp_path / "3/a.bin").read_bytes() == bytes(4000)
+    assert goodput_run.corrupt_newest(tmp_path / "3/missing") == "no committed step to corrupt"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_every_system_runs_the_same_failures_and_reports_every_key():
+    """Seed 3 at 8 s: host 0 lost (ours: the coordinator's host) at 1.1 s, a preemption of slice 1 due at
+    4.8 s (injected if the job is up again before the end)."""
+    run = Path(tempfile.mkdtemp(prefix="mtc-gp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "bench.goodput", "--mib", "2", "--seconds", "8",
+                               "--step-seconds", "0.3", "--mtbf-seconds", "4", "--replace-seconds", "0.2",
+                               "--grace-seconds", "5", "--seed", "3", "--keep", str(run / "run")],
+                              capture_output=True, text=True, timeout=400, cwd=str(REPO))
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["schedule"][0] == {"at_seconds": 1.087, "kind": "host_lost", "hosts": [0]}
+    assert set(result["systems"]) == set(goodput_worker.SYSTEMS)
+    for name, r in result["systems"].items():
+        assert "error" not in r, (name, r["error"])
+        assert r["interval_steps"] >= 1 and r["save_full_seconds"] >= r["save_block_seconds"] > 0
+        assert 0 <= r["ettr"] <= 1
+        assert r["failures"], name  # host 0 lost, 1.1 s in
+        assert r["failures"][0]["kind"] == "host_lost"
+        for f in r["failures"]:
+            assert f["downtime_seconds"] > 0 and f["phases"]["restart"] > 0
+            assert f["steps_lost"] >= 0
+        assert set(r["by_kind"]) <= set(goodput_run.KINDS)
+    assert not any("failed" in f for f in result["systems"]["ours"]["failures"])
+    assert -1 <= result["ettr_minus_best_orbax"] <= 1
+    assert result["downtime_host_lost_vs_best_orbax"] > 0
+    for kind in goodput_run.KINDS:
+        assert f"downtime_{kind}_vs_best_orbax" in result

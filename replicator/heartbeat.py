@@ -298,11 +298,14 @@ class Heartbeat:
                 # Only the copy the coordinator chose: a save committed since under the same step stays.
                 if store.delete(x.owner_rank, x.step, content_hash=x.content_hash or None):
                     counters.add("deletions")
+        # Content this answer tells us to copy here: a witness of it (a hash-only task) is recorded at once.
+        coming = {(c.step, c.content_hash) for c in resp.copies if c.source_rank != self.me.rank}
         for c in resp.copies:
             if c.source_rank == self.me.rank:
-                if store.attest_replica(c.owner_rank, c.step, c.content_hash):
+                ahead = (c.step, c.content_hash) in coming
+                if store.attest_replica(c.owner_rank, c.step, c.content_hash, coming=ahead) and not ahead:
                     counters.add("hash_only")
-                    parts.wakeup.ring()
+                    parts.wakeup.ring()  # report it now (one recorded ahead is reported when its copy lands)
                 continue
             if not store.has(c.owner_rank, c.step, c.content_hash):
                 tasks.submit("copy", c.owner_rank, c.step, parts.fetcher.copy, c)

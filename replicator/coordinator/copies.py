@@ -150,7 +150,39 @@ class CopyPlanner:
                 load[src] += size
                 count[src] += 1
                 tasks.append(CopyTask(owner, step, src, dest, a.content_hash, size))
+        tasks.extend(self._witness_tasks(step, members, auth, tasks))
         return tasks
+
+    def _witness_tasks(self, step: int, members: tuple[int, ...], auth: Mapping[int, Auth],
+                       tasks: list[CopyTask]) -> list[CopyTask]:
+        """Hash-only tasks for the hosts that hold (or are told to copy) one replica's data identical to another
+        replica's and no record of the other's: each records that it holds the other's bytes too (a witness).
+
+        Without them the identity of a rank's data rests on its own host and the replicas' hosts that
+        attested it; once those are replaced, copies of an identical replica's data elsewhere prove nothing
+        and the step stops being complete (issue #33, simulation seeds 12979, 18572, 32504). A witness
+        told along with the copy that brings the bytes records it at once: the coordinator that knows the
+        identity may be gone by the time the copy lands."""
+        facts, lost = self._facts, self._hosts.lost
+        by_owner = facts.index.get(step, {})
+        copies: dict[str, dict[int, int]] = {}  # content hash -> host holding or getting a replica's copy -> size
+        for m in members:
+            for x, h in by_owner.get(m, {}).items():
+                if x != m and h.tier is Tier.PEER and x not in lost and facts.current(h):
+                    copies.setdefault(h.content_hash, {}).setdefault(x, h.size)
+        for t in tasks:
+            if not t.hash_only:
+                copies.setdefault(t.content_hash, {}).setdefault(t.dest_rank, t.size)
+        out = []
+        for owner in members:
+            a = auth.get(owner)
+            if a is None or a.content_hash not in copies:
+                continue
+            pieces = by_owner.get(owner, {})
+            for x, size in sorted(copies[a.content_hash].items()):
+                if x not in pieces and not any(t.owner_rank == owner and t.dest_rank == x for t in tasks):
+                    out.append(CopyTask(owner, step, x, x, a.content_hash, size, hash_only=True))
+        return out
 
     def _live_preference(self, owner: int) -> Iterator[int]:
         """:meth:`JobTopology.iter_copy_preference` without the slices whose every host is lost.

@@ -67,9 +67,9 @@ class Facts:
                 raise ValueError(f"host {holder} reports rank {h.owner_rank}'s data as local")
             if h.tier is Tier.PEER and h.owner_rank == holder:
                 raise ValueError(f"host {holder} reports its own data as a peer copy")
-            if (h.tier is Tier.REPLICA and h.owner_rank != holder
-                    and h.owner_rank not in self.topology.replicas_of(holder)):
-                raise ValueError(f"rank {h.owner_rank} is not a data-parallel replica of host {holder}")
+            # A REPLICA holding (an attestation) may come from any host: a replica of the owner (its own step is
+            # identical), the owner itself (a replica's copy restored as its data), or a witness (a copy of
+            # another replica's identical data, see CopyPlanner._witness_tasks).
             prev = out.get(h.key)
             if prev is not None and prev != h:
                 raise ValueError(

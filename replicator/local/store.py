@@ -103,11 +103,9 @@ class RamDiskStore:
     # ------------------------------------------------------------------ inventory
     def inventory(self) -> list[Holding]:
         out: list[Holding] = []
-        own_hash: dict[int, str] = {}
         for step in self.own_steps():
             m = self.manifest(self.rank, step)
             if m is not None and self._intact(self.rank, step, m):
-                own_hash[step] = m.content_hash
                 out.append(Holding(self.rank, step, m.content_hash, m.total_bytes, Tier.LOCAL,
                                    m.generation, rank_ranges(m.savers)))
         for owner, step in self.peer_steps():
@@ -116,19 +114,19 @@ class RamDiskStore:
                 out.append(Holding(owner, step, m.content_hash, m.total_bytes, Tier.PEER,
                                    m.generation, rank_ranges(m.savers)))
         held = {(h.owner_rank, h.step) for h in out}
+        data = list(out)
         with self._lock:
             replicas = dict(self._replica_of)
         for (owner, step), h in replicas.items():
             if (owner, step) in held:
                 continue
-            if owner == self.rank:  # a self-attestation: valid while the replica's bytes it names are here
-                pm = self._peer_copy_with(step, h, out)
-                if pm is not None:
-                    out.append(Holding(owner, step, h, 0, Tier.REPLICA, pm.generation, pm.savers))
-            elif own_hash.get(step) == h:
-                om = self.manifest(self.rank, step)
-                out.append(Holding(owner, step, h, 0, Tier.REPLICA, om.generation if om else 0,
-                                   rank_ranges(om.savers) if om else ()))
+            # An attestation is valid while bytes of that content are here: the own step a replica's is
+            # identical to, a replica's copy restored as this rank's (a self-attestation), or a copy of one
+            # replica's data that witnesses another's (both byte-identical; the witness keeps the proof
+            # when the hosts that held the replica's own data or its first attestation are gone).
+            src = _bytes_with(step, h, data)
+            if src is not None:
+                out.append(Holding(owner, step, h, 0, Tier.REPLICA, src.generation, src.savers))
         return out
 
     def _intact(self, owner: int, step: int, m: layout.StepManifest) -> bool:
@@ -153,11 +151,6 @@ class RamDiskStore:
         self.delete(owner, step)
         return False
 
-    @staticmethod
-    def _peer_copy_with(step: int, content_hash: str, held: list[Holding]) -> Holding | None:
-        return next((x for x in held if x.step == step and x.tier is Tier.PEER and x.content_hash == content_hash),
-                    None)
-
     def backup_requests(self) -> list[int]:
         """Steps whose immediate backup the writer asked for (Orbax mode overrides this; native: none)."""
         return []
@@ -177,12 +170,19 @@ class RamDiskStore:
         data = json.dumps([[o, s, h] for (o, s), h in sorted(self._replica_of.items())]).encode()
         commit.write_file_atomic(self._replica_path(), data)
 
-    def attest_replica(self, owner: int, step: int, content_hash: str) -> bool:
-        """Record that our own step ``step`` is byte-identical to ``owner``'s (hash compared, no copy)."""
-        m = self.manifest(self.rank, step)
-        if m is None or m.content_hash != content_hash:
+    def attest_replica(self, owner: int, step: int, content_hash: str, *, coming: bool = False) -> bool:
+        """Record that ``owner``'s data of ``step`` is byte-identical to bytes held here (hash compared, no
+        copy): our own step (a data-parallel replica's), or a copy of another replica's data (a witness).
+        Reported as ``owner``'s :attr:`Tier.REPLICA` holding while bytes of that content are here.
+
+        ``coming``: a copy of that content is on its way here (the same answer asked for it): recorded now,
+        reported once the copy lands (the coordinator that knew the identity may be gone by then). False
+        (nothing recorded): no bytes of ``step`` with that content here, nor coming."""
+        if not content_hash or not (coming or self.holds_data_for(owner, step, content_hash)):
             return False
         with self._lock:
+            if self._replica_of.get((owner, step)) == content_hash:
+                return True
             self._replica_of[(owner, step)] = content_hash
             self._save_replicas()
         return True
@@ -228,23 +228,26 @@ class RamDiskStore:
         if content_hash and not deleted and d.exists():
             log.warning("kept rank %d step %d in %s: it holds another save than the one to delete (content %s)",
                         owner, step, d, content_hash[:12])
-        # A self-attestation goes with the last replica's copy it names (checked outside the lock: manifest()).
-        left = {m.content_hash for o, s in self.peer_steps() if s == step and (m := self.manifest(o, s)) is not None}
+        # An attestation goes when the coordinator names it, or with the last bytes of its content here
+        # (checked outside the lock: manifest()).
+        left = {m.content_hash for o, s in [(self.rank, step), *self.peer_steps()]
+                if s == step and (m := self.manifest(o, s)) is not None}
         with self._lock:
-            changed = False
-            for key in [k for k, h in self._replica_of.items() if k[1] == step and (owner == self.rank or k[0] == owner)
-                        and (not content_hash or h == content_hash or deleted)]:
+            gone = [k for k, h in self._replica_of.items() if k[1] == step and (
+                h not in left or (k[0] == owner and (not content_hash or h == content_hash or deleted)))]
+            for key in gone:
                 del self._replica_of[key]
-                changed = True
-            mine = self._replica_of.get((self.rank, step))
-            if mine is not None and mine not in left:
-                del self._replica_of[(self.rank, step)]
-                changed = True
-            if changed:
+            if gone:
                 self._save_replicas()
         if deleted:
             log.info("deleted step %d of rank %d from %s", step, owner, d)
         return deleted
+
+
+def _bytes_with(step: int, content_hash: str, held: list[Holding]) -> Holding | None:
+    """A holding of bytes of ``step`` with ``content_hash`` among ``held`` (the own step first)."""
+    return min((x for x in held if x.step == step and x.content_hash == content_hash and x.tier is not Tier.REPLICA),
+               key=lambda x: x.tier is not Tier.LOCAL, default=None)
 
 
 def _content_hash_in(step_dir: Path) -> str | None:

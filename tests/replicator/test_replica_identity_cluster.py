@@ -6,14 +6,20 @@ replaced with an empty RAM disk and restores rank 0's data from rank 2's: it kee
 directory. Then slice 1 (hosts 2 and 3) is replaced: the only host that attested rank 0 == rank 2 is gone,
 yet hosts 0 and 1 hold every byte of the step, so the coordinator must still count it complete (before the
 fix: no complete step at all, ``latest_step()`` None, although an explicit restore was bit-exact).
+
+The sibling (issue #33, "lost replica identity"): a copy of one replica's data on a third host witnesses the
+other replica, so the identity survives when both replicas' hosts are replaced.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 
+import grpc
 import pytest
 
+from replicator.local.store import REPLICA_FILE
 from sidecar import checksums, commit
 from tests.kits.cluster import assert_equal, manager, redundant, save_steps, status, target, wait_for
 
@@ -67,4 +73,56 @@ def test_restored_host_keeps_the_replica_proof_when_the_replica_slice_is_replace
     trees.update(save_steps(mgr, [5]))
     wait_for(lambda: mgr.latest_step() == 5, what="step 5 complete", timeout=60)
     wait_for(lambda: redundant(cl, 4) and redundant(cl, 5), what="steps 4 and 5 redundant", timeout=60)
+    mgr.close()
+
+
+def test_a_copy_of_a_replicas_data_keeps_the_identity_when_both_replicas_hosts_are_replaced(cluster_factory):
+    cl = cluster_factory(nodes=4, data_parallelism=2, extra=["--host-lost-seconds", "2"])
+    cl.start_all()
+    mgr = manager(cl, 2, 2)
+    trees = save_steps(mgr, [4])
+    wait_for(lambda: redundant(cl, 4), what="step 4 redundant", timeout=60)
+    mgr.close()
+
+    # Host 3 (rank 3's data == rank 1's, recorded by hash on hosts 1 and 3) is lost: rank 1's data is copied
+    # to host 2, which also records itself as a witness of rank 3 (the same bytes).
+    cl.procs[3].signal(signal.SIGKILL)
+    cl.procs[3].wait()
+    cl.wipe(3)
+    wait_for(lambda: 4 in commit.committed_steps(cl.ram(2) / "peer" / "1"), timeout=60,
+             what="host 2 holds a copy of rank 1's step 4")
+
+    def witnessed():
+        try:
+            return [[o, s] for o, s, _ in json.loads((cl.ram(2) / REPLICA_FILE).read_text())]
+        except (OSError, ValueError):
+            return []
+    wait_for(lambda: [3, 4] in witnessed(), timeout=30, what="host 2 witnesses rank 3's step 4")
+
+    def is_redundant():
+        try:
+            return redundant(cl, 4)
+        except grpc.RpcError:
+            return False
+    wait_for(is_redundant, what="step 4 redundant again without host 3", timeout=60)
+
+    # Host 1 replaced too: host 2's witness is the only record that its copy is rank 3's data as well.
+    before = {h.rank: h.incarnation for h in status(cl, hosts=True).hosts}
+    cl.procs[1].signal(signal.SIGKILL)
+    cl.procs[1].wait()
+    cl.wipe(1)
+    cl.start_many([1, 3])
+
+    def newest_complete():
+        try:
+            st = status(cl, hosts=True)
+        except grpc.RpcError:
+            return None
+        new = {h.rank for h in st.hosts if h.inventory_reported and h.incarnation != before.get(h.rank)}
+        return st.newest_complete_step if new >= {1, 3} else None
+
+    assert wait_for(newest_complete, what="every host reported, step 4 complete", timeout=30) == 4
+    mgr = manager(cl, 2, 2)  # a fresh manager, as after a job restart
+    assert mgr.latest_step() == 4
+    assert_equal(trees[4], mgr.restore(None, target(trees[4])))
     mgr.close()

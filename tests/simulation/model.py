@@ -8,11 +8,11 @@ same schedule, the same RPCs and the same answers, so a failing seed replays exa
 
 Modelled (as the daemon, ``replicator/daemon.py``, does it):
 
-- hosts: RAM disk = a dict of pieces (own ``local`` data, ``peer`` copies, ``replica`` attestations, which
-  vanish with the own step they attest); numbered heartbeats with the inventory digest and deltas against the last
+- hosts: RAM disk = a dict of pieces (own ``local`` data, ``peer`` copies) and ``replica`` attestations,
+  reported while bytes of their content are here and dropped with the last of them; numbered heartbeats with the inventory digest and deltas against the last
   acknowledged inventory, a full report when the coordinator has no picture; backup reports kept until a
   heartbeat is answered; the answer's copies (byte copies fetched from the source host when they finish,
-  hash-only ones recorded at once if the own data has that hash), deletions (skipped while a task of that
+  hash-only ones recorded at once if bytes of that content are here or a copy of them is in the answer), deletions (skipped while a task of that
   piece runs; a whole answer of a lower epoch than the host accepted is ignored), restores (sources tried in
   order; a replica's data is stored under its owner's name, as a peer copy) and backup shares (the upload
   reads the piece from the RAM disk when it runs; a missing piece fails like ``FileNotFoundError``);
@@ -126,7 +126,10 @@ class Host:
         self.rank = rank
         self.incarnation = incarnation
         self.up = True
-        self.disk: dict[tuple[int, int], Holding] = {}
+        self.disk: dict[tuple[int, int], Holding] = {}  # the bytes: own (local) data and peer copies
+        # (owner, step) -> content hash: replica attestations (``replica-of.json``), reported while bytes of
+        # that content are on the disk.
+        self.attested: dict[tuple[int, int], str] = {}
         self.acked: tuple[str, dict[tuple[int, int], Holding]] | None = None
         self.epoch = 0
         self.in_flight: set[tuple[str, int, int]] = set()
@@ -142,26 +145,39 @@ class Host:
         return h if h is not None and h.tier is Tier.LOCAL else None
 
     def bytes_of(self, owner: int, step: int) -> Holding | None:
-        h = self.disk.get((owner, step))
-        return h if h is not None and h.tier is not Tier.REPLICA else None
+        return self.disk.get((owner, step))
 
     def delete(self, owner: int, step: int) -> None:
-        gone = self.disk.pop((owner, step), None)
-        if owner == self.rank:  # attestations name the own step: they go with it
-            for k in [k for k, h in self.disk.items() if h.step == step and h.tier is Tier.REPLICA]:
-                del self.disk[k]
-        elif gone is not None:  # a self-attestation goes with the last bytes it names
-            mine = self.disk.get((self.rank, step))
-            if mine is not None and mine.tier is Tier.REPLICA and not any(
-                    x.step == step and x.tier is Tier.PEER and x.content_hash == mine.content_hash
-                    for x in self.disk.values()):
-                del self.disk[(self.rank, step)]
+        """Delete the piece the coordinator named (bytes or an attestation); an attestation also goes with
+        the last bytes of its content here (``RamDiskStore.delete``)."""
+        self.disk.pop((owner, step), None)
+        self.attested.pop((owner, step), None)
+        left = {x.content_hash for x in self.disk.values() if x.step == step}
+        for k in [k for k, ch in self.attested.items() if k[1] == step and ch not in left]:
+            del self.attested[k]
+
+    def attest(self, owner: int, step: int, content_hash: str, coming: bool) -> None:
+        """A hash-only task: record that ``owner``'s data of ``step`` is bytes held here (the own step, or a
+        copy of another replica's identical data: a witness), or coming here (a copy in the same answer),
+        as the daemon does (``RamDiskStore.attest_replica``)."""
+        if coming or any(x.step == step and x.content_hash == content_hash for x in self.disk.values()):
+            self.attested[(owner, step)] = content_hash
+
+    def holdings(self) -> dict[tuple[int, int], Holding]:
+        """What the daemon's inventory reports: the bytes, and each attestation whose content is here."""
+        out = dict(self.disk)
+        for (owner, step), ch in self.attested.items():
+            if (owner, step) not in out:
+                x = next((x for x in self.disk.values() if x.step == step and x.content_hash == ch), None)
+                if x is not None:
+                    out[(owner, step)] = Holding(owner, step, ch, 0, Tier.REPLICA, x.generation)
+        return out
 
     def attest_restored(self, step: int, content_hash: str, generation: int) -> None:
         """The own rank's data of ``step`` is a replica's bytes held here (a restore from them): record it
         as a self-attestation, as the daemon does (``RamDiskStore.attest_restored``)."""
         if self.own(step) is None:
-            self.disk[(self.rank, step)] = Holding(self.rank, step, content_hash, 0, Tier.REPLICA, generation)
+            self.attested[(self.rank, step)] = content_hash
 
     def busy(self, owner: int, step: int) -> bool:
         return any(k[1] == owner and k[2] == step for k in self.in_flight) or any(
@@ -338,13 +354,13 @@ class Sim:
         """The heartbeat as ``Heartbeat.beat`` builds it: a full report, or a delta against the acked inventory."""
         rank = h.rank
         h.report_seq += 1
-        inv = list(h.disk.values())
+        current = h.holdings()
+        inv = list(current.values())
         digest = inventory_digest(inv)
         own = sorted(s for (o, s), x in h.disk.items() if o == rank and x.tier is Tier.LOCAL)
         req = pb.HeartbeatRequest(job=JOB, rank=rank, incarnation=h.incarnation, address=f"sim:{rank}",
                                   newest_saved_step=own[-1] if own else -1, inventory_digest=digest,
                                   known_epoch=h.epoch, report_seq=h.report_seq)
-        current = dict(h.disk)
         if h.acked is None:
             req.full_report = True
             changed = inv
@@ -525,9 +541,10 @@ class Sim:
     def _act(self, h: Host, resp: pb.HeartbeatResponse, coord: Coordinator) -> None:
         """The answer's work (``Heartbeat._act``)."""
         rank = h.rank
+        coming = {(c.step, c.content_hash) for c in resp.copies if c.source_rank != rank}
         self.inv.check_order(self, h, resp.epoch, coord)
         for d in resp.deletions:
-            held = h.disk.get((d.owner_rank, d.step))
+            held = h.holdings().get((d.owner_rank, d.step))
             if d.content_hash and held is not None and held.content_hash != d.content_hash:
                 continue  # another save of the step than the one the coordinator chose: kept (as the daemon does)
             if not h.busy(d.owner_rank, d.step):
@@ -536,10 +553,7 @@ class Sim:
                 self.disk_changed = True
         for c in resp.copies:
             if c.source_rank == rank:  # hash only: record the equivalence
-                mine = h.own(c.step)
-                if mine is not None and mine.content_hash == c.content_hash:
-                    h.disk[(c.owner_rank, c.step)] = Holding(c.owner_rank, c.step, c.content_hash, 0, Tier.REPLICA,
-                                                             mine.generation)
+                h.attest(c.owner_rank, c.step, c.content_hash, (c.step, c.content_hash) in coming)
                 continue
             have = h.bytes_of(c.owner_rank, c.step)
             if have is None or have.content_hash != c.content_hash:
@@ -777,7 +791,8 @@ class Sim:
         if not old.up:
             return  # a host that is down runs no replicator to restart
         new = Host(rank, self._nonce())
-        new.disk = dict(old.disk) if keep_disk else {}
+        if keep_disk:
+            new.disk, new.attested = dict(old.disk), dict(old.attested)
         self.hosts[rank] = new
         if why != "stale incarnation":  # that one only takes a new incarnation; the process runs on
             self._candidate_restarts(rank, down=False)

@@ -278,6 +278,26 @@ def test_fixed_issue19_seeds(seed, names):
         assert name not in found, found[name]
 
 
+@pytest.mark.parametrize("seed", [12979, 51811, 72349, 93038, 18572, 69246, 32504, 97364])
+def test_fixed_lost_replica_identity_seeds(seed):
+    """Found by the network model in 100,000 schedules (issue #33 item 2), the "lost replica identity": rank
+    2's data is byte-identical to rank 0's, recorded by hash on hosts 0 and 2 only. Host 2 was replaced and
+    rank 0's data copied to host 3; then host 0 was replaced too (seed 12979: as the copy landed). Host 3's
+    copy was rank 2's data as well, but no record said so: the coordinator saw no complete step
+    (newest-complete-regressed, complete-step-lost) and ordered step 1 deleted (gc-protected: 18572, 69246,
+    32504, 97364). Fixed: a host holding, or told to copy, one replica's data identical to another's
+    records itself as the other's witness (``CopyPlanner._witness_tasks``, ``RamDiskStore.attest_replica``
+    with ``coming``), reported as a REPLICA holding that outlives both hosts. Focused tests:
+    test_simulation_found.py::test_a_copy_of_a_replicas_data_witnesses_the_identical_replica,
+    tests/replicator/local/test_store_replicas.py, tests/replicator/test_replica_identity_cluster.py."""
+    logging.disable(logging.WARNING)
+    try:
+        found, _ = replay(seed)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert not found, found
+
+
 def test_plan_check_catches_a_stale_incremental_view(monkeypatch):
     """The from-scratch comparison can fail: with a planner that forgets to re-derive a group when a piece
     is removed, the simulation reports plan-from-scratch."""

@@ -178,7 +178,13 @@ def test_a_lost_slice_of_identical_replicas_regains_redundancy_through_the_survi
         s.forget_host(r)
     assert s.is_complete(1) and not s.is_redundant(1)
     tasks = s.replication_plan(1)
-    assert tasks and all(not t.hash_only and t.dest_rank in (3, 4, 5) for t in tasks)
+    copies = [t for t in tasks if not t.hash_only]
+    assert copies and all(t.dest_rank in (3, 4, 5) for t in copies)
+    # Each host a survivor's data is copied to witnesses the lost replica's identical data (its identity
+    # rests on the survivors' attestations alone, then).
+    assert {(t.owner_rank, t.dest_rank) for t in tasks if t.hash_only} == {
+        ((t.owner_rank + 3) % 6, t.dest_rank) for t in copies}
     for t in tasks:
-        s.report_committed(t.dest_rank, Holding(t.owner_rank, 1, t.content_hash, 10, Tier.PEER))
+        s.report_committed(t.dest_rank, Holding(t.owner_rank, 1, t.content_hash, 10,
+                                                Tier.REPLICA if t.hash_only else Tier.PEER))
     assert s.is_redundant(1) and s.replication_plan(1) == []

@@ -146,6 +146,46 @@ def test_a_rank_restored_from_its_replica_stays_covered_when_the_replica_is_lost
     assert st.newest_complete_step() is None and st.missing_ranks(4) == [0]
 
 
+def test_a_copy_of_a_replicas_data_witnesses_the_identical_replica():
+    """newest-complete-regressed / complete-step-lost / gc-protected (simulation seeds 12979, 18572, 32504 and
+    their class, issue #33, "lost replica identity"): rank 2's data is byte-identical to rank 0's, recorded
+    by hash on hosts 0 and 2 only. Host 2 was replaced and rank 0's data copied to host 3; then host 0 was
+    replaced too: host 3's copy is rank 2's data as well, but nothing said so, so the coordinator counted
+    step 4 incomplete (and GC deleted it). The copy task now comes with a hash-only task: host 3 records
+    itself as a witness of rank 2 (a REPLICA holding), which outlives hosts 0 and 2."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=4.0)
+
+    def report(rank, holdings, incarnation=7):
+        req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=incarnation, address=f"127.0.0.1:{7000 + rank}",
+                                  full_report=True, known_epoch=coord.epoch, holdings=holdings)
+        return coord.Heartbeat(req, Ctx())
+
+    replica = tier_pb2.TIER_REPLICA
+    held = {r: [_holding(r, 4, r % 2), _holding((r + 2) % 4, 4, r % 2, replica, size=0)] for r in range(4)}
+    for r in range(4):
+        report(r, held[r])
+    st = coord.state
+    assert st.newest_complete_step() == 4 and st.is_redundant(4)
+    clock.now += 10.0  # host 2 silent (replaced): declared lost; rank 2's identity rests on host 0's record
+    for r in (0, 1, 3):
+        report(r, held[r])
+    assert set(st.lost) == {2} and st.newest_complete_step() == 4 and not st.is_redundant(4)
+    clock.now += 10.0  # the copies go out (every live host reported, the step settled)
+    for r in (0, 1):
+        report(r, held[r])
+    tasks = {(t.owner_rank, t.source_rank, t.content_hash) for t in report(3, held[3]).copies}
+    assert tasks == {(0, 0, "h4.0"), (2, 3, "h4.0")}, tasks  # the copy, and host 3 witnesses rank 2
+    held[3] += [_holding(0, 4, 0, tier_pb2.TIER_PEER), _holding(2, 4, 0, replica, size=0)]
+    report(3, held[3])
+    assert st.is_redundant(4)
+    assert not [t for t in st.replication_plan(4) if t.owner_rank in (0, 2)]
+    report(0, [], incarnation=8)  # host 0 replaced: host 3's witness is the only record of rank 2's identity
+    assert st.newest_complete_step() == 4, st.missing_ranks(4)
+    assert {(s.holder_rank, s.owner_rank) for s in st.rank_sources(4, 2)} == {(3, 0)}
+    assert not [d for d in report(3, held[3]).deletions if d.step == 4]
+
+
 def test_no_deletion_of_a_step_newer_than_the_newest_complete_while_hosts_are_lost():
     """gc-protected (simulation seed 1005, issue #33): a partition cut host 2 from candidate 0, candidate 1
     took over for it and, once hosts 1 and 3 reached it too, counted step 2 complete. Candidate 0, hearing

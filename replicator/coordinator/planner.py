@@ -263,6 +263,10 @@ class CoordinatorState:
         """rank -> since when (caller's clock) of every host declared lost and not registered again."""
         return dict(sorted(self._hosts.lost.items()))
 
+    def lost_count(self) -> int:
+        """How many hosts are declared lost (O(1); :attr:`lost` copies and sorts)."""
+        return len(self._hosts.lost)
+
     def is_reported(self, rank: int) -> bool:
         return rank in self._hosts.reported
 

@@ -289,7 +289,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         the one cut off, so it rebuilds its view from their reports as after a takeover (clients are answered
         once each reported or was declared lost afresh), instead of answering from a view without them."""
         isolated = (self.other_candidates and self.active and self.topology.nodes > 1
-                    and len(self.state.lost) >= self.topology.nodes - 1)
+                    and self.state.lost_count() >= self.topology.nodes - 1)
         if isolated and self._isolated_since is None:
             self._isolated_since = self._clock()
             log.warning("coordinator (epoch %d) is isolated: every other host has been silent for %.1fs; it "
@@ -367,7 +367,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def _all_reported(self) -> bool:
         """Every host not declared lost has reported its inventory to this coordinator."""
-        return self.state.reported_count + len(self.state.lost) >= self.topology.nodes
+        return self.state.reported_count + self.state.lost_count() >= self.topology.nodes
 
     # ------------------------------------------------------------------ RPCs
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
@@ -506,9 +506,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         # the lost hosts may be alive and hold the rest of an older step (a deposed coordinator, cut off
         # from the hosts that moved to its successor, sees them all as lost), and with nothing complete
         # deleting saves no step (issue #19, found by tests/simulation).
-        if all_reported and (newest is not None or not st.lost):
+        if all_reported and (newest is not None or not st.lost_count()):
             doomed = st.gc_for(rank, self.keep_local)
-            if st.lost or not st.all_heard_since(now - SILENT_INTERVALS * self.heartbeat_interval()):
+            if st.lost_count() or not st.all_heard_since(now - SILENT_INTERVALS * self.heartbeat_interval()):
                 # Nor a step newer than the newest complete one while hosts are declared lost or silent for
                 # longer than a beat's jitter: with their pieces it may be complete (a partition: another
                 # candidate serves them and counts it complete; a candidate takes over only after at least

@@ -55,10 +55,10 @@ if TYPE_CHECKING:
 # The from-scratch comparisons (the costly checks) run on a change of the coordinator's facts, at most this
 # often in virtual time (a stale incremental view stays stale until touched, so it is still caught), and
 # at every fault.
-PLAN_CHECK_SECONDS = 5.0
+PLAN_CHECK_SECONDS = 8.0
 # Whether the newest complete step became durable (survives any one host's loss): at most this often in
 # virtual time (it rebuilds the state once per host).
-DURABLE_CHECK_SECONDS = 5.0
+DURABLE_CHECK_SECONDS = 8.0
 
 
 def violate(sim: Sim, name: str, msg: str) -> None:

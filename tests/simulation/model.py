@@ -112,7 +112,7 @@ class Config:
         nodes = 6 if rng.random() < 0.15 else 4
         return cls(
             nodes=nodes, slices=2, identical=rng.random() < 0.85, bucket=rng.random() < 0.85,
-            fault_seconds=rng.uniform(8.0, 16.0), quiet_seconds=18.0, save_every=rng.uniform(1.5, 4.0),
+            fault_seconds=rng.uniform(8.0, 16.0), quiet_seconds=16.0, save_every=rng.uniform(1.5, 4.0),
             fault_every=rng.uniform(2.0, 6.0), p_request_lost=rng.choice([0.0, 0.05]),
             p_answer_lost=rng.choice([0.0, 0.05]), p_answer_delayed=rng.choice([0.0, 0.1]),
             p_upload_fails=rng.choice([0.0, 0.0, 0.2]), slow_uploads=rng.random() < 0.3,
@@ -139,6 +139,10 @@ class Host:
         self.lower_down_since: float | None = None  # a candidate's host: since when no lower candidate answers
         self.coordinator: Coordinator | None = None  # whom it talks to (None: the newest)
         self.report_seq = 0  # numbers its reports (HeartbeatRequest.report_seq), as Heartbeat.beat does
+        # Bumped by every change of ``disk`` or ``attested`` (go through put/delete/attest): the inventory,
+        # its digest and the newest own step are computed once per change, not once per heartbeat.
+        self.version = 0
+        self._inventory: tuple[int, dict, list, str, int] | None = None
 
     def own(self, step: int) -> Holding | None:
         h = self.disk.get((self.rank, step))
@@ -147,9 +151,25 @@ class Host:
     def bytes_of(self, owner: int, step: int) -> Holding | None:
         return self.disk.get((owner, step))
 
+    def put(self, holding: Holding) -> None:
+        """Bytes land on the RAM disk (a commit, a copy, a restore)."""
+        self.disk[holding.key] = holding
+        self.version += 1
+
+    def inventory(self) -> tuple[dict[tuple[int, int], Holding], list[Holding], str, int]:
+        """(:meth:`holdings`, its values, their digest, the newest own step or -1), as of the last change."""
+        if self._inventory is None or self._inventory[0] != self.version:
+            current = self.holdings()
+            inv = list(current.values())
+            own = max((s for (o, s), x in self.disk.items() if o == self.rank and x.tier is Tier.LOCAL),
+                      default=-1)
+            self._inventory = (self.version, current, inv, inventory_digest(inv), own)
+        return self._inventory[1:]
+
     def delete(self, owner: int, step: int) -> None:
         """Delete the piece the coordinator named (bytes or an attestation); an attestation also goes with
         the last bytes of its content here (``RamDiskStore.delete``)."""
+        self.version += 1
         self.disk.pop((owner, step), None)
         self.attested.pop((owner, step), None)
         left = {x.content_hash for x in self.disk.values() if x.step == step}
@@ -162,6 +182,7 @@ class Host:
         as the daemon does (``RamDiskStore.attest_replica``)."""
         if coming or any(x.step == step and x.content_hash == content_hash for x in self.disk.values()):
             self.attested[(owner, step)] = content_hash
+            self.version += 1
 
     def holdings(self) -> dict[tuple[int, int], Holding]:
         """What the daemon's inventory reports: the bytes, and each attestation whose content is here."""
@@ -178,6 +199,7 @@ class Host:
         as a self-attestation, as the daemon does (``RamDiskStore.attest_restored``)."""
         if self.own(step) is None:
             self.attested[(self.rank, step)] = content_hash
+            self.version += 1
 
     def busy(self, owner: int, step: int) -> bool:
         return any(k[1] == owner and k[2] == step for k in self.in_flight) or any(
@@ -354,12 +376,9 @@ class Sim:
         """The heartbeat as ``Heartbeat.beat`` builds it: a full report, or a delta against the acked inventory."""
         rank = h.rank
         h.report_seq += 1
-        current = h.holdings()
-        inv = list(current.values())
-        digest = inventory_digest(inv)
-        own = sorted(s for (o, s), x in h.disk.items() if o == rank and x.tier is Tier.LOCAL)
+        current, inv, digest, newest_own = h.inventory()
         req = pb.HeartbeatRequest(job=JOB, rank=rank, incarnation=h.incarnation, address=f"sim:{rank}",
-                                  newest_saved_step=own[-1] if own else -1, inventory_digest=digest,
+                                  newest_saved_step=newest_own, inventory_digest=digest,
                                   known_epoch=h.epoch, report_seq=h.report_seq)
         if h.acked is None:
             req.full_report = True
@@ -604,7 +623,7 @@ class Sim:
         if x is None:
             self.note(f"host {h.rank}: copy of rank {owner} step {step} from {source} failed")
             return False
-        h.disk[(owner, step)] = Holding(owner, step, content_hash, x.size, Tier.PEER, x.generation)
+        h.put(Holding(owner, step, content_hash, x.size, Tier.PEER, x.generation))
         self.note(f"host {h.rank}: copied rank {owner} step {step} from {source}")
         return True
 
@@ -631,7 +650,7 @@ class Sim:
                     continue
                 size, gen = x.size, x.generation
             tier = Tier.LOCAL if owner == h.rank else Tier.PEER  # a replica's data keeps its owner's name
-            h.disk[(owner, step)] = Holding(owner, step, content_hash, size, tier, gen)
+            h.put(Holding(owner, step, content_hash, size, tier, gen))
             if owner != h.rank:
                 h.attest_restored(step, content_hash, gen)
             self.note(f"host {h.rank}: restored step {step} from {kind} {holder} (rank {owner}'s data)")
@@ -680,7 +699,7 @@ class Sim:
         h = self.host(rank, inc)
         if h is None:
             return
-        h.disk[(rank, step)] = Holding(rank, step, self.content(rank, step), SIZE, Tier.LOCAL)
+        h.put(Holding(rank, step, self.content(rank, step), SIZE, Tier.LOCAL))
 
     def _job_restarts(self, why: str) -> None:
         """A host of the job is gone: the training processes restart and restore."""

@@ -10,7 +10,11 @@ compares with plain TCP written unverified to a file on the same RAM disk instea
 time to restore a wiped host from its peer / from its own RAM disk (real replicators, CheckpointManager);
 ``recovery_vs_tcp``: the same recovery / a plain loopback TCP transfer of the host's bytes in the same run;
 ``recovery_floor_vs_tcp``: that plain transfer written (unverified) to a new file on the RAM disk, the least
-a recovery that keeps its copy must do, / the plain transfer.
+a recovery that keeps its copy must do, / the plain transfer; ``recovery_vs_floor``: our recovery / that
+floor (``recovery_floor_seconds``). ``peer_vs_floor``: the floor of a peer copy (``peer_floor_seconds``: the
+step's files sent back to back with ``sendfile`` over one loopback stream, received into a reused buffer and
+``pwrite`` into files of the same sizes on the same RAM disk whose pages are already faulted in, as the spare
+pool's are; no protocol, no checksum, one thread) / our copy's time, both medians of the same run.
 Medians of interleaved
 repeats, because the machines are noisy. Add a measurement by writing a function that returns a dict
 and listing it in ``MEASUREMENTS``.
@@ -87,10 +91,13 @@ def _serve(root: str, step_files: list[str], conn: Any) -> None:
     for f in step_files:
         payload += Path(f).read_bytes()
     raw, stop, t = _serve_raw(payload)
-    conn.send((port, raw.getsockname()[1], len(payload)))
+    floor, floor_stop, floor_t = _serve_files([Path(f) for f in step_files])
+    conn.send((port, raw.getsockname()[1], len(payload), floor.getsockname()[1]))
     conn.recv()  # wait for "stop"
     stop.set()
+    floor_stop.set()
     t.join(timeout=2)
+    floor_t.join(timeout=2)
     ts.stop()
     rpc.stop_server(server, 1.0)
 
@@ -114,6 +121,54 @@ def _serve_raw(payload: bytes | bytearray) -> tuple[socket.socket, Any, Any]:
     t = threading.Thread(target=loop, daemon=True)
     t.start()
     return raw, stop, t
+
+
+def _serve_files(paths: list[Path]) -> tuple[socket.socket, Any, Any]:
+    """A plain TCP server on loopback sending the files ``paths`` back to back with ``sendfile`` (as our data
+    port does: page references, no copy on the sender) once per connection, in a thread: (its socket, the
+    event that stops it, the thread)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def loop() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except TimeoutError:
+                continue
+            with c:
+                c.settimeout(None)
+                for p in paths:
+                    with open(p, "rb") as f:
+                        c.sendfile(f)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return srv, stop, t
+
+
+def _floor_receive(port: int, dests: list[tuple[Path, int]]) -> None:
+    """The floor of a peer copy: one plain TCP stream of the files' bytes, back to back, each ``recv_into`` a
+    reused buffer and ``pwrite`` into its destination file, overwritten in place (no truncation), so its
+    tmpfs pages are already faulted in from the previous round, as a spare-pool file's are. No protocol,
+    no checksum, no commit, one thread."""
+    view = memoryview(bytearray(RECV_CHUNK_BYTES))
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        for path, size in dests:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                got = 0
+                while got < size:
+                    k = s.recv_into(view[: min(RECV_CHUNK_BYTES, size - got)])
+                    if not k:
+                        raise ConnectionError(f"floor sender closed in {path} at {got} of {size} bytes")
+                    done = 0
+                    while done < k:
+                        done += os.pwrite(fd, view[done:k], got + done)
+                    got += k
+            finally:
+                os.close(fd)
 
 
 def _raw_sender(nbytes: int, conn: Any) -> None:
@@ -165,10 +220,19 @@ def measure_peer_vs_tcp(
         proc.start()
         if not parent_conn.poll(60):
             raise TimeoutError("benchmark server did not start within 60 s")
-        grpc_port, raw_port, nbytes = parent_conn.recv()
+        grpc_port, raw_port, nbytes, floor_port = parent_conn.recv()
         address = f"127.0.0.1:{grpc_port}"
-        peer_s, tcp_s, tcp_file_s, stream_s = [], [], [], []
+        peer_s, tcp_s, tcp_file_s, stream_s, floor_s = [], [], [], [], []
         raw_file = scratch / "raw.bin"
+        # The floor's files: the step's names and sizes on the same RAM disk, kept from round to round.
+        floor_dir = scratch / "floor"
+        floor_dests = [(floor_dir / f"{i}.bin", f.size) for i, f in enumerate(manifest.files)]
+        floor_dir.mkdir()
+
+        def floor() -> float:
+            t0 = time.monotonic()
+            _floor_receive(floor_port, floor_dests)
+            return time.monotonic() - t0
 
         def raw_to_file() -> float:
             raw_file.unlink(missing_ok=True)
@@ -196,15 +260,18 @@ def measure_peer_vs_tcp(
 
         # Warm-up: imports, connections, and first-touch of fresh guest memory on a VM (the first
         # fetches into never-used RAM-disk pages run 3-5x slower here, then settle).
+        # (The floor's first round also faults its files' pages in.)
         for _ in range(2):
             fetch(True)
             _raw_receive(raw_port, nbytes)
+            floor()
         for _ in range(repeats):
             t0 = time.monotonic()
             _raw_receive(raw_port, nbytes)
             tcp_s.append(time.monotonic() - t0)
             peer_s.append(fetch(True))
             tcp_file_s.append(raw_to_file())
+            floor_s.append(floor())
         fresh_s = [fetch(True, recycle=False) for _ in range(max(1, repeats // 2))]
         for _ in range(max(1, repeats // 2)):
             stream_s.append(fetch(False))
@@ -213,8 +280,14 @@ def measure_peer_vs_tcp(
         peer, tcp, tcp_file, stream, fresh = (
             gib / statistics.median(x) for x in (peer_s, tcp_s, tcp_file_s, stream_s, fresh_s)
         )
+        peer_median, floor_median = statistics.median(peer_s), statistics.median(floor_s)
         return {
             "peer_vs_tcp": round(peer / tcp, 3),
+            # The floor of a peer copy (see _floor_receive): its time / ours; 1.0 = we do no more than it.
+            "peer_vs_floor": round(floor_median / peer_median, 3),
+            "peer_floor_seconds": round(floor_median, 4),
+            "peer_median_seconds": round(peer_median, 4),
+            "peer_floor_seconds_all": [round(x, 4) for x in floor_s],
             # Secondary: against plain TCP written (unverified, one thread) to a file on the same RAM disk.
             "peer_vs_tcp_to_file": round(peer / tcp_file, 3),
             "tcp_to_file_gib_per_s": round(tcp_file, 3),
@@ -340,6 +413,9 @@ def measure_recovery_vs_local(total_bytes: int = DEFAULT_TOTAL_BYTES, repeats: i
         "recovery_vs_tcp": round(peer / tcp, 3),
         "recovery_floor_vs_tcp": round(floor / tcp, 3),
         "recovery_floor_vs_local": round(floor / local, 3),
+        # Our recovery / its floor in the same run (the floor's raw seconds: recovery_seconds["floor"]).
+        "recovery_vs_floor": round(peer / floor, 3),
+        "recovery_floor_seconds": round(floor, 4),
         "recovery_bytes_per_host": nbytes,
         "recovery_seconds": {"local": round(local, 4), "peer": round(peer, 4), "tcp": round(tcp, 4),
                              "floor": round(floor, 4)},

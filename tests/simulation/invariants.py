@@ -14,9 +14,10 @@ After every event (safety):
   than the newest step that was ever *durable* (by the coordinator's own facts it stays complete whichever
   single host is lost) while the model (RAM disks of up hosts, the bucket) still holds every rank's data of
   that step. A step that was complete but not yet durable may be lost with one host: the coordinator
-  cannot know a replica's data is identical once the only record of it is gone. Not checked while a host
-  that is up is declared lost (its heartbeats were lost): the coordinator cannot know what it holds until it
-  reports again.
+  cannot know a replica's data is identical once the only record of it is gone; so may a durable step
+  with several hosts lost together, unless a serving coordinator's facts without them keep it complete
+  (:func:`hosts_wiped`). Not checked while a host that is up is declared lost (its heartbeats were lost):
+  the coordinator cannot know what it holds until it reports again.
 - ``gc-protected``: no host deletes (on a coordinator's order) a piece of the newest complete step (the
   coordinator's, or the newest durable one if newer), of the step the backup uploads, or of the step pinned
   for a restore, while the model holds it.
@@ -41,6 +42,7 @@ At the end of the quiet phase (liveness):
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from mtc_rpc import coordinator_pb2 as pb
@@ -97,26 +99,27 @@ def _views(st, keep: int) -> tuple:
     )
 
 
-def from_facts(st: CoordinatorState, without: int | None = None) -> CoordinatorState:
+def from_facts(st: CoordinatorState, without: int | Collection[int] | None = None) -> CoordinatorState:
     """A new state fed the same facts in a fixed order (rank order, then the bucket): what a restarted
-    coordinator would compute from scratch. ``without``: as if that host had been lost."""
+    coordinator would compute from scratch. ``without``: as if that host (or those hosts) had been lost."""
+    gone = set() if without is None else {without} if isinstance(without, int) else set(without)
     new = CoordinatorState(st.topology)
     for r, since in st.lost.items():
         new.forget_host(r, since)
     for r, inc in st.registered.items():
-        if r == without:
+        if r in gone:
             continue
         new.register(r, inc)
         if st.is_reported(r):
             new.report_inventory(r, st.holdings_of(r), inc)
-    if without is not None:
-        new.forget_host(without, 0.0)
+    for r in sorted(gone):
+        new.forget_host(r, 0.0)
     for step in st.known_steps():
         ranks = st.backup_ranks(step)
         if ranks:
             new.report_backup_ranks(step, ranks)
     for r, keys in st.deletions_in_flight().items():
-        if r != without:
+        if r not in gone:
             new.deleting(r, keys)
     for step in st.pinned:
         new.pin(step)
@@ -192,15 +195,50 @@ def check_after_event(sim: Sim, kind: str) -> None:
                 f"and the hosts and bucket still hold every rank's data of it")
 
 
+def wiped_unheard(sim: Sim, st: CoordinatorState) -> set[int]:
+    """Hosts whose RAM disk was wiped since the incarnation ``st`` last heard from: its facts of them are
+    gone from the world (a replicator restarted with its RAM disk keeps them: its disk is the same)."""
+    return {r for r, inc in st.registered.items() if inc not in sim.disk_incarnations[r]}
+
+
 def _durable(sim: Sim, step: int) -> bool:
-    """By the coordinator's own facts, ``step`` stays complete whichever single host is lost."""
+    """By the coordinator's own facts, ``step`` stays complete whichever single host is lost. Facts of a
+    host wiped since it last reported do not count (seed 81627: a check right after a slice was replaced
+    found step 1 durable on the copies the replaced hosts had held)."""
     st = sim.coord.state
     if not st.is_redundant(step):
         return False
+    gone = wiped_unheard(sim, st)
     for r in range(sim.cfg.nodes):
-        if not from_facts(st, without=r).is_complete(step):
+        if not from_facts(st, without=gone | {r}).is_complete(step):
             return False
     return True
+
+
+def hosts_wiped(sim: Sim, ranks: list[int]) -> None:
+    """Hosts ``ranks`` lose their RAM disks at once. Durable means the step survives the loss of any *one*
+    host; when more are lost together (a slice), the newest durable step still counts only if, by the facts
+    of a coordinator serving now, it stays complete without all of them. Otherwise the only record of some
+    rank's identity may go with them (seeds 16536, 61225: rank 3's data of step 1 was known identical to
+    rank 0's only to hosts of the replaced slice, the candidate that knew it among them; a partition had kept
+    the other candidate from learning it), and no coordinator can prove the step complete again from what
+    the surviving hosts report, even if their bytes are the same. The newest step that does stay complete
+    by those facts (if any) takes its place: losing that one later is still a violation."""
+    top = sim.max_durable_seen
+    if top is None:
+        return
+    coords = {id(c): c for c in (sim.coord, *sim.deposed, *sim.cands) if c is not None and c.active}
+    states = []
+    for c in coords.values():
+        gone = set(ranks) | wiped_unheard(sim, c.state)
+        if len(gone) < 2:
+            return  # one host lost: a durable step survives it by definition
+        states.append(from_facts(c.state, without=gone))
+    kept = max((s for st in states for s in st.globally_complete_steps() if s <= top), default=None)
+    if kept != top:
+        sim.max_durable_seen = kept
+        sim.note(f"step {top} is no longer durable: with hosts {ranks} lost together no coordinator's facts "
+                 f"keep it complete (newest that stays complete: {kept})")
 
 
 def _check_restorable(sim: Sim, step: int) -> None:

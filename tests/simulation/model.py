@@ -231,6 +231,8 @@ class Sim:
         self.disk_changed = False  # an answer deleted a piece since the last check (invariants.py)
         self.accepted: dict[tuple[int, int], int] = {}  # (rank, incarnation) -> highest epoch it accepted
         self.hosts = [Host(r, self._nonce()) for r in range(self.cfg.nodes)]
+        # rank -> the incarnations that ran on its RAM disk since it was last wiped (invariants.wiped_unheard)
+        self.disk_incarnations: dict[int, set[int]] = {h.rank: {h.incarnation} for h in self.hosts}
         self.queue: list[tuple[float, int, str, tuple]] = []
         self.seq = itertools.count()
         self.trace: list[str] = []
@@ -792,12 +794,16 @@ class Sim:
         down = self.rng.uniform(0.5, 8.0)
         self.note(f"FAULT {why}: hosts {ranks} down for {down:.1f}s, RAM disks empty")
         for r in ranks:
+            self.disk_incarnations[r] = set()  # filled below: the replacement's incarnation
+        self.inv.hosts_wiped(self, ranks)
+        for r in ranks:
             old = self.hosts[r]
             new = Host(r, self._nonce())
             new.up = False
             new.epoch = 0
             del old
             self.hosts[r] = new
+            self.disk_incarnations[r] = {new.incarnation}
             self._candidate_restarts(r, down=True)
             self._at(self.clock.now + down, "host_up", (r, new.incarnation))
         self._job_restarts(why)
@@ -818,6 +824,9 @@ class Sim:
         new = Host(rank, self._nonce())
         if keep_disk:
             new.disk, new.attested = dict(old.disk), dict(old.attested)
+            self.disk_incarnations[rank].add(new.incarnation)
+        else:
+            self.disk_incarnations[rank] = {new.incarnation}
         self.hosts[rank] = new
         if why != "stale incarnation":  # that one only takes a new incarnation; the process runs on
             self._candidate_restarts(rank, down=False)

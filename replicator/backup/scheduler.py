@@ -40,6 +40,9 @@ RETRY_MAX_SECONDS = 16.0
 RECHECK_SECONDS = 1.0
 # While the newest complete step stays below the newest one seen, the bucket is listed again at most this often.
 RELIST_SECONDS = 30.0
+# While no step has been complete at all (a new job, or a coordinator that took over after every host was
+# wiped), at most this often: the bucket may hold a backup committed after this coordinator listed it.
+RELIST_EMPTY_SECONDS = 5.0
 # A run's begin record is written in a thread of its own, like its commit: a bucket answering 503s or not at
 # all must not hold the coordinator's lock (every heartbeat and client waits on it; issue #33). The heartbeat
 # that starts a run waits this long for it, so that a healthy bucket hands out the first share at once.
@@ -188,6 +191,7 @@ class BucketScheduler(BackupScheduler):
         self.retry_count = 0
         self._newest_seen: int | None = None  # the newest complete step seen so far
         self._relisted: tuple[int | None, float] | None = None  # (newest complete step, when) of the last re-list
+        self._loaded_at: float | None = None  # when _load listed the bucket
 
     # ------------------------------------------------------------------ bucket -> state
     def _load(self, state: CoordinatorState) -> None:
@@ -195,6 +199,7 @@ class BucketScheduler(BackupScheduler):
         if self._loaded:
             return
         self._loaded = True
+        self._loaded_at = self.clock()
         try:
             steps = self.bucket.committed_steps()
         except Exception as e:  # any bucket error (see the module docstring): the backups stay unknown
@@ -517,13 +522,17 @@ class BucketScheduler(BackupScheduler):
         """Whether to list the bucket again: the newest complete step fell below the newest one seen (hosts
         were lost), and a backup this scheduler did not commit may be newer than what it knows (a deposed
         coordinator's run that committed after this one listed the bucket; issue #19, found by
-        tests/simulation). Once per fall, then at most every RELIST_SECONDS while it lasts. O(1)."""
+        tests/simulation). Once per fall, then at most every RELIST_SECONDS while it lasts. While no step
+        has been complete at all, at most every RELIST_EMPTY_SECONDS: a coordinator that took over after every
+        host was wiped listed an empty bucket before a deposed coordinator's run committed, and never learned
+        of that backup, so the job started from scratch (issue #33, simulation seed 81627). O(1)."""
         top = self._newest_seen
         if newest is not None and (top is None or newest >= top):
             self._newest_seen, self._relisted = newest, None
             return False
         if top is None:
-            return False
+            last = self._relisted[1] if self._relisted is not None else self._loaded_at
+            return last is not None and self.clock() - last >= RELIST_EMPTY_SECONDS
         last = self._relisted
         return last is None or last[0] != newest or self.clock() - last[1] >= RELIST_SECONDS
 

@@ -31,6 +31,8 @@ After every event (safety):
   accepted before (with duplicated, delayed and reordered answers and two candidates serving at once).
 - ``backup-run-fenced``: the scheduler never tries to commit a staging a saver did not upload into (an
   upload report of another run, e.g. a deposed coordinator's, must not count).
+- ``scratch-beside-backup``: the trainer never starts from scratch while the bucket holds a committed backup
+  with every rank's true data (the bucket outlives every host).
 
 At the end of the quiet phase (liveness):
 
@@ -292,6 +294,17 @@ def check_deletion(sim: Sim, rank: int, owner: int, step: int, coord: Coordinato
     if step in protected and model_holds(sim, step):
         violate(sim, "gc-protected", f"host {rank} deletes rank {owner}'s data of step {step} "
                 f"({protected[step]}) on the order of epoch {coord.epoch}")
+
+
+def check_scratch_start(sim: Sim) -> None:
+    """The trainer starts from scratch: no committed backup holds every rank's true data."""
+    if sim.bucket is None:
+        return
+    for step in sorted(sim.bucket.committed, reverse=True):
+        if all(sim.bucket.holds(step, r, sim.content(r, step)) for r in range(sim.cfg.nodes)):
+            violate(sim, "scratch-beside-backup", f"the trainer starts from scratch although the bucket holds "
+                    f"a complete backup of step {step}")
+            return
 
 
 def check_order(sim: Sim, h: Any, epoch: int, coord: Coordinator) -> None:

@@ -747,6 +747,7 @@ class Sim:
         if resp.step < 0:
             if self.clock.now - (self.restoring_since or 0.0) > 12.0:
                 self.note(f"trainer starts from scratch: {resp.reason}")
+                self.inv.check_scratch_start(self)
                 self._resume(None)
             return
         if resp.ready:

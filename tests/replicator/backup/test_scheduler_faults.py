@@ -348,3 +348,39 @@ def test_a_run_stays_protected_from_gc_when_the_bucket_shows_its_step_committed_
     assert sorted(job.state.backup_ranks(1)) == [0, 1]  # the scheduler learned the deposed one's commit
     assert job.sched.current is not None and job.sched.current.step == 1  # its own run still uploads
     assert job.state.backups_in_progress() == [1]  # GC keeps step 1 until the run ends
+
+
+def test_a_backup_committed_after_the_listing_is_learned_while_no_step_was_ever_complete(tmp_path: Path) -> None:
+    """Simulation seed 81627 (issue #33): every host was wiped and a new coordinator took over; it listed the
+    bucket (empty) before the deposed coordinator's run of step 1, on the old incarnations' disks, committed.
+    With no complete step ever seen, the scheduler never listed the bucket again (a re-list needed the newest
+    complete step to fall below one seen), so the job started from scratch beside a complete backup. It now
+    lists again at most every RELIST_EMPTY_SECONDS while no step has been complete."""
+    from replicator.backup.scheduler import RELIST_EMPTY_SECONDS
+
+    job = Job(tmp_path, 2, replicas=0)
+    for r in (0, 1):
+        job.save(1, r)
+    old_state = CoordinatorState(job.topology)
+    old = job.new_scheduler(old_state)
+    for r in (0, 1):
+        old_state.register(r, job.inc[r])
+    old_stores, old_inc = dict(job.stores), dict(job.inc)
+    for r in (0, 1):  # replaced: the new incarnations report empty RAM disks to the new coordinator
+        job.start_host(r, 2, root=f"host{r}-new")
+    new_stores, new_inc = dict(job.stores), dict(job.inc)
+    assert job.beat(0, run=False) is None  # it lists the bucket: empty
+    assert job.state.newest_complete_step() is None
+    job.stores, job.inc = old_stores, old_inc
+    for _ in range(3):  # the deposed coordinator's run of step 1 starts, uploads and commits
+        for r in (0, 1):
+            job.beat(r, sched=old, state=old_state)
+    job.join(old)
+    assert job.committed() == [1]
+    job.stores, job.inc = new_stores, new_inc
+    job.beat(0, run=False)
+    assert job.state.newest_complete_step() is None  # not listed again at once
+    job.clock.now += RELIST_EMPTY_SECONDS
+    job.beat(0, run=False)
+    assert job.state.newest_complete_step() == 1
+    assert [s.kind for s in job.state.rank_sources(1, 0)] == [Tier.BUCKET]

@@ -319,7 +319,14 @@ def run_cluster(point: str, case: Case, work: Path) -> None:
             # Host 1 loses its step 3 (restart with the point armed); a restore makes it fetch it back.
             cl.procs[1].stop()
             shutil.rmtree(layout.steps_dir(cl.ram(1)) / "3")
-            _start(cl, 1, armed, fired_file)
+            try:
+                _start(cl, 1, armed, fired_file)
+            except RuntimeError:
+                # The daemon heartbeats before it prints LISTENING: under load its first answer's restore
+                # task reaches the point first (make test, -n 2, once). The crash under test, earlier: the
+                # checks below judge it.
+                if kit.fired(fired_file) != [point]:
+                    raise
             threading.Thread(target=_try_prepare, args=(cl,), daemon=True).start()
             newest = 3
         else:

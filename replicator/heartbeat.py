@@ -173,7 +173,6 @@ class Heartbeat:
             raise RuntimeError("the replicator is not started")
         timeout = self.opts.rpc_timeout_seconds
         last: str | None = None
-        waiting: str | None = None
         for i in range(len(cands.addresses)):
             if i == mine and coord is not None and not coord.active:
                 now = time.monotonic()
@@ -182,12 +181,7 @@ class Heartbeat:
                 # Half the lost-host time (at least two intervals) of silence from every lower candidate
                 # before taking over: a lost heartbeat or a quick restart does not move the coordinator.
                 if now - self._lower_down_since < max(2 * self.opts.heartbeat_seconds, coord.lost_after() / 2):
-                    # Meanwhile report to a higher candidate that serves (one took over while ours was cut
-                    # off, and deposed it): silent, this host's data is unknown to it and gets no attestation
-                    # task, so the step may not survive the loss of the hosts that do report (simulation seeds
-                    # 70347, 95210, issue #33).
-                    waiting = f"lower coordinator candidates unreachable ({last}); waiting to take over"
-                    continue
+                    raise NoCoordinator(f"lower coordinator candidates unreachable ({last}); waiting to take over")
                 log.warning("no lower coordinator candidate answers: rank %d takes over", self.me.rank)
                 coord.activate(max(time.time_ns(), self.epoch + 1))
             try:
@@ -202,7 +196,7 @@ class Heartbeat:
                 if coord is not None and coord.active:
                     coord.deactivate(f"lower candidate {cands.addresses[i]} serves")
             return resp
-        raise NoCoordinator(waiting or f"no coordinator candidate answers ({last})")
+        raise NoCoordinator(f"no coordinator candidate answers ({last})")
 
     # ------------------------------------------------------------------ what the training loop and restores ask
     def request_backup_now(self) -> None:
@@ -304,11 +298,8 @@ class Heartbeat:
                 # Only the copy the coordinator chose: a save committed since under the same step stays.
                 if store.delete(x.owner_rank, x.step, content_hash=x.content_hash or None):
                     counters.add("deletions")
-        # Content this answer tells us to copy or restore here: a witness of it (a hash-only task) is recorded
-        # at once.
+        # Content this answer tells us to copy here: a witness of it (a hash-only task) is recorded at once.
         coming = {(c.step, c.content_hash) for c in resp.copies if c.source_rank != self.me.rank}
-        if resp.HasField("restore"):
-            coming.update((resp.restore.step, s.content_hash) for s in resp.restore.sources)
         for c in resp.copies:
             if c.source_rank == self.me.rank:
                 ahead = (c.step, c.content_hash) in coming

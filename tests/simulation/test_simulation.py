@@ -306,29 +306,6 @@ def test_fixed_lost_replica_identity_seeds(seed):
     assert not found, found
 
 
-@pytest.mark.parametrize("seed", [70347, 95210])
-def test_fixed_replica_identity_gap_seeds(seed):
-    """Found in 100,000 schedules (issue #33 item 2), the same symptom as the "lost replica identity" seeds
-    (newest-complete-regressed, then complete-step-lost): the last record that rank 2's data (70347) or rank
-    0's (95210) is identical to its replica's went with a replaced host before another host recorded it.
-
-    70347: candidate 1 took over while candidate 0 was cut off and deposed it; host 0 (candidate 0's) then
-    waited to take over without reporting to anyone, so candidate 1 never told it to attest rank 2, and slice
-    1 was replaced. Fixed: while it waits, a host reports to a higher candidate that serves
-    (``Heartbeat._send``). 95210: host 2, replaced, restored its rank's data; 15 ms later host 0 (the only
-    other record) and the coordinator were replaced, before host 2's next report would have brought the
-    attestation task. Fixed: a restore's answer carries the witness tasks of the identical replicas
-    (``CopyPlanner.restore_witnesses``), recorded at once as for a coming copy (``Heartbeat._act``). Focused
-    tests: tests/replicator/test_heartbeat_takeover_wait.py,
-    test_simulation_found.py::test_a_restore_of_a_replicas_identical_data_comes_with_its_witness_task."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(seed)
-    finally:
-        logging.disable(logging.NOTSET)
-    assert not found, found
-
-
 def test_plan_check_catches_a_stale_incremental_view(monkeypatch):
     """The from-scratch comparison can fail: with a planner that forgets to re-derive a group when a piece
     is removed, the simulation reports plan-from-scratch."""

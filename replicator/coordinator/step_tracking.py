@@ -21,10 +21,7 @@ class RestoreTarget:
     target as soon as any newer step completes: a step known but incomplete when it was pinned (a host's
     report was late, a save was cut short) that completes afterwards, or is saved again after the restore,
     is progress nobody rolled back from, and the next restore must not take the older step over it (found
-    by the simulation, seed 14687). Such a pin also stops being the target when its step is no longer
-    complete while an older one is (its data went with the hosts that held it): a restore of the newest step
-    then takes the newest complete one, where it used to fail on the lost step until the job started from
-    scratch (simulation seed 4358). A rollback's pin stays: the job asked for that step, not the newest.
+    by the simulation, seed 14687).
 
     The GC hold is kept apart from the target: the pinned step stays on every host until a step newer than
     every step known when it was pinned completes, another restore is pinned, or :meth:`release`. When the
@@ -39,7 +36,6 @@ class RestoreTarget:
         self._floor: int | None = None  # the target's: None = not served yet
         self.held: int | None = forced  # pinned against GC in ``state``
         self._hold_until: int | None = None  # the hold's: None = not served yet
-        self._plain = False  # the pin was the newest complete step when pinned (not a rollback)
         if forced is not None:
             state.pin(forced)
 
@@ -50,8 +46,6 @@ class RestoreTarget:
         if self.pinned is not None:
             if self._floor is not None and newest is not None and newest > self._floor:
                 self.pinned = self._floor = None
-            elif self._plain and newest is not None and newest < self.pinned:
-                self.pinned = self._floor = None  # the pinned step is no longer complete, an older one is
             else:
                 return self.pinned
         return newest
@@ -72,8 +66,7 @@ class RestoreTarget:
         self.pinned = self.held = step
         newest = self._state.newest_complete_step()
         self._hold_until = self._newest_known(step)
-        self._plain = newest is not None and step >= newest
-        self._floor = step if self._plain else self._hold_until
+        self._floor = step if newest is not None and step >= newest else self._hold_until
 
     def release(self, step: int) -> bool:
         """Forget a restore pinned on ``step``; False when ``step`` is not the pinned (held) one."""

@@ -307,26 +307,6 @@ def test_a_newest_restore_does_not_hold_back_a_step_that_completes_after_it(aske
     assert coord.restore_target() == 2
 
 
-@pytest.mark.parametrize("asked", [-1, 3])
-def test_a_newest_restore_of_a_step_no_longer_complete_takes_the_newest_complete_one(asked):
-    """scratch-beside-backup (simulation seed 4358): the job restored step 3, the newest complete one; then
-    the hosts holding step 3's data of some ranks were replaced, and only step 1 stayed complete. The pin
-    kept step 3 the restore target, so every PrepareRestore of the newest step failed ("step 3 is not
-    recoverable") until the job started from scratch beside a complete step 1."""
-    clock = Clock()
-    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=4.0)
-    for r in range(4):
-        beat(coord, r, [1, 3])
-    first = _restore(coord, asked)
-    assert (first.step, first.ready) == (3, True)
-    for r in range(4):
-        beat(coord, r, [1] if r in (1, 3) else [1, 3])  # ranks 1 and 3's step 3 gone with their hosts
-    assert coord.state.newest_complete_step() == 1
-    again = _restore(coord)
-    assert (again.step, again.ready) == (1, True), again.reason
-    assert coord.restore_target() == 1
-
-
 def test_a_restore_of_a_chosen_step_still_holds_back_newer_known_steps():
     """The other side of the rule above: a restore that names its step (a rollback past step 2) keeps that
     step the restore target until a step newer than every step known then completes."""

@@ -5,8 +5,10 @@ under one lock, and waits where a call asks to. Its own state is in named parts:
 (:mod:`replicator.coordinator.fence`), waiter admission (:mod:`replicator.coordinator.admission`), and
 the restore target and first-seen times of steps (:mod:`replicator.coordinator.step_tracking`); what it
 still keeps itself is per-host transport facts (addresses, acknowledged digests, newest saved steps).
-Over 600 lines because it is one servicer of five RPCs plus the queries of the admin service; each
-handler is validation, one locked call into the planner, and the translation of its answer.
+Over 700 lines because it is one servicer of five RPCs plus the queries of the admin service; each
+handler is validation, one locked call into the planner, and the translation of its answer. The next split
+is by role: the heartbeat's answer (``_answer``: GC, copy, restore and backup tasks) into a module of its
+own beside ``answers.py``, the restore RPCs (PrepareRestore and its waits) into another.
 Hosts report by heartbeat (an inventory digest plus deltas) and receive their work in the answer;
 nothing is pushed, so a restarted or failed-over coordinator rebuilds its whole state from the next
 round of heartbeats. Every candidate host runs one; only the active one answers (see

@@ -8,6 +8,10 @@ stream is the fallback (TLS, no data port, port unreachable). Why not gRPC strea
 
 A fetched step is written under a temporary sibling directory and committed by rename only after every
 file's crc32c matched the manifest, so a partial copy is never visible.
+
+Over 700 lines because both transports (the data port and the gRPC fallback) share one landing path
+(temporary directory, verification, commit) and its failure handling; the next split is by role, the
+data-port receiver (ring of buffers, writer thread) into a module of its own.
 """
 
 from __future__ import annotations

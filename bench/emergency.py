@@ -395,6 +395,14 @@ def worker(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------- orchestration
 
+# A collective cut because another host failed or left: a consequence, not the cause of a round's error.
+_CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "Read timeout")
+
+
+def _is_consequence(error: str) -> bool:
+    return any(c in error for c in _CONSEQUENCES)
+
+
 def run_round(systems: list[str], mib: int, scratch: Path, timeout: float,
               verbose: bool = False) -> dict[str, dict[str, Any]]:
     """One round: 4 worker processes (each in its own session, stopped by pid) running ``systems`` in order.
@@ -446,10 +454,15 @@ def run_round(systems: list[str], mib: int, scratch: Path, timeout: float,
     for name in systems:
         if any("error" in v for v in out.values()):
             break  # not run: the round ended at an earlier system's error
-        errors = [r["errors"][name] for r in results if name in r.get("errors", {})]
+        errors = {rank: r["errors"][name] for rank, r in enumerate(results) if name in r.get("errors", {})}
         if errors:
-            # The first error in rank order is the cause more often than not; the others follow from it.
-            out[name] = {"error": errors[0]}
+            # A host whose peer failed sees its collective cut ("Connection closed by peer"): the cause is
+            # the first error in rank order that is not one of those. Every host's error and traceback stay
+            # in the record (``by_rank``), so a failure seen once on CI can be read.
+            causes = [e for e in errors.values() if not _is_consequence(e)] or list(errors.values())
+            out[name] = {"error": causes[0], "by_rank": {
+                rank: {"error": e, "traceback": results[rank].get("tracebacks", {}).get(name, "")[-1500:]}
+                for rank, e in errors.items()}}
         elif all(name in r.get("seconds", {}) for r in results):
             out[name] = {m: max(r["seconds"][name][m] for r in results) for m in MEASURES}
             inexact = {m: sum(r.get("inexact", {}).get(name, {}).get(m, 0) for r in results) for m in MEASURES}
@@ -488,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(args.keep) if args.keep else _scratch_dir()
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
     errors: dict[str, str] = {}
+    error_ranks: dict[str, dict[int, dict[str, str]]] = {}
     round_seconds: list[float] = []
     try:
         for r in range(args.repeats):
@@ -511,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
                 for s, got in got_round.items():
                     if "error" in got:
                         errors[s] = got["error"]
+                        if "by_rank" in got:
+                            error_ranks[s] = got["by_rank"]
                     else:
                         runs[s].append(got)
             round_seconds.append(round(time.monotonic() - t0, 1))
@@ -524,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                               "runs": {s: [{m: round(x[m], 4) for m in MEASURES} for x in v] for s, v in runs.items()}}
     if errors:
         result["errors"] = errors
+    if error_ranks:
+        result["errors_by_rank"] = error_ranks
     # Restores that lost the sign of zeros (every other bit exact), per system and measure: the most elements
     # in any round, summed over the hosts. Their times count: the values are equal as numbers.
     sign_lost = {s: {m: max(x.get("inexact", {}).get(m, 0) for x in v) for m in MEASURES}

@@ -81,6 +81,9 @@ def test_our_orbax_mode_runs_every_measure_in_job_incarnations_of_its_own():
         assert result["best_orbax"][m] == "orbax_emergency"
         assert f"{m}_vs_best_orbax" not in result  # those are ours (the native front door), not run here
     assert "ours_orbax" not in result.get("zero_sign_lost", {})
+    split = result["ours_orbax_safe_after_split"]
+    assert set(split) == {"orbax_save_seconds", "our_share_seconds"}
+    assert split["orbax_save_seconds"] > 0 and split["our_share_seconds"] >= 0
     untimed = result["ours_orbax_untimed"]
     restores = [m for m in emergency_common.MEASURES if m.startswith("restore")]
     assert set(untimed) == {"init_seconds", "handshake_seconds", "after_init_seconds", "open_seconds"}

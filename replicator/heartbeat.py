@@ -178,9 +178,7 @@ class Heartbeat:
                 now = time.monotonic()
                 if self._lower_down_since is None:
                     self._lower_down_since = now
-                # Half the lost-host time (at least two intervals) of silence from every lower candidate
-                # before taking over: a lost heartbeat or a quick restart does not move the coordinator.
-                if now - self._lower_down_since < max(2 * self.opts.heartbeat_seconds, coord.lost_after() / 2):
+                if now - self._lower_down_since < coord.takeover_after():
                     raise NoCoordinator(f"lower coordinator candidates unreachable ({last}); waiting to take over")
                 log.warning("no lower coordinator candidate answers: rank %d takes over", self.me.rank)
                 coord.activate(max(time.time_ns(), self.epoch + 1))

@@ -79,3 +79,13 @@ class HostRegistry:
     def oldest(self) -> tuple[int, float] | None:
         """The watched host heard from longest ago and when, or None when none is watched."""
         return next(iter(self.seen.items()), None)
+
+    def heard_since(self, since: float, at_most: int) -> int:
+        """How many watched hosts reported at ``since`` or later, counted up to ``at_most`` (O(at_most): the
+        watch list is ordered oldest first, so the newest reports are at its end)."""
+        n = 0
+        for t in reversed(self.seen.values()):
+            if t < since or n >= at_most:
+                break
+            n += 1
+        return n

@@ -279,6 +279,10 @@ class CoordinatorState:
         oldest = self._hosts.oldest()
         return oldest is None or oldest[1] >= since
 
+    def heard_since(self, since: float, at_most: int) -> int:
+        """How many live hosts reported at ``since`` or later, counted up to ``at_most`` (O(at_most))."""
+        return self._hosts.heard_since(since, at_most)
+
     def last_seen(self, rank: int) -> float | None:
         return self._hosts.seen.get(rank)
 

@@ -231,6 +231,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         """
         return lost_after_seconds(self.host_lost_seconds, self.heartbeat_interval())
 
+    def takeover_after(self) -> float:
+        """Seconds without an answer from every lower candidate after which a standby takes over (half the
+        lost-host time, at least two intervals): a lost heartbeat or a quick restart does not move it."""
+        return max(2 * self.heartbeat_seconds, self.lost_after() / 2)
+
     def _abort_bad(self, context: grpc.ServicerContext, msg: str, code=grpc.StatusCode.INVALID_ARGUMENT):
         context.abort(code, msg)
 
@@ -281,22 +286,30 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                             grpc.StatusCode.UNAVAILABLE)
 
     def isolated(self) -> bool:
-        """Serving, with other candidates, and every host but one (its own) declared lost: most likely this
-        coordinator is the one cut off (a partition), and another candidate serves the rest with a newer
+        """Serving, with other candidates, a host declared lost and every host but one (its own) silent for at
+        least :meth:`takeover_after` (long enough for another candidate to have taken them over): most likely
+        this coordinator is the one cut off (a partition), and another candidate serves the rest with a newer
         epoch. It then decides nothing (no deletion, copy, restore or backup task) and answers no client
         (``UNAVAILABLE``: callers try the next candidate), until another host reports again — whose report
         deposes it if that host accepted a newer epoch meanwhile. Its view is stale, not wrong to keep.
+
+        Isolated from the *first* host declared lost, not the last: the others fall silent together but are
+        declared lost one by one (a beat apart), and a view without some of them may say an older newest
+        complete step than it did a moment before (make test-faults, coordinator-host-cut: hosts 1 and 3, the
+        two holders of rank 1's data, declared lost before host 2: newest complete step 1, from the bucket,
+        after 3).
 
         When another host reports again, the hosts it declared lost are expected again (``reinstate``): it was
         the one cut off, so it rebuilds its view from their reports as after a takeover (clients are answered
         once each reported or was declared lost afresh), instead of answering from a view without them."""
         isolated = (self.other_candidates and self.active and self.topology.nodes > 1
-                    and self.state.lost_count() >= self.topology.nodes - 1)
+                    and self.state.lost_count() > 0
+                    and self.state.heard_since(self._clock() - self.takeover_after(), 2) <= 1)
         if isolated and self._isolated_since is None:
             self._isolated_since = self._clock()
-            log.warning("coordinator (epoch %d) is isolated: every other host has been silent for %.1fs; it "
-                        "decides nothing and answers no client until another host reports", self.epoch,
-                        self.lost_after())
+            log.warning("coordinator (epoch %d) is isolated: hosts %s declared lost and every other host but one "
+                        "silent for %.1fs or more; it decides nothing and answers no client until another host "
+                        "reports", self.epoch, format_ranks(sorted(self.state.lost)), self.takeover_after())
         elif not isolated and self._isolated_since is not None:
             back = self.state.reinstate(sorted(self.state.lost), self._clock())
             log.info("coordinator (epoch %d) hears other hosts again after %.1fs isolated; ranks %s expected "

@@ -407,7 +407,7 @@ class Sim:
             if i == mine and c is not None and not c.active:
                 if h.lower_down_since is None:
                     h.lower_down_since = now
-                if now - h.lower_down_since < max(2 * self.heartbeat_seconds, c.lost_after() / 2):
+                if now - h.lower_down_since < c.takeover_after():
                     last = f"{last}; waiting to take over"
                     break  # NoCoordinator
                 c.activate(max(h.epoch + 1, self._epoch_clock()))

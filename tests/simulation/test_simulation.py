@@ -400,3 +400,22 @@ def test_fixed_scratch_beside_backup_seed():
         logging.disable(logging.NOTSET)
     assert not found, found
     assert any("trainer resumes from step 1" in line for line in trace)
+
+
+def test_fixed_stale_bucket_listing_regression_seed():
+    """Seed 8683 (issue #33, newest-complete-regressed; it fails only with the reverted h-lostx merge, 96d034c,
+    where hosts waiting to take over report to higher candidates). Candidate 1 took over at t=11.254 for
+    host 2 alone, cut from candidate 0, and listed the bucket at 11.304 (step 1 committed); candidate 0, still
+    serving the other hosts, committed its backup of step 2 at 11.564. Candidate 1 had a complete step (1),
+    so it never listed the bucket again; once hosts 1 and 3 were replaced and host 0 reported to it, its
+    newest complete step was 1 while step 2 was durable in the bucket. On main host 0 does not report to
+    candidate 1, candidate 0 takes over afresh at 16.573 and lists the bucket with step 2 in it. The gap (a
+    candidate's bucket listing older than a concurrent candidate's commit) is open; this guards the
+    schedule."""
+    logging.disable(logging.WARNING)
+    try:
+        found, trace = replay(8683)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert not found, found
+    assert any("FAILOVER rank 2" in line for line in trace) and any("FAILOVER rank 0" in line for line in trace)

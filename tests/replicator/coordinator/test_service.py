@@ -315,6 +315,59 @@ def test_an_isolated_coordinator_decides_nothing_and_answers_no_client_until_a_h
     assert not coord.active
 
 
+def test_a_cut_off_coordinator_is_isolated_from_the_first_host_it_declares_lost():
+    """make test-faults, coordinator-host-cut (issue #33): the serving coordinator's host is cut off; the other
+    hosts fall silent together but are declared lost one by one, a beat apart. Once hosts 1 and 3 (the only
+    holders of rank 1's and 3's data of step 3) were lost and host 2 not yet, it answered newest complete step
+    1 (an older copy on its own host) to a client it had told 3. It is isolated from the first loss on: no
+    client answer, no task, until another host reports again."""
+    clock = Clock()
+    items = {0: [(0, 1, "a1", "local"), (1, 1, "b1", "peer"), (0, 3, "a3", "local"), (2, 3, "a3", "replica")],
+             1: [(1, 3, "b3", "local")], 2: [(2, 1, "a1", "local"), (3, 1, "b1", "replica"), (2, 3, "a3", "local")],
+             3: [(3, 3, "b3", "local"), (1, 3, "b3", "replica")]}
+    coord = Coordinator(JobTopology(4, 2, 1), "t", heartbeat_seconds=1.0, host_lost_seconds=6.0, clock=clock,
+                        keep_local=2, other_candidates=True, epoch=10)
+    for r in (1, 3, 0):
+        full(coord, r, items[r])
+    clock.t += 0.5
+    full(coord, 2, items[2])
+    assert coord.GetSteps(pb.GetStepsRequest(), Ctx()).newest_complete_step == 3
+    # The cut: only its own host reports, every second.
+    answered = []
+    for _ in range(11):
+        clock.t += 0.5
+        resp = full(coord, 0, items[0])
+        try:
+            answered.append(coord.GetSteps(pb.GetStepsRequest(), Ctx()).newest_complete_step)
+        except grpc.RpcError as e:
+            assert "isolated" in str(e)
+            assert not resp.deletions and not resp.copies and not resp.HasField("restore")
+    assert set(coord.state.lost) == {1, 3}  # host 2 not yet declared lost
+    assert answered and min(answered) == 3, answered  # never an older step than it answered before
+    assert coord.isolated()
+    clock.t += 0.5
+    full(coord, 0, items[0])
+    assert set(coord.state.lost) == {1, 2, 3} and coord.isolated()
+    # A host that never moved to another coordinator reports again: it serves again, once the others reported.
+    full(coord, 2, items[2])
+    assert not coord.isolated() and not coord.state.lost
+
+
+def test_a_coordinator_hearing_other_hosts_is_not_isolated_by_one_host_lost():
+    """One host really lost while the others keep reporting: the coordinator keeps answering."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", heartbeat_seconds=1.0, host_lost_seconds=6.0, clock=clock,
+                        other_candidates=True, epoch=10)
+    for r in range(4):
+        beat(coord, r, HOLDINGS[r])
+    for _ in range(7):
+        clock.t += 1.0
+        for r in (0, 1, 2):
+            beat(coord, r, HOLDINGS[r])
+    assert set(coord.state.lost) == {3} and not coord.isolated()
+    assert coord.GetSteps(pb.GetStepsRequest(), Ctx()).newest_complete_step == 3
+
+
 def test_a_coordinator_rebuilding_its_view_answers_get_steps_only_once_every_live_host_reported():
     """Issue #33 (tests/faults): a candidate that just took over (or came back) rebuilds its view from the
     hosts' next reports. Answered from some of them, GetSteps said newest complete step -1 to a client that
@@ -331,8 +384,8 @@ def test_a_coordinator_rebuilding_its_view_answers_get_steps_only_once_every_liv
     with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*rebuilding"):
         coord.GetSteps(pb.GetStepsRequest(), Ctx())
     beat(coord, 2, HOLDINGS[2])
-    for _ in range(2):  # rank 3 stays silent: declared lost, no longer waited for
-        clock.t += 3.0
+    for _ in range(6):  # rank 3 stays silent: declared lost, no longer waited for
+        clock.t += 1.0  # the others report every interval (silent for the takeover delay, they may have moved)
         for r in (0, 1, 2):
             beat(coord, r, HOLDINGS[r])
     assert set(coord.state.lost) == {3}

@@ -267,6 +267,11 @@ class CoordinatorState:
         """How many hosts are declared lost (O(1); :attr:`lost` copies and sorts)."""
         return len(self._hosts.lost)
 
+    def all_reported(self) -> bool:
+        """Every host not declared lost has reported its inventory to this coordinator (O(1)): what the live
+        hosts hold is known, not waited for (a host that registered again has not reported yet)."""
+        return len(self._hosts.reported) + len(self._hosts.lost) >= self.topology.nodes
+
     def is_reported(self, rank: int) -> bool:
         return rank in self._hosts.reported
 

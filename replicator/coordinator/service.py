@@ -382,7 +382,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def _all_reported(self) -> bool:
         """Every host not declared lost has reported its inventory to this coordinator."""
-        return self.state.reported_count + self.state.lost_count() >= self.topology.nodes
+        return self.state.all_reported()
 
     # ------------------------------------------------------------------ RPCs
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:

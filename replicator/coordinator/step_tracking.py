@@ -21,7 +21,13 @@ class RestoreTarget:
     target as soon as any newer step completes: a step known but incomplete when it was pinned (a host's
     report was late, a save was cut short) that completes afterwards, or is saved again after the restore,
     is progress nobody rolled back from, and the next restore must not take the older step over it (found
-    by the simulation, seed 14687).
+    by the simulation, seed 14687). Such a pin also ends when its step is unrecoverable: every host not
+    declared lost has reported its inventory, some rank's data of the step is on none of them nor in the
+    bucket, and an older step is complete. The restore of the newest step then takes that one, where every
+    PrepareRestore used to fail on the lost step until the job started from scratch (simulation seed 4358:
+    the hosts holding ranks 0 and 2's step 3 were replaced). A step incomplete only until a host that
+    registered again reports (its RAM disk may have survived) keeps the pin. A rollback's pin stays: the job
+    asked for that step, not the newest.
 
     The GC hold is kept apart from the target: the pinned step stays on every host until a step newer than
     every step known when it was pinned completes, another restore is pinned, or :meth:`release`. When the
@@ -36,6 +42,7 @@ class RestoreTarget:
         self._floor: int | None = None  # the target's: None = not served yet
         self.held: int | None = forced  # pinned against GC in ``state``
         self._hold_until: int | None = None  # the hold's: None = not served yet
+        self._plain = False  # the pin was of the newest complete step when pinned (not a rollback)
         if forced is not None:
             state.pin(forced)
 
@@ -46,6 +53,8 @@ class RestoreTarget:
         if self.pinned is not None:
             if self._floor is not None and newest is not None and newest > self._floor:
                 self.pinned = self._floor = None
+            elif self._plain and newest is not None and newest < self.pinned and self._state.all_reported():
+                self.pinned = self._floor = None  # unrecoverable: no live host nor the bucket has all of it
             else:
                 return self.pinned
         return newest
@@ -66,7 +75,8 @@ class RestoreTarget:
         self.pinned = self.held = step
         newest = self._state.newest_complete_step()
         self._hold_until = self._newest_known(step)
-        self._floor = step if newest is not None and step >= newest else self._hold_until
+        self._plain = newest is not None and step >= newest
+        self._floor = step if self._plain else self._hold_until
 
     def release(self, step: int) -> bool:
         """Forget a restore pinned on ``step``; False when ``step`` is not the pinned (held) one."""

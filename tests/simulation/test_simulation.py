@@ -419,3 +419,22 @@ def test_fixed_stale_bucket_listing_regression_seed():
         logging.disable(logging.NOTSET)
     assert not found, found
     assert any("FAILOVER rank 2" in line for line in trace) and any("FAILOVER rank 0" in line for line in trace)
+
+
+@pytest.mark.parametrize("seed", [4358, 14189, 19547, 23952, 52847])
+def test_fixed_stale_restore_pin_seeds(seed):
+    """scratch-beside-backup in 100,000 schedules (issue #33 item 2), seed 4358: the job restored step 3, the
+    newest complete one; then the hosts holding ranks 0 and 2's step 3 were replaced and only step 1 stayed
+    complete (in the bucket). The restore pin kept step 3 the target, every PrepareRestore of the newest
+    step failed ("step 3 is not recoverable") and the trainer started from scratch. Fixed in
+    RestoreTarget.current: a pin of the then-newest step stops being the target once its step is
+    unrecoverable (every live host reported, some rank's data of it on none of them nor in the bucket) and an
+    older one is complete (focused tests:
+    test_a_newest_restore_of_a_step_no_longer_recoverable_takes_the_newest_complete_one and
+    test_a_newest_restore_stays_pinned_while_a_host_that_registered_again_has_not_reported)."""
+    logging.disable(logging.WARNING)
+    try:
+        found, _ = replay(seed)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert not found, found

@@ -307,6 +307,57 @@ def test_a_newest_restore_does_not_hold_back_a_step_that_completes_after_it(aske
     assert coord.restore_target() == 2
 
 
+@pytest.mark.parametrize("asked", [-1, 3])
+def test_a_newest_restore_of_a_step_no_longer_recoverable_takes_the_newest_complete_one(asked):
+    """scratch-beside-backup (simulation seeds 4358, 14189, 19547, 23952, 52847): the job restored step 3,
+    the newest complete one; then the hosts holding ranks 1 and 3's step 3 were replaced (empty RAM disks)
+    and only step 1 stayed complete. The pin kept step 3 the restore target (GetSteps' forced_restore_step),
+    so every PrepareRestore of the newest step failed ("step 3 is not recoverable") until the job started
+    from scratch beside a complete step 1. ``asked`` 3: as ``CheckpointManager.restore()`` pins the step."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=4.0)
+    for r in range(4):
+        beat(coord, r, [1, 3])
+    first = _restore(coord, asked)
+    assert (first.step, first.ready) == (3, True)
+    for r in range(4):  # every host reported: ranks 1 and 3's step 3 are on none of them
+        beat(coord, r, [1] if r in (1, 3) else [1, 3])
+    assert coord.state.newest_complete_step() == 1
+    assert coord.GetSteps(pb.GetStepsRequest(), Ctx()).forced_restore_step == -1
+    again = _restore(coord)
+    assert (again.step, again.ready) == (1, True), again.reason
+    assert coord.restore_target() == 1
+
+
+def test_a_newest_restore_stays_pinned_while_a_host_that_registered_again_has_not_reported():
+    """The other side of the rule above (the in-flight cells gc-host and gc-restart): a host that registers
+    again (restarted, perhaps with its RAM disk) drops what its previous process held until it reports, so
+    the pinned step is briefly incomplete; it is not lost, and the pin stays the target meanwhile."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=4.0)
+    peer = _holding(1, 1, 1, tier=tier_pb2.TIER_PEER)  # rank 1's step 1 also on host 0: step 1 stays complete
+    coord.Heartbeat(pb.HeartbeatRequest(job="t", rank=0, incarnation=1, address="127.0.0.1:7000",
+                                        full_report=True, known_epoch=coord.epoch,
+                                        holdings=[_holding(0, 1, 0), _holding(0, 3, 0), peer]), Ctx())
+    for r in (1, 2, 3):
+        beat(coord, r, [1, 3])
+    assert _restore(coord).step == 3
+    # Host 1's new process registers (no inventory yet): its step 3 no longer counts, step 1 does.
+    coord.Heartbeat(pb.HeartbeatRequest(job="t", rank=1, incarnation=2, address="127.0.0.1:7001",
+                                        known_epoch=coord.epoch), Ctx())
+    assert not coord.state.is_reported(1)
+    assert coord.state.newest_complete_step() == 1
+    assert coord.restore_target() == 3
+    # It reports its RAM disk, kept: step 3 is complete again and still the target.
+    coord.Heartbeat(pb.HeartbeatRequest(job="t", rank=1, incarnation=2, address="127.0.0.1:7001",
+                                        full_report=True, known_epoch=coord.epoch,
+                                        holdings=[_holding(1, 1, 1), _holding(1, 3, 1)]), Ctx())
+    assert coord.state.newest_complete_step() == 3
+    assert coord.restore_target() == 3
+    assert coord.GetSteps(pb.GetStepsRequest(), Ctx()).forced_restore_step == 3
+    assert _restore(coord).step == 3
+
+
 def test_a_restore_of_a_chosen_step_still_holds_back_newer_known_steps():
     """The other side of the rule above: a restore that names its step (a rollback past step 2) keeps that
     step the restore target until a step newer than every step known then completes."""

@@ -296,8 +296,11 @@ class Heartbeat:
                 # Only the copy the coordinator chose: a save committed since under the same step stays.
                 if store.delete(x.owner_rank, x.step, content_hash=x.content_hash or None):
                     counters.add("deletions")
-        # Content this answer tells us to copy here: a witness of it (a hash-only task) is recorded at once.
+        # Content this answer tells us to copy or restore here: a witness of it (a hash-only task) is recorded
+        # at once.
         coming = {(c.step, c.content_hash) for c in resp.copies if c.source_rank != self.me.rank}
+        if resp.HasField("restore"):
+            coming.update((resp.restore.step, s.content_hash) for s in resp.restore.sources)
         for c in resp.copies:
             if c.source_rank == self.me.rank:
                 ahead = (c.step, c.content_hash) in coming

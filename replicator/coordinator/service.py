@@ -543,6 +543,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         task = self._restore_task(rank)
         if task is not None:
             resp.restore.CopyFrom(task)
+            hashes = {s.content_hash for s in task.sources if s.content_hash}
+            told = {(c.owner_rank, c.step) for c in resp.copies}
+            for t in st.restore_witnesses(rank, task.step, hashes):
+                if (t.owner_rank, t.step) not in told:
+                    resp.copies.append(pb.CopyTask(owner_rank=t.owner_rank, step=t.step, source_rank=rank,
+                                                   source_address=self._addresses.get(rank, ""),
+                                                   content_hash=t.content_hash))
         bt = self.backup.task_for(st, rank, self._newest_saved)
         if bt is not None:
             resp.backup.CopyFrom(bt)

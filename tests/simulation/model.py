@@ -563,6 +563,8 @@ class Sim:
         """The answer's work (``Heartbeat._act``)."""
         rank = h.rank
         coming = {(c.step, c.content_hash) for c in resp.copies if c.source_rank != rank}
+        if resp.HasField("restore"):  # a restore brings bytes too (Heartbeat._act)
+            coming.update((resp.restore.step, s.content_hash) for s in resp.restore.sources)
         self.inv.check_order(self, h, resp.epoch, coord)
         for d in resp.deletions:
             held = h.holdings().get((d.owner_rank, d.step))

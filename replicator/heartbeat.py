@@ -173,13 +173,19 @@ class Heartbeat:
             raise RuntimeError("the replicator is not started")
         timeout = self.opts.rpc_timeout_seconds
         last: str | None = None
+        waiting: str | None = None
         for i in range(len(cands.addresses)):
             if i == mine and coord is not None and not coord.active:
                 now = time.monotonic()
                 if self._lower_down_since is None:
                     self._lower_down_since = now
                 if now - self._lower_down_since < coord.takeover_after():
-                    raise NoCoordinator(f"lower coordinator candidates unreachable ({last}); waiting to take over")
+                    # Meanwhile report to a higher candidate that serves (one took over while ours was cut
+                    # off, and deposed it): silent, this host's data is unknown to it and gets no attestation
+                    # task, so the step may not survive the loss of the hosts that do report (simulation seed
+                    # 70347, issue #33).
+                    waiting = f"lower coordinator candidates unreachable ({last}); waiting to take over"
+                    continue
                 log.warning("no lower coordinator candidate answers: rank %d takes over", self.me.rank)
                 coord.activate(max(time.time_ns(), self.epoch + 1))
             try:
@@ -194,7 +200,7 @@ class Heartbeat:
                 if coord is not None and coord.active:
                     coord.deactivate(f"lower candidate {cands.addresses[i]} serves")
             return resp
-        raise NoCoordinator(f"no coordinator candidate answers ({last})")
+        raise NoCoordinator(waiting or f"no coordinator candidate answers ({last})")
 
     # ------------------------------------------------------------------ what the training loop and restores ask
     def request_backup_now(self) -> None:
@@ -296,8 +302,11 @@ class Heartbeat:
                 # Only the copy the coordinator chose: a save committed since under the same step stays.
                 if store.delete(x.owner_rank, x.step, content_hash=x.content_hash or None):
                     counters.add("deletions")
-        # Content this answer tells us to copy here: a witness of it (a hash-only task) is recorded at once.
+        # Content this answer tells us to copy or restore here: a witness of it (a hash-only task) is recorded
+        # at once.
         coming = {(c.step, c.content_hash) for c in resp.copies if c.source_rank != self.me.rank}
+        if resp.HasField("restore"):
+            coming.update((resp.restore.step, s.content_hash) for s in resp.restore.sources)
         for c in resp.copies:
             if c.source_rank == self.me.rank:
                 ahead = (c.step, c.content_hash) in coming

@@ -43,6 +43,10 @@ RELIST_SECONDS = 30.0
 # While no step has been complete at all (a new job, or a coordinator that took over after every host was
 # wiped), at most this often: the bucket may hold a backup committed after this coordinator listed it.
 RELIST_EMPTY_SECONDS = 5.0
+# A host that comes over from another coordinator (it accepted another epoch) may have helped that one commit
+# a backup after this one listed the bucket: listed again, unless listed this recently (every host comes over
+# at a takeover, right after the takeover's own listing).
+CAME_OVER_RELIST_SECONDS = 1.0
 # A run's begin record is written in a thread of its own, like its commit: a bucket answering 503s or not at
 # all must not hold the coordinator's lock (every heartbeat and client waits on it; issue #33). The heartbeat
 # that starts a run waits this long for it, so that a healthy bucket hands out the first share at once.
@@ -192,6 +196,7 @@ class BucketScheduler(BackupScheduler):
         self._newest_seen: int | None = None  # the newest complete step seen so far
         self._relisted: tuple[int | None, float] | None = None  # (newest complete step, when) of the last re-list
         self._loaded_at: float | None = None  # when _load listed the bucket
+        self._came_over = False  # a host came over from another coordinator since the last listing
 
     # ------------------------------------------------------------------ bucket -> state
     def _load(self, state: CoordinatorState) -> None:
@@ -345,7 +350,7 @@ class BucketScheduler(BackupScheduler):
         self._load(state)
         self._finish_commit(state)
         newest = state.newest_complete_step()
-        if self._fell_back(newest):
+        if self._fell_back(newest) or self._take_came_over():
             self._relist(state)
             newest = state.newest_complete_step()
             self._relisted = (newest, self.clock())
@@ -517,6 +522,21 @@ class BucketScheduler(BackupScheduler):
         _withdraw_backups(state, set(state.known_steps()) - set(self.committed))
         log.info("backup of step %d committed in %.2fs %s", out.step,
                  self.clock() - (cur.started if cur else self.clock()), out.note)
+
+    def host_came_over(self) -> None:
+        """A host reported that accepted another coordinator's epoch: that coordinator, serving meanwhile (a
+        partition between candidates), may have committed a backup after this one listed the bucket, and this
+        one, its newest complete step never falling, would not list it again (issue #33, simulation seed
+        8683: a step durable in the bucket, the newest complete step one older). O(1)."""
+        self._came_over = True
+
+    def _take_came_over(self) -> bool:
+        """Whether to list the bucket again for a host that came over (see :meth:`host_came_over`)."""
+        if not self._came_over:
+            return False
+        self._came_over = False
+        last = self._relisted[1] if self._relisted is not None else self._loaded_at
+        return last is not None and self.clock() - last >= CAME_OVER_RELIST_SECONDS
 
     def _fell_back(self, newest: int | None) -> bool:
         """Whether to list the bucket again: the newest complete step fell below the newest one seen (hosts

@@ -184,6 +184,24 @@ class CopyPlanner:
                     out.append(CopyTask(owner, step, x, x, a.content_hash, size, hash_only=True))
         return out
 
+    def restore_witnesses(self, rank: int, step: int, content_hashes: set[str]) -> list[CopyTask]:
+        """Hash-only tasks that go with a restore of ``rank``'s data of ``step`` (bytes of ``content_hashes``):
+        one for each data-parallel replica of ``rank`` whose data is identical and of which that host has no
+        record. Like a witness told along with a copy, the host records it at once and reports it once the
+        restore lands: the coordinator that knows the identity may be gone by then, and with it the last
+        record of it (simulation seed 95210, issue #33: the replica's host and the coordinator replaced
+        15 ms after the restore landed)."""
+        self.refresh()
+        auth = self._coverage.auth.get(step, {})
+        by_owner = self._facts.index.get(step, {})
+        out = []
+        for rep in self._facts.topology.replicas_of(rank):
+            a = auth.get(rep)
+            if a is None or a.content_hash not in content_hashes or rank in by_owner.get(rep, {}):
+                continue
+            out.append(CopyTask(rep, step, rank, rank, a.content_hash, 0, hash_only=True))
+        return out
+
     def _live_preference(self, owner: int) -> Iterator[int]:
         """:meth:`JobTopology.iter_copy_preference` without the slices whose every host is lost.
 

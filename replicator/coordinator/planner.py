@@ -380,6 +380,10 @@ class CoordinatorState:
         """The copy tasks of ``step`` whose destination is host ``dest`` (O(its tasks))."""
         return self._copies.tasks_for(dest, step)
 
+    def restore_witnesses(self, rank: int, step: int, content_hashes: set[str]) -> list[CopyTask]:
+        """Hash-only tasks that go with host ``rank``'s restore of ``step`` (see :meth:`CopyPlanner.restore_witnesses`)."""
+        return self._copies.restore_witnesses(rank, step, content_hashes)
+
     def restore_plan(self, restoring: bool = True, force_step: int | None = None) -> RestorePlan:
         """The newest step recoverable for every rank, and per rank the fastest source.
 

@@ -90,6 +90,10 @@ class BackupScheduler:
         """A preemption notice: back ``step`` (the newest complete one) up at once, unthrottled."""
         return None
 
+    def host_came_over(self) -> None:
+        """A host reported that accepted another coordinator's epoch: that one may have committed backups."""
+        return None
+
     def is_current(self, state: CoordinatorState, step: int) -> bool:
         """The bucket's backup of ``step`` (if any) is of its current save, not of one a rollback abandoned."""
         return True
@@ -434,7 +438,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     # (our answer lost, it went back to that one), so its pieces count for nothing here until
                     # it reports again under our epoch, which it learns from this answer (issue #33, seed
                     # 46583 of tests/simulation: two candidates counting and deleting one host's pieces).
-                    pass
+                    if request.known_epoch:
+                        self.backup.host_came_over()
                 elif request.full_report:
                     st.report_inventory(rank, holdings, request.incarnation)
                     accepted = True
@@ -543,6 +548,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         task = self._restore_task(rank)
         if task is not None:
             resp.restore.CopyFrom(task)
+            hashes = {s.content_hash for s in task.sources if s.content_hash}
+            told = {(c.owner_rank, c.step) for c in resp.copies}
+            for t in st.restore_witnesses(rank, task.step, hashes):
+                if (t.owner_rank, t.step) not in told:
+                    resp.copies.append(pb.CopyTask(owner_rank=t.owner_rank, step=t.step, source_rank=rank,
+                                                   source_address=self._addresses.get(rank, ""),
+                                                   content_hash=t.content_hash))
         bt = self.backup.task_for(st, rank, self._newest_saved)
         if bt is not None:
             resp.backup.CopyFrom(bt)

@@ -403,13 +403,14 @@ class Sim:
         now, net, faulty = self.clock.now, self.net, self.faulty
         mine = self.cand_rank.index(h.rank) if h.rank in self.cand_rank else None
         last = "no candidate"
+        waiting = None
         for i, c in enumerate(self.cands):
             if i == mine and c is not None and not c.active:
                 if h.lower_down_since is None:
                     h.lower_down_since = now
                 if now - h.lower_down_since < c.takeover_after():
-                    last = f"{last}; waiting to take over"
-                    break  # NoCoordinator
+                    waiting = f"{last}; waiting to take over"
+                    continue  # meanwhile a higher candidate that serves hears this host (seed 70347)
                 c.activate(max(h.epoch + 1, self._epoch_clock()))
                 self.note(f"FAILOVER rank {h.rank}: no lower candidate answers, candidate {i} takes over "
                           f"(epoch {c.epoch})")
@@ -451,7 +452,7 @@ class Sim:
                 # the duplicate never reaches the daemon (Heartbeat.beat acts once per call).
                 self.note(f"duplicate answer to host {h.rank} dropped by its gRPC stack")
             return
-        self.note(f"beat {h.rank}: no coordinator answers ({last})")
+        self.note(f"beat {h.rank}: no coordinator answers ({waiting or last})")
         self._at(now + self.heartbeat_seconds * net.rng.uniform(0.8, 1.2), "beat", (h.rank, h.incarnation))
 
     def _ev_redeliver(self, i: int, c: Coordinator, req: pb.HeartbeatRequest) -> None:
@@ -563,6 +564,8 @@ class Sim:
         """The answer's work (``Heartbeat._act``)."""
         rank = h.rank
         coming = {(c.step, c.content_hash) for c in resp.copies if c.source_rank != rank}
+        if resp.HasField("restore"):  # a restore brings bytes too (Heartbeat._act)
+            coming.update((resp.restore.step, s.content_hash) for s in resp.restore.sources)
         self.inv.check_order(self, h, resp.epoch, coord)
         for d in resp.deletions:
             held = h.holdings().get((d.owner_rank, d.step))

@@ -306,6 +306,39 @@ def test_fixed_lost_replica_identity_seeds(seed):
     assert not found, found
 
 
+def test_fixed_takeover_wait_report_seed():
+    """Seed 70347, found in 100,000 schedules (issue #33 item 2), the same symptom as the "lost replica
+    identity" seeds: candidate 1 took over while candidate 0 was cut off and deposed it; host 0 (candidate
+    0's) then waited to take over without reporting to anyone, so candidate 1 never told it to attest rank 2
+    (its own data identical), and slice 1 was replaced. Fixed: while it waits, a host reports to a higher
+    candidate that serves (``Heartbeat._send``). It replays clean without the fix since later changes moved
+    the schedule; the focused test keeps the hole: tests/replicator/test_heartbeat_takeover_wait.py."""
+    logging.disable(logging.WARNING)
+    try:
+        found, _ = replay(70347)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert not found, found
+
+
+def test_fixed_restore_witness_seed():
+    """Seed 95210, found in 100,000 schedules (issue #33 item 2), the same symptom as the "lost replica
+    identity" seeds (newest-complete-regressed, then complete-step-lost): host 2, replaced, restored its
+    rank's data; 15 ms later host 0 (the only other record that rank 0's data is identical to rank 2's) and
+    the coordinator were replaced, before host 2's next report would have brought the attestation task.
+    Fixed: a restore's answer carries the witness tasks of the identical replicas
+    (``CopyPlanner.restore_witnesses``), recorded at once as for a coming copy (``Heartbeat._act``). It
+    replays clean without the fix since later changes moved the schedule; the focused tests keep the hole:
+    tests/replicator/test_heartbeat_restore_witness.py,
+    test_simulation_found.py::test_a_restore_of_a_replicas_identical_data_comes_with_its_witness_task."""
+    logging.disable(logging.WARNING)
+    try:
+        found, _ = replay(95210)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert not found, found
+
+
 def test_plan_check_catches_a_stale_incremental_view(monkeypatch):
     """The from-scratch comparison can fail: with a planner that forgets to re-derive a group when a piece
     is removed, the simulation reports plan-from-scratch."""
@@ -403,15 +436,14 @@ def test_fixed_scratch_beside_backup_seed():
 
 
 def test_fixed_stale_bucket_listing_regression_seed():
-    """Seed 8683 (issue #33, newest-complete-regressed; it fails only with the reverted h-lostx merge, 96d034c,
-    where hosts waiting to take over report to higher candidates). Candidate 1 took over at t=11.254 for
-    host 2 alone, cut from candidate 0, and listed the bucket at 11.304 (step 1 committed); candidate 0, still
-    serving the other hosts, committed its backup of step 2 at 11.564. Candidate 1 had a complete step (1),
-    so it never listed the bucket again; once hosts 1 and 3 were replaced and host 0 reported to it, its
-    newest complete step was 1 while step 2 was durable in the bucket. On main host 0 does not report to
-    candidate 1, candidate 0 takes over afresh at 16.573 and lists the bucket with step 2 in it. The gap (a
-    candidate's bucket listing older than a concurrent candidate's commit) is open; this guards the
-    schedule."""
+    """Seed 8683 (issue #33, newest-complete-regressed; it failed once hosts waiting to take over report to
+    higher candidates, seed 70347). Candidate 1 took over at t=11.254 for host 2 alone, cut from candidate 0,
+    and listed the bucket at 11.304 (step 1 committed); candidate 0, still serving the other hosts, committed
+    its backup of step 2 at 11.564. Candidate 1 had a complete step (1), so it never listed the bucket again;
+    once hosts 1 and 3 were replaced and host 0 reported to it, its newest complete step was 1 while step 2
+    was durable in the bucket. Fixed: a host that comes over from another coordinator (it accepted another
+    epoch) makes the scheduler list the bucket again (``BucketScheduler.host_came_over``); focused test
+    test_scheduler_faults.py::test_a_backup_committed_after_the_listing_is_learned_when_a_host_comes_over."""
     logging.disable(logging.WARNING)
     try:
         found, trace = replay(8683)

@@ -384,3 +384,41 @@ def test_a_backup_committed_after_the_listing_is_learned_while_no_step_was_ever_
     job.beat(0, run=False)
     assert job.state.newest_complete_step() == 1
     assert [s.kind for s in job.state.rank_sources(1, 0)] == [Tier.BUCKET]
+
+
+def test_a_backup_committed_after_the_listing_is_learned_when_a_host_comes_over(tmp_path: Path) -> None:
+    """newest-complete-regressed (simulation seed 8683, issue #33): candidate 1 took over for a host cut from
+    candidate 0 and listed the bucket; candidate 0, still serving the other hosts, then committed its backup of
+    step 2. Candidate 1's newest complete step never fell (step 1 all along), so it never listed the bucket
+    again: once the other hosts came over to it (one replaced), its newest complete step was 1 while step 2
+    was durable in the bucket. A host that comes over from another coordinator now makes it list the bucket
+    again, unless it listed within CAME_OVER_RELIST_SECONDS (every host comes over at a takeover)."""
+    from replicator.backup.scheduler import CAME_OVER_RELIST_SECONDS
+
+    job = Job(tmp_path, 2, replicas=0)
+    for r in (0, 1):
+        job.save(1, r)
+        job.report(r)
+    job.beat(0, run=False)  # the new coordinator lists the bucket (empty)
+    old_state = CoordinatorState(job.topology)
+    old = job.new_scheduler(old_state)
+    for r in (0, 1):
+        old_state.register(r, job.inc[r])
+        job.save(2, r)
+    for _ in range(4):  # the other coordinator's run of step 2 starts, uploads and commits
+        for r in (0, 1):
+            job.beat(r, sched=old, state=old_state)
+    job.join(old)
+    assert 2 in job.committed()
+    shutil.rmtree(job.stores[1].step_dir(1, 2))  # host 1 replaced since: rank 1's step 2 only in the bucket
+    for r in (0, 1):
+        job.beat(r, run=False)
+    assert job.state.newest_complete_step() == 1  # the newest complete step did not fall: no re-list
+    job.sched.host_came_over()
+    job.beat(0, run=False)
+    assert job.state.newest_complete_step() == 1  # listed just now (a takeover): not again
+    job.clock.now += CAME_OVER_RELIST_SECONDS
+    job.sched.host_came_over()
+    job.beat(0, run=False)
+    assert job.state.newest_complete_step() == 2
+    assert [s.kind for s in job.state.rank_sources(2, 1)] == [Tier.BUCKET]

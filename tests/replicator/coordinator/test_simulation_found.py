@@ -545,3 +545,36 @@ def test_a_restored_step_is_released_by_the_next_restore():
     assert coord.state.pinned_steps() == [2]
     assert (0, 1) in _gc_of(beat(coord, 0, [1, 2]))
     assert coord.release_restore_pin(2) and coord.state.pinned_steps() == []
+
+
+def test_a_restore_of_a_replicas_identical_data_comes_with_its_witness_task():
+    """newest-complete-regressed / complete-step-lost (simulation seed 95210, issue #33): rank 0's data is
+    byte-identical to rank 2's, recorded only on hosts 0 and 2. Host 2 was replaced and restored its rank's
+    data from host 0's copy; 15 ms after the restore landed, host 0 and the coordinator were replaced. The
+    coordinator would have told host 2 to attest rank 0 on its next report, but the new one never learnt rank
+    0's hash: no step complete although every byte was there. The restore's answer now names host 2 rank 0's
+    witness (recorded at once, reported once the restore lands, as for a coming copy)."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=4.0)
+
+    def report(rank, holdings, incarnation=7):
+        req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=incarnation, address=f"127.0.0.1:{7000 + rank}",
+                                  full_report=True, known_epoch=coord.epoch, holdings=holdings)
+        return coord.Heartbeat(req, Ctx())
+
+    replica = tier_pb2.TIER_REPLICA
+    held = {r: [_holding(r, 4, r % 2), _holding((r + 2) % 4, 4, r % 2, replica, size=0)] for r in range(4)}
+    # Copies of rank 0's data on host 1 and of rank 2's on host 3: no byte copy is needed when host 2 goes.
+    held[1].append(_holding(0, 4, 0, tier_pb2.TIER_PEER))
+    held[3].append(_holding(2, 4, 0, tier_pb2.TIER_PEER))
+    for r in range(4):
+        report(r, held[r])
+    assert coord.state.newest_complete_step() == 4
+    resp = report(2, [], incarnation=8)  # host 2 replaced: its RAM disk is empty
+    assert resp.HasField("restore") and resp.restore.step == 4
+    assert {s.content_hash for s in resp.restore.sources} == {"h4.0"}
+    tasks = [(c.owner_rank, c.step, c.source_rank, c.content_hash) for c in resp.copies]
+    assert tasks == [(0, 4, 2, "h4.0")], tasks  # hash only: host 2 records rank 0's identity
+    # A host that already holds a record of rank 0 is not told again.
+    resp = report(2, [_holding(0, 4, 0, replica, size=0)], incarnation=8)
+    assert not [c for c in resp.copies if c.source_rank == 2 and c.owner_rank == 0]

@@ -1,0 +1,49 @@
+"""A witness task that comes with a restore is recorded ahead of the restored bytes, as one that comes with a
+copy (simulation seed 95210, issue #33). The real :class:`Heartbeat` and RAM-disk store; the transport and
+the task runner are stand-ins."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+from mtc_rpc import coordinator_pb2 as pb
+from mtc_rpc import tier_pb2
+from replicator.coordinator.model import Tier
+from replicator.heartbeat import Heartbeat, Reporter, Wakeup
+from replicator.local.store import RamDiskStore
+from sidecar import layout
+from tests.kits.storage import make_step
+
+
+def _heartbeat(rank: int, store=None) -> Heartbeat:
+    parts = SimpleNamespace(store=store, coordinator=None, wakeup=Wakeup(), stopping=threading.Event(),
+                            metrics=SimpleNamespace(counters=SimpleNamespace(add=lambda *a: None)),
+                            tasks=SimpleNamespace(busy=lambda *a: False, submit=lambda *a, **kw: None),
+                            bucket=None)
+    opts = SimpleNamespace(rpc_timeout_seconds=5.0, heartbeat_seconds=1.0)
+    return Heartbeat(opts, Reporter(job="t", rank=rank, nodes=4), parts, incarnation=1)
+
+
+def _files() -> dict[str, bytes]:
+    rnd = random.Random(4)
+    return {"meta.json": rnd.randbytes(64), "state/0.bin": rnd.randbytes(4096)}
+
+
+def test_a_witness_task_that_comes_with_a_restore_is_recorded_before_the_bytes_land(tmp_path: Path) -> None:
+    """Simulation seed 95210: host 2 (replaced) is told to restore its rank's data and to attest rank 0,
+    whose data is identical. The coordinator (and host 0) may be gone when the restore lands: the record is
+    kept at once and reported with the restored bytes."""
+    store = RamDiskStore(tmp_path / "host2", 2)
+    h = layout.read_manifest(make_step(tmp_path / "host0", 4, 2, 4, _files())).content_hash  # a copy on host 0
+    hb = _heartbeat(2, store=store)
+    src = pb.RestoreSource(kind=tier_pb2.TIER_PEER, holder_rank=0, owner_rank=2, content_hash=h)
+    resp = pb.HeartbeatResponse(restore=pb.RestoreTask(step=4, sources=[src]),
+                                copies=[pb.CopyTask(owner_rank=0, step=4, source_rank=2, content_hash=h)])
+    hb._act(resp)
+    assert store.inventory() == []  # nothing reported before the bytes are here
+    make_step(layout.steps_dir(tmp_path / "host2"), 4, 2, 4, _files())  # the restore lands
+    assert {(x.owner_rank, x.tier, x.content_hash) for x in store.inventory()} == {
+        (2, Tier.LOCAL, h), (0, Tier.REPLICA, h)}

@@ -1,0 +1,72 @@
+"""While its own coordinator candidate waits to take over, a host still reports to a higher candidate that
+serves (simulation seed 70347, issue #33). The real :class:`Heartbeat`; the transport is a stand-in."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from mtc_rpc import coordinator_pb2 as pb
+from replicator.heartbeat import Heartbeat, NoCoordinator, Reporter, Wakeup
+
+
+class _Unreachable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class _Candidates:
+    """Candidate 0 is this host's own (deposed) coordinator; candidate 1 serves, or is unreachable."""
+
+    def __init__(self, serving: bool) -> None:
+        self.addresses = ["cand0", "cand1"]
+        self.serving = serving
+        self.called: list[int] = []
+
+    def call_one(self, i, method, req, timeout, probe_timeout):
+        self.called.append(i)
+        if i != 1:
+            raise AssertionError(f"candidate {i} must not be called while it waits to take over")
+        if not self.serving:
+            raise _Unreachable()
+        return pb.HeartbeatResponse(epoch=7)
+
+
+class _Deposed:
+    active = False
+
+    def lost_after(self) -> float:
+        return 60.0
+
+    def takeover_after(self) -> float:
+        return 30.0
+
+
+def _heartbeat(rank: int, candidates=None, coordinator=None, my_candidate=None) -> Heartbeat:
+    parts = SimpleNamespace(store=None, coordinator=coordinator, wakeup=Wakeup(), stopping=threading.Event(),
+                            metrics=SimpleNamespace(counters=SimpleNamespace(add=lambda *a: None)),
+                            tasks=SimpleNamespace(busy=lambda *a: False, submit=lambda *a, **kw: None),
+                            bucket=None)
+    opts = SimpleNamespace(rpc_timeout_seconds=5.0, heartbeat_seconds=1.0)
+    hb = Heartbeat(opts, Reporter(job="t", rank=rank, nodes=4, my_candidate=my_candidate), parts, incarnation=1)
+    hb.candidates = candidates
+    return hb
+
+
+@pytest.mark.parametrize("serving", [True, False], ids=["higher-serves", "none-serves"])
+def test_a_host_waiting_to_take_over_reports_to_a_higher_candidate_that_serves(serving: bool) -> None:
+    """Simulation seed 70347: candidate 1 took over while candidate 0 was cut off and deposed it; host 0
+    (candidate 0's) used to fall silent for the whole wait, so candidate 1 never told it to attest rank 2
+    (its own data is identical) and the step did not survive the loss of slice 1."""
+    cands = _Candidates(serving)
+    hb = _heartbeat(0, candidates=cands, coordinator=_Deposed(), my_candidate=0)
+    req = pb.HeartbeatRequest(job="t", rank=0)
+    if serving:
+        assert hb._send(req).epoch == 7
+    else:
+        with pytest.raises(NoCoordinator, match="waiting to take over"):
+            hb._send(req)
+    assert cands.called == [1]

@@ -388,8 +388,11 @@ class Sim:
         else:
             base, acked = h.acked
             req.base_digest = base
-            changed = [x for x in inv if acked.get(x.key) != x]
-            req.removed.extend(pb.Deletion(owner_rank=o, step=s) for o, s in acked if (o, s) not in current)
+            if acked is current:  # nothing changed since the acknowledged report (the inventory is cached)
+                changed = []
+            else:
+                changed = [x for x in inv if acked.get(x.key) != x]
+                req.removed.extend(pb.Deletion(owner_rank=o, step=s) for o, s in acked if (o, s) not in current)
         req.holdings.extend(pb.Holding(owner_rank=x.owner_rank, step=x.step, content_hash=x.content_hash,
                                        size=x.size, tier=to_wire(x.tier), generation=x.generation) for x in changed)
         req.backups.extend(h.backup_reports)
@@ -480,7 +483,10 @@ class Sim:
         """``coord``: the active candidate of the newest epoch (the invariants' view); ``deposed``: the others."""
         active = [c for c in self.cands if c is not None and c.active]
         if active:
-            newest = max(active, key=lambda c: c.epoch)
+            newest = active[0]
+            for c in active:  # max(active, key=epoch) without a key function: run after every event
+                if c.epoch > newest.epoch:
+                    newest = c
             if newest is not self.coord:
                 self.coord = newest
                 self.last_version = None

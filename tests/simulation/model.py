@@ -325,16 +325,21 @@ class Sim:
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict[str, str]:
         end = self.cfg.fault_seconds + self.cfg.quiet_seconds
-        while self.queue:
-            t, _, kind, args = heapq.heappop(self.queue)
+        queue, clock, check = self.queue, self.clock, self.inv.check_after_event
+        handlers: dict[str, Callable[..., None]] = {}  # kind -> its bound _ev_ method (looked up once)
+        while queue:
+            t, _, kind, args = heapq.heappop(queue)
             if t > end:
                 break
-            self.clock.now = t
+            clock.now = t
             self.events += 1
-            getattr(self, "_ev_" + kind)(*args)
+            handler = handlers.get(kind)
+            if handler is None:
+                handler = handlers[kind] = getattr(self, "_ev_" + kind)
+            handler(*args)
             if self.cands:
                 self._refresh_serving()
-            self.inv.check_after_event(self, kind)
+            check(self, kind)
         self.clock.now = end
         self.inv.check_at_end(self)
         return self.violations

@@ -318,11 +318,16 @@ class BucketScheduler(BackupScheduler):
         self.last_step = step
         self.requested.discard(step)
         self._beginning = True
-        self._commit_thread = threading.Thread(target=self._begin, args=(step, list(savers)), daemon=True,
-                                               name="mtc-backup-begin")
-        self._commit_thread.start()
+        self._commit_thread = self._spawn(self._begin, (step, list(savers)), "mtc-backup-begin")
         self._commit_thread.join(BEGIN_WAIT_SECONDS)
         self._finish_commit(state)
+
+    def _spawn(self, target: Callable[..., None], args: tuple[Any, ...], name: str) -> threading.Thread:
+        """Run the bucket work ``target(*args)`` in a thread of its own, started (the simulation's scheduler
+        runs it in place: its bucket model is instant)."""
+        t = threading.Thread(target=target, args=args, daemon=True, name=name)
+        t.start()
+        return t
 
     def _begin(self, step: int, savers: list[int]) -> None:
         """The begin thread: write the run's begin record, and leave the staging (or the error)."""
@@ -439,9 +444,7 @@ class BucketScheduler(BackupScheduler):
                     return
         if cur is not None and cur.savers_left <= 0 and self._commit_thread is None:
             staging = cur.staging
-            self._commit_thread = threading.Thread(target=self._commit, args=(staging,), daemon=True,
-                                                   name="mtc-backup-commit")
-            self._commit_thread.start()
+            self._commit_thread = self._spawn(self._commit, (staging,), "mtc-backup-commit")
 
     def _abandon(self, state: CoordinatorState) -> None:
         cur, self.current = self.current, None

@@ -46,6 +46,9 @@ class Coverage:
         # Since the copy-task view last looked: step -> groups re-derived; steps no tier holds any more.
         self.changed: dict[int, set[int]] = {}
         self.vanished: set[int] = set()
+        # (Facts.version, newest_complete_step()) as last answered: asked several times per heartbeat, and
+        # the complete steps and the abandoned ones change only with the facts.
+        self._newest: tuple[int, int | None] | None = None
 
     def clear(self) -> None:
         """Forget every derived view (the next refresh after touching every group recomputes them)."""
@@ -53,6 +56,7 @@ class Coverage:
             view.clear()
         self.complete.clear()
         self.vanished.clear()
+        self._newest = None
 
     def refresh(self) -> None:
         """Re-derive the groups that changed since the last refresh."""
@@ -91,10 +95,12 @@ class Coverage:
 
     def newest_complete_step(self) -> int | None:
         self.refresh()
-        for step in sorted(self.complete, reverse=True):
-            if not self._facts.is_abandoned(step):
-                return step
-        return None
+        version = self._facts.version
+        if self._newest is not None and self._newest[0] == version:
+            return self._newest[1]
+        newest = next((s for s in sorted(self.complete, reverse=True) if not self._facts.is_abandoned(s)), None)
+        self._newest = (version, newest)
+        return newest
 
     def newest_redundant_step(self) -> int | None:
         """The newest complete step whose every rank has two distinct holders (O(steps), kept incrementally)."""

@@ -48,6 +48,8 @@ class StaleIncarnationError(ValueError):
 
 
 def check_int(name: str, value: object, minimum: int = 0) -> int:
+    if type(value) is int and value >= minimum:  # the common case first (a plain int; bool is not one)
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")
     if value < minimum:
@@ -80,17 +82,20 @@ class Holding:
     def __post_init__(self) -> None:
         check_int("owner_rank", self.owner_rank)
         check_int("generation", self.generation)
-        ranges = tuple((int(a), int(b)) for a, b in self.savers)
-        if any(a < 0 or b < a for a, b in ranges):
-            raise ValueError(f"bad savers ranges {self.savers!r}")
-        object.__setattr__(self, "savers", ranges)
+        if type(self.savers) is not tuple or self.savers:  # most name no savers (every rank saved the step)
+            ranges = tuple((int(a), int(b)) for a, b in self.savers)
+            if any(a < 0 or b < a for a, b in ranges):
+                raise ValueError(f"bad savers ranges {self.savers!r}")
+            object.__setattr__(self, "savers", ranges)
         check_int("step", self.step)
         check_hash(self.content_hash)
         check_int("size", self.size)
-        try:
-            tier = Tier(self.tier)
-        except ValueError:
-            raise ValueError(f"unknown tier {self.tier!r}") from None
+        tier = self.tier
+        if type(tier) is not Tier:
+            try:
+                tier = Tier(tier)
+            except ValueError:
+                raise ValueError(f"unknown tier {self.tier!r}") from None
         if tier is Tier.BUCKET:
             raise ValueError("a host cannot hold the bucket tier; use report_backup / report_backup_ranks")
         object.__setattr__(self, "tier", tier)

@@ -429,9 +429,15 @@ class CoordinatorState:
         return plan
 
     def gc_for(self, holder: int, keep_local: int) -> list[Key]:
-        """:meth:`gc_plan` for one host, in O(what it holds)."""
+        """:meth:`gc_plan` for one host, in O(what it holds); memoised per :attr:`version` (every heartbeat
+        asks, and a heartbeat that reports nothing new changes no fact)."""
         check_int("keep_local", keep_local, 1)
-        return gc_plan.gc_for(self._facts, self._coverage, holder, keep_local)
+        self._coverage.refresh()
+        memo = self._memos()
+        key = ("gc", holder, keep_local)
+        if key not in memo:
+            memo[key] = gc_plan.gc_for(self._facts, self._coverage, holder, keep_local)
+        return list(memo[key])
 
     # --------------------------------------------------------------- elastic: savers and generations
     # (the rule: see :class:`~replicator.coordinator.facts.Facts`)

@@ -226,7 +226,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     # ------------------------------------------------------------------ helpers
     def heartbeat_interval(self) -> float:
         """The interval handed to hosts: the configured one, stretched so that N hosts stay under the rate cap."""
-        return max(self.heartbeat_seconds, self.topology.nodes / max(1e-9, self.max_heartbeats_per_second))
+        # max() spelled out: asked several times per heartbeat.
+        rate = self.max_heartbeats_per_second
+        stretched = self.topology.nodes / (rate if rate > 1e-9 else 1e-9)
+        return stretched if stretched > self.heartbeat_seconds else self.heartbeat_seconds
 
     def lost_after(self) -> float:
         """Seconds of silence after which a host is declared lost (never under two intervals).

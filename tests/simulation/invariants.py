@@ -102,9 +102,12 @@ def _views(st, keep: int) -> tuple:
     )
 
 
-def from_facts(st: CoordinatorState, without: int | Collection[int] | None = None) -> CoordinatorState:
+def from_facts(st: CoordinatorState, without: int | Collection[int] | None = None, *,
+               upto: int | None = None) -> CoordinatorState:
     """A new state fed the same facts in a fixed order (rank order, then the bucket): what a restarted
-    coordinator would compute from scratch. ``without``: as if that host (or those hosts) had been lost."""
+    coordinator would compute from scratch. ``without``: as if that host (or those hosts) had been lost.
+    ``upto``: only the facts of steps up to this one (all that ``is_complete(upto)`` depends on: a step's
+    coverage is derived from its own facts, whether it is abandoned from older steps' saves)."""
     gone = set() if without is None else {without} if isinstance(without, int) else set(without)
     new = CoordinatorState(st.topology)
     for r, since in st.lost.items():
@@ -114,10 +117,13 @@ def from_facts(st: CoordinatorState, without: int | Collection[int] | None = Non
             continue
         new.register(r, inc)
         if st.is_reported(r):
-            new.report_inventory(r, st.holdings_of(r), inc)
+            held = st.holdings_of(r)
+            new.report_inventory(r, held if upto is None else [h for h in held if h.step <= upto], inc)
     for r in sorted(gone):
         new.forget_host(r, 0.0)
     for step in st.known_steps():
+        if upto is not None and step > upto:
+            break
         ranks = st.backup_ranks(step)
         if ranks:
             new.report_backup_ranks(step, ranks)
@@ -220,7 +226,7 @@ def _durable(sim: Sim, step: int) -> bool:
         return False
     gone = wiped_unheard(sim, st)
     for r in range(sim.cfg.nodes):
-        if not from_facts(st, without=gone | {r}).is_complete(step):
+        if not from_facts(st, without=gone | {r}, upto=step).is_complete(step):
             return False
     return True
 

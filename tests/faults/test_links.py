@@ -82,8 +82,8 @@ def test_a_host_cut_off_mid_save_and_healed(rig: Rig) -> None:
 
 
 def test_a_host_cut_off_mid_restore_and_healed(rig: Rig) -> None:
-    """Host 3 replaced (stopped, its RAM dir wiped, started again) after a 16 MiB step is redundant; its link
-    at 20 Mbit/s; a restore of that step started, and host 3 cut once >= 1 MiB of its data landed from its
+    """Host 3's link at 20 Mbit/s, then host 3 replaced (stopped, its RAM dir wiped, started again) after a
+    16 MiB step is redundant; a restore of that step started, and host 3 cut once >= 1 MiB of its data landed from its
     peer. No saves during the cut (a restoring job does not train)."""
     big: list[int] = []
     proc: list[subprocess.Popen] = []
@@ -95,8 +95,10 @@ def test_a_host_cut_off_mid_restore_and_healed(rig: Rig) -> None:
     def fault() -> None:
         big.append(rig.trainer.save_next(nbytes=BIG_STEP_BYTES))
         wait_for(lambda: rig.redundant(big[0]), 60, f"step {big[0]} redundant")
-        rig.cluster.replace(3)
+        # Slowed first: the replaced daemon's first heartbeat may already carry its restore task (the newest
+        # complete step to every host), and 16 MiB at full speed lands in ~0.05 s, before a later throttle.
         rig.net.throttle(3, SLOW_MBIT)
+        rig.cluster.replace(3)
         proc.append(rig.cluster.restore_started(wait_seconds=60))
         wait_for(fetching, 60, f"host 3 fetching step {big[0]}", interval=0.05)
         rig.net.cut(3)

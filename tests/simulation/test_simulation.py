@@ -42,11 +42,7 @@ def results():
 
 
 def _trace(seed: int) -> str:
-    logging.disable(logging.WARNING)
-    try:
-        found, trace = replay(seed)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, trace = _replay_quiet(seed)
     return "\n".join(trace[-80:] + list(found.values()))
 
 
@@ -85,16 +81,21 @@ def test_a_seed_replays_exactly():
     assert a[1] != c[1]
 
 
+def _replay_quiet(seed: int, network: bool | None = None) -> tuple[dict[str, str], list[str]]:
+    """:func:`replay` with the product's warnings silenced (a guard asserts on the result, not the log)."""
+    logging.disable(logging.WARNING)
+    try:
+        return replay(seed, network=network)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 @pytest.mark.parametrize("seed", [158, 486])
 def test_fixed_deposed_coordinator_gc_seeds(seed):
     """Found by the simulation: a coordinator hearing from few hosts (here a deposed one) declared the others
     lost, saw no complete step and ordered the newest complete step deleted (fixed in Coordinator._answer;
     focused test: tests/replicator/coordinator/test_simulation_found.py)."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(seed, network=False)  # the schedule that found it (as before the network model)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(seed, network=False)  # the schedule that found it (as before the network model)
     assert "gc-protected" not in found, found["gc-protected"]
 
 
@@ -104,11 +105,7 @@ def test_fixed_partition_gc_seed():
     complete step and told host 0 to delete its step 2 (beyond keep_local), the step candidate 1 counted
     complete. Fixed in Coordinator._answer: while hosts are declared lost, no step newer than the newest
     complete one is deleted (focused test: tests/replicator/coordinator/test_simulation_found.py)."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(1005)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(1005)
     assert "gc-protected" not in found, found["gc-protected"]
 
 
@@ -119,11 +116,7 @@ def test_fixed_silent_hosts_gc_seed():
     counted complete. Fixed in Coordinator._answer: while a host is silent for longer than a beat's jitter,
     no step newer than the newest complete one is deleted (focused test:
     tests/replicator/coordinator/test_simulation_found.py)."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(15775)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(15775)
     assert "gc-protected" not in found, found["gc-protected"]
 
 
@@ -134,11 +127,7 @@ def test_fixed_two_candidates_one_host_seeds(seed):
     candidate 0's epoch it deleted pieces on its order while candidate 1 counted them
     (complete-is-restorable). Fixed in Coordinator.Heartbeat: a report counts only from a host that accepted this
     coordinator's epoch (focused test: tests/replicator/coordinator/test_simulation_found.py)."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(seed)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(seed)
     assert not found, found
 
 
@@ -151,11 +140,7 @@ def test_fixed_restore_seeds(seed):
     Seed 4000 (model): a host replaced between two restore polls kept the trainer's PrepareRestore start
     from before the replacement, judging the host on its previous incarnation (restore-not-held); fixed in
     Sim._job_restarts (the job's new processes call PrepareRestore afresh)."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(seed)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(seed)
     assert not found, found
 
 
@@ -169,11 +154,7 @@ def test_fixed_stale_report_seeds(seed):
     their reports (``HeartbeatRequest.report_seq``) and the coordinator answers ABORTED to one not above the
     last it took from the same incarnation (``replicator/coordinator/report_order.py``; focused tests:
     tests/replicator/coordinator/test_simulation_found.py, tests/replicator/test_heartbeat_report_seq.py)."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(seed)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(seed)
     assert not found, found
 
 
@@ -182,11 +163,7 @@ def test_stale_report_seed_fails_without_the_order_check(monkeypatch):
     from replicator.coordinator.report_order import ReportOrder
 
     monkeypatch.setattr(ReportOrder, "check", lambda self, rank, incarnation, seq: None)
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(22603)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(22603)
     assert "complete-is-restorable" in found
 
 
@@ -213,11 +190,7 @@ def test_fixed_equal_epoch_seed(monkeypatch, order_check):
         refresh(self)
 
     monkeypatch.setattr(model.Sim, "_refresh_serving", check_epochs)
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(81300)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(81300)
     assert not found, found
     assert shared == []
 
@@ -245,11 +218,7 @@ def test_fixed_gc_protected_seeds(seed):
     planned step 1 on the two it heard while the others held step 3. The real daemon asks only once every
     host has reported (``OrbaxMode._not_registered``); so does the model now (``Sim._ev_restore_poll``).
     It replays clean."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(seed)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(seed)
     if seed == 44803:
         assert not found, found
     assert "gc-protected" not in found, found["gc-protected"]
@@ -277,11 +246,7 @@ def test_fixed_issue19_seeds(seed, names):
     Focused tests: tests/replicator/coordinator/test_simulation_found.py, tests/replicator/backup/
     test_scheduler_faults.py, tests/replicator/local/test_store_replicas.py and the real-process
     tests/replicator/test_replica_identity_cluster.py."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(seed, network=False)  # the schedule that found it (as before the network model)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(seed, network=False)  # the schedule that found it (as before the network model)
     for name in names:
         assert name not in found, found[name]
 
@@ -298,11 +263,7 @@ def test_fixed_lost_replica_identity_seeds(seed):
     with ``coming``), reported as a REPLICA holding that outlives both hosts. Focused tests:
     test_simulation_found.py::test_a_copy_of_a_replicas_data_witnesses_the_identical_replica,
     tests/replicator/local/test_store_replicas.py, tests/replicator/test_replica_identity_cluster.py."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(seed)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(seed)
     assert not found, found
 
 
@@ -313,11 +274,7 @@ def test_fixed_takeover_wait_report_seed():
     (its own data identical), and slice 1 was replaced. Fixed: while it waits, a host reports to a higher
     candidate that serves (``Heartbeat._send``). It replays clean without the fix since later changes moved
     the schedule; the focused test keeps the hole: tests/replicator/test_heartbeat_takeover_wait.py."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(70347)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(70347)
     assert not found, found
 
 
@@ -331,11 +288,7 @@ def test_fixed_restore_witness_seed():
     replays clean without the fix since later changes moved the schedule; the focused tests keep the hole:
     tests/replicator/test_heartbeat_restore_witness.py,
     test_simulation_found.py::test_a_restore_of_a_replicas_identical_data_comes_with_its_witness_task."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(95210)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(95210)
     assert not found, found
 
 
@@ -388,11 +341,7 @@ def test_fixed_slow_upload_model_seed():
     and the liveness check came before the backup of the newest complete step could commit
     (backup-reaches-newest). A slow bucket is a fault of the window: the model now ends a slow upload at
     most a second after the window."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(87623)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(87623)
     assert not found, found
 
 
@@ -408,11 +357,7 @@ def test_fixed_multi_host_loss_model_seeds(seed):
     one host keeps the newest durable step only if a serving coordinator's facts without those hosts keep
     it complete (``invariants.hosts_wiped``), and facts of a host wiped since it last reported do not count
     towards durability (``invariants.wiped_unheard``)."""
-    logging.disable(logging.WARNING)
-    try:
-        found, trace = replay(seed)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, trace = _replay_quiet(seed)
     assert not found, found
     if seed == 16536:  # the invariant let the step go for the reason above, not by chance (61225's schedule
         # changed with the bucket re-list while no step is complete, test_fixed_scratch_beside_backup_seed)
@@ -426,11 +371,7 @@ def test_fixed_scratch_beside_backup_seed():
     (scratch-beside-backup). Fixed in BucketScheduler._fell_back: while no step has been complete, the
     bucket is listed again at most every RELIST_EMPTY_SECONDS (focused test:
     tests/replicator/backup/test_scheduler_faults.py)."""
-    logging.disable(logging.WARNING)
-    try:
-        found, trace = replay(81627)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, trace = _replay_quiet(81627)
     assert not found, found
     assert any("trainer resumes from step 1" in line for line in trace)
 
@@ -444,11 +385,7 @@ def test_fixed_stale_bucket_listing_regression_seed():
     was durable in the bucket. Fixed: a host that comes over from another coordinator (it accepted another
     epoch) makes the scheduler list the bucket again (``BucketScheduler.host_came_over``); focused test
     test_scheduler_faults.py::test_a_backup_committed_after_the_listing_is_learned_when_a_host_comes_over."""
-    logging.disable(logging.WARNING)
-    try:
-        found, trace = replay(8683)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, trace = _replay_quiet(8683)
     assert not found, found
     assert any("FAILOVER rank 2" in line for line in trace) and any("FAILOVER rank 0" in line for line in trace)
 
@@ -464,9 +401,5 @@ def test_fixed_stale_restore_pin_seeds(seed):
     older one is complete (focused tests:
     test_a_newest_restore_of_a_step_no_longer_recoverable_takes_the_newest_complete_one and
     test_a_newest_restore_stays_pinned_while_a_host_that_registered_again_has_not_reported)."""
-    logging.disable(logging.WARNING)
-    try:
-        found, _ = replay(seed)
-    finally:
-        logging.disable(logging.NOTSET)
+    found, _ = _replay_quiet(seed)
     assert not found, found

@@ -53,6 +53,28 @@ class Holding(_message.Message):
     savers: _containers.RepeatedCompositeFieldContainer[RankRange]
     def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., content_hash: _Optional[str] = ..., size: _Optional[int] = ..., tier: _Optional[_Union[_tier_pb2.Tier, str]] = ..., generation: _Optional[int] = ..., savers: _Optional[_Iterable[_Union[RankRange, _Mapping]]] = ...) -> None: ...
 
+class CodeGroup(_message.Message):
+    __slots__ = ("k", "m", "members", "content_hashes", "addresses")
+    K_FIELD_NUMBER: _ClassVar[int]
+    M_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    k: int
+    m: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    content_hashes: _containers.RepeatedScalarFieldContainer[str]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, k: _Optional[int] = ..., m: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., content_hashes: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ParityTask(_message.Message):
+    __slots__ = ("step", "group")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    group: CodeGroup
+    def __init__(self, step: _Optional[int] = ..., group: _Optional[_Union[CodeGroup, _Mapping]] = ...) -> None: ...
+
 class RankRange(_message.Message):
     __slots__ = ("first", "last")
     FIRST_FIELD_NUMBER: _ClassVar[int]
@@ -126,28 +148,32 @@ class CopyTask(_message.Message):
     def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., source_rank: _Optional[int] = ..., source_address: _Optional[str] = ..., content_hash: _Optional[str] = ...) -> None: ...
 
 class Deletion(_message.Message):
-    __slots__ = ("owner_rank", "step", "content_hash")
+    __slots__ = ("owner_rank", "step", "content_hash", "tier")
     OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     owner_rank: int
     step: int
     content_hash: str
-    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., content_hash: _Optional[str] = ...) -> None: ...
+    tier: _tier_pb2.Tier
+    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., content_hash: _Optional[str] = ..., tier: _Optional[_Union[_tier_pb2.Tier, str]] = ...) -> None: ...
 
 class RestoreSource(_message.Message):
-    __slots__ = ("kind", "holder_rank", "holder_address", "owner_rank", "content_hash")
+    __slots__ = ("kind", "holder_rank", "holder_address", "owner_rank", "content_hash", "group")
     KIND_FIELD_NUMBER: _ClassVar[int]
     HOLDER_RANK_FIELD_NUMBER: _ClassVar[int]
     HOLDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     kind: _tier_pb2.Tier
     holder_rank: int
     holder_address: str
     owner_rank: int
     content_hash: str
-    def __init__(self, kind: _Optional[_Union[_tier_pb2.Tier, str]] = ..., holder_rank: _Optional[int] = ..., holder_address: _Optional[str] = ..., owner_rank: _Optional[int] = ..., content_hash: _Optional[str] = ...) -> None: ...
+    group: CodeGroup
+    def __init__(self, kind: _Optional[_Union[_tier_pb2.Tier, str]] = ..., holder_rank: _Optional[int] = ..., holder_address: _Optional[str] = ..., owner_rank: _Optional[int] = ..., content_hash: _Optional[str] = ..., group: _Optional[_Union[CodeGroup, _Mapping]] = ...) -> None: ...
 
 class RestoreTask(_message.Message):
     __slots__ = ("step", "sources")
@@ -172,7 +198,7 @@ class BackupTask(_message.Message):
     def __init__(self, step: _Optional[int] = ..., staging: _Optional[str] = ..., nodes: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., source_owner_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("copies", "deletions", "restore", "backup", "newest_complete_step", "heartbeat_interval_ms", "acked_digest", "epoch", "preemption_noticed")
+    __slots__ = ("copies", "deletions", "restore", "backup", "newest_complete_step", "heartbeat_interval_ms", "acked_digest", "epoch", "preemption_noticed", "parity")
     COPIES_FIELD_NUMBER: _ClassVar[int]
     DELETIONS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +208,7 @@ class HeartbeatResponse(_message.Message):
     ACKED_DIGEST_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREEMPTION_NOTICED_FIELD_NUMBER: _ClassVar[int]
+    PARITY_FIELD_NUMBER: _ClassVar[int]
     copies: _containers.RepeatedCompositeFieldContainer[CopyTask]
     deletions: _containers.RepeatedCompositeFieldContainer[Deletion]
     restore: RestoreTask
@@ -191,7 +218,8 @@ class HeartbeatResponse(_message.Message):
     acked_digest: str
     epoch: int
     preemption_noticed: bool
-    def __init__(self, copies: _Optional[_Iterable[_Union[CopyTask, _Mapping]]] = ..., deletions: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., restore: _Optional[_Union[RestoreTask, _Mapping]] = ..., backup: _Optional[_Union[BackupTask, _Mapping]] = ..., newest_complete_step: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., acked_digest: _Optional[str] = ..., epoch: _Optional[int] = ..., preemption_noticed: _Optional[bool] = ...) -> None: ...
+    parity: _containers.RepeatedCompositeFieldContainer[ParityTask]
+    def __init__(self, copies: _Optional[_Iterable[_Union[CopyTask, _Mapping]]] = ..., deletions: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., restore: _Optional[_Union[RestoreTask, _Mapping]] = ..., backup: _Optional[_Union[BackupTask, _Mapping]] = ..., newest_complete_step: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., acked_digest: _Optional[str] = ..., epoch: _Optional[int] = ..., preemption_noticed: _Optional[bool] = ..., parity: _Optional[_Iterable[_Union[ParityTask, _Mapping]]] = ...) -> None: ...
 
 class GetStepsRequest(_message.Message):
     __slots__ = ("wait_seconds", "min_step")

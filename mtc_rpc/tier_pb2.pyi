@@ -14,6 +14,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_PEER: _ClassVar[Tier]
     TIER_REPLICA: _ClassVar[Tier]
     TIER_BUCKET: _ClassVar[Tier]
+    TIER_PARITY: _ClassVar[Tier]
 
 class RestorePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ TIER_LOCAL: Tier
 TIER_PEER: Tier
 TIER_REPLICA: Tier
 TIER_BUCKET: Tier
+TIER_PARITY: Tier
 RESTORE_PHASE_UNSPECIFIED: RestorePhase
 RESTORE_PHASE_PLAN: RestorePhase
 RESTORE_PHASE_FETCH: RestorePhase

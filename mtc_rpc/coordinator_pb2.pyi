@@ -36,7 +36,7 @@ class LocateStepResponse(_message.Message):
     def __init__(self, savers: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[OwnerSources, _Mapping]]] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class Holding(_message.Message):
-    __slots__ = ("owner_rank", "step", "content_hash", "size", "tier", "generation", "savers")
+    __slots__ = ("owner_rank", "step", "content_hash", "size", "tier", "generation", "savers", "group")
     OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class Holding(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SAVERS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     owner_rank: int
     step: int
     content_hash: str
@@ -51,7 +52,8 @@ class Holding(_message.Message):
     tier: _tier_pb2.Tier
     generation: int
     savers: _containers.RepeatedCompositeFieldContainer[RankRange]
-    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., content_hash: _Optional[str] = ..., size: _Optional[int] = ..., tier: _Optional[_Union[_tier_pb2.Tier, str]] = ..., generation: _Optional[int] = ..., savers: _Optional[_Iterable[_Union[RankRange, _Mapping]]] = ...) -> None: ...
+    group: CodeGroup
+    def __init__(self, owner_rank: _Optional[int] = ..., step: _Optional[int] = ..., content_hash: _Optional[str] = ..., size: _Optional[int] = ..., tier: _Optional[_Union[_tier_pb2.Tier, str]] = ..., generation: _Optional[int] = ..., savers: _Optional[_Iterable[_Union[RankRange, _Mapping]]] = ..., group: _Optional[_Union[CodeGroup, _Mapping]] = ...) -> None: ...
 
 class CodeGroup(_message.Message):
     __slots__ = ("k", "m", "members", "content_hashes", "addresses")

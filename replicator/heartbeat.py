@@ -278,10 +278,8 @@ class Heartbeat:
         else:
             self._acked = None
             parts.wakeup.ring()  # the coordinator has no picture of this host (restart, failover): report all now
-        if resp.epoch < self.epoch:
-            log.warning("ignoring the answer of a deposed coordinator (epoch %d < %d)", resp.epoch, self.epoch)
+        if not self._accept_epoch(resp.epoch):
             return self.interval
-        self.epoch = resp.epoch
         self.interval = max(0.05, resp.heartbeat_interval_ms / 1000.0 or self.opts.heartbeat_seconds)
         self.newest_complete = resp.newest_complete_step
         parts.metrics.newest_complete_step = resp.newest_complete_step
@@ -290,6 +288,22 @@ class Heartbeat:
         self._act(resp, t_send, round_trip)
         # Jittered so that hosts started together do not report in lockstep.
         return self.interval * random.uniform(0.9, 1.1)
+
+    def _accept_epoch(self, epoch: int) -> bool:
+        """Follow the answering coordinator's ``epoch``; False: a deposed one's answer, to be ignored.
+
+        When another candidate serves a newer epoch than this host's own active candidate, ours is deposed,
+        though no host may ever report that epoch to it (this one just did elsewhere): serving on, it would
+        answer a restarted trainer on this host from a view whose pieces the newer coordinator is deleting
+        (simulation seed 77568, issue #33)."""
+        if epoch < self.epoch:
+            log.warning("ignoring the answer of a deposed coordinator (epoch %d < %d)", epoch, self.epoch)
+            return False
+        self.epoch = epoch
+        own = self.parts.coordinator
+        if own is not None and own.active and epoch > own.epoch:
+            own.deactivate(f"this host accepted epoch {epoch} of another candidate")
+        return True
 
     def _act(self, resp: cpb.HeartbeatResponse, sent_at: float | None = None, round_trip: float = 0.0) -> None:
         """The answer's work: deletions now, copies, a restore and a backup share as tasks (``sent_at``,

@@ -70,3 +70,29 @@ def test_a_host_waiting_to_take_over_reports_to_a_higher_candidate_that_serves(s
         with pytest.raises(NoCoordinator, match="waiting to take over"):
             hb._send(req)
     assert cands.called == [1]
+
+
+def _serving_coordinator(epoch: int):
+    from replicator.coordinator.service import Coordinator
+    from replicator.coordinator.topology import JobTopology
+
+    coord = Coordinator(JobTopology(4, 2, 1), "t", active=False, other_candidates=True, candidate=0)
+    coord.activate(epoch)
+    assert coord.active
+    return coord
+
+
+def test_a_host_that_accepts_a_newer_epoch_elsewhere_deposes_its_own_candidate() -> None:
+    """Simulation seed 77568: candidate 0 (on host 0) served epoch E while every other host followed
+    candidate 1 (epoch F > E); one of host 0's heartbeats reached candidate 1 (a lost answer), which told it to
+    delete its old steps. No host would ever report F to candidate 0, so it served on and would have told a
+    trainer restarted on host 0 that step 1, just deleted, was the newest complete step. Now the answer's
+    newer epoch deposes the host's own candidate; an answer of its own epoch or an older one does not."""
+    coord = _serving_coordinator(1_000)
+    hb = _heartbeat(0, coordinator=coord, my_candidate=0)
+    own = coord.epoch
+    assert hb._accept_epoch(own) and coord.active  # its own coordinator's answer
+    assert not hb._accept_epoch(own - 1) and coord.active  # a deposed one's answer: ignored
+    assert hb._accept_epoch(own + 5)
+    assert not coord.active
+    assert hb.epoch == own + 5

@@ -578,6 +578,11 @@ class Sim:
             self.note(f"host {rank} ignores the answer of deposed epoch {resp.epoch} < {h.epoch}")
             return
         h.epoch = resp.epoch
+        mine = self.cand_rank.index(rank) if rank in self.cand_rank else None
+        own = self.cands[mine] if mine is not None and self.cands else None
+        if own is not None and own.active and resp.epoch > own.epoch:  # as Heartbeat.beat (seed 77568)
+            own.deactivate(f"this host accepted epoch {resp.epoch} of another candidate")
+            self.note(f"rank {rank}: accepted epoch {resp.epoch}, candidate {mine} (epoch {own.epoch}) steps down")
         self._act(h, resp, coord)
 
     def _act(self, h: Host, resp: pb.HeartbeatResponse, coord: Coordinator) -> None:

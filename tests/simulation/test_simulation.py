@@ -403,3 +403,14 @@ def test_fixed_stale_restore_pin_seeds(seed):
     test_a_newest_restore_stays_pinned_while_a_host_that_registered_again_has_not_reported)."""
     found, _ = _replay_quiet(seed)
     assert not found, found
+
+
+def test_fixed_own_candidate_deposed_by_an_accepted_epoch_seed():
+    """Seed 77568, found in 100,000 schedules (issue #33 item 2; complete-is-restorable): candidate 0 on host 0
+    served epoch 256 while the other hosts, cut off from it, followed candidate 1 (a newer epoch); one of host
+    0's heartbeats, its answer lost, went to candidate 1, which told host 0 to delete step 1. Candidate 1's
+    slice was then replaced, and candidate 0, still serving, counted step 1 complete from host 0's deleted
+    copy. Fixed: a host that accepts a newer epoch than its own active candidate's deposes it
+    (``Heartbeat._accept_epoch``). Focused test: tests/replicator/test_heartbeat_takeover_wait.py."""
+    found, _ = _replay_quiet(77568)
+    assert not found, found

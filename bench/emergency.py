@@ -65,12 +65,12 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
+from bench.children import bound_to_us, scratch_dir
 from bench.emergency_common import (
     DEVICES_PER_PROCESS,
     LOST_HOST,
@@ -93,8 +93,7 @@ ROUND_TIMEOUT_SECONDS = 1800.0
 
 
 def _scratch_dir() -> Path:
-    shm = Path("/dev/shm")
-    return Path(tempfile.mkdtemp(prefix="mtc-bench-emergency-", dir=shm if shm.is_dir() else None))
+    return scratch_dir("mtc-bench-emergency-")
 
 
 # --------------------------------------------------------------------------- systems (in each worker)
@@ -200,7 +199,7 @@ class Ours(System):
             args += ["--coordinator", self.coordinator]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         log = open(self.base / f"replicator-{self.rank}.log", "ab")  # noqa: SIM115 - the child holds it
-        self.proc = subprocess.Popen([sys.executable, "-m", "controller_client.cli", "-v", "replicator", *args],
+        self.proc = subprocess.Popen(bound_to_us([sys.executable, "-m", "controller_client.cli", "-v", "replicator", *args]),
                                      stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=str(REPO))
         # (In the worker's process group: the orchestrator's kill of a stuck round's group ends it too.)
         log.close()
@@ -427,8 +426,8 @@ def run_round(systems: list[str], mib: int, scratch: Path, timeout: float,
                    "--rank", str(rank), "--mib", str(mib), "--base", str(base),
                    "--jax-coordinator", f"127.0.0.1:{jax_port}", "--ports", ports,
                    "--result", str(base / f"result{rank}.json")] + (["--verbose"] if verbose else [])
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
-                                          start_new_session=True))
+            procs.append(subprocess.Popen(bound_to_us(cmd), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          cwd=str(REPO), start_new_session=True))
         deadline = time.monotonic() + timeout
         for p in procs:
             try:

@@ -61,6 +61,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from bench.children import bound_to_us
 from bench.emergency_common import (
     DEVICES_PER_PROCESS,
     LOST_HOST,
@@ -126,7 +127,7 @@ class Daemons:
         self.local(host).mkdir(parents=True, exist_ok=True)
         with open(self.logs / f"replicator-{host}.log", "ab") as log:
             self.procs[host] = subprocess.Popen(
-                [sys.executable, "-m", "controller_client.cli", "-v", "replicator", *self.args(host)],
+                bound_to_us([sys.executable, "-m", "controller_client.cli", "-v", "replicator", *self.args(host)]),
                 stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=str(REPO), start_new_session=True)
 
     def stop(self, hosts: list[int]) -> None:
@@ -176,8 +177,8 @@ def _incarnation(phase: str, mib: int, daemons: Daemons, logs: Path, deadline: f
             cmd = [sys.executable, "-m", "bench.emergency_orbax", "--phase", phase, "--rank", str(rank),
                    "--mib", str(mib), "--local-dir", str(daemons.local(rank)),
                    "--coordinator", daemons.coordinator, "--result", str(results[rank])]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
-                                          start_new_session=True))
+            procs.append(subprocess.Popen(bound_to_us(cmd), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          cwd=str(REPO), start_new_session=True))
         failed_at, exited = None, []
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             exited += [rank for rank, p in enumerate(procs) if p.poll() is not None and rank not in exited]

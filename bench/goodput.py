@@ -19,12 +19,12 @@ import json
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench import goodput_run
+from bench.children import scratch_dir
 from bench.goodput_run import KINDS, RunOptions, schedule
 from bench.goodput_worker import SYSTEMS
 
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(args.keep)
         scratch.mkdir(parents=True, exist_ok=True)
     else:
-        shm = Path("/dev/shm")
-        scratch = Path(tempfile.mkdtemp(prefix="mtc-bench-goodput-", dir=shm if shm.is_dir() else None))
+        scratch = scratch_dir("mtc-bench-goodput-")
     results: dict[str, dict[str, Any]] = {}
     run_seconds: dict[str, float] = {}
     try:

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.children import bound_to_us
 from bench.emergency_common import DEVICES_PER_PROCESS, PROCESSES, REPO, SLICES
 from controller_client.demo.ports import free_port
 
@@ -150,7 +151,7 @@ class Replicators:
             args += ["--coordinator", f"127.0.0.1:{self.ports[0]}"]
         with open(self.logs / f"replicator-{host}.log", "ab") as log:
             self.procs[host] = subprocess.Popen(
-                [sys.executable, "-m", "controller_client.cli", "-v", "replicator", *args], stdout=log,
+                bound_to_us([sys.executable, "-m", "controller_client.cli", "-v", "replicator", *args]), stdout=log,
                 stderr=subprocess.STDOUT, env=_env(), cwd=str(REPO), start_new_session=True)
 
     def stop(self, hosts: list[int] | tuple[int, ...], sig: int = signal.SIGKILL,
@@ -195,7 +196,7 @@ class Job:
                    "--bucket-seconds", str(self.opts.bucket_seconds), "--base", str(self.base),
                    "--jax-coordinator", f"127.0.0.1:{jax_port}", "--ports", ",".join(map(str, self.ports))]
             with open(self.logs / f"worker-{self.incarnation}-{rank}.log", "wb") as log:
-                self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(),
+                self.procs.append(subprocess.Popen(bound_to_us(cmd), stdout=log, stderr=subprocess.STDOUT, env=_env(),
                                                    cwd=str(REPO), start_new_session=True))
 
     def kill(self) -> None:

@@ -26,9 +26,10 @@ import json
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
+
+from bench.children import scratch_dir
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -167,7 +168,7 @@ def elastic(mib: int, repeats: int) -> dict:
 
     from controller_client.demo.cluster import LocalCluster
 
-    base = Path(tempfile.mkdtemp(prefix="mtc-bench-el-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    base = scratch_dir("mtc-bench-el-")
     devs = jax.devices()
     topo = HostTopology.simulated(devs, 2, 2)
     tree = make_tree(mib)
@@ -236,7 +237,7 @@ def main() -> None:
     flags.FLAGS(["bench"])  # Orbax outside absl.app needs parsed flags
     import orbax.checkpoint as ocp
 
-    base = Path(tempfile.mkdtemp(prefix="mtc-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    base = scratch_dir("mtc-bench-")
     tree = make_tree(args.mib)
     size = nbytes(tree)
     devs = jax.devices()

@@ -30,7 +30,6 @@ import shutil
 import socket
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.children import scratch_dir
 
 DEFAULT_TOTAL_BYTES = 512 << 20
 DEFAULT_FILES = 8
@@ -47,8 +48,7 @@ RECV_CHUNK_BYTES = 4 << 20
 
 
 def _scratch_dir() -> Path:
-    shm = Path("/dev/shm")
-    return Path(tempfile.mkdtemp(prefix="mtc-bench-", dir=shm if shm.is_dir() else None))
+    return scratch_dir("mtc-bench-")
 
 
 def make_step(root: Path, rank: int, step: int, total_bytes: int, files: int, nodes: int = 2) -> Any:

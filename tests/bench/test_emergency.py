@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from bench import emergency, emergency_common
+from bench.children import bound_to_us, scratch_dir
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +42,10 @@ def _run(systems: tuple[str, ...]) -> dict:
     """One round at 2 MiB of ``systems``; its JSON line."""
     # A short base: the replicators' control sockets live under it (a unix socket path has <= 107
     # characters; pytest-xdist's tmp_path is deeper than that).
-    run = Path(tempfile.mkdtemp(prefix="mtc-em-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    run = scratch_dir("mtc-em-")
     try:
-        proc = subprocess.run([sys.executable, "-m", "bench.emergency", "--mib", "2", "--repeats", "1",
-                               "--systems", ",".join(systems), "--timeout", "180", "--keep", str(run / "run")],
+        proc = subprocess.run(bound_to_us([sys.executable, "-m", "bench.emergency", "--mib", "2", "--repeats", "1",
+                               "--systems", ",".join(systems), "--timeout", "180", "--keep", str(run / "run")]),
                               capture_output=True, text=True, timeout=220, cwd=str(emergency_common.REPO))
     finally:
         shutil.rmtree(run, ignore_errors=True)

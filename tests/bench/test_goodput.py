@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from bench import goodput, goodput_run, goodput_worker
+from bench.children import bound_to_us, scratch_dir
 from bench.emergency_common import REPO
 
 
@@ -107,11 +105,11 @@ def test_a_corrupt_copy_flips_bytes_of_the_largest_file_of_the_newest_committed_
 def test_every_system_runs_the_same_failures_and_reports_every_key():
     """Seed 3 at 8 s: host 0 lost (ours: the coordinator's host) at 1.1 s, a preemption of slice 1 due at
     4.8 s (injected if the job is up again before the end)."""
-    run = Path(tempfile.mkdtemp(prefix="mtc-gp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    run = scratch_dir("mtc-gp-")
     try:
-        proc = subprocess.run([sys.executable, "-m", "bench.goodput", "--mib", "2", "--seconds", "8",
+        proc = subprocess.run(bound_to_us([sys.executable, "-m", "bench.goodput", "--mib", "2", "--seconds", "8",
                                "--step-seconds", "0.3", "--mtbf-seconds", "4", "--replace-seconds", "0.2",
-                               "--grace-seconds", "5", "--seed", "3", "--keep", str(run / "run")],
+                               "--grace-seconds", "5", "--seed", "3", "--keep", str(run / "run")]),
                               capture_output=True, text=True, timeout=400, cwd=str(REPO))
     finally:
         shutil.rmtree(run, ignore_errors=True)

@@ -189,8 +189,8 @@ def cmd_steps(args: argparse.Namespace, conn: Conn) -> int:
                     "newest_complete_step": resp.newest_complete_step if resp.newest_complete_step >= 0 else None,
                     "steps": [step_doc(i) for i in resp.steps], "degraded": s.degraded, "problems": list(s.problems)})
     else:
-        t = table(f"job {resp.job}: steps by tier (ranks; {resp.nodes} in all; redundancy "
-                  f"{redundancy_text(s.redundancy)})",
+        t = table(f"job {resp.job} ({s.redundancy or 'redundancy unknown'}): steps by tier (ranks; "
+                  f"{resp.nodes} in all)",
                    ["step", "state", "local", "peer", "bucket", "missing", "bytes", "flags", "completed",
                     "backup"])
         for i in resp.steps:

@@ -89,7 +89,7 @@ def ec_ram_disk_plan(rank_bytes: Mapping[int, int], *, slices: int, k: int, m: i
             "shards a host holds are each ceil(longest stream of its code group / K), 64-byte aligned: padding "
             "is what shorter steps are padded to the group's longest (with equal-size hosts, the alignment only)")
     plan = {"redundancy": str(red), "mode": "ec", "own_bytes_per_step": own, "byte_copies_per_rank": 0,
-            "keep": keep, "parity_bytes_per_host": parity, "parity_factor": m / k, "padding": round(padding, 6),
+            "keep": keep, "parity_bytes_per_host": parity, "parity_factor": m / k, "padding": padding,
             "losses_survived": m, "losses_survived_per": "code group",
             "survives_slice_loss": all(d["survives_slice_loss"] for d in group_docs),
             "code_groups": {"count": len(groups), "summary": groups_summary(groups), "groups": group_docs},

@@ -11,6 +11,7 @@ import math
 import re
 from typing import Any
 
+from replicator.options import job_code_groups, resolve_redundancy
 from sidecar.layout import check_job_name
 
 MODES = ("pathways", "multi-controller")
@@ -182,8 +183,6 @@ class ManifestOptions:
 
     def _check_redundancy(self) -> None:
         """The replicators' own rule (replicator.options) plus what only this set knows: elastic, Orbax."""
-        from replicator.options import job_code_groups, resolve_redundancy
-
         red = resolve_redundancy(self.redundancy, self.replicas)  # a ConfigError is a ValueError
         if not red.is_ec:
             return

@@ -472,4 +472,8 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     if "local_dir" not in merged:
         raise ConfigError("--local-dir is required")
     kwargs = {k: _convert(k, v) for k, v in merged.items()}
-    return ReplicatorOptions(**kwargs).validate()
+    opts = ReplicatorOptions(**kwargs).validate()
+    red = opts.effective_redundancy
+    if not red.is_ec and opts.replicas != red.copies:  # --redundancy copies:N alone: --replicas is N too
+        opts = dataclasses.replace(opts, replicas=red.copies)
+    return opts

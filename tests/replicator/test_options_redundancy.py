@@ -28,6 +28,13 @@ def test_the_default_is_copies_of_replicas(tmp_path: Path) -> None:
     assert _opts([*_job(tmp_path), "--replicas", "0"]).effective_redundancy == Redundancy.copies_of(0)
 
 
+def test_copies_n_alone_sets_replicas(tmp_path: Path) -> None:
+    """What reads ``replicas`` (the daemon's JobTopology) sees N without knowing of --redundancy."""
+    assert _opts([*_job(tmp_path), "--redundancy", "copies:2"]).replicas == 2
+    assert _opts([*_job(tmp_path), "--redundancy", "copies:0"]).replicas == 0
+    assert _opts([*_job(tmp_path), "--redundancy", "ec:4+2"]).replicas == 1  # untouched: ec keeps no copies
+
+
 def test_flag_env_and_yaml_are_one_rule(tmp_path: Path) -> None:
     assert _opts([*_job(tmp_path), "--redundancy", "ec:4+2"]).effective_redundancy == Redundancy.ec(4, 2)
     assert _opts(_job(tmp_path), {"MTC_REDUNDANCY": "ec:3+1"}).effective_redundancy == Redundancy.ec(3, 1)

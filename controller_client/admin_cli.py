@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from controller_client.admin.bucket import cmd_backups_download, cmd_backups_list, cmd_export, cmd_plan
+from controller_client.admin.bucket import cmd_backups_download, cmd_backups_list, cmd_export
 from controller_client.admin.cluster import (
     cmd_backup_now,
     cmd_gc,
@@ -38,6 +38,8 @@ from controller_client.admin.common import (
     add_output,
 )
 from controller_client.admin.content import cmd_inspect, cmd_verify
+from controller_client.admin.plan import cmd_plan
+from replicator.options import DEFAULT_REPLICAS
 
 
 def _example(text: str) -> dict[str, Any]:
@@ -113,14 +115,19 @@ def register(sub: Any, log_args: Callable[[argparse.ArgumentParser], None]) -> N
     p.add_argument("--parallel", type=int, default=4)
     p.add_argument("--scratch", default=None, help="where to stage the download (default: the temp dir)")
     add_bucket(p, required=True)
-    p = add("plan", "RAM-disk size per host, from a saved step or from --state-bytes/--hosts",
-            "mtc plan --state-bytes 80e9 --hosts 64 --slices 4 --replicas 1 --keep 2", cmd_plan, online=False)
+    p = add("plan", "RAM-disk size per host for copies:N or ec:K+M, from a saved step or from --state-bytes/--hosts",
+            "mtc plan --state-bytes 80e9 --hosts 64 --slices 4 --redundancy ec:4+2 --keep 2", cmd_plan,
+            online=False)
     p.add_argument("--step", type=int, default=None,
                    help="the saved step to size from (default: the newest complete one, or the newest backup)")
     p.add_argument("--state-bytes", type=float, default=None, help="bytes of one copy of the training state")
     p.add_argument("--hosts", type=int, default=None)
     p.add_argument("--slices", type=int, default=1)
-    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--replicas", type=int, default=DEFAULT_REPLICAS,
+                   help="--replicas of the replicators (default 1): the same as --redundancy copies:N")
+    p.add_argument("--redundancy", default="",
+                   help="--redundancy of the replicators: copies:N or ec:K+M (default copies:<--replicas>); "
+                        "prints the code groups and what they survive")
     p.add_argument("--keep", type=int, default=2, help="--keep-local of the replicators (default 2)")
     p.add_argument("--snapshotter", action="store_true",
                    help="the loop also snapshots with Orbax's in-memory Snapshotter: count its pinned-host copy "

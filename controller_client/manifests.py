@@ -58,6 +58,7 @@ def _config_map(opts: ManifestOptions) -> dict[str, Any]:
         "metrics-port": opts.metrics_port,
         "peer-address-template": opts.peer_address_template(),
         "replicas": opts.replicas,
+        **({"redundancy": opts.redundancy} if opts.redundancy else {}),
         "keep-local": opts.keep_local,
         "backup-url": opts.backup_url,
         "backup-keep": opts.backup_keep,
@@ -296,6 +297,8 @@ _HELP = {
     "backup_interval_minutes": "Pathways mode: back up every N minutes (default 30; Orbax sets its own)",
     "backup_keep": "backups kept in the bucket (default 3)",
     "replicas": "extra verified copies of each host's step on other slices (default 1)",
+    "redundancy": "the replicators' --redundancy: copies:N or ec:K+M (default copies:<--replicas>; ec needs "
+                  "slices x hosts-per-slice >= K+M, not with --elastic-slices or --front-door orbax; docs/peer.md)",
     "keep_local": "committed steps kept on each RAM disk (default 2)",
     "ramdisk_host_path": "--ramdisk hostpath: node directory holding one tmpfs per job (default /mnt/mtc-ramdisk)",
     "local_dir": "where the RAM disk is mounted in the containers (default /local)",

@@ -11,6 +11,7 @@ import math
 import re
 from typing import Any
 
+from replicator.options import job_code_groups, resolve_redundancy
 from sidecar.layout import check_job_name
 
 MODES = ("pathways", "multi-controller")
@@ -84,6 +85,7 @@ class ManifestOptions:
       priority_class: ``priorityClassName`` of the worker Pods (hot-swap); empty = none.
       priority_value: also render that PriorityClass with this value (None = it already exists).
       elastic_slices: Pathways proxy ``--num_elastic_slices`` (0 = not elastic).
+      redundancy: the replicators' ``--redundancy`` (``copies:N`` | ``ec:K+M``); empty = ``copies:<replicas>``.
       worker_failure_policy: ``restart-jobset`` (a failed worker restarts the whole JobSet; the hot-swap of
         the seed) or ``restart-slice`` (Pathways keeps the controller alive, the slice's Job re-creates its
         Pods; elastic training). Empty = restart-slice when elastic, else restart-jobset.
@@ -107,6 +109,7 @@ class ManifestOptions:
     backup_interval_minutes: float = 30.0
     backup_keep: int = 3
     replicas: int = 1
+    redundancy: str = ""
     keep_local: int = 2
     ramdisk: str = ""
     ramdisk_size: str = "64Gi"
@@ -178,6 +181,19 @@ class ManifestOptions:
         m = re.match(r"^gs://([^/]+)", self.backup_url)
         return f"gs://{m.group(1)}/pathways-scratch" if m else ""
 
+    def _check_redundancy(self) -> None:
+        """The replicators' own rule (replicator.options) plus what only this set knows: elastic, Orbax."""
+        red = resolve_redundancy(self.redundancy, self.replicas)  # a ConfigError is a ValueError
+        if not red.is_ec:
+            return
+        if self.elastic_slices:
+            raise ValueError(f"--redundancy {red} with --elastic-slices: erasure coding does not support elastic "
+                             "training yet (a step saved by a subset of the slices); use copies:N")
+        if self.front_door_kind == "orbax":
+            raise ValueError(f"--redundancy {red} with --front-door orbax: the replicators' Orbax mode does not "
+                             "support erasure coding (elastic node counts); use copies:N")
+        job_code_groups(red, self.nodes, self.slices)  # the replicators warn when a lost slice is not survived
+
     def validate(self) -> ManifestOptions:
         """Raise ValueError with a one-line reason when the set could not work."""
         if self.mode not in MODES:
@@ -216,6 +232,7 @@ class ManifestOptions:
             raise ValueError("--elastic-slices is a Pathways proxy setting (--mode pathways)")
         if not 0 <= self.elastic_slices <= self.slices:
             raise ValueError(f"--elastic-slices must be 0..{self.slices} (the slices allocated)")
+        self._check_redundancy()
         ports = (self.grpc_port, self.data_port, self.metrics_port)
         for name in ("grpc_port", "data_port", "metrics_port"):
             if not 1 <= getattr(self, name) <= 65535:

@@ -12,7 +12,7 @@ class GetSummaryRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetSummaryResponse(_message.Message):
-    __slots__ = ("job", "nodes", "hosts_registered", "lost_ranks", "newest_complete_step", "newest_redundant", "pinned_steps", "restore_target", "backup_url", "newest_backup_step", "backup_last_success_unix", "backup_interval_seconds", "backup_interval_steps", "backup_skipped", "backup_failures", "backup_last_error", "backup_in_progress_step", "degraded", "problems", "newest_complete_bytes", "epoch", "last_restore", "last_restore_rank")
+    __slots__ = ("job", "nodes", "hosts_registered", "lost_ranks", "newest_complete_step", "newest_redundant", "pinned_steps", "restore_target", "backup_url", "newest_backup_step", "backup_last_success_unix", "backup_interval_seconds", "backup_interval_steps", "backup_skipped", "backup_failures", "backup_last_error", "backup_in_progress_step", "degraded", "problems", "newest_complete_bytes", "epoch", "last_restore", "last_restore_rank", "redundancy")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     HOSTS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class GetSummaryResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAST_RESTORE_FIELD_NUMBER: _ClassVar[int]
     LAST_RESTORE_RANK_FIELD_NUMBER: _ClassVar[int]
+    REDUNDANCY_FIELD_NUMBER: _ClassVar[int]
     job: str
     nodes: int
     hosts_registered: int
@@ -59,7 +60,8 @@ class GetSummaryResponse(_message.Message):
     epoch: int
     last_restore: _tier_pb2.RestoreBreakdown
     last_restore_rank: int
-    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[int] = ..., hosts_registered: _Optional[int] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., newest_complete_step: _Optional[int] = ..., newest_redundant: _Optional[bool] = ..., pinned_steps: _Optional[_Iterable[int]] = ..., restore_target: _Optional[int] = ..., backup_url: _Optional[str] = ..., newest_backup_step: _Optional[int] = ..., backup_last_success_unix: _Optional[float] = ..., backup_interval_seconds: _Optional[float] = ..., backup_interval_steps: _Optional[int] = ..., backup_skipped: _Optional[int] = ..., backup_failures: _Optional[int] = ..., backup_last_error: _Optional[str] = ..., backup_in_progress_step: _Optional[int] = ..., degraded: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ..., newest_complete_bytes: _Optional[int] = ..., epoch: _Optional[int] = ..., last_restore: _Optional[_Union[_tier_pb2.RestoreBreakdown, _Mapping]] = ..., last_restore_rank: _Optional[int] = ...) -> None: ...
+    redundancy: str
+    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[int] = ..., hosts_registered: _Optional[int] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., newest_complete_step: _Optional[int] = ..., newest_redundant: _Optional[bool] = ..., pinned_steps: _Optional[_Iterable[int]] = ..., restore_target: _Optional[int] = ..., backup_url: _Optional[str] = ..., newest_backup_step: _Optional[int] = ..., backup_last_success_unix: _Optional[float] = ..., backup_interval_seconds: _Optional[float] = ..., backup_interval_steps: _Optional[int] = ..., backup_skipped: _Optional[int] = ..., backup_failures: _Optional[int] = ..., backup_last_error: _Optional[str] = ..., backup_in_progress_step: _Optional[int] = ..., degraded: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ..., newest_complete_bytes: _Optional[int] = ..., epoch: _Optional[int] = ..., last_restore: _Optional[_Union[_tier_pb2.RestoreBreakdown, _Mapping]] = ..., last_restore_rank: _Optional[int] = ..., redundancy: _Optional[str] = ...) -> None: ...
 
 class ListStepsRequest(_message.Message):
     __slots__ = ()

@@ -404,7 +404,7 @@ class BackupStatus(_message.Message):
     def __init__(self, url: _Optional[str] = ..., committed_steps: _Optional[_Iterable[int]] = ..., in_progress_step: _Optional[int] = ..., in_progress_done_ranks: _Optional[int] = ..., skipped: _Optional[int] = ..., failures: _Optional[int] = ..., last_error: _Optional[str] = ..., interval_steps: _Optional[int] = ..., interval_minutes: _Optional[float] = ..., keep: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("job", "topology", "epoch", "coordinator_address", "newest_complete_step", "complete_steps", "backed_up_steps", "restore_target", "pinned_steps", "backing_up_steps", "hosts_registered", "hosts_reported", "hosts_lost", "lost_ranks", "lost", "hosts_reregistered", "heartbeat_interval_seconds", "host_lost_seconds", "steps", "backup", "hosts", "step_details")
+    __slots__ = ("job", "topology", "epoch", "coordinator_address", "newest_complete_step", "complete_steps", "backed_up_steps", "restore_target", "pinned_steps", "backing_up_steps", "hosts_registered", "hosts_reported", "hosts_lost", "lost_ranks", "lost", "hosts_reregistered", "heartbeat_interval_seconds", "host_lost_seconds", "steps", "backup", "hosts", "step_details", "redundancy")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +427,7 @@ class GetStatusResponse(_message.Message):
     BACKUP_FIELD_NUMBER: _ClassVar[int]
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     STEP_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    REDUNDANCY_FIELD_NUMBER: _ClassVar[int]
     job: str
     topology: Topology
     epoch: int
@@ -449,4 +450,5 @@ class GetStatusResponse(_message.Message):
     backup: BackupStatus
     hosts: _containers.RepeatedCompositeFieldContainer[HostStatus]
     step_details: _containers.RepeatedCompositeFieldContainer[StepDetail]
-    def __init__(self, job: _Optional[str] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., epoch: _Optional[int] = ..., coordinator_address: _Optional[str] = ..., newest_complete_step: _Optional[int] = ..., complete_steps: _Optional[_Iterable[int]] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., restore_target: _Optional[int] = ..., pinned_steps: _Optional[_Iterable[int]] = ..., backing_up_steps: _Optional[_Iterable[int]] = ..., hosts_registered: _Optional[int] = ..., hosts_reported: _Optional[int] = ..., hosts_lost: _Optional[int] = ..., lost_ranks: _Optional[str] = ..., lost: _Optional[_Iterable[_Union[LostHosts, _Mapping]]] = ..., hosts_reregistered: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ..., host_lost_seconds: _Optional[float] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., backup: _Optional[_Union[BackupStatus, _Mapping]] = ..., hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., step_details: _Optional[_Iterable[_Union[StepDetail, _Mapping]]] = ...) -> None: ...
+    redundancy: str
+    def __init__(self, job: _Optional[str] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., epoch: _Optional[int] = ..., coordinator_address: _Optional[str] = ..., newest_complete_step: _Optional[int] = ..., complete_steps: _Optional[_Iterable[int]] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., restore_target: _Optional[int] = ..., pinned_steps: _Optional[_Iterable[int]] = ..., backing_up_steps: _Optional[_Iterable[int]] = ..., hosts_registered: _Optional[int] = ..., hosts_reported: _Optional[int] = ..., hosts_lost: _Optional[int] = ..., lost_ranks: _Optional[str] = ..., lost: _Optional[_Iterable[_Union[LostHosts, _Mapping]]] = ..., hosts_reregistered: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ..., host_lost_seconds: _Optional[float] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., backup: _Optional[_Union[BackupStatus, _Mapping]] = ..., hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., step_details: _Optional[_Iterable[_Union[StepDetail, _Mapping]]] = ..., redundancy: _Optional[str] = ...) -> None: ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import logging
 import os
 import re
 import typing
@@ -14,15 +15,21 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from replicator.coordinator.fence import MAX_CANDIDATES
+from replicator.erasure.placement import code_groups, max_fragments_in_a_slice
+from replicator.erasure.redundancy import Redundancy
 from replicator.net.rpc import MAX_MESSAGE_BYTES
 from replicator.net.security import read_token_file
 from sidecar.layout import check_job_name
 from sidecar.parse import parse_int
 
 if TYPE_CHECKING:
+    from replicator.erasure.group import GroupLayout
     from replicator.net.security import PodRankRule
 
 ENV_PREFIX = "MTC_"
+DEFAULT_REPLICAS = 1
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -66,7 +73,14 @@ class ReplicatorOptions:
     coordinator: str = _opt("HOST:PORT of the coordinator (default: the coordinator rank's peer address)", "")
     coordinator_rank: int = _opt('rank whose replicator serves the coordinator (default 0)', 0)
     data_parallelism: int = _opt('number of slices holding data-parallel replicas (default 1)', 1)
-    replicas: int = _opt("extra verified copies of each rank's step (default 1)", 1)
+    replicas: int = _opt("extra verified copies of each rank's step (default 1); the same as --redundancy copies:N",
+                         DEFAULT_REPLICAS)
+    redundancy: str = _opt(
+        "how each host's step is protected in the peer tier: copies:N (N other hosts hold a whole copy) or "
+        "ec:K+M (erasure coding: every code group of K+M or more hosts holds M parity shards per K data shards, "
+        "M/K of a copy in RAM; survives any M lost hosts per group; needs at least K+M hosts; not with Orbax "
+        "mode). Default: copies:<--replicas>, today's behaviour (docs/peer.md, 'Erasure coding')",
+        "")
     keep_local: int = _opt(
         'committed steps kept per host (default 2; the newest complete step is always kept)',
         2)
@@ -161,6 +175,11 @@ class ReplicatorOptions:
     def orbax_mode(self) -> bool:
         return self.rank is None and self.nodes is None
 
+    @property
+    def effective_redundancy(self) -> Redundancy:
+        """The job's redundancy (:func:`resolve_redundancy`); the daemon hands it to the coordinator."""
+        return resolve_redundancy(self.redundancy, self.replicas)
+
     def check_exposure(self) -> ReplicatorOptions:
         """Refuse (ConfigError) to serve beyond loopback with neither a token nor TLS, unless ``insecure``.
 
@@ -252,6 +271,7 @@ class ReplicatorOptions:
             raise ConfigError("backup intervals must be >= 0")
         if self.keep_local < 1 or self.backup_keep < 1 or self.replicas < 0:
             raise ConfigError("--keep-local and --backup-keep must be >= 1, --replicas >= 0")
+        self._check_redundancy()
         if self.allocation_index is not None and self.allocation_index < 0:
             raise ConfigError(f"--allocation-index must be >= 0, got {self.allocation_index}")
         if self.coordinator_candidates:
@@ -290,6 +310,52 @@ class ReplicatorOptions:
             raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         self.token()
         return self
+
+    def _check_redundancy(self) -> None:
+        """``--redundancy`` (see :func:`resolve_redundancy`); ec: not in Orbax mode, and a code group layout
+        this job's hosts can form (:func:`job_code_groups`)."""
+        red = self.effective_redundancy
+        if not red.is_ec:
+            return
+        if self.orbax_mode:  # the node count may change between incarnations, and with it every code group
+            raise ConfigError(f"--redundancy {red} is not supported in Orbax mode (elastic: the node count may "
+                              "change between incarnations); use copies:N")
+        if self.nodes is not None:
+            job_code_groups(red, self.nodes, self.data_parallelism, warn=True)
+
+
+def resolve_redundancy(redundancy: str, replicas: int) -> Redundancy:
+    """The job's redundancy: ``redundancy`` (``copies:N`` | ``ec:K+M``), or ``copies:<replicas>`` when it is
+    empty. ConfigError when malformed, or when a non-default ``replicas`` says otherwise."""
+    if not redundancy:
+        return Redundancy.copies_of(replicas)
+    try:
+        red = Redundancy.parse(redundancy)
+    except ValueError as e:
+        raise ConfigError(f"--redundancy: {e}") from None
+    if replicas != DEFAULT_REPLICAS and red != Redundancy.copies_of(replicas):
+        raise ConfigError(f"--replicas {replicas} (= copies:{replicas}) and --redundancy {red} disagree: give "
+                          "one of them")
+    return red
+
+
+def job_code_groups(red: Redundancy, nodes: int, slices: int, *, warn: bool = False) -> tuple[GroupLayout, ...]:
+    """The code groups of an ec job of ``nodes`` hosts in ``slices`` slices (ConfigError when it has fewer
+    than K+M hosts); ``warn``: log a warning when a whole slice lost is not survived."""
+    if nodes < red.min_hosts:
+        raise ConfigError(f"--redundancy {red} needs at least {red.min_hosts} hosts (K+M); the job has "
+                          f"{nodes}: use a smaller K+M or copies:N")
+    try:
+        groups = code_groups(slices, nodes // slices, red.k, red.m)
+    except ValueError as e:
+        raise ConfigError(f"--redundancy {red}: {e}") from None
+    worst = max(max_fragments_in_a_slice(g, nodes // slices) for g in groups)
+    if warn and slices > 1 and worst > red.m:
+        log.warning("--redundancy %s over %d slices of %d hosts: a code group has %d fragments of one rotation "
+                    "in one slice, more than M=%d, so a whole slice lost is NOT survived (any %d lost hosts per "
+                    "group are); more slices or a larger M would be", red, slices, nodes // slices, worst,
+                    red.m, red.m)
+    return groups
 
 
 def _is_loopback(host: str) -> bool:
@@ -406,4 +472,8 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     if "local_dir" not in merged:
         raise ConfigError("--local-dir is required")
     kwargs = {k: _convert(k, v) for k, v in merged.items()}
-    return ReplicatorOptions(**kwargs).validate()
+    opts = ReplicatorOptions(**kwargs).validate()
+    red = opts.effective_redundancy
+    if not red.is_ec and opts.replicas != red.copies:  # --redundancy copies:N alone: --replicas is N too
+        opts = dataclasses.replace(opts, replicas=red.copies)
+    return opts

@@ -23,6 +23,7 @@ from controller_client.admin.common import (
     fmt_bytes,
     progress,
     ranges,
+    redundancy_text,
     table,
     when,
 )
@@ -37,6 +38,7 @@ from sidecar.saves import parse_rank_span
 def summary_doc(s: Any) -> dict[str, Any]:
     return {
         "job": s.job, "nodes": s.nodes, "hosts_registered": s.hosts_registered, "lost_ranks": list(s.lost_ranks),
+        "redundancy": s.redundancy or None,
         "newest_complete_step": s.newest_complete_step if s.newest_complete_step >= 0 else None,
         "newest_complete_bytes": s.newest_complete_bytes, "newest_redundant": s.newest_redundant,
         "pinned_steps": list(s.pinned_steps),
@@ -126,6 +128,7 @@ def cmd_status(args: argparse.Namespace, conn: Conn | None) -> int:
         t.show_header = False
         t.add_row("hosts", f"{s.hosts_registered}/{s.nodes} reporting" +
                   (f", lost: {ranges(s.lost_ranks)}" if s.lost_ranks else ""))
+        t.add_row("redundancy", redundancy_text(s.redundancy))
         newest = "none" if s.newest_complete_step < 0 else (
             f"{s.newest_complete_step} ({fmt_bytes(s.newest_complete_bytes)}, "
             f"{'redundant' if s.newest_redundant else 'NOT redundant'})")
@@ -182,11 +185,12 @@ def cmd_steps(args: argparse.Namespace, conn: Conn) -> int:
     resp = conn.admin.ListSteps(pb.ListStepsRequest(), timeout=conn.timeout)
     s = conn.admin.GetSummary(pb.GetSummaryRequest(), timeout=conn.timeout)
     if args.output == "json":
-        emit_json({"job": resp.job, "nodes": resp.nodes,
+        emit_json({"job": resp.job, "nodes": resp.nodes, "redundancy": s.redundancy or None,
                     "newest_complete_step": resp.newest_complete_step if resp.newest_complete_step >= 0 else None,
                     "steps": [step_doc(i) for i in resp.steps], "degraded": s.degraded, "problems": list(s.problems)})
     else:
-        t = table(f"job {resp.job}: steps by tier (ranks; {resp.nodes} in all)",
+        t = table(f"job {resp.job} ({s.redundancy or 'redundancy unknown'}): steps by tier (ranks; "
+                  f"{resp.nodes} in all)",
                    ["step", "state", "local", "peer", "bucket", "missing", "bytes", "flags", "completed",
                     "backup"])
         for i in resp.steps:

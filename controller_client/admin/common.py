@@ -28,6 +28,7 @@ from mtc_rpc import admin_pb2_grpc
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
 from replicator.coordinator.client import Candidates, FailoverStub, parse_addresses
+from replicator.erasure.redundancy import Redundancy
 from replicator.net import rpc
 from replicator.net.security import TlsOptions, read_token_file
 from sidecar.saves import format_ranks
@@ -53,6 +54,21 @@ def console(stderr: bool = False) -> Any:
 def ranges(ranks: Iterable[int]) -> str:
     """:func:`sidecar.saves.format_ranks` for a table cell: ``[0, 1, 2, 5]`` -> ``"0-2,5"``; ``-`` when empty."""
     return format_ranks(ranks) or "-"
+
+def redundancy_text(spec: str) -> str:
+    """``copies:1 (survives 1 lost host)``, ``ec:4+2 (survives 2 lost hosts per code group)``; "" is unknown
+    (a coordinator that does not say); a spec this client cannot parse is shown as it is."""
+    if not spec:
+        return "unknown"
+    try:
+        red = Redundancy.parse(spec)
+    except ValueError:
+        return spec
+    n = red.losses_survived
+    if n == 0:
+        return f"{red} (no peer copy: a lost host's step comes from the bucket)"
+    hosts = f"{n} lost host{'s' if n > 1 else ''}"
+    return f"{red} (survives {hosts} per code group)" if red.is_ec else f"{red} (survives {hosts})"
 
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

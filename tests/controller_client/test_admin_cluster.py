@@ -187,6 +187,16 @@ def test_plan_from_a_saved_step_and_from_flags(job) -> None:
     assert r.code == 0 and r.json() == p, r
     # Both slices hold byte-identical data: the replica is the copy, no byte copies are kept.
     assert p["byte_copies_per_rank"] == 0 and p["ram_disk_bytes_per_host"] >= 3 * p["own_bytes_per_step"]
+    # ec:2+1 over the same step: one code group of the 4 hosts, slice-inner; each holds one parity shard of
+    # half the longest stream (MANIFEST.json + files), so a little more than half its own bytes.
+    r = mtc("plan", "--step", "3", "--slices", "2", "--redundancy", "ec:2+1", "-o", "json", "--coordinator",
+            cl.coordinator)
+    assert r.code == 0, r
+    e = r.json()
+    assert e["mode"] == "ec" and e["code_groups"]["groups"][0]["members"] == [0, 2, 1, 3]
+    own, parity = e["own_bytes_per_step"], e["parity_bytes_per_host"]
+    assert own == p["own_bytes_per_step"] and own / 2 < parity < own / 2 + 64 * 1024
+    assert e["ram_disk_bytes_per_host"] == -(-3 * (own + parity) * 11 // 10)
     r = mtc("plan", "--state-bytes", "8e9", "--hosts", "4", "--slices", "1", "--replicas", "1", "--keep", "2",
             "-o", "json")
     assert r.code == 0, r

@@ -126,6 +126,11 @@ def test_stdout_is_one_stream_of_the_same_objects(capsys: pytest.CaptureFixture[
     (["--job", "x" * 55], "63 characters"),
     (["--tls-identity", "pod"], "needs --tls"),
     (["--tls", "--tls-identity", "pod", "--job", "x" * 47], "longer than 58 characters"),
+    (["--redundancy", "raid6"], "--redundancy: redundancy must be 'copies:N'"),
+    (["--redundancy", "ec:4+2"], "--redundancy ec:4+2 needs at least 6 hosts (K+M); the job has 4"),
+    (["--redundancy", "ec:2+1", "--replicas", "2"], "--replicas 2 (= copies:2) and --redundancy ec:2+1 disagree"),
+    (["--redundancy", "ec:2+1", "--elastic-slices", "1"], "erasure coding does not support elastic training"),
+    (["--redundancy", "ec:2+1", "--front-door", "orbax"], "Orbax mode does not support erasure coding"),
 ])
 def test_impossible_options_are_refused(argv: list[str], message: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -563,6 +568,16 @@ def test_csi_driver_certificates_bind_each_worker_pod_to_its_rank(case: str, tmp
                 with pytest.raises(ValueError, match=f"but this replicator is rank {rank}"):
                     rank_authorizer(TlsOptions(other.cert, other.key, ca.ca_file), job, o.tls_rank_identity, rank,
                                     pods=o.pod_rank_rule(job, nodes, dp))
+
+
+def test_redundancy_reaches_every_replicator(tmp_path: Path, stub_dir: Path) -> None:
+    """`mtc manifests --redundancy ec:2+1`: the ConfigMap carries it and each replicator parses it as its own."""
+    opts = mf.ManifestOptions(job="demo", slices=3, backup_url="gs://b/ckpt", redundancy="ec:2+1").validate()
+    for s, h in ((0, 0), (2, 1)):
+        o = _options(render_replicator(opts, s, h, tmp_path / f"pod-{s}-{h}", stub_dir))
+        assert str(o.effective_redundancy) == "ec:2+1" and o.nodes == 6
+    # The default set does not mention it (deploy/ is unchanged): copies:<replicas>.
+    assert "redundancy" not in mf.render(CASES["pathways-default"])["configmap.yaml"]
 
 
 def test_orbax_init_container_writes_jax_init_info(tmp_path: Path) -> None:

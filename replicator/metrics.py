@@ -153,11 +153,13 @@ class ReplicatorMetrics:
         self.transfer_seconds.labels(kind=kind).observe(max(0.0, seconds))
 
     def observe_restore(self, record: RestoreRecord) -> None:
-        """A finished restore: each of its phases observed, and it is the host's last restore."""
+        """A finished restore: each of its phases observed, and it is the host's last restore (unless it only
+        repeats the last one: :meth:`RestoreRecord.repeats`)."""
         for phase, tier, seconds in record.phases:
             self.restore_phase_seconds.labels(phase=phase, tier=tier).observe(seconds)
         with self._last_restore_lock:
-            self._last_restore = record
+            if not record.repeats(self._last_restore):
+                self._last_restore = record
 
     @property
     def last_restore(self) -> RestoreRecord | None:

@@ -55,6 +55,12 @@ class RestoreRecord:
     seconds: float
     finished_unix: float
 
+    def repeats(self, prev: RestoreRecord | None) -> bool:
+        """This restore found the data on this host already (no bytes moved) and ``prev`` brought the same
+        (step, owner): a repeated task (sent again while ``prev`` landed), not the restore to show as the last."""
+        return (prev is not None and self.tier is Tier.LOCAL and self.nbytes == 0
+                and (prev.step, prev.owner_rank) == (self.step, self.owner_rank))
+
     def phase_seconds(self, phase: Phase, tier: str = "") -> float:
         return sum(s for p, t, s in self.phases if p == phase and t == tier)
 

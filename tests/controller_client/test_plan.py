@@ -11,6 +11,12 @@ from controller_client.cli import main
 from replicator.erasure.placement import code_groups
 
 
+@pytest.fixture(autouse=True)
+def _wide_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table tests read cells whole: pytest-xdist's workers inherit COLUMNS=80, which wraps them."""
+    monkeypatch.setenv("COLUMNS", "200")
+
+
 def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
     assert main(["plan", "--keep", "2", "-o", "json", *args]) == 0
     return json.loads(capsys.readouterr().out)

@@ -47,6 +47,26 @@ def test_each_phase_is_observed_with_its_tier_logged_once_and_kept_as_the_last(c
     assert "plan 0.020s" in lines[0] and "fetch peer " in lines[0] and "verify peer 0.020s" in lines[0]
 
 
+def test_a_repeated_task_for_data_just_restored_does_not_hide_the_restore_that_brought_it() -> None:
+    """A restore task sent again while the first one landed finds the data on the RAM disk (tier local, no
+    bytes): observed, but the restore shown as the host's last stays the one that moved the bytes (make test
+    saw `mtc status` show host 3's last restore as local, its peer restore hidden)."""
+    m = ReplicatorMetrics()
+
+    def done(step: int, tier: Tier, nbytes: int) -> restore_phases.RestoreRecord:
+        clock = RestoreClock(step, 3, "task")
+        with clock.fetching(tier):
+            pass
+        return restore_phases.report(clock, m, rank=3, tier=tier, nbytes=nbytes, where="test")
+
+    peer = done(4, Tier.PEER, 4096)
+    done(4, Tier.LOCAL, 0)
+    assert m.last_restore is peer
+    assert _sample(m, "mtc_restore_phase_seconds_count", phase="fetch", tier="local") == 1  # still observed
+    later = done(5, Tier.LOCAL, 0)  # another step: a restore from this host's RAM disk is the last one
+    assert m.last_restore is later
+
+
 def test_a_failed_tier_counts_as_fetch_time_of_that_tier() -> None:
     clock = RestoreClock(1, 0, "sidecar")
     try:

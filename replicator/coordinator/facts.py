@@ -52,6 +52,9 @@ class Facts:
         self.parity: dict[int, dict[int, Holding]] = {}
         self.parity_index: dict[int, dict[int, Holding]] = {}
         self.parity_deleting: dict[int, set[int]] = {}
+        # step -> code groups whose parity view must be re-derived (ParityView consumes it, as Coverage does
+        # ``dirty``).
+        self.ec_dirty: dict[int, set[int]] = {}
         self.holdings: dict[int, dict[Key, Holding]] = {}
         # step -> owner_rank -> holder_rank -> Holding (the same objects as in holdings), without the
         # pieces whose deletion this coordinator ordered and the holder has not reported on since.
@@ -277,10 +280,13 @@ class Facts:
             self.dirty.setdefault(step, set()).add(owner % self.h)
         else:
             self.dirty.setdefault(step, set()).update(self._spread[owner])
+            self.ec_dirty.setdefault(step, set()).add(self.code_group_of[owner])
 
     def touch_all_groups(self, step: int) -> None:
         self.version += 1
         self.dirty.setdefault(step, set()).update(range(self.h))
+        if self.code_groups:
+            self.ec_dirty.setdefault(step, set()).update(range(len(self.code_groups)))
 
     # ---------------------------------------------------------------------------------------- queries
 

@@ -83,12 +83,14 @@ class GroupView:
 
 
 class ParityView:
-    """Per (step, code group) its :class:`GroupView`, derived on demand and kept while the facts are unchanged."""
+    """Per (step, code group) its :class:`GroupView`, kept incrementally: a change to a member's data or parity
+    marks its code group dirty for that step (``Facts.ec_dirty``) and the next query re-derives just those. So
+    is, per step, the set of code groups lacking some parity (redundancy is asked on every GC answer)."""
 
     def __init__(self, facts: Facts):
         self._facts = facts
-        self._cache: dict[tuple[int, int], GroupView] = {}
-        self._version = -1
+        self._views: dict[int, dict[int, GroupView]] = {}  # step -> code group -> view
+        self._lacking: dict[int, set[int]] = {}  # step -> code groups not holding all their parity
 
     @property
     def enabled(self) -> bool:
@@ -96,18 +98,37 @@ class ParityView:
         return bool(self._facts.code_groups)
 
     def clear(self) -> None:
-        self._cache.clear()
-        self._version = -1
+        self._views.clear()
+        self._lacking.clear()
+
+    def refresh(self) -> None:
+        """Re-derive the code groups that changed since the last refresh."""
+        facts = self._facts
+        if not facts.ec_dirty:
+            return
+        dirty, facts.ec_dirty = facts.ec_dirty, {}
+        every = range(len(facts.code_groups))
+        for step, groups in dirty.items():
+            if not facts.has_step(step):
+                self._views.pop(step, None)
+                self._lacking.pop(step, None)
+                continue
+            views = self._views.setdefault(step, {})
+            lacking = self._lacking.setdefault(step, set(every))  # a new step: no group has its parity
+            for gi in groups:
+                view = views[gi] = self._derive(step, facts.code_groups[gi])
+                if view.redundant:
+                    lacking.discard(gi)
+                else:
+                    lacking.add(gi)
 
     def group(self, step: int, gi: int) -> GroupView:
         """Code group ``gi`` of ``step``."""
-        facts = self._facts
-        if self._version != facts.version:
-            self._cache.clear()
-            self._version = facts.version
-        view = self._cache.get((step, gi))
-        if view is None:
-            view = self._cache[(step, gi)] = self._derive(step, facts.code_groups[gi])
+        self.refresh()
+        views = self._views.setdefault(step, {})
+        view = views.get(gi)
+        if view is None:  # never changed since its step appeared (or no member holds anything of it)
+            view = views[gi] = self._derive(step, self._facts.code_groups[gi])
         return view
 
     def group_of(self, step: int, rank: int) -> GroupView | None:
@@ -120,8 +141,10 @@ class ParityView:
         return None if view is None else view.rebuild(rank, want)
 
     def redundant(self, step: int) -> bool:
-        """Every code group of ``step`` has all its parity (ec mode; False in copies mode)."""
-        return self.enabled and all(self.group(step, gi).redundant for gi in range(len(self._facts.code_groups)))
+        """Every code group of ``step`` has all its parity (ec mode; False in copies mode). O(1)."""
+        self.refresh()
+        lacking = self._lacking.get(step)
+        return self.enabled and lacking is not None and not lacking
 
     def rebuild_ranks(self, step: int) -> list[int]:
         """Ranks whose data of ``step`` no host holds and that can be rebuilt (a cheap view for status)."""

@@ -575,6 +575,7 @@ class CoordinatorState:
         other._memo = {}
         other._memo_version = -1
         other._facts.dirty = {}
+        other._facts.ec_dirty = {}
         for step in other.known_steps():
             other._facts.touch_all_groups(step)
         return other

@@ -5,7 +5,7 @@ Part of :class:`~replicator.coordinator.planner.CoordinatorState` (its :attr:`ec
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from replicator.coordinator import gc_plan
@@ -39,14 +39,37 @@ def checked_redundancy(topology: JobTopology, redundancy: Redundancy | None, ela
 
 
 class ErasureCoding:
-    """The erasure-coding queries of one :class:`CoordinatorState` (all inert in copies mode), memoised per
-    version of its facts like its other whole answers."""
+    """The erasure-coding events and queries of one :class:`CoordinatorState` (queries inert in copies mode),
+    memoised per version of its facts like its other whole answers. ``check_reporter(rank, incarnation)``: the
+    state's check that a report comes from the registered process of ``rank``."""
 
-    def __init__(self, facts: Facts, coverage: Coverage, view: ParityView, memos: Callable[[], dict[Any, Any]]):
+    def __init__(self, facts: Facts, coverage: Coverage, view: ParityView, memos: Callable[[], dict[Any, Any]],
+                 check_reporter: Callable[[int, int | None], None]):
         self._facts = facts
         self._coverage = coverage
         self._view = view
         self._memos = memos
+        self._check_reporter = check_reporter
+
+    # ------------------------------------------------------------------------------------------ events
+    # (a parity holding itself is reported like any other: CoordinatorState.report_inventory / report_committed)
+
+    def report_removed(self, rank: int, steps: Iterable[int], incarnation: int | None = None) -> None:
+        """Host ``rank`` deleted its parity of these steps; unknown ones are ignored."""
+        self._check_reporter(rank, incarnation)
+        for step in [check_int("step", s) for s in steps]:
+            self._facts.remove_parity(rank, step)
+
+    def deleting(self, holder: int, steps: Iterable[int]) -> None:
+        """This coordinator ordered host ``holder`` to delete its parity of these steps: it counts for nothing
+        until the holder's next accepted report (``CoordinatorState.deletions_acted``), as data does."""
+        self._facts.mark_deleting_parity(holder, steps)
+
+    def deletions_in_flight(self) -> dict[int, list[int]]:
+        """holder -> steps whose parity deletion is in flight."""
+        return {r: sorted(steps) for r, steps in sorted(self._facts.parity_deleting.items())}
+
+    # ----------------------------------------------------------------------------------------- queries
 
     @property
     def enabled(self) -> bool:

@@ -85,7 +85,7 @@ class CoordinatorState:
         self._coverage = Coverage(self._facts, self._parity)
         self._copies = copies.CopyPlanner(self._facts, self._coverage, self._hosts, 0 if red.is_ec else red.copies)
         # The erasure-coding queries (parity tasks, parity GC, rebuildable ranks); inert in copies mode.
-        self.ec = ErasureCoding(self._facts, self._coverage, self._parity, self._memos)
+        self.ec = ErasureCoding(self._facts, self._coverage, self._parity, self._memos, self._check_reporter)
         self._memo: dict[Any, Any] = {}
         self._memo_version = -1
 
@@ -215,12 +215,6 @@ class CoordinatorState:
         for key in checked:
             self._facts.remove(rank, key)
 
-    def report_parity_removed(self, rank: int, steps: Iterable[int], incarnation: int | None = None) -> None:
-        """Host ``rank`` deleted its parity of these steps; unknown ones are ignored."""
-        self._check_reporter(rank, incarnation)
-        for step in [check_int("step", s) for s in steps]:
-            self._facts.remove_parity(rank, step)
-
     def report_backup(
         self, step: int, committed: bool = True, content_hashes: Mapping[int, str] | None = None
     ) -> None:
@@ -280,17 +274,9 @@ class CoordinatorState:
         O(the deletions in flight)."""
         self._facts.deletions_acted(holder)
 
-    def deleting_parity(self, holder: int, steps: Iterable[int]) -> None:
-        """This coordinator ordered host ``holder`` to delete its parity of these steps (see :meth:`deleting`)."""
-        self._facts.mark_deleting_parity(holder, steps)
-
     def deletions_in_flight(self) -> dict[int, list[Key]]:
         """holder -> pieces with a deletion in flight (for tests and from-scratch comparisons)."""
         return {r: sorted(keys) for r, keys in sorted(self._facts.deleting.items())}
-
-    def parity_deletions_in_flight(self) -> dict[int, list[int]]:
-        """holder -> steps whose parity deletion is in flight."""
-        return {r: sorted(steps) for r, steps in sorted(self._facts.parity_deleting.items())}
 
     # ---------------------------------------------------------------------------------------- queries
 

@@ -464,7 +464,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     if st.piece_count(rank) + len(holdings) > limit:
                         raise ValueError(f"rank {rank} would hold more than {limit} pieces")
                     st.report_removed(rank, removed, request.incarnation)
-                    st.report_parity_removed(rank, parity_removed, request.incarnation)
+                    st.ec.report_removed(rank, parity_removed, request.incarnation)
                     for h in holdings:
                         st.report_committed(rank, h, request.incarnation)
                     accepted = True
@@ -565,7 +565,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             # pieces are being deleted (issue #19, found by tests/simulation).
             st.deleting(rank, doomed)
             resp.deletions.extend(parity_deletion(h) for h in parity_doomed)
-            st.deleting_parity(rank, [h.step for h in parity_doomed])
+            st.ec.deleting(rank, [h.step for h in parity_doomed])
         # Erasure coding: parity of each step whose code group's members all hold it (none in copies mode).
         retry = max(PARITY_RETRY_MIN_SECONDS, PARITY_RETRY_INTERVALS * self.heartbeat_interval())
         resp.parity.extend(self._parity_orders.tasks(st, rank, newest, now, retry, self._addresses))

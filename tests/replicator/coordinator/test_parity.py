@@ -165,12 +165,41 @@ def test_complete_with_up_to_m_members_lost_and_not_with_m_plus_1(d, h, k, m):
                 assert st.missing_ranks(1), lost
 
 
+def test_two_code_groups_are_coded_and_lost_apart():
+    st = ec_state(2, 4, 3, 1)  # 8 hosts at 3+1: two groups of 4, each across both slices
+    groups = code_groups(2, 4, 3, 1)
+    assert [g.members for g in groups] == [(0, 4, 1, 5), (2, 6, 3, 7)]
+    save(st, 1, groups[0].members)  # only the first group's members saved so far
+    assert {r for r in range(8) if st.ec.tasks_for(r)} == set(groups[0].members)
+    save(st, 1, groups[1].members)
+    compute_parity(st)
+    assert st.is_redundant(1)
+    lose(st, [0, 7])  # one member of each group: both rebuildable
+    assert st.is_complete(1) and st.ec.rebuild_ranks(1) == [0, 7]
+    assert set(st.rank_sources(1, 0)[0].helpers) == {1, 4, 5}
+    lose(st, [5])  # a second member of the first group
+    assert not st.is_complete(1) and st.missing_ranks(1) == [0, 5]
+
+
+def test_a_group_wider_than_k_plus_m_survives_m_losses():
+    st = ec_state(1, 5, 3, 1)  # one group of 5 at 3+1: rotations of 4 hosts among 5
+    save(st, 1)
+    compute_parity(st)
+    for x in range(5):
+        other = ec_state(1, 5, 3, 1)
+        save(other, 1)
+        compute_parity(other)
+        lose(other, [x])
+        (src,) = other.rank_sources(1, x)
+        assert src.kind is Tier.PARITY and x not in src.helpers and other.is_complete(1)
+
+
 def test_a_lost_parity_holder_counts_against_rebuilding():
     st = ec_state(1, 4, 3, 1)
     save(st, 1)
     compute_parity(st)
     # Rank 0 lost: each of ranks 1, 2, 3 holds the parity of one of the three rotations rank 0 gives data to.
-    st.report_parity_removed(1, [1])
+    st.ec.report_removed(1, [1])
     lose(st, [0])
     assert not st.is_complete(1) and st.missing_ranks(1) == [0]
     st.report_committed(1, parity_holding(1, 1, st_group_spec(st, 1, {0: "s1-r0"})))
@@ -226,11 +255,11 @@ def test_a_parity_deletion_in_flight_counts_for_nothing_until_the_holder_reports
     compute_parity(st)
     lose(st, [0])
     assert st.is_complete(1)
-    st.deleting_parity(1, [1])
-    assert not st.is_complete(1) and st.parity_deletions_in_flight() == {1: [1]}
+    st.ec.deleting(1, [1])
+    assert not st.is_complete(1) and st.ec.deletions_in_flight() == {1: [1]}
     assert st.ec.gc_for(1, 2) == []  # not ordered twice
     st.deletions_acted(1)  # it kept it (e.g. a task was using it)
-    assert st.is_complete(1) and st.parity_deletions_in_flight() == {}
+    assert st.is_complete(1) and st.ec.deletions_in_flight() == {}
 
 
 # ------------------------------------------------------------------------------------------ GC
@@ -246,7 +275,7 @@ def test_gc_removes_parity_with_its_step_and_keeps_the_newest_redundant_steps():
         assert [(h.owner_rank, h.step, h.tier) for h in st.ec.gc_for(r, 2)] == [(r, 1, Tier.PARITY)]
     for r in range(4):
         st.report_removed(r, [(r, 1)])
-        st.report_parity_removed(r, [1])
+        st.ec.report_removed(r, [1])
     save(st, 4)  # step 4 complete, no parity yet: step 3 (every group with its parity) stays
     assert st.newest_complete_step() == 4 and st.newest_redundant_step() == 3
     for r in range(4):
@@ -342,7 +371,7 @@ def test_incremental_views_equal_recomputation_through_losses_resaves_and_deleti
     assert_same_view(st, st.rebuilt(), [1, 2])
     compute_parity(st)
     lose(st, [5])
-    st.deleting_parity(0, [2])
+    st.ec.deleting(0, [2])
     assert_same_view(st, st.rebuilt(), [1, 2])
     st.deletions_acted(0)
     lose(st, [3])
@@ -391,9 +420,9 @@ def ec_apply(s, ev, k, m):
         for r in s.registered:
             ec_apply(s, ("parity", r, step, h, False), k, m)
     elif kind == "parity_removed":
-        s.report_parity_removed(ev[1], ev[2])
+        s.ec.report_removed(ev[1], ev[2])
     elif kind == "deleting_parity":
-        s.deleting_parity(ev[1], ev[2])
+        s.ec.deleting(ev[1], ev[2])
     else:
         inc.apply(s, ev)
 

@@ -2,6 +2,7 @@
 ParityTasks with the members' addresses (not repeated while in flight), parity deletions (tier TIER_PARITY),
 and a replaced host's restore task naming a TIER_PARITY source."""
 
+import grpc
 import pytest
 
 from mtc_rpc import coordinator_pb2 as pb
@@ -175,4 +176,18 @@ def test_ec_heartbeats_parity_tasks_deletions_and_a_rebuild_restore(cluster):
         h.drop((h.rank, 1, False))
         h.drop((h.rank, 1, True))
     round_(hosts)
-    assert coord.state.known_steps() == [2, 3] and st.parity_deletions_in_flight() == {}
+    assert coord.state.known_steps() == [2, 3] and st.ec.deletions_in_flight() == {}
+
+
+def test_ec_refuses_too_few_hosts_at_construction_and_an_elastic_save_on_the_wire(cluster):
+    with pytest.raises(ValueError, match=r"ec:3\+1 needs at least 4 hosts"):
+        Coordinator(JobTopology(3, 1, 0), "t", redundancy=Redundancy.ec(3, 1))
+    with pytest.raises(ValueError, match="does not support elastic training"):
+        Coordinator(JobTopology(4, 1, 0), "t", redundancy=Redundancy.ec(3, 1), elastic=True)
+    coord, _, hosts = cluster
+    hosts[0].beat()  # the epoch learnt
+    hosts[0].add(Holding(0, 1, "a", SIZE, savers=((0, 1),)))
+    with pytest.raises(grpc.RpcError) as e:
+        hosts[0].beat()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "elastic save" in e.value.details()
+    assert coord.state.holdings_of(0) == []

@@ -191,3 +191,37 @@ def test_ec_refuses_too_few_hosts_at_construction_and_an_elastic_save_on_the_wir
         hosts[0].beat()
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "elastic save" in e.value.details()
     assert coord.state.holdings_of(0) == []
+
+
+def test_a_restarted_coordinator_rebuilds_its_ec_view_from_the_hosts_full_reports(cluster):
+    coord, clock, hosts = cluster
+    for h in hosts:
+        h.add(Holding(h.rank, 1, f"s1-r{h.rank}", SIZE))
+    settle(hosts, rounds=4)
+    assert coord.state.is_redundant(1)
+    # Another coordinator (a restart, a failover) hears only the full reports of hosts 0, 1 and 3: host 2 is lost.
+    again = Coordinator(JobTopology(4, 1, 0), "t", keep_local=2, heartbeat_seconds=1.0, host_lost_seconds=30.0,
+                        clock=clock, redundancy=Redundancy.ec(3, 1), epoch=5)
+    server, port = rpc.create_server("127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, again)])
+    server.start()
+    channel = rpc.make_channel(f"127.0.0.1:{port}")
+    try:
+        stub = pb_grpc.CoordinatorStub(channel)
+        for h in hosts:
+            h.stub, h.acked = stub, None
+        for _ in range(2):
+            for r in (0, 1, 3):
+                resp = hosts[r].beat()
+                assert not resp.parity and not resp.deletions  # its parity counts: nothing to redo or delete
+        for _ in range(3):  # host 2 silent past host_lost_seconds, the others reporting
+            clock.t += 11.0
+            for r in (0, 1, 3):
+                hosts[r].beat()
+        st = again.state
+        assert list(st.lost) == [2]
+        assert st.globally_complete_steps() == [1] and st.ec.rebuild_ranks(1) == [2]
+        (src,) = st.rank_sources(1, 2)
+        assert src.kind is Tier.PARITY and src.content_hash == "s1-r2" and src.helpers == (0, 1, 3)
+    finally:
+        channel.close()
+        server.stop(0)

@@ -219,7 +219,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         if newest is None:
             problems.append("no globally complete step")
         elif not any_redundant:
-            problems.append("no complete step has two copies of every rank on distinct hosts")
+            problems.append("no complete step has all its parity (every code group's)" if coord.state.ec.enabled
+                            else "no complete step has two copies of every rank on distinct hosts")
         if lost:
             problems.append(f"hosts lost: {len(lost)} (ranks {format_ranks(lost)})")
         if sched is not None:
@@ -321,6 +322,11 @@ class AdminServicer(pb_grpc.AdminServicer):
                     resp.pieces.append(pb.Piece(owner_rank=h.owner_rank, holder_rank=holder,
                                                 address=addresses.get(holder, ""), tier=to_wire(h.tier),
                                                 content_hash=h.content_hash, size=h.size))
+                for h in st.ec.parity_of(holder):  # ec: the holder's parity of the step (its group's digest)
+                    if h.step == request.step:
+                        resp.pieces.append(pb.Piece(owner_rank=holder, holder_rank=holder,
+                                                    address=addresses.get(holder, ""), tier=to_wire(Tier.PARITY),
+                                                    content_hash=h.content_hash, size=h.size))
             for rank, srcs in sorted(st.sources(request.step).items()):
                 resp.ranks.append(pb.RankData(rank=rank, owner_rank=srcs[0].owner_rank))
             for rank, digest in st.backup_ranks(request.step).items():
@@ -405,6 +411,12 @@ class AdminServicer(pb_grpc.AdminServicer):
                         why = "stale copy: its content hash differs from the owner's"
                     items.append(pb.GcItem(tier=to_wire(h.tier if h else Tier.PEER), holder_rank=holder, owner_rank=owner,
                                            step=step, size=h.size if h else 0, reason=why))
+            for holder in sorted(st.registered):  # ec: parity goes with its step, obsolete parity at once
+                for p in st.ec.gc_for(holder, keep):
+                    why = ("its step goes (the data rules above)" if coord.state.ec.counts(holder, p.step)
+                           else "obsolete: not the parity of the step's current data (or corrupt)")
+                    items.append(pb.GcItem(tier=to_wire(Tier.PARITY), holder_rank=holder, owner_rank=holder,
+                                           step=p.step, size=p.size, reason=why))
             sched = _backup(coord)
             if sched is not None and sched.keep < len(sched.committed_steps):
                 for step in sched.committed_steps[:-sched.keep]:

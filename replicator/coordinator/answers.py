@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from mtc_rpc import coordinator_pb2 as pb
 from replicator.coordinator.backup_status import BackupSchedulerStatus
 from replicator.coordinator.model import Source, Tier
+from replicator.coordinator.parity_answer import parity_source
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.tier_wire import holder_to_wire, to_wire
 from sidecar.saves import format_ranks
@@ -75,7 +76,8 @@ def status_response(st: CoordinatorState, request: pb.GetStatusRequest, header: 
                 last_report_age_seconds=-1.0 if seen is None or r not in registered else now - seen,
                 lost=r in lost, lost_for_seconds=now - lost[r] if r in lost else 0.0,
                 steps=sorted({h.step for h in held}), pieces=len(held),
-                bytes=sum(h.size for h in held if h.tier is not Tier.REPLICA)))
+                bytes=sum(h.size for h in held if h.tier is not Tier.REPLICA)
+                + sum(h.size for h in st.ec.parity_of(r))))
     for step in request.detail_steps:
         d = resp.step_details.add(step=step)
         for r in detail:
@@ -86,7 +88,10 @@ def status_response(st: CoordinatorState, request: pb.GetStatusRequest, header: 
 
 
 def wire_source(s: Source, addresses: Mapping[int, str]) -> pb.RestoreSource | None:
-    """``s`` with its holder's address; None for a host that has not told its address (not reachable)."""
+    """``s`` with its holder's address; None for a host that has not told its address (not reachable). A
+    rebuild from parity (ec mode) names its code group with the addresses of the members it reads."""
+    if s.kind is Tier.PARITY:
+        return parity_source(s, addresses)
     addr = addresses.get(s.holder_rank, "") if s.holder_rank is not None else ""
     if s.kind is not Tier.BUCKET and not addr:
         return None

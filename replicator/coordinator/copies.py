@@ -26,8 +26,11 @@ def _task_order(t: CopyTask) -> tuple[int, bool, int]:
 class CopyPlanner:
     """Per step and replica group the copy tasks, and per destination host its tasks."""
 
-    def __init__(self, facts: Facts, coverage: Coverage, hosts: HostRegistry):
+    def __init__(self, facts: Facts, coverage: Coverage, hosts: HostRegistry, copies: int | None = None):
         self._facts = facts
+        # Whole copies wanted per rank besides its own (copies:N); 0 in ec mode, where parity protects the data
+        # and only the hash-only attestations of identical data-parallel replicas are planned.
+        self._copies = facts.topology.replicas if copies is None else copies
         self._coverage = coverage
         self._hosts = hosts
         self._dirty: dict[int, set[int]] = {}  # step -> groups whose copy tasks must be re-derived
@@ -103,7 +106,7 @@ class CopyPlanner:
     def _group_tasks(self, step: int, group: int, auth: Mapping[int, Auth]) -> list[CopyTask]:
         facts, topology, lost = self._facts, self._facts.topology, self._hosts.lost
         by_owner = facts.index.get(step, {})
-        want_total = min(1 + topology.replicas, topology.nodes)
+        want_total = min(1 + self._copies, topology.nodes)
         load: collections.Counter[int] = collections.Counter()
         count: collections.Counter[int] = collections.Counter()
         tasks = []

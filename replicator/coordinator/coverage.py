@@ -4,6 +4,10 @@ Part of :class:`CoordinatorState`.
 :class:`Coverage` is derived from :class:`~replicator.coordinator.facts.Facts` only, per (step, replica group):
 a change marks the group dirty (``Facts.dirty``) and the next query re-derives just the dirty groups. It
 records what it re-derived (:attr:`Coverage.changed`, :attr:`Coverage.vanished`) for the copy-task view.
+
+Erasure coding (``ec:K+M``, :mod:`~replicator.coordinator.parity`): a rank whose data no host holds is covered
+too when it can be rebuilt from its code group (a :attr:`Tier.PARITY` source, after LOCAL and PEER, before the
+bucket); a step is *redundant* when it is complete and every code group of it has all its parity.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from typing import Any
 
 from replicator.coordinator.facts import Facts, carries_bytes
 from replicator.coordinator.model import BUCKET_HOLDER, Holding, Source, Tier
+from replicator.coordinator.parity import ParityView
 
-_TIER_ORDER = {Tier.LOCAL: 0, Tier.PEER: 1, Tier.BUCKET: 2}
+_TIER_ORDER = {Tier.LOCAL: 0, Tier.PEER: 1, Tier.PARITY: 2, Tier.BUCKET: 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +40,9 @@ class Coverage:
     redundancy: how many expected ranks have fewer than two distinct holders (the bucket counts as one).
     """
 
-    def __init__(self, facts: Facts):
+    def __init__(self, facts: Facts, parity: ParityView | None = None):
         self._facts = facts
+        self._parity = parity if parity is not None and parity.enabled else None
         self.auth: dict[int, dict[int, Auth]] = {}
         self.cov: dict[int, dict[int, tuple[Source, ...]]] = {}
         self.complete: set[int] = set()
@@ -103,10 +109,13 @@ class Coverage:
         return newest
 
     def newest_redundant_step(self) -> int | None:
-        """The newest complete step whose every rank has two distinct holders (O(steps), kept incrementally)."""
+        """The newest complete step whose every rank has two distinct holders (O(steps), kept incrementally);
+        in ec mode, whose every code group has all its parity."""
         self.refresh()
+        parity = self._parity
         for step in sorted(self.complete, reverse=True):
-            if self._fragile.get(step, 1) == 0 and not self._facts.is_abandoned(step):
+            fine = parity.redundant(step) if parity is not None else self._fragile.get(step, 1) == 0
+            if fine and not self._facts.is_abandoned(step):
                 return step
         return None
 
@@ -115,6 +124,8 @@ class Coverage:
         found = self.cov.get(step, {})
         if len(found) < len(self._facts.expected_ranks(step)):
             return False
+        if self._parity is not None:
+            return self._parity.redundant(step)
         # BUCKET_HOLDER counts as one holder, distinct from every host.
         return all(len({s.holder_rank for s in srcs}) >= 2 for srcs in found.values())
 
@@ -197,6 +208,10 @@ class Coverage:
                     continue  # a replica's data counts only when proven identical
                 kind = Tier.LOCAL if holder == rank else Tier.PEER
                 found.append(Source(kind, holder, owner, h.content_hash, h.size))
+        if not found and self._parity is not None:
+            rb = self._parity.rebuild(step, rank, want if mine is not None and mine.definitive else None)
+            if rb is not None:
+                found.append(Source(Tier.PARITY, BUCKET_HOLDER, rank, rb.spec.hash_of(rank), 0, rb.spec, rb.helpers))
         bucket = facts.bucket.get(step, {})
         if rank in bucket:
             b = bucket[rank]

@@ -5,6 +5,11 @@ the saves (generations and savers) of each step, the deletions this coordinator 
 back on, and the steps protected from GC (pinned, being backed up). Every change bumps :attr:`Facts.version`
 and marks the *replica group* of the data it concerns dirty for that step (:attr:`Facts.dirty`), which
 :class:`~replicator.coordinator.coverage.Coverage` consumes to re-derive only what changed.
+
+Erasure coding (``ec:K+M``): hosts' parity holdings are kept in indexes of their own (a host's parity of step S
+has the key (own rank, S) of its LOCAL data of S), with the same report, removal and deletion-in-flight rules;
+and a change to any member's data or parity of a code group marks every replica group of the code group's
+members dirty (whether a member can be rebuilt depends on all of them).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 
 from replicator.coordinator.model import Holding, Key, Tier, check_hash
 from replicator.coordinator.topology import JobTopology
+from replicator.erasure.group import GroupLayout
 from sidecar import saves
 
 
@@ -27,13 +33,28 @@ class Facts:
     step is abandoned when an older step number was saved later (the job rolled back past it).
     """
 
-    def __init__(self, topology: JobTopology):
+    def __init__(self, topology: JobTopology, code_groups: tuple[GroupLayout, ...] = ()):
         self.topology = topology
         h = self.h = topology.hosts_per_slice
         # Replica group (in-slice index) -> its ranks, one per slice.
         self.members: list[tuple[int, ...]] = [
             tuple(s * h + i for s in range(topology.data_parallelism)) for i in range(h)
         ]
+        # Erasure coding: the job's code groups (empty: copies mode) and, per rank, the replica groups a
+        # change to its data or parity makes dirty (those of every member of its code group).
+        self.code_groups = code_groups
+        self.code_group_of: dict[int, int] = {r: gi for gi, g in enumerate(code_groups) for r in g.members}
+        self._spread: dict[int, frozenset[int]] | None = (
+            {r: frozenset(x % h for x in code_groups[gi].members) for r, gi in self.code_group_of.items()}
+            if code_groups else None)
+        # Parity holdings: holder -> step -> Holding (everything reported); step -> holder -> Holding (without
+        # the ones whose deletion is in flight); holder -> steps whose parity deletion is in flight.
+        self.parity: dict[int, dict[int, Holding]] = {}
+        self.parity_index: dict[int, dict[int, Holding]] = {}
+        self.parity_deleting: dict[int, set[int]] = {}
+        # step -> code groups whose parity view must be re-derived (ParityView consumes it, as Coverage does
+        # ``dirty``).
+        self.ec_dirty: dict[int, set[int]] = {}
         self.holdings: dict[int, dict[Key, Holding]] = {}
         # step -> owner_rank -> holder_rank -> Holding (the same objects as in holdings), without the
         # pieces whose deletion this coordinator ordered and the holder has not reported on since.
@@ -58,13 +79,26 @@ class Facts:
 
     # ------------------------------------------------------------------------------------- validation
 
-    def validated(self, holder: int, holdings: Iterable[Holding]) -> dict[Key, Holding]:
-        """``holdings`` of host ``holder`` by key, checked against the topology (ValueError on bad input)."""
+    def split(self, holder: int, holdings: Iterable[Holding]) -> tuple[dict[Key, Holding], dict[int, Holding]]:
+        """``holdings`` of host ``holder``, checked (ValueError on bad input): its data by key, its parity by step."""
         out: dict[Key, Holding] = {}
+        parity: dict[int, Holding] = {}
         for h in holdings:
             if not isinstance(h, Holding):
                 raise ValueError(f"expected a Holding, got {type(h).__name__}")
             self.topology.check_rank(h.owner_rank)
+            if h.tier is Tier.PARITY:
+                if h.owner_rank != holder:
+                    raise ValueError(f"host {holder} reports parity as rank {h.owner_rank}'s")
+                if parity.get(h.step, h) != h:
+                    raise ValueError(f"host {holder} reports its parity of step {h.step} twice with different data")
+                parity[h.step] = h
+                continue
+            if self.code_groups and h.savers and not saves_every_rank(h.savers, self.topology.nodes):
+                raise ValueError(
+                    f"host {holder} reports step {h.step} saved by ranks {saves.format_ranks(_ranks(h.savers))} "
+                    f"only (an elastic save): erasure coding (--redundancy ec:K+M) codes groups of the whole "
+                    f"job and does not support elastic saves; use --redundancy copies:N")
             if h.tier is Tier.LOCAL and h.owner_rank != holder:
                 raise ValueError(f"host {holder} reports rank {h.owner_rank}'s data as local")
             if h.tier is Tier.PEER and h.owner_rank == holder:
@@ -78,7 +112,7 @@ class Facts:
                     f"host {holder} reports (owner_rank, step) {h.key} twice with different data"
                 )
             out[h.key] = h
-        return out
+        return out, parity
 
     def validated_bucket_hashes(self, hashes: Mapping[int, str | None]) -> dict[int, str | None]:
         if not isinstance(hashes, Mapping):
@@ -149,6 +183,53 @@ class Facts:
     def drop_holdings(self, holder: int) -> None:
         for key in list(self.holdings.get(holder, {})):
             self.remove(holder, key)
+        for step in list(self.parity.get(holder, {})):
+            self.remove_parity(holder, step)
+
+    # ------------------------------------------------------------------------------------------ parity
+
+    def add_parity(self, holder: int, h: Holding) -> None:
+        """Host ``holder`` holds ``h`` (its parity of ``h.step``), replacing what it held for that step."""
+        self.remove_parity(holder, h.step)
+        self.parity.setdefault(holder, {})[h.step] = h
+        self.parity_index.setdefault(h.step, {})[holder] = h
+        self.touch(h.step, holder)
+
+    def remove_parity(self, holder: int, step: int) -> None:
+        held = self.parity.get(holder)
+        if not held or step not in held:
+            return
+        del held[step]
+        if not held:
+            del self.parity[holder]
+        marked = self.parity_deleting.get(holder)
+        if marked is not None and step in marked:
+            marked.discard(step)  # not indexed while its deletion was in flight
+            if not marked:
+                del self.parity_deleting[holder]
+        else:
+            self._unindex_parity(holder, step)
+        self.touch(step, holder)
+
+    def _unindex_parity(self, holder: int, step: int) -> None:
+        at = self.parity_index[step]
+        del at[holder]
+        if not at:
+            del self.parity_index[step]
+
+    def mark_deleting_parity(self, holder: int, steps: Iterable[int]) -> None:
+        """Host ``holder`` was told to delete its parity of these steps: it counts for nothing until it reports."""
+        held = self.parity.get(holder)
+        if not held:
+            return
+        marked = self.parity_deleting.setdefault(holder, set())
+        for step in steps:
+            if step in held and step not in marked:
+                marked.add(step)
+                self._unindex_parity(holder, step)
+                self.touch(step, holder)
+        if not marked:
+            del self.parity_deleting[holder]
 
     def mark_deleting(self, holder: int, keys: Iterable[Key]) -> None:
         """Host ``holder`` was told to delete these pieces: unindex them until it reports (O(len(keys)))."""
@@ -171,6 +252,11 @@ class Facts:
             h = held.get(key)
             if h is not None:
                 self.index_add(holder, h)
+        parity = self.parity.get(holder, {})
+        for step in sorted(self.parity_deleting.pop(holder, ())):
+            if step in parity:
+                self.parity_index.setdefault(step, {})[holder] = parity[step]
+                self.touch(step, holder)
 
     def set_backup(self, step: int, hashes: dict[int, str | None] | None) -> None:
         """The bucket holds exactly these ranks of ``step`` (None: no backup of it); keeps ``hashes`` itself."""
@@ -190,20 +276,26 @@ class Facts:
     def touch(self, step: int, owner: int) -> None:
         """A fact about ``owner``'s ``step`` data changed: its replica group must be re-derived."""
         self.version += 1
-        self.dirty.setdefault(step, set()).add(owner % self.h)
+        if self._spread is None:
+            self.dirty.setdefault(step, set()).add(owner % self.h)
+        else:
+            self.dirty.setdefault(step, set()).update(self._spread[owner])
+            self.ec_dirty.setdefault(step, set()).add(self.code_group_of[owner])
 
     def touch_all_groups(self, step: int) -> None:
         self.version += 1
         self.dirty.setdefault(step, set()).update(range(self.h))
+        if self.code_groups:
+            self.ec_dirty.setdefault(step, set()).update(range(len(self.code_groups)))
 
     # ---------------------------------------------------------------------------------------- queries
 
     def has_step(self, step: int) -> bool:
-        """Some host or the bucket holds data of ``step``."""
-        return step in self.index or step in self.bucket
+        """Some host or the bucket holds data (or parity) of ``step``."""
+        return step in self.index or step in self.bucket or step in self.parity_index
 
     def known_steps(self) -> list[int]:
-        return sorted(set(self.index) | set(self.bucket))
+        return sorted(set(self.index) | set(self.bucket) | set(self.parity_index))
 
     def step_generation(self, step: int) -> int:
         # Kept in newest_generation: asked ~20 times per heartbeat at 10k hosts (bench.scale).
@@ -248,6 +340,15 @@ class Facts:
         """Host ``rank`` holds its own ``step`` data with ``content_hash``."""
         mine = self.index.get(step, {}).get(rank, {}).get(rank)
         return mine is not None and mine.tier is Tier.LOCAL and mine.content_hash == content_hash
+
+
+def _ranks(ranges: Iterable[tuple[int, int]]) -> list[int]:
+    return [r for a, b in ranges for r in range(a, b + 1)]
+
+
+def saves_every_rank(ranges: Iterable[tuple[int, int]], nodes: int) -> bool:
+    """``ranges`` (a save's savers) name every rank of a job of ``nodes`` hosts."""
+    return set(_ranks(ranges)) >= set(range(nodes))
 
 
 def carries_bytes(h: Holding) -> bool:

@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from replicator.coordinator.coverage import Coverage
 from replicator.coordinator.facts import Facts
-from replicator.coordinator.model import Key, Tier
+from replicator.coordinator.model import Holding, Key, Tier
+
+
+def _protected(facts: Facts, coverage: Coverage) -> tuple[set[int], int | None, set[int]]:
+    """(complete steps, the newest of them, the steps GC never touches)."""
+    complete = set(coverage.complete_steps())
+    newest = max(complete) if complete else None
+    protected = facts.backups_in_progress | facts.pinned
+    # The newest step every rank of which has two copies stays until a newer one has them too: while the
+    # newest complete step has one copy of some rank (its copies in flight, or their holder cut off and not
+    # yet declared lost), it is the step that survives a loss (issue #33). In ec mode: the newest step
+    # every code group of which has all its parity.
+    redundant = coverage.newest_redundant_step()
+    if redundant is not None and redundant != newest:
+        protected = protected | {redundant}
+    return complete, newest, protected
+
+
+def _too_old(facts: Facts, step: int, newest_held: set[int], complete: set[int], newest: int | None) -> bool:
+    """``step`` is beyond the host's newest steps, older than the newest complete step and incomplete, or
+    rolled back past."""
+    return (step not in newest_held or (newest is not None and step < newest and step not in complete)
+            or (newest is not None and facts.is_abandoned(step)))
 
 
 def gc_for(facts: Facts, coverage: Coverage, holder: int, keep_local: int) -> list[Key]:
@@ -12,15 +36,7 @@ def gc_for(facts: Facts, coverage: Coverage, holder: int, keep_local: int) -> li
     held = facts.holdings.get(holder)
     if not held:
         return []
-    complete = set(coverage.complete_steps())
-    newest = max(complete) if complete else None
-    protected = facts.backups_in_progress | facts.pinned
-    # The newest step every rank of which has two copies stays until a newer one has them too: while the
-    # newest complete step has one copy of some rank (its copies in flight, or their holder cut off and not
-    # yet declared lost), it is the step that survives a loss (issue #33).
-    redundant = coverage.newest_redundant_step()
-    if redundant is not None and redundant != newest:
-        protected = protected | {redundant}
+    complete, newest, protected = _protected(facts, coverage)
     newest_held = set(sorted({s for _, s in held}, reverse=True)[:keep_local])
     doomed = []
     for key, h in held.items():
@@ -32,12 +48,34 @@ def gc_for(facts: Facts, coverage: Coverage, holder: int, keep_local: int) -> li
             continue
         if step in protected or step == newest:
             continue
-        drop = step not in newest_held
-        drop = drop or (newest is not None and step < newest and step not in complete)
-        drop = drop or not facts.current(h) or (newest is not None and facts.is_abandoned(step))
+        drop = _too_old(facts, step, newest_held, complete, newest)
         if not drop and h.tier is not Tier.LOCAL:
             a = coverage.auth.get(step, {}).get(h.owner_rank)
             drop = a is not None and a.definitive and a.content_hash != h.content_hash
         if drop:
             doomed.append(key)
     return sorted(doomed, key=lambda k: (k[1], k[0]))
+
+
+def parity_gc_for(facts: Facts, coverage: Coverage, counts: Callable[[int, int], bool], holder: int,
+                  keep_local: int) -> list[Holding]:
+    """The parity holdings host ``holder`` may delete: parity that counts for nothing (corrupt, of another code
+    group, made obsolete by a re-save, or any parity in copies mode) whatever protects its step, and parity of a
+    step its data would go with (the rules of :func:`gc_for`). ``counts(holder, step)``: that parity counts
+    (:meth:`~replicator.coordinator.parity.ParityView.counts`)."""
+    mine = facts.parity.get(holder)
+    if not mine:
+        return []
+    deleting = facts.parity_deleting.get(holder, set())
+    complete, newest, protected = _protected(facts, coverage)
+    steps = {s for _, s in facts.holdings.get(holder, {})} | set(mine)
+    newest_held = set(sorted(steps, reverse=True)[:keep_local])
+    doomed = []
+    for step, h in sorted(mine.items()):
+        if step in deleting:
+            continue
+        if not counts(holder, step):
+            doomed.append(h)
+        elif step not in protected and step != newest and _too_old(facts, step, newest_held, complete, newest):
+            doomed.append(h)
+    return doomed

@@ -13,6 +13,8 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from replicator.erasure.wire import CodeGroupSpec
+
 Key = tuple[int, int]  # (owner_rank, step)
 
 
@@ -29,6 +31,11 @@ class Tier(enum.StrEnum):
     # its own rank's data has this hash, so the identity survives the loss of the replica's host.
     REPLICA = "replica"
     BUCKET = "bucket"  # a committed backup
+    # Erasure coding (``--redundancy ec:K+M``): a host's parity shards of one step's code group, not a rank's
+    # bytes. ``owner_rank`` is the holder's own rank, ``content_hash`` the group's digest, and the holding
+    # carries its :class:`~replicator.erasure.wire.CodeGroupSpec` (without addresses). The coordinator keeps
+    # these apart from data (their key would collide with the holder's LOCAL data of the step).
+    PARITY = "parity"
 
 
 HolderRank = int | None
@@ -78,6 +85,8 @@ class Holding:
     # saved the step, as inclusive ranges ((first, last), ...); empty = every rank.
     generation: int = 0
     savers: tuple[tuple[int, int], ...] = ()
+    # Tier.PARITY only (and required there): the code group the parity was computed for, addresses empty.
+    group: CodeGroupSpec | None = None
 
     def __post_init__(self) -> None:
         check_int("owner_rank", self.owner_rank)
@@ -99,10 +108,26 @@ class Holding:
         if tier is Tier.BUCKET:
             raise ValueError("a host cannot hold the bucket tier; use report_backup / report_backup_ranks")
         object.__setattr__(self, "tier", tier)
+        if tier is Tier.PARITY:
+            g = self.group
+            if not isinstance(g, CodeGroupSpec):
+                raise ValueError(f"a parity holding needs its code group, got {g!r}")
+            if self.owner_rank not in g.members:
+                raise ValueError(f"rank {self.owner_rank} holds parity of a code group it is not in: {list(g.members)}")
+            if any(g.addresses):  # addresses are the coordinator's to give, not part of what is held
+                object.__setattr__(self, "group", dataclasses.replace(g, addresses=("",) * len(g.members)))
+        elif self.group is not None:
+            raise ValueError(f"only a parity holding carries a code group (tier {tier})")
 
     @property
     def key(self) -> Key:
+        """(owner_rank, step): unique among a host's data holdings; a parity holding has the same key as the
+        holder's LOCAL data of the step, so an inventory that holds both is keyed by :func:`inventory_key`."""
         return (self.owner_rank, self.step)
+
+    @property
+    def is_parity(self) -> bool:
+        return self.tier is Tier.PARITY
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,17 +138,40 @@ class Holding:
             "tier": str(self.tier),
             "generation": self.generation,
             "savers": [list(r) for r in self.savers],
+            **({"group": _group_to_dict(self.group)} if self.group is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Holding:
         try:
+            g = d.get("group")
             return cls(
                 d["owner_rank"], d["step"], d["content_hash"], d.get("size", 0), d.get("tier", "local"),
                 d.get("generation", 0), tuple(tuple(r) for r in d.get("savers", ())),
+                _group_from_dict(g) if g is not None else None,
             )
         except KeyError as e:
             raise ValueError(f"holding lacks field {e}") from None
+
+
+def _group_to_dict(g: CodeGroupSpec) -> dict[str, Any]:
+    return {"k": g.k, "m": g.m, "members": list(g.members), "content_hashes": list(g.content_hashes)}
+
+
+def _group_from_dict(d: Mapping[str, Any]) -> CodeGroupSpec:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"a code group must be a mapping, got {type(d).__name__}")
+    members = tuple(d["members"])
+    return CodeGroupSpec(d["k"], d["m"], members, tuple(d["content_hashes"]), ("",) * len(members))
+
+
+InventoryKey = tuple[int, int, bool]  # (owner_rank, step, is parity)
+
+
+def inventory_key(h: Holding) -> InventoryKey:
+    """A key unique within one host's whole inventory, parity included (:attr:`Holding.key` is not: a host's
+    parity of step S and its LOCAL data of S share (own rank, S))."""
+    return (h.owner_rank, h.step, h.tier is Tier.PARITY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +205,10 @@ class Source:
     data it is: the rank itself or a byte-identical data-parallel replica (then the data is that rank's
     directory).
     ``content_hash`` is None only for a bucket copy whose hash nobody reported.
+
+    PARITY (erasure coding): rebuild ``owner_rank``'s data (``content_hash``) from ``group``: ``holder_rank``
+    is :data:`BUCKET_HOLDER` (no one host holds it) and ``helpers`` are the members whose intact data or
+    parity the rebuild reads (the ones whose addresses the restoring host needs).
     """
 
     kind: Tier
@@ -164,6 +216,8 @@ class Source:
     owner_rank: int
     content_hash: str | None
     size: int = 0
+    group: CodeGroupSpec | None = None
+    helpers: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -172,6 +226,7 @@ class Source:
             "owner_rank": self.owner_rank,
             "content_hash": self.content_hash,
             "size": self.size,
+            **({"group": _group_to_dict(self.group), "helpers": list(self.helpers)} if self.group is not None else {}),
         }
 
 
@@ -202,7 +257,9 @@ class RestorePlan:
 
 
 def inventory_digest(holdings: Iterable[Holding]) -> str:
-    """A digest of a host's whole inventory (order-free): equal digests = the coordinator's view is current."""
+    """A digest of a host's whole inventory (order-free): equal digests = the coordinator's view is current.
+    A parity holding's line ends with its group's digest too (its content hash is what the host computed)."""
     lines = sorted(f"{h.owner_rank}/{h.step}/{h.content_hash}/{h.size}/{h.tier}/{h.generation}/{h.savers}"
+                   + (f"/{h.group.digest()}" if h.group is not None else "")
                    for h in holdings)
     return hashlib.blake2b("\n".join(lines).encode(), digest_size=16).hexdigest()

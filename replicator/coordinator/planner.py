@@ -20,6 +20,8 @@ derived view reading only the stages before it:
 - :mod:`~replicator.coordinator.hosts`: registrations (incarnations) and liveness;
 - :mod:`~replicator.coordinator.facts`: the holdings, the bucket's ranks, saves (generations, savers),
   deletions in flight, protected steps, and which replica groups changed;
+- :mod:`~replicator.coordinator.parity`: erasure coding (``ec:K+M``): which parity counts, which is missing,
+  which rank can be rebuilt;
 - :mod:`~replicator.coordinator.coverage`: accepted hashes, sources per rank, completeness;
 - :mod:`~replicator.coordinator.copies`: copy tasks per destination host;
 - :mod:`~replicator.coordinator.restore_plan` and :mod:`~replicator.coordinator.gc_plan`: the restore
@@ -33,6 +35,7 @@ from typing import Any
 
 from replicator.coordinator import copies, gc_plan, restore_plan
 from replicator.coordinator.coverage import Coverage
+from replicator.coordinator.ec import ErasureCoding, checked_redundancy
 from replicator.coordinator.facts import Facts, carries_bytes
 from replicator.coordinator.hosts import HostRegistry
 from replicator.coordinator.model import (
@@ -45,7 +48,10 @@ from replicator.coordinator.model import (
     StaleIncarnationError,
     check_int,
 )
+from replicator.coordinator.parity import ParityView
 from replicator.coordinator.topology import JobTopology
+from replicator.erasure.placement import code_groups
+from replicator.erasure.redundancy import Redundancy
 from sidecar.saves import format_ranks
 
 
@@ -60,16 +66,26 @@ class CoordinatorState:
     lost (rare) re-plans every group. :attr:`version` changes with every fact; whole-job plans
     (:meth:`restore_plan`) are memoised per version. Liveness takes ``now`` from the caller: the
     planner itself has no clock.
+
+    ``redundancy`` (default ``copies:<topology.replicas>``): with ``ec:K+M`` no whole copies are planned; hosts
+    compute parity of their code group (:attr:`ec`), and a rank whose data no host holds counts
+    as covered when it can be rebuilt from it (:mod:`~replicator.coordinator.parity`). ``elastic``: the job may
+    save with subsets of its ranks (refused with ec:K+M).
     """
 
-    def __init__(self, topology: JobTopology):
+    def __init__(self, topology: JobTopology, redundancy: Redundancy | None = None, *, elastic: bool = False):
         if not isinstance(topology, JobTopology):
             raise ValueError(f"topology must be a JobTopology, got {type(topology).__name__}")
         self.topology = topology
+        self.redundancy = red = checked_redundancy(topology, redundancy, elastic)
+        groups = code_groups(topology.data_parallelism, topology.hosts_per_slice, red.k, red.m) if red.is_ec else ()
         self._hosts = HostRegistry(topology)
-        self._facts = Facts(topology)
-        self._coverage = Coverage(self._facts)
-        self._copies = copies.CopyPlanner(self._facts, self._coverage, self._hosts)
+        self._facts = Facts(topology, groups)
+        self._parity = ParityView(self._facts)
+        self._coverage = Coverage(self._facts, self._parity)
+        self._copies = copies.CopyPlanner(self._facts, self._coverage, self._hosts, 0 if red.is_ec else red.copies)
+        # The erasure-coding queries (parity tasks, parity GC, rebuildable ranks); inert in copies mode.
+        self.ec = ErasureCoding(self._facts, self._coverage, self._parity, self._memos, self._check_reporter)
         self._memo: dict[Any, Any] = {}
         self._memo_version = -1
 
@@ -154,27 +170,38 @@ class CoordinatorState:
         """Replace everything host ``rank`` holds with ``holdings`` (validated first; bad input changes nothing)."""
         self._check_reporter(rank, incarnation)
         facts = self._facts
-        new = facts.validated(rank, holdings)
+        new, new_parity = facts.split(rank, holdings)
         old = facts.holdings.get(rank, {})
         for key in [k for k, h in old.items() if new.get(k) != h]:
             facts.remove(rank, key)
         for key, h in new.items():
             if old.get(key) != h:
                 facts.add(rank, h)
+        old_parity = facts.parity.get(rank, {})
+        for step in [s for s, h in old_parity.items() if new_parity.get(s) != h]:
+            facts.remove_parity(rank, step)
+        for step, h in new_parity.items():
+            if old_parity.get(step) != h:
+                facts.add_parity(rank, h)
         reported = self._hosts.reported
         if rank not in reported:
             reported.add(rank)
             facts.version += 1
 
     def report_committed(self, rank: int, holding: Holding, incarnation: int | None = None) -> None:
-        """Host ``rank`` committed one piece of data (its own step or a peer copy); replaces the same key."""
+        """Host ``rank`` committed one piece of data (its own step or a peer copy; or its parity of a step);
+        replaces the same key (the parity of the same step)."""
         self._check_reporter(rank, incarnation)
         facts = self._facts
-        (h,) = facts.validated(rank, [holding]).values()
-        if facts.holdings.get(rank, {}).get(h.key) == h:
-            return
-        facts.remove(rank, h.key)
-        facts.add(rank, h)
+        data, parity = facts.split(rank, [holding])
+        for step, h in parity.items():
+            if facts.parity.get(rank, {}).get(step) != h:
+                facts.add_parity(rank, h)
+        for h in data.values():
+            if facts.holdings.get(rank, {}).get(h.key) == h:
+                return
+            facts.remove(rank, h.key)
+            facts.add(rank, h)
 
     def report_removed(self, rank: int, keys: Iterable[Key], incarnation: int | None = None) -> None:
         """Host ``rank`` deleted these ``(owner_rank, step)`` pieces (e.g. after GC); unknown keys are ignored."""
@@ -296,12 +323,13 @@ class CoordinatorState:
         return self._facts.holdings.get(rank, {}).get(key)
 
     def piece_count(self, rank: int) -> int:
-        return len(self._facts.holdings.get(rank, {}))
+        return len(self._facts.holdings.get(rank, {})) + len(self._facts.parity.get(rank, {}))
 
     def check_holdings(self, rank: int, holdings: Iterable[Holding]) -> list[Holding]:
         """Validate what host ``rank`` reports without changing anything (ValueError on bad input)."""
         self.topology.check_rank(rank)
-        return list(self._facts.validated(rank, holdings).values())
+        data, parity = self._facts.split(rank, holdings)
+        return [*data.values(), *parity.values()]
 
     def holdings_of(self, rank: int) -> list[Holding]:
         self.topology.check_rank(rank)
@@ -487,6 +515,7 @@ class CoordinatorState:
                 "steps": sorted({s for _, s in held}),
                 "pieces": len(held),
                 "bytes": sum(h.size for h in held.values() if carries_bytes(h)),
+                **({"parity_steps": sorted(facts.parity.get(rank, {}))} if self._parity.enabled else {}),
             }
         steps = {}
         for step in self.known_steps():
@@ -494,6 +523,7 @@ class CoordinatorState:
             steps[step] = {
                 "complete": self.is_complete(step),
                 "redundant": self.is_redundant(step),
+                **({"rebuildable_ranks": self.ec.rebuild_ranks(step)} if self._parity.enabled else {}),
                 "savers": format_ranks(self.expected_ranks(step)),
                 "missing_ranks": [r for r in self.expected_ranks(step) if r not in found],
                 "ranks": {
@@ -503,6 +533,7 @@ class CoordinatorState:
             }
         return {
             "topology": self.topology.to_dict(),
+            "redundancy": str(self.redundancy),
             "hosts": out_hosts,
             "lost": dict(sorted(hosts.lost.items())),
             "steps": steps,
@@ -526,9 +557,11 @@ class CoordinatorState:
         other = copy.deepcopy(self)
         other._coverage.clear()
         other._copies.clear()
+        other._parity.clear()
         other._memo = {}
         other._memo_version = -1
         other._facts.dirty = {}
+        other._facts.ec_dirty = {}
         for step in other.known_steps():
             other._facts.touch_all_groups(step)
         return other

@@ -62,9 +62,9 @@ def plan_restore(facts: Facts, coverage: Coverage, hosts: HostRegistry, force_st
             load[pick.holder_rank] += pick.size
             count[pick.holder_rank] += 1
         else:
-            pick = srcs[-1]
+            pick = srcs[0]  # a rebuild from parity (ec mode), else the bucket
         chosen[rank] = pick
     kinds = collections.Counter(str(s.kind) for s in chosen.values())
-    how = ", ".join(f"{kinds[k]} {k}" for k in (Tier.LOCAL, Tier.PEER, Tier.BUCKET) if kinds[k])
+    how = ", ".join(f"{kinds[k]} {k}" for k in (Tier.LOCAL, Tier.PEER, Tier.PARITY, Tier.BUCKET) if kinds[k])
     what = "operator-forced step" if force_step is not None else "newest globally complete step"
     return RestorePlan(step, chosen, f"{what} {step}: {how}", waiting)

@@ -33,17 +33,23 @@ from replicator.coordinator.admission import MAX_WAITERS, WaiterGate
 from replicator.coordinator.backup_status import BackupSchedulerStatus
 from replicator.coordinator.fence import EpochFence
 from replicator.coordinator.model import (
-    Holding,
     NotRegisteredError,
     Source,
     StaleIncarnationError,
     Tier,
 )
+from replicator.coordinator.parity_answer import (
+    PARITY_RETRY_INTERVALS,
+    PARITY_RETRY_MIN_SECONDS,
+    ParityOrders,
+    parity_deletion,
+)
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.report_order import ReportOrder, StaleReportError
 from replicator.coordinator.step_tracking import FirstSeen, RestoreTarget
-from replicator.coordinator.tier_wire import from_wire
+from replicator.coordinator.tier_wire import holding_from_wire
 from replicator.coordinator.topology import JobTopology
+from replicator.erasure.redundancy import Redundancy
 from replicator.net.security import RankAuthorizer
 from sidecar.saves import format_ranks
 
@@ -150,8 +156,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         authorizer: RankAuthorizer | None = None,
         other_candidates: bool = False,
         candidate: int | None = None,
+        redundancy: Redundancy | None = None,
+        elastic: bool = False,
     ):
         self.topology = topology
+        # copies:N (None: the topology's replicas) or ec:K+M; checked here (ValueError) by the first state.
+        self.redundancy, self.elastic = redundancy, elastic
         # Other candidates may serve when this one is cut off: then an isolated coordinator stops deciding.
         self.other_candidates = other_candidates
         self._isolated_since: float | None = None
@@ -181,7 +191,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self.backup = self._backup_factory() or BackupScheduler()
         else:
             self.backup = self._backup_instance or BackupScheduler()
-        self.state = CoordinatorState(self.topology)
+        self.state = CoordinatorState(self.topology, self.redundancy, elastic=self.elastic)
+        self._parity_orders = ParityOrders()
         self._addresses: dict[int, str] = {}
         self._digest: dict[int, str] = {}
         self._newest_saved: dict[int, int] = {}
@@ -271,7 +282,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         (pinned, backing up, the newest complete), each with its own data, copies received (as many as it
         sends, more while lost hosts' data is re-made) and replica attestations, with 4x slack."""
         t = self.topology
-        return 4 * (self.keep_local + 3) * (1 + t.replicas + t.data_parallelism)
+        parity = 1 if self.state.redundancy.is_ec else 0  # its parity of each step it keeps
+        return 4 * (self.keep_local + 3) * (1 + t.replicas + t.data_parallelism + parity)
 
     def _admitted(self, context: grpc.ServicerContext) -> contextlib.AbstractContextManager[None]:
         """A waiting call's place (RESOURCE_EXHAUSTED, retry in a heartbeat interval, when all are taken)."""
@@ -402,9 +414,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._check_active(context)
         rank = request.rank
         try:
-            holdings = [Holding(h.owner_rank, h.step, h.content_hash, h.size, from_wire(h.tier), h.generation,
-                                tuple((r.first, r.last) for r in h.savers)) for h in request.holdings]
-            removed = [(d.owner_rank, d.step) for d in request.removed]
+            holdings = [holding_from_wire(h) for h in request.holdings]
+            removed = [(d.owner_rank, d.step) for d in request.removed if d.tier != tier_pb2.TIER_PARITY]
+            parity_removed = [d.step for d in request.removed if d.tier == tier_pb2.TIER_PARITY]
         except ValueError as e:
             self._abort_bad(context, f"bad holding from rank {rank}: {e}")
         for h in holdings:
@@ -435,6 +447,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     log.info("rank %d registered (incarnation %d) at %s", rank, request.incarnation,
                              request.address)
                     self._digest.pop(rank, None)
+                    self._parity_orders.forget(rank)
                 accepted = False
                 if request.known_epoch != self.epoch:
                     # The host has not accepted our epoch yet: it may still act on another candidate's orders
@@ -451,6 +464,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     if st.piece_count(rank) + len(holdings) > limit:
                         raise ValueError(f"rank {rank} would hold more than {limit} pieces")
                     st.report_removed(rank, removed, request.incarnation)
+                    st.ec.report_removed(rank, parity_removed, request.incarnation)
                     for h in holdings:
                         st.report_committed(rank, h, request.incarnation)
                     accepted = True
@@ -531,6 +545,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         # deleting saves no step (issue #19, found by tests/simulation).
         if all_reported and (newest is not None or not st.lost_count()):
             doomed = st.gc_for(rank, self.keep_local)
+            parity_doomed = st.ec.gc_for(rank, self.keep_local)
             if st.lost_count() or not st.all_heard_since(now - SILENT_INTERVALS * self.heartbeat_interval()):
                 # Nor a step newer than the newest complete one while hosts are declared lost or silent for
                 # longer than a beat's jitter: with their pieces it may be complete (a partition: another
@@ -541,6 +556,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 # complete one (seed 42569: a deposed coordinator, the other hosts silent to it, told host
                 # 0 to delete step 1 beyond keep_local, complete on its successor).
                 doomed = [k for k in doomed if newest is not None and k[1] <= newest]
+                parity_doomed = [h for h in parity_doomed if newest is not None and h.step <= newest]
             for owner, step in doomed:
                 h = st.holding(rank, (owner, step))
                 resp.deletions.append(pb.Deletion(owner_rank=owner, step=step,
@@ -548,6 +564,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             # Counted for nothing from now until the host's next report: no fallback to a step whose
             # pieces are being deleted (issue #19, found by tests/simulation).
             st.deleting(rank, doomed)
+            resp.deletions.extend(parity_deletion(h) for h in parity_doomed)
+            st.ec.deleting(rank, [h.step for h in parity_doomed])
+        # Erasure coding: parity of each step whose code group's members all hold it (none in copies mode).
+        retry = max(PARITY_RETRY_MIN_SECONDS, PARITY_RETRY_INTERVALS * self.heartbeat_interval())
+        resp.parity.extend(self._parity_orders.tasks(st, rank, newest, now, retry, self._addresses))
         task = self._restore_task(rank)
         if task is not None:
             resp.restore.CopyFrom(task)

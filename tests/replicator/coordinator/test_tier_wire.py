@@ -12,7 +12,7 @@ from replicator.coordinator.model import BUCKET_HOLDER, Tier
 from replicator.coordinator.tier_wire import from_wire, holder_to_wire, tier_name, to_wire
 
 REPO = Path(__file__).resolve().parents[3]
-_NAMES = "local|peer|replica|bucket"
+_NAMES = "local|peer|replica|bucket|parity"
 _LITERAL_COMPARISON = re.compile(
     rf'(\b(tier|kind)\w*\s*(==|!=|\bin\b)\s*[(\[{{]?\s*"({_NAMES})")|("({_NAMES})"\s*(==|!=)\s*\w*\.(tier|kind)\b)')
 

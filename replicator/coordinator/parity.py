@@ -1,0 +1,204 @@
+"""Erasure coding in the coordinator's view (``--redundancy ec:K+M``, docs/peer.md "Erasure coding"). Part of
+:class:`~replicator.coordinator.planner.CoordinatorState`; pure, derived from
+:class:`~replicator.coordinator.facts.Facts` only.
+
+Per step and code group (:func:`replicator.erasure.placement.code_groups`, the same for every step),
+:class:`GroupView` says which parity still counts, which member lacks its parity, and whether a member whose data
+is on no host can be rebuilt:
+
+- a parity holding *counts* when its group is the job's code group (same K, M and members in the same order),
+  its content hash is the group's digest (else it is corrupt), and no member holds current LOCAL data of the step
+  with another hash than the group's (else a re-save made it obsolete). Parity that does not count is deleted.
+- the *planned* group exists once every member holds the step LOCAL: its spec names their hashes, and each member
+  whose parity is not of that spec gets a ParityTask.
+- a rank x is *rebuildable* from a spec when each of the K rotations x gives data to has at least K intact
+  fragments: a data fragment of member y (y not x) is intact when y holds LOCAL data of the step with the spec's
+  hash for y; a parity fragment held by y is intact when y's parity of the step that counts has the spec's digest.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Mapping
+
+from replicator.coordinator.facts import Facts
+from replicator.coordinator.model import Tier
+from replicator.erasure.group import GroupLayout
+from replicator.erasure.wire import CodeGroupSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Rebuild:
+    """How one rank's data of a step can be rebuilt: from ``spec`` (addresses empty), reading the intact
+    fragments that ``helpers`` (members, ascending) hold."""
+
+    spec: CodeGroupSpec
+    helpers: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupView:
+    """One code group of one step as the reports show it (see the module docstring)."""
+
+    layout: GroupLayout
+    local: Mapping[int, str]  # member -> content hash of its current LOCAL data of the step
+    parity: Mapping[int, str]  # member -> digest of its parity of the step that counts
+    specs: Mapping[str, CodeGroupSpec]  # digest -> group of parity that counts
+    planned: CodeGroupSpec | None  # every member holds the step LOCAL: the group its parity must be of
+
+    @functools.cached_property
+    def missing(self) -> tuple[int, ...]:
+        """Members lacking parity of the planned group (none while some member lacks the step)."""
+        if self.planned is None:
+            return ()
+        want = self.planned.digest()
+        return tuple(y for y in self.layout.members if self.parity.get(y) != want)
+
+    @property
+    def redundant(self) -> bool:
+        """Every member holds the step and its parity of the planned group."""
+        return self.planned is not None and not self.missing
+
+    def rebuild(self, rank: int, want: str | None) -> Rebuild | None:
+        """How ``rank``'s data can be rebuilt (from the spec most parity holders agree on that works), or None.
+        ``want``: the rank's definitive content hash when one is known (a spec naming another is passed over)."""
+        layout, k = self.layout, self.layout.k
+        votes = collections.Counter(self.parity.values())
+        for digest, spec in sorted(self.specs.items(), key=lambda kv: (-votes[kv[0]], kv[0])):
+            if want is not None and spec.hash_of(rank) != want:
+                continue
+            helpers: set[int] = set()
+            for j in range(k):
+                holders = layout.holders(layout.data_rotation(rank, j))
+                intact = [y for i, y in enumerate(holders) if y != rank and (
+                    self.local.get(y) == spec.hash_of(y) if i < k else self.parity.get(y) == digest)]
+                if len(intact) < k:
+                    break
+                helpers.update(intact)
+            else:
+                return Rebuild(spec, tuple(sorted(helpers)))
+        return None
+
+
+class ParityView:
+    """Per (step, code group) its :class:`GroupView`, kept incrementally: a change to a member's data or parity
+    marks its code group dirty for that step (``Facts.ec_dirty``) and the next query re-derives just those. So
+    is, per step, the set of code groups lacking some parity (redundancy is asked on every GC answer)."""
+
+    def __init__(self, facts: Facts):
+        self._facts = facts
+        self._views: dict[int, dict[int, GroupView]] = {}  # step -> code group -> view
+        self._lacking: dict[int, set[int]] = {}  # step -> code groups not holding all their parity
+
+    @property
+    def enabled(self) -> bool:
+        """Erasure coding is on (the job has code groups)."""
+        return bool(self._facts.code_groups)
+
+    def clear(self) -> None:
+        self._views.clear()
+        self._lacking.clear()
+
+    def refresh(self) -> None:
+        """Re-derive the code groups that changed since the last refresh."""
+        facts = self._facts
+        if not facts.ec_dirty:
+            return
+        dirty, facts.ec_dirty = facts.ec_dirty, {}
+        every = range(len(facts.code_groups))
+        for step, groups in dirty.items():
+            if not facts.has_step(step):
+                self._views.pop(step, None)
+                self._lacking.pop(step, None)
+                continue
+            views = self._views.setdefault(step, {})
+            lacking = self._lacking.setdefault(step, set(every))  # a new step: no group has its parity
+            for gi in groups:
+                view = views[gi] = self._derive(step, facts.code_groups[gi])
+                if view.redundant:
+                    lacking.discard(gi)
+                else:
+                    lacking.add(gi)
+
+    def group(self, step: int, gi: int) -> GroupView:
+        """Code group ``gi`` of ``step``."""
+        self.refresh()
+        views = self._views.setdefault(step, {})
+        view = views.get(gi)
+        if view is None:  # never changed since its step appeared (or no member holds anything of it)
+            view = views[gi] = self._derive(step, self._facts.code_groups[gi])
+        return view
+
+    def group_of(self, step: int, rank: int) -> GroupView | None:
+        gi = self._facts.code_group_of.get(rank)
+        return None if gi is None else self.group(step, gi)
+
+    def rebuild(self, step: int, rank: int, want: str | None) -> Rebuild | None:
+        """How ``rank``'s data of ``step`` can be rebuilt from its code group, or None (see :meth:`GroupView.rebuild`)."""
+        view = self.group_of(step, rank)
+        return None if view is None else view.rebuild(rank, want)
+
+    def redundant(self, step: int) -> bool:
+        """Every code group of ``step`` has all its parity (ec mode; False in copies mode). O(1)."""
+        self.refresh()
+        lacking = self._lacking.get(step)
+        return self.enabled and lacking is not None and not lacking
+
+    def rebuild_ranks(self, step: int) -> list[int]:
+        """Ranks whose data of ``step`` no host holds and that can be rebuilt (a cheap view for status)."""
+        facts = self._facts
+        out = []
+        for gi, layout in enumerate(facts.code_groups):
+            view = self.group(step, gi)
+            out.extend(x for x in layout.members if x not in view.local and view.rebuild(x, None) is not None)
+        return sorted(out)
+
+    def tasks_for(self, holder: int, steps: list[int]) -> list[tuple[int, CodeGroupSpec]]:
+        """(step, group) of every parity ``holder`` must compute among ``steps`` (not abandoned ones)."""
+        facts = self._facts
+        gi = facts.code_group_of.get(holder)
+        if gi is None:
+            return []
+        out = []
+        for step in steps:
+            if facts.is_abandoned(step):
+                continue
+            view = self.group(step, gi)
+            if view.planned is not None and holder in view.missing:
+                out.append((step, view.planned))
+        return out
+
+    def counts(self, holder: int, step: int) -> bool:
+        """``holder``'s parity of ``step`` (not being deleted) counts; False when it holds none or it is obsolete."""
+        view = self.group_of(step, holder)
+        return view is not None and holder in view.parity
+
+    def _derive(self, step: int, layout: GroupLayout) -> GroupView:
+        facts = self._facts
+        by_owner = facts.index.get(step, {})
+        local: dict[int, str] = {}
+        for y in layout.members:
+            h = by_owner.get(y, {}).get(y)
+            if h is not None and h.tier is Tier.LOCAL and facts.current(h):
+                local[y] = h.content_hash
+        parity: dict[int, str] = {}
+        specs: dict[str, CodeGroupSpec] = {}
+        held = facts.parity_index.get(step, {})
+        for y in layout.members:
+            h = held.get(y)
+            if h is None or h.group is None:
+                continue
+            g = h.group
+            if (g.k, g.m, g.members) != (layout.k, layout.m, layout.members) or h.content_hash != g.digest():
+                continue  # another code group, or corrupt (its digest is not its group's)
+            if any(g.hash_of(z) != hz for z, hz in local.items()):
+                continue  # obsolete: a member's data of the step is another save now
+            parity[y] = h.content_hash
+            specs.setdefault(h.content_hash, g)
+        planned = None
+        if len(local) == layout.n:
+            planned = CodeGroupSpec(layout.k, layout.m, layout.members, tuple(local[y] for y in layout.members),
+                                    ("",) * layout.n)
+        return GroupView(layout, local, parity, specs, planned)

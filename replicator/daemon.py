@@ -127,7 +127,9 @@ class Replicator:
                                            host_lost_seconds=opts.host_lost_seconds,
                                            max_heartbeats_per_second=opts.max_heartbeats_per_second,
                                            active=False, other_candidates=len(self.candidates) > 1,
-                                           candidate=self.my_candidate)
+                                           candidate=self.my_candidate,
+                                           redundancy=opts.effective_redundancy,
+                                           elastic=opts.allocation_index is not None)
         self._server: grpc.Server | None = None
         self._control_server: grpc.Server | None = None
         self._transfer_server: peer_server.TransferServer | None = None

@@ -196,7 +196,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 newest_complete_step=-1 if newest is None else newest,
                 newest_redundant=newest_redundant,
                 pinned_steps=st.pinned_steps(), restore_target=-1 if target is None else target,
-                newest_backup_step=-1, backup_in_progress_step=-1, epoch=coord.epoch)
+                newest_backup_step=-1, backup_in_progress_step=-1, epoch=coord.epoch, redundancy=str(st.redundancy))
             if newest is not None:
                 resp.newest_complete_bytes = sum(srcs[0].size for srcs in st.sources(newest).values())
             sched = _backup(coord)

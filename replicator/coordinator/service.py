@@ -720,7 +720,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                                                replicas=t.replicas),
             epoch=self.epoch, coordinator_address=self.address,
             restore_target=-1 if target is None else target, heartbeat_interval_seconds=self.heartbeat_interval(),
-            host_lost_seconds=self.lost_after())
+            host_lost_seconds=self.lost_after(), redundancy=str(self.state.redundancy))
         return answers.status_response(self.state, request, header, now=self._clock(), in_bucket=self.in_bucket,
                                            backup=self.backup.status(), addresses=self._addresses)
 

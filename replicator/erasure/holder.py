@@ -196,12 +196,15 @@ class ParityStore:
     def __init__(self, root: Path, rank: int):
         self.root = Path(root)
         self.rank = rank
-        self.base = self.root / PARITY_DIR
-        self.base.mkdir(parents=True, exist_ok=True)
+        self.base = self.root / PARITY_DIR  # made by the first parity written (most jobs have none)
         self._lock = threading.Lock()
         self._cache: dict[Path, tuple[int, ParityRecord]] = {}
         for d in self._step_dirs():  # what crashed writers and deletions left
             commit.remove_tmp_dirs(d)
+            try:
+                d.rmdir()  # empty now: a step whose parity is gone
+            except OSError:
+                pass
         commit.remove_tmp_dirs(self.base)
 
     # ------------------------------------------------------------------ paths
@@ -209,8 +212,11 @@ class ParityStore:
         return self.base / layout.step_name(step) / check_digest(digest)
 
     def _step_dirs(self) -> list[Path]:
-        return [p for p in self.base.iterdir() if p.is_dir() and not p.is_symlink()
-                and layout.parse_step_name(p.name) is not None]
+        try:
+            children = list(self.base.iterdir())
+        except FileNotFoundError:
+            return []
+        return [p for p in children if p.is_dir() and not p.is_symlink() and layout.parse_step_name(p.name) is not None]
 
     # ------------------------------------------------------------------ writing
     def writer(self, step: int, group: CodeGroupSpec) -> ParityWriter:

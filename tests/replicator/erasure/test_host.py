@@ -92,6 +92,8 @@ def test_every_host_encodes_and_m_wiped_hosts_are_rebuilt_bit_exact(job_factory,
     # parity held by the whole group: about M/K of the data (plus padding to the longest stream)
     assert sum(r.parity_bytes for r in records) == (k + m) * m * shard
     assert compute_parity(job.hosts[0].ec(), STEP, spec) == records[0]  # a repeated task: held already
+    for h in job.hosts:  # the data port carried the reads (its fallback, the gRPC stream, the other case)
+        assert (h.ts.transfers_completed > 0) if data_port else h.ts is None
     lost = list(range(m))
     for r in lost:
         job.hosts[r].wipe()
@@ -162,7 +164,7 @@ def test_a_stale_task_writes_nothing(job_factory) -> None:
         with pytest.raises(StaleGroupError):
             compute_parity(h.ec(), STEP, spec)
         assert h.parity.holdings() == []
-        assert list((h.root / "parity").rglob("*")) == []  # not even a temporary directory
+        assert not (h.root / "parity").exists()  # not even a temporary directory
     records = job.encode_all()  # the task for the new data works
     assert all(r.digest == job.spec().digest() != spec.digest() for r in records)
 
@@ -200,7 +202,7 @@ def test_a_crash_mid_encode_leaves_nothing_visible(job_factory, tmp_path: Path) 
     assert any((step_dir / left[0]).iterdir())
     assert victim.parity.holdings() == []
     assert ParityStore(victim.root, victim.rank).holdings() == []  # a restart drops the leftovers
-    assert not step_dir.exists() or list(step_dir.iterdir()) == []
+    assert not step_dir.exists()
     compute_parity(victim.ec(), STEP, spec)  # and the task then succeeds
     assert len(victim.parity.holdings()) == 1
 

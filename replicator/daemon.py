@@ -153,7 +153,8 @@ class Replicator:
         self.parity = ParityStore(self.store.root, rank)
         self.fetcher.ec = EcHost(rank, self.store.root, self.parity, token=self.token, tls=self.tls(),
                                  timeout_seconds=opts.transfer_timeout_seconds,
-                                 rpc_timeout_seconds=opts.rpc_timeout_seconds)
+                                 rpc_timeout_seconds=opts.rpc_timeout_seconds,
+                                 bytes_per_second=float(opts.max_bytes_per_second) or None)
         # Preemption (a notice, SIGTERM): this host got the notice / the coordinator says some host did.
         state = PreemptionState()
         self.heartbeats = Heartbeat(

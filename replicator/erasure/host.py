@@ -30,6 +30,7 @@ from replicator.erasure.stream import StepStream, unpack_stream
 from replicator.erasure.wire import CodeGroupSpec
 from replicator.net import rpc
 from replicator.net.security import TlsOptions
+from replicator.net.throttle import RateLimiter
 from sidecar import commit, layout
 from sidecar.layout import ManifestError, StepManifest
 
@@ -49,6 +50,7 @@ class EcHost:
     rpc_timeout_seconds: float = rpc.RPC_TIMEOUT_SECONDS
     stripe_bytes: int = DEFAULT_STRIPE_BYTES
     use_data_port: bool = True
+    bytes_per_second: float | None = None  # the replication throttle (--max-bytes-per-second), per task
 
     def own_step_dir(self, step: int) -> Path:
         return layout.steps_dir(self.root) / layout.step_name(step)
@@ -60,13 +62,14 @@ class _Links:
     def __init__(self, host: EcHost, deadline: float):
         self.host, self.deadline = host, deadline
         self._links: dict[str, PeerLink] = {}
+        self._limiter = RateLimiter(host.bytes_per_second)
 
     def __call__(self, address: str) -> PeerLink:
         if address not in self._links:
             h = self.host
             self._links[address] = PeerLink(address, token=h.token, tls=h.tls, deadline=self.deadline,
                                             rpc_timeout_seconds=h.rpc_timeout_seconds,
-                                            use_data_port=h.use_data_port)
+                                            use_data_port=h.use_data_port, limiter=self._limiter)
         return self._links[address]
 
     def close(self) -> None:

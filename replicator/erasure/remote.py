@@ -32,6 +32,7 @@ from replicator.peer.protocol import (
     DATA_MAGIC,
     STATUS_OK,
     STREAM_CHUNK_BYTES,
+    RateLimiter,
     TransferRejected,
     recv_exact,
 )
@@ -55,8 +56,10 @@ class PeerLink:
     """One channel to one peer, for ranged reads; every call has a timeout, the whole life a deadline."""
 
     def __init__(self, address: str, *, token: str | None, tls: TlsOptions | None, deadline: float,
-                 rpc_timeout_seconds: float = rpc.RPC_TIMEOUT_SECONDS, use_data_port: bool = True):
+                 rpc_timeout_seconds: float = rpc.RPC_TIMEOUT_SECONDS, use_data_port: bool = True,
+                 limiter: RateLimiter | None = None):
         self.address = address
+        self.limiter = limiter or RateLimiter(None)  # the host's replication throttle, shared by a task's links
         self.host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
         self.deadline = deadline
         self.rpc_timeout_seconds = rpc_timeout_seconds
@@ -108,6 +111,7 @@ class PeerLink:
 
     def _read(self, rank: int, step: int, names: list[str], pieces: list[Piece], parity: str) -> list[bytes]:
         names = list(dict.fromkeys(names))
+        self.limiter.acquire(sum(ln for _, _, ln in pieces))  # whole files (records: small) are not counted
         wire = [peer_pb2.TransferPiece(name=n, offset=o, length=ln) for n, o, ln in pieces]
         if self.use_data_port:
             req = peer_pb2.OpenTransferRequest(rank=rank, step=step, files=names, pieces=wire, parity=parity)
@@ -213,6 +217,8 @@ class RemoteStream:
     def read(self, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of the stream (cut at its end)."""
         length = max(0, min(length, self.stream.length - offset))
+        if length == 0:
+            return b""
         hit = self._window.get(offset, length)
         if hit is not None:
             return hit

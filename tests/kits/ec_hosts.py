@@ -15,6 +15,7 @@ from replicator.erasure.host import EcHost
 from replicator.erasure.wire import CodeGroupSpec
 from replicator.net import rpc
 from replicator.peer import server as peer_server
+from replicator.peer.protocol import Throttle
 from sidecar import layout, writer
 from sidecar.layout import StepManifest
 
@@ -34,11 +35,11 @@ def step_arrays(rank: int, step: int, sizes: list[int]) -> list[writer.ArrayCopy
 class EcPeer:
     """One host: its root, its parity store, its Peer service (gRPC + optional data port)."""
 
-    def __init__(self, root: Path, rank: int, nodes: int, *, data_port: bool = True):
+    def __init__(self, root: Path, rank: int, nodes: int, *, data_port: bool = True, max_streams: int = 2):
         self.root, self.rank, self.nodes = Path(root), rank, nodes
         self.root.mkdir(parents=True, exist_ok=True)
         self.parity = ParityStore(self.root, rank)
-        self.ts = peer_server.TransferServer() if data_port else None
+        self.ts = peer_server.TransferServer(throttle=Throttle(max_streams=max_streams)) if data_port else None
         if self.ts is not None:
             self.ts.start()
         servicer = peer_server.PeerServicer(self.root, rank, nodes, transfer_server=self.ts, parity=self.parity)

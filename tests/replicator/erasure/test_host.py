@@ -4,6 +4,7 @@ committed; corrupt parity is detected, a stale task writes nothing, a crash mid-
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import signal
@@ -34,10 +35,10 @@ SIZES = {0: [300_000, 1_000, 700_000], 1: [1_200_000], 2: [5, 400_000, 400_000, 
 
 
 class Job:
-    def __init__(self, base: Path, k: int, m: int, *, data_port: bool = True):
+    def __init__(self, base: Path, k: int, m: int, **kw):  # type: ignore[no-untyped-def]
         n = k + m
         self.k, self.m = k, m
-        self.hosts = [EcPeer(base / f"h{r}", r, n, data_port=data_port) for r in range(n)]
+        self.hosts = [EcPeer(base / f"h{r}", r, n, **kw) for r in range(n)]
         self.manifests = {h.rank: h.save(STEP, SIZES[h.rank]) for h in self.hosts}
         self.original = {h.rank: read_tree(h.step_dir(STEP)) for h in self.hosts}
 
@@ -101,6 +102,21 @@ def test_every_host_encodes_and_m_wiped_hosts_are_rebuilt_bit_exact(job_factory,
     for r in lost:
         got = rebuild_own(job.hosts[r].ec(), STEP, spec)
         assert got == job.manifests[r]
+        assert_rebuilt(job, r)
+
+
+def test_every_member_encodes_at_once_with_one_transfer_slot_each(job_factory) -> None:
+    """As in a job: all members read from one another at the same time; one data-port slot per host. Each
+    window is a whole transfer, so no host holds a slot while it waits for another's (no deadlock)."""
+    job = job_factory(4, 2, max_streams=1)
+    spec = job.spec()
+    with concurrent.futures.ThreadPoolExecutor(len(job.hosts)) as pool:
+        records = list(pool.map(lambda h: compute_parity(h.ec(), STEP, spec), job.hosts))
+    assert [r.holder for r in records] == [h.rank for h in job.hosts]
+    job.hosts[3].wipe()
+    job.hosts[5].wipe()
+    for r in (3, 5):
+        rebuild_own(job.hosts[r].ec(), STEP, job.spec())
         assert_rebuilt(job, r)
 
 

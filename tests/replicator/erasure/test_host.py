@@ -23,6 +23,7 @@ from replicator.erasure import remote as ec_remote
 from replicator.erasure.holder import RECORD_NAME, ParityRecord, ParityStore, shard_name
 from replicator.erasure.host import compute_parity, rebuild_own
 from replicator.erasure.remote import StaleGroupError
+from replicator.erasure.stream import StepStream
 from replicator.net import rpc
 from sidecar import checksums, commit, layout
 from tests.kits.ec_hosts import TOKEN, EcPeer, group_spec, read_tree
@@ -267,3 +268,36 @@ def test_the_peer_service_checks_every_parity_request(job_factory, tmp_path: Pat
         assert ask(files=[shard_name(r, j)]) == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         ch.close()
+
+
+def test_a_corrupt_data_file_and_an_unreachable_member_are_passed_over(job_factory, caplog) -> None:
+    """4+2, host 0 wiped. First host 1's data has a flipped byte on disk in a stripe that host 0's rebuild reads:
+    detected by its crc32c and passed over. Then host 2 is down although the coordinator still names its
+    address: its data and its parity record count as unreadable (asked once, not per stripe)."""
+    job = job_factory(4, 2)
+    records = job.encode_all()
+    lay = job.spec().layout
+    # host 1's shard 1 is a data fragment of rotation 0, which rebuilding host 0's shard 0 reads
+    assert lay.data_rotation(1, 1) == lay.data_rotation(0, 0) == 0
+    stream = StepStream.open(job.hosts[1].step_dir(STEP))
+    ((part, at, _),) = stream.ranges(records[0].manifest.shard_bytes + 10, 1)
+    bad = job.hosts[1].step_dir(STEP) / stream.parts[part].name
+    good = bad.read_bytes()
+    data = bytearray(good)
+    data[at] ^= 0x01
+    bad.write_bytes(bytes(data))
+    job.hosts[0].wipe()
+    with caplog.at_level(logging.WARNING, logger="replicator.erasure"):
+        rebuild_own(job.hosts[0].ec(), STEP, job.spec())
+    assert_rebuilt(job, 0)
+    assert any("(1, 0, 0, 1)" in r.getMessage() and "expected" in r.getMessage() for r in caplog.records)
+    bad.write_bytes(good)
+    caplog.clear()
+    spec = job.spec()
+    job.hosts[0].wipe()
+    job.hosts[2].stop()  # down, its address still in the group the coordinator sent
+    spec = spec.__class__(spec.k, spec.m, spec.members, spec.content_hashes, ("",) + spec.addresses[1:])
+    with caplog.at_level(logging.WARNING, logger="replicator.erasure"):
+        rebuild_own(job.hosts[0].ec(), STEP, spec)
+    assert_rebuilt(job, 0)
+    assert sum("rank 2" in r.getMessage() for r in caplog.records) == 2  # its parity record, its data: once each

@@ -162,7 +162,7 @@ class Replicator:
             HostParts(store=self.store, tasks=self.tasks, fetcher=self.fetcher, metrics=self.metrics,
                       preemption=state, wakeup=self._wakeup, stopping=self.stopping,
                       coordinator=self.coordinator, bucket=bucket,
-                      parity=ParityDuty(self.fetcher.ec, self.tasks, self.wake)),
+                      parity=ParityDuty(self.fetcher.ec, self.tasks, self.wake, self.counters)),
             incarnation=incarnation, tls=self.tls(), token=self.token)
         self.preemption = Preemption(state, self.heartbeats, root=self.store.root, wake=self.wake, bucket=bucket,
                                      rpc_timeout_seconds=opts.rpc_timeout_seconds,

@@ -18,6 +18,7 @@ from mtc_rpc import tier_pb2
 from replicator.erasure.holder import ParityHolding
 from replicator.erasure.host import EcHost, compute_parity
 from replicator.erasure.wire import CodeGroupSpec
+from replicator.metrics import HostCounters
 from replicator.tasks import TaskRunner
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,10 @@ def is_parity(deletion: cpb.Deletion) -> bool:
 class ParityDuty:
     """This host's parity, as the heartbeat reports it and the coordinator's answers change it."""
 
-    def __init__(self, ec: EcHost, tasks: TaskRunner, on_change: Callable[[], None]):
+    def __init__(self, ec: EcHost, tasks: TaskRunner, on_change: Callable[[], None],
+                 counters: HostCounters | None = None):
         self.ec, self.tasks, self.on_change = ec, tasks, on_change
+        self.counters = counters or HostCounters()
 
     @property
     def rank(self) -> int:
@@ -87,4 +90,10 @@ class ParityDuty:
                 log.warning("ignoring a malformed parity task for step %d: %s", task.step, e)
                 continue
             if self.ec.parity.record(task.step, group.digest()) is None:
-                self.tasks.submit(TASK_KIND, self.rank, task.step, compute_parity, self.ec, task.step, group)
+                self.tasks.submit(TASK_KIND, self.rank, task.step, self._compute, task.step, group)
+
+    def _compute(self, step: int, group: CodeGroupSpec) -> None:
+        """A parity task on the task pool (the pool's success callback reports the new holding at once)."""
+        record = compute_parity(self.ec, step, group)
+        self.counters.add("parity_tasks")
+        self.counters.add("parity_bytes", record.parity_bytes)

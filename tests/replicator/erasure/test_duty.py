@@ -68,7 +68,8 @@ def rig(tmp_path: Path):  # type: ignore[no-untyped-def]
     fetcher.ec = me.ec()
     parts = HostParts(store=store, tasks=tasks, fetcher=fetcher, metrics=metrics,
                       preemption=SimpleNamespace(preempting=False), wakeup=wakeup,  # type: ignore[arg-type]
-                      stopping=threading.Event(), parity=ParityDuty(fetcher.ec, tasks, wakeup.ring))
+                      stopping=threading.Event(),
+                      parity=ParityDuty(fetcher.ec, tasks, wakeup.ring, metrics.counters))
     hb = Heartbeat(opts, Reporter(job="ec", rank=0, nodes=4), parts, incarnation=1)  # type: ignore[arg-type]
     coord = Coordinator()
     hb._send = coord.send  # type: ignore[method-assign]
@@ -94,6 +95,8 @@ def test_a_parity_task_from_the_heartbeat_is_computed_reported_and_deleted(rig) 
     (held,) = parity_holdings(rig.coord.requests[1])
     assert (held.owner_rank, held.step, held.content_hash) == (0, STEP, spec.digest())
     assert held.size == rig.me.parity.holdings()[0].size > 0
+    counters = rig.hb.parts.metrics.counters
+    assert (counters.get("parity_tasks"), counters.get("parity_bytes")) == (1, held.size)
     assert list(held.group.members) == list(spec.members) and list(held.group.content_hashes) == list(
         spec.content_hashes) and not any(held.group.addresses)
     assert rig.coord.requests[1].inventory_digest != rig.coord.requests[0].inventory_digest

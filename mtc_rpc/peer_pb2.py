@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\npeer.proto\x12\x06mtc.v1\"\x12\n\x10ListStepsRequest\"y\n\x08HeldStep\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x12\n\nfile_count\x18\x06 \x01(\r\"U\n\x11ListStepsResponse\x12\x10\n\x08own_rank\x18\x01 \x01(\x03\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x1f\n\x05steps\x18\x03 \x03(\x0b\x32\x10.mtc.v1.HeldStep\"0\n\x12GetManifestRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\",\n\x13GetManifestResponse\x12\x15\n\rmanifest_json\x18\x01 \x01(\x0c\"g\n\x13OpenTransferRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12%\n\x06pieces\x18\x04 \x03(\x0b\x32\x15.mtc.v1.TransferPiece\"=\n\rTransferPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\":\n\x0cTransferFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\"\x88\x01\n\x14OpenTransferResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x11\n\tdata_port\x18\x02 \x01(\r\x12#\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x14.mtc.v1.TransferFile\x12\x15\n\rexpires_in_ms\x18\x04 \x01(\r\x12\x11\n\tdata_host\x18\x05 \x01(\t\"R\n\x10ReadFilesRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\"n\n\tFileChunk\x12\x12\n\nfile_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\r\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x11\n\tfile_size\x18\x06 \x01(\x04\x32\x97\x02\n\x04Peer\x12@\n\tListSteps\x12\x18.mtc.v1.ListStepsRequest\x1a\x19.mtc.v1.ListStepsResponse\x12\x46\n\x0bGetManifest\x12\x1a.mtc.v1.GetManifestRequest\x1a\x1b.mtc.v1.GetManifestResponse\x12I\n\x0cOpenTransfer\x12\x1b.mtc.v1.OpenTransferRequest\x1a\x1c.mtc.v1.OpenTransferResponse\x12:\n\tReadFiles\x12\x18.mtc.v1.ReadFilesRequest\x1a\x11.mtc.v1.FileChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\npeer.proto\x12\x06mtc.v1\"\x12\n\x10ListStepsRequest\"y\n\x08HeldStep\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x12\n\nfile_count\x18\x06 \x01(\r\"U\n\x11ListStepsResponse\x12\x10\n\x08own_rank\x18\x01 \x01(\x03\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x1f\n\x05steps\x18\x03 \x03(\x0b\x32\x10.mtc.v1.HeldStep\"0\n\x12GetManifestRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\",\n\x13GetManifestResponse\x12\x15\n\rmanifest_json\x18\x01 \x01(\x0c\"w\n\x13OpenTransferRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12%\n\x06pieces\x18\x04 \x03(\x0b\x32\x15.mtc.v1.TransferPiece\x12\x0e\n\x06parity\x18\x05 \x01(\t\"=\n\rTransferPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\":\n\x0cTransferFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\"\x88\x01\n\x14OpenTransferResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x11\n\tdata_port\x18\x02 \x01(\r\x12#\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x14.mtc.v1.TransferFile\x12\x15\n\rexpires_in_ms\x18\x04 \x01(\r\x12\x11\n\tdata_host\x18\x05 \x01(\t\"\x89\x01\n\x10ReadFilesRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\x12%\n\x06pieces\x18\x05 \x03(\x0b\x32\x15.mtc.v1.TransferPiece\x12\x0e\n\x06parity\x18\x06 \x01(\t\"n\n\tFileChunk\x12\x12\n\nfile_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\r\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x11\n\tfile_size\x18\x06 \x01(\x04\x32\x97\x02\n\x04Peer\x12@\n\tListSteps\x12\x18.mtc.v1.ListStepsRequest\x1a\x19.mtc.v1.ListStepsResponse\x12\x46\n\x0bGetManifest\x12\x1a.mtc.v1.GetManifestRequest\x1a\x1b.mtc.v1.GetManifestResponse\x12I\n\x0cOpenTransfer\x12\x1b.mtc.v1.OpenTransferRequest\x1a\x1c.mtc.v1.OpenTransferResponse\x12:\n\tReadFiles\x12\x18.mtc.v1.ReadFilesRequest\x1a\x11.mtc.v1.FileChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,17 +42,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMANIFESTRESPONSE']._serialized_start=302
   _globals['_GETMANIFESTRESPONSE']._serialized_end=346
   _globals['_OPENTRANSFERREQUEST']._serialized_start=348
-  _globals['_OPENTRANSFERREQUEST']._serialized_end=451
-  _globals['_TRANSFERPIECE']._serialized_start=453
-  _globals['_TRANSFERPIECE']._serialized_end=514
-  _globals['_TRANSFERFILE']._serialized_start=516
-  _globals['_TRANSFERFILE']._serialized_end=574
-  _globals['_OPENTRANSFERRESPONSE']._serialized_start=577
-  _globals['_OPENTRANSFERRESPONSE']._serialized_end=713
-  _globals['_READFILESREQUEST']._serialized_start=715
-  _globals['_READFILESREQUEST']._serialized_end=797
-  _globals['_FILECHUNK']._serialized_start=799
-  _globals['_FILECHUNK']._serialized_end=909
-  _globals['_PEER']._serialized_start=912
-  _globals['_PEER']._serialized_end=1191
+  _globals['_OPENTRANSFERREQUEST']._serialized_end=467
+  _globals['_TRANSFERPIECE']._serialized_start=469
+  _globals['_TRANSFERPIECE']._serialized_end=530
+  _globals['_TRANSFERFILE']._serialized_start=532
+  _globals['_TRANSFERFILE']._serialized_end=590
+  _globals['_OPENTRANSFERRESPONSE']._serialized_start=593
+  _globals['_OPENTRANSFERRESPONSE']._serialized_end=729
+  _globals['_READFILESREQUEST']._serialized_start=732
+  _globals['_READFILESREQUEST']._serialized_end=869
+  _globals['_FILECHUNK']._serialized_start=871
+  _globals['_FILECHUNK']._serialized_end=981
+  _globals['_PEER']._serialized_start=984
+  _globals['_PEER']._serialized_end=1263
 # @@protoc_insertion_point(module_scope)

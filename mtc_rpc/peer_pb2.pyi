@@ -51,16 +51,18 @@ class GetManifestResponse(_message.Message):
     def __init__(self, manifest_json: _Optional[bytes] = ...) -> None: ...
 
 class OpenTransferRequest(_message.Message):
-    __slots__ = ("rank", "step", "files", "pieces")
+    __slots__ = ("rank", "step", "files", "pieces", "parity")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
+    PARITY_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     files: _containers.RepeatedScalarFieldContainer[str]
     pieces: _containers.RepeatedCompositeFieldContainer[TransferPiece]
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., pieces: _Optional[_Iterable[_Union[TransferPiece, _Mapping]]] = ...) -> None: ...
+    parity: str
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., pieces: _Optional[_Iterable[_Union[TransferPiece, _Mapping]]] = ..., parity: _Optional[str] = ...) -> None: ...
 
 class TransferPiece(_message.Message):
     __slots__ = ("name", "offset", "length")
@@ -97,16 +99,20 @@ class OpenTransferResponse(_message.Message):
     def __init__(self, ticket: _Optional[bytes] = ..., data_port: _Optional[int] = ..., files: _Optional[_Iterable[_Union[TransferFile, _Mapping]]] = ..., expires_in_ms: _Optional[int] = ..., data_host: _Optional[str] = ...) -> None: ...
 
 class ReadFilesRequest(_message.Message):
-    __slots__ = ("rank", "step", "files", "chunk_bytes")
+    __slots__ = ("rank", "step", "files", "chunk_bytes", "pieces", "parity")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    PARITY_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     files: _containers.RepeatedScalarFieldContainer[str]
     chunk_bytes: int
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    pieces: _containers.RepeatedCompositeFieldContainer[TransferPiece]
+    parity: str
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[TransferPiece, _Mapping]]] = ..., parity: _Optional[str] = ...) -> None: ...
 
 class FileChunk(_message.Message):
     __slots__ = ("file_index", "offset", "data", "crc32c", "name", "file_size")

@@ -29,6 +29,9 @@ from replicator import logs, preemption
 from replicator.control import serve_control
 from replicator.coordinator.service import BackupScheduler, Coordinator
 from replicator.coordinator.topology import JobTopology
+from replicator.erasure.duty import ParityDuty
+from replicator.erasure.holder import ParityStore
+from replicator.erasure.host import EcHost
 from replicator.fetch import Fetcher
 from replicator.heartbeat import Heartbeat, HostParts, Reporter, Wakeup, new_incarnation
 from replicator.local.store import RamDiskStore
@@ -147,13 +150,21 @@ class Replicator:
                                 on_success=self.wake)
         self.fetcher = Fetcher(opts, self.store, self.tasks, bucket, self.metrics, token=self.token,
                                tls=self.tls())
+        # Erasure coding (issue #35): this host's parity, computed on the coordinator's ParityTasks, and its
+        # rank's data rebuilt from its code group (a restore source of tier PARITY). Inert until asked.
+        self.parity = ParityStore(self.store.root, rank)
+        self.fetcher.ec = EcHost(rank, self.store.root, self.parity, token=self.token, tls=self.tls(),
+                                 timeout_seconds=opts.transfer_timeout_seconds,
+                                 rpc_timeout_seconds=opts.rpc_timeout_seconds,
+                                 bytes_per_second=float(opts.max_bytes_per_second) or None)
         # Preemption (a notice, SIGTERM): this host got the notice / the coordinator says some host did.
         state = PreemptionState()
         self.heartbeats = Heartbeat(
             opts, Reporter(job, rank, nodes, fence_nodes=self.fence_nodes, my_candidate=self.my_candidate),
             HostParts(store=self.store, tasks=self.tasks, fetcher=self.fetcher, metrics=self.metrics,
                       preemption=state, wakeup=self._wakeup, stopping=self.stopping,
-                      coordinator=self.coordinator, bucket=bucket),
+                      coordinator=self.coordinator, bucket=bucket,
+                      parity=ParityDuty(self.fetcher.ec, self.tasks, self.wake, self.counters)),
             incarnation=incarnation, tls=self.tls(), token=self.token)
         self.preemption = Preemption(state, self.heartbeats, root=self.store.root, wake=self.wake, bucket=bucket,
                                      rpc_timeout_seconds=opts.rpc_timeout_seconds,
@@ -189,7 +200,7 @@ class Replicator:
                                                                bulk_priority=self.opts.bulk_priority)
             self._transfer_server.start()
         peer = peer_server.PeerServicer(self.store.root, self.rank, self.nodes,
-                                     transfer_server=self._transfer_server, throttle=throttle)
+                                     transfer_server=self._transfer_server, throttle=throttle, parity=self.parity)
         servicers = [(peer_pb2_grpc.add_PeerServicer_to_server, peer)]
         if self.coordinator is not None:
             from mtc_rpc import admin_pb2_grpc

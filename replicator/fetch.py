@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mtc_rpc import coordinator_pb2 as cpb
+from mtc_rpc import tier_pb2
 from replicator import restore_phases
 from replicator.coordinator.model import BUCKET_HOLDER, HolderRank, Tier
-from replicator.coordinator.tier_wire import from_wire
+from replicator.coordinator.tier_wire import WIRE_BUCKET_HOLDER, from_wire
 from replicator.local.store import RamDiskStore
 from replicator.metrics import ReplicatorMetrics
 from replicator.net.rpc import Unavailable, details
@@ -34,6 +35,7 @@ from sidecar import faults, layout, spares
 
 if TYPE_CHECKING:  # the bucket's backends load only when a --backup-url is configured
     from replicator.backup.agent import BackupAgent
+    from replicator.erasure.host import EcHost
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,43 @@ class PeerSource:
         return peer_client.fetch_files(self.address, self.owner_rank, step, entries, dest, token=f.token,
                                        tls=f.tls, throttle=f.throttle,
                                        timeout_seconds=f.opts.transfer_timeout_seconds, pieces=pieces)
+
+
+class ParitySource:
+    """Erasure coding: this host's own rank's data rebuilt from its code group (the other members' data and
+    parity over the peer tier, ``replicator.erasure.host.rebuild_own``), committed as its own step."""
+
+    tier = Tier.PEER  # other hosts' RAM disks, as users read a restore's tier
+    holder_rank = WIRE_BUCKET_HOLDER  # no one holder (the wire's -1)
+
+    def __init__(self, fetcher: Fetcher, src: cpb.RestoreSource):
+        from replicator.erasure.wire import CodeGroupSpec
+
+        self._f = fetcher
+        self.owner_rank = src.owner_rank
+        self.group = CodeGroupSpec.from_proto(src.group)  # ValueError when malformed: the next source
+        self.content_hash = self.group.hash_of(src.owner_rank)
+        if src.content_hash and src.content_hash != self.content_hash:
+            raise ValueError(f"parity source of rank {src.owner_rank}: content hash {src.content_hash[:12]}, its "
+                             f"code group names {self.content_hash[:12]}")
+        self.where = f"code group ec:{self.group.k}+{self.group.m} of ranks {list(self.group.members)}"
+
+    def bring(self, step: int) -> layout.StepManifest:
+        from replicator.erasure.host import rebuild_own
+
+        f, rank = self._f, self.owner_rank
+        if f.ec is None or rank != f.store.rank:
+            raise ValueError(f"rank {rank}'s data is rebuilt from parity only on its own host")
+        ec = f.ec
+        return f.tasks.once(rank, step, self.content_hash, lambda: rebuild_own(ec, step, self.group),
+                            lambda: f.store.manifest(rank, step))
+
+    def manifest(self, step: int) -> layout.StepManifest:
+        return self.bring(step)  # the manifest is rebuilt with the data (the stream's first part)
+
+    def files(self, step: int, entries: list[layout.FileEntry], dest: Path,
+              pieces: Sequence[layout.FilePiece] = ()) -> int:
+        raise FileNotFoundError("files of a step are not read from parity: rebuild the step first")
 
 
 class BucketSource:
@@ -168,6 +207,7 @@ class Fetcher:
         self.metrics, self.counters = metrics, metrics.counters
         self.token, self.tls = token, tls
         self.throttle: peer_protocol.Throttle | None = None  # set once the peer service is up
+        self.ec: EcHost | None = None  # erasure coding: this host's side (rebuilds from parity)
         # Whole-step peer fetches running now: their watermark, for a sidecar that reads while they land.
         self._landing: dict[tuple[int, int], FetchProgress] = {}
         self._landing_lock = threading.Lock()
@@ -179,7 +219,19 @@ class Fetcher:
 
     def source(self, src: cpb.RestoreSource) -> Source:
         """The fetchable tier a coordinator's source names."""
+        if src.kind == tier_pb2.TIER_PARITY:
+            return ParitySource(self, src)
         return BucketSource(self, src) if from_wire(src.kind) is Tier.BUCKET else PeerSource(self, src)
+
+    def sources(self, srcs: Sequence[cpb.RestoreSource]) -> list[Source]:
+        """:meth:`source` of each; one that is malformed is left out (logged)."""
+        out: list[Source] = []
+        for s in srcs:
+            try:
+                out.append(self.source(s))
+            except ValueError as e:
+                log.warning("ignoring a restore source of rank %d: %s", s.owner_rank, e)
+        return out
 
     # ------------------------------------------------------------------ whole steps, single-flight
     def fetch_peer(self, address: str, owner: int, step: int, content_hash: str | None) -> layout.StepManifest:
@@ -281,7 +333,7 @@ class Fetcher:
                 # identity does not rest on the replica's host alone (issue #19).
                 self.store.attest_restored(task.step, src.content_hash)
 
-        fetch_from([self.source(s) for s in task.sources], attempt,
+        fetch_from(self.sources(task.sources), attempt,
                         what=f"restore of rank {rank} step {task.step}", missing="")
 
     # ------------------------------------------------------------------ for the sidecar
@@ -318,7 +370,7 @@ class Fetcher:
                                       where=f"{src.where} for the sidecar")
             return rel, b""
 
-        return fetch_from([self.source(s) for s in sources], attempt,
+        return fetch_from(self.sources(sources), attempt,
                                what=f"rank {owner}'s data of step {step}",
                                missing=f"rank {owner}'s data of step {step} is on no tier the coordinator knows "
                                        f"(savers {savers})")
@@ -350,7 +402,7 @@ class Fetcher:
                                       where=f"{src.where} ({len(entries)} files) for the sidecar")
             return src.where, moved
 
-        return fetch_from([self.source(s) for s in sources], attempt,
+        return fetch_from(self.sources(sources), attempt,
                                what=f"files of rank {owner}'s step {step}",
                                missing=f"rank {owner}'s data of step {step} is on no tier the coordinator knows "
                                        f"(savers {savers})")
@@ -358,4 +410,4 @@ class Fetcher:
 
 def other_sources(sources: Sequence[Any], rank: int) -> list[Any]:
     """The sources that are not this host's own RAM disk (absent or bad when asked for)."""
-    return [x for x in sources if from_wire(x.kind) is Tier.BUCKET or x.holder_rank != rank]
+    return [x for x in sources if x.kind in (tier_pb2.TIER_BUCKET, tier_pb2.TIER_PARITY) or x.holder_rank != rank]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from mtc_rpc import coordinator_pb2 as cpb
+from mtc_rpc import tier_pb2
 from replicator import logs
 from replicator.coordinator.client import FAILOVER_CODES, Candidates
 from replicator.coordinator.model import Tier, inventory_digest
@@ -36,6 +37,7 @@ from sidecar import faults
 
 if TYPE_CHECKING:  # the bucket's backends load only when a --backup-url is configured
     from replicator.backup.agent import BackupAgent
+    from replicator.erasure.duty import ParityDuty
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,7 @@ class HostParts:
     stopping: threading.Event
     coordinator: Coordinator | None = None  # this host's coordinator candidate, if it is one
     bucket: BackupAgent | None = None  # this host's side of the backup tier (None: no --backup-url)
+    parity: ParityDuty | None = None  # this host's erasure-coded parity (replicator.erasure.duty)
 
 
 class Heartbeat:
@@ -120,6 +123,7 @@ class Heartbeat:
         self.candidates: Candidates | None = None  # set by :meth:`connect` once the daemon's address is known
         self.epoch = 0  # highest coordinator epoch accepted (fences a deposed coordinator's deletions)
         self._acked: tuple[str, dict[tuple[int, int], Any]] | None = None  # (digest, inventory) the coordinator holds
+        self._acked_parity: dict[Any, Any] = {}  # the parity holdings of that inventory (erasure coding)
         self.interval = opts.heartbeat_seconds
         self._answered = False  # a coordinator answered one of our heartbeats (since this daemon started)
         self._lower_down_since: float | None = None
@@ -238,6 +242,9 @@ class Heartbeat:
         inv = [h for h in inv if h.owner_rank < me.nodes]
         own = store.own_steps()
         digest = inventory_digest(inv)
+        parity = parts.parity.inventory() if parts.parity is not None else {}
+        if parts.parity is not None:
+            digest = parts.parity.digest(digest, parity)
         self._note_saves(inv)
         req = cpb.HeartbeatRequest(
             job=me.job, rank=me.rank, incarnation=self.incarnation, address=self.address,
@@ -262,6 +269,8 @@ class Heartbeat:
                                    size=h.size, tier=to_wire(h.tier), generation=h.generation)
             for a, b in h.savers:
                 pbh.savers.add(first=a, last=b)
+        if parts.parity is not None:
+            parts.parity.report(req, parity, None if self._acked is None else self._acked_parity)
         if parts.bucket is not None:
             # Kept until a coordinator took them: a failed heartbeat (e.g. during a failover) loses none.
             self._backup_reports = (self._backup_reports + parts.bucket.drain_reports())[-BACKUP_REPORTS_KEPT:]
@@ -275,6 +284,7 @@ class Heartbeat:
         self._backup_reports = []
         if resp.acked_digest and resp.acked_digest == digest:
             self._acked = (digest, current)
+            self._acked_parity = parity
         else:
             self._acked = None
             parts.wakeup.ring()  # the coordinator has no picture of this host (restart, failover): report all now
@@ -311,6 +321,8 @@ class Heartbeat:
         parts = self.parts
         store, tasks, counters = parts.store, parts.tasks, parts.metrics.counters
         for x in resp.deletions:
+            if x.tier == tier_pb2.TIER_PARITY:
+                continue  # this host's parity of the step, not its data: parts.parity's (below)
             if not tasks.busy(x.owner_rank, x.step):
                 faults.point("gc.before_delete")
                 # Only the copy the coordinator chose: a save committed since under the same step stays.
@@ -333,6 +345,8 @@ class Heartbeat:
         if resp.HasField("restore"):
             tasks.submit("restore", self.me.rank, resp.restore.step, self._restore, resp.restore, sent_at,
                          round_trip)
+        if parts.parity is not None:
+            parts.parity.act(resp)  # parity deletions now, parity tasks queued like copies
         if resp.HasField("backup") and parts.bucket is not None:
             # Emergency backup (preempting): its own thread at normal priority, not the idle-priority pool.
             tasks.submit("backup", -1, resp.backup.step, parts.bucket.run_task, resp.backup, store,

@@ -42,6 +42,8 @@ CounterName = Literal[
     "backup_uploads",  # ranks uploaded to the bucket by this host
     "backup_upload_bytes",
     "backup_upload_failures",
+    "parity_tasks",  # erasure coding: this host's parity of a step computed and committed
+    "parity_bytes",
 ]
 COUNTER_NAMES: tuple[str, ...] = get_args(CounterName)
 
@@ -256,6 +258,9 @@ class _Collector:
                        c["heartbeat_failures"])
         yield _counter("mtc_backup_uploads", "Ranks this host uploaded to the bucket", c["backup_uploads"])
         yield _counter("mtc_backup_upload_failures", "Failed uploads by this host", c["backup_upload_failures"])
+        yield _counter("mtc_parity_computed", "Erasure coding: steps whose parity this host computed",
+                       c["parity_tasks"])
+        yield _counter("mtc_parity_bytes", "Erasure coding: parity bytes this host computed", c["parity_bytes"])
         if self.m.local_dir is not None:
             try:
                 du = shutil.disk_usage(self.m.local_dir)

@@ -17,10 +17,8 @@ from typing import Any, Protocol
 
 import grpc
 
-from mtc_rpc import control_pb2
+from mtc_rpc import control_pb2, tier_pb2
 from mtc_rpc import coordinator_pb2 as cpb
-from replicator.coordinator.model import Tier
-from replicator.coordinator.tier_wire import from_wire
 from replicator.fetch import AbandonedSave, Fetcher, other_sources
 from replicator.local.store import RamDiskStore
 from replicator.net import rpc
@@ -143,7 +141,7 @@ class SidecarFetch:
         if (m := self._held_replica(srcs, step)) is not None:
             yield committed(m.rank)
             return
-        owners = sorted({s.owner_rank for s in srcs if from_wire(s.kind) is not Tier.BUCKET})
+        owners = sorted({s.owner_rank for s in srcs if s.kind != tier_pb2.TIER_BUCKET})
         outcome: dict[str, Any] = {}
 
         def fetch() -> None:
@@ -227,7 +225,7 @@ class SidecarFetch:
     def _held_replica(self, srcs: list[Any], step: int) -> layout.StepManifest | None:
         """The manifest of a copy held here of one of ``srcs`` (its owner, its content), if any."""
         for src in srcs:
-            if from_wire(src.kind) is not Tier.BUCKET and self._store.has(src.owner_rank, step,
+            if src.kind != tier_pb2.TIER_BUCKET and self._store.has(src.owner_rank, step,
                                                                            src.content_hash or None):
                 return self._store.manifest(src.owner_rank, step)
         return None

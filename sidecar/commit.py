@@ -222,6 +222,24 @@ def commit_dir(tmp_dir: Path, final_dir: Path, *, replace: bool = False) -> None
     fsync_dir(final_dir.parent)
 
 
+def publish_dir(tmp_dir: Path, final_dir: Path, marker: str) -> None:
+    """:func:`commit_dir` for a directory that is not a step (a host's parity of a step,
+    ``replicator/erasure/holder.py``): ``tmp_dir`` (from :func:`make_tmp_dir`) holds its fsynced files and
+    its commit marker ``marker``, written last; one rename publishes it. FileExistsError when ``final_dir``
+    exists (the caller decides whether the one there is current)."""
+    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
+    if not (tmp_dir / marker).is_file():
+        raise FileNotFoundError(f"refusing to publish {tmp_dir}: no {marker}")
+    if tmp_dir.parent != final_dir.parent:
+        raise ValueError("temporary and final directories must be siblings (same filesystem)")
+    fsync_dir(tmp_dir)
+    if final_dir.exists():
+        raise FileExistsError(f"{final_dir} already exists")
+    os.rename(tmp_dir, final_dir)
+    _release_owned(tmp_dir)
+    fsync_dir(final_dir.parent)
+
+
 def remove_tmp_dirs(parent: Path) -> list[Path]:
     """Start-up cleanup under ``parent``: temporary directories no live writer owns, and GC trash.
 

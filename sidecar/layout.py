@@ -14,6 +14,8 @@ A host's local directory (the RAM disk) looks like::
     <root>/fetch/.tmp-<N>-<nonce>/      files of other ranks' steps fetched for one restore (never a step:
                                         no manifest; flock-ed by the reading process, removed after use)
     <root>/.spare/<size>-<nonce>        files of deleted steps kept for their tmpfs pages (never read)
+    <root>/parity/<N>/<digest>/...      erasure-coded parity this host holds of step N (the replicator's:
+                                        replicator/erasure/holder.py owns those names)
 
 A step directory is visible only once complete (see :mod:`sidecar.commit`). A directory without
 ``MANIFEST.json`` is not a step. The manifest carries a sha256 of its own canonical encoding

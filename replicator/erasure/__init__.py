@@ -1,4 +1,4 @@
-"""Erasure-coded redundancy for the peer tier (issue #35): the foundation, not yet wired into the replicator.
+"""Erasure-coded redundancy for the peer tier (issue #35): the foundation and the host side (the coordinator's part is separate).
 
 The choice: **a code group spans hosts, and each host's data stays where it is.** Splitting one host's step K
 ways and storing the K + M fragments on other hosts would cost (K + M) / K of a copy (the data fragments
@@ -10,7 +10,10 @@ padding of shorter steps to the group's longest), and any M hosts of a group may
 
 Modules: :mod:`.redundancy` (the ``copies:N | ec:K+M`` value), :mod:`.codec` (one stripe through pyeclib /
 ISA-L), :mod:`.group` (layout, manifest, streaming encoder and decoder), :mod:`.placement` (which hosts form
-which group, other slices first), :mod:`.stream` (a step directory as a byte stream and back).
+which group, other slices first), :mod:`.stream` (a step directory as a byte stream and back), :mod:`.wire` (a
+code group as the coordinator names it). The host side: :mod:`.holder` (this host's parity on its RAM disk),
+:mod:`.remote` (byte ranges of other hosts' data and parity over the peer tier), :mod:`.host` (a ParityTask's
+encoding, a rebuild of this host's data), :mod:`.duty` (what the heartbeat reports and does of it).
 """
 
 from replicator.erasure.codec import DEFAULT_BACKEND, NotEnoughFragmentsError, StripeCodec

@@ -104,7 +104,9 @@ class GroupManifest:
     manifest_bytes: tuple[int, ...]  # per member: the length of its MANIFEST.json, the stream's first part
     shard_bytes: int
     stripe_bytes: int
-    crc32c: tuple[tuple[tuple[int, ...], ...], ...]  # [rotation][stripe][fragment index]
+    # [rotation][stripe][fragment index]; a parity holder's manifest covers only the rotations whose parity
+    # it holds (``layout.parity_held``): the rows of the others are empty. :meth:`merged` joins holders' rows.
+    crc32c: tuple[tuple[tuple[int, ...], ...], ...]
     backend: str = DEFAULT_BACKEND
     format_version: int = GROUP_FORMAT_VERSION
 
@@ -121,9 +123,40 @@ class GroupManifest:
             if not mb <= s <= self.layout.k * self.shard_bytes:
                 raise ValueError(f"member stream of {s} bytes (manifest {mb}) does not fit K x {self.shard_bytes}")
         stripes = self.stripes
-        if len(self.crc32c) != n or any(len(r) != stripes or any(len(t) != width or any(
-                type(c) is not int or not 0 <= c < 2**32 for c in t) for t in r) for r in self.crc32c):
-            raise ValueError(f"crc32c table must be {n} rotations x {stripes} stripes x {width} fragments")
+        if len(self.crc32c) != n or any(r and (len(r) != stripes or any(len(t) != width or any(
+                type(c) is not int or not 0 <= c < 2**32 for c in t) for t in r)) for r in self.crc32c):
+            raise ValueError(f"crc32c table must be {n} rotations x ({stripes} stripes or none) x {width} fragments")
+        if not any(self.crc32c):
+            raise ValueError("a code group manifest covers no rotation")
+
+    @property
+    def rotations(self) -> tuple[int, ...]:
+        """The rotations whose crc32c rows this manifest has (all of them, or a parity holder's own)."""
+        return tuple(r for r, row in enumerate(self.crc32c) if row)
+
+    def covers(self, rotation: int) -> bool:
+        return bool(self.crc32c[rotation])
+
+    def geometry(self) -> dict[str, Any]:
+        """Everything but the crc32c rows: equal for every holder's manifest of one group's step."""
+        return {k: v for k, v in self.to_dict().items() if k != "crc32c"}
+
+    def merged(self, others: Sequence[GroupManifest]) -> GroupManifest:
+        """This manifest with the rows of ``others`` (other holders' of the same group's step) it lacks.
+        ValueError when their geometry differs (another save, another group): never mixed."""
+        rows = list(self.crc32c)
+        mine = self.geometry()
+        for o in others:
+            if o.geometry() != mine:
+                raise ValueError(f"code group manifests of step {self.step} differ in geometry: {o.geometry()} "
+                                 f"vs {mine}")
+            for r, row in enumerate(o.crc32c):
+                if row and not rows[r]:
+                    rows[r] = row
+                elif row and row != rows[r]:
+                    log.warning("code group of step %d: two holders' crc32c of rotation %d differ; keeping the "
+                                "first (the fragments that match neither are passed over)", self.step, r)
+        return dataclasses.replace(self, crc32c=tuple(rows))
 
     @property
     def stripes(self) -> int:
@@ -232,10 +265,14 @@ class GroupEncoder:
                 for j, p in enumerate(parity):
                     yield ParityStripe(holders[lay.k + j], r, j, t, off, p, crcs[lay.k + j])
 
-    def manifest(self) -> GroupManifest:
-        if any(not t for r in self._crc for t in r):
-            raise ValueError("GroupEncoder.manifest() before every stripe was encoded")
-        return GroupManifest(crc32c=tuple(tuple(r) for r in self._crc), **self._base)
+    def manifest(self, rotations: Collection[int] | None = None) -> GroupManifest:
+        """The manifest of ``rotations`` (default all): each must be encoded; the others' rows are empty (a
+        parity holder's own manifest)."""
+        want = set(range(self.layout.n) if rotations is None else rotations)
+        if not want or any(not t for r in want for t in self._crc[r]):
+            raise ValueError("GroupEncoder.manifest() before every stripe of its rotations was encoded")
+        return GroupManifest(crc32c=tuple(tuple(r) if i in want else () for i, r in enumerate(self._crc)),
+                             **self._base)
 
 
 class GroupDecoder:
@@ -266,6 +303,8 @@ class GroupDecoder:
             return None
         off, length = man.stripe_range(stripe)
         where = (holder, rotation, stripe, index)
+        if not man.covers(rotation):
+            return None  # no crc32c to check it against: not intact (recover() says why)
         try:
             if index < lay.k:
                 data = _padded(self.read_data, holder, index * man.shard_bytes + off, length, self._lengths[holder])
@@ -289,6 +328,10 @@ class GroupDecoder:
 
     def recover(self, rotation: int, stripe: int, want: Sequence[int]) -> dict[int, memoryview]:
         """Fragments ``want`` of one stripe from the first K intact others (data first: hosts' own files)."""
+        if not self.manifest.covers(rotation):
+            raise NotEnoughFragmentsError(
+                f"step {self.manifest.step} rotation {rotation}: no crc32c rows (no GROUP.json of its parity "
+                f"holders was read), so no fragment of it can be verified")
         have: dict[int, bytes] = {}
         for i in range(self.codec.n):
             if len(have) == self.codec.k:

@@ -50,24 +50,33 @@ class StepStream:
             data = f.read(MAX_MANIFEST_BYTES + 1)
         return cls(step_dir, data)
 
-    def read(self, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset + length) of the stream, cut at its end (shorter, never padded). Bytes are
-        read as they are on disk: the caller checks them (a parity file's crc32c covers what was encoded)."""
+    def ranges(self, offset: int, length: int) -> list[tuple[int, int, int]]:
+        """Where bytes [offset, offset + length) of the stream are (cut at its end): (part index, offset in
+        the part, length) in stream order; part 0 is the manifest, the others are files (read locally by
+        :meth:`read`, or from a peer by byte range)."""
         if offset < 0 or length < 0:
             raise ValueError(f"bad range offset={offset} length={length}")
         stop = min(offset + length, self.length)
-        out = bytearray()
+        out = []
         i = max(bisect.bisect_right(self._starts, offset) - 1, 0)
         while offset < stop:
             part = self.parts[i]
             end = min(stop, part.start + part.size)
             if end > offset:
-                if i == 0:
-                    out += self.manifest_bytes[offset:end]
-                else:
-                    out += _pread(resolve_under(self.step_dir, part.name), offset - part.start, end - offset)
+                out.append((i, offset - part.start, end - offset))
                 offset = end
             i += 1
+        return out
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of the stream, cut at its end (shorter, never padded). Bytes are
+        read as they are on disk: the caller checks them (a parity file's crc32c covers what was encoded)."""
+        out = bytearray()
+        for i, at, n in self.ranges(offset, length):
+            if i == 0:
+                out += self.manifest_bytes[at:at + n]
+            else:
+                out += _pread(resolve_under(self.step_dir, self.parts[i].name), at, n)
         return bytes(out)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from mtc_rpc import peer_pb2, peer_pb2_grpc
+from replicator.erasure.holder import ParityStore, check_digest
 from replicator.net import rpc
 from replicator.peer.data_port import TransferServer
 from replicator.peer.protocol import (
@@ -59,11 +60,16 @@ def _check_rank_step(rank: int, step: int, nodes: int) -> None:
 
 def _select_files(manifest: StepManifest, names: Sequence[str], max_files: int) -> list[FileEntry]:
     """The manifest entries for ``names`` (all files when empty), validating every requested name."""
+    return _select(manifest.files, names, max_files, f"rank {manifest.rank} step {manifest.step}")
+
+
+def _select(files: Sequence[FileEntry], names: Sequence[str], max_files: int, what: str) -> list[FileEntry]:
+    """The entries of ``files`` for ``names`` (all when empty), validating every requested name."""
     if not names:
-        return list(manifest.files)
+        return list(files)
     if len(names) > max_files:
         raise ValueError(f"{len(names)} file names in one request exceed the limit of {max_files}")
-    by_name = {f.name: f for f in manifest.files}
+    by_name = {f.name: f for f in files}
     seen: set[str] = set()
     out = []
     for name in names:
@@ -73,7 +79,7 @@ def _select_files(manifest: StepManifest, names: Sequence[str], max_files: int) 
         seen.add(name)
         entry = by_name.get(name)
         if entry is None:
-            raise FileNotFoundError(f"file {name!r} is not part of rank {manifest.rank} step {manifest.step}")
+            raise FileNotFoundError(f"file {name!r} is not part of {what}")
         out.append(entry)
     return out
 
@@ -111,6 +117,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         throttle: Throttle | None = None,
         advertise_host: str = "",
         max_files_per_request: int = MAX_FILES_PER_REQUEST,
+        parity: ParityStore | None = None,
     ):
         if not isinstance(nodes, int) or nodes < 1 or not 0 <= own_rank < nodes:
             raise ValueError(f"bad own_rank/nodes {own_rank}/{nodes}")
@@ -120,6 +127,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self.transfer_server = transfer_server
         self.advertise_host = advertise_host
         self.max_files = max_files_per_request
+        self._parity = parity  # this host's parity (erasure coding); made on the first request for it if None
         if transfer_server is not None:
             self._limiter, self._slots = transfer_server.limiter, transfer_server.slots
         else:
@@ -148,18 +156,34 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             context.abort(grpc.StatusCode.DATA_LOSS, f"manifest of rank {rank} step {step} is corrupt: {e}")
         return step_dir, manifest, raw
 
+    def _parity_entries(self, request: Any) -> tuple[Path, list[FileEntry]]:
+        """The files of this host's parity of ``request.step`` for the group ``request.parity`` names."""
+        _check_rank_step(request.rank, request.step, self.nodes)
+        if request.rank != self.own_rank:
+            raise ValueError(f"parity is read from its holder: rank {request.rank} is not this host's "
+                             f"({self.own_rank})")
+        check_digest(request.parity)  # ValueError before any path is built from it
+        if self._parity is None:
+            self._parity = ParityStore(self.root, self.own_rank)
+        parity_dir, files = self._parity.entries(request.step, request.parity)
+        what = f"rank {self.own_rank}'s parity of step {request.step} ({request.parity})"
+        return parity_dir, _select(files, list(request.files), self.max_files, what)
+
     def _entries(
         self, request: Any, context: grpc.ServicerContext
-    ) -> tuple[Path, StepManifest, list[FileEntry]]:
-        step_dir, manifest, _ = self._load(request.rank, request.step, context)
-        entries = _select_files(manifest, list(request.files), self.max_files)
+    ) -> tuple[Path, list[FileEntry]]:
+        if request.parity:
+            step_dir, entries = self._parity_entries(request)
+        else:
+            step_dir, manifest, _ = self._load(request.rank, request.step, context)
+            entries = _select_files(manifest, list(request.files), self.max_files)
         for e in entries:
             path = layout.resolve_under(step_dir, e.name)  # ValueError on a symlink escaping the step
             if not path.is_file():
                 raise FileNotFoundError(
                     f"file {e.name!r} of rank {request.rank} step {request.step} is missing"
                 )
-        return step_dir, manifest, entries
+        return step_dir, entries
 
     # -- RPCs
 
@@ -205,7 +229,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
     @rpc.map_errors
     def OpenTransfer(self, request: Any, context: grpc.ServicerContext) -> Any:
-        step_dir, _, entries = self._entries(request, context)
+        step_dir, entries = self._entries(request, context)
         sends = _pieces(entries, request.pieces)
         resp = peer_pb2.OpenTransferResponse(
             files=[peer_pb2.TransferFile(name=e.name, size=e.size, crc32c=e.crc32c) for e in entries]
@@ -224,26 +248,29 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
     @rpc.map_errors
     def ReadFiles(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        step_dir, _, entries = self._entries(request, context)
+        step_dir, entries = self._entries(request, context)
+        # Whole files, or (pieces) only these ranges: a chunk's file_index is then its piece's index.
+        sends = _pieces(entries, request.pieces) or tuple((e, 0, e.size) for e in entries)
         chunk = request.chunk_bytes or STREAM_CHUNK_BYTES
         chunk = max(64 << 10, min(int(chunk), MAX_STREAM_CHUNK_BYTES))
         if not self._slots.acquire(timeout=rpc.RPC_TIMEOUT_SECONDS):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent transfers, retry later")
         start, sent = time.monotonic(), 0
         try:
-            for idx, e in enumerate(entries):
+            for idx, (e, start, length) in enumerate(sends):
                 with open(layout.resolve_under(step_dir, e.name), "rb") as f:
-                    offset = 0
+                    offset, end = start, start + length
+                    f.seek(start)
                     while True:
                         if not context.is_active():
                             log.info("ReadFiles of rank %d step %d cancelled", request.rank, request.step)
                             return
-                        n = min(chunk, e.size - offset)
+                        n = min(chunk, end - offset)
                         self._limiter.acquire(n)
                         data = f.read(n)
                         if len(data) != n:
                             raise ChecksumError(f"{e.name} (file shorter than its manifest)", e.crc32c, 0)
-                        first = offset == 0
+                        first = offset == start
                         yield peer_pb2.FileChunk(
                             file_index=idx,
                             offset=offset,
@@ -254,7 +281,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                         )
                         offset += n
                         sent += n
-                        if offset >= e.size:
+                        if offset >= end:
                             break
         finally:
             self._slots.release()

@@ -49,7 +49,7 @@ def _heartbeat(rank: int, candidates=None, coordinator=None, my_candidate=None) 
     parts = SimpleNamespace(store=None, coordinator=coordinator, wakeup=Wakeup(), stopping=threading.Event(),
                             metrics=SimpleNamespace(counters=SimpleNamespace(add=lambda *a: None)),
                             tasks=SimpleNamespace(busy=lambda *a: False, submit=lambda *a, **kw: None),
-                            bucket=None)
+                            bucket=None, parity=None)
     opts = SimpleNamespace(rpc_timeout_seconds=5.0, heartbeat_seconds=1.0)
     hb = Heartbeat(opts, Reporter(job="t", rank=rank, nodes=4, my_candidate=my_candidate), parts, incarnation=1)
     hb.candidates = candidates

@@ -171,3 +171,36 @@ def test_any_loss_of_at_most_m_members_round_trips(k: int, m: int, extra: int, s
     g = Group(k, m, lengths, seed=sum(lengths), stripe_bytes=stripe)
     lost = tuple(data.draw(st.lists(st.sampled_from(g.layout.members), min_size=1, max_size=m, unique=True)))
     g.check_rebuilds(lost)
+
+
+def test_each_holder_encodes_its_own_rotations_and_their_manifests_merge() -> None:
+    g = Group(4, 2, [3000 + 111 * i for i in range(6)], seed=9)
+    lay = g.layout
+    partial = {}
+    for h in lay.members:  # per-holder encoding: only the rotations whose parity h holds, only h's stripes
+        enc = GroupEncoder(g.codec, lay, 7, [len(g.streams[r]) for r in lay.members],
+                           [min(len(g.streams[r]), 5) for r in lay.members], g.read_data, stripe_bytes=STRIPE)
+        rotations = sorted(r for r, _ in lay.parity_held(h))
+        mine: dict[tuple[int, int, int], bytearray] = {}
+        for p in enc.stripes(rotations):
+            if p.holder == h:
+                mine.setdefault((p.holder, p.rotation, p.index), bytearray()).extend(p.data)
+        assert mine == {key: v for key, v in g.parity.items() if key[0] == h}
+        man = GroupManifest.from_dict(json.loads(json.dumps(enc.manifest(rotations).to_dict())))
+        assert man.rotations == tuple(rotations)
+        partial[h] = man
+    first, *rest = partial.values()
+    assert first.merged(rest) == g.manifest
+    # without the rows of a rotation the decoder cannot verify its fragments: a clear error, not a guess
+    lost = lay.members[0]
+    needed = lay.data_rotation(lost, 0)
+    holders_of_needed = set(lay.holders(needed)[lay.k:])
+    some = [man for h, man in partial.items() if h not in holders_of_needed]
+    dec = GroupDecoder(g.codec, some[0].merged(some[1:]), g.read_data, g.read_parity, (lost,))
+    with pytest.raises(NotEnoughFragmentsError, match="no crc32c rows"):
+        b"".join(dec.stream(lost))
+    other = Group(4, 2, [3000] * 6, seed=10)
+    with pytest.raises(ValueError, match="geometry"):
+        first.merged([other.manifest])
+    with pytest.raises(ValueError, match="covers no rotation"):
+        GroupManifest.from_dict({**first.to_dict(), "crc32c": [[] for _ in range(6)]})

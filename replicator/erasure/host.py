@@ -1,0 +1,229 @@
+"""This host's side of erasure coding (issue #35): compute its parity on a ``ParityTask``, and rebuild its own
+rank's data of a step from its code group (a ``RestoreSource`` of tier ``TIER_PARITY``).
+
+Per-holder encoding (docs/peer.md, "Erasure coding"): member h holds the parity of rotations
+``layout.parity_held(h)``; it reads the K data shards of each of them from the members' step streams (its
+own locally, the others' over the peer tier by byte range), encodes, and keeps only its own stripes, with
+the crc32c rows of its rotations in ``GROUP.json``. Every member's data must be the one the group names
+(its manifest's content hash), checked before and again after encoding: a stale task writes nothing.
+
+A rebuild reads the parity holders' ``GROUP.json`` (their crc32c rows merged), then decodes each of this
+rank's K shards from the intact fragments of the other members (every fragment and every rebuilt fragment is
+checked against its crc32c), unpacks the stream into a temporary step directory (every file checked against
+its crc32c, the manifest's content hash against the group's), and commits it as this rank's step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from replicator.erasure.codec import NotEnoughFragmentsError, StripeCodec
+from replicator.erasure.group import DEFAULT_STRIPE_BYTES, GroupDecoder, GroupEncoder, GroupManifest
+from replicator.erasure.holder import ParityRecord, ParityStore
+from replicator.erasure.remote import PeerLink, RemoteParity, RemoteStream, StaleGroupError
+from replicator.erasure.stream import StepStream, unpack_stream
+from replicator.erasure.wire import CodeGroupSpec
+from replicator.net import rpc
+from replicator.net.security import TlsOptions
+from replicator.net.throttle import RateLimiter
+from sidecar import commit, layout
+from sidecar.layout import ManifestError, StepManifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EcHost:
+    """What this host's coding needs: its rank, RAM disk, parity store and how to reach its peers."""
+
+    rank: int
+    root: Path
+    parity: ParityStore
+    token: str | None = None
+    tls: TlsOptions | None = None
+    timeout_seconds: float = rpc.TRANSFER_TIMEOUT_SECONDS  # a whole task's deadline
+    rpc_timeout_seconds: float = rpc.RPC_TIMEOUT_SECONDS
+    stripe_bytes: int = DEFAULT_STRIPE_BYTES
+    use_data_port: bool = True
+    bytes_per_second: float | None = None  # the replication throttle (--max-bytes-per-second), per task
+
+    def own_step_dir(self, step: int) -> Path:
+        return layout.steps_dir(self.root) / layout.step_name(step)
+
+
+class _Links:
+    """One :class:`PeerLink` per member address for one task, closed together."""
+
+    def __init__(self, host: EcHost, deadline: float):
+        self.host, self.deadline = host, deadline
+        self._links: dict[str, PeerLink] = {}
+        self._limiter = RateLimiter(host.bytes_per_second)
+
+    def __call__(self, address: str) -> PeerLink:
+        if address not in self._links:
+            h = self.host
+            self._links[address] = PeerLink(address, token=h.token, tls=h.tls, deadline=self.deadline,
+                                            rpc_timeout_seconds=h.rpc_timeout_seconds,
+                                            use_data_port=h.use_data_port, limiter=self._limiter)
+        return self._links[address]
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+
+    @property
+    def bytes(self) -> int:
+        return sum(link.bytes for link in self._links.values())
+
+
+@contextlib.contextmanager
+def _links(host: EcHost) -> Iterator[_Links]:
+    links = _Links(host, time.monotonic() + host.timeout_seconds)
+    try:
+        yield links
+    finally:
+        links.close()
+
+
+def _own_stream(host: EcHost, step: int, content_hash: str) -> StepStream:
+    """This rank's committed step as a stream; StaleGroupError unless its content is ``content_hash``."""
+    try:
+        stream = StepStream.open(host.own_step_dir(step))
+    except FileNotFoundError:
+        raise StaleGroupError(f"rank {host.rank} holds no step {step} (the code group names "
+                              f"{content_hash[:12]})") from None
+    if stream.manifest.content_hash != content_hash:
+        raise StaleGroupError(f"rank {host.rank}'s step {step} is {stream.manifest.content_hash[:12]}, the code "
+                              f"group names {content_hash[:12]}")
+    return stream
+
+
+def compute_parity(host: EcHost, step: int, group: CodeGroupSpec) -> ParityRecord:
+    """A ``ParityTask``: compute and commit this host's parity of ``step`` for ``group`` (already held: its
+    record). StaleGroupError when a member's data is not the group's (before or after encoding): nothing is
+    written; ConnectionError etc. when a member cannot be read (retried by the caller's backoff)."""
+    digest = group.digest()
+    held = host.parity.record(step, digest)
+    if held is not None:
+        return held
+    lay = group.layout
+    lay.position(host.rank)  # ValueError when this host is not a member
+    t0 = time.monotonic()
+    with _links(host) as links:
+        streams: dict[int, StepStream | RemoteStream] = {}
+        for rank, content_hash, address in zip(group.members, group.content_hashes, group.addresses, strict=True):
+            if rank == host.rank:
+                streams[rank] = _own_stream(host, step, content_hash)
+            elif not address:
+                raise ConnectionError(f"member rank {rank} of the code group of step {step} has no address")
+            else:
+                streams[rank] = RemoteStream.open(links(address), rank, step, content_hash)
+        lengths = [streams[r].length for r in lay.members]
+        manifest_lengths = [len(streams[r].manifest_bytes) for r in lay.members]
+        enc = GroupEncoder(StripeCodec(lay.k, lay.m), lay, step, lengths, manifest_lengths,
+                           lambda rank, offset, length: streams[rank].read(offset, length),
+                           stripe_bytes=host.stripe_bytes)
+        rotations = sorted(r for r, _ in lay.parity_held(host.rank))
+
+        def mine() -> Iterator:
+            for p in enc.stripes(rotations):
+                if p.holder == host.rank:
+                    yield p
+
+        def manifest() -> GroupManifest:
+            # A member that saved the step again while we read it gave us a mix: refuse it before commit.
+            for rank, content_hash, address in zip(group.members, group.content_hashes, group.addresses,
+                                                   strict=True):
+                if rank == host.rank:
+                    _own_stream(host, step, content_hash)
+                else:
+                    RemoteStream.open(links(address), rank, step, content_hash)
+            return enc.manifest(rotations)
+
+        record = host.parity.write_all(step, group, mine(), manifest)
+        moved = links.bytes
+    dt = max(time.monotonic() - t0, 1e-9)
+    log.info("parity of step %d (ec:%d+%d, rotations %s, %s): %d parity bytes from %d bytes read over the "
+             "peer tier in %.3fs (%.1f MiB/s)", step, lay.k, lay.m, rotations, digest, record.parity_bytes,
+             moved, dt, moved / dt / 2**20)
+    return record
+
+
+def rebuild_own(host: EcHost, step: int, group: CodeGroupSpec) -> StepManifest:
+    """Rebuild this rank's data of ``step`` from ``group``'s other members and commit it as its own step.
+
+    NotEnoughFragmentsError when some stripe has fewer than K intact fragments (too many members lost,
+    unreachable or corrupt); ChecksumError / ManifestError when what was rebuilt does not verify; nothing is
+    committed then. FileExistsError when the step is committed here already."""
+    lay = group.layout
+    pos = lay.position(host.rank)
+    expected = group.content_hashes[pos]
+    digest = group.digest()
+    final = host.own_step_dir(step)
+    if (final / layout.MANIFEST_NAME).is_file():
+        raise FileExistsError(f"step directory {final} already exists")
+    t0 = time.monotonic()
+    with _links(host) as links:
+        parities: dict[int, RemoteParity] = {}
+        records: list[ParityRecord] = []
+        for rank, address in zip(group.members, group.addresses, strict=True):
+            if rank == host.rank or not address:
+                continue
+            rp = RemoteParity(links(address), rank, step, digest)
+            try:
+                records.append(rp.record())
+                parities[rank] = rp
+            except (OSError, ValueError) as e:
+                log.warning("rebuild of step %d: no parity record from rank %d: %s", step, rank, e)
+        if not records:
+            raise NotEnoughFragmentsError(f"rebuild of rank {host.rank} step {step}: no parity holder of the code "
+                                          f"group ({digest}) answered")
+        manifest = records[0].manifest.merged([r.manifest for r in records[1:]])
+        streams: dict[int, RemoteStream] = {}
+        lost = {host.rank}
+        for rank, content_hash, address in zip(group.members, group.content_hashes, group.addresses, strict=True):
+            if rank in lost or not address:
+                lost.add(rank)
+                continue
+            try:
+                streams[rank] = RemoteStream.open(links(address), rank, step, content_hash)
+            except (OSError, ValueError) as e:
+                log.warning("rebuild of step %d: rank %d's data unavailable: %s", step, rank, e)
+                lost.add(rank)
+
+        def read_data(rank: int, offset: int, length: int) -> bytes:
+            if rank not in streams:
+                raise ConnectionError(f"rank {rank}'s data is unavailable")
+            return streams[rank].read(offset, length)
+
+        def read_parity(rank: int, rotation: int, index: int, offset: int, length: int) -> bytes:
+            if rank not in parities:
+                raise ConnectionError(f"no parity of rank {rank}")
+            return parities[rank].read(rotation, index, offset, length)
+
+        dec = GroupDecoder(StripeCodec(lay.k, lay.m, manifest.backend), manifest, read_data, read_parity,
+                           lost=lost - set(parities))
+        tmp = commit.make_tmp_dir(final.parent, step)
+        try:
+            m = unpack_stream(dec.stream(host.rank), manifest.manifest_bytes[pos], manifest.stream_bytes[pos], tmp)
+            if (m.rank, m.step, m.content_hash) != (host.rank, step, expected):
+                raise ManifestError(f"rebuilt manifest of rank {m.rank} step {m.step} ({m.content_hash[:12]}), "
+                                    f"the code group names rank {host.rank} step {step} ({expected[:12]})")
+            commit.commit_dir(tmp, final)
+        except BaseException:
+            commit.remove_owned_dir(tmp)
+            raise
+        moved = links.bytes
+    if dec.corrupt or dec.unreadable:
+        log.warning("rebuild of step %d passed over corrupt fragments %s and unreadable ones %s", step,
+                    dec.corrupt[:8], dec.unreadable[:8])
+    dt = max(time.monotonic() - t0, 1e-9)
+    log.info("rebuilt rank %d step %d from its code group (ec:%d+%d, lost %s): %d bytes from %d read in %.3fs "
+             "(%.1f MiB/s)", host.rank, step, lay.k, lay.m, sorted(lost), m.total_bytes, moved, dt,
+             m.total_bytes / dt / 2**20)
+    return m

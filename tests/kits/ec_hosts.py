@@ -1,0 +1,87 @@
+"""Hosts of an erasure-coded job for tests: each a RAM-disk root with a real ``Peer`` gRPC server (and data port)
+on loopback, committed steps written by the sidecar's own writer, and its side of the coding
+(:class:`replicator.erasure.host.EcHost`)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from mtc_rpc import peer_pb2_grpc
+from replicator.erasure.holder import ParityStore
+from replicator.erasure.host import EcHost
+from replicator.erasure.wire import CodeGroupSpec
+from replicator.net import rpc
+from replicator.peer import server as peer_server
+from replicator.peer.protocol import Throttle
+from sidecar import layout, writer
+from sidecar.layout import StepManifest
+
+TOKEN = "ec-token"
+JOB = "ec"
+
+
+def step_arrays(rank: int, step: int, sizes: list[int]) -> list[writer.ArrayCopy]:
+    """Rank ``rank``'s arrays of ``step``: pure functions of (rank, step, size), so a rebuild is checked bit for bit."""
+    out = []
+    for i, n in enumerate(sizes):
+        data = np.random.default_rng(rank * 1_000_003 + step * 101 + i).integers(0, 256, n, dtype=np.uint8)
+        out.append(writer.ArrayCopy(f"a{i}", (n,), "uint8", None, [writer.ShardCopy(((0, n),), data)]))
+    return out
+
+
+class EcPeer:
+    """One host: its root, its parity store, its Peer service (gRPC + optional data port)."""
+
+    def __init__(self, root: Path, rank: int, nodes: int, *, data_port: bool = True, max_streams: int = 2):
+        self.root, self.rank, self.nodes = Path(root), rank, nodes
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.parity = ParityStore(self.root, rank)
+        self.ts = peer_server.TransferServer(throttle=Throttle(max_streams=max_streams)) if data_port else None
+        if self.ts is not None:
+            self.ts.start()
+        servicer = peer_server.PeerServicer(self.root, rank, nodes, transfer_server=self.ts, parity=self.parity)
+        self.server, port = rpc.create_server("127.0.0.1:0", [(peer_pb2_grpc.add_PeerServicer_to_server, servicer)],
+                                              token=TOKEN)
+        self.server.start()
+        self.address = f"127.0.0.1:{port}"
+        self.stopped = False
+
+    def save(self, step: int, sizes: list[int]) -> StepManifest:
+        return writer.write_step(writer.HostStep(self.root, JOB, step, self.rank, self.nodes,
+                                                 step_arrays(self.rank, step, sizes),
+                                                 [layout.ValueEntry("step", step)]))
+
+    def ec(self, **kw) -> EcHost:
+        kw.setdefault("stripe_bytes", 64 << 10)
+        kw.setdefault("timeout_seconds", 120.0)
+        return EcHost(self.rank, self.root, self.parity, token=TOKEN, **kw)
+
+    def step_dir(self, step: int) -> Path:
+        return layout.steps_dir(self.root) / layout.step_name(step)
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        if self.ts is not None:
+            self.ts.stop()
+        rpc.stop_server(self.server, 0.5)
+
+    def wipe(self) -> None:
+        """The host is lost: its service stops and its RAM disk is emptied."""
+        self.stop()
+        shutil.rmtree(self.root)
+        self.root.mkdir()
+
+
+def group_spec(k: int, m: int, hosts: list[EcPeer], step: int, manifests: dict[int, StepManifest]) -> CodeGroupSpec:
+    """The code group of ``step`` over ``hosts`` (position order), a lost (stopped) host's address empty."""
+    return CodeGroupSpec(k, m, tuple(h.rank for h in hosts), tuple(manifests[h.rank].content_hash for h in hosts),
+                         tuple("" if h.stopped else h.address for h in hosts))
+
+
+def read_tree(step_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(step_dir)): p.read_bytes() for p in sorted(step_dir.rglob("*")) if p.is_file()}

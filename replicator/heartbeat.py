@@ -241,10 +241,9 @@ class Heartbeat:
         # slice was lost) cannot be addressed: not reported, so the coordinator accepts the rest.
         inv = [h for h in inv if h.owner_rank < me.nodes]
         own = store.own_steps()
-        digest = inventory_digest(inv)
         parity = parts.parity.inventory() if parts.parity is not None else {}
-        if parts.parity is not None:
-            digest = parts.parity.digest(digest, parity)
+        # The coordinator's digest of this host's whole inventory, its parity included (erasure coding).
+        digest = inventory_digest([*inv, *parts.parity.holdings(parity)] if parity and parts.parity else inv)
         self._note_saves(inv)
         req = cpb.HeartbeatRequest(
             job=me.job, rank=me.rank, incarnation=self.incarnation, address=self.address,

@@ -9,12 +9,13 @@ treats it as opaque): with no parity it is the data inventory's digest unchanged
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable, Mapping
 
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import tier_pb2
+from replicator.coordinator.model import Holding, Tier
+from replicator.coordinator.tier_wire import holding_to_wire
 from replicator.erasure.holder import ParityHolding
 from replicator.erasure.host import EcHost, compute_parity
 from replicator.erasure.wire import CodeGroupSpec
@@ -47,13 +48,14 @@ class ParityDuty:
     def inventory(self) -> dict[ParityKey, ParityHolding]:
         return {(h.step, h.digest): h for h in self.ec.parity.holdings()}
 
-    @staticmethod
-    def digest(data_digest: str, held: Mapping[ParityKey, ParityHolding]) -> str:
-        """The inventory digest of data and parity together (the data digest itself when there is no parity)."""
-        if not held:
-            return data_digest
-        lines = [data_digest] + sorted(f"parity/{s}/{d}/{h.size}" for (s, d), h in held.items())
-        return hashlib.blake2b("\n".join(lines).encode(), digest_size=16).hexdigest()
+    def holding(self, h: ParityHolding) -> Holding:
+        """``h`` as the coordinator's model holds it (tier PARITY, with its group, without addresses)."""
+        return Holding(self.rank, h.step, h.digest, h.size, Tier.PARITY, group=h.group)
+
+    def holdings(self, held: Mapping[ParityKey, ParityHolding]) -> list[Holding]:
+        """Every one of ``held`` so: the heartbeat's inventory digest covers them by the coordinator's one rule
+        (:func:`~replicator.coordinator.model.inventory_digest`)."""
+        return [self.holding(h) for h in held.values()]
 
     def report(self, req: cpb.HeartbeatRequest, held: Mapping[ParityKey, ParityHolding],
                acked: Mapping[ParityKey, ParityHolding] | None) -> None:
@@ -61,9 +63,7 @@ class ParityDuty:
         for key, h in held.items():
             if acked is not None and acked.get(key) == h:
                 continue
-            pbh = req.holdings.add(owner_rank=self.rank, step=h.step, content_hash=h.digest, size=h.size,
-                                   tier=tier_pb2.TIER_PARITY)
-            h.group.to_proto(pbh.group)
+            holding_to_wire(self.holding(h), req.holdings.add())
         if acked is not None:
             req.removed.extend(cpb.Deletion(owner_rank=self.rank, step=s, content_hash=d, tier=tier_pb2.TIER_PARITY)
                                for s, d in acked if (s, d) not in held)

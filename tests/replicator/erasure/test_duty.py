@@ -139,3 +139,24 @@ def test_a_restore_source_of_tier_parity_rebuilds_the_hosts_own_data(rig) -> Non
     assert [(h.owner_rank, h.step, h.tier) for h in rig.coord.requests[-1].holdings] == [(0, STEP, tier_pb2.TIER_LOCAL)]
     assert rig.hb.parts.metrics.last_restore is not None
     assert layout.read_manifest(rig.me.step_dir(STEP)).content_hash == rig.manifests[0].content_hash
+
+
+def test_the_hosts_inventory_digest_of_parity_is_the_coordinators(tmp_path) -> None:
+    """The heartbeat's digest covers parity by the coordinator's own rule: the holdings the duty reports, read
+    back as the coordinator reads them, are the ones the host digests (else the coordinator never acks the
+    host's inventory and every report is a full one)."""
+    from types import SimpleNamespace
+
+    from replicator.coordinator.model import inventory_digest
+    from replicator.coordinator.tier_wire import holding_from_wire
+    from replicator.erasure.holder import ParityHolding
+    from replicator.erasure.wire import CodeGroupSpec
+
+    spec = CodeGroupSpec(3, 1, (0, 1, 2, 3), ("a", "b", "c", "d"), ("", "", "", ""))
+    held = {(7, spec.digest()): ParityHolding(7, spec.digest(), 4096, spec)}
+    duty = ParityDuty(SimpleNamespace(rank=2), None, lambda: None)  # type: ignore[arg-type]
+    req = pb.HeartbeatRequest()
+    duty.report(req, held, None)
+    on_the_wire = [holding_from_wire(h) for h in req.holdings]
+    assert on_the_wire == duty.holdings(held)
+    assert inventory_digest(on_the_wire) == inventory_digest(duty.holdings(held))

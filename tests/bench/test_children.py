@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,14 @@ def test_a_bound_child_dies_with_the_thread_that_started_it() -> None:
     code = "import time; time.sleep(120)"
 
     def start() -> None:
-        started.append(subprocess.Popen(children.bound_to_us([sys.executable, "-c", code]), start_new_session=True))
+        bound = subprocess.Popen(children.bound_to_us([sys.executable, "-c", code]), start_new_session=True)
+        started.append(bound)
         started.append(subprocess.Popen([sys.executable, "-c", code], start_new_session=True))  # unbound
+        # setpriv sets the signal after Popen returns, then executes python: a thread that ends before that
+        # leaves no parent to die (make test saw it under load). The harnesses' main threads outlive that.
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{bound.pid}/exe").resolve().name == "setpriv" and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     t = threading.Thread(target=start)
     t.start()

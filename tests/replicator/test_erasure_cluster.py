@@ -8,6 +8,7 @@ bit-exact.
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -49,4 +50,9 @@ def test_hosts_replaced_together_rebuild_their_data_from_parity(cluster_factory,
     for r in lost:
         wait_for(lambda r=r: 3 in commit.committed_steps(cl.ram(r) / "steps"), timeout=60,
                  what=f"host {r} rebuilt its rank's step 3 from parity")
+    logs = "".join(p.read_text(errors="replace") for p in (cl.base / "logs").iterdir())
+    for r in lost:  # from the code group, not from the bucket or a copy: the coordinator's restore task or the
+        # sidecar's fetch for the restore, whichever asked first
+        assert re.search(rf"rank {r} now holds rank {r}'s data of step 3 \((task|sidecar)\) from code group "
+                         rf"ec:{k}\+{m}", logs), r
     mgr.close()

@@ -37,7 +37,8 @@ def bound_to_us(argv: Sequence[str]) -> list[str]:
     return [SETPRIV, "--pdeathsig", "KILL", "--", *argv]
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (the owner of a scratch directory or of what a killed run left)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -54,7 +55,7 @@ def scratch_dir(prefix: str) -> Path:
     own = re.compile(re.escape(prefix) + r"(\d+)-")
     for d in base.glob(f"{prefix}*"):
         m = own.match(d.name)
-        if m and d.is_dir() and not _alive(int(m.group(1))):
+        if m and d.is_dir() and not pid_alive(int(m.group(1))):
             log.info("removing %s, left by process %s that is gone", d, m.group(1))
             shutil.rmtree(d, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base))

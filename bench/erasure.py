@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.peer import _scratch_dir, _stop_child
+from bench.peer import _scratch_dir, _stop_child, make_step
 from mtc_rpc import peer_pb2_grpc
 from replicator.erasure import (
     DEFAULT_BACKEND,
@@ -74,8 +74,7 @@ from replicator.erasure.wire import CodeGroupSpec
 from replicator.net import rpc
 from replicator.peer import client as peer_client
 from replicator.peer import server as peer_server
-from sidecar import checksums, commit, layout
-from sidecar.layout import StepManifest
+from sidecar import layout
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -177,26 +176,6 @@ def memcpy_rate(nbytes: int, repeats: int = 3) -> float:
     return round(best, 3)
 
 
-def _commit_step(root: Path, rank: int, nbytes: int, files: int, nodes: int) -> StepManifest:
-    """Commit ``rank``'s step ``STEP`` under ``root/steps``: ``files`` files of random bytes (distinct per rank),
-    ``nbytes`` in all."""
-    tmp = commit.make_tmp_dir(layout.steps_dir(root), STEP)
-    rng = np.random.default_rng(1000 + rank)
-    per = nbytes // files
-    entries = []
-    for i in range(files):
-        size = per if i < files - 1 else nbytes - per * (files - 1)
-        data = np.frombuffer(rng.bytes(size), np.uint8)
-        name = f"state/{i}.{rank}.bin"
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        data.tofile(tmp / name)
-        entries.append(layout.FileEntry(name, size, checksums.crc32c(data)))
-    manifest = layout.StepManifest(job="bench", step=STEP, rank=rank, nodes=nodes, files=tuple(entries))
-    commit.write_manifest(tmp, manifest)
-    commit.commit_dir(tmp, layout.steps_dir(root) / layout.step_name(STEP))
-    return manifest
-
-
 def _member(root: str, rank: int, nodes: int, stripe_bytes: int, conn: Any) -> None:
     """Child process: one host's ``Peer`` gRPC server and data port over ``root`` (with its parity store); on
     ``(step, CodeGroupSpec)`` it computes its parity and answers the seconds it took (or the error, a str);
@@ -257,7 +236,7 @@ def measure_recovery(k: int, m: int, per_host_bytes: int, stripe_bytes: int = DE
     children: dict[int, tuple[Any, Any]] = {}
     try:
         roots = {r: scratch / f"h{r}" for r in ranks}
-        manifests = {r: _commit_step(roots[r], r, per_host_bytes, files, n) for r in ranks}
+        manifests = {r: make_step(roots[r], r, STEP, per_host_bytes, files, n, seed=1000 + r) for r in ranks}
         for r in ranks:
             conn, child_conn = ctx.Pipe()
             proc = ctx.Process(target=_member, args=(str(roots[r]), r, n, stripe_bytes, child_conn), daemon=True)

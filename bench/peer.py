@@ -51,18 +51,20 @@ def _scratch_dir() -> Path:
     return scratch_dir("mtc-bench-")
 
 
-def make_step(root: Path, rank: int, step: int, total_bytes: int, files: int, nodes: int = 2) -> Any:
-    """Commit a step of ``files`` random files totalling ``total_bytes`` under ``root/steps``."""
+def make_step(root: Path, rank: int, step: int, total_bytes: int, files: int, nodes: int = 2,
+              seed: int | None = None) -> Any:
+    """Commit ``rank``'s step of ``files`` random files totalling ``total_bytes`` under ``root/steps`` (the bytes
+    from ``seed``, default the step: give each rank its own seed for distinct data)."""
     from sidecar import checksums, commit, layout
 
     tmp = commit.make_tmp_dir(layout.steps_dir(root), step)
-    rng = np.random.default_rng(step)
+    rng = np.random.default_rng(step if seed is None else seed)
     entries = []
     per = total_bytes // files
     for i in range(files):
         size = per if i < files - 1 else total_bytes - per * (files - 1)
-        data = rng.integers(0, 256, size, dtype=np.uint8)
-        name = f"state/{i}.0.bin"
+        data = np.frombuffer(rng.bytes(size), np.uint8)
+        name = f"state/{i}.{rank}.bin"
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         data.tofile(tmp / name)
         entries.append(layout.FileEntry(name, size, checksums.crc32c(data)))

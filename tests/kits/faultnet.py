@@ -18,6 +18,8 @@ import subprocess
 import uuid
 from collections.abc import Iterable, Sequence
 
+from bench.children import pid_alive
+
 COMMAND_TIMEOUT_SECONDS = 10.0
 SUBNET = "10.213.0"  # private to these namespaces: the root namespace never sees it
 IFACE = "eth0"  # a host's interface to the bridge, inside its namespace
@@ -37,17 +39,6 @@ def _run(argv: Sequence[str], check: bool = True) -> str:
     if check and res.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}): {res.stderr.strip()}")
     return res.stdout
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a run's owner, for reaping what a killed run left)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def reap_stale() -> list[str]:

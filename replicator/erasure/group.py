@@ -8,15 +8,20 @@ fragment ``j`` of rotation ``position - j``. So every host gives data to K rotat
 ``M x shard_bytes`` ~ ``M/K`` of its own step. Every rotation spans K + M distinct hosts, so any M of the
 group's hosts may be lost together. Shards are coded in stripes of ``stripe_bytes`` (memory stays at
 ~(2K + M) stripes whatever the step's size), each fragment of each stripe with its crc32c in the manifest.
+With ``ahead_stripes`` > 0 the encoder and decoder read the fragments of up to that many stripes ahead, each
+holder's on its own thread (:mod:`replicator.erasure.ahead`): for readers that wait (a peer's windows).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
+from replicator.erasure.ahead import HolderThreads, lookahead
 from replicator.erasure.codec import DEFAULT_BACKEND, NotEnoughFragmentsError, StripeCodec
 from sidecar.checksums import ChecksumError, crc32c
 
@@ -235,7 +240,8 @@ class GroupEncoder:
     :meth:`manifest`. Reads each member's data through ``read_data`` (local files, or a peer's)."""
 
     def __init__(self, codec: StripeCodec, layout: GroupLayout, step: int, stream_bytes: Sequence[int],
-                 manifest_bytes: Sequence[int], read_data: ReadData, stripe_bytes: int = DEFAULT_STRIPE_BYTES):
+                 manifest_bytes: Sequence[int], read_data: ReadData, stripe_bytes: int = DEFAULT_STRIPE_BYTES,
+                 ahead_stripes: int = 0):
         if (codec.k, codec.m) != (layout.k, layout.m):
             raise ValueError(f"codec ec:{codec.k}+{codec.m} for a group of ec:{layout.k}+{layout.m}")
         _positive_int(stripe_bytes, "stripe_bytes", 1)
@@ -248,17 +254,32 @@ class GroupEncoder:
                           stripe_bytes=stripe_bytes, backend=codec.backend)
         self._lengths = dict(zip(layout.members, stream_bytes, strict=True))
         self.stripe_bytes = stripe_bytes
+        self.ahead_stripes = ahead_stripes
 
     def stripes(self, rotations: Collection[int] | None = None) -> Iterator[ParityStripe]:
         """Every parity stripe (of ``rotations``, default all), rotation by rotation."""
         lay = self.layout
-        for r in sorted(range(lay.n) if rotations is None else rotations):
-            holders = lay.holders(r)
-            for t in range(len(self._crc[r])):
+        plan = [(r, t) for r in sorted(range(lay.n) if rotations is None else rotations)
+                for t in range(len(self._crc[r]))]
+
+        def args(r: int, t: int, i: int) -> tuple[Any, ...]:
+            off = t * self.stripe_bytes
+            length = min(self.stripe_bytes, self.shard_bytes - off)
+            holder = lay.holders(r)[i]
+            return self.read_data, holder, i * self.shard_bytes + off, length, self._lengths[holder]
+
+        with HolderThreads("ec-encode") as threads:
+            def start(rt: tuple[int, int]) -> tuple[int, int, list[Any]]:
+                r, t = rt
+                if self.ahead_stripes <= 0:
+                    return r, t, []
+                return r, t, [threads.submit(lay.holders(r)[i], _padded, *args(r, t, i)) for i in range(lay.k)]
+
+            for r, t, futures in lookahead(plan, start, max(0, self.ahead_stripes)):
+                holders = lay.holders(r)
                 off = t * self.stripe_bytes
-                length = min(self.stripe_bytes, self.shard_bytes - off)
-                data = [_padded(self.read_data, holders[i], i * self.shard_bytes + off, length,
-                                self._lengths[holders[i]]) for i in range(lay.k)]
+                data = ([f.result() for f in futures] if futures
+                        else [_padded(*args(r, t, i)) for i in range(lay.k)])
                 parity = self.codec.encode(data)
                 crcs = [crc32c(c) for c in data] + [crc32c(p) for p in parity]
                 self._crc[r][t] = tuple(crcs)
@@ -275,16 +296,24 @@ class GroupEncoder:
                              **self._base)
 
 
+def _ahead_or_now(ahead: Mapping[int, Future[bytes | None]], read: Callable[[int], Future[bytes | None]],
+                  index: int) -> bytes | None:
+    """The fragment read ahead, or read now (on its holder's thread, after what it reads ahead)."""
+    return (ahead[index] if index in ahead else read(index)).result()
+
+
 class GroupDecoder:
     """Rebuild what lost hosts held: a member's stream (:meth:`stream`) or the parity it held (:meth:`parity`).
 
     Each fragment read is checked against the manifest's crc32c; a corrupt one (``corrupt``) or one that
     cannot be read (``OSError``, ``unreadable``) is passed over, and :class:`NotEnoughFragmentsError` is
     raised for a stripe with fewer than K intact fragments. ``lost``: ranks not to read at all.
+    ``ahead_stripes``: read the fragments of up to that many stripes ahead (module docstring); a holder
+    whose read failed (``OSError``) is not asked ahead again, its fragments are read only when needed.
     """
 
     def __init__(self, codec: StripeCodec, manifest: GroupManifest, read_data: ReadData, read_parity: ReadParity,
-                 lost: Collection[int] = ()):
+                 lost: Collection[int] = (), ahead_stripes: int = 0):
         lay = manifest.layout
         if (codec.k, codec.m, codec.backend) != (lay.k, lay.m, manifest.backend):
             raise ValueError(f"codec ec:{codec.k}+{codec.m} ({codec.backend}) for a group of "
@@ -295,6 +324,8 @@ class GroupDecoder:
         self.corrupt: list[tuple[int, int, int, int]] = []  # (holder rank, rotation, stripe, fragment index)
         self.unreadable: list[tuple[int, int, int, int]] = []
         self._lengths = dict(zip(lay.members, manifest.stream_bytes, strict=True))
+        self.ahead_stripes = ahead_stripes
+        self._failed: set[int] = set()  # holders a read of failed (OSError): not read ahead
 
     def _fragment(self, rotation: int, stripe: int, index: int) -> bytes | None:
         man, lay = self.manifest, self.manifest.layout
@@ -317,6 +348,7 @@ class GroupDecoder:
         except OSError as e:
             log.warning("ec fragment %s unreadable: %s", where, e)
             self.unreadable.append(where)
+            self._failed.add(holder)
             return None
         expected = man.crc32c[rotation][stripe][index]
         actual = crc32c(data) if len(data) == length else -1
@@ -326,8 +358,11 @@ class GroupDecoder:
             return None
         return data
 
-    def recover(self, rotation: int, stripe: int, want: Sequence[int]) -> dict[int, memoryview]:
-        """Fragments ``want`` of one stripe from the first K intact others (data first: hosts' own files)."""
+    def recover(self, rotation: int, stripe: int, want: Sequence[int],
+                fetch: Callable[[int], bytes | None] | None = None) -> dict[int, memoryview]:
+        """Fragments ``want`` of one stripe from the first K intact others (data first: hosts' own files).
+        ``fetch(index)``: the checked fragment or None (default: :meth:`_fragment`, read here)."""
+        fetch = fetch or (lambda i: self._fragment(rotation, stripe, i))
         if not self.manifest.covers(rotation):
             raise NotEnoughFragmentsError(
                 f"step {self.manifest.step} rotation {rotation}: no crc32c rows (no GROUP.json of its parity "
@@ -336,7 +371,7 @@ class GroupDecoder:
         for i in range(self.codec.n):
             if len(have) == self.codec.k:
                 break
-            if i not in want and (frag := self._fragment(rotation, stripe, i)) is not None:
+            if i not in want and (frag := fetch(i)) is not None:
                 have[i] = frag
         if len(have) < self.codec.k:
             raise NotEnoughFragmentsError(
@@ -355,21 +390,44 @@ class GroupDecoder:
         """``rank``'s step stream, rebuilt in order stripe by stripe (cut to its true length)."""
         man, lay = self.manifest, self.manifest.layout
         lay.position(rank)  # ValueError when not a member
-        left = self._lengths[rank]
+        left, plan = self._lengths[rank], []
         for shard in range(lay.k):
-            r = lay.data_rotation(rank, shard)
             for t in range(man.stripes):
-                if left <= 0:
-                    return
-                piece = self.recover(r, t, [shard])[shard]
-                yield piece[:left]
-                left -= len(piece)
+                if left > 0:
+                    plan.append((lay.data_rotation(rank, shard), t, shard))
+                    left -= man.stripe_range(t)[1]
+        left = self._lengths[rank]
+        for (_, _, shard), out in self._recovered(plan):
+            piece = out[shard]
+            yield piece[:left]
+            left -= len(piece)
 
     def parity(self, rank: int) -> Iterator[ParityStripe]:
         """The parity stripes ``rank`` held, rebuilt: to heal a lost or corrupt parity holder."""
         man, lay = self.manifest, self.manifest.layout
-        for r, j in lay.parity_held(rank):
-            for t in range(man.stripes):
-                idx = lay.k + j
-                p = self.recover(r, t, [idx])[idx]
-                yield ParityStripe(rank, r, j, t, man.stripe_range(t)[0], p, man.crc32c[r][t][idx])
+        plan = [(r, t, lay.k + j) for r, j in lay.parity_held(rank) for t in range(man.stripes)]
+        for (r, t, idx), out in self._recovered(plan):
+            yield ParityStripe(rank, r, idx - lay.k, t, man.stripe_range(t)[0], out[idx], man.crc32c[r][t][idx])
+
+    def _recovered(self, plan: Sequence[tuple[int, int, int]]) -> Iterator[tuple[tuple[int, int, int],
+                                                                                  dict[int, memoryview]]]:
+        """(item, :meth:`recover` of it) for each (rotation, stripe, wanted index) of ``plan``, in order; the
+        fragments read ahead when ``ahead_stripes`` > 0: the first K not wanted whose holder is not lost nor
+        failed, each on its holder's thread (the others, needed when one of them is not intact, too)."""
+        lay = self.manifest.layout
+        with HolderThreads("ec-rebuild") as threads:
+            def read(r: int, t: int, i: int) -> Future[bytes | None]:
+                return threads.submit(lay.holders(r)[i], self._fragment, r, t, i)
+
+            def start(item: tuple[int, int, int]) -> dict[int, Future[bytes | None]]:
+                r, t, want = item
+                if self.ahead_stripes <= 0:
+                    return {}
+                ok = [i for i, h in enumerate(lay.holders(r))
+                      if i != want and h not in self.lost and h not in self._failed]
+                return {i: read(r, t, i) for i in ok[:lay.k]}
+
+            for item, futures in zip(plan, lookahead(plan, start, max(0, self.ahead_stripes)), strict=True):
+                r, t, want = item
+                got = functools.partial(_ahead_or_now, futures, functools.partial(read, r, t)) if futures else None
+                yield item, self.recover(r, t, [want], got)

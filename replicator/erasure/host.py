@@ -25,7 +25,7 @@ from pathlib import Path
 from replicator.erasure.codec import NotEnoughFragmentsError, StripeCodec
 from replicator.erasure.group import DEFAULT_STRIPE_BYTES, GroupDecoder, GroupEncoder, GroupManifest
 from replicator.erasure.holder import ParityRecord, ParityStore
-from replicator.erasure.remote import PeerLink, RemoteParity, RemoteStream, StaleGroupError
+from replicator.erasure.remote import WINDOW_BYTES, PeerLink, RemoteParity, RemoteStream, StaleGroupError
 from replicator.erasure.stream import StepStream, unpack_stream
 from replicator.erasure.wire import CodeGroupSpec
 from replicator.net import rpc
@@ -51,6 +51,15 @@ class EcHost:
     stripe_bytes: int = DEFAULT_STRIPE_BYTES
     use_data_port: bool = True
     bytes_per_second: float | None = None  # the replication throttle (--max-bytes-per-second), per task
+    # Read the fragments of this many stripes ahead, each member's on its own thread (None: a window and a
+    # stripe more, so the next window is in flight while this one is decoded; 0: one after another).
+    ahead_stripes: int | None = None
+
+    @property
+    def ahead(self) -> int:
+        if self.ahead_stripes is not None:
+            return self.ahead_stripes
+        return -(-WINDOW_BYTES // self.stripe_bytes) + 1
 
     def own_step_dir(self, step: int) -> Path:
         return layout.steps_dir(self.root) / layout.step_name(step)
@@ -127,13 +136,14 @@ def compute_parity(host: EcHost, step: int, group: CodeGroupSpec) -> ParityRecor
         manifest_lengths = [len(streams[r].manifest_bytes) for r in lay.members]
         enc = GroupEncoder(StripeCodec(lay.k, lay.m), lay, step, lengths, manifest_lengths,
                            lambda rank, offset, length: streams[rank].read(offset, length),
-                           stripe_bytes=host.stripe_bytes)
+                           stripe_bytes=host.stripe_bytes, ahead_stripes=host.ahead)
         rotations = sorted(r for r, _ in lay.parity_held(host.rank))
 
         def mine() -> Iterator:
-            for p in enc.stripes(rotations):
-                if p.holder == host.rank:
-                    yield p
+            with contextlib.closing(enc.stripes(rotations)) as all_stripes:
+                for p in all_stripes:
+                    if p.holder == host.rank:
+                        yield p
 
         def manifest() -> GroupManifest:
             # A member that saved the step again while we read it gave us a mix: refuse it before commit.
@@ -145,7 +155,8 @@ def compute_parity(host: EcHost, step: int, group: CodeGroupSpec) -> ParityRecor
                     RemoteStream.open(links(address), rank, step, content_hash)
             return enc.manifest(rotations)
 
-        record = host.parity.write_all(step, group, mine(), manifest)
+        with contextlib.closing(mine()) as stripes:  # its read-ahead threads end here
+            record = host.parity.write_all(step, group, stripes, manifest)
         moved = links.bytes
     dt = max(time.monotonic() - t0, 1e-9)
     log.info("parity of step %d (ec:%d+%d, rotations %s, %s): %d parity bytes from %d bytes read over the "
@@ -207,10 +218,11 @@ def rebuild_own(host: EcHost, step: int, group: CodeGroupSpec) -> StepManifest:
             return parities[rank].read(rotation, index, offset, length)
 
         dec = GroupDecoder(StripeCodec(lay.k, lay.m, manifest.backend), manifest, read_data, read_parity,
-                           lost=lost - set(parities))
+                           lost=lost - set(parities), ahead_stripes=host.ahead)
         tmp = commit.make_tmp_dir(final.parent, step)
         try:
-            m = unpack_stream(dec.stream(host.rank), manifest.manifest_bytes[pos], manifest.stream_bytes[pos], tmp)
+            with contextlib.closing(dec.stream(host.rank)) as pieces:  # its read-ahead threads end here
+                m = unpack_stream(pieces, manifest.manifest_bytes[pos], manifest.stream_bytes[pos], tmp)
             if (m.rank, m.step, m.content_hash) != (host.rank, step, expected):
                 raise ManifestError(f"rebuilt manifest of rank {m.rank} step {m.step} ({m.content_hash[:12]}), "
                                     f"the code group names rank {host.rank} step {step} ({expected[:12]})")

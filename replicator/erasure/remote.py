@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,9 @@ log = logging.getLogger(__name__)
 # window per member it reads, K of them at most). Measured (/dev/shm, every host's Peer server in the test's
 # process, 64 MiB per host, load ~1.6-3 on 2 cores, 2026-12-05): 4 MiB and 16 MiB windows alike, encode
 # 500-600 / 280 MiB/s of data and rebuild 215-230 / 170-185 MiB/s at 3+1 / 4+2; fetching the next window
-# ahead on another thread was slower here (410 / 200 and 180 / 125-145 MiB/s): not done.
+# ahead on another thread (one reader thread) was slower here (410 / 200 and 180 / 125-145 MiB/s). The coder
+# now reads each member on that member's own thread, a window and a stripe ahead (EcHost.ahead_stripes,
+# replicator.erasure.ahead): see docs/benchmarks.md for what that measured.
 WINDOW_BYTES = 4 << 20
 Piece = tuple[str, int, int]  # (file name, offset, length)
 
@@ -71,6 +74,7 @@ class PeerLink:
         self._stub = peer_pb2_grpc.PeerStub(self._channel)
         self.failed: BaseException | None = None  # the first transport failure: later reads fail at once
         self.bytes = 0
+        self._bytes_lock = threading.Lock()  # the coder reads members on threads (erasure.ahead); two may share us
 
     def close(self) -> None:
         self._channel.close()
@@ -132,7 +136,7 @@ class PeerLink:
                         for f, data in zip(resp.files, out, strict=True):
                             if checksums.crc32c(data) != f.crc32c:
                                 raise ChecksumError(f"{f.name} from {self.address}", f.crc32c, checksums.crc32c(data))
-                    self.bytes += sum(len(b) for b in out)
+                    self._count(out)
                     return out
         req = peer_pb2.ReadFilesRequest(rank=rank, step=step, files=names, pieces=wire, parity=parity,
                                         chunk_bytes=STREAM_CHUNK_BYTES)
@@ -158,8 +162,12 @@ class PeerLink:
             call.cancel()
         if [len(b) for b in bufs] != sizes:
             raise ConnectionError(f"{self.address}: the stream ended before every part was complete")
-        self.bytes += sum(len(b) for b in bufs)
+        self._count(bufs)
         return [bytes(b) for b in bufs]
+
+    def _count(self, parts: list[bytes] | list[bytearray]) -> None:
+        with self._bytes_lock:
+            self.bytes += sum(len(b) for b in parts)
 
     def _receive(self, host: str, port: int, ticket: bytes, lengths: list[int]) -> list[bytes]:
         left = self.deadline - time.monotonic()

@@ -114,7 +114,6 @@ def test_a_member_failing_mid_rebuild_is_passed_over_and_no_thread_is_left() -> 
     assert b"".join(dec.stream(20)) == g.streams[20]
     assert dec.unreadable and {w[0] for w in dec.unreadable} == {21}
     assert dec.corrupt == []
-    assert len(g.reads[21]) < 4 + 2 * AHEAD + 2  # once failed, it is not read ahead any more
     assert _reader_threads() == []
 
 

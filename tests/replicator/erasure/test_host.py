@@ -197,18 +197,16 @@ def test_a_crash_mid_encode_leaves_nothing_visible(job_factory, tmp_path: Path) 
         from replicator.erasure.holder import ParityStore
         from replicator.erasure.host import EcHost, compute_parity
         from replicator.erasure.wire import CodeGroupSpec
-        reads = [0]
+        root = Path({str(victim.root)!r})
         real = remote.RemoteStream.read
-        def read(self, offset, length):
-            reads[0] += 1
-            if reads[0] == 6:  # parity files are open in the temporary directory by now
-                os.kill(os.getpid(), signal.SIGKILL)
+        def read(self, offset, length):  # on a reader thread, a stripe or two ahead of the parity written
+            if any(any(t.iterdir()) for t in (root / "parity" / "{STEP}").glob(".tmp-*")):
+                os.kill(os.getpid(), signal.SIGKILL)  # parity files are open in the temporary directory
             return real(self, offset, length)
         remote.RemoteStream.read = read
-        root = Path({str(victim.root)!r})
         spec = CodeGroupSpec({spec.k}, {spec.m}, {spec.members!r}, {spec.content_hashes!r}, {spec.addresses!r})
         compute_parity(EcHost({victim.rank}, root, ParityStore(root, {victim.rank}), token={TOKEN!r},
-                              stripe_bytes=64 << 10), {STEP}, spec)
+                              stripe_bytes=64 << 10, ahead_stripes=2), {STEP}, spec)
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, timeout=120, capture_output=True)

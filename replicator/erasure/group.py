@@ -417,7 +417,12 @@ class GroupDecoder:
         lay = self.manifest.layout
         with HolderThreads("ec-rebuild") as threads:
             def read(r: int, t: int, i: int) -> Future[bytes | None]:
-                return threads.submit(lay.holders(r)[i], self._fragment, r, t, i)
+                holder = lay.holders(r)[i]
+                if holder in self.lost:  # not read at all: no thread for it
+                    done: Future[bytes | None] = Future()
+                    done.set_result(None)
+                    return done
+                return threads.submit(holder, self._fragment, r, t, i)
 
             def start(item: tuple[int, int, int]) -> dict[int, Future[bytes | None]]:
                 r, t, want = item

@@ -26,6 +26,14 @@ from tests.kits.cluster import assert_equal, manager, redundant, save_steps, sta
 pytestmark = pytest.mark.slow
 
 
+def _attested(cl, rank: int) -> list[list[int]]:
+    """(owner, step) pairs host ``rank`` recorded as byte-identical to data it holds (its replica-of.json)."""
+    try:
+        return [[o, s] for o, s, _ in json.loads((cl.ram(rank) / REPLICA_FILE).read_text())]
+    except (OSError, ValueError):
+        return []
+
+
 def test_restored_host_keeps_the_replica_proof_when_the_replica_slice_is_replaced(cluster_factory):
     cl = cluster_factory(nodes=4, data_parallelism=2)
     cl.start_all()
@@ -34,6 +42,10 @@ def test_restored_host_keeps_the_replica_proof_when_the_replica_slice_is_replace
     wait_for(lambda: redundant(cl, 4), what="step 4 redundant", timeout=60)
     for r in range(4):  # identical replicas: verified by hash, no byte copy anywhere
         assert not list((cl.ram(r) / "peer").glob("*/4")), f"host {r} holds a byte copy"
+    # "Redundant" counts rank 0's data twice as soon as host 2's own step has its hash; what outlives host 0 and
+    # the coordinator's restart is host 2's record of that (its hash-only task), which may land later under
+    # load (make test twice restored step 3: host 0 was replaced before host 2 recorded step 4's identity).
+    wait_for(lambda: [0, 4] in _attested(cl, 2), timeout=30, what="host 2 records rank 0's step 4 as its own")
 
     # Host 0 (the coordinator's) replaced with an empty RAM disk; it restores from its replica (rank 2).
     cl.procs[0].kill()

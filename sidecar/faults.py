@@ -70,7 +70,7 @@ POINTS: tuple[str, ...] = (
     "backup.commit.after_rename",
     "backup.retention.mid_delete",
     # Orbax: ingesting a step Orbax committed, and the handshake
-    "orbax.ingest.after_move",
+    "orbax.ingest.after_link",
     "orbax.ingest.before_commit",
     "orbax.after_ingest",
     "orbax.before_marker",

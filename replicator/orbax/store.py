@@ -2,18 +2,24 @@
 
 Orbax (multi-tier checkpointing, ``ReplicatorCheckpointManager``) commits step N of this host as the
 directory ``<local>/<N>`` (renamed from ``<N>.orbax-checkpoint-tmp`` as its last act, with
-``commit_success.txt`` inside). :class:`OrbaxStore` moves each such directory -- a rename on the same
-filesystem, O(1) -- to a temporary sibling under ``<local>/steps``, records its files (size, crc32c) and its
+``commit_success.txt`` inside). :class:`OrbaxStore` hard-links every file of it into a temporary sibling
+under ``<local>/steps`` (same filesystem: no byte is copied), records its files (size, crc32c) and its
 replica-independent identity (``orbax_content_hash``) in a ``MANIFEST.json`` of kind ``orbax``, and commits
 it as ``<local>/steps/<N>`` (tmp + rename: never half-visible). From then on the step is an ordinary store
-step: replicated, backed up, collected and restored like a native one. Once moved, Orbax cannot restore it
-in the same incarnation (the contract); a restart restores it through a restore marker.
+step: replicated, backed up, collected and restored like a native one.
+
+``<local>/<N>`` itself is left where Orbax put it, now a directory of links into our copy. Orbax's step
+deleter (a preservation policy deleting N right after saving N+1) may be between finding ``<local>/<N>``
+and removing it at any moment; had the directory been moved away in that window, its ``rmtree`` would raise
+``FileNotFoundError`` out of Orbax's ``close()``. Orbax deleting the links leaves our copy whole; our GC
+of step N removes the links with it (they would otherwise keep its bytes on the RAM disk).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -39,38 +45,19 @@ class OrbaxStore(RamDiskStore):
         self.job = job
         self.nodes = nodes
         self._on_error = on_error or (lambda text: None)
-        self._ingest_lock = threading.Lock()
+        self._ingest_lock = threading.RLock()  # delete() runs inside ingest()
         self._failed: set[tuple[int, int]] = set()  # (step, inode) already reported as not ingestible
         self.ingested: list[int] = []
 
-    def _startup_cleanup(self) -> None:
-        """Give interrupted ingests back to Orbax's name before the temporary directories are removed.
-
-        A daemon killed while ingesting leaves Orbax's committed step N (``commit_success.txt`` inside) in an
-        unowned ``steps/.tmp-<N>-*``: it goes back to ``<local>/<N>`` (our half-written manifest dropped)
-        and the next ingest takes it again, instead of start-up cleanup deleting the only copy.
-        """
-        steps = layout.steps_dir(self.root)
-        for tmp in sorted(steps.glob(layout.TMP_PREFIX + "*")):
-            step = layout.parse_step_name(tmp.name[len(layout.TMP_PREFIX):].split("-", 1)[0])
-            if step is None or not (tmp / oc.COMMIT_SUCCESS_FILE).is_file() or commit.tmp_dir_is_owned(tmp):
-                continue
-            dest = self.root / layout.step_name(step)
-            if os.path.lexists(dest) or (steps / layout.step_name(step) / layout.MANIFEST_NAME).is_file():
-                continue  # Orbax saved it again, or the ingest committed: the leftover is just removed
-            (tmp / layout.MANIFEST_NAME).unlink(missing_ok=True)
-            os.rename(tmp, dest)
-            log.warning("gave the interrupted ingest of Orbax step %d back to %s", step, dest)
-        super()._startup_cleanup()
-
     # ------------------------------------------------------------------ ingestion
     def ingest(self) -> list[int]:
-        """Move every committed ``<local>/<N>`` (a real directory) into the store; returns the steps moved.
+        """Link every committed ``<local>/<N>`` (a real directory) into the store; returns the steps taken.
 
-        A restore's ``<local>/<N>`` (Orbax renamed our marker: hard links to a store copy, or an older
-        daemon's symlink into the store) is not ingested again; a symlink whose target is gone (collected)
-        is removed, so Orbax never lists it. A hard-link copy whose store copy was collected holds the only
-        links left to those bytes: it is an ordinary Orbax step then, and ingested.
+        A ``<local>/<N>`` whose files are shared with our copy (ingested already, or a restore marker Orbax
+        renamed) is not ingested again; a symlink whose target is gone (an older daemon's marker, collected)
+        is removed, so Orbax never lists it. A hard-link copy whose store copy went another way (a peer's
+        copy it was restored from, collected) holds the only links left to those bytes: it is an ordinary
+        Orbax step then, and ingested.
         """
         moved = []
         with self._ingest_lock:
@@ -94,22 +81,27 @@ class OrbaxStore(RamDiskStore):
         return moved
 
     def _ingest_one(self, src: Path, step: int) -> bool:
-        key = (step, src.stat().st_ino)
+        try:
+            key = (step, src.stat().st_ino)
+        except FileNotFoundError:
+            return False  # Orbax deleted it since the listing
         if key in self._failed:
             return False
         steps = layout.steps_dir(self.root)
         final = steps / layout.step_name(step)
         tmp = commit.make_tmp_dir(steps, step)
         try:
-            # rename(2) onto the fresh, empty temporary directory: same filesystem, O(1).
-            os.rename(src, tmp)
+            _link_tree(src, tmp)
         except OSError as e:
-            os.rmdir(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, FileNotFoundError):  # a file went under us: Orbax's deleter is removing the step
+                log.info("Orbax deleted step %d (%s) while it was being ingested: not taken", step, src)
+                return False
             self._failed.add(key)
-            self._on_error(f"cannot move Orbax step {step} ({src}) into the store: {e}")
+            self._on_error(f"cannot link Orbax step {step} ({src}) into the store: {e}")
             return False
         try:
-            faults.point("orbax.ingest.after_move")
+            faults.point("orbax.ingest.after_link")
             files = checksums.scan_files(tmp, exclude=(layout.MANIFEST_NAME, oc.BACKUP_REQUESTED_FILE))
             content_id = oc.orbax_content_hash(tmp)
             manifest = layout.StepManifest(job=self.job, step=step, rank=self.rank, nodes=self.nodes,
@@ -121,19 +113,38 @@ class OrbaxStore(RamDiskStore):
             faults.point("orbax.ingest.before_commit")
             commit.commit_dir(tmp, final)
         except (OSError, ValueError) as e:
-            # Unreadable OCDBT data and the like: never publish it. Give the directory back to Orbax's
-            # name so that nothing is lost, and do not retry it.
-            try:
-                (tmp / layout.MANIFEST_NAME).unlink(missing_ok=True)
-                os.rename(tmp, src)
-                self._failed.add((step, src.stat().st_ino))
-            except OSError:
-                commit.remove_tmp_dirs(steps)
+            # Unreadable OCDBT data and the like: never publish it. Orbax's directory is untouched (only
+            # links were made); do not retry it.
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._failed.add(key)
             self._on_error(f"cannot ingest Orbax step {step} of rank {self.rank}: {e}")
             return False
         log.info("ingested Orbax step %d of rank %d: %d files, %d bytes, content %s", step, self.rank,
                  len(files), manifest.total_bytes, content_id[:12])
         return True
+
+    def delete(self, owner: int, step: int, content_hash: str | None = None) -> bool:
+        """:meth:`RamDiskStore.delete`, and for this rank's own step also Orbax's ``<local>/<N>`` when it is
+        links to the copy being deleted (first: the data files then have one link, and their pages go to
+        the spare pool)."""
+        with self._ingest_lock:
+            if owner == self.rank:
+                self._remove_links_to(step, content_hash)
+            return super().delete(owner, step, content_hash)
+
+    def _remove_links_to(self, step: int, content_hash: str | None) -> None:
+        links = self.root / layout.step_name(step)
+        ours = self.step_dir(self.rank, step)
+        try:
+            if links.is_symlink() or not os.path.samefile(links / oc.COMMIT_SUCCESS_FILE,
+                                                          ours / oc.COMMIT_SUCCESS_FILE):
+                return
+        except OSError:
+            return  # no such directory, or not a committed Orbax step: nothing of ours
+        if content_hash and (m := self.manifest(self.rank, step)) is not None and m.content_hash != content_hash:
+            return  # another save than the one to delete: RamDiskStore.delete keeps it, and so do we
+        shutil.rmtree(links, ignore_errors=True)
+        log.info("removed %s: links to step %d, which is collected", links, step)
 
     def inventory(self) -> list[Holding]:
         """Ingest first, so a step Orbax just committed is reported (and replicated) in this heartbeat."""
@@ -171,3 +182,20 @@ class OrbaxStore(RamDiskStore):
     def backup_requests(self) -> list[int]:
         """Own steps Orbax asked to back up now (``_BACKUP_REQUESTED``, Orbax >= 0.12.10; never 0.12.8)."""
         return [s for s in self.own_steps() if oc.backup_requested(self.step_dir(self.rank, s))]
+
+
+def _link_tree(src: Path, dest: Path) -> None:
+    """Hard-link every file under ``src`` to the same relative path under the existing directory ``dest``."""
+    for dirpath, dirnames, filenames in os.walk(src, onerror=_raise):
+        rel = Path(dirpath).relative_to(src)
+        for name in dirnames:
+            if (Path(dirpath) / name).is_symlink():  # not walked into: linked like a file
+                os.link(Path(dirpath) / name, dest / rel / name, follow_symlinks=False)
+            else:
+                (dest / rel / name).mkdir()
+        for name in filenames:
+            os.link(Path(dirpath) / name, dest / rel / name, follow_symlinks=False)
+
+
+def _raise(e: OSError) -> None:
+    raise e

@@ -89,7 +89,7 @@ CASES: dict[str, Case] = {
     "gc.after_delete": Case("cluster", victim=0),
     "restore.peer.before_fetch": Case("cluster"),
     # Orbax-mode daemon: one handshake for a committed step 5
-    "orbax.ingest.after_move": Case("orbax"),
+    "orbax.ingest.after_link": Case("orbax"),
     "orbax.ingest.before_commit": Case("orbax"),
     "orbax.after_ingest": Case("orbax"),
     "orbax.before_marker": Case("orbax"),

@@ -311,7 +311,9 @@ def test_orbax_store_ingests_only_committed_real_step_dirs(tmp_path: Path) -> No
     (tmp_path / "8" / "state" / "ocdbt.process_1").mkdir()  # per-process OCDBT without a root: unreadable
 
     assert store.ingest() == [5]
-    assert not (tmp_path / "5").exists() and (tmp_path / "6").is_dir() and (tmp_path / "4").is_symlink()
+    # Orbax's <local>/5 stays where it was: links to our copy now (Orbax may be deleting it right now).
+    assert oc.is_restored_copy(tmp_path / "5") and (tmp_path / "6").is_dir() and (tmp_path / "4").is_symlink()
+    assert os.path.samefile(tmp_path / "5" / "state" / "_METADATA", tmp_path / "steps" / "5" / "state" / "_METADATA")
     assert not os.path.lexists(tmp_path / "3") and oc.is_restored_copy(tmp_path / "2")
     m = checksums.verify_step_dir(tmp_path / "steps" / "5")
     assert (m.kind, m.rank, m.nodes, m.job) == (layout.KIND_ORBAX, 1, 2, "j")
@@ -321,7 +323,9 @@ def test_orbax_store_ingests_only_committed_real_step_dirs(tmp_path: Path) -> No
     assert (tmp_path / "8" / "commit_success.txt").is_file() and len(errors) == 1 and "step 8" in errors[0]
     assert store.ingest() == [] and len(errors) == 1
     assert sorted(p.name for p in (tmp_path / "steps").iterdir()) == ["5"]
-    # A later save of the same step number replaces the stored one; inventory ingests first.
+    # A later save of the same step number (after a restore of an older step, which removed <local>/5)
+    # replaces the stored one; inventory ingests first.
+    shutil.rmtree(tmp_path / "5")
     _fake_orbax_step(tmp_path / "5", payload=b"y" * 100)
     (held,) = [h for h in store.inventory() if h.step == 5]
     assert held.content_hash != m.content_id and held.owner_rank == 1

@@ -323,9 +323,7 @@ class Fetcher:
             m = self.store.manifest(src.owner_rank, task.step)
             nbytes = m.total_bytes if m is not None else 0
             self.metrics.observe_transfer(f"restore_{'bucket' if src.tier is Tier.BUCKET else 'peer'}", now - t1)
-            self.metrics.restore_seconds.observe(now - t0)
-            self.counters.add("restores")
-            self.counters.add("restore_bytes", nbytes)
+            self._count_restore(now - t0, nbytes)
             restore_phases.report(clock, self.metrics, rank=rank, tier=fetched_tier(src), nbytes=nbytes,
                                   where=src.where)
             if src.owner_rank != rank:
@@ -337,6 +335,12 @@ class Fetcher:
                         what=f"restore of rank {rank} step {task.step}", missing="")
 
     # ------------------------------------------------------------------ for the sidecar
+    def _count_restore(self, seconds: float, nbytes: int) -> None:
+        """This host now holds its rank's data of a restore step, fetched from a peer or the bucket."""
+        self.metrics.restore_seconds.observe(seconds)
+        self.counters.add("restores")
+        self.counters.add("restore_bytes", nbytes)
+
     def for_sidecar(self, sources: Sequence[cpb.RestoreSource], savers: list[int], owner: int, step: int,
                     manifest_only: bool, min_generation: int = 0,
                     clock: RestoreClock | None = None) -> tuple[str, bytes]:
@@ -365,9 +369,13 @@ class Fetcher:
                 log.info("rank %d's data of step %d fetched for the sidecar from %s", owner, step, src.where)
             else:
                 m = self.store.manifest(src.owner_rank, step)
-                restore_phases.report(clock, self.metrics, rank=self.store.rank, tier=tier,
-                                      nbytes=m.total_bytes if m is not None and tier is not Tier.LOCAL else 0,
-                                      where=f"{src.where} for the sidecar")
+                nbytes = m.total_bytes if m is not None and tier is not Tier.LOCAL else 0
+                rec = restore_phases.report(clock, self.metrics, rank=self.store.rank, tier=tier, nbytes=nbytes,
+                                            where=f"{src.where} for the sidecar")
+                if tier is not Tier.LOCAL and owner == self.store.rank:
+                    # This host's data of the step, brought for its sidecar before (or instead of) the
+                    # coordinator's restore task: the same restore, counted the same way.
+                    self._count_restore(rec.seconds, nbytes)
             return rel, b""
 
         return fetch_from(self.sources(sources), attempt,

@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from controller_client.demo.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_SECONDS = 60.0
 
@@ -120,8 +122,10 @@ class LocalCluster:
         return args
 
     def start(self, rank: int) -> str:
-        # The coordinator keeps its address across restarts: the others know it by address.
-        listen = (self.coordinator or "127.0.0.1:0") if rank == 0 else "127.0.0.1:0"
+        # The coordinator keeps its address across restarts: the others know it by address. Its port is
+        # picked below the ephemeral range: a port the kernel handed out may be another process's connection
+        # by the time the coordinator restarts (seen: "Address already in use" on a restart).
+        listen = (self.coordinator or f"127.0.0.1:{free_port()}") if rank == 0 else "127.0.0.1:0"
         p = ReplicatorProcess(rank, self._args(rank, listen), self.base / "logs" / f"replicator-{rank}.log",
                               self.env)
         self.procs[rank] = p

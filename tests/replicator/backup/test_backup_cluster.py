@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar import checksums
+from sidecar import checksums, layout
 from tests.kits.cluster import assert_equal, manager, save_steps, status, target, wait_for
 
 pytestmark = pytest.mark.slow
@@ -26,12 +26,15 @@ def _lose_everything_and_restore(cl, trees, step, slices=2, hosts=2):
     mgr = manager(cl, slices, hosts)
     assert mgr.latest_step() == step
     assert_equal(trees[step], mgr.restore(None, target(trees[step])))
+    def held(r: int) -> list:
+        return [d for d in [cl.ram(r) / "steps" / str(step), *(cl.ram(r) / "peer").glob(f"*/{step}")]
+                if (d / layout.MANIFEST_NAME).is_file()]
+
     for r in range(cl.nodes):
         # Every host holds its rank's data again (downloaded from the bucket, or copied from a host that
-        # already had, a faster tier), verified, in a committed directory.
-        dirs = [d for d in [cl.ram(r) / "steps" / str(step), *(cl.ram(r) / "peer").glob(f"*/{step}")] if d.is_dir()]
-        assert dirs, f"host {r} holds nothing of step {step}"
-        for d in dirs:
+        # already had, a faster tier), verified, in a committed directory. The restore may have read it
+        # while it landed: its replicator commits it moments later.
+        for d in wait_for(lambda r=r: held(r), what=f"host {r} holds step {step} again", timeout=60):
             checksums.verify_step_dir(d)
     mgr.close()
 

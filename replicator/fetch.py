@@ -211,11 +211,25 @@ class Fetcher:
         # Whole-step peer fetches running now: their watermark, for a sidecar that reads while they land.
         self._landing: dict[tuple[int, int], FetchProgress] = {}
         self._landing_lock = threading.Lock()
+        # This rank's own steps being brought for a restore (either path): when they appear on the RAM
+        # disk they are not saves (:meth:`restored_among`).
+        self._restoring: set[int] = set()
 
     def landing(self, owners: Sequence[int], step: int) -> FetchProgress | None:
         """The progress of a running peer fetch of one of ``owners``' ``step``, if any."""
         with self._landing_lock:
             return next((p for o in owners if (p := self._landing.get((o, step))) is not None), None)
+
+    def _mark_restoring(self, step: int) -> None:
+        with self._landing_lock:
+            self._restoring.add(step)
+
+    def restored_among(self, steps: set[int]) -> set[int]:
+        """Which of these own steps on the RAM disk a restore brought, not a save (forgotten once asked)."""
+        with self._landing_lock:
+            restored = self._restoring & steps
+            self._restoring -= restored
+        return restored
 
     def source(self, src: cpb.RestoreSource) -> Source:
         """The fetchable tier a coordinator's source names."""
@@ -300,6 +314,7 @@ class Fetcher:
         ``planned_at`` (``time.monotonic()``; None: now)."""
         if not task.sources:
             return
+        self._mark_restoring(task.step)
         t0 = time.monotonic()
         clock = RestoreClock(task.step, rank, "task", started=planned_at)
         clock.add("plan", None, plan_seconds)
@@ -359,6 +374,8 @@ class Fetcher:
             tier = fetched_tier(src) if not self.store.has(src.owner_rank, step, src.content_hash) else Tier.LOCAL
             with clock.fetching(tier) if clock is not None else contextlib.nullcontext():
                 if tier is not Tier.LOCAL:
+                    if src.owner_rank == self.store.rank:
+                        self._mark_restoring(step)  # lands as this rank's own step: not a save
                     if self.store.has(src.owner_rank, step):
                         self.store.delete(src.owner_rank, step)  # a stale copy of an older save
                     src.bring(step)

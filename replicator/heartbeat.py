@@ -129,8 +129,6 @@ class Heartbeat:
         self._lower_down_since: float | None = None
         self._backup_reports: list[cpb.BackupReport] = []
         self._seen_own: set[int] | None = None
-        self._lock = threading.Lock()
-        self._restoring: set[int] = set()  # steps being fetched for a restore: not saves
         self._backup_now = False
         # Numbers this process's reports (HeartbeatRequest.report_seq): the coordinator refuses an older report
         # the network delivers late or twice instead of taking its inventory as current.
@@ -220,16 +218,7 @@ class Heartbeat:
     def _restore(self, task: cpb.RestoreTask, sent_at: float | None = None, round_trip: float = 0.0) -> None:
         """The restore task: this rank's data of the step to restore (not counted as a save when it lands).
         ``sent_at``, ``round_trip``: the heartbeat that brought it (the restore's plan phase)."""
-        with self._lock:
-            self._restoring.add(task.step)
         self.parts.fetcher.restore(self.me.rank, task, plan_seconds=round_trip, planned_at=sent_at)
-
-    def _restored_among(self, steps: set[int]) -> set[int]:
-        """Which of these own steps on the RAM disk a restore brought (forgotten once asked)."""
-        with self._lock:
-            restored = self._restoring & steps
-            self._restoring -= restored
-        return restored
 
     # ------------------------------------------------------------------ one heartbeat
     def beat(self) -> float:
@@ -358,7 +347,7 @@ class Heartbeat:
         if self._seen_own is None:  # at start: what is already there was saved by an earlier incarnation
             self._seen_own = set(own)
             return
-        restored = self._restored_among(set(own))
+        restored = self.parts.fetcher.restored_among(set(own))
         for step in sorted(set(own) - self._seen_own - restored):
             counters.add("saves")
             counters.add("save_bytes", own[step])

@@ -88,3 +88,14 @@ def test_a_sidecar_fetch_of_another_ranks_data_is_not_this_hosts_restore(host) -
     host.fetcher.for_sidecar([src], [0, 1], 0, STEP, False, clock=RestoreClock(STEP, 0, "sidecar"))
     assert host.store.has(0, STEP)
     assert _sample(host.metrics, "mtc_restore_seconds_count") == 0 and host.metrics.counters.get("restores") == 0
+
+
+def test_own_data_brought_for_the_sidecar_is_not_a_save(host) -> None:  # type: ignore[no-untyped-def]
+    """The heartbeat counts each own step that appears on the RAM disk as a save, except those a restore
+    brought: the sidecar's fetch (a stream, a rebuild from parity) is such a restore too."""
+    host.fetcher.for_sidecar([_bucket_source()], [0, 1], 1, STEP, False, clock=RestoreClock(STEP, 1, "sidecar"))
+    assert host.fetcher.restored_among({STEP, STEP + 1}) == {STEP}
+    assert host.fetcher.restored_among({STEP}) == set()  # forgotten once asked: a later save counts
+    # Another rank's data fetched here is kept under that rank's name: never an own step.
+    host.fetcher.for_sidecar([cpb.RestoreSource(owner_rank=0, kind=tier_pb2.TIER_BUCKET)], [0, 1], 0, STEP, False)
+    assert host.fetcher.restored_among({STEP}) == set()

@@ -19,7 +19,9 @@ from replicator.daemon import Replicator
 from replicator.heartbeat import STARTUP_RETRIES, Heartbeat, NoCoordinator, Reporter
 from replicator.options import ReplicatorOptions
 
-INTERVAL = 5.0  # the backoff after a failed heartbeat never goes below it
+# The backoff after a failed heartbeat never goes below it: long, so that a host that waited one backoff
+# (~20 s) is told apart from one that retried quickly (well under a second, a few seconds on a loaded box).
+INTERVAL = 20.0
 
 
 def _opts(root: Path, rank: int, listen: str, coordinator: str) -> ReplicatorOptions:
@@ -28,7 +30,7 @@ def _opts(root: Path, rank: int, listen: str, coordinator: str) -> ReplicatorOpt
                              transfer_timeout_seconds=10, bulk_priority="normal").validate()
 
 
-def test_a_host_started_before_the_coordinator_registers_within_a_second(tmp_path: Path) -> None:
+def test_a_host_started_before_the_coordinator_registers_well_within_the_interval(tmp_path: Path) -> None:
     address = f"127.0.0.1:{_free_port()}"
     daemons: list[Replicator] = []
     client = None
@@ -43,14 +45,15 @@ def test_a_host_started_before_the_coordinator_registers_within_a_second(tmp_pat
         t0 = time.monotonic()
         client = CoordinatorClient(address, rpc_timeout_seconds=5)
         registered = 0
-        while time.monotonic() - t0 < 2 * INTERVAL:
+        while time.monotonic() - t0 < INTERVAL / 4:
             registered = client.status().hosts_registered
             if registered == 2:
                 break
             time.sleep(0.02)
         took = time.monotonic() - t0
-        assert registered == 2, f"rank 1 not registered {took:.1f}s after the coordinator started"
-        assert took < 1.5, f"rank 1 registered {took:.2f}s after the coordinator started (interval {INTERVAL}s)"
+        # Quiet, it takes ~0.2 s; make test measured 1.53 s once on its loaded box (a bound of 1.5 s failed).
+        assert registered == 2, (f"rank 1 not registered {took:.1f}s after the coordinator started (interval "
+                                 f"{INTERVAL}s): it waited a backoff instead of retrying at once")
     finally:
         if client is not None:
             client.close()

@@ -72,7 +72,9 @@ def test_call_with_retry_backs_off_and_respects_deadline() -> None:
     t0 = time.monotonic()
     with pytest.raises(ConnectionResetError):
         call_with_retry(always_503, what="test", policy=policy)
-    assert time.monotonic() - t0 <= 0.5 + 0.15
+    # The deadline ends the retries (1000 attempts would take ~100 s): at most one more backoff and a
+    # loaded box's scheduling past it, not a tight wall-clock bound.
+    assert time.monotonic() - t0 < 0.5 + 1.0
     assert len(calls) >= 3
     with pytest.raises(ValueError):
         call_with_retry(lambda a: (_ for _ in ()).throw(ValueError("final")), what="t", policy=policy)

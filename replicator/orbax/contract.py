@@ -372,7 +372,7 @@ def write_restore_marker(local_dir: Path, job: str, step: int, rank: int, target
     path = local_dir / name
     tmp = local_dir / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        copied = _link_tree(target, tmp)
+        copied = link_tree(target, tmp)
         fsync_dir(tmp)
         os.rename(tmp, path)
     except BaseException:
@@ -384,21 +384,33 @@ def write_restore_marker(local_dir: Path, job: str, step: int, rank: int, target
     return path
 
 
-def _link_tree(src: Path, dest: Path) -> int:
-    """Mirror ``src`` as ``dest`` with a hard link per file; returns how many files had to be copied."""
+def link_tree(src: Path, dest: Path, *, copy_unlinkable: bool = True) -> int:
+    """Mirror ``src`` into ``dest`` (made if absent) with a hard link per file, our top-level
+    ``MANIFEST.json`` left out; returns how many files had to be copied.
+
+    A symlink in ``src`` is a ValueError (Orbax writes none); a file or directory that vanishes meanwhile is
+    an OSError (FileNotFoundError), never a silently smaller tree. A file that cannot be linked (EXDEV,
+    EPERM) is copied when ``copy_unlinkable`` (a marker still protects our files), else its OSError is raised
+    (an ingest must share Orbax's pages, not double them)."""
     copied = 0
-    for here, dirnames, filenames in os.walk(src):
+
+    def fail(e: OSError) -> None:
+        raise e
+
+    for here, dirnames, filenames in os.walk(src, onerror=fail):
         rel = Path(here).relative_to(src)
-        (dest / rel).mkdir(exist_ok=rel != Path("."))
+        (dest / rel).mkdir(exist_ok=True)
         for n in dirnames + filenames:
             if (Path(here) / n).is_symlink():
-                raise ValueError(f"restore target {src} contains a symlink {rel / n}: not an Orbax step")
+                raise ValueError(f"{src} contains a symlink {rel / n}: not an Orbax step")
         for n in filenames:
             if rel == Path(".") and n == layout.MANIFEST_NAME:
                 continue
             try:
                 os.link(Path(here) / n, dest / rel / n)
-            except OSError:  # EXDEV, EPERM (no hard links here): a copy still protects our files
+            except OSError:
+                if not copy_unlinkable or not (Path(here) / n).exists():
+                    raise
                 shutil.copy2(Path(here) / n, dest / rel / n)
                 copied += 1
     return copied

@@ -59,7 +59,7 @@ class OrbaxStore(RamDiskStore):
         copy it was restored from, collected) holds the only links left to those bytes: it is an ordinary
         Orbax step then, and ingested.
         """
-        moved = []
+        taken = []
         with self._ingest_lock:
             for child in sorted(self.root.iterdir()):
                 step = layout.parse_step_name(child.name)
@@ -75,10 +75,10 @@ class OrbaxStore(RamDiskStore):
                 if not child.is_dir() or not (child / oc.COMMIT_SUCCESS_FILE).is_file():
                     continue  # not a committed Orbax step (Orbax renames the tmp dir only when done)
                 if self._ingest_one(child, step):
-                    moved.append(step)
-        if moved:
-            self.ingested.extend(moved)
-        return moved
+                    taken.append(step)
+        if taken:
+            self.ingested.extend(taken)
+        return taken
 
     def _ingest_one(self, src: Path, step: int) -> bool:
         try:
@@ -91,9 +91,9 @@ class OrbaxStore(RamDiskStore):
         final = steps / layout.step_name(step)
         tmp = commit.make_tmp_dir(steps, step)
         try:
-            _link_tree(src, tmp)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
+            oc.link_tree(src, tmp, copy_unlinkable=False)
+        except (OSError, ValueError) as e:
+            commit.remove_owned_dir(tmp)
             if isinstance(e, FileNotFoundError):  # a file went under us: Orbax's deleter is removing the step
                 log.info("Orbax deleted step %d (%s) while it was being ingested: not taken", step, src)
                 return False
@@ -115,7 +115,7 @@ class OrbaxStore(RamDiskStore):
         except (OSError, ValueError) as e:
             # Unreadable OCDBT data and the like: never publish it. Orbax's directory is untouched (only
             # links were made); do not retry it.
-            shutil.rmtree(tmp, ignore_errors=True)
+            commit.remove_owned_dir(tmp)
             self._failed.add(key)
             self._on_error(f"cannot ingest Orbax step {step} of rank {self.rank}: {e}")
             return False
@@ -183,19 +183,3 @@ class OrbaxStore(RamDiskStore):
         """Own steps Orbax asked to back up now (``_BACKUP_REQUESTED``, Orbax >= 0.12.10; never 0.12.8)."""
         return [s for s in self.own_steps() if oc.backup_requested(self.step_dir(self.rank, s))]
 
-
-def _link_tree(src: Path, dest: Path) -> None:
-    """Hard-link every file under ``src`` to the same relative path under the existing directory ``dest``."""
-    for dirpath, dirnames, filenames in os.walk(src, onerror=_raise):
-        rel = Path(dirpath).relative_to(src)
-        for name in dirnames:
-            if (Path(dirpath) / name).is_symlink():  # not walked into: linked like a file
-                os.link(Path(dirpath) / name, dest / rel / name, follow_symlinks=False)
-            else:
-                (dest / rel / name).mkdir()
-        for name in filenames:
-            os.link(Path(dirpath) / name, dest / rel / name, follow_symlinks=False)
-
-
-def _raise(e: OSError) -> None:
-    raise e

@@ -22,8 +22,9 @@ from sidecar.spares import RECYCLE_MIN_BYTES
 class ChecksumError(IOError):
     """Bytes on disk or on the wire do not match the crc32c recorded in the manifest."""
 
-    def __init__(self, what: str, expected: int, actual: int):
-        super().__init__(f"crc32c mismatch in {what}: expected {expected:08x}, got {actual:08x}")
+    def __init__(self, what: str, expected: int | None = None, actual: int | None = None):
+        super().__init__(f"crc32c mismatch in {what}" if expected is None or actual is None
+                         else f"crc32c mismatch in {what}: expected {expected:08x}, got {actual:08x}")
         self.what = what
         self.expected = expected
         self.actual = actual

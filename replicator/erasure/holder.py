@@ -22,13 +22,14 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from replicator.erasure.group import GroupManifest, ParityStripe
 from replicator.erasure.wire import DIGEST_PREFIX, CodeGroupSpec
 from sidecar import commit, layout, spares
-from sidecar.checksums import crc32c, crc32c_extend
+from sidecar.checksums import ChecksumError, crc32c, crc32c_extend
 from sidecar.layout import FileEntry
 
 log = logging.getLogger(__name__)
@@ -315,6 +316,34 @@ class ParityStore:
             return os.pread(fd, length, offset)
         finally:
             os.close(fd)
+
+    def verify(self, step: int, digest: str, pieces: Iterable[tuple[str, int, int]]) -> None:
+        """Check every stripe the (file name, offset, length) ``pieces`` touch against the record's crc32c
+        before they are served. A mismatch is bit rot: this parity is dropped (like a bad copy: the
+        coordinator asks for it again once it is missing) and ChecksumError is raised; FileNotFoundError when
+        it is not held. ``GROUP.json`` is checked by parsing it (:meth:`record`)."""
+        rec = self.record(step, digest)
+        if rec is None:
+            raise FileNotFoundError(f"no parity of step {step} for {digest} on rank {self.rank}")
+        man = rec.manifest
+        for name, offset, length in pieces:
+            if name == RECORD_NAME or length <= 0:
+                continue
+            rotation, index = parse_shard_name(name)
+            first = offset // man.stripe_bytes
+            last = min((offset + length - 1) // man.stripe_bytes, man.stripes - 1)
+            for stripe in range(first, last + 1):
+                off, n = man.stripe_range(stripe)
+                data = self.read(step, digest, rotation, index, off, n)
+                expected = man.crc32c[rotation][stripe][man.layout.k + index]
+                actual = crc32c(data) if len(data) == n else -1
+                if actual != expected:
+                    log.warning("bad parity of step %d (%s): shard %s stripe %d has crc32c %08x, its record says "
+                                "%08x; dropping it (the coordinator asks for it again)", step, digest, name,
+                                stripe, actual & 0xFFFFFFFF, expected)
+                    self.delete(step, digest)
+                    raise ChecksumError(f"parity shard {name} stripe {stripe} of step {step} on rank {self.rank} "
+                                        f"(dropped)", expected, actual & 0xFFFFFFFF)
 
     # ------------------------------------------------------------------ deletion
     def delete(self, step: int, digest: str | None = None) -> bool:

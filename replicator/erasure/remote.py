@@ -87,7 +87,8 @@ class PeerLink:
 
     def call(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)``; a transport failure (gRPC, socket, timeout) is a ConnectionError, remembered so that
-        later calls fail at once. A NOT_FOUND answer is a FileNotFoundError (the peer is fine)."""
+        later calls fail at once. A NOT_FOUND answer is a FileNotFoundError, DATA_LOSS a ChecksumError (the peer
+        is fine)."""
         if self.failed is not None:
             raise ConnectionError(f"{self.address} failed earlier: {self.failed}") from self.failed
         try:
@@ -95,6 +96,8 @@ class PeerLink:
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 raise FileNotFoundError(f"{self.address}: {e.details()}") from e
+            if e.code() == grpc.StatusCode.DATA_LOSS:  # bad bytes there (its holder drops them): the peer is fine
+                raise ChecksumError(f"{self.address}: {e.details()}") from e
             self.failed = e
             raise ConnectionError(f"{self.address}: {e.code().name} {e.details()}") from e
         except (ChecksumError, FileNotFoundError, ValueError):

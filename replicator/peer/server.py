@@ -169,6 +169,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         what = f"rank {self.own_rank}'s parity of step {request.step} ({request.parity})"
         return parity_dir, _select(files, list(request.files), self.max_files, what)
 
+    def _check_parity(self, request: Any, sends: Sequence[tuple[FileEntry, int, int]]) -> None:
+        """Parity is verified before it is served (:meth:`ParityStore.verify`): bit rot drops it here."""
+        if request.parity and self._parity is not None:
+            self._parity.verify(request.step, request.parity, [(e.name, o, n) for e, o, n in sends])
+
     def _entries(
         self, request: Any, context: grpc.ServicerContext
     ) -> tuple[Path, list[FileEntry]]:
@@ -231,6 +236,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     def OpenTransfer(self, request: Any, context: grpc.ServicerContext) -> Any:
         step_dir, entries = self._entries(request, context)
         sends = _pieces(entries, request.pieces)
+        self._check_parity(request, sends or [(e, 0, e.size) for e in entries])
         resp = peer_pb2.OpenTransferResponse(
             files=[peer_pb2.TransferFile(name=e.name, size=e.size, crc32c=e.crc32c) for e in entries]
         )
@@ -251,6 +257,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         step_dir, entries = self._entries(request, context)
         # Whole files, or (pieces) only these ranges: a chunk's file_index is then its piece's index.
         sends = _pieces(entries, request.pieces) or tuple((e, 0, e.size) for e in entries)
+        self._check_parity(request, sends)
         chunk = request.chunk_bytes or STREAM_CHUNK_BYTES
         chunk = max(64 << 10, min(int(chunk), MAX_STREAM_CHUNK_BYTES))
         if not self._slots.acquire(timeout=rpc.RPC_TIMEOUT_SECONDS):

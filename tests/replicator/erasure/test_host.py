@@ -153,6 +153,36 @@ def test_corrupt_parity_is_passed_over_when_enough_fragments_remain(job_factory,
     assert any("crc32c" in r.getMessage() and "expected" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("data_port", [True, False], ids=["data-port", "grpc-stream"])
+def test_corrupt_parity_is_dropped_by_its_holder_and_computed_again(job_factory, caplog, data_port) -> None:
+    """The holder checks parity against its record before serving it: bit rot is answered DATA_LOSS (the
+    rebuild passes over it, the link stays usable) and the holder drops that parity, so it no longer reports
+    it and the coordinator's next ParityTask computes it again; the rebuild is bit-exact meanwhile."""
+    job = job_factory(4, 2, data_port=data_port)
+    job.encode_all()
+    holder, _, _ = _corrupt_parity_used_by(job, 0)
+    digest = job.spec().digest()
+    job.hosts[0].wipe()
+    with caplog.at_level(logging.WARNING):
+        rebuild_own(job.hosts[0].ec(), STEP, job.spec())
+    assert_rebuilt(job, 0)
+    held = job.hosts[holder].parity
+    assert held.record(STEP, digest) is None and not held.holdings(), "the corrupt parity is still held"
+    assert any(f"bad parity of step {STEP}" in r.getMessage() and "dropping it" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert not any("failed earlier" in r.getMessage() for r in caplog.records)  # the holder's data still read
+    old = job.hosts[0]
+    job.hosts[0] = EcPeer(old.root, 0, old.nodes, data_port=data_port)  # the replaced host serves again
+    rec = compute_parity(job.hosts[holder].ec(), STEP, job.spec())  # what the coordinator's ParityTask does
+    assert rec.digest == digest and held.record(STEP, digest) is not None
+    caplog.clear()
+    job.hosts[0].wipe()
+    with caplog.at_level(logging.WARNING):
+        rebuild_own(job.hosts[0].ec(), STEP, job.spec())
+    assert_rebuilt(job, 0)
+    assert not any("corrupt" in r.getMessage() or "bad parity" in r.getMessage() for r in caplog.records)
+
+
 def test_corrupt_parity_with_too_few_fragments_left_fails_and_commits_nothing(job_factory) -> None:
     job = job_factory(3, 1)
     job.encode_all()

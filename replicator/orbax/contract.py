@@ -75,8 +75,17 @@ RESTORE_MARKER_RE = re.compile(r"^.+-s(\d+)-n\d+-w\d+\.restore$")
 _VOLATILE_CHECKPOINT_METADATA_KEYS = frozenset(
     {"init_timestamp_nsecs", "commit_timestamp_nsecs", "performance_metrics"}
 )
-# Values read ahead of hashing in orbax_content_hash (bounds memory to this many chunk values).
+# orbax_content_hash reads each value in pieces of _HASH_PIECE_BYTES, up to _READ_AHEAD pieces ahead of hashing,
+# and the first piece of each of the _READ_AHEAD_KEYS next keys (a read waited for one at a time costs ~0.3 ms of
+# tensorstore's thread hand-offs: 2000 small values, 0.64 s one by one, 0.02 s all at once). Measured on the 2-core
+# VM (tmpfs, 2026-12-05; a 248 MB chunk of one 256 MiB array / 1000 small arrays): whole values read ahead 4
+# deep (before) 0.55-0.62 s / 0.19-0.27 s (tensorstore turns a value into one fresh Python bytes object at
+# ~0.8 GB/s); 1 MiB pieces with 16 keys ahead 0.17-0.18 s / 0.17-0.18 s (sha256 alone: 0.14 s for the chunk).
+# 4 MiB pieces: 0.19 s, 16 MiB: 0.22-0.25 s; 4 keys ahead: 0.44-0.48 s for the small arrays.
+_HASH_PIECE_BYTES = 1 << 20
 _READ_AHEAD = 4
+_READ_AHEAD_KEYS = 16
+
 _KNOWN_KEYS = frozenset(
     {
         "job-name",
@@ -509,11 +518,40 @@ def backup_requested(step_dir: Path) -> bool:
 # --------------------------------------------------------------------------- content hash
 
 
+class _ValueRead:
+    """The read of one value's next piece: ``offset``, and the rest of the value (``slice(offset, None)``) once a
+    piece read has gone past its end (tensorstore: OUT_OF_RANGE, a ValueError; a value's size is not listed)."""
+
+    def __init__(self, kv: Any, key: bytes, offset: int):
+        self.kv, self.key, self.offset = kv, key, offset
+        self.rest = False
+        self.fut = kv.read(key, byte_range=slice(offset, offset + _HASH_PIECE_BYTES))
+
+    def to_rest(self) -> None:
+        self.rest = True
+        self.fut = self.kv.read(self.key, byte_range=slice(self.offset, None))
+
+    def settle(self) -> None:
+        """Turn a piece read already failed into the read of the rest (without waiting for anything)."""
+        if not self.rest and self.fut.done() and self.fut.exception() is not None:
+            self.to_rest()
+
+    def result(self) -> Any:
+        try:
+            return self.fut.result()
+        except ValueError:
+            if self.rest:
+                raise
+        self.to_rest()  # past the value's end -- or a failed read, which fails again here
+        return self.fut.result()
+
+
 def _ocdbt_digests(db_dir: Path) -> Iterator[tuple[bytes, str]]:
     """(key, sha256 hex of value) of every entry of the OCDBT database rooted at ``db_dir``, in key order.
 
-    Reads run ahead of hashing (tensorstore reads in its own threads and sha256 releases the GIL), at most
-    ``_READ_AHEAD`` values in memory at once.
+    Values are read in pieces (``_HASH_PIECE_BYTES``) running ahead of hashing (tensorstore reads in its own
+    threads and sha256 releases the GIL): at most ``_READ_AHEAD`` pieces of the value being hashed and the
+    first pieces of the ``_READ_AHEAD_KEYS`` next keys in memory at once.
     """
     import tensorstore as ts  # lazy: only hashing needs it (an Orbax dependency)
 
@@ -525,20 +563,32 @@ def _ocdbt_digests(db_dir: Path) -> Iterator[tuple[bytes, str]]:
         keys = sorted(kv.list().result())
     except Exception as e:  # tensorstore raises ValueError/RuntimeError variants
         raise ValueError(f"cannot read OCDBT database {db_dir}: {e}") from e
-    pending: collections.deque = collections.deque()
+    firsts: collections.deque[_ValueRead] = collections.deque()  # the first piece of each next key
     next_key = 0
-    while pending or next_key < len(keys):
-        while next_key < len(keys) and len(pending) < _READ_AHEAD:
-            pending.append((keys[next_key], kv.read(keys[next_key])))
+    for key in keys:
+        while next_key < len(keys) and len(firsts) < _READ_AHEAD_KEYS:
+            firsts.append(_ValueRead(kv, keys[next_key], 0))
             next_key += 1
-        key, fut = pending.popleft()
-        try:
-            res = fut.result()
-        except Exception as e:
-            raise ValueError(f"cannot read key {key!r} of OCDBT database {db_dir}: {e}") from e
-        if res.state != "value":
-            raise ValueError(f"OCDBT database {db_dir} lists key {key!r} but has no value for it")
-        yield key, hashlib.sha256(res.value).hexdigest()
+        pieces = collections.deque([firsts.popleft()])
+        h = hashlib.sha256()
+        while pieces:
+            for r in firsts:  # small values ahead: their whole reads start now, not one after the other
+                r.settle()
+            piece = pieces.popleft()
+            try:
+                res = piece.result()
+            except Exception as e:
+                raise ValueError(f"cannot read key {key!r} of OCDBT database {db_dir}: {e}") from e
+            if res.state != "value":
+                raise ValueError(f"OCDBT database {db_dir} lists key {key!r} but has no value for it")
+            h.update(res.value)
+            if piece.rest:
+                break  # the value's end (reads ahead past it are dropped)
+            offset = (pieces[-1] if pieces else piece).offset + _HASH_PIECE_BYTES
+            while len(pieces) < _READ_AHEAD:
+                pieces.append(_ValueRead(kv, key, offset))
+                offset += _HASH_PIECE_BYTES
+        yield key, h.hexdigest()
 
 
 def _canonical_checkpoint_metadata(data: bytes, path: Path) -> bytes:

@@ -284,3 +284,30 @@ def test_jax_init_info_read_by_orbax(tmp_path: Path) -> None:
         with pytest.raises(ValueError):
             oc.write_jax_init_info(tmp_path, pid, addr)
     assert sorted(p.name for p in tmp_path.iterdir()) == [oc.JAX_INIT_INFO_FILE]
+
+
+@pytest.mark.parametrize("piece", [64, 1 << 20])
+def test_ocdbt_digests_read_in_pieces_equal_whole_value_sha256(tmp_path: Path, monkeypatch, piece: int) -> None:
+    """Values read in byte ranges (past a value's end tensorstore answers OUT_OF_RANGE: the rest is read
+    instead) hash exactly as the whole values do, at every size around a piece boundary; a key listed without
+    a value and an unreadable database are errors."""
+    import hashlib
+
+    import tensorstore as ts
+
+    monkeypatch.setattr(oc, "_HASH_PIECE_BYTES", piece)
+    monkeypatch.setattr(oc, "_READ_AHEAD_KEYS", 3)  # fewer than the keys: the read-ahead refills
+    sizes = [0, 1, 63, 64, 65, 128, 129, 64 * 5 + 3, 1000, 7]
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": f"{tmp_path}/"}}).result()
+    want = {}
+    for i, n in enumerate(sizes):
+        value = bytes((i * 31 + j) % 251 for j in range(n))
+        key = f"k/{i:02d}".encode()
+        kv.write(key, value).result()
+        want[key] = hashlib.sha256(value).hexdigest()
+    del kv
+    assert dict(oc._ocdbt_digests(tmp_path)) == want
+    assert [k for k, _ in oc._ocdbt_digests(tmp_path)] == sorted(want)
+    (tmp_path / oc.OCDBT_MANIFEST_FILE).write_bytes(b"not a manifest")
+    with pytest.raises(ValueError, match="cannot read OCDBT database"):
+        list(oc._ocdbt_digests(tmp_path))

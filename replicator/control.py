@@ -72,13 +72,14 @@ class LocalControl(control_pb2_grpc.LocalControlServicer):
     @map_errors_as_unavailable
     def FetchStep(self, request, context):
         rel, manifest = self.steps.fetch_step(request.owner_rank, request.step, request.manifest_only,
-                                              request.replace_local, _wait_seconds(request.timeout_seconds),
+                                              request.replace_local, _wait_seconds(request.timeout_seconds, context),
                                               min_generation=request.min_generation)
         return control_pb2.FetchStepResponse(step_dir=rel, manifest_json=manifest)
 
     @map_errors_as_unavailable
     def StreamStep(self, request, context):
-        yield from self.steps.stream_step(request.owner_rank, request.step, _wait_seconds(request.timeout_seconds))
+        yield from self.steps.stream_step(request.owner_rank, request.step,
+                                          _wait_seconds(request.timeout_seconds, context))
 
     @map_errors_as_unavailable
     def FetchFiles(self, request, context):
@@ -89,7 +90,7 @@ class LocalControl(control_pb2_grpc.LocalControlServicer):
         pieces = [layout.FilePiece(pc.name, pc.offset, pc.length, pc.crc32c) for pc in request.pieces]
         layout.check_pieces(entries, pieces)
         source, nbytes = self.steps.fetch_files(request.owner_rank, request.step, entries, request.dest_dir,
-                                                _wait_seconds(request.timeout_seconds), pieces)
+                                                _wait_seconds(request.timeout_seconds, context), pieces)
         return control_pb2.FetchFilesResponse(source=source, bytes=nbytes)
 
     def GetPreemption(self, request, context):
@@ -103,11 +104,20 @@ class LocalControl(control_pb2_grpc.LocalControlServicer):
         return self.preemption.on_notice(request)
 
 
-def _wait_seconds(value: float) -> float:
+# A wait bounded by the caller's deadline ends this long before it, so the caller gets the answer (what was
+# found, or why not) rather than DEADLINE_EXCEEDED with nothing.
+ANSWER_MARGIN_SECONDS = 0.25
+
+
+def _wait_seconds(value: float, context: grpc.ServicerContext | None = None) -> float:
     """A request's ``timeout_seconds``: finite and not negative (ValueError, i.e. INVALID_ARGUMENT: a NaN
-    made every deadline computed from it unreachable, and the call never returned)."""
+    made every deadline computed from it unreachable, and the call never returned), and no longer than the
+    call's own deadline allows (less :data:`ANSWER_MARGIN_SECONDS`)."""
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"timeout_seconds must be a finite number >= 0, got {value!r}")
+    left = context.time_remaining() if context is not None else None
+    if left is not None:
+        value = min(value, max(0.0, left - ANSWER_MARGIN_SECONDS))
     return value
 
 

@@ -69,6 +69,9 @@ POINTS: tuple[str, ...] = (
     "backup.commit.after_record",
     "backup.commit.after_rename",
     "backup.retention.mid_delete",
+    # erasure coding (replicator/erasure/host.py): a parity task just before its commit, a rebuild mid-stream
+    "ec.parity.before_commit",
+    "ec.rebuild.mid",
     # Orbax: ingesting a step Orbax committed, and the handshake
     "orbax.ingest.after_link",
     "orbax.ingest.before_commit",

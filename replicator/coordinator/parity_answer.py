@@ -4,7 +4,9 @@ restore source, on the wire. Used by the coordinator service under its lock.
 :class:`ParityOrders` remembers the ParityTasks sent and not yet answered: a host computing its parity (reading
 K shards of M rotations from the other members) is not told again at every heartbeat; the same task goes out
 again only after :attr:`ParityOrders.retry_seconds` (the host's attempt may have failed) or when the host
-registered anew. A task for other data (a re-save: another digest) goes out at once.
+registered anew. A task for other data (a re-save: another digest) goes out at once, and so does one whose
+members' addresses changed (a member's replicator restarted: the task sent names its old address, and an attempt
+that failed reading from it would otherwise wait out the retry time).
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ def with_addresses(spec: CodeGroupSpec, members: Collection[int], addresses: Map
 
 
 class ParityOrders:
-    """(holder, step) -> (digest, when sent) of the ParityTasks sent and not yet answered."""
+    """(holder, step) -> (digest, members' addresses, when sent) of the ParityTasks sent and not yet answered."""
 
     def __init__(self) -> None:
-        self._sent: dict[tuple[int, int], tuple[str, float]] = {}
+        self._sent: dict[tuple[int, int], tuple[str, tuple[str, ...], float]] = {}
 
     def forget(self, rank: int) -> None:
         """``rank`` registered anew (another process): what it was told is forgotten with it."""
@@ -44,7 +46,8 @@ class ParityOrders:
     def tasks(self, st: CoordinatorState, rank: int, floor: int | None, now: float, retry_seconds: float,
               addresses: Mapping[int, str]) -> list[pb.ParityTask]:
         """The ParityTasks for host ``rank`` now (steps from ``floor`` on): each one at most once per
-        ``retry_seconds`` while unanswered; none while some member's address is unknown."""
+        ``retry_seconds`` while unanswered (at once when it names other data or other addresses); none while
+        some member's address is unknown."""
         due = st.ec.tasks_for(rank, floor)
         pending = {step for step, _ in due}
         for key in [k for k in self._sent if k[0] == rank and k[1] not in pending]:
@@ -54,12 +57,13 @@ class ParityOrders:
             if any(not addresses.get(r) for r in spec.members):
                 continue  # every member reports its address with each heartbeat: soon known
             digest = spec.digest()
+            spec = with_addresses(spec, spec.members, addresses)
             sent = self._sent.get((rank, step))
-            if sent is not None and sent[0] == digest and now - sent[1] < retry_seconds:
+            if sent is not None and sent[:2] == (digest, spec.addresses) and now - sent[2] < retry_seconds:
                 continue
-            self._sent[(rank, step)] = (digest, now)
+            self._sent[(rank, step)] = (digest, spec.addresses, now)
             task = pb.ParityTask(step=step)
-            with_addresses(spec, spec.members, addresses).to_proto(task.group)
+            spec.to_proto(task.group)
             out.append(task)
         return out
 

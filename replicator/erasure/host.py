@@ -31,7 +31,7 @@ from replicator.erasure.wire import CodeGroupSpec
 from replicator.net import rpc
 from replicator.net.security import TlsOptions
 from replicator.net.throttle import RateLimiter
-from sidecar import commit, layout
+from sidecar import commit, faults, layout
 from sidecar.layout import ManifestError, StepManifest
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,7 @@ def compute_parity(host: EcHost, step: int, group: CodeGroupSpec) -> ParityRecor
                     _own_stream(host, step, content_hash)
                 else:
                     RemoteStream.open(links(address), rank, step, content_hash)
+            faults.point("ec.parity.before_commit")  # every stripe written, checked; GROUP.json next
             return enc.manifest(rotations)
 
         with contextlib.closing(mine()) as stripes:  # its read-ahead threads end here
@@ -163,6 +164,14 @@ def compute_parity(host: EcHost, step: int, group: CodeGroupSpec) -> ParityRecor
              "peer tier in %.3fs (%.1f MiB/s)", step, lay.k, lay.m, rotations, digest, record.parity_bytes,
              moved, dt, moved / dt / 2**20)
     return record
+
+
+def _mid_point(pieces: Iterator[memoryview]) -> Iterator[memoryview]:
+    """``pieces`` with the ``ec.rebuild.mid`` fault point once the first one is written (the rest still to come)."""
+    for i, piece in enumerate(pieces):
+        if i == 1:
+            faults.point("ec.rebuild.mid")
+        yield piece
 
 
 def rebuild_own(host: EcHost, step: int, group: CodeGroupSpec) -> StepManifest:
@@ -222,7 +231,8 @@ def rebuild_own(host: EcHost, step: int, group: CodeGroupSpec) -> StepManifest:
         tmp = commit.make_tmp_dir(final.parent, step)
         try:
             with contextlib.closing(dec.stream(host.rank)) as pieces:  # its read-ahead threads end here
-                m = unpack_stream(pieces, manifest.manifest_bytes[pos], manifest.stream_bytes[pos], tmp)
+                m = unpack_stream(_mid_point(pieces), manifest.manifest_bytes[pos], manifest.stream_bytes[pos],
+                                  tmp)
             if (m.rank, m.step, m.content_hash) != (host.rank, step, expected):
                 raise ManifestError(f"rebuilt manifest of rank {m.rank} step {m.step} ({m.content_hash[:12]}), "
                                     f"the code group names rank {host.rank} step {step} ({expected[:12]})")

@@ -37,7 +37,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     params = item.callspec.params if hasattr(item, "callspec") else {}
-    if item.originalname == "test_inflight" and (
+    if item.originalname in ("test_inflight", "test_inflight_ec") and (
             report.when == "call" or (report.when == "setup" and report.outcome != "passed")):
         cell = (params["op"], params["event"])
         entry = dict(_INFLIGHT.get(cell, {}), outcome=_outcome(report), seconds=round(report.duration, 1))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import shutil
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,9 +40,8 @@ from controller_client.demo.cluster import LocalCluster
 from controller_client.manager import CheckpointManager
 from replicator.backup.bucket import BackupOptions, BackupStore
 from replicator.backup.storage import open_store
-from replicator.coordinator.client import CoordinatorClient
-from sidecar import checksums, faults, layout
-from tests.crash import kit
+from sidecar import checksums, faults
+from tests.crash import inflight, kit
 from tests.kits.cluster import assert_equal, manager, status, target, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -97,8 +95,6 @@ class Cell:
     bucket: Path
     fired: Path
     trees: dict[int, dict] = field(default_factory=dict)
-    readings: list[tuple[float, int | None]] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
 
     # ------------------------------------------------------------------ cluster
     @property
@@ -106,9 +102,7 @@ class Cell:
         return self.fired.with_name("armed")
 
     def _env(self, armed: bool) -> dict[str, str]:
-        return ({faults.ENV_POINT: OPS[self.op], faults.ENV_PAUSE_SECONDS: str(PAUSE_SECONDS),
-                 faults.ENV_FIRED_FILE: str(self.fired), faults.ENV_ARM_FILE: str(self.arm_file)}
-                if armed else {})
+        return inflight.pause_env(OPS[self.op], PAUSE_SECONDS, self.fired, self.arm_file) if armed else {}
 
     def start(self, rank: int, armed: bool) -> None:
         self.cl.env = self._env(armed)
@@ -143,13 +137,7 @@ class Cell:
 
     # ------------------------------------------------------------------ observations
     def complete(self) -> list[int] | None:
-        c = CoordinatorClient(self.cl.coordinator, rpc_timeout_seconds=5)
-        try:
-            return list(c.complete_steps())
-        except grpc.RpcError:
-            return None
-        finally:
-            c.close()
+        return inflight.complete_steps(self.cl)
 
     def summaries(self) -> list:
         try:
@@ -165,14 +153,6 @@ class Cell:
     def newest_safe(self) -> int:
         """The newest complete step that survives the loss of any host: on two hosts, or in the bucket."""
         return max([s.step for s in self.summaries() if s.complete and (s.redundant or s.backed_up)] or [-1])
-
-    def watch(self) -> None:
-        """Every answer the coordinator gives (None while it is unreachable), until ``stop``."""
-        while not self.stop.is_set():
-            steps = self.complete()
-            if steps is not None:
-                self.readings.append((time.monotonic(), max(steps) if steps else -1))
-            self.stop.wait(0.25)
 
     def backed_up(self) -> list[int]:
         bs = BackupStore(open_store(f"file://{self.bucket}"), "t", BackupOptions())
@@ -207,7 +187,7 @@ def test_inflight(op: str, event: str, workdir: Path, inflight_matrix: dict) -> 
     inflight_matrix[(op, event)] = {}
     c = _cell(op, event, workdir)
     mgr: CheckpointManager | None = None
-    watcher = threading.Thread(target=c.watch, daemon=True)
+    watcher = inflight.Watcher(c.cl)
     restore_out: dict = {}
     try:
         # ---------------------------------------------------------- a safe step, then the operation in flight
@@ -285,9 +265,8 @@ def test_inflight(op: str, event: str, workdir: Path, inflight_matrix: dict) -> 
             assert_equal(c.trees[nxt], fresh.restore(None, target(c.trees[nxt])))
         finally:
             fresh.close()
-        c.stop.set()
-        watcher.join(timeout=10)
-        low = [(round(t, 2), s) for t, s in c.readings if s < newest_before]
+        watcher.stop()
+        low = watcher.below(newest_before)
         assert not low, f"the newest complete step regressed below {newest_before}: {low}"
         _check_nothing_half_written(c, workdir / "scratch")
     except BaseException:
@@ -295,30 +274,15 @@ def test_inflight(op: str, event: str, workdir: Path, inflight_matrix: dict) -> 
         raise
     finally:
         faults.arm(None)
-        c.stop.set()
+        watcher.stop()
         if mgr is not None:
             mgr.close()
         c.cl.stop_all(signal.SIGKILL)
 
 
 def _check_nothing_half_written(c: Cell, scratch: Path) -> None:
-    def staging_left() -> list[str]:
-        left = []
-        for r in range(c.cl.nodes):
-            root = c.cl.ram(r)
-            for d in [layout.steps_dir(root), *(root / layout.PEER_DIR).glob("*")]:
-                if d.is_dir():
-                    left += [str(p) for p in d.iterdir() if p.name.startswith(layout.TMP_PREFIX)]
-        return left
-
-    wait_for(lambda: not staging_left(), timeout=SETTLE_SECONDS, what="no staging directory left")
-    for r in range(c.cl.nodes):
-        for d in kit.listed(c.cl.ram(r)).values():
-            try:
-                checksums.verify_step_dir(d)
-            except FileNotFoundError:
-                if (d / layout.MANIFEST_NAME).exists():
-                    raise  # not a concurrent GC: a listed step lacks a file
+    wait_for(lambda: not inflight.staging_left(c.cl), timeout=SETTLE_SECONDS, what="no staging directory left")
+    inflight.check_listed_steps(c.cl)
     bs = BackupStore(open_store(f"file://{c.bucket}"), "t", BackupOptions())
     for s in bs.committed_steps():
         for rank in range(c.cl.nodes):

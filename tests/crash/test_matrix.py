@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 import yaml
 
@@ -35,15 +34,16 @@ from replicator.coordinator.client import CoordinatorClient
 from replicator.local.store import RamDiskStore
 from replicator.orbax import contract as oc
 from sidecar import checksums, commit, faults, layout
-from sidecar.notify import notify_step_committed
-from tests.crash import kit
+from tests.crash import daemons, kit
+from tests.crash.ec_points import run_ec
+from tests.kits.cluster import redundant
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @dataclass(frozen=True)
 class Case:
-    group: str  # sidecar | jax | bucket | cluster | orbax
+    group: str  # sidecar | jax | bucket | cluster | ec | orbax
     at: int = 1  # fire at the at-th time the point is reached
     victim: int = 1  # cluster: the rank whose replicator is armed
     xfail: str = ""  # a known defect: reason and the owning area
@@ -88,6 +88,9 @@ CASES: dict[str, Case] = {
     "gc.before_delete": Case("cluster"),
     "gc.after_delete": Case("cluster", victim=0),
     "restore.peer.before_fetch": Case("cluster"),
+    # erasure coding (4 daemons at ec:3+1): the armed one computes its parity of step 1, or rebuilds it replaced
+    "ec.parity.before_commit": Case("ec"),
+    "ec.rebuild.mid": Case("ec"),
     # Orbax-mode daemon: one handshake for a committed step 5
     "orbax.ingest.after_link": Case("orbax"),
     "orbax.ingest.before_commit": Case("orbax"),
@@ -265,62 +268,22 @@ def _run_bucket(point: str, case: Case, work: Path, roots: list[Path], strategy:
 # --------------------------------------------------------------------------- replicator daemons
 
 
-def _status(cl: LocalCluster):
-    """The coordinator's typed status (GetStatusResponse)."""
-    c = CoordinatorClient(cl.coordinator, rpc_timeout_seconds=5)
-    try:
-        return c.status()
-    finally:
-        c.close()
-
-
-def _redundant(cl: LocalCluster, step: int) -> bool:
-    try:
-        st = next((s for s in _status(cl).steps if s.step == step), None)
-    except grpc.RpcError:
-        return False
-    return bool(st and st.complete and st.redundant)
-
-
-def _start(cl: LocalCluster, rank: int, point: str | None, fired_file: Path) -> None:
-    cl.env = kit.fault_env(point, fired_file)
-    try:
-        cl.start(rank)
-    finally:
-        cl.env = kit.fault_env(None, None)
-
-
-def _save_all(cl: LocalCluster, step: int) -> None:
-    for r in range(cl.nodes):
-        kit.save_step(cl.ram(r), r, cl.nodes, step)
-        notify_step_committed(cl.ram(r), step)
-
-
-def _died(cl: LocalCluster, rank: int, timeout: float = 30.0) -> int:
-    p = cl.procs[rank].proc
-    assert p is not None
-    try:
-        return p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return 0
-
-
 def run_cluster(point: str, case: Case, work: Path) -> None:
     cl = LocalCluster(work / "c", 2, 1, replicas=1, heartbeat_seconds=0.1)
     fired_file, victim = work / "fired", case.victim
     armed = f"{point}@{case.at}"
     try:
-        _start(cl, 0, armed if victim == 0 else None, fired_file)
-        _start(cl, 1, armed if victim == 1 else None, fired_file)
+        daemons.start(cl, 0, armed if victim == 0 else None, fired_file)
+        daemons.start(cl, 1, armed if victim == 1 else None, fired_file)
         if point.startswith("restore."):
             for step in (1, 2, 3):
-                _save_all(cl, step)
-            kit.wait_for(lambda: _redundant(cl, 3), timeout=30, what="step 3 redundant")
+                daemons.save_all(cl, step)
+            kit.wait_for(lambda: redundant(cl, 3), timeout=30, what="step 3 redundant")
             # Host 1 loses its step 3 (restart with the point armed); a restore makes it fetch it back.
             cl.procs[1].stop()
             shutil.rmtree(layout.steps_dir(cl.ram(1)) / "3")
             try:
-                _start(cl, 1, armed, fired_file)
+                daemons.start(cl, 1, armed, fired_file)
             except RuntimeError:
                 # The daemon heartbeats before it prints LISTENING: under load its first answer's restore
                 # task reaches the point first (make test, -n 2, once). The crash under test, earlier: the
@@ -332,18 +295,18 @@ def run_cluster(point: str, case: Case, work: Path) -> None:
         else:
             newest = 0
             for step in (1, 2, 3, 4):
-                _save_all(cl, step)
+                daemons.save_all(cl, step)
                 newest = step
                 if cl.procs[victim].proc.poll() is not None:
                     break
                 time.sleep(0.4)
-        rc = _died(cl, victim)
+        rc = daemons.died(cl, victim)
         assert rc == -signal.SIGKILL and kit.fired(fired_file) == [point], (
             f"point {point} not reached: rc={rc} fired={kit.fired(fired_file)}\n{cl.logs()}")
         for r in range(cl.nodes):
             kit.check_nothing_broken(cl.ram(r), r)
-        _start(cl, victim, None, fired_file)  # restart, unarmed
-        kit.wait_for(lambda: _redundant(cl, newest), timeout=40, what=f"step {newest} redundant")
+        daemons.start(cl, victim, None, fired_file)  # restart, unarmed
+        kit.wait_for(lambda: redundant(cl, newest), timeout=40, what=f"step {newest} redundant")
         client = CoordinatorClient(cl.coordinator, rpc_timeout_seconds=10)
         try:
             assert client.prepare_restore(None, 30) == newest
@@ -451,7 +414,7 @@ def run_orbax(point: str, case: Case, work: Path) -> None:
                 p.wait(timeout=10)
 
 
-RUNNERS = {"sidecar": run_sidecar, "jax": run_jax, "bucket": run_bucket, "cluster": run_cluster,
+RUNNERS = {"sidecar": run_sidecar, "jax": run_jax, "bucket": run_bucket, "cluster": run_cluster, "ec": run_ec,
            "orbax": run_orbax}
 
 

@@ -31,8 +31,9 @@ class Clock:
 class Host:
     """What a replicator reports: its inventory (parity included), as a full report or a delta."""
 
-    def __init__(self, stub, rank, incarnation=1):
+    def __init__(self, stub, rank, incarnation=1, address=""):
         self.stub, self.rank, self.incarnation = stub, rank, incarnation
+        self.address = address or f"10.0.0.{rank}:7000"
         self.held: dict = {}
         self.acked: dict | None = None
         self.seq = 0
@@ -48,7 +49,7 @@ class Host:
         inv = list(self.held.values())
         self.seq += 1
         req = pb.HeartbeatRequest(job="t", rank=self.rank, incarnation=self.incarnation,
-                                  address=f"10.0.0.{self.rank}:7000", inventory_digest=inventory_digest(inv),
+                                  address=self.address, inventory_digest=inventory_digest(inv),
                                   known_epoch=self.epoch, report_seq=self.seq, newest_saved_step=-1)
         if self.acked is None:
             req.full_report = True
@@ -177,6 +178,31 @@ def test_ec_heartbeats_parity_tasks_deletions_and_a_rebuild_restore(cluster):
         h.drop((h.rank, 1, True))
     round_(hosts)
     assert coord.state.known_steps() == [2, 3] and st.ec.deletions_in_flight() == {}
+
+
+def test_a_task_naming_a_restarted_members_old_address_is_sent_again_at_once(cluster):
+    """Host 1's replicator restarts (RAM disk kept, another port) while the others compute their parity: their
+    tasks name its old address, so an attempt reading from it failed; each is told again with the new address
+    at once, not after the retry time (found by tests/crash/test_matrix.py's ec.parity.before_commit: 20 s)."""
+    coord, clock, hosts = cluster
+    for h in hosts:
+        h.add(Holding(h.rank, 1, f"s1-r{h.rank}", SIZE))
+    for _ in range(3):
+        round_(hosts)  # registered, full reports, tasks sent (in flight: none computed)
+    assert all(not r.parity for r in round_(hosts).values())
+    hosts[1] = Host(hosts[1].stub, 1, incarnation=2, address="10.0.0.1:7001")
+    hosts[1].add(Holding(1, 1, "s1-r1", SIZE))
+    hosts[1].beat()  # registered anew: learns the epoch
+    told = {1: hosts[1].beat()}  # its report counts: it is told (registered anew)
+    told.update({h.rank: h.beat() for h in hosts if h.rank != 1})
+    for r, resp in told.items():
+        (task,) = resp.parity
+        assert task.group.addresses[1] == "10.0.0.1:7001", r
+    assert all(not r.parity for r in round_(hosts).values())  # in flight again: not repeated
+    for h in hosts:
+        h.do_parity(told[h.rank])
+    round_(hosts)
+    assert coord.state.is_redundant(1)
 
 
 def test_ec_refuses_too_few_hosts_at_construction_and_an_elastic_save_on_the_wire(cluster):

@@ -13,7 +13,10 @@ unarmed):
   process) while hosts 0 (the coordinator's) and 3 are replaced together;
 * ``rebuild`` x ``restart`` (ec:3+1): host 2, replaced, rebuilds step 1 from parity; its replicator is killed
   mid-rebuild (``ec.rebuild.mid``: a first part of the stream written, the step not committed) and restarted
-  with its RAM disk.
+  with its RAM disk;
+* ``rebuild`` x ``corrupt-parity`` (ec:2+2): bit rot in the parity block host 1's rebuild reads first, then
+  host 1 replaced: the rebuild passes over it, its holder drops that parity when it finds it while serving,
+  and the coordinator's next ParityTask computes it again (no point held: the rebuild meets the rot).
 
 Every cell checks: every answer the coordinator gives from the event on is at least the newest step redundant
 before it (complete with all its parity); that step, or the newer one in flight, is redundant again within
@@ -42,7 +45,8 @@ from jax.sharding import PartitionSpec as P
 
 from controller_client.demo.cluster import LocalCluster
 from controller_client.manager import CheckpointManager
-from sidecar import commit, faults, layout
+from replicator.erasure.holder import RECORD_NAME, ParityRecord, shard_name
+from sidecar import checksums, commit, faults, layout
 from tests.crash import inflight, kit
 from tests.kits.cluster import assert_equal, manager, state, status, step_summary, target, wait_for
 
@@ -69,6 +73,7 @@ CELLS = {  # (operation, event) -> (K, M, the point that holds the operation)
     ("parity", "host"): (3, 1, "ec.parity.before_commit"),
     ("save", "two-hosts"): (2, 2, "save.before_commit"),
     ("rebuild", "restart"): (3, 1, "ec.rebuild.mid"),
+    ("rebuild", "corrupt-parity"): (2, 2, ""),
 }
 
 
@@ -180,7 +185,7 @@ def test_inflight_ec(op: str, event: str, workdir: Path, inflight_matrix: dict) 
         wait_for(lambda: c.redundant(1), timeout=SETTLE_SECONDS, what="step 1 redundant")
         newest_before = c.newest_redundant()
         assert newest_before == 1
-        note = CELL_RUNS[op](c, mgr, watcher)
+        note = CELL_RUNS[(op, event)](c, mgr, watcher)
         inflight_matrix[(op, event)]["note"] = f"redundant before: {newest_before}; {note}"
         watcher.stop()
         low = watcher.below(newest_before)
@@ -269,4 +274,50 @@ def _rebuild_restart(c: EcCell, mgr: CheckpointManager, watcher: inflight.Watche
     return "host 2 rebuilt step 1 after its restart"
 
 
-CELL_RUNS = {"parity": _parity_host, "save": _save_two_hosts, "rebuild": _rebuild_restart}
+def _rebuild_corrupt_parity(c: EcCell, mgr: CheckpointManager, watcher: inflight.Watcher) -> str:
+    """A byte of the parity block host 1's rebuild of step 1 reads first flipped, then host 1 replaced: its
+    rebuild passes over the block (bit-exact), the holder drops that parity when it finds the rot while serving
+    it, and computes it again on the coordinator's next ParityTask: step 1 is redundant again, and every parity
+    listed verifies (``check_quiet``)."""
+    lost = 1
+    rec = _parity_of(c.cl.ram(0), 1)
+    assert rec is not None, "host 0 holds no parity of step 1"
+    lay = rec.group.layout
+    rotation = lay.data_rotation(lost, 0)
+    holder = lay.holders(rotation)[lay.k]  # the first parity fragment: read for the stripe's missing data
+    shard = inflight.listed_parity(c.cl.ram(holder))[(1, rec.digest)] / shard_name(rotation, 0)
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x20
+    shard.write_bytes(bytes(data))
+    watcher.start()
+    c.replace((lost,), wipe=True)
+    assert c.restore(1) == 1
+    assert c.rebuilt(lost, 1), f"host {lost}'s step 1 was not rebuilt from its code group"
+    wait_for(lambda: _parity_verifies(c.cl.ram(holder), 1), timeout=SETTLE_SECONDS,
+             what=f"host {holder} dropped its bad parity of step 1 and computed it again")
+    wait_for(lambda: c.redundant(1), timeout=SETTLE_SECONDS, what="step 1 redundant again")
+    log = (c.cl.base / "logs" / f"replicator-{holder}.log").read_text(errors="replace")
+    assert f"bad parity of step 1 ({rec.digest}): shard {shard.name} stripe 0" in log, log[-3000:]
+    c.save(mgr, 2)
+    wait_for(lambda: c.redundant(2), timeout=SETTLE_SECONDS, what="step 2 redundant")
+    assert c.restore() == 2
+    return f"host {holder} dropped its rotten parity and computed it again; host {lost} rebuilt step 1"
+
+
+def _parity_of(root: Path, step: int) -> ParityRecord | None:
+    found = [d for (s, _), d in inflight.listed_parity(root).items() if s == step]
+    return ParityRecord.from_json((found[0] / RECORD_NAME).read_bytes()) if found else None
+
+
+def _parity_verifies(root: Path, step: int) -> bool:
+    """The host holds parity of ``step`` whose every shard matches its record's crc32c."""
+    try:
+        rec = _parity_of(root, step)
+        d = inflight.listed_parity(root).get((step, rec.digest)) if rec else None
+        return d is not None and all(checksums.crc32c((d / f.name).read_bytes()) == f.crc32c for f in rec.files)
+    except FileNotFoundError:  # replaced while read
+        return False
+
+
+CELL_RUNS = {("parity", "host"): _parity_host, ("save", "two-hosts"): _save_two_hosts,
+             ("rebuild", "restart"): _rebuild_restart, ("rebuild", "corrupt-parity"): _rebuild_corrupt_parity}

@@ -345,19 +345,32 @@ def _protected(sim: Sim, coord: Coordinator) -> dict[int, str]:
     return protected
 
 
-def check_deletion(sim: Sim, rank: int, owner: int, step: int, coord: Coordinator) -> None:
-    """``coord`` ordered host ``rank`` to delete ``owner``'s data of ``step`` (it may be a deposed one)."""
+def protected_at_order(sim: Sim, coord: Coordinator, resp: pb.HeartbeatResponse) -> frozenset[int]:
+    """The steps protected (:func:`_protected`) when ``coord`` answers with deletions (empty without any)."""
+    return frozenset(_protected(sim, coord)) if resp.deletions else frozenset()
+
+
+def check_deletion(sim: Sim, rank: int, owner: int, step: int, coord: Coordinator, ordered: frozenset[int]) -> None:
+    """``coord`` ordered host ``rank`` to delete ``owner``'s data of ``step`` (it may be a deposed one).
+    ``ordered``: the steps protected when it answered. A step protected now but not then is not held against
+    it: the answer came late (a delayed answer), and meanwhile the newest complete step fell back to it (ec
+    mode, seeds 2739 and 5082: a host re-registered after a replicator restart, or hosts were declared lost,
+    while the newest step lacked parity; the step fell back to one complete from the bucket). The ordering
+    coordinator counts the piece for nothing from its order on (``CoordinatorState.deleting``), and a host
+    cannot tell that the view regressed: a piece another coordinator still counts is caught by
+    complete-is-restorable once it is gone."""
     protected = _protected(sim, coord)
-    if step in protected and model_holds(sim, step):
+    if step in protected and step in ordered and model_holds(sim, step):
         violate(sim, "gc-protected", f"host {rank} deletes rank {owner}'s data of step {step} "
                 f"({protected[step]}) on the order of epoch {coord.epoch}")
 
 
-def check_parity_deletion(sim: Sim, rank: int, step: int, coord: Coordinator) -> None:
+def check_parity_deletion(sim: Sim, rank: int, step: int, coord: Coordinator, ordered: frozenset[int]) -> None:
     """Host ``rank`` deleted its parity of ``step`` on ``coord``'s order, and the model held the step before:
-    it must hold it still if the step is protected (the parity was the only way left to rebuild a rank)."""
+    it must hold it still if the step is protected, now and when the order was given (:func:`check_deletion`):
+    the parity was the only way left to rebuild a rank."""
     protected = _protected(sim, coord)
-    if step in protected and not model_holds(sim, step):
+    if step in protected and step in ordered and not model_holds(sim, step):
         violate(sim, "gc-protected", f"host {rank} deletes its parity of step {step} ({protected[step]}) on the "
                 f"order of epoch {coord.epoch}, and some rank of it can no longer be rebuilt")
 

@@ -395,7 +395,8 @@ class Sim:
             self._at(self.clock.now + 2.0, "timeout", (rank, inc))
             return
         delay = self.rng.uniform(0.5, 2.5) if self.faulty and self.rng.random() < self.cfg.p_answer_delayed else 0.0
-        self._at(self.clock.now + delay, "answer", (rank, inc, resp, digest, current, coord))
+        ordered = self.inv.protected_at_order(self, coord, resp)
+        self._at(self.clock.now + delay, "answer", (rank, inc, resp, digest, current, coord, ordered))
 
     def _beat_failed(self, h: Host, coord: Coordinator, e: Aborted) -> None:
         """A heartbeat's error other than a failover one: as ``Heartbeat.run`` handles it."""
@@ -485,7 +486,8 @@ class Sim:
                     self.note(f"rank {h.rank}: candidate {i} answers, candidate {mine} steps down")
             h.waiting = True
             delay = self.rng.uniform(0.5, 2.5) if faulty and self.rng.random() < self.cfg.p_answer_delayed else 0.0
-            self._at(now + delay, "answer", (h.rank, h.incarnation, resp, digest, current, c))
+            ordered = self.inv.protected_at_order(self, c, resp)
+            self._at(now + delay, "answer", (h.rank, h.incarnation, resp, digest, current, c, ordered))
             if faulty and net.chance(net.cfg.p_answer_dup) and self.keep_trace:
                 # The network may deliver the answer's packets twice, but a unary gRPC call yields one answer:
                 # the duplicate never reaches the daemon (Heartbeat.beat acts once per call).
@@ -586,7 +588,8 @@ class Sim:
         self._at(self.clock.now + 0.1, "beat", (rank, inc))
 
     def _ev_answer(self, rank: int, inc: int, resp: pb.HeartbeatResponse, digest: str,
-                   current: tuple[dict, dict], coord: Coordinator) -> None:
+                   current: tuple[dict, dict], coord: Coordinator, ordered: frozenset[int]) -> None:
+        """``ordered``: the steps protected from deletion when ``coord`` answered (invariants.check_deletion)."""
         h = self.host(rank, inc)
         if h is None:
             return
@@ -605,9 +608,9 @@ class Sim:
         if own is not None and own.active and resp.epoch > own.epoch:  # as Heartbeat.beat (seed 77568)
             own.deactivate(f"this host accepted epoch {resp.epoch} of another candidate")
             self.note(f"rank {rank}: accepted epoch {resp.epoch}, candidate {mine} (epoch {own.epoch}) steps down")
-        self._act(h, resp, coord)
+        self._act(h, resp, coord, ordered)
 
-    def _act(self, h: Host, resp: pb.HeartbeatResponse, coord: Coordinator) -> None:
+    def _act(self, h: Host, resp: pb.HeartbeatResponse, coord: Coordinator, ordered: frozenset[int]) -> None:
         """The answer's work (``Heartbeat._act``)."""
         rank = h.rank
         coming = {(c.step, c.content_hash) for c in resp.copies if c.source_rank != rank}
@@ -621,7 +624,7 @@ class Sim:
             if d.content_hash and held is not None and held.content_hash != d.content_hash:
                 continue  # another save of the step than the one the coordinator chose: kept (as the daemon does)
             if not h.busy(d.owner_rank, d.step):
-                self.inv.check_deletion(self, rank, d.owner_rank, d.step, coord)
+                self.inv.check_deletion(self, rank, d.owner_rank, d.step, coord, ordered)
                 h.delete(d.owner_rank, d.step)
                 self.disk_changed = True
         for c in resp.copies:
@@ -637,7 +640,7 @@ class Sim:
                     for s in resp.restore.sources]
             self._submit(h, "restore", rank, resp.restore.step, self.rng.uniform(0.1, 1.5), (srcs,))
         if self.ec is not None:
-            self.ec.act(h, resp, coord)  # parity deletions now, parity tasks queued like copies
+            self.ec.act(h, resp, coord, ordered)  # parity deletions now, parity tasks queued like copies
         if resp.HasField("backup"):
             b = resp.backup
             slow = self.faulty and self.cfg.slow_uploads and self.rng.random() < 0.5

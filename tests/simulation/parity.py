@@ -27,6 +27,7 @@ replicas: the case ec is for). Modelled as the daemon does it (``replicator/eras
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import random
@@ -135,14 +136,16 @@ class ParityModel:
         self.groups = code_groups(topo.data_parallelism, topo.hosts_per_slice, cfg.k, cfg.m)
         # (holder, step, digest) of parity dropped by bit rot: its holder's next report tells the coordinator.
         self.rotted: set[tuple[int, int, str]] = set()
-        self.parity_done = self.parity_failed = self.rebuilt = self.rebuild_failed = 0
+        # What the schedule exercised (``run_seeds`` sums them: the suite checks the ec schedules cover parity).
+        self.counts: collections.Counter[str] = collections.Counter()
 
     def group_of(self, rank: int) -> GroupLayout:
         return next(g for g in self.groups if rank in g.members)
 
     # ------------------------------------------------------------------ a host acting on an answer
-    def act(self, h: Host, resp: pb.HeartbeatResponse, coord: Coordinator) -> None:
-        """Parity deletions now, a task for each parity asked for and not held (``ParityDuty.act``)."""
+    def act(self, h: Host, resp: pb.HeartbeatResponse, coord: Coordinator, ordered: frozenset[int]) -> None:
+        """Parity deletions now, a task for each parity asked for and not held (``ParityDuty.act``); ``ordered``:
+        the steps protected when ``coord`` answered (``invariants.check_deletion``)."""
         sim = self.sim
         for d in resp.deletions:
             if d.tier != tier_pb2.TIER_PARITY or d.owner_rank != h.rank or h.busy(h.rank, d.step):
@@ -152,7 +155,7 @@ class ParityModel:
                 sim.note(f"host {h.rank}: deleted its parity of step {d.step}")
                 sim.disk_changed = True
                 if held:
-                    sim.inv.check_parity_deletion(sim, h.rank, d.step, coord)
+                    sim.inv.check_parity_deletion(sim, h.rank, d.step, coord, ordered)
         for task in resp.parity:
             spec = CodeGroupSpec.from_proto(task.group)
             spec.layout.position(h.rank)  # the coordinator names this host a member (ValueError otherwise)
@@ -175,8 +178,10 @@ class ParityModel:
             return
         if what == "lost":
             sim._replace([rank], f"host {rank} lost while its code group computes parity of step {step}")
+            self.counts["fault: member lost mid-parity"] += 1
         else:
             sim._restart_replicator(rank, keep_disk=True, why=f"replicator restarted while it rebuilds step {step}")
+            self.counts["fault: restart mid-rebuild"] += 1
 
     def compute(self, h: Host, step: int, spec: CodeGroupSpec, incs: tuple[int | None, ...]) -> bool:
         """A ParityTask ends: the parity is committed only if every member is the process that was up when
@@ -186,13 +191,13 @@ class ParityModel:
             host = sim.hosts[y]
             x = host.bytes_of(y, step)
             if inc is None or not host.up or host.incarnation != inc or x is None or x.content_hash != want:
-                self.parity_failed += 1
+                self.counts["parity tasks failed"] += 1
                 sim.note(f"host {h.rank}: parity of step {step} failed (rank {y}'s data unavailable or changed)")
                 return False
         group = dataclasses.replace(spec, addresses=("",) * len(spec.members))
         put_parity(h, Holding(h.rank, step, spec.digest(), max(1, 1048576 * spec.m // spec.k), Tier.PARITY,
                               group=group))
-        self.parity_done += 1
+        self.counts["parity tasks done"] += 1
         sim.note(f"host {h.rank}: computed its parity of step {step}")
         return True
 
@@ -206,11 +211,11 @@ class ParityModel:
         ok = enough_fragments(spec.layout, owner, lambda y: y in helpers and self.data_intact(y, step, spec),
                               lambda y: y in helpers and self.parity_intact(y, step, spec.digest()))
         if not ok:
-            self.rebuild_failed += 1
+            self.counts["rebuilds failed"] += 1
             sim.note(f"host {h.rank}: rebuild of step {step} from its code group failed (fewer than K intact)")
             return False
         h.put(Holding(owner, step, spec.hash_of(owner), 1048576, Tier.LOCAL))
-        self.rebuilt += 1
+        self.counts["rebuilds"] += 1
         sim.note(f"host {h.rank}: rebuilt step {step} from its code group (helpers {sorted(helpers)})")
         return True
 
@@ -257,10 +262,12 @@ class ParityModel:
             members = self.group_of(rng.choice(running)).members
             victim = rng.choice(members)
             sim._replace([victim], f"host {victim} lost while its code group computes parity")
+            self.counts["fault: member lost mid-parity"] += 1
         elif kind < 0.5:  # up to M hosts of one code group lost together
             members = rng.choice(self.groups).members
             lost = sorted(rng.sample(members, min(2, self.cfg.m)))
             sim._replace(lost, f"{len(lost)} host(s) of code group {list(members)} lost together")
+            self.counts[f"fault: {len(lost)} of a group lost"] += 1
         elif kind < 0.75:  # bit rot in a parity holding: the holder finds its record bad and drops it
             held = [(h.rank, key) for h in sim.hosts if h.up for key in sorted(h.parity)]
             if not held:
@@ -269,9 +276,11 @@ class ParityModel:
             drop_parity(sim.hosts[rank], step, digest)
             self.rotted.add((rank, step, digest))
             sim.note(f"FAULT bit rot: host {rank} drops its corrupt parity of step {step}")
+            self.counts["fault: parity bit rot"] += 1
         else:  # a replicator restarted while it restores (a rebuild in flight is lost)
             restoring = sorted(h.rank for h in sim.hosts if h.up and any(k[0] == "restore" for k in h.in_flight))
             if not restoring:
                 return False
             sim._restart_replicator(rng.choice(restoring), keep_disk=True, why="replicator restarted mid-restore")
+            self.counts["fault: restart mid-restore"] += 1
         return True

@@ -1,6 +1,8 @@
 """The invariants the simulation checks, after every event and at the end of a schedule.
 
-Each has a name (the key of ``Sim.violations``); docs/testing.md says what each means for a user.
+Each has a name (the key of ``Sim.violations``); docs/testing.md says what each means for a user. In ec mode
+(tests/simulation/parity.py) the model "holds" a rank's data also when its code group's intact fragments can
+rebuild it, and a rebuild source is checked against the fragments the model holds.
 
 After every event (safety):
 
@@ -40,6 +42,7 @@ At the end of the quiet phase (liveness):
 - ``complete-step-lost``: the newest complete step is not older than the newest step ever durable, if the
   model holds it.
 - ``job-resumed``: the trainer is training again (its restore finished).
+- ``parity-redundant-again`` (ec mode): the newest complete step has all its parity again.
 """
 
 from __future__ import annotations

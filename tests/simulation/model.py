@@ -26,6 +26,9 @@ Modelled (as the daemon, ``replicator/daemon.py``, does it):
 - the network (in most schedules; :mod:`tests.simulation.network`): two coordinator candidates picked as the
   heartbeat client picks them, per-message loss, duplicated heartbeats and answers, reordering, partitions.
 
+- erasure coding in about 3 schedules in 10 (:mod:`tests.simulation.parity`): parity holdings, ParityTasks,
+  PARITY deletions, rebuilds from the code group, and the ec faults.
+
 After the fault window the schedule runs quiet (no faults, no saves) so that liveness can be checked.
 """
 

@@ -6,8 +6,8 @@ import time
 from typing import Any
 
 
-def _run_chunk(seeds: list[int]) -> list[tuple[int, int, dict[str, str], dict[str, int]]]:
-    """(seed, events, violations, events until each violation) per schedule."""
+def _run_chunk(seeds: list[int]) -> list[tuple[int, int, dict[str, str], dict[str, int], dict[str, int]]]:
+    """(seed, events, violations, events until each violation, what an ec schedule exercised) per schedule."""
     import logging
 
     from tests.simulation.model import Sim
@@ -17,7 +17,8 @@ def _run_chunk(seeds: list[int]) -> list[tuple[int, int, dict[str, str], dict[st
     for seed in seeds:
         sim = Sim(seed, keep_trace=False)
         found = sim.run()
-        out.append((seed, sim.events, found, dict(sim.violation_events)))
+        ec = {"ec schedules": 1, **sim.ec.counts} if sim.ec is not None else {}
+        out.append((seed, sim.events, found, dict(sim.violation_events), ec))
     return out
 
 
@@ -39,8 +40,11 @@ def run_seeds(seeds: range | list[int], *, workers: int = 1) -> dict[str, Any]:
     by_invariant: dict[str, list[int]] = {}
     first: dict[str, str] = {}
     shortest: dict[str, tuple[int, int]] = {}  # invariant -> (seed, events until its violation), fewest events
-    for seed, n_events, found, at in results:
+    ec: dict[str, int] = {}  # what the ec schedules exercised, summed (tests/simulation/parity.py)
+    for seed, n_events, found, at, counts in results:
         events += n_events
+        for k, v in counts.items():
+            ec[k] = ec.get(k, 0) + v
         for name, msg in found.items():
             by_invariant.setdefault(name, []).append(seed)
             first.setdefault(name, f"seed {seed}: {msg}")
@@ -50,12 +54,13 @@ def run_seeds(seeds: range | list[int], *, workers: int = 1) -> dict[str, Any]:
     return {"schedules": len(seeds), "events": events,
             "violations": sum(len(v) for v in by_invariant.values()),
             "seconds": round(time.perf_counter() - t0, 2), "by_invariant": by_invariant, "first": first,
-            "shortest": shortest}
+            "shortest": shortest, "ec": dict(sorted(ec.items()))}
 
 
-def replay(seed: int, network: bool | None = None) -> tuple[dict[str, str], list[str]]:
-    """Run one seed again with its event trace (``network=False``: as before the network was modelled)."""
+def replay(seed: int, network: bool | None = None, ec: bool | None = None) -> tuple[dict[str, str], list[str]]:
+    """Run one seed again with its event trace (``network=False``: as before the network was modelled;
+    ``ec=False``: as before erasure coding was, a copies schedule whatever the seed draws)."""
     from tests.simulation.model import Sim
 
-    sim = Sim(seed, keep_trace=True, network=network)
+    sim = Sim(seed, keep_trace=True, network=network, ec=ec)
     return sim.run(), sim.trace

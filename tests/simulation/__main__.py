@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         out["by_invariant"] = {k: v[:20] for k, v in res["by_invariant"].items()}
         out["first"] = res["first"]
         out["shortest"] = res["shortest"]
+        out["ec"] = res["ec"]
     print(json.dumps(out), flush=True)
     return 0
 

@@ -1,6 +1,8 @@
 """The invariants the simulation checks, after every event and at the end of a schedule.
 
-Each has a name (the key of ``Sim.violations``); docs/testing.md says what each means for a user.
+Each has a name (the key of ``Sim.violations``); docs/testing.md says what each means for a user. In ec mode
+(tests/simulation/parity.py) the model "holds" a rank's data also when its code group's intact fragments can
+rebuild it, and a rebuild source is checked against the fragments the model holds.
 
 After every event (safety):
 
@@ -40,6 +42,7 @@ At the end of the quiet phase (liveness):
 - ``complete-step-lost``: the newest complete step is not older than the newest step ever durable, if the
   model holds it.
 - ``job-resumed``: the trainer is training again (its restore finished).
+- ``parity-redundant-again`` (ec mode): the newest complete step has all its parity again.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from mtc_rpc import coordinator_pb2 as pb
 from replicator.coordinator.model import Tier
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.service import SILENT_INTERVALS
+from tests.simulation.parity import enough_fragments
 
 if TYPE_CHECKING:
     from replicator.coordinator.service import Coordinator
@@ -75,7 +79,7 @@ def violate(sim: Sim, name: str, msg: str) -> None:
 
 def model_holds(sim: Sim, step: int) -> bool:
     """Every rank's true data of ``step`` is on an up host's RAM disk (its own or a byte-identical
-    replica's) or committed in the bucket."""
+    replica's), committed in the bucket, or (ec mode) can be rebuilt from its code group's intact fragments."""
     hps = sim.topo.hosts_per_slice
     for r in range(sim.cfg.nodes):
         want = sim.content(r, step)
@@ -83,22 +87,30 @@ def model_holds(sim: Sim, step: int) -> bool:
             continue
         if not any(h.up and any(x.step == step and x.tier is not Tier.REPLICA and x.content_hash == want
                                 and x.owner_rank % hps == r % hps for x in h.disk.values())
-                   for h in sim.hosts):
+                   for h in sim.hosts) and (sim.ec is None or not sim.ec.rebuildable(step, r, want)):
             return False
     return True
 
 
-def _views(st, keep: int) -> tuple:
+VIEW_NAMES = ("complete", "newest", "sources", "redundant", "copies", "gc", "restore", "parity")
+
+
+def _views(st: CoordinatorState, keep: int) -> tuple:
     steps = st.known_steps()
     try:
         plan = st.restore_plan(restoring=False)
         restore = (plan.step, dict(plan.sources))
     except ValueError as e:
         restore = str(e)
+    parity: tuple = ()
+    if st.ec.enabled:  # the erasure-coding views: parity tasks and parity GC per host, rebuildable ranks
+        ranks = range(st.topology.nodes)
+        parity = ({r: st.ec.tasks_for(r) for r in ranks}, {r: st.ec.gc_for(r, keep) for r in ranks},
+                  {s: (st.ec.parity_complete(s), st.ec.rebuild_ranks(s)) for s in steps})
     return (
         st.globally_complete_steps(), st.newest_complete_step(),
         {s: st.sources(s) for s in steps}, {s: st.is_redundant(s) for s in steps},
-        {s: st.replication_plan(s) for s in steps}, st.gc_plan(keep), restore,
+        {s: st.replication_plan(s) for s in steps}, st.gc_plan(keep), restore, parity,
     )
 
 
@@ -109,7 +121,7 @@ def from_facts(st: CoordinatorState, without: int | Collection[int] | None = Non
     ``upto``: only the facts of steps up to this one (all that ``is_complete(upto)`` depends on: a step's
     coverage is derived from its own facts, whether it is abandoned from older steps' saves)."""
     gone = set() if without is None else {without} if isinstance(without, int) else set(without)
-    new = CoordinatorState(st.topology)
+    new = CoordinatorState(st.topology, st.redundancy)
     for r, since in st.lost.items():
         new.forget_host(r, since)
     for r, inc in st.registered.items():
@@ -117,7 +129,7 @@ def from_facts(st: CoordinatorState, without: int | Collection[int] | None = Non
             continue
         new.register(r, inc)
         if st.is_reported(r):
-            held = st.holdings_of(r)
+            held = st.holdings_of(r) + st.ec.parity_of(r)  # its data and (ec mode) its parity
             new.report_inventory(r, held if upto is None else [h for h in held if h.step <= upto], inc)
     for r in sorted(gone):
         new.forget_host(r, 0.0)
@@ -130,6 +142,9 @@ def from_facts(st: CoordinatorState, without: int | Collection[int] | None = Non
     for r, keys in st.deletions_in_flight().items():
         if r not in gone:
             new.deleting(r, keys)
+    for r, steps in st.ec.deletions_in_flight().items():
+        if r not in gone:
+            new.ec.deleting(r, [s for s in steps if upto is None or s <= upto])
     for step in st.pinned:
         new.pin(step)
     for step in st.backing_up:
@@ -151,6 +166,8 @@ def check_backup_task(sim: Sim, coord: Coordinator, rank: int, task: pb.BackupTa
             return
 
 
+# Events that inject faults (``ec``: one aimed at a running erasure-coding task, tests/simulation/parity.py).
+_FAULTS = frozenset({"fault", "ec"})
 # Events that change no host's RAM disk (an answer does when it deletes: ``Sim.disk_changed``).
 _NO_DISK_CHANGE = frozenset({"beat", "redeliver", "timeout", "save", "restore_poll"})
 
@@ -167,7 +184,7 @@ def check_after_event(sim: Sim, kind: str) -> None:
                 f"counted)")
     version = (id(coord), st.version)
     if version != sim.last_version and (sim.clock.now - sim.last_plan_check >= PLAN_CHECK_SECONDS
-                                        or kind == "fault"):
+                                        or kind in _FAULTS):
         sim.last_version = version
         sim.last_plan_check = sim.clock.now
         sim.plan_checks += 1
@@ -176,8 +193,7 @@ def check_after_event(sim: Sim, kind: str) -> None:
         scratch_state = st.rebuilt() if sim.plan_checks % 16 == 0 else from_facts(st)
         mine, scratch = _views(st, sim.keep_local), _views(scratch_state, sim.keep_local)
         if mine != scratch:
-            names = ("complete", "newest", "sources", "redundant", "copies", "gc", "restore")
-            diff = [n for n, a, b in zip(names, mine, scratch, strict=True) if a != b]
+            diff = [n for n, a, b in zip(VIEW_NAMES, mine, scratch, strict=True) if a != b]
             violate(sim, "plan-from-scratch", f"incremental views differ from a recomputation in {diff}")
     elif kind in _NO_DISK_CHANGE or (kind == "answer" and not sim.disk_changed):
         return  # the hosts' RAM disks did not change (and the facts are checked at most every PLAN_CHECK_SECONDS)
@@ -190,7 +206,7 @@ def check_after_event(sim: Sim, kind: str) -> None:
     if newest is not None:
         sim.max_complete_seen = max(sim.max_complete_seen or -1, newest)
         if (newest > (sim.max_durable_seen or -1) and sim.durable_checked != version
-                and (sim.clock.now - sim.last_durable_check >= DURABLE_CHECK_SECONDS or kind == "fault")):
+                and (sim.clock.now - sim.last_durable_check >= DURABLE_CHECK_SECONDS or kind in _FAULTS)):
             sim.durable_checked = version
             sim.last_durable_check = sim.clock.now
             if _durable(sim, newest):
@@ -270,7 +286,9 @@ def _check_restorable(sim: Sim, step: int) -> None:
             return
         ok = False
         for s in srcs:
-            if s.kind is Tier.BUCKET:
+            if s.kind is Tier.PARITY:
+                ok = _rebuild_source_holds(sim, step, r, s)
+            elif s.kind is Tier.BUCKET:
                 ok = sim.bucket is not None and sim.bucket.holds(step, r, want)
             else:
                 h = sim.hosts[s.holder_rank]
@@ -287,8 +305,30 @@ def _check_restorable(sim: Sim, step: int) -> None:
             return
 
 
-def check_deletion(sim: Sim, rank: int, owner: int, step: int, coord: Coordinator) -> None:
-    """``coord`` ordered host ``rank`` to delete ``owner``'s data of ``step`` (it may be a deposed one)."""
+def _rebuild_source_holds(sim: Sim, step: int, rank: int, s: Any) -> bool:
+    """A rebuild source (tier PARITY) of ``rank``: by what the model's hosts hold (not the coordinator's
+    view), each rotation the rank gives data to has K intact fragments among the members the source names
+    (``parity.enough_fragments``). A fragment on a host that died and the coordinator has not heard of yet,
+    or parity its holder dropped as corrupt and has not reported gone yet, counts: it cannot know yet."""
+    assert sim.ec is not None and s.group is not None
+    st = sim.coord.state
+    spec, helpers, digest = s.group, set(s.helpers), s.group.digest()
+
+    def unheard(y: int) -> bool:
+        h = sim.hosts[y]
+        return not h.up or st.registered.get(y) != h.incarnation
+
+    def rotted(y: int) -> bool:
+        return (y, step, digest) in sim.ec.rotted and any(
+            x.step == step and x.content_hash == digest for x in st.ec.parity_of(y))
+
+    return enough_fragments(
+        spec.layout, rank, lambda y: y in helpers and (unheard(y) or sim.ec.data_intact(y, step, spec)),
+        lambda y: y in helpers and (unheard(y) or rotted(y) or sim.ec.parity_intact(y, step, digest)))
+
+
+def _protected(sim: Sim, coord: Coordinator) -> dict[int, str]:
+    """Steps no host may delete a piece of on ``coord``'s order while the model holds them: step -> why."""
     newest = max(sim.max_durable_seen or -1, sim.coord.state.newest_complete_step() or -1,
                  coord.state.newest_complete_step() or -1)
     protected = {newest: "the newest complete step"}
@@ -305,9 +345,37 @@ def check_deletion(sim: Sim, rank: int, owner: int, step: int, coord: Coordinato
         # A pin lives in the coordinator that answered PrepareRestore: one that crashed, stepped down or
         # took over again (a fresh view) lost it (by design), and the trainer's next PrepareRestore pins again on the serving one.
         protected.setdefault(sim.restore_step, "pinned for a restore")
-    if step in protected and model_holds(sim, step):
+    return protected
+
+
+def protected_at_order(sim: Sim, coord: Coordinator, resp: pb.HeartbeatResponse) -> frozenset[int]:
+    """The steps protected (:func:`_protected`) when ``coord`` answers with deletions (empty without any)."""
+    return frozenset(_protected(sim, coord)) if resp.deletions else frozenset()
+
+
+def check_deletion(sim: Sim, rank: int, owner: int, step: int, coord: Coordinator, ordered: frozenset[int]) -> None:
+    """``coord`` ordered host ``rank`` to delete ``owner``'s data of ``step`` (it may be a deposed one).
+    ``ordered``: the steps protected when it answered. A step protected now but not then is not held against
+    it: the answer came late (a delayed answer), and meanwhile the newest complete step fell back to it (ec
+    mode, seeds 2739 and 5082: a host re-registered after a replicator restart, or hosts were declared lost,
+    while the newest step lacked parity; the step fell back to one complete from the bucket). The ordering
+    coordinator counts the piece for nothing from its order on (``CoordinatorState.deleting``), and a host
+    cannot tell that the view regressed: a piece another coordinator still counts is caught by
+    complete-is-restorable once it is gone."""
+    protected = _protected(sim, coord)
+    if step in protected and step in ordered and model_holds(sim, step):
         violate(sim, "gc-protected", f"host {rank} deletes rank {owner}'s data of step {step} "
                 f"({protected[step]}) on the order of epoch {coord.epoch}")
+
+
+def check_parity_deletion(sim: Sim, rank: int, step: int, coord: Coordinator, ordered: frozenset[int]) -> None:
+    """Host ``rank`` deleted its parity of ``step`` on ``coord``'s order, and the model held the step before:
+    it must hold it still if the step is protected, now and when the order was given (:func:`check_deletion`):
+    the parity was the only way left to rebuild a rank."""
+    protected = _protected(sim, coord)
+    if step in protected and step in ordered and not model_holds(sim, step):
+        violate(sim, "gc-protected", f"host {rank} deletes its parity of step {step} ({protected[step]}) on the "
+                f"order of epoch {coord.epoch}, and some rank of it can no longer be rebuilt")
 
 
 def check_scratch_start(sim: Sim) -> None:
@@ -359,10 +427,15 @@ def check_at_end(sim: Sim) -> None:
                 f"complete step {newest} (backup status {sim.coord.backup.status()})")
     if not sim.training:
         violate(sim, "job-resumed", "the trainer is still waiting for its restore after the quiet phase")
+    if sim.ec is not None and newest is not None and not st.ec.parity_complete(newest):
+        lacking = {r: [(h.step, h.content_hash[:12]) for h in st.ec.parity_of(r)] for r in range(sim.cfg.nodes)}
+        violate(sim, "parity-redundant-again",
+                f"after the quiet phase the newest complete step {newest} lacks parity (parity held: {lacking}; "
+                f"due: {[(r, st.ec.tasks_for(r)) for r in range(sim.cfg.nodes) if st.ec.tasks_for(r)]})")
 
 
 INVARIANTS = (
     "backup-share-held", "backup-run-fenced", "plan-from-scratch", "complete-is-restorable", "newest-complete-regressed", "gc-protected",
     "restore-older-than-newest", "restore-not-held", "backup-reaches-newest", "complete-step-lost",
-    "job-resumed", "stale-epoch-order",
+    "job-resumed", "stale-epoch-order", "parity-redundant-again",
 )

@@ -26,6 +26,9 @@ Modelled (as the daemon, ``replicator/daemon.py``, does it):
 - the network (in most schedules; :mod:`tests.simulation.network`): two coordinator candidates picked as the
   heartbeat client picks them, per-message loss, duplicated heartbeats and answers, reordering, partitions.
 
+- erasure coding in about 3 schedules in 10 (:mod:`tests.simulation.parity`): parity holdings, ParityTasks,
+  PARITY deletions, rebuilds from the code group, and the ec faults.
+
 After the fault window the schedule runs quiet (no faults, no saves) so that liveness can be checked.
 """
 
@@ -41,6 +44,7 @@ from typing import Any
 import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
+from mtc_rpc import tier_pb2
 from replicator.backup.scheduler import BucketScheduler
 from replicator.coordinator.model import Holding, Tier, inventory_digest
 from replicator.coordinator.service import Coordinator
@@ -48,6 +52,8 @@ from replicator.coordinator.tier_wire import to_wire
 from replicator.coordinator.topology import JobTopology
 from tests.simulation.bucket import BucketModel
 from tests.simulation.network import Network, Partition
+from tests.simulation.parity import EC_EXTRA_QUIET_SECONDS, EcConfig, ParityKey, ParityModel, source_spec
+from tests.simulation.parity import report as report_parity
 
 JOB = "sim"
 SIZE = 1 << 20
@@ -150,7 +156,9 @@ class Host:
         # (owner, step) -> content hash: replica attestations (``replica-of.json``), reported while bytes of
         # that content are on the disk.
         self.attested: dict[tuple[int, int], str] = {}
-        self.acked: tuple[str, dict[tuple[int, int], Holding]] | None = None
+        # (inventory digest, data, parity) of the last report the coordinator acknowledged
+        self.acked: tuple[str, dict[tuple[int, int], Holding], dict[ParityKey, Holding]] | None = None
+        self.parity: dict[ParityKey, Holding] = {}  # erasure coding (tests/simulation/parity.py)
         self.epoch = 0
         self.in_flight: set[tuple[str, int, int]] = set()
         self.not_before: dict[tuple[str, int, int], float] = {}
@@ -183,7 +191,8 @@ class Host:
             inv = list(current.values())
             own = max((s for (o, s), x in self.disk.items() if o == self.rank and x.tier is Tier.LOCAL),
                       default=-1)
-            self._inventory = (self.version, current, inv, inventory_digest(inv), own)
+            digest = inventory_digest([*inv, *self.parity.values()] if self.parity else inv)
+            self._inventory = (self.version, current, inv, digest, own)
         return self._inventory[1:]
 
     def delete(self, owner: int, step: int) -> None:
@@ -230,13 +239,25 @@ class Sim:
     """One schedule. :meth:`run` returns the violations found: invariant -> its first violation (empty = held)."""
 
     def __init__(self, seed: int, *, config: Config | None = None, keep_trace: bool = True,
-                 network: bool | None = None):
+                 network: bool | None = None, ec: bool | None = None):
         self.seed = seed
         self.rng = random.Random(seed)
         self.cfg = config or Config.draw(self.rng)
         self.net = Network(seed, network)  # network=False: the schedule as before the network was modelled
         self.clock = Clock()
         self.topo = JobTopology(self.cfg.nodes, self.cfg.slices, 1)
+        # Erasure coding in a share of the schedules (drawn apart: ec=False is the schedule as before it was
+        # modelled), on hosts whose data differ, with a quiet phase long enough for a ParityTask's retry.
+        ec_cfg = EcConfig.draw(seed, ec)
+        self.ec: ParityModel | None = None
+        if ec_cfg.on:
+            # Faults a little rarer and the window longer: a step's parity takes a while (every member commits,
+            # reports, then computes), and the faults that matter most hit a step that has it.
+            cfg = self.cfg
+            self.cfg = dataclasses.replace(cfg, identical=False, fault_every=cfg.fault_every * 1.5,
+                                           fault_seconds=cfg.fault_seconds + 4.0,
+                                           quiet_seconds=cfg.quiet_seconds + EC_EXTRA_QUIET_SECONDS)
+            self.ec = ParityModel(self, ec_cfg)
         self.keep_local = 2
         self.heartbeat_seconds = 1.0
         self.bucket = BucketModel(self.cfg.nodes, self.clock) if self.cfg.bucket else None
@@ -299,7 +320,8 @@ class Sim:
                 return SimScheduler(bucket, self.topo, interval_steps=1, keep=3, clock=self.clock)  # type: ignore[arg-type]
         return Coordinator(self.topo, JOB, keep_local=2, heartbeat_seconds=self.heartbeat_seconds,
                            backup_factory=factory, clock=self.clock, host_lost_seconds=4.0, epoch=epoch,
-                           active=active, other_candidates=self.net.cfg.on, candidate=candidate)
+                           active=active, other_candidates=self.net.cfg.on, candidate=candidate,
+                           redundancy=self.ec.redundancy if self.ec is not None else None)
 
     def _at(self, t: float, kind: str, args: tuple) -> None:
         heapq.heappush(self.queue, (t, next(self.seq), kind, args))
@@ -376,7 +398,8 @@ class Sim:
             self._at(self.clock.now + 2.0, "timeout", (rank, inc))
             return
         delay = self.rng.uniform(0.5, 2.5) if self.faulty and self.rng.random() < self.cfg.p_answer_delayed else 0.0
-        self._at(self.clock.now + delay, "answer", (rank, inc, resp, digest, current, coord))
+        ordered = self.inv.protected_at_order(self, coord, resp)
+        self._at(self.clock.now + delay, "answer", (rank, inc, resp, digest, current, coord, ordered))
 
     def _beat_failed(self, h: Host, coord: Coordinator, e: Aborted) -> None:
         """A heartbeat's error other than a failover one: as ``Heartbeat.run`` handles it."""
@@ -389,7 +412,7 @@ class Sim:
             h.coordinator = None
         self._at(self.clock.now + self.heartbeat_seconds, "beat", (h.rank, h.incarnation))
 
-    def _request(self, h: Host) -> tuple[pb.HeartbeatRequest, str, dict]:
+    def _request(self, h: Host) -> tuple[pb.HeartbeatRequest, str, tuple[dict, dict]]:
         """The heartbeat as ``Heartbeat.beat`` builds it: a full report, or a delta against the acked inventory."""
         rank = h.rank
         h.report_seq += 1
@@ -397,11 +420,12 @@ class Sim:
         req = pb.HeartbeatRequest(job=JOB, rank=rank, incarnation=h.incarnation, address=f"sim:{rank}",
                                   newest_saved_step=newest_own, inventory_digest=digest,
                                   known_epoch=h.epoch, report_seq=h.report_seq)
+        acked_parity = None
         if h.acked is None:
             req.full_report = True
             changed = inv
         else:
-            base, acked = h.acked
+            base, acked, acked_parity = h.acked
             req.base_digest = base
             if acked is current:  # nothing changed since the acknowledged report (the inventory is cached)
                 changed = []
@@ -410,8 +434,10 @@ class Sim:
                 req.removed.extend(pb.Deletion(owner_rank=o, step=s) for o, s in acked if (o, s) not in current)
         req.holdings.extend(pb.Holding(owner_rank=x.owner_rank, step=x.step, content_hash=x.content_hash,
                                        size=x.size, tier=to_wire(x.tier), generation=x.generation) for x in changed)
+        if h.parity or acked_parity:
+            report_parity(req, rank, h.parity, acked_parity)
         req.backups.extend(h.backup_reports)
-        return req, digest, current
+        return req, digest, (current, h.parity)  # what was reported (h.parity is replaced on change)
 
     # ------------------------------------------------------------------ the network (tests/simulation/network.py)
     def _beat_candidates(self, h: Host) -> None:
@@ -463,7 +489,8 @@ class Sim:
                     self.note(f"rank {h.rank}: candidate {i} answers, candidate {mine} steps down")
             h.waiting = True
             delay = self.rng.uniform(0.5, 2.5) if faulty and self.rng.random() < self.cfg.p_answer_delayed else 0.0
-            self._at(now + delay, "answer", (h.rank, h.incarnation, resp, digest, current, c))
+            ordered = self.inv.protected_at_order(self, c, resp)
+            self._at(now + delay, "answer", (h.rank, h.incarnation, resp, digest, current, c, ordered))
             if faulty and net.chance(net.cfg.p_answer_dup) and self.keep_trace:
                 # The network may deliver the answer's packets twice, but a unary gRPC call yields one answer:
                 # the duplicate never reaches the daemon (Heartbeat.beat acts once per call).
@@ -564,13 +591,14 @@ class Sim:
         self._at(self.clock.now + 0.1, "beat", (rank, inc))
 
     def _ev_answer(self, rank: int, inc: int, resp: pb.HeartbeatResponse, digest: str,
-                   current: dict, coord: Coordinator) -> None:
+                   current: tuple[dict, dict], coord: Coordinator, ordered: frozenset[int]) -> None:
+        """``ordered``: the steps protected from deletion when ``coord`` answered (invariants.check_deletion)."""
         h = self.host(rank, inc)
         if h is None:
             return
         h.waiting = False
         h.backup_reports = []
-        h.acked = (digest, current) if resp.acked_digest and resp.acked_digest == digest else None
+        h.acked = (digest, *current) if resp.acked_digest and resp.acked_digest == digest else None
         interval = max(0.05, resp.heartbeat_interval_ms / 1000.0)
         self._at(self.clock.now + (0.05 if h.acked is None else interval * self.rng.uniform(0.9, 1.1)), "beat",
                  (rank, inc))
@@ -583,9 +611,9 @@ class Sim:
         if own is not None and own.active and resp.epoch > own.epoch:  # as Heartbeat.beat (seed 77568)
             own.deactivate(f"this host accepted epoch {resp.epoch} of another candidate")
             self.note(f"rank {rank}: accepted epoch {resp.epoch}, candidate {mine} (epoch {own.epoch}) steps down")
-        self._act(h, resp, coord)
+        self._act(h, resp, coord, ordered)
 
-    def _act(self, h: Host, resp: pb.HeartbeatResponse, coord: Coordinator) -> None:
+    def _act(self, h: Host, resp: pb.HeartbeatResponse, coord: Coordinator, ordered: frozenset[int]) -> None:
         """The answer's work (``Heartbeat._act``)."""
         rank = h.rank
         coming = {(c.step, c.content_hash) for c in resp.copies if c.source_rank != rank}
@@ -593,11 +621,13 @@ class Sim:
             coming.update((resp.restore.step, s.content_hash) for s in resp.restore.sources)
         self.inv.check_order(self, h, resp.epoch, coord)
         for d in resp.deletions:
+            if d.tier == tier_pb2.TIER_PARITY:
+                continue  # the host's parity of the step, not its data (below)
             held = h.holdings().get((d.owner_rank, d.step))
             if d.content_hash and held is not None and held.content_hash != d.content_hash:
                 continue  # another save of the step than the one the coordinator chose: kept (as the daemon does)
             if not h.busy(d.owner_rank, d.step):
-                self.inv.check_deletion(self, rank, d.owner_rank, d.step, coord)
+                self.inv.check_deletion(self, rank, d.owner_rank, d.step, coord, ordered)
                 h.delete(d.owner_rank, d.step)
                 self.disk_changed = True
         for c in resp.copies:
@@ -609,8 +639,11 @@ class Sim:
                 self._submit(h, "copy", c.owner_rank, c.step, self.rng.uniform(0.1, 1.5),
                              (c.source_rank, c.content_hash))
         if resp.HasField("restore"):
-            srcs = [(s.kind, s.holder_rank, s.owner_rank, s.content_hash) for s in resp.restore.sources]
+            srcs = [(s.kind, s.holder_rank, s.owner_rank, s.content_hash, source_spec(s))
+                    for s in resp.restore.sources]
             self._submit(h, "restore", rank, resp.restore.step, self.rng.uniform(0.1, 1.5), (srcs,))
+        if self.ec is not None:
+            self.ec.act(h, resp, coord, ordered)  # parity deletions now, parity tasks queued like copies
         if resp.HasField("backup"):
             b = resp.backup
             slow = self.faulty and self.cfg.slow_uploads and self.rng.random() < 0.5
@@ -662,14 +695,26 @@ class Sim:
                    and x.owner_rank % self.topo.hosts_per_slice == h.rank % self.topo.hosts_per_slice
                    for x in h.disk.values())
 
+    def _ev_ec(self, what: str, rank: int, step: int) -> None:
+        assert self.ec is not None
+        self.ec.event(what, rank, step)
+
+    def _do_parity(self, h: Host, _owner: int, step: int, spec: Any, incs: tuple) -> bool:
+        assert self.ec is not None
+        return self.ec.compute(h, step, spec, incs)
+
     def _do_restore(self, h: Host, _owner: int, step: int, sources: list) -> bool:
-        for kind, holder, owner, content_hash in sources:
+        for kind, holder, owner, content_hash, spec in sources:
             if content_hash and self._holds_data_for(h, step, content_hash):
                 x = next((x for x in h.disk.values() if x.step == step and x.tier is Tier.PEER
                           and x.content_hash == content_hash), None)
                 if x is not None:  # already here as a replica's bytes (a copy task brought them)
                     h.attest_restored(step, content_hash, x.generation)
                 return True
+            if spec is not None:  # a rebuild from the code group (tests/simulation/parity.py)
+                if self.ec is not None and self.ec.rebuild(h, step, owner, spec):
+                    return True
+                continue
             if holder < 0:  # the bucket (holder_rank -1; independent of how the proto spells the kind)
                 if self.bucket is None or not self.bucket.holds(step, owner, content_hash):
                     continue
@@ -803,6 +848,8 @@ class Sim:
         if self.cands and self.net.chance(self.net.cfg.p_partition):
             self._partition()
             return
+        if self.ec is not None and self.ec.fault():
+            return
         r = self.rng.random()
         n = self.cfg.nodes
         if r < 0.30:
@@ -852,7 +899,7 @@ class Sim:
             return  # a host that is down runs no replicator to restart
         new = Host(rank, self._nonce())
         if keep_disk:
-            new.disk, new.attested = dict(old.disk), dict(old.attested)
+            new.disk, new.attested, new.parity = dict(old.disk), dict(old.attested), old.parity
             self.disk_incarnations[rank].add(new.incarnation)
         else:
             self.disk_incarnations[rank] = {new.incarnation}
@@ -889,7 +936,10 @@ def _summary(resp: pb.HeartbeatResponse) -> str:
     if resp.copies:
         parts.append("copies " + ",".join(f"{c.owner_rank}/{c.step}<-{c.source_rank}" for c in resp.copies))
     if resp.deletions:
-        parts.append("del " + ",".join(f"{d.owner_rank}/{d.step}" for d in resp.deletions))
+        parts.append("del " + ",".join(f"{'parity ' if d.tier == tier_pb2.TIER_PARITY else ''}{d.owner_rank}/{d.step}"
+                                       for d in resp.deletions))
+    if resp.parity:
+        parts.append("parity " + ",".join(str(t.step) for t in resp.parity))
     if resp.HasField("restore"):
         parts.append(f"restore {resp.restore.step} from "
                      + ",".join(f"{s.kind}:{s.holder_rank}/{s.owner_rank}" for s in resp.restore.sources))

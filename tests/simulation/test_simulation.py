@@ -42,7 +42,7 @@ def results():
 
 
 def _trace(seed: int) -> str:
-    found, trace = _replay_quiet(seed)
+    found, trace = _replay_quiet(seed, ec=None)  # as the run drew it
     return "\n".join(trace[-80:] + list(found.values()))
 
 
@@ -51,6 +51,20 @@ def test_runs_enough_schedules(results):
     if "MTC_SIM_SEEDS" not in os.environ:
         assert results["schedules"] >= 1000
     assert results["events"] >= 100 * results["schedules"]
+
+
+def test_ec_schedules_cover_parity(results):
+    """About three schedules in ten run in ec mode (tests/simulation/parity.py), and between them they compute
+    parity, rebuild lost hosts' data from it and inject every ec fault (1,000 schedules: 291 ec ones, 85
+    rebuilds, 28-115 of each aimed fault)."""
+    ec = results["ec"]
+    if SEEDS < 1000:
+        pytest.skip("counts for 1,000 schedules")
+    assert ec["ec schedules"] >= 0.2 * SEEDS, ec
+    assert ec["parity tasks done"] >= 1000 and ec["parity tasks failed"] >= 100, ec
+    assert ec["rebuilds"] >= 30, ec
+    for fault in ("member lost mid-parity", "2 of a group lost", "parity bit rot", "restart mid-rebuild"):
+        assert ec.get(f"fault: {fault}", 0) >= 10, (fault, ec)
 
 
 def _xfail_known(name: str):
@@ -81,11 +95,13 @@ def test_a_seed_replays_exactly():
     assert a[1] != c[1]
 
 
-def _replay_quiet(seed: int, network: bool | None = None) -> tuple[dict[str, str], list[str]]:
-    """:func:`replay` with the product's warnings silenced (a guard asserts on the result, not the log)."""
+def _replay_quiet(seed: int, network: bool | None = None, ec: bool | None = False) -> tuple[dict[str, str], list[str]]:
+    """:func:`replay` with the product's warnings silenced (a guard asserts on the result, not the log).
+    ``ec=False`` by default: the guard seeds below are copies schedules, found before some seeds ran in ec
+    mode (tests/simulation/parity.py); so they replay the schedule that found them."""
     logging.disable(logging.WARNING)
     try:
-        return replay(seed, network=network)
+        return replay(seed, network=network, ec=ec)
     finally:
         logging.disable(logging.NOTSET)
 
@@ -322,8 +338,8 @@ def test_stale_epoch_order_catches_a_host_forgetting_its_epoch(monkeypatch):
 
     act = model.Sim._act
 
-    def forgetful(self, h, resp, coord):
-        act(self, h, resp, coord)
+    def forgetful(self, h, resp, coord, *rest):
+        act(self, h, resp, coord, *rest)
         h.epoch = 0
 
     monkeypatch.setattr(model.Sim, "_act", forgetful)
@@ -333,6 +349,47 @@ def test_stale_epoch_order_catches_a_host_forgetting_its_epoch(monkeypatch):
     finally:
         logging.disable(logging.NOTSET)
     assert res["by_invariant"].get("stale-epoch-order"), res["first"]
+
+
+def _ec_seeds(n: int) -> list[int]:
+    from tests.simulation.parity import EcConfig
+
+    return [s for s in range(n) if EcConfig.draw(s).on]
+
+
+def _run_quiet(seeds: list[int]) -> dict:
+    logging.disable(logging.WARNING)
+    try:
+        return run_seeds(seeds)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def test_rebuild_check_catches_a_coordinator_counting_too_few_fragments(monkeypatch):
+    """complete-is-restorable can fail in ec mode: a coordinator that counts a rank rebuildable from any
+    parity of its group, whatever the fragments left, says steps are complete that the model cannot rebuild."""
+    from replicator.coordinator import parity
+
+    def loose(self, rank, want):
+        for spec in self.specs.values():
+            if want is None or spec.hash_of(rank) == want:
+                return parity.Rebuild(spec, tuple(y for y in self.layout.members if y != rank))
+        return None
+
+    monkeypatch.setattr(parity.GroupView, "rebuild", loose)
+    res = _run_quiet(_ec_seeds(25))
+    assert res["by_invariant"].get("complete-is-restorable"), res["first"]
+
+
+def test_parity_liveness_catches_a_coordinator_that_never_asks_a_host(monkeypatch):
+    """parity-redundant-again can fail: a coordinator that never sends host 0 its ParityTasks leaves the newest
+    complete step without all its parity after the quiet phase."""
+    from replicator.coordinator.parity_answer import ParityOrders
+
+    tasks = ParityOrders.tasks
+    monkeypatch.setattr(ParityOrders, "tasks", lambda self, st, rank, *a: [] if rank == 0 else tasks(self, st, rank, *a))
+    res = _run_quiet(_ec_seeds(20))
+    assert res["by_invariant"].get("parity-redundant-again"), res["first"]
 
 
 def test_fixed_slow_upload_model_seed():

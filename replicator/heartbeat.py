@@ -281,8 +281,12 @@ class Heartbeat:
         self.interval = max(0.05, resp.heartbeat_interval_ms / 1000.0 or self.opts.heartbeat_seconds)
         self.newest_complete = resp.newest_complete_step
         parts.metrics.newest_complete_step = resp.newest_complete_step
-        if resp.preemption_noticed and parts.preemption.coordinator_noticed():
-            log.warning("the coordinator reports a preemption notice")
+        if parts.preemption.coordinator_says(resp.preemption_noticed):
+            if resp.preemption_noticed:
+                log.warning("the coordinator reports a preemption notice")
+            else:
+                log.info("the coordinator reports the job's preemption notice over (the preempted hosts were "
+                         "replaced or lost)")
         self._act(resp, t_send, round_trip)
         # Jittered so that hosts started together do not report in lockstep.
         return self.interval * random.uniform(0.9, 1.1)

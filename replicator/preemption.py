@@ -100,13 +100,15 @@ def restart_recorded(root: Path, since_wall: float) -> bool:
 
 # ---------------------------------------------------------------------- the state
 class PreemptionState:
-    """Whether this host got a notice (``preempting``: every heartbeat says so) and whether the job did
-    (``noticed``: this host, or the coordinator says some host). Set once, never cleared."""
+    """Whether this host got a notice (``preempting``: every heartbeat says so; set once, for this process's
+    life) and whether the job did (``noticed``: this host, or the coordinator's last answer says some host's
+    current process did). The coordinator's part ends when the preempted hosts are replaced or declared
+    lost, so a job restarted after a preemption, beside replicators that kept running, is not told again."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._preempting = False
-        self._noticed = False
+        self._coordinator = False
 
     @property
     def preempting(self) -> bool:
@@ -114,18 +116,19 @@ class PreemptionState:
 
     @property
     def noticed(self) -> bool:
-        return self._noticed
+        return self._preempting or self._coordinator
 
     def begin(self) -> None:
         """This host got the notice."""
         with self._lock:
-            self._preempting = self._noticed = True
+            self._preempting = True
 
-    def coordinator_noticed(self) -> bool:
-        """The coordinator reports a notice; True the first time."""
+    def coordinator_says(self, noticed: bool) -> bool:
+        """The coordinator's answer says whether the job has a notice; True when that changes :attr:`noticed`."""
         with self._lock:
-            first, self._noticed = not self._noticed, True
-        return first
+            before = self._preempting or self._coordinator
+            self._coordinator = noticed
+            return (self._preempting or noticed) != before
 
 
 class PreemptionLink(Protocol):

@@ -202,7 +202,16 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._restore = RestoreTarget(self.state, self._force_restore_step)
         self._started = self._clock()
         self.state.watch(range(self.topology.nodes), self._started)
-        self.preemption_noticed = False
+        # Ranks whose current process reports a preemption notice (every heartbeat of a preempting host says
+        # so). The job's notice lasts while one of them is registered: a replacement (a new process, not
+        # preempting) or a declared loss ends it, so the job restarted after a preemption is not told again.
+        self._preempting: set[int] = set()
+
+    @property
+    def preemption_noticed(self) -> bool:
+        """Some registered host's current process got a preemption notice (the job's notice, told to every
+        host; it ends once each such host is replaced or declared lost)."""
+        return bool(self._preempting)
 
     # ------------------------------------------------------------------ failover
     @property
@@ -383,6 +392,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             log.warning("hosts %s declared lost: no report for %.1fs", format_ranks(lost), self.lost_after())
             for r in lost:
                 self._digest.pop(r, None)
+                self._preempting.discard(r)
 
     def restore_target(self) -> int | None:
         """The step every host should hold locally: a pinned restore, else the newest complete step."""
@@ -490,11 +500,15 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self.backup.report(st, rank, list(request.backups))
             if request.backup_requests:
                 self.backup.request(list(request.backup_requests))
-            if request.preempting and not self.preemption_noticed:
+            if request.preempting and rank not in self._preempting:
                 log.warning("rank %d received a preemption notice: emergency backup of the newest complete step",
                             rank)
-                self.preemption_noticed = True
-            if self.preemption_noticed:
+                self._preempting.add(rank)
+            elif not request.preempting and rank in self._preempting:
+                self._preempting.discard(rank)  # a new process on that host (replaced): its notice is over
+                log.info("rank %d reports no preemption notice any more (a new process)%s", rank,
+                         "" if self._preempting else ": the job's notice is over")
+            if self._preempting:
                 self.backup.emergency(st.newest_complete_step())
             resp = pb.HeartbeatResponse(heartbeat_interval_ms=int(self.heartbeat_interval() * 1000),
                                         epoch=self.epoch, acked_digest=self._digest.get(rank, ""),

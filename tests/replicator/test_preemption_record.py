@@ -78,4 +78,16 @@ def test_a_notice_is_handled_once_and_its_flush_recorded(tmp_path: Path) -> None
     assert rec is not None, "no flush record"
     assert rec == preemption.PreemptionRecord(3, True, "step 3 is in the bucket", rec.seconds)
     assert bucket.unthrottled == 1
-    assert not state.coordinator_noticed(), "noticed already: the coordinator's report is not news"
+    assert not state.coordinator_says(True), "noticed already: the coordinator's report is not news"
+    assert not state.coordinator_says(False) and state.noticed, "this host's own notice lasts its process's life"
+
+
+def test_the_coordinators_notice_ends_when_it_says_so() -> None:
+    """A host that kept running through a preemption of others (a sidecar replicator) follows the coordinator:
+    the job's notice ends when the coordinator's answer stops saying it, so the restarted job is not told to
+    stop again."""
+    state = preemption.PreemptionState()
+    assert not state.noticed
+    assert state.coordinator_says(True) and state.noticed
+    assert not state.coordinator_says(True)
+    assert state.coordinator_says(False) and not state.noticed

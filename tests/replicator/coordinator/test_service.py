@@ -466,3 +466,33 @@ def test_a_client_refuses_answers_of_an_epoch_older_than_one_it_was_answered_wit
         admin.close()
         for s in servers:
             s.stop(0)
+
+
+def _noticing(coord, rank, preempting, incarnation=1):
+    req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=incarnation, address=f"127.0.0.1:{7000 + rank}",
+                              newest_saved_step=-1, full_report=True, holdings=pb_holdings(rank, HOLDINGS[rank]),
+                              inventory_digest=digest(HOLDINGS[rank]), known_epoch=coord.epoch,
+                              preempting=preempting)
+    return coord.Heartbeat(req, Ctx()).preemption_noticed
+
+
+def test_a_preemption_notice_ends_when_the_preempted_hosts_are_replaced_or_lost():
+    """The job's notice is told to every host while a preempted host's process lives; its replacement (a new
+    process, no notice) or its loss ends it, so a job restarted beside replicators that kept running (the
+    coordinator's among them) is not told to stop again at its first step (bench.goodput found it: the
+    notice stuck for the coordinator's life)."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", heartbeat_seconds=1.0, host_lost_seconds=5.0, clock=clock)
+    assert not any(_noticing(coord, r, False) for r in range(4))
+    assert _noticing(coord, 2, True) and _noticing(coord, 3, True)  # slice 1 preempted
+    assert _noticing(coord, 0, False) and _noticing(coord, 1, False)  # told to every host
+    assert _noticing(coord, 2, False, incarnation=2)  # host 2 replaced; host 3 still preempting
+    assert not _noticing(coord, 3, False, incarnation=2)  # both replaced: over
+    assert not _noticing(coord, 0, False)
+    assert _noticing(coord, 3, True, incarnation=3)  # preempted again; this time never replaced
+    for _ in range(3):
+        clock.t += 3.0
+        for r, inc in ((0, 1), (1, 1), (2, 2)):
+            _noticing(coord, r, False, incarnation=inc)
+    assert 3 in coord.lost_ranks()
+    assert not _noticing(coord, 0, False)  # host 3 declared lost: over

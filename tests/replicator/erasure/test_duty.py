@@ -21,6 +21,7 @@ from replicator.fetch import Fetcher
 from replicator.heartbeat import Heartbeat, HostParts, Reporter, Wakeup
 from replicator.local.store import RamDiskStore
 from replicator.metrics import ReplicatorMetrics
+from replicator.preemption import PreemptionState
 from replicator.tasks import TaskRunner
 from sidecar import layout
 from tests.kits.ec_hosts import EcPeer, group_spec, read_tree
@@ -67,7 +68,7 @@ def rig(tmp_path: Path):  # type: ignore[no-untyped-def]
     fetcher = Fetcher(opts, store, tasks, None, metrics, token=None, tls=None)  # type: ignore[arg-type]
     fetcher.ec = me.ec()
     parts = HostParts(store=store, tasks=tasks, fetcher=fetcher, metrics=metrics,
-                      preemption=SimpleNamespace(preempting=False), wakeup=wakeup,  # type: ignore[arg-type]
+                      preemption=PreemptionState(), wakeup=wakeup,  # type: ignore[arg-type]
                       stopping=threading.Event(),
                       parity=ParityDuty(fetcher.ec, tasks, wakeup.ring, metrics.counters))
     hb = Heartbeat(opts, Reporter(job="ec", rank=0, nodes=4), parts, incarnation=1)  # type: ignore[arg-type]

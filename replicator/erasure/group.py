@@ -302,6 +302,20 @@ def _ahead_or_now(ahead: Mapping[int, Future[bytes | None]], read: Callable[[int
     return (ahead[index] if index in ahead else read(index)).result()
 
 
+def stream_plan(manifest: GroupManifest, rank: int) -> list[tuple[int, int, int]]:
+    """The (rotation, stripe, fragment index) of each stripe of ``rank``'s step stream, in stream order: its K
+    shards one after another, each cut in the manifest's stripes, up to the stream's end. ValueError when
+    ``rank`` is not a member."""
+    lay = manifest.layout
+    left, plan = manifest.stream_bytes[lay.position(rank)], []
+    for shard in range(lay.k):
+        for t in range(manifest.stripes):
+            if left > 0:
+                plan.append((lay.data_rotation(rank, shard), t, shard))
+                left -= manifest.stripe_range(t)[1]
+    return plan
+
+
 class GroupDecoder:
     """Rebuild what lost hosts held: a member's stream (:meth:`stream`) or the parity it held (:meth:`parity`).
 
@@ -388,19 +402,16 @@ class GroupDecoder:
 
     def stream(self, rank: int) -> Iterator[memoryview]:
         """``rank``'s step stream, rebuilt in order stripe by stripe (cut to its true length)."""
-        man, lay = self.manifest, self.manifest.layout
-        lay.position(rank)  # ValueError when not a member
-        left, plan = self._lengths[rank], []
-        for shard in range(lay.k):
-            for t in range(man.stripes):
-                if left > 0:
-                    plan.append((lay.data_rotation(rank, shard), t, shard))
-                    left -= man.stripe_range(t)[1]
         left = self._lengths[rank]
-        for (_, _, shard), out in self._recovered(plan):
-            piece = out[shard]
+        for piece in self.fragments(stream_plan(self.manifest, rank)):
             yield piece[:left]
             left -= len(piece)
+
+    def fragments(self, plan: Sequence[tuple[int, int, int]]) -> Iterator[memoryview]:
+        """Fragment ``index`` of stripe ``stripe`` of rotation ``rotation`` for each (rotation, stripe, index)
+        of ``plan``, rebuilt in order, each checked against its crc32c."""
+        for (_, _, index), out in self._recovered(plan):
+            yield out[index]
 
     def parity(self, rank: int) -> Iterator[ParityStripe]:
         """The parity stripes ``rank`` held, rebuilt: to heal a lost or corrupt parity holder."""

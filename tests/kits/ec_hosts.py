@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from mtc_rpc import peer_pb2_grpc
+from replicator.erasure import spread
 from replicator.erasure.holder import ParityStore
 from replicator.erasure.host import EcHost
 from replicator.erasure.wire import CodeGroupSpec
@@ -35,14 +36,18 @@ def step_arrays(rank: int, step: int, sizes: list[int]) -> list[writer.ArrayCopy
 class EcPeer:
     """One host: its root, its parity store, its Peer service (gRPC + optional data port)."""
 
-    def __init__(self, root: Path, rank: int, nodes: int, *, data_port: bool = True, max_streams: int = 2):
+    def __init__(self, root: Path, rank: int, nodes: int, *, data_port: bool = True, max_streams: int = 2,
+                 rebuilds: bool = True, max_rebuilds: int = 2):
         self.root, self.rank, self.nodes = Path(root), rank, nodes
         self.root.mkdir(parents=True, exist_ok=True)
         self.parity = ParityStore(self.root, rank)
         self.ts = peer_server.TransferServer(throttle=Throttle(max_streams=max_streams)) if data_port else None
         if self.ts is not None:
             self.ts.start()
-        servicer = peer_server.PeerServicer(self.root, rank, nodes, transfer_server=self.ts, parity=self.parity)
+        # RebuildFragments served as the daemon serves it (looked up at each call: tests may wrap it).
+        serve = (lambda request: spread.serve(self.ec(), request)) if rebuilds else None
+        servicer = peer_server.PeerServicer(self.root, rank, nodes, transfer_server=self.ts, parity=self.parity,
+                                            rebuild=serve, max_rebuilds=max_rebuilds)
         self.server, port = rpc.create_server("127.0.0.1:0", [(peer_pb2_grpc.add_PeerServicer_to_server, servicer)],
                                               token=TOKEN)
         self.server.start()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -19,22 +18,7 @@ from replicator.erasure import host as ec_host
 from replicator.erasure import spread
 from replicator.erasure.host import rebuild_own
 from replicator.net import rpc
-from tests.kits.ec_hosts import TOKEN
-from tests.replicator.erasure.test_host import STEP, Job, assert_rebuilt
-
-
-@pytest.fixture
-def job_factory(tmp_path) -> Iterator:  # type: ignore[no-untyped-def]
-    made: list[Job] = []
-
-    def make(k: int, m: int, **kw: Any) -> Job:
-        j = Job(tmp_path / f"job{len(made)}", k, m, **kw)
-        made.append(j)
-        return j
-
-    yield make
-    for j in made:
-        j.stop()
+from tests.kits.ec_hosts import STEP, TOKEN, Job, assert_rebuilt
 
 
 @pytest.fixture

@@ -59,8 +59,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -82,6 +84,7 @@ from replicator.erasure import (
     StripeCodec,
     code_groups,
 )
+from replicator.erasure import spread as ec_spread
 from replicator.erasure.group import shard_bytes_for
 from replicator.erasure.holder import ParityStore
 from replicator.erasure.host import EcHost, compute_parity, rebuild_own
@@ -219,9 +222,23 @@ class RebuildJob:
     root: str
     spec: CodeGroupSpec
     want: layout.StepManifest
+    spread: bool = True  # the other members decode it (replicator.erasure.spread); False: decoded here
 
 
 Job = ParityJob | CopyJob | RebuildJob
+
+
+class _Warnings(logging.Handler):
+    """The warnings logged while it is attached whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str):
+        super().__init__(logging.WARNING)
+        self.prefix, self.seen = prefix, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith(self.prefix):
+            self.seen.append(msg)
 
 
 def _do(job: Job, stripe_bytes: int, host: EcHost | None = None) -> None:
@@ -235,8 +252,15 @@ def _do(job: Job, stripe_bytes: int, host: EcHost | None = None) -> None:
                                expected_content_hash=job.content_hash)
     else:
         root = Path(job.root)
-        got = rebuild_own(EcHost(job.rank, root, ParityStore(root, job.rank), token=TOKEN, stripe_bytes=stripe_bytes),
-                          STEP, job.spec)
+        fell_back = _Warnings("spread rebuild of")  # a spread rebuild that decoded here would time the wrong thing
+        logging.getLogger("replicator.erasure.host").addHandler(fell_back)
+        try:
+            got = rebuild_own(EcHost(job.rank, root, ParityStore(root, job.rank), token=TOKEN,
+                                     stripe_bytes=stripe_bytes, spread=job.spread), STEP, job.spec)
+        finally:
+            logging.getLogger("replicator.erasure.host").removeHandler(fell_back)
+        if fell_back.seen:
+            raise RuntimeError(f"host {job.rank}'s rebuild was not spread: {fell_back.seen[0]}")
         if got != job.want:
             raise RuntimeError(f"host {job.rank}'s step rebuilt as {got.content_hash[:12]}")
 
@@ -280,13 +304,15 @@ def _member(root: str, rank: int, nodes: int, stripe_bytes: int, netns: str, ip:
     store = ParityStore(root_path, rank)
     ts = peer_server.TransferServer(ip)
     ts.start()
-    servicer = peer_server.PeerServicer(root_path, rank, nodes, transfer_server=ts, parity=store)
+    host = EcHost(rank, root_path, store, token=TOKEN, stripe_bytes=stripe_bytes)
+    servicer = peer_server.PeerServicer(root_path, rank, nodes, transfer_server=ts, parity=store,
+                                        rebuild=functools.partial(ec_spread.serve, host))  # as the daemon serves
     server, port = rpc.create_server(f"{ip}:0", [(peer_pb2_grpc.add_PeerServicer_to_server, servicer)],
                                      token=TOKEN)
     server.start()
     try:
         conn.send(port)
-        _answer_jobs(conn, stripe_bytes, EcHost(rank, root_path, store, token=TOKEN, stripe_bytes=stripe_bytes))
+        _answer_jobs(conn, stripe_bytes, host)
     finally:
         ts.stop()
         rpc.stop_server(server, 1.0)
@@ -423,28 +449,33 @@ def measure_recovery(k: int, m: int, per_host_bytes: int, stripe_bytes: int = DE
             shutil.rmtree(root)
             return dt
 
-        def ec(rank: int, lost: Collection[int]) -> Callable[[Path], Job]:
-            return lambda root: RebuildJob(rank, str(root), spec(lost), manifests[rank])
+        def ec(rank: int, lost: Collection[int], spread: bool = True) -> Callable[[Path], Job]:
+            return lambda root: RebuildJob(rank, str(root), spec(lost), manifests[rank], spread)
 
         def copy(root: Path) -> Job:
             return CopyJob(addresses[holder], lost0, str(layout.steps_dir(root)), manifests[lost0].content_hash)
 
-        times: dict[str, list[float]] = {"ec": [], "copy": [], "ec2": []}
+        times: dict[str, list[float]] = {"ec": [], "copy": [], "ec2": [], "direct": []}
         two_lost = ranks[:2] if m >= 2 else []
         timed(lost0, ec(lost0, {lost0}))  # warm-up: imports, connections, first touch of the pages
+        timed(lost0, ec(lost0, {lost0}, spread=False))
         timed(lost0, copy)
         for i in range(repeats):
-            rounds = [("ec", lambda: timed(lost0, ec(lost0, {lost0}))), ("copy", lambda: timed(lost0, copy))]
-            for what, fn in rounds if i % 2 == 0 else rounds[::-1]:  # alternate which goes first
+            rounds = [("ec", lambda: timed(lost0, ec(lost0, {lost0}))), ("copy", lambda: timed(lost0, copy)),
+                      ("direct", lambda: timed(lost0, ec(lost0, {lost0}, spread=False)))]
+            for what, fn in rounds[i % 3:] + rounds[:i % 3]:  # rotate which goes first
                 times[what].append(fn())
             if two_lost:  # both rebuilt from the others (the second untimed), host 0's rebuild timed
                 times["ec2"].append(timed(lost0, ec(lost0, set(two_lost))))
                 timed(two_lost[1], ec(two_lost[1], set(two_lost)))
         ec_s, copy_s = statistics.median(times["ec"]), statistics.median(times["copy"])
+        direct_s = statistics.median(times["direct"])
         out = {
             "ec_recovery_vs_copy_recovery": round(ec_s / copy_s, 3),
             "ec_recovery_seconds": round(ec_s, 4),
             "copy_recovery_seconds": round(copy_s, 4),
+            "ec_direct_recovery_vs_copy_recovery": round(direct_s / copy_s, 3),
+            "ec_direct_recovery_seconds": round(direct_s, 4),
             "encode_seconds_per_host": round(statistics.median(encode_s), 4),
             "ec_recovery_seconds_all": [round(x, 4) for x in times["ec"]],
             "copy_recovery_seconds_all": [round(x, 4) for x in times["copy"]],
@@ -460,7 +491,8 @@ def measure_recovery(k: int, m: int, per_host_bytes: int, stripe_bytes: int = DE
 
 RECOVERY_KEYS = ("ec_recovery_vs_copy_recovery", "ec_recovery_seconds", "copy_recovery_seconds",
                  "encode_seconds_per_host", "ec_recovery_two_lost_seconds", "ec_recovery_seconds_all",
-                 "copy_recovery_seconds_all", "recovery_rebuilds_checked", "copy_recovery_floor_seconds")
+                 "copy_recovery_seconds_all", "recovery_rebuilds_checked", "copy_recovery_floor_seconds",
+                 "ec_direct_recovery_vs_copy_recovery", "ec_direct_recovery_seconds")
 
 
 def run(mib: float = 256, stripe_bytes: int = DEFAULT_STRIPE_BYTES, codes: Sequence[tuple[int, int]] = ((3, 1), (4, 2)),

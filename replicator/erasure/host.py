@@ -241,7 +241,7 @@ def open_group(host: EcHost, step: int, group: CodeGroupSpec, links: _Links, los
 
     lay = group.layout
     dec = GroupDecoder(StripeCodec(lay.k, lay.m, manifest.backend), manifest, read_data, read_parity,
-                       lost=unread - set(reads), ahead_stripes=host.ahead)
+                       lost=unread - set(reads), ahead_stripes=host.ahead, local=host.rank)
     return GroupReads(manifest, dec, tuple(r for r in lay.members if r in reads and r != host.rank))
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from replicator.erasure.group import stream_plan
 from replicator.erasure.host import EcHost, GroupReads, open_group, task_links
+from replicator.erasure.remote import WINDOW_BYTES
 from replicator.erasure.wire import CodeGroupSpec
 from replicator.net.priority import lower_current_thread
 from replicator.peer.protocol import MAX_STEP
@@ -44,26 +45,28 @@ MAX_FRAGMENTS_PER_REQUEST = 1 << 17
 # Spread rebuilds one host serves at once; more are refused (RESOURCE_EXHAUSTED): the asker decodes itself.
 MAX_SERVED = 2
 # Rebuilt fragments a serving thread keeps ready ahead of the gRPC stream.
-QUEUE_FRAGMENTS = 4
+QUEUE_FRAGMENTS = 8
 
 
 class SpreadError(IOError):
     """A spread rebuild failed (a helper refused, failed, or sent what does not verify): decode here instead."""
 
 
-def shares(plan: Sequence[Item], layout_holders: Callable[[int], Sequence[int]],
-           helpers: Sequence[int]) -> list[int]:
+def shares(plan: Sequence[Item], layout_holders: Callable[[int], Sequence[int]], helpers: Sequence[int],
+           run: int = 1) -> list[int]:
     """The helper of each item of ``plan``: one of its rotation's fragment holders among ``helpers`` (any helper
-    when none is), in turn per rotation, so each rotation's stripes are shared evenly."""
-    if not helpers:
-        raise ValueError("a spread rebuild needs helpers")
+    when none is), in turn per rotation, ``run`` consecutive items of a rotation each (a helper reads the
+    others' fragments by windows of consecutive stripes: a run of a window's stripes reads each window once,
+    where single stripes in turn would read every window whole for a few of its stripes)."""
+    if not helpers or run < 1:
+        raise ValueError("a spread rebuild needs helpers and runs of at least one item")
     turn: dict[int, int] = {}
     out = []
     for rotation, _, _ in plan:
         cands = [h for h in layout_holders(rotation) if h in helpers] or list(helpers)
         n = turn.get(rotation, 0)
         turn[rotation] = n + 1
-        out.append(cands[n % len(cands)])
+        out.append(cands[(n // run) % len(cands)])
     return out
 
 
@@ -72,7 +75,7 @@ def spread_stream(host: EcHost, step: int, group: CodeGroupSpec, g: GroupReads, 
     order, every fragment checked against ``g.manifest``; SpreadError on any failure."""
     man, lay = g.manifest, g.manifest.layout
     plan = stream_plan(man, host.rank)
-    who = shares(plan, lay.holders, g.holders)
+    who = shares(plan, lay.holders, g.holders, run=max(1, WINDOW_BYTES // man.stripe_bytes))
     # Members neither whose data nor whose parity could be read here (no address, down): helpers skip them too.
     lost = sorted(g.decoder.lost | {host.rank})
     mine: dict[int, list[Item]] = {}

@@ -204,7 +204,8 @@ class Replicator:
         peer = peer_server.PeerServicer(self.store.root, self.rank, self.nodes,
                                      transfer_server=self._transfer_server, throttle=throttle, parity=self.parity,
                                      rebuild=functools.partial(ec_spread.serve, self.fetcher.ec,
-                                                               bulk_priority=self.opts.bulk_priority))
+                                                               bulk_priority=self.opts.bulk_priority),
+                                     max_rebuilds=ec_spread.MAX_SERVED)
         servicers = [(peer_pb2_grpc.add_PeerServicer_to_server, peer)]
         if self.coordinator is not None:
             from mtc_rpc import admin_pb2_grpc

@@ -130,7 +130,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self.advertise_host = advertise_host
         self.max_files = max_files_per_request
         self._parity = parity  # this host's parity (erasure coding); made on the first request for it if None
-        # RebuildFragments (a spread rebuild, replicator.erasure.spread.serve): None = not served here.
+        # RebuildFragments (a spread rebuild, replicator.erasure.spread.serve, at most ``max_rebuilds`` at once:
+        # the daemon passes spread.MAX_SERVED): None = not served here.
         self._rebuild = rebuild
         self._rebuild_slots = threading.BoundedSemaphore(max(1, max_rebuilds))
         if transfer_server is not None:

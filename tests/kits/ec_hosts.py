@@ -42,7 +42,7 @@ class EcPeer:
     """One host: its root, its parity store, its Peer service (gRPC + optional data port)."""
 
     def __init__(self, root: Path, rank: int, nodes: int, *, data_port: bool = True, max_streams: int = 2,
-                 rebuilds: bool = True, max_rebuilds: int = 2):
+                 rebuilds: bool = True, max_rebuilds: int = spread.MAX_SERVED):
         self.root, self.rank, self.nodes = Path(root), rank, nodes
         self.root.mkdir(parents=True, exist_ok=True)
         self.parity = ParityStore(self.root, rank)

@@ -1,6 +1,7 @@
 """Benchmark of erasure-coded redundancy (issue #35): one JSON line, every code measured side by side in one run.
 
     python -m bench.erasure [--mib 256] [--stripe-mib 1] [--codes 3+1,4+2] [--repeats 3]
+                            [--recovery-mib 128] [--recovery-files 8] [--link-mbit 0]
 
 For each code ec:K+M, one code group of K + M hosts (:func:`replicator.erasure.code_groups` on one slice)
 whose steps together are ``--mib`` MiB (distinct bytes per host, in memory: reads are copies, like a pread
@@ -22,15 +23,16 @@ per code, K + M hosts, each a RAM-disk root on /dev/shm with a real ``Peer`` gRP
 child process of its own (the serving hosts do not share the measuring process's GIL), each holding a
 committed step of ``--recovery-files`` files of distinct random bytes. Each member computes its parity of
 the step in its own process (:func:`replicator.erasure.host.compute_parity`, one member at a time:
-``encode_seconds_per_host``, the median over the members), and the last member gets a whole copy of host 0's
-step (untimed). Then host 0 is wiped: its server stops, its address leaves the code group, and an empty
+``encode_seconds_per_host``, the median over the members), and the last member fetches a whole copy of host
+0's step (untimed). Then host 0 is wiped: its server stops, its address leaves the code group, and an empty
 RAM-disk root stands in for it (its old root is read by nobody, only to check the rebuilt bytes). Interleaved,
 ``--repeats`` times (after one warm-up round of each), medians reported:
 
-- ec_recovery_seconds: :func:`replicator.erasure.host.rebuild_own` of host 0's step from the others (here,
-  in the measuring process) into the empty root, committed as its step. A rebuild reads K fragments per
-  rebuilt byte, from K hosts (data over the peer tier by byte range, parity from the parity holders), checks
-  every fragment's crc32c, decodes, unpacks, checks every file's crc32c and the manifest's content hash;
+- ec_recovery_seconds: :func:`replicator.erasure.host.rebuild_own` of host 0's step from the others (on
+  loopback in the measuring process, with ``--link-mbit`` in the replacement host's own) into the empty
+  root, committed as its step. A rebuild reads K fragments per rebuilt byte, from K hosts (data over the
+  peer tier by byte range, parity from the parity holders), checks every fragment's crc32c, decodes,
+  unpacks, checks every file's crc32c and the manifest's content hash;
 - copy_recovery_seconds: ``replicator.peer.client.fetch_step`` of the same step from the host holding the
   whole copy into another empty root (1 byte read per restored byte, every file's crc32c checked), committed;
 - ec_recovery_vs_copy_recovery: the first / the second (issue #35's target: <= 2);
@@ -39,13 +41,28 @@ RAM-disk root stands in for it (its old root is read by nobody, only to check th
 
 Every rebuilt and copied step is compared byte for byte with the original (the benchmark fails otherwise);
 ``recovery_rebuilds_checked`` counts the rebuilds so checked.
+
+By default every host is on 127.0.0.1 and the restores run in the measuring process: on a small box that
+measures the shared CPU more than any network. ``--link-mbit N`` (N > 0) gives every host a link of its own
+instead, as each host of a cluster has its own NIC: one network namespace per member and one more for the
+replacement of host 0, joined by veth pairs to a bridge (``tests/kits/faultnet.py``), each link limited to N
+Mbit/s each way (``tc tbf`` on both ends). The members' children enter their namespaces (setns) before
+serving on their namespace's address; the restores run in a child process inside the replacement's
+namespace, which times them (the bytes are still checked here: the roots are on /dev/shm). Adds
+``copy_recovery_floor_seconds``: the step's bytes * 8 / (N * 10**6), what no copy can beat on such a link. The
+namespaces are deleted at the end (and those of a killed earlier run before starting). Needs root, ``ip``,
+``iptables`` and ``tc``; the JSON line's ``link_mbit`` is N (0: loopback).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import functools
 import itertools
 import json
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -67,6 +84,7 @@ from replicator.erasure import (
     StripeCodec,
     code_groups,
 )
+from replicator.erasure import spread as ec_spread
 from replicator.erasure.group import shard_bytes_for
 from replicator.erasure.holder import ParityStore
 from replicator.erasure.host import EcHost, compute_parity, rebuild_own
@@ -84,6 +102,7 @@ DEFAULT_RECOVERY_MIB = 128
 DEFAULT_RECOVERY_FILES = 8
 CHILD_START_SECONDS = 120.0
 ENCODE_TIMEOUT_SECONDS = 600.0
+RESTORE_TIMEOUT_SECONDS = 600.0
 
 
 def _timed(fn: Any) -> tuple[Any, float, float]:
@@ -176,39 +195,160 @@ def memcpy_rate(nbytes: int, repeats: int = 3) -> float:
     return round(best, 3)
 
 
-def _member(root: str, rank: int, nodes: int, stripe_bytes: int, conn: Any) -> None:
-    """Child process: one host's ``Peer`` gRPC server and data port over ``root`` (with its parity store); on
-    ``(step, CodeGroupSpec)`` it computes its parity and answers the seconds it took (or the error, a str);
-    on "stop" (or the parent gone) it stops."""
+@dataclasses.dataclass(frozen=True)
+class ParityJob:
+    """A member computes its parity of ``step`` for ``spec``."""
+
+    step: int
+    spec: CodeGroupSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyJob:
+    """``rank``'s step fetched whole from the host at ``address`` into the steps directory ``dest``, committed."""
+
+    address: str
+    rank: int
+    dest: str
+    content_hash: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RebuildJob:
+    """``rank``'s step rebuilt from ``spec``'s other members into the empty RAM-disk root ``root``, committed;
+    RuntimeError unless it is ``want``."""
+
+    rank: int
+    root: str
+    spec: CodeGroupSpec
+    want: layout.StepManifest
+    spread: bool = True  # the other members decode it (replicator.erasure.spread); False: decoded here
+
+
+Job = ParityJob | CopyJob | RebuildJob
+
+
+class _Warnings(logging.Handler):
+    """The warnings logged while it is attached whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str):
+        super().__init__(logging.WARNING)
+        self.prefix, self.seen = prefix, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith(self.prefix):
+            self.seen.append(msg)
+
+
+def _do(job: Job, stripe_bytes: int, host: EcHost | None = None) -> None:
+    """Do ``job`` in this process (a :class:`ParityJob` needs the member's ``host``)."""
+    if isinstance(job, ParityJob):
+        if host is None:
+            raise ValueError("a parity job needs the member's EcHost")
+        compute_parity(host, job.step, job.spec)
+    elif isinstance(job, CopyJob):
+        peer_client.fetch_step(job.address, job.rank, STEP, Path(job.dest), token=TOKEN,
+                               expected_content_hash=job.content_hash)
+    else:
+        root = Path(job.root)
+        fell_back = _Warnings("spread rebuild of")  # a spread rebuild that decoded here would time the wrong thing
+        logging.getLogger("replicator.erasure.host").addHandler(fell_back)
+        try:
+            got = rebuild_own(EcHost(job.rank, root, ParityStore(root, job.rank), token=TOKEN,
+                                     stripe_bytes=stripe_bytes, spread=job.spread), STEP, job.spec)
+        finally:
+            logging.getLogger("replicator.erasure.host").removeHandler(fell_back)
+        if fell_back.seen:
+            raise RuntimeError(f"host {job.rank}'s rebuild was not spread: {fell_back.seen[0]}")
+        if got != job.want:
+            raise RuntimeError(f"host {job.rank}'s step rebuilt as {got.content_hash[:12]}")
+
+
+def _answer_jobs(conn: Any, stripe_bytes: int, host: EcHost | None = None) -> None:
+    """Child side: each job received is done and answered with its seconds, or the error (a str) when it
+    failed; until "stop" or the parent is gone."""
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job == "stop":
+            return
+        t0 = time.monotonic()
+        try:
+            _do(job, stripe_bytes, host)
+        except Exception as e:  # told to the parent, which fails the benchmark
+            conn.send(f"{type(e).__name__}: {e}")
+        else:
+            conn.send(time.monotonic() - t0)
+
+
+def _enter(netns: str) -> None:
+    """This process into the host's network namespace ``netns`` (none: stay), first thing in a child: setns
+    moves only the calling thread, and the threads that open sockets (gRPC's, the data port's) are started
+    after it, from this one. This module's imports of grpc came before, but an import starts no gRPC thread
+    (only the first server or channel does)."""
+    if netns:
+        from tests.kits import faultnet
+
+        faultnet.enter(netns)
+
+
+def _member(root: str, rank: int, nodes: int, stripe_bytes: int, netns: str, ip: str, conn: Any) -> None:
+    """Child process: one host's ``Peer`` gRPC server and data port on ``ip`` over ``root`` (with its parity
+    store), inside network namespace ``netns`` when one is given; answers its gRPC port, then does the jobs
+    it is sent (:func:`_answer_jobs`)."""
+    _enter(netns)
     root_path = Path(root)
     store = ParityStore(root_path, rank)
-    ts = peer_server.TransferServer()
+    ts = peer_server.TransferServer(ip)
     ts.start()
-    servicer = peer_server.PeerServicer(root_path, rank, nodes, transfer_server=ts, parity=store)
-    server, port = rpc.create_server("127.0.0.1:0", [(peer_pb2_grpc.add_PeerServicer_to_server, servicer)],
+    host = EcHost(rank, root_path, store, token=TOKEN, stripe_bytes=stripe_bytes)
+    servicer = peer_server.PeerServicer(root_path, rank, nodes, transfer_server=ts, parity=store,
+                                        rebuild=functools.partial(ec_spread.serve, host))  # as the daemon serves
+    server, port = rpc.create_server(f"{ip}:0", [(peer_pb2_grpc.add_PeerServicer_to_server, servicer)],
                                      token=TOKEN)
     server.start()
-    host = EcHost(rank, root_path, store, token=TOKEN, stripe_bytes=stripe_bytes)
     try:
         conn.send(port)
-        while True:
-            try:
-                msg = conn.recv()
-            except EOFError:
-                return
-            if msg == "stop":
-                return
-            step, spec = msg
-            t0 = time.monotonic()
-            try:
-                compute_parity(host, step, spec)
-            except Exception as e:  # told to the parent, which fails the benchmark
-                conn.send(f"{type(e).__name__}: {e}")
-            else:
-                conn.send(time.monotonic() - t0)
+        _answer_jobs(conn, stripe_bytes, host)
     finally:
         ts.stop()
         rpc.stop_server(server, 1.0)
+
+
+def _restorer(stripe_bytes: int, netns: str, conn: Any) -> None:
+    """Child process: the replacement of a wiped host, inside network namespace ``netns`` (a link of its
+    own); answers None when ready, then does the restores it is sent (:func:`_answer_jobs`)."""
+    _enter(netns)
+    conn.send(None)
+    _answer_jobs(conn, stripe_bytes)
+
+
+def _start(ctx: Any, target: Callable[..., None], args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """(process, parent's end of its pipe): ``target(*args, conn)`` started in a spawned child."""
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(*args, child_conn), daemon=True)
+    proc.start()
+    child_conn.close()  # the child's end now lives in the child only: its exit reads as EOF here
+    return proc, conn
+
+
+def _answer(child: tuple[Any, Any], what: str, timeout_seconds: float) -> Any:
+    """The child's next answer; TimeoutError after ``timeout_seconds``, RuntimeError when it answers an
+    error (a str) or exits first."""
+    proc, conn = child
+    if not conn.poll(timeout_seconds):
+        raise TimeoutError(f"{what}: no answer within {timeout_seconds:.0f} s")
+    try:
+        got = conn.recv()
+    except EOFError:
+        proc.join(timeout=5)
+        raise RuntimeError(f"{what}: its process exited (exit code {proc.exitcode})") from None
+    if isinstance(got, str):
+        raise RuntimeError(f"{what} failed: {got}")
+    return got
 
 
 def _check_same(want: Path, got: Path) -> None:
@@ -225,28 +365,61 @@ def _check_same(want: Path, got: Path) -> None:
 
 
 def measure_recovery(k: int, m: int, per_host_bytes: int, stripe_bytes: int = DEFAULT_STRIPE_BYTES,
-                     repeats: int = 3, files: int = DEFAULT_RECOVERY_FILES) -> dict[str, Any]:
+                     repeats: int = 3, files: int = DEFAULT_RECOVERY_FILES, link_mbit: int = 0) -> dict[str, Any]:
     """A wiped host's step rebuilt from parity vs copied whole from a peer, on K + M real hosts whose Peer
-    servers run in child processes (see the module doc); seconds are medians of interleaved repeats."""
+    servers run in child processes (see the module doc); seconds are medians of interleaved repeats. With
+    ``link_mbit`` > 0 every host, and the replacement that restores, is on a link of its own of that rate."""
     (group,) = code_groups(1, k + m, k, m)
     ranks, n = list(group.members), group.n
     lost0, holder = ranks[0], ranks[-1]
+    code = f"ec:{k}+{m}"
     scratch = _scratch_dir()
     ctx = mp.get_context("spawn")
     children: dict[int, tuple[Any, Any]] = {}
-    try:
+    restorer: tuple[Any, Any] | None = None
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, scratch, ignore_errors=True)
+        places = [("", "127.0.0.1")] * (n + 1)  # (network namespace, IP) of each member, then the replacement's
+        if link_mbit > 0:
+            from tests.kits import faultnet
+
+            _require_links()
+            faultnet.reap_stale()  # what a killed run left
+            net = cleanup.enter_context(faultnet.FaultNetwork(n + 1))  # deleted after the children stop (LIFO)
+            for i in range(n + 1):
+                net.throttle(i, link_mbit)
+            places = [(net.host_ns[i], net.ip(i)) for i in range(n + 1)]
+
+        @cleanup.callback
+        def _stop_all() -> None:
+            for child in [*children.values(), *([restorer] if restorer else [])]:
+                _stop_child(*child)
+
         roots = {r: scratch / f"h{r}" for r in ranks}
         manifests = {r: make_step(roots[r], r, STEP, per_host_bytes, files, n, seed=1000 + r) for r in ranks}
-        for r in ranks:
-            conn, child_conn = ctx.Pipe()
-            proc = ctx.Process(target=_member, args=(str(roots[r]), r, n, stripe_bytes, child_conn), daemon=True)
-            proc.start()
-            children[r] = (proc, conn)
+        for i, r in enumerate(ranks):
+            children[r] = _start(ctx, _member, (str(roots[r]), r, n, stripe_bytes, *places[i]))
+        if link_mbit > 0:  # the replacement of host 0 restores in a namespace of its own, over its own link
+            restorer = _start(ctx, _restorer, (stripe_bytes, places[n][0]))
         addresses = {}
-        for r, (_, conn) in children.items():
-            if not conn.poll(CHILD_START_SECONDS):
-                raise TimeoutError(f"host {r}'s Peer server did not start within {CHILD_START_SECONDS:.0f} s")
-            addresses[r] = f"127.0.0.1:{conn.recv()}"
+        for i, r in enumerate(ranks):
+            port = _answer(children[r], f"host {r}'s Peer server", CHILD_START_SECONDS)
+            addresses[r] = f"{places[i][1]}:{port}"
+        if restorer is not None:
+            _answer(restorer, "the replacement host", CHILD_START_SECONDS)
+
+        def restore(job: Job, what: str) -> float:
+            """Seconds of ``job`` done by the replacement host: here on loopback, in its own process and
+            network namespace with links."""
+            if restorer is None:
+                t0 = time.monotonic()
+                try:
+                    _do(job, stripe_bytes)
+                except Exception as e:
+                    raise RuntimeError(f"{what} failed: {type(e).__name__}: {e}") from e
+                return time.monotonic() - t0
+            restorer[1].send(job)
+            return _answer(restorer, what, RESTORE_TIMEOUT_SECONDS)
 
         def spec(lost: Collection[int] = ()) -> CodeGroupSpec:
             return CodeGroupSpec(k, m, tuple(ranks), tuple(manifests[r].content_hash for r in ranks),
@@ -254,62 +427,55 @@ def measure_recovery(k: int, m: int, per_host_bytes: int, stripe_bytes: int = DE
 
         encode_s = []
         for r in ranks:  # one member at a time, in its own process, reading the others over the peer tier
-            _, conn = children[r]
-            conn.send((STEP, spec()))
-            if not conn.poll(ENCODE_TIMEOUT_SECONDS):
-                raise TimeoutError(f"host {r}'s parity took more than {ENCODE_TIMEOUT_SECONDS:.0f} s")
-            got = conn.recv()
-            if isinstance(got, str):
-                raise RuntimeError(f"ec:{k}+{m}: host {r}'s parity failed: {got}")
-            encode_s.append(got)
+            children[r][1].send(ParityJob(STEP, spec()))
+            encode_s.append(_answer(children[r], f"{code}: host {r}'s parity", ENCODE_TIMEOUT_SECONDS))
         # the copy baseline's source: a whole copy of host 0's step on another host (untimed), as copies:2 keeps
-        peer_client.fetch_step(addresses[lost0], lost0, STEP, layout.peer_dir(roots[holder], lost0), token=TOKEN)
+        children[holder][1].send(CopyJob(addresses[lost0], lost0, str(layout.peer_dir(roots[holder], lost0)),
+                                         manifests[lost0].content_hash))
+        _answer(children[holder], f"{code}: host {holder}'s copy of host {lost0}'s step", RESTORE_TIMEOUT_SECONDS)
         _stop_child(*children.pop(lost0))  # host 0 is wiped: its server is gone, its root read by nobody
         fresh = (scratch / f"new-{i}" for i in itertools.count())
         checked = 0
 
-        def timed(rank: int, restore: Callable[[Path], None]) -> float:
+        def timed(rank: int, job: Callable[[Path], Job]) -> float:
             """Seconds to restore ``rank``'s step into an empty root; checked byte for byte, then dropped."""
             nonlocal checked
             root = next(fresh)
             root.mkdir()
-            t0 = time.monotonic()
-            restore(root)
-            dt = time.monotonic() - t0
+            dt = restore(job(root), f"{code}: restoring host {rank}'s step")
             name = layout.step_name(STEP)
             _check_same(layout.steps_dir(roots[rank]) / name, layout.steps_dir(root) / name)
             checked += 1
             shutil.rmtree(root)
             return dt
 
-        def ec(rank: int, lost: Collection[int]) -> Callable[[Path], None]:
-            def restore(root: Path) -> None:
-                host = EcHost(rank, root, ParityStore(root, rank), token=TOKEN, stripe_bytes=stripe_bytes)
-                got = rebuild_own(host, STEP, spec(lost))
-                if got != manifests[rank]:
-                    raise RuntimeError(f"ec:{k}+{m}: host {rank}'s step rebuilt as {got.content_hash[:12]}")
-            return restore
+        def ec(rank: int, lost: Collection[int], spread: bool = True) -> Callable[[Path], Job]:
+            return lambda root: RebuildJob(rank, str(root), spec(lost), manifests[rank], spread)
 
-        def copy(root: Path) -> None:
-            peer_client.fetch_step(addresses[holder], lost0, STEP, layout.steps_dir(root), token=TOKEN,
-                                   expected_content_hash=manifests[lost0].content_hash)
+        def copy(root: Path) -> Job:
+            return CopyJob(addresses[holder], lost0, str(layout.steps_dir(root)), manifests[lost0].content_hash)
 
-        times: dict[str, list[float]] = {"ec": [], "copy": [], "ec2": []}
+        times: dict[str, list[float]] = {"ec": [], "copy": [], "ec2": [], "direct": []}
         two_lost = ranks[:2] if m >= 2 else []
         timed(lost0, ec(lost0, {lost0}))  # warm-up: imports, connections, first touch of the pages
+        timed(lost0, ec(lost0, {lost0}, spread=False))
         timed(lost0, copy)
         for i in range(repeats):
-            rounds = [("ec", lambda: timed(lost0, ec(lost0, {lost0}))), ("copy", lambda: timed(lost0, copy))]
-            for what, fn in rounds if i % 2 == 0 else rounds[::-1]:  # alternate which goes first
+            rounds = [("ec", lambda: timed(lost0, ec(lost0, {lost0}))), ("copy", lambda: timed(lost0, copy)),
+                      ("direct", lambda: timed(lost0, ec(lost0, {lost0}, spread=False)))]
+            for what, fn in rounds[i % 3:] + rounds[:i % 3]:  # rotate which goes first
                 times[what].append(fn())
             if two_lost:  # both rebuilt from the others (the second untimed), host 0's rebuild timed
                 times["ec2"].append(timed(lost0, ec(lost0, set(two_lost))))
                 timed(two_lost[1], ec(two_lost[1], set(two_lost)))
         ec_s, copy_s = statistics.median(times["ec"]), statistics.median(times["copy"])
+        direct_s = statistics.median(times["direct"])
         out = {
             "ec_recovery_vs_copy_recovery": round(ec_s / copy_s, 3),
             "ec_recovery_seconds": round(ec_s, 4),
             "copy_recovery_seconds": round(copy_s, 4),
+            "ec_direct_recovery_vs_copy_recovery": round(direct_s / copy_s, 3),
+            "ec_direct_recovery_seconds": round(direct_s, 4),
             "encode_seconds_per_host": round(statistics.median(encode_s), 4),
             "ec_recovery_seconds_all": [round(x, 4) for x in times["ec"]],
             "copy_recovery_seconds_all": [round(x, 4) for x in times["copy"]],
@@ -318,29 +484,30 @@ def measure_recovery(k: int, m: int, per_host_bytes: int, stripe_bytes: int = DE
         }
         if two_lost:
             out["ec_recovery_two_lost_seconds"] = round(statistics.median(times["ec2"]), 4)
+        if link_mbit > 0:  # what no copy of the step can beat on such a link
+            out["copy_recovery_floor_seconds"] = round(manifests[lost0].total_bytes * 8 / (link_mbit * 1e6), 4)
         return out
-    finally:
-        for proc, conn in children.values():
-            _stop_child(proc, conn)
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 RECOVERY_KEYS = ("ec_recovery_vs_copy_recovery", "ec_recovery_seconds", "copy_recovery_seconds",
                  "encode_seconds_per_host", "ec_recovery_two_lost_seconds", "ec_recovery_seconds_all",
-                 "copy_recovery_seconds_all", "recovery_rebuilds_checked")
+                 "copy_recovery_seconds_all", "recovery_rebuilds_checked", "copy_recovery_floor_seconds",
+                 "ec_direct_recovery_vs_copy_recovery", "ec_direct_recovery_seconds")
 
 
 def run(mib: float = 256, stripe_bytes: int = DEFAULT_STRIPE_BYTES, codes: Sequence[tuple[int, int]] = ((3, 1), (4, 2)),
         repeats: int = 3, recovery_mib: float = DEFAULT_RECOVERY_MIB,
-        recovery_files: int = DEFAULT_RECOVERY_FILES) -> dict[str, Any]:
+        recovery_files: int = DEFAULT_RECOVERY_FILES, link_mbit: int = 0) -> dict[str, Any]:
+    if link_mbit > 0 and recovery_mib > 0:
+        _require_links()  # before the codec's measurement, not after
     total = int(mib * MIB)
     per_code = {f"{k}+{m}": measure_code(k, m, total, stripe_bytes, repeats) for k, m in codes}
     if recovery_mib > 0:
         for k, m in codes:
             per_code[f"{k}+{m}"].update(measure_recovery(k, m, int(recovery_mib * MIB), stripe_bytes, repeats,
-                                                         recovery_files))
+                                                         recovery_files, link_mbit))
     out: dict[str, Any] = {"bench": "erasure", "backend": DEFAULT_BACKEND, "mib": mib,
-                           "stripe_bytes": stripe_bytes, "repeats": repeats}
+                           "stripe_bytes": stripe_bytes, "repeats": repeats, "link_mbit": link_mbit}
     for key in ("encode_gib_per_s_per_core", "decode_gib_per_s_per_core", "ram_for_redundancy_vs_copy",
                 "losses_survived", "encode_gib_per_s_wall", "decode_gib_per_s_wall", "hosts"):
         out[key] = {code: v[key] for code, v in per_code.items()}
@@ -353,6 +520,18 @@ def run(mib: float = 256, stripe_bytes: int = DEFAULT_STRIPE_BYTES, codes: Seque
     out["cpus"] = os.cpu_count()
     out["loadavg_1m"] = round(os.getloadavg()[0], 2)
     return out
+
+
+def links_unavailable() -> str:
+    """"" when ``--link-mbit`` can put each host on a link of its own here, else why not."""
+    from tests.kits import faultnet
+
+    return faultnet.available()
+
+
+def _require_links() -> None:
+    if why := links_unavailable():
+        raise RuntimeError(f"--link-mbit needs a network namespace per host, which cannot be made here: {why}")
 
 
 def _code(spec: str) -> tuple[int, int]:
@@ -370,9 +549,18 @@ def main() -> None:
     ap.add_argument("--recovery-mib", type=float, default=DEFAULT_RECOVERY_MIB,
                     help="MiB of each host's step in the recovery measurement (0: skip it)")
     ap.add_argument("--recovery-files", type=int, default=DEFAULT_RECOVERY_FILES, help="files of each host's step")
+    ap.add_argument("--link-mbit", type=int, default=0,
+                    help="recovery with every host on a network link of its own of this many Mbit/s (network "
+                         "namespaces, tc tbf; needs root, ip, iptables, tc); 0: all hosts on loopback")
     a = ap.parse_args()
+    if a.link_mbit < 0:
+        ap.error("--link-mbit must be >= 0")
+    if a.link_mbit > 0 and a.recovery_mib <= 0:
+        ap.error("--link-mbit applies to the recovery measurement: give --recovery-mib > 0")
+    if a.link_mbit > 0 and (why := links_unavailable()):
+        ap.error(f"--link-mbit needs a network namespace per host, which cannot be made here: {why}")
     print(json.dumps(run(a.mib, int(a.stripe_mib * MIB), [_code(c) for c in a.codes.split(",")], a.repeats,
-                         a.recovery_mib, a.recovery_files)))
+                         a.recovery_mib, a.recovery_files, a.link_mbit)))
 
 
 if __name__ == "__main__":

@@ -22,37 +22,42 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from mtc_rpc import coordinator_pb2 as coordinator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\npeer.proto\x12\x06mtc.v1\"\x12\n\x10ListStepsRequest\"y\n\x08HeldStep\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x12\n\nfile_count\x18\x06 \x01(\r\"U\n\x11ListStepsResponse\x12\x10\n\x08own_rank\x18\x01 \x01(\x03\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x1f\n\x05steps\x18\x03 \x03(\x0b\x32\x10.mtc.v1.HeldStep\"0\n\x12GetManifestRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\",\n\x13GetManifestResponse\x12\x15\n\rmanifest_json\x18\x01 \x01(\x0c\"w\n\x13OpenTransferRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12%\n\x06pieces\x18\x04 \x03(\x0b\x32\x15.mtc.v1.TransferPiece\x12\x0e\n\x06parity\x18\x05 \x01(\t\"=\n\rTransferPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\":\n\x0cTransferFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\"\x88\x01\n\x14OpenTransferResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x11\n\tdata_port\x18\x02 \x01(\r\x12#\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x14.mtc.v1.TransferFile\x12\x15\n\rexpires_in_ms\x18\x04 \x01(\r\x12\x11\n\tdata_host\x18\x05 \x01(\t\"\x89\x01\n\x10ReadFilesRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\x12%\n\x06pieces\x18\x05 \x03(\x0b\x32\x15.mtc.v1.TransferPiece\x12\x0e\n\x06parity\x18\x06 \x01(\t\"n\n\tFileChunk\x12\x12\n\nfile_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\r\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x11\n\tfile_size\x18\x06 \x01(\x04\x32\x97\x02\n\x04Peer\x12@\n\tListSteps\x12\x18.mtc.v1.ListStepsRequest\x1a\x19.mtc.v1.ListStepsResponse\x12\x46\n\x0bGetManifest\x12\x1a.mtc.v1.GetManifestRequest\x1a\x1b.mtc.v1.GetManifestResponse\x12I\n\x0cOpenTransfer\x12\x1b.mtc.v1.OpenTransferRequest\x1a\x1c.mtc.v1.OpenTransferResponse\x12:\n\tReadFiles\x12\x18.mtc.v1.ReadFilesRequest\x1a\x11.mtc.v1.FileChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\npeer.proto\x12\x06mtc.v1\x1a\x11\x63oordinator.proto\"\x12\n\x10ListStepsRequest\"y\n\x08HeldStep\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x12\n\nfile_count\x18\x06 \x01(\r\"U\n\x11ListStepsResponse\x12\x10\n\x08own_rank\x18\x01 \x01(\x03\x12\r\n\x05nodes\x18\x02 \x01(\x03\x12\x1f\n\x05steps\x18\x03 \x03(\x0b\x32\x10.mtc.v1.HeldStep\"0\n\x12GetManifestRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\",\n\x13GetManifestResponse\x12\x15\n\rmanifest_json\x18\x01 \x01(\x0c\"w\n\x13OpenTransferRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12%\n\x06pieces\x18\x04 \x03(\x0b\x32\x15.mtc.v1.TransferPiece\x12\x0e\n\x06parity\x18\x05 \x01(\t\"=\n\rTransferPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\":\n\x0cTransferFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\"\x88\x01\n\x14OpenTransferResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x11\n\tdata_port\x18\x02 \x01(\r\x12#\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x14.mtc.v1.TransferFile\x12\x15\n\rexpires_in_ms\x18\x04 \x01(\r\x12\x11\n\tdata_host\x18\x05 \x01(\t\"\x89\x01\n\x10ReadFilesRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\x12%\n\x06pieces\x18\x05 \x03(\x0b\x32\x15.mtc.v1.TransferPiece\x12\x0e\n\x06parity\x18\x06 \x01(\t\"n\n\tFileChunk\x12\x12\n\nfile_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\r\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x11\n\tfile_size\x18\x06 \x01(\x04\"\x8d\x01\n\x17RebuildFragmentsRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12 \n\x05group\x18\x02 \x01(\x0b\x32\x11.mtc.v1.CodeGroup\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12&\n\tfragments\x18\x04 \x03(\x0b\x32\x13.mtc.v1.FragmentRef\x12\x0c\n\x04lost\x18\x05 \x03(\x03\">\n\x0b\x46ragmentRef\x12\x10\n\x08rotation\x18\x01 \x01(\r\x12\x0e\n\x06stripe\x18\x02 \x01(\r\x12\r\n\x05index\x18\x03 \x01(\r2\xe1\x02\n\x04Peer\x12@\n\tListSteps\x12\x18.mtc.v1.ListStepsRequest\x1a\x19.mtc.v1.ListStepsResponse\x12\x46\n\x0bGetManifest\x12\x1a.mtc.v1.GetManifestRequest\x1a\x1b.mtc.v1.GetManifestResponse\x12I\n\x0cOpenTransfer\x12\x1b.mtc.v1.OpenTransferRequest\x1a\x1c.mtc.v1.OpenTransferResponse\x12:\n\tReadFiles\x12\x18.mtc.v1.ReadFilesRequest\x1a\x11.mtc.v1.FileChunk0\x01\x12H\n\x10RebuildFragments\x12\x1f.mtc.v1.RebuildFragmentsRequest\x1a\x11.mtc.v1.FileChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LISTSTEPSREQUEST']._serialized_start=22
-  _globals['_LISTSTEPSREQUEST']._serialized_end=40
-  _globals['_HELDSTEP']._serialized_start=42
-  _globals['_HELDSTEP']._serialized_end=163
-  _globals['_LISTSTEPSRESPONSE']._serialized_start=165
-  _globals['_LISTSTEPSRESPONSE']._serialized_end=250
-  _globals['_GETMANIFESTREQUEST']._serialized_start=252
-  _globals['_GETMANIFESTREQUEST']._serialized_end=300
-  _globals['_GETMANIFESTRESPONSE']._serialized_start=302
-  _globals['_GETMANIFESTRESPONSE']._serialized_end=346
-  _globals['_OPENTRANSFERREQUEST']._serialized_start=348
-  _globals['_OPENTRANSFERREQUEST']._serialized_end=467
-  _globals['_TRANSFERPIECE']._serialized_start=469
-  _globals['_TRANSFERPIECE']._serialized_end=530
-  _globals['_TRANSFERFILE']._serialized_start=532
-  _globals['_TRANSFERFILE']._serialized_end=590
-  _globals['_OPENTRANSFERRESPONSE']._serialized_start=593
-  _globals['_OPENTRANSFERRESPONSE']._serialized_end=729
-  _globals['_READFILESREQUEST']._serialized_start=732
-  _globals['_READFILESREQUEST']._serialized_end=869
-  _globals['_FILECHUNK']._serialized_start=871
-  _globals['_FILECHUNK']._serialized_end=981
-  _globals['_PEER']._serialized_start=984
-  _globals['_PEER']._serialized_end=1263
+  _globals['_LISTSTEPSREQUEST']._serialized_start=41
+  _globals['_LISTSTEPSREQUEST']._serialized_end=59
+  _globals['_HELDSTEP']._serialized_start=61
+  _globals['_HELDSTEP']._serialized_end=182
+  _globals['_LISTSTEPSRESPONSE']._serialized_start=184
+  _globals['_LISTSTEPSRESPONSE']._serialized_end=269
+  _globals['_GETMANIFESTREQUEST']._serialized_start=271
+  _globals['_GETMANIFESTREQUEST']._serialized_end=319
+  _globals['_GETMANIFESTRESPONSE']._serialized_start=321
+  _globals['_GETMANIFESTRESPONSE']._serialized_end=365
+  _globals['_OPENTRANSFERREQUEST']._serialized_start=367
+  _globals['_OPENTRANSFERREQUEST']._serialized_end=486
+  _globals['_TRANSFERPIECE']._serialized_start=488
+  _globals['_TRANSFERPIECE']._serialized_end=549
+  _globals['_TRANSFERFILE']._serialized_start=551
+  _globals['_TRANSFERFILE']._serialized_end=609
+  _globals['_OPENTRANSFERRESPONSE']._serialized_start=612
+  _globals['_OPENTRANSFERRESPONSE']._serialized_end=748
+  _globals['_READFILESREQUEST']._serialized_start=751
+  _globals['_READFILESREQUEST']._serialized_end=888
+  _globals['_FILECHUNK']._serialized_start=890
+  _globals['_FILECHUNK']._serialized_end=1000
+  _globals['_REBUILDFRAGMENTSREQUEST']._serialized_start=1003
+  _globals['_REBUILDFRAGMENTSREQUEST']._serialized_end=1144
+  _globals['_FRAGMENTREF']._serialized_start=1146
+  _globals['_FRAGMENTREF']._serialized_end=1208
+  _globals['_PEER']._serialized_start=1211
+  _globals['_PEER']._serialized_end=1564
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from mtc_rpc import coordinator_pb2 as _coordinator_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -129,3 +130,27 @@ class FileChunk(_message.Message):
     name: str
     file_size: int
     def __init__(self, file_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., name: _Optional[str] = ..., file_size: _Optional[int] = ...) -> None: ...
+
+class RebuildFragmentsRequest(_message.Message):
+    __slots__ = ("step", "group", "rank", "fragments", "lost")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    group: _coordinator_pb2.CodeGroup
+    rank: int
+    fragments: _containers.RepeatedCompositeFieldContainer[FragmentRef]
+    lost: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., group: _Optional[_Union[_coordinator_pb2.CodeGroup, _Mapping]] = ..., rank: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentRef, _Mapping]]] = ..., lost: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FragmentRef(_message.Message):
+    __slots__ = ("rotation", "stripe", "index")
+    ROTATION_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    rotation: int
+    stripe: int
+    index: int
+    def __init__(self, rotation: _Optional[int] = ..., stripe: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...

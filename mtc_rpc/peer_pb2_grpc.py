@@ -54,6 +54,11 @@ class PeerStub:
                 request_serializer=peer__pb2.ReadFilesRequest.SerializeToString,
                 response_deserializer=peer__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.RebuildFragments = channel.unary_stream(
+                '/mtc.v1.Peer/RebuildFragments',
+                request_serializer=peer__pb2.RebuildFragmentsRequest.SerializeToString,
+                response_deserializer=peer__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -87,6 +92,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RebuildFragments(self, request, context):
+        """Erasure coding: rebuild some fragments of a lost member's data here and stream them (a spread rebuild).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +120,11 @@ def add_PeerServicer_to_server(servicer, server):
             'ReadFiles': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadFiles,
                     request_deserializer=peer__pb2.ReadFilesRequest.FromString,
+                    response_serializer=peer__pb2.FileChunk.SerializeToString,
+            ),
+            'RebuildFragments': grpc.unary_stream_rpc_method_handler(
+                    servicer.RebuildFragments,
+                    request_deserializer=peer__pb2.RebuildFragmentsRequest.FromString,
                     response_serializer=peer__pb2.FileChunk.SerializeToString,
             ),
     }
@@ -218,6 +235,33 @@ class Peer:
             target,
             '/mtc.v1.Peer/ReadFiles',
             peer__pb2.ReadFilesRequest.SerializeToString,
+            peer__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RebuildFragments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mtc.v1.Peer/RebuildFragments',
+            peer__pb2.RebuildFragmentsRequest.SerializeToString,
             peer__pb2.FileChunk.FromString,
             options,
             channel_credentials,

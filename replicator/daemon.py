@@ -12,6 +12,7 @@ released, fetch this rank's data for the step to restore, upload a backup share.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import socket
@@ -29,6 +30,7 @@ from replicator import logs, preemption
 from replicator.control import serve_control
 from replicator.coordinator.service import BackupScheduler, Coordinator
 from replicator.coordinator.topology import JobTopology
+from replicator.erasure import spread as ec_spread
 from replicator.erasure.duty import ParityDuty
 from replicator.erasure.holder import ParityStore
 from replicator.erasure.host import EcHost
@@ -200,7 +202,10 @@ class Replicator:
                                                                bulk_priority=self.opts.bulk_priority)
             self._transfer_server.start()
         peer = peer_server.PeerServicer(self.store.root, self.rank, self.nodes,
-                                     transfer_server=self._transfer_server, throttle=throttle, parity=self.parity)
+                                     transfer_server=self._transfer_server, throttle=throttle, parity=self.parity,
+                                     rebuild=functools.partial(ec_spread.serve, self.fetcher.ec,
+                                                               bulk_priority=self.opts.bulk_priority),
+                                     max_rebuilds=ec_spread.MAX_SERVED)
         servicers = [(peer_pb2_grpc.add_PeerServicer_to_server, peer)]
         if self.coordinator is not None:
             from mtc_rpc import admin_pb2_grpc

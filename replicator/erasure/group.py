@@ -302,18 +302,33 @@ def _ahead_or_now(ahead: Mapping[int, Future[bytes | None]], read: Callable[[int
     return (ahead[index] if index in ahead else read(index)).result()
 
 
+def stream_plan(manifest: GroupManifest, rank: int) -> list[tuple[int, int, int]]:
+    """The (rotation, stripe, fragment index) of each stripe of ``rank``'s step stream, in stream order: its K
+    shards one after another, each cut in the manifest's stripes, up to the stream's end. ValueError when
+    ``rank`` is not a member."""
+    lay = manifest.layout
+    left, plan = manifest.stream_bytes[lay.position(rank)], []
+    for shard in range(lay.k):
+        for t in range(manifest.stripes):
+            if left > 0:
+                plan.append((lay.data_rotation(rank, shard), t, shard))
+                left -= manifest.stripe_range(t)[1]
+    return plan
+
+
 class GroupDecoder:
     """Rebuild what lost hosts held: a member's stream (:meth:`stream`) or the parity it held (:meth:`parity`).
 
     Each fragment read is checked against the manifest's crc32c; a corrupt one (``corrupt``) or one that
     cannot be read (``OSError``, ``unreadable``) is passed over, and :class:`NotEnoughFragmentsError` is
-    raised for a stripe with fewer than K intact fragments. ``lost``: ranks not to read at all.
+    raised for a stripe with fewer than K intact fragments. ``lost``: ranks not to read at all; ``local``: the
+    rank read from this host's own RAM disk, whose fragments are used first.
     ``ahead_stripes``: read the fragments of up to that many stripes ahead (module docstring); a holder
     whose read failed (``OSError``) is not asked ahead again, its fragments are read only when needed.
     """
 
     def __init__(self, codec: StripeCodec, manifest: GroupManifest, read_data: ReadData, read_parity: ReadParity,
-                 lost: Collection[int] = (), ahead_stripes: int = 0):
+                 lost: Collection[int] = (), ahead_stripes: int = 0, local: int | None = None):
         lay = manifest.layout
         if (codec.k, codec.m, codec.backend) != (lay.k, lay.m, manifest.backend):
             raise ValueError(f"codec ec:{codec.k}+{codec.m} ({codec.backend}) for a group of "
@@ -321,6 +336,7 @@ class GroupDecoder:
         self.codec, self.manifest = codec, manifest
         self.read_data, self.read_parity = read_data, read_parity
         self.lost = frozenset(lost)
+        self.local = local  # the rank whose fragments are read from this host's RAM disk: used first
         self.corrupt: list[tuple[int, int, int, int]] = []  # (holder rank, rotation, stripe, fragment index)
         self.unreadable: list[tuple[int, int, int, int]] = []
         self._lengths = dict(zip(lay.members, manifest.stream_bytes, strict=True))
@@ -358,9 +374,16 @@ class GroupDecoder:
             return None
         return data
 
+    def _order(self, rotation: int) -> list[int]:
+        """The fragment indices of ``rotation`` in the order they are read: the local rank's first (no network),
+        then data before parity (hosts' own files)."""
+        holders = self.manifest.layout.holders(rotation)
+        return sorted(range(self.codec.n), key=lambda i: (holders[i] != self.local, i))
+
     def recover(self, rotation: int, stripe: int, want: Sequence[int],
                 fetch: Callable[[int], bytes | None] | None = None) -> dict[int, memoryview]:
-        """Fragments ``want`` of one stripe from the first K intact others (data first: hosts' own files).
+        """Fragments ``want`` of one stripe from the first K intact others (:meth:`_order`: the local rank's,
+        then data first: hosts' own files).
         ``fetch(index)``: the checked fragment or None (default: :meth:`_fragment`, read here)."""
         fetch = fetch or (lambda i: self._fragment(rotation, stripe, i))
         if not self.manifest.covers(rotation):
@@ -368,7 +391,7 @@ class GroupDecoder:
                 f"step {self.manifest.step} rotation {rotation}: no crc32c rows (no GROUP.json of its parity "
                 f"holders was read), so no fragment of it can be verified")
         have: dict[int, bytes] = {}
-        for i in range(self.codec.n):
+        for i in self._order(rotation):
             if len(have) == self.codec.k:
                 break
             if i not in want and (frag := fetch(i)) is not None:
@@ -388,19 +411,16 @@ class GroupDecoder:
 
     def stream(self, rank: int) -> Iterator[memoryview]:
         """``rank``'s step stream, rebuilt in order stripe by stripe (cut to its true length)."""
-        man, lay = self.manifest, self.manifest.layout
-        lay.position(rank)  # ValueError when not a member
-        left, plan = self._lengths[rank], []
-        for shard in range(lay.k):
-            for t in range(man.stripes):
-                if left > 0:
-                    plan.append((lay.data_rotation(rank, shard), t, shard))
-                    left -= man.stripe_range(t)[1]
         left = self._lengths[rank]
-        for (_, _, shard), out in self._recovered(plan):
-            piece = out[shard]
+        for piece in self.fragments(stream_plan(self.manifest, rank)):
             yield piece[:left]
             left -= len(piece)
+
+    def fragments(self, plan: Sequence[tuple[int, int, int]]) -> Iterator[memoryview]:
+        """Fragment ``index`` of stripe ``stripe`` of rotation ``rotation`` for each (rotation, stripe, index)
+        of ``plan``, rebuilt in order, each checked against its crc32c."""
+        for (_, _, index), out in self._recovered(plan):
+            yield out[index]
 
     def parity(self, rank: int) -> Iterator[ParityStripe]:
         """The parity stripes ``rank`` held, rebuilt: to heal a lost or corrupt parity holder."""
@@ -428,8 +448,8 @@ class GroupDecoder:
                 r, t, want = item
                 if self.ahead_stripes <= 0:
                     return {}
-                ok = [i for i, h in enumerate(lay.holders(r))
-                      if i != want and h not in self.lost and h not in self._failed]
+                ok = [i for i in self._order(r) if i != want and lay.holders(r)[i] not in self.lost
+                      and lay.holders(r)[i] not in self._failed]
                 return {i: read(r, t, i) for i in ok[:lay.k]}
 
             for item, futures in zip(plan, lookahead(plan, start, max(0, self.ahead_stripes)), strict=True):

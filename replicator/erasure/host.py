@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 from replicator.erasure.codec import NotEnoughFragmentsError, StripeCodec
@@ -54,6 +55,9 @@ class EcHost:
     # Read the fragments of this many stripes ahead, each member's on its own thread (None: a window and a
     # stripe more, so the next window is in flight while this one is decoded; 0: one after another).
     ahead_stripes: int | None = None
+    # Rebuild this host's data spread over the other parity holders (replicator.erasure.spread): each decodes
+    # a share and sends only what it rebuilt. False: read the K fragments of every stripe and decode here.
+    spread: bool = True
 
     @property
     def ahead(self) -> int:
@@ -91,7 +95,7 @@ class _Links:
 
 
 @contextlib.contextmanager
-def _links(host: EcHost) -> Iterator[_Links]:
+def task_links(host: EcHost) -> Iterator[_Links]:
     links = _Links(host, time.monotonic() + host.timeout_seconds)
     try:
         yield links
@@ -123,7 +127,7 @@ def compute_parity(host: EcHost, step: int, group: CodeGroupSpec) -> ParityRecor
     lay = group.layout
     lay.position(host.rank)  # ValueError when this host is not a member
     t0 = time.monotonic()
-    with _links(host) as links:
+    with task_links(host) as links:
         streams: dict[int, StepStream | RemoteStream] = {}
         for rank, content_hash, address in zip(group.members, group.content_hashes, group.addresses, strict=True):
             if rank == host.rank:
@@ -174,68 +178,120 @@ def _mid_point(pieces: Iterator[memoryview]) -> Iterator[memoryview]:
         yield piece
 
 
+@dataclasses.dataclass
+class GroupReads:
+    """A code group's step as one host reads it for a rebuild: the merged manifest (every reachable parity
+    holder's crc32c rows) and a decoder over every member's data and parity that can be read (this host's own
+    locally, the others' over the peer tier); ``holders``: the members whose parity record was read."""
+
+    manifest: GroupManifest
+    decoder: GroupDecoder
+    holders: tuple[int, ...]
+
+
+def open_group(host: EcHost, step: int, group: CodeGroupSpec, links: _Links, lost: Collection[int]) -> GroupReads:
+    """:class:`GroupReads` of ``step`` for ``group``, never reading the members ``lost`` (nor those without an
+    address). NotEnoughFragmentsError when no parity holder answered."""
+    digest = group.digest()
+    reads: dict[int, Callable[[int, int, int, int], bytes]] = {}
+    records: list[ParityRecord] = []
+    for rank, address in zip(group.members, group.addresses, strict=True):
+        if rank in lost:
+            continue
+        if rank == host.rank:
+            rec = host.parity.record(step, digest)
+            if rec is not None:
+                records.append(rec)
+                reads[rank] = functools.partial(host.parity.read, step, digest)
+            continue
+        if not address:
+            continue
+        rp = RemoteParity(links(address), rank, step, digest)
+        try:
+            records.append(rp.record())
+            reads[rank] = rp.read
+        except (OSError, ValueError) as e:
+            log.warning("rebuild of step %d: no parity record from rank %d: %s", step, rank, e)
+    if not records:
+        raise NotEnoughFragmentsError(f"rebuild of step {step} ({digest}) at rank {host.rank}: no parity holder "
+                                      f"of the code group answered")
+    manifest = records[0].manifest.merged([r.manifest for r in records[1:]])
+    streams: dict[int, StepStream | RemoteStream] = {}
+    unread = set(lost)
+    for rank, content_hash, address in zip(group.members, group.content_hashes, group.addresses, strict=True):
+        if rank in unread or (not address and rank != host.rank):
+            unread.add(rank)
+            continue
+        try:
+            streams[rank] = (_own_stream(host, step, content_hash) if rank == host.rank
+                             else RemoteStream.open(links(address), rank, step, content_hash))
+        except (OSError, ValueError) as e:
+            log.warning("rebuild of step %d: rank %d's data unavailable: %s", step, rank, e)
+            unread.add(rank)
+
+    def read_data(rank: int, offset: int, length: int) -> bytes:
+        if rank not in streams:
+            raise ConnectionError(f"rank {rank}'s data is unavailable")
+        return streams[rank].read(offset, length)
+
+    def read_parity(rank: int, rotation: int, index: int, offset: int, length: int) -> bytes:
+        if rank not in reads:
+            raise ConnectionError(f"no parity of rank {rank}")
+        return reads[rank](rotation, index, offset, length)
+
+    lay = group.layout
+    dec = GroupDecoder(StripeCodec(lay.k, lay.m, manifest.backend), manifest, read_data, read_parity,
+                       lost=unread - set(reads), ahead_stripes=host.ahead, local=host.rank)
+    return GroupReads(manifest, dec, tuple(r for r in lay.members if r in reads and r != host.rank))
+
+
 def rebuild_own(host: EcHost, step: int, group: CodeGroupSpec) -> StepManifest:
     """Rebuild this rank's data of ``step`` from ``group``'s other members and commit it as its own step.
 
-    NotEnoughFragmentsError when some stripe has fewer than K intact fragments (too many members lost,
-    unreachable or corrupt); ChecksumError / ManifestError when what was rebuilt does not verify; nothing is
-    committed then. FileExistsError when the step is committed here already."""
+    Spread (``host.spread``, :mod:`replicator.erasure.spread`) over the other parity holders when two or more
+    answer, so this host receives each rebuilt byte once; if that fails for any reason, decoded here from the
+    K fragments of each stripe. NotEnoughFragmentsError when some stripe has fewer than K intact fragments
+    (too many members lost, unreachable or corrupt); ChecksumError / ManifestError when what was rebuilt does
+    not verify; nothing is committed then. FileExistsError when the step is committed here already."""
+    from replicator.erasure.spread import SpreadError, spread_stream  # spread uses this module's helpers
+
     lay = group.layout
     pos = lay.position(host.rank)
     expected = group.content_hashes[pos]
-    digest = group.digest()
     final = host.own_step_dir(step)
     if (final / layout.MANIFEST_NAME).is_file():
         raise FileExistsError(f"step directory {final} already exists")
     t0 = time.monotonic()
-    with _links(host) as links:
-        parities: dict[int, RemoteParity] = {}
-        records: list[ParityRecord] = []
-        for rank, address in zip(group.members, group.addresses, strict=True):
-            if rank == host.rank or not address:
-                continue
-            rp = RemoteParity(links(address), rank, step, digest)
+    how = "here"
+    with task_links(host) as links:
+        g = open_group(host, step, group, links, lost={host.rank})
+        manifest, dec = g.manifest, g.decoder
+
+        def unpacked(pieces: Iterator[memoryview]) -> tuple[StepManifest, Path]:
+            tmp = commit.make_tmp_dir(final.parent, step)
             try:
-                records.append(rp.record())
-                parities[rank] = rp
-            except (OSError, ValueError) as e:
-                log.warning("rebuild of step %d: no parity record from rank %d: %s", step, rank, e)
-        if not records:
-            raise NotEnoughFragmentsError(f"rebuild of rank {host.rank} step {step}: no parity holder of the code "
-                                          f"group ({digest}) answered")
-        manifest = records[0].manifest.merged([r.manifest for r in records[1:]])
-        streams: dict[int, RemoteStream] = {}
-        lost = {host.rank}
-        for rank, content_hash, address in zip(group.members, group.content_hashes, group.addresses, strict=True):
-            if rank in lost or not address:
-                lost.add(rank)
-                continue
+                with contextlib.closing(pieces):  # read-ahead threads and helper streams end here
+                    m = unpack_stream(_mid_point(pieces), manifest.manifest_bytes[pos], manifest.stream_bytes[pos],
+                                      tmp)
+                if (m.rank, m.step, m.content_hash) != (host.rank, step, expected):
+                    raise ManifestError(f"rebuilt manifest of rank {m.rank} step {m.step} ({m.content_hash[:12]}), "
+                                        f"the code group names rank {host.rank} step {step} ({expected[:12]})")
+            except BaseException:
+                commit.remove_owned_dir(tmp)
+                raise
+            return m, tmp
+
+        got: tuple[StepManifest, Path] | None = None
+        if host.spread and len(g.holders) >= 2:
             try:
-                streams[rank] = RemoteStream.open(links(address), rank, step, content_hash)
-            except (OSError, ValueError) as e:
-                log.warning("rebuild of step %d: rank %d's data unavailable: %s", step, rank, e)
-                lost.add(rank)
-
-        def read_data(rank: int, offset: int, length: int) -> bytes:
-            if rank not in streams:
-                raise ConnectionError(f"rank {rank}'s data is unavailable")
-            return streams[rank].read(offset, length)
-
-        def read_parity(rank: int, rotation: int, index: int, offset: int, length: int) -> bytes:
-            if rank not in parities:
-                raise ConnectionError(f"no parity of rank {rank}")
-            return parities[rank].read(rotation, index, offset, length)
-
-        dec = GroupDecoder(StripeCodec(lay.k, lay.m, manifest.backend), manifest, read_data, read_parity,
-                           lost=lost - set(parities), ahead_stripes=host.ahead)
-        tmp = commit.make_tmp_dir(final.parent, step)
+                got = unpacked(spread_stream(host, step, group, g, links))
+                how = f"spread over ranks {list(g.holders)}"
+            except (SpreadError, OSError, ValueError) as e:
+                log.warning("spread rebuild of rank %d step %d failed (%s); decoding it here", host.rank, step, e)
+        if got is None:
+            got = unpacked(dec.stream(host.rank))
+        m, tmp = got
         try:
-            with contextlib.closing(dec.stream(host.rank)) as pieces:  # its read-ahead threads end here
-                m = unpack_stream(_mid_point(pieces), manifest.manifest_bytes[pos], manifest.stream_bytes[pos],
-                                  tmp)
-            if (m.rank, m.step, m.content_hash) != (host.rank, step, expected):
-                raise ManifestError(f"rebuilt manifest of rank {m.rank} step {m.step} ({m.content_hash[:12]}), "
-                                    f"the code group names rank {host.rank} step {step} ({expected[:12]})")
             commit.commit_dir(tmp, final)
         except BaseException:
             commit.remove_owned_dir(tmp)
@@ -245,7 +301,7 @@ def rebuild_own(host: EcHost, step: int, group: CodeGroupSpec) -> StepManifest:
         log.warning("rebuild of step %d passed over corrupt fragments %s and unreadable ones %s", step,
                     dec.corrupt[:8], dec.unreadable[:8])
     dt = max(time.monotonic() - t0, 1e-9)
-    log.info("rebuilt rank %d step %d from its code group (ec:%d+%d, lost %s): %d bytes from %d read in %.3fs "
-             "(%.1f MiB/s)", host.rank, step, lay.k, lay.m, sorted(lost), m.total_bytes, moved, dt,
-             m.total_bytes / dt / 2**20)
+    log.info("rebuilt rank %d step %d from its code group (ec:%d+%d, lost %s, decoded %s): %d bytes from %d read "
+             "in %.3fs (%.1f MiB/s)", host.rank, step, lay.k, lay.m, sorted(dec.lost | {host.rank}), how,
+             m.total_bytes, moved, dt, m.total_bytes / dt / 2**20)
     return m

@@ -17,6 +17,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,47 @@ class PeerLink:
             raise ConnectionError(f"{self.address}: the stream ended before every part was complete")
         self._count(bufs)
         return [bytes(b) for b in bufs]
+
+    def rebuilt_fragments(self, step: int, group: Any, rank: int, items: list[tuple[int, int, int]],
+                          lost: list[int], lengths: list[int]) -> Iterator[bytes]:
+        """``Peer.RebuildFragments``: the peer rebuilds fragments ``items`` ((rotation, stripe, index), of
+        ``lengths`` bytes) of ``rank``'s ``step`` for ``group`` (a CodeGroupSpec) and streams them; yields
+        each whole, in order (every chunk checked against its crc32c; the caller checks the fragment's).
+        The call starts here, before the first is asked for. A failed call is a ConnectionError that, unlike
+        :meth:`call`'s, leaves the link usable for reads (a busy helper still serves its fragments)."""
+        if self.failed is not None:
+            raise ConnectionError(f"{self.address} failed earlier: {self.failed}") from self.failed
+        req = peer_pb2.RebuildFragmentsRequest(step=step, rank=rank, lost=lost, fragments=[
+            peer_pb2.FragmentRef(rotation=r, stripe=t, index=i) for r, t, i in items])
+        group.to_proto(req.group)
+        call = self._stub.RebuildFragments(req, timeout=max(0.1, self.deadline - time.monotonic()))
+        return self._fragments(call, lengths)
+
+    def _fragments(self, call: Any, lengths: list[int]) -> Iterator[bytes]:
+        chunks = iter(call)
+        try:
+            for idx, length in enumerate(lengths):
+                self.limiter.acquire(length)
+                buf = bytearray()
+                while len(buf) < length:
+                    try:
+                        chunk = next(chunks, None)
+                    except grpc.RpcError as e:  # not remembered as failed: the link still serves reads
+                        raise ConnectionError(f"{self.address}: {e.code().name} {e.details()}") from e
+                    if chunk is None:
+                        raise ConnectionError(f"{self.address}: the stream ended within fragment {idx} of "
+                                              f"{len(lengths)}")
+                    if chunk.file_index != idx or chunk.offset != len(buf) or len(buf) + len(chunk.data) > length:
+                        raise ConnectionError(f"{self.address}: chunk of fragment {chunk.file_index} at "
+                                              f"{chunk.offset} where fragment {idx} at {len(buf)} was due")
+                    if checksums.crc32c(chunk.data) != chunk.crc32c:
+                        raise ChecksumError(f"chunk at {chunk.offset} of rebuilt fragment {idx} from {self.address}",
+                                            chunk.crc32c, checksums.crc32c(chunk.data))
+                    buf += chunk.data
+                self._count([buf])
+                yield bytes(buf)
+        finally:
+            call.cancel()
 
     def _count(self, parts: list[bytes] | list[bytearray]) -> None:
         with self._bytes_lock:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         advertise_host: str = "",
         max_files_per_request: int = MAX_FILES_PER_REQUEST,
         parity: ParityStore | None = None,
+        rebuild: Callable[[Any], Iterator[memoryview]] | None = None,
+        max_rebuilds: int = 2,
     ):
         if not isinstance(nodes, int) or nodes < 1 or not 0 <= own_rank < nodes:
             raise ValueError(f"bad own_rank/nodes {own_rank}/{nodes}")
@@ -128,6 +130,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self.advertise_host = advertise_host
         self.max_files = max_files_per_request
         self._parity = parity  # this host's parity (erasure coding); made on the first request for it if None
+        # RebuildFragments (a spread rebuild, replicator.erasure.spread.serve, at most ``max_rebuilds`` at once:
+        # the daemon passes spread.MAX_SERVED): None = not served here.
+        self._rebuild = rebuild
+        self._rebuild_slots = threading.BoundedSemaphore(max(1, max_rebuilds))
         if transfer_server is not None:
             self._limiter, self._slots = transfer_server.limiter, transfer_server.slots
         else:
@@ -302,4 +308,22 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             sent / dt / 2**20,
         )
 
-
+    @rpc.map_errors
+    def RebuildFragments(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        if self._rebuild is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this host rebuilds no fragments for others")
+        if not self._rebuild_slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rebuilding for others already; decode it yourself")
+        sent = 0
+        try:
+            for idx, frag in enumerate(self._rebuild(request)):
+                if not context.is_active():
+                    log.info("RebuildFragments of rank %d step %d cancelled", request.rank, request.step)
+                    return
+                for offset in range(0, max(1, len(frag)), STREAM_CHUNK_BYTES):
+                    data = bytes(frag[offset:offset + STREAM_CHUNK_BYTES])
+                    yield peer_pb2.FileChunk(file_index=idx, offset=offset, data=data, crc32c=checksums.crc32c(data))
+                    sent += len(data)
+        finally:
+            self._rebuild_slots.release()
+        log.info("sent %d rebuilt bytes of rank %d step %d", sent, request.rank, request.step)

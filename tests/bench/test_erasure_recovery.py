@@ -1,6 +1,6 @@
 """bench.erasure's recovery on real hosts at a tiny size: the keys of its JSON line per code, every rebuilt and
 copied step compared byte for byte (the count of those checks), and a check that does fail on a differing
-byte; times nothing."""
+byte; times nothing, but for the one bound that shows ``--link-mbit``'s links are in the restores' path."""
 
 from __future__ import annotations
 
@@ -17,13 +17,32 @@ def test_recovery_keys_per_code_and_every_restore_checked() -> None:
                       recovery_files=3)
     json.dumps(out)
     for key in ("ec_recovery_vs_copy_recovery", "ec_recovery_seconds", "copy_recovery_seconds",
-                "encode_seconds_per_host", "recovery_rebuilds_checked", "encode_gib_per_s_per_core",
+                "ec_direct_recovery_vs_copy_recovery", "ec_direct_recovery_seconds", "encode_seconds_per_host", "recovery_rebuilds_checked", "encode_gib_per_s_per_core",
                 "losses_survived"):
         assert set(out[key]) == {"2+1", "4+2"}, key
     assert set(out["ec_recovery_two_lost_seconds"]) == {"4+2"}  # two hosts lost: only a code with M >= 2
-    # a warm-up rebuild and copy, then one of each per repeat; 4+2 also rebuilds hosts 0 and 1 lost together
-    assert out["recovery_rebuilds_checked"] == {"2+1": 4, "4+2": 6}
+    # a warm-up rebuild (spread), rebuild (decoded here) and copy, then one of each per repeat; 4+2 also
+    # rebuilds hosts 0 and 1 lost together
+    assert out["recovery_rebuilds_checked"] == {"2+1": 6, "4+2": 8}
     assert out["recovery_mib_per_host"] == 0.2
+    assert out["link_mbit"] == 0
+    assert out["copy_recovery_floor_seconds"] == {}  # no link, no floor
+
+
+@pytest.mark.skipif(bool(erasure.links_unavailable()), reason=erasure.links_unavailable() or "available")
+def test_link_mbit_puts_every_host_and_the_replacement_behind_a_throttled_link() -> None:
+    mbit, mib = 200, 2
+    out = erasure.run(mib=0.0625, stripe_bytes=64 << 10, codes=[(2, 1)], repeats=1, recovery_mib=mib,
+                      recovery_files=2, link_mbit=mbit)
+    json.dumps(out)
+    assert out["link_mbit"] == mbit
+    floor = out["copy_recovery_floor_seconds"]["2+1"]
+    assert floor == pytest.approx(mib * erasure.MIB * 8 / (mbit * 1e6), abs=1e-4)
+    assert out["recovery_rebuilds_checked"] == {"2+1": 6}
+    # On loopback the same 2 MiB copy takes a few ms; through two 200 Mbit/s token buckets it cannot beat
+    # the floor (the buckets' 64 KiB bursts aside), and the rebuild reads at least as many bytes.
+    assert out["copy_recovery_seconds"]["2+1"] >= 0.8 * floor
+    assert out["ec_recovery_seconds"]["2+1"] >= 0.8 * floor
 
 
 def test_the_byte_check_fails_on_a_differing_byte_or_a_missing_file(tmp_path: Path) -> None:

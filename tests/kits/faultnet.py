@@ -4,12 +4,14 @@ that lives in a further namespace (where the controller-side probes run), never 
 Faults are iptables DROP rules and ``tc tbf`` qdiscs inside the hosts' namespaces; :meth:`FaultNetwork.heal`
 removes them all. :meth:`FaultNetwork.close` deletes every namespace this object created, by the names it
 gave them (their veth pairs and bridge go with them); processes are the caller's to stop first, by pid.
-Needs root, ``ip``, ``iptables`` and ``tc``.
+A process gets into a host's namespace by being started in it (:meth:`FaultNetwork.command`) or, a Python
+child already running, with :func:`enter`. Needs root, ``ip``, ``iptables`` and ``tc``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -24,6 +26,8 @@ COMMAND_TIMEOUT_SECONDS = 10.0
 SUBNET = "10.213.0"  # private to these namespaces: the root namespace never sees it
 IFACE = "eth0"  # a host's interface to the bridge, inside its namespace
 _OURS = re.compile(r"^mtcf-(\d+)-[0-9a-f]{4}-(?:br|h\d+)$")  # the names FaultNetwork gives, with its pid
+NETNS_DIR = "/var/run/netns"  # where ``ip netns add`` names its namespaces
+CLONE_NEWNET = 0x40000000  # <sched.h>; Python 3.11 has no os.setns
 
 
 def available() -> str:
@@ -32,6 +36,25 @@ def available() -> str:
         return "needs root"
     missing = [c for c in ("ip", "iptables", "tc") if shutil.which(c) is None]
     return f"missing {', '.join(missing)}" if missing else ""
+
+
+def enter(ns: str) -> None:
+    """Move the calling thread into network namespace ``ns`` (one :class:`FaultNetwork` made), with setns(2).
+
+    Only the calling thread moves; threads it starts afterwards are born in ``ns``. So call it from the main
+    thread before anything starts a thread that opens sockets (gRPC starts its threads with the first server
+    or channel, not on import). Raises OSError when setns fails, RuntimeError when the thread is not in ``ns``
+    afterwards."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    fd = os.open(os.path.join(NETNS_DIR, ns), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {ns}: {os.strerror(err)}")
+        if os.stat("/proc/thread-self/ns/net").st_ino != os.fstat(fd).st_ino:
+            raise RuntimeError(f"setns returned 0 but this thread is not in network namespace {ns}")
+    finally:
+        os.close(fd)
 
 
 def _run(argv: Sequence[str], check: bool = True) -> str:

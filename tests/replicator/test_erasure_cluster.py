@@ -55,5 +55,8 @@ def test_hosts_replaced_together_rebuild_their_data_from_parity(cluster_factory,
         # sidecar's fetch for the restore, whichever asked first
         assert re.search(rf"rank {r} now holds rank {r}'s data of step 3 \((task|sidecar)\) from code group "
                          rf"ec:{k}\+{m}", logs), r
+        # decoded by the other members (spread), each a share: the rebuilding host received each byte ~once
+        assert re.search(rf"rebuilt rank {r} step 3 from its code group \(ec:{k}\+{m}, lost \[[0-9, ]+\], decoded "
+                         rf"spread over ranks", logs), r
     mgr.close()
 

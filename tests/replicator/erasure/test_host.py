@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -20,64 +19,15 @@ import pytest
 from mtc_rpc import peer_pb2, peer_pb2_grpc
 from replicator.erasure import NotEnoughFragmentsError
 from replicator.erasure import remote as ec_remote
-from replicator.erasure.holder import RECORD_NAME, ParityRecord, ParityStore, shard_name
+from replicator.erasure.holder import RECORD_NAME, ParityStore, shard_name
 from replicator.erasure.host import compute_parity, rebuild_own
 from replicator.erasure.remote import StaleGroupError
 from replicator.erasure.stream import StepStream
 from replicator.net import rpc
-from sidecar import checksums, commit, layout
-from tests.kits.ec_hosts import TOKEN, EcPeer, group_spec, read_tree
+from sidecar import layout
+from tests.kits.ec_hosts import STEP, TOKEN, EcPeer, Job, assert_rebuilt
 
 REPO = Path(__file__).resolve().parents[3]
-STEP = 5
-# Different sizes per rank (the group pads to its longest stream), several arrays each, and many 64 KiB stripes.
-SIZES = {0: [300_000, 1_000, 700_000], 1: [1_200_000], 2: [5, 400_000, 400_000, 17], 3: [90_000],
-         4: [1_000_000, 64 << 10], 5: [777_777]}
-
-
-class Job:
-    def __init__(self, base: Path, k: int, m: int, **kw):  # type: ignore[no-untyped-def]
-        n = k + m
-        self.k, self.m = k, m
-        self.hosts = [EcPeer(base / f"h{r}", r, n, **kw) for r in range(n)]
-        self.manifests = {h.rank: h.save(STEP, SIZES[h.rank]) for h in self.hosts}
-        self.original = {h.rank: read_tree(h.step_dir(STEP)) for h in self.hosts}
-
-    def spec(self):  # type: ignore[no-untyped-def]
-        return group_spec(self.k, self.m, self.hosts, STEP, self.manifests)
-
-    def encode_all(self) -> list[ParityRecord]:
-        spec = self.spec()
-        return [compute_parity(h.ec(), STEP, spec) for h in self.hosts]
-
-    def stop(self) -> None:
-        for h in self.hosts:
-            h.stop()
-
-
-@pytest.fixture
-def job_factory(tmp_path: Path) -> Iterator:
-    made: list[Job] = []
-
-    def make(k: int, m: int, **kw) -> Job:  # type: ignore[no-untyped-def]
-        j = Job(tmp_path / f"job{len(made)}", k, m, **kw)
-        made.append(j)
-        return j
-
-    yield make
-    for j in made:
-        j.stop()
-
-
-def assert_rebuilt(job: Job, rank: int) -> None:
-    h = job.hosts[rank]
-    m = checksums.verify_step_dir(h.step_dir(STEP))  # every file's crc32c against the rebuilt manifest
-    assert (m.rank, m.step, m.content_hash) == (rank, STEP, job.manifests[rank].content_hash)
-    assert read_tree(h.step_dir(STEP)) == job.original[rank]  # bit-exact, manifest included
-    assert commit.committed_steps(layout.steps_dir(h.root)) == [STEP]
-    assert [p.name for p in layout.steps_dir(h.root).iterdir()] == [str(STEP)]  # no temporary directory left
-
-
 @pytest.mark.parametrize(("k", "m", "data_port"), [(3, 1, True), (4, 2, False)], ids=["3+1-tcp", "4+2-grpc-stream"])
 def test_every_host_encodes_and_m_wiped_hosts_are_rebuilt_bit_exact(job_factory, k: int, m: int,
                                                                      data_port: bool) -> None:

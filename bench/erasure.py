@@ -28,7 +28,7 @@ the step in its own process (:func:`replicator.erasure.host.compute_parity`, one
 RAM-disk root stands in for it (its old root is read by nobody, only to check the rebuilt bytes). Interleaved,
 ``--repeats`` times (after one warm-up round of each), medians reported:
 
-- ec_recovery_seconds: :func:`replicator.erasure.host.rebuild_own` of host 0's step from the others (on
+- ec_recovery_seconds: :func:`replicator.erasure.rebuild.rebuild_own` of host 0's step from the others (on
   loopback in the measuring process, with ``--link-mbit`` in the replacement host's own) into the empty
   root, committed as its step. A rebuild reads K fragments per rebuilt byte, from K hosts (data over the
   peer tier by byte range, parity from the parity holders), checks every fragment's crc32c, decodes,
@@ -87,7 +87,8 @@ from replicator.erasure import (
 from replicator.erasure import spread as ec_spread
 from replicator.erasure.group import shard_bytes_for
 from replicator.erasure.holder import ParityStore
-from replicator.erasure.host import EcHost, compute_parity, rebuild_own
+from replicator.erasure.host import EcHost, compute_parity
+from replicator.erasure.rebuild import rebuild_own
 from replicator.erasure.wire import CodeGroupSpec
 from replicator.net import rpc
 from replicator.peer import client as peer_client
@@ -253,12 +254,12 @@ def _do(job: Job, stripe_bytes: int, host: EcHost | None = None) -> None:
     else:
         root = Path(job.root)
         fell_back = _Warnings("spread rebuild of")  # a spread rebuild that decoded here would time the wrong thing
-        logging.getLogger("replicator.erasure.host").addHandler(fell_back)
+        logging.getLogger("replicator.erasure.rebuild").addHandler(fell_back)
         try:
             got = rebuild_own(EcHost(job.rank, root, ParityStore(root, job.rank), token=TOKEN,
                                      stripe_bytes=stripe_bytes, spread=job.spread), STEP, job.spec)
         finally:
-            logging.getLogger("replicator.erasure.host").removeHandler(fell_back)
+            logging.getLogger("replicator.erasure.rebuild").removeHandler(fell_back)
         if fell_back.seen:
             raise RuntimeError(f"host {job.rank}'s rebuild was not spread: {fell_back.seen[0]}")
         if got != job.want:

@@ -99,7 +99,7 @@ class PeerSource:
 
 class ParitySource:
     """Erasure coding: this host's own rank's data rebuilt from its code group (the other members' data and
-    parity over the peer tier, ``replicator.erasure.host.rebuild_own``), committed as its own step."""
+    parity over the peer tier, ``replicator.erasure.rebuild.rebuild_own``), committed as its own step."""
 
     tier = Tier.PEER  # other hosts' RAM disks, as users read a restore's tier
     holder_rank = WIRE_BUCKET_HOLDER  # no one holder (the wire's -1)
@@ -117,7 +117,7 @@ class ParitySource:
         self.where = f"code group ec:{self.group.k}+{self.group.m} of ranks {list(self.group.members)}"
 
     def bring(self, step: int) -> layout.StepManifest:
-        from replicator.erasure.host import rebuild_own
+        from replicator.erasure.rebuild import rebuild_own
 
         f, rank = self._f, self.owner_rank
         if f.ec is None or rank != f.store.rank:

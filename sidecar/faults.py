@@ -69,7 +69,8 @@ POINTS: tuple[str, ...] = (
     "backup.commit.after_record",
     "backup.commit.after_rename",
     "backup.retention.mid_delete",
-    # erasure coding (replicator/erasure/host.py): a parity task just before its commit, a rebuild mid-stream
+    # erasure coding (replicator/erasure/host.py, rebuild.py): a parity task just before its commit, a rebuild
+    # mid-stream
     "ec.parity.before_commit",
     "ec.rebuild.mid",
     # Orbax: ingesting a step Orbax committed, and the handshake

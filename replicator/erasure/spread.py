@@ -1,7 +1,7 @@
 """Spread rebuilds (issue #35): the other parity holders decode a lost rank's data, so that the host rebuilding
 it receives each rebuilt byte once instead of the K fragments it is decoded from.
 
-Decoded where it is restored (:func:`replicator.erasure.host.rebuild_own` without spreading), a rebuild pulls
+Decoded where it is restored (:func:`replicator.erasure.rebuild.rebuild_own` without spreading), a rebuild pulls
 K fragments per rebuilt byte into one host: where each host has a network link of its own, that link carries
 K times the step and the rebuild takes about K times a copy's transfer. Spread, the stripes of the rank's
 stream are shared out among the other members whose parity record answered, each stripe to one of its

@@ -20,7 +20,8 @@ from mtc_rpc import peer_pb2, peer_pb2_grpc
 from replicator.erasure import NotEnoughFragmentsError
 from replicator.erasure import remote as ec_remote
 from replicator.erasure.holder import RECORD_NAME, ParityStore, shard_name
-from replicator.erasure.host import compute_parity, rebuild_own
+from replicator.erasure.host import compute_parity
+from replicator.erasure.rebuild import rebuild_own
 from replicator.erasure.remote import StaleGroupError
 from replicator.erasure.stream import StepStream
 from replicator.net import rpc

@@ -14,19 +14,19 @@ import grpc
 import pytest
 
 from mtc_rpc import peer_pb2, peer_pb2_grpc
-from replicator.erasure import host as ec_host
+from replicator.erasure import rebuild as ec_rebuild
 from replicator.erasure import spread
-from replicator.erasure.host import rebuild_own
+from replicator.erasure.rebuild import rebuild_own
 from replicator.net import rpc
 from tests.kits.ec_hosts import STEP, TOKEN, Job, assert_rebuilt
 
 
 @pytest.fixture
 def received(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
-    """Bytes each host's links of host.py's tasks received (the rebuilding host's in rebuild_own; not its
+    """Bytes each host's links of rebuild.py's tasks received (the rebuilding host's in rebuild_own; not its
     helpers', whose links are spread.py's)."""
     got: dict[int, int] = {}
-    real = ec_host.task_links
+    real = ec_rebuild.task_links
 
     @contextlib.contextmanager
     def counted(host):  # type: ignore[no-untyped-def]
@@ -36,7 +36,7 @@ def received(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
             finally:
                 got[host.rank] = got.get(host.rank, 0) + links.bytes
 
-    monkeypatch.setattr(ec_host, "task_links", counted)
+    monkeypatch.setattr(ec_rebuild, "task_links", counted)
     return got
 
 

@@ -99,9 +99,9 @@ def spread_stream(host: EcHost, step: int, group: CodeGroupSpec, g: GroupReads, 
             piece = memoryview(frag)[:left]
             left -= len(piece)
             yield piece
+    except SpreadError:
+        raise
     except (OSError, ValueError) as e:
-        if isinstance(e, SpreadError):
-            raise
         raise SpreadError(f"{type(e).__name__}: {e}") from e
     finally:
         for call in calls.values():

@@ -54,7 +54,6 @@ def test_a_spread_rebuild_brings_each_byte_about_once_bit_exact(job_factory, rec
     for r in lost:
         job.hosts[r].wipe()
     spec = job.spec()
-    received.clear()  # the encoding's reads
     with caplog.at_level(logging.INFO, logger="replicator.erasure"):
         for r in lost:
             assert rebuild_own(job.hosts[r].ec(), STEP, spec) == job.manifests[r]
@@ -73,7 +72,6 @@ def test_without_spreading_the_rebuilding_host_reads_k_fragments_per_byte(job_fa
     job = job_factory(3, 1)
     job.encode_all()
     job.hosts[1].wipe()
-    received.clear()  # the encoding's reads
     rebuild_own(job.hosts[1].ec(spread=False), STEP, job.spec())
     assert_rebuilt(job, 1)
     assert received[1] > 2 * _stream_bytes(job, 1), (received, _stream_bytes(job, 1))

@@ -290,20 +290,27 @@ class _AckWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while True:
+            # Look once more after the stop: Orbax's own poll can see the ack within our poll's sleep, and its
+            # initialize returns (and stops us) before we looked again.
+            stopping = self._stop.is_set()
             there = self.yaml.exists()
             if there and self.seen is None:
                 self.seen = time.monotonic()
             elif not there and self.seen is not None:
                 self.acked = time.monotonic()
                 return
-            time.sleep(YAML_POLL_SECONDS)
+            if stopping:
+                return
+            self._stop.wait(YAML_POLL_SECONDS)
 
     def seconds(self) -> float:
         self._stop.set()
         self._thread.join(timeout=5)
-        if self.seen is None or self.acked is None:
-            raise RuntimeError("did not see replicator.yaml written and deleted")
+        if self.seen is None:
+            raise RuntimeError(f"did not see {self.yaml} written (polled every {YAML_POLL_SECONDS} s)")
+        if self.acked is None:
+            raise RuntimeError(f"saw {self.yaml} written but not deleted before Orbax's initialize returned")
         return self.acked - self.seen
 
 

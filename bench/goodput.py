@@ -1,7 +1,7 @@
 """Goodput under failure, side by side: what a training job keeps of its wall time with us and Orbax's managers.
 
     python -m bench.goodput [--mib 1024] [--seconds 600] [--step-seconds 1] [--mtbf-seconds 120]
-        [--replace-seconds 5] [--grace-seconds 25] [--seed 0] [--systems ours,orbax_p2p,...]
+        [--replace-seconds 5] [--grace-seconds 25] [--seed 19] [--systems ours,orbax_p2p,...]
 
 The same job (4 JAX processes, 2 slices x 2 hosts on 8 CPU devices, bench.emergency's ``--mib`` state
 sharded within a slice and replicated across slices, a train step of ``--step-seconds``) runs for
@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace-seconds", type=float, default=25.0, help="preemption notice to kill (default 25)")
     p.add_argument("--bucket-seconds", type=float, default=None,
                    help="interval of the bucket tier for the systems that have a local one (default 4 x MTBF)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the failure schedule (default 0)")
+    # 19: at the defaults (600 s, MTBF 120 s) one failure of each of the five kinds, each recovery over before the
+    # next failure (seed 0 held only two failures in 600 s).
+    p.add_argument("--seed", type=int, default=19, help="seed of the failure schedule (default 19: every kind once "
+                   "at the default --seconds and --mtbf-seconds)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     p.add_argument("--keep", help="run in this directory and keep it (every process's log) instead of a "
                    "temporary one on /dev/shm")

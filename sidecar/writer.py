@@ -279,16 +279,33 @@ class HostWriter:
                 manifest = None
             finally:
                 del hs, item
+                # The fill starts before the save counts as finished, so whoever waited for the save finds it in
+                # self._warm (wait_pool_filled).
+                if manifest is not None:
+                    self._start_prewarm(manifest)
                 with self._cv:
                     self._pending -= 1
                     self._cv.notify_all()
-            if manifest is not None and self.prewarm and self._queue.empty() and not (
-                    self._warm is not None and self._warm.is_alive()):
-                self._warm_stop.clear()
-                if self._queue.empty():  # else the save queued meanwhile goes first
-                    self._warm = threading.Thread(target=self._prewarm, args=(manifest,), daemon=True,
-                                                  name=f"mtc-prewarm-{self.root.name}")
-                    self._warm.start()
+
+    def _start_prewarm(self, manifest: layout.StepManifest) -> None:
+        if self.prewarm and self._queue.empty() and not (self._warm is not None and self._warm.is_alive()):
+            self._warm_stop.clear()
+            if self._queue.empty():  # else the save queued meanwhile goes first
+                self._warm = threading.Thread(target=self._prewarm, args=(manifest,), daemon=True,
+                                              name=f"mtc-prewarm-{self.root.name}")
+                self._warm.start()
+
+    def wait_pool_filled(self, timeout_seconds: float | None = None) -> bool:
+        """Wait for the saves queued so far and then the spare pool's fill after them (if any) to end: True if
+        it ended within ``timeout_seconds``. A benchmark's warm-up calls it so that the timed save finds the pool
+        as a training loop's next save does, minutes later; nothing else needs to (a save stops a fill)."""
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        self.wait(timeout_seconds)
+        w = self._warm
+        if w is not None:
+            w.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            return not w.is_alive()
+        return True
 
     def _prewarm(self, manifest: layout.StepManifest) -> None:
         """Fill an empty spare pool for the next save (sidecar.spares), until another save is queued.

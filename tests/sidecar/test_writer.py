@@ -70,6 +70,32 @@ def test_a_save_fills_an_empty_spare_pool_for_the_next_save(tmp_path: Path) -> N
         w.close()
 
 
+def test_wait_pool_filled_waits_for_the_fill_the_save_started(tmp_path: Path, monkeypatch) -> None:
+    """The fill is under way as soon as the save counts as finished (no gap in which a waiter misses it);
+    wait_pool_filled waits for it, and says False when it is still running at the timeout."""
+    root = tmp_path / "ram"
+    release = threading.Event()
+    real = spares.prewarm
+
+    def held_prewarm(spare, sizes, free_bytes, stop):
+        release.wait(30)
+        return real(spare, sizes, free_bytes, stop)
+
+    monkeypatch.setattr(spares, "prewarm", held_prewarm)
+    w = writer.HostWriter(root)
+    try:
+        w.submit(_hs(root, 1, 1.0), keep=None)
+        w.wait(timeout_seconds=30)
+        assert w._warm is not None and w._warm.is_alive()  # registered before the save counted as done
+        assert w.wait_pool_filled(timeout_seconds=0.2) is False
+        release.set()
+        assert w.wait_pool_filled(timeout_seconds=30) is True
+        assert spares.spare_bytes(spares.spare_dir(root)) == 2 << 20
+    finally:
+        release.set()
+        w.close()
+
+
 def test_the_fill_runs_in_its_own_thread_and_yields_to_the_next_save(tmp_path: Path, monkeypatch) -> None:
     root = tmp_path / "ram"
     seen: dict[str, object] = {}

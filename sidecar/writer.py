@@ -65,6 +65,13 @@ class HostStep:
 # Unit of a shard file's write: a multiple of layout.BLOCK_BYTES that stays in the CPU's cache between its
 # crc32c and its copy into the page cache (1-4 MiB measured best; 16 MiB lost most of the gain).
 WRITE_CHUNK_BYTES = 4 * layout.BLOCK_BYTES
+# The spare pool's fill after a save waits this long first: the step just committed is being made safe (the
+# replicator's report, peer copies, replica attestation) and the fill, writing a step's size of fresh pages, took
+# the CPU from it. bench.emergency (4 hosts on 2 cores): a fill right after save(1) stretched `safe_after` from
+# 0.55-0.67 s to 1.5-2.4 s, the coordinator reporting the step redundant ~0.8 s after the last commit instead
+# of ~0.1 s. The next save of a training loop comes minutes later; one that comes sooner finds the pool as
+# before the fill (cancelled: a save stops it).
+PREWARM_DELAY_SECONDS = 1.0
 
 
 class SaveError(RuntimeError):
@@ -315,8 +322,11 @@ class HostWriter:
         tests/controller_client/test_elastic.py::test_rollback_then_save_forward failed in each of 4 runs of
         its file, and passed without it. The likely cause: this thread holds the GIL between its writes, and
         an idle-class thread descheduled while holding it stalls every Python thread of the process (the
-        training loop's too) for as long as the CPU is busy elsewhere.
+        training loop's too) for as long as the CPU is busy elsewhere. It begins ``PREWARM_DELAY_SECONDS`` after
+        the save, unless a save or ``close`` stops it first.
         """
+        if self._warm_stop.wait(PREWARM_DELAY_SECONDS):
+            return
         spare = spares.spare_dir(self.root)
         try:
             st = os.statvfs(self.root)

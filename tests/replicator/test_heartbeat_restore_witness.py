@@ -21,7 +21,8 @@ from tests.kits.storage import make_step
 def _heartbeat(rank: int, store=None) -> Heartbeat:
     parts = SimpleNamespace(store=store, coordinator=None, wakeup=Wakeup(), stopping=threading.Event(),
                             metrics=SimpleNamespace(counters=SimpleNamespace(add=lambda *a: None)),
-                            tasks=SimpleNamespace(busy=lambda *a: False, submit=lambda *a, **kw: None),
+                            tasks=SimpleNamespace(busy=lambda *a: False, submit=lambda *a, **kw: None,
+                                                  in_flight=lambda: []),
                             bucket=None, parity=None)
     opts = SimpleNamespace(rpc_timeout_seconds=5.0, heartbeat_seconds=1.0)
     return Heartbeat(opts, Reporter(job="t", rank=rank, nodes=4), parts, incarnation=1)

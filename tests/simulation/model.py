@@ -161,6 +161,7 @@ class Host:
         self.parity: dict[ParityKey, Holding] = {}  # erasure coding (tests/simulation/parity.py)
         self.epoch = 0
         self.in_flight: set[tuple[str, int, int]] = set()
+        self.restoring: dict[int, set[str]] = {}  # step -> content hashes its running restore brings
         self.not_before: dict[tuple[str, int, int], float] = {}
         self.backup_reports: list[pb.BackupReport] = []
         self.waiting = False  # a heartbeat is out (the daemon sends one at a time)
@@ -619,6 +620,12 @@ class Sim:
         coming = {(c.step, c.content_hash) for c in resp.copies if c.source_rank != rank}
         if resp.HasField("restore"):  # a restore brings bytes too (Heartbeat._act)
             coming.update((resp.restore.step, s.content_hash) for s in resp.restore.sources)
+            h.restoring[resp.restore.step] = {s.content_hash for s in resp.restore.sources if s.content_hash}
+        running = {k[2] for k in h.in_flight if k[0] == "restore" and k[1] == rank}
+        if resp.HasField("restore"):
+            running.add(resp.restore.step)
+        for step in set(h.restoring) - running:
+            del h.restoring[step]
         self.inv.check_order(self, h, resp.epoch, coord)
         for d in resp.deletions:
             if d.tier == tier_pb2.TIER_PARITY:
@@ -634,6 +641,8 @@ class Sim:
             if c.source_rank == rank:  # hash only: record the equivalence
                 h.attest(c.owner_rank, c.step, c.content_hash, (c.step, c.content_hash) in coming)
                 continue
+            if c.content_hash in h.restoring.get(c.step, ()):
+                continue  # its own restore brings identical bytes (Heartbeat._act)
             have = h.bytes_of(c.owner_rank, c.step)
             if have is None or have.content_hash != c.content_hash:
                 self._submit(h, "copy", c.owner_rank, c.step, self.rng.uniform(0.1, 1.5),

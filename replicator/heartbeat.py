@@ -42,9 +42,14 @@ if TYPE_CHECKING:  # the bucket's backends load only when a --backup-url is conf
 log = logging.getLogger(__name__)
 
 BACKUP_REPORTS_KEPT = 64
-# Before any coordinator answered: quick retries (0.1, 0.2, 0.4 s) while it is unreachable, then the backoff.
-STARTUP_RETRIES = 3
+# Before any coordinator answered: quick retries (0.1, 0.2, then every 0.4 s: ~2.7 s in all) while it is
+# unreachable, then the backoff. Three (0.7 s) were too few when every daemon restarts at once (an Orbax
+# handshake): the coordinator's own host, stopping its previous daemon first, came up 0.4 s after the others,
+# and a host whose third try just missed it waited a backoff of up to 1.2 s (at a 0.1 s interval) before
+# reporting, delaying every host's restore plan (bench.emergency's ours_orbax restore_one_lost).
+STARTUP_RETRIES = 8
 STARTUP_RETRY_SECONDS = 0.1
+STARTUP_RETRY_MAX_SECONDS = 0.4
 
 
 def new_incarnation() -> int:
@@ -392,7 +397,8 @@ class Heartbeat:
             # Starting together with the coordinator's host (a job restart, an Orbax handshake): it is
             # likely up in milliseconds; waiting the interval would delay this host's first report (and so
             # a restore plan) by seconds. A few quick tries, then the backoff.
-            return STARTUP_RETRY_SECONDS * 2 ** (failures - 1) * random.uniform(0.8, 1.2)
+            quick = min(STARTUP_RETRY_SECONDS * 2 ** (failures - 1), STARTUP_RETRY_MAX_SECONDS)
+            return quick * random.uniform(0.8, 1.2)
         if self.me.my_candidate is not None and isinstance(error, NoCoordinator):
             # A candidate watching for a takeover keeps the plain interval.
             return self.interval * random.uniform(0.8, 1.2)

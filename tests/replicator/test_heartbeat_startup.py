@@ -16,7 +16,13 @@ from controller_client.demo.ports import free_port as _free_port
 from replicator.coordinator.client import CoordinatorClient
 from replicator.coordinator.service import lost_after_seconds
 from replicator.daemon import Replicator
-from replicator.heartbeat import STARTUP_RETRIES, Heartbeat, NoCoordinator, Reporter
+from replicator.heartbeat import (
+    STARTUP_RETRIES,
+    STARTUP_RETRY_MAX_SECONDS,
+    Heartbeat,
+    NoCoordinator,
+    Reporter,
+)
 from replicator.options import ReplicatorOptions
 
 # The backoff after a failed heartbeat never goes below it: long, so that a host that waited one backoff
@@ -83,6 +89,12 @@ def test_failed_heartbeats_back_off_but_retry_well_within_the_lost_host_time(tmp
         later = [beat.retry_delay(f, error) for f in range(STARTUP_RETRIES + 1, 40) for _ in range(20)]
         assert max(delays) <= lost / 3, f"a {max(delays):.2f}s wait after a failure; lost after {lost}s"
         assert min(later) >= interval, "a retry sooner than the interval after the start-up tries"
+    # Before any answer, an unreachable coordinator is tried again every 0.4 s at most for ~2.7 s (every daemon
+    # restarting at once; the coordinator's host may come up last), whatever the interval.
+    beat._answered = False
+    quick = [beat.retry_delay(f, _Unavailable()) for f in range(1, STARTUP_RETRIES + 1) for _ in range(20)]
+    assert max(quick) <= STARTUP_RETRY_MAX_SECONDS * 1.2
+    assert STARTUP_RETRIES >= 6
     # The backoff still grows (no retry storm on a struggling coordinator) when there is room for it.
     if lost / 3 >= 2 * interval:
         assert max(beat.retry_delay(20, error) for _ in range(50)) > 1.5 * interval

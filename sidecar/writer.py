@@ -289,7 +289,10 @@ class HostWriter:
                 # The fill starts before the save counts as finished, so whoever waited for the save finds it in
                 # self._warm (wait_pool_filled).
                 if manifest is not None:
-                    self._start_prewarm(manifest)
+                    try:
+                        self._start_prewarm(manifest)
+                    except RuntimeError as e:  # no thread to spare: the next save writes fresh pages
+                        log.warning("could not start filling the spare pool of %s: %s", self.root, e)
                 with self._cv:
                     self._pending -= 1
                     self._cv.notify_all()

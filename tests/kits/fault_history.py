@@ -13,7 +13,8 @@ A case has a fault window ``[t_cut, t_heal]`` (``time.monotonic()``). Invariants
   newer epoch, and the old one answered no client from ``isolated_after`` seconds into the cut until the heal,
   nor after the heal unless with an epoch newer than its successor's (serving afresh, not from its stale view).
 
-:data:`SUMMARY` collects the cases; tests/faults/conftest.py prints it as one JSON line at the end.
+:data:`SUMMARY` collects the cases; tests/faults/conftest.py prints it, with the run's skipped, failed and
+errored tests, as one JSON line at the end of every run that selects fault tests.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ class Summary:
             self.worst_seconds_to_progress = max(self.worst_seconds_to_progress, seconds_to_progress)
         self.details.append({"case": name, "violations": violations, "seconds_to_progress": seconds_to_progress})
 
-    def line(self) -> str:
+    def line(self, **outcomes: int) -> str:
+        """The run's JSON line: the checked cases, then ``outcomes`` (the run's skipped, failed and errors)."""
         return json.dumps({"cases": self.cases, "passed": self.passed, "violations": self.violations,
                            "worst_seconds_to_progress": round(self.worst_seconds_to_progress, 2),
-                           "known_defects": self.known_defects})
+                           "known_defects": self.known_defects, **outcomes})
 
 
 SUMMARY = Summary()

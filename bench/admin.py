@@ -18,9 +18,9 @@ from typing import Any
 
 from mtc_rpc import admin_pb2 as apb
 from replicator.coordinator.admin import AdminServicer, cluster_view
-from replicator.coordinator.model import Holding, Tier
 from replicator.coordinator.service import Coordinator
 from replicator.coordinator.topology import JobTopology
+from replicator.tiers import Holding, Tier
 
 
 def build(hosts: int, steps: int) -> tuple[Coordinator, AdminServicer]:

@@ -44,10 +44,10 @@ import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
-from replicator.coordinator.model import Holding, Tier, inventory_digest
 from replicator.coordinator.service import Coordinator
-from replicator.coordinator.tier_wire import to_wire
 from replicator.coordinator.topology import JobTopology
+from replicator.tier_wire import to_wire
+from replicator.tiers import Holding, Tier, inventory_digest
 
 JOB = "bench"
 SLICES = 2

@@ -28,7 +28,8 @@ from mtc_rpc import control_pb2, peer_pb2_grpc
 from mtc_rpc import coordinator_pb2_grpc as cpb_grpc
 from replicator import logs, preemption
 from replicator.control import serve_control
-from replicator.coordinator.service import BackupScheduler, Coordinator
+from replicator.coordinator.backup_hook import BackupScheduler
+from replicator.coordinator.service import Coordinator
 from replicator.coordinator.topology import JobTopology
 from replicator.erasure import spread as ec_spread
 from replicator.erasure.duty import ParityDuty
@@ -100,7 +101,6 @@ class Replicator:
         self.bucket = bucket  # this host's side of the backup tier (None: no --backup-url)
         incarnation = new_incarnation()
         logs.set_context(job=job, rank=rank, incarnation=incarnation)
-        self.coordinator: Coordinator | None = None
         # Coordinator failover: every candidate serves a (standby) coordinator; the lowest-ranked live one
         # is active (docs/coordinator.md).
         # Candidates are labelled by rank, or in Orbax mode by allocation index (stable when Orbax renumbers
@@ -112,29 +112,7 @@ class Replicator:
         # has one node count for the job's life: a mismatch there is a misconfiguration, not a failover.
         self.fence_nodes = nodes if opts.allocation_index is not None else 0
         self.my_candidate = next((i for i, (r, _) in enumerate(self.candidates) if r == self._me), None)
-        # Mutual TLS: reports are bound to the rank the client certificate names (docs/security.md); this
-        # also refuses to start with a certificate issued for another rank or job.
-        try:
-            authorizer = rank_authorizer(self.tls(), job, opts.tls_rank_identity, rank,
-                                         pods=opts.pod_rank_rule(job, nodes, data_parallelism))
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-        if authorizer is not None and self.my_candidate is not None:
-            log.info("mutual TLS: a certificate naming mtc://%s/rank/N reports only for rank N; one naming no "
-                     "rank is %s", job, "refused" if authorizer.require else
-                     "accepted for any rank (this replicator's own names none: one certificate for the whole job)")
-        if self.my_candidate is not None:
-            factory = (lambda: backup_scheduler_factory(self.topology)) if backup_scheduler_factory else None
-            self.coordinator = Coordinator(self.topology, job, keep_local=opts.keep_local,
-                                           authorizer=authorizer,
-                                           heartbeat_seconds=opts.heartbeat_seconds, backup_factory=factory,
-                                           force_restore_step=opts.restore_from_backup,
-                                           host_lost_seconds=opts.host_lost_seconds,
-                                           max_heartbeats_per_second=opts.max_heartbeats_per_second,
-                                           active=False, other_candidates=len(self.candidates) > 1,
-                                           candidate=self.my_candidate,
-                                           redundancy=opts.effective_redundancy,
-                                           elastic=opts.allocation_index is not None)
+        self.coordinator = self._candidate_coordinator(data_parallelism, backup_scheduler_factory)
         self._server: grpc.Server | None = None
         self._control_server: grpc.Server | None = None
         self._transfer_server: peer_server.TransferServer | None = None
@@ -182,6 +160,32 @@ class Replicator:
             self.metrics.cluster_view = lambda: cluster_view(coord) if coord.active else None
         if self.bucket is not None:
             self.bucket.on_upload = self._on_upload
+
+    def _candidate_coordinator(
+        self, data_parallelism: int, backup_scheduler_factory: Callable[[JobTopology], BackupScheduler] | None
+    ) -> Coordinator | None:
+        """This host's (standby) coordinator when it is a candidate, else None; its mutual-TLS authorizer."""
+        opts, job, rank, nodes = self.opts, self.job, self.rank, self.nodes
+        # Mutual TLS: reports are bound to the rank the client certificate names (docs/security.md); this
+        # also refuses to start with a certificate issued for another rank or job.
+        try:
+            authorizer = rank_authorizer(self.tls(), job, opts.tls_rank_identity, rank,
+                                         pods=opts.pod_rank_rule(job, nodes, data_parallelism))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if authorizer is not None and self.my_candidate is not None:
+            log.info("mutual TLS: a certificate naming mtc://%s/rank/N reports only for rank N; one naming no "
+                     "rank is %s", job, "refused" if authorizer.require else
+                     "accepted for any rank (this replicator's own names none: one certificate for the whole job)")
+        if self.my_candidate is None:
+            return None
+        factory = (lambda: backup_scheduler_factory(self.topology)) if backup_scheduler_factory else None
+        return Coordinator(self.topology, job, keep_local=opts.keep_local, authorizer=authorizer,
+                           heartbeat_seconds=opts.heartbeat_seconds, backup_factory=factory,
+                           force_restore_step=opts.restore_from_backup, host_lost_seconds=opts.host_lost_seconds,
+                           max_heartbeats_per_second=opts.max_heartbeats_per_second, active=False,
+                           other_candidates=len(self.candidates) > 1, candidate=self.my_candidate,
+                           redundancy=opts.effective_redundancy, elastic=opts.allocation_index is not None)
 
     @property
     def errors(self) -> list[str]:

@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import tier_pb2
 from replicator import restore_phases
-from replicator.coordinator.model import BUCKET_HOLDER, HolderRank, Tier
-from replicator.coordinator.tier_wire import WIRE_BUCKET_HOLDER, from_wire
 from replicator.local.store import RamDiskStore
 from replicator.metrics import ReplicatorMetrics
 from replicator.net.rpc import Unavailable, details
@@ -31,6 +29,8 @@ from replicator.peer import protocol as peer_protocol
 from replicator.peer.progress import FetchProgress
 from replicator.restore_phases import RestoreClock
 from replicator.tasks import TaskRunner
+from replicator.tier_wire import WIRE_BUCKET_HOLDER, from_wire
+from replicator.tiers import BUCKET_HOLDER, HolderRank, Tier
 from sidecar import faults, layout, spares
 
 if TYPE_CHECKING:  # the bucket's backends load only when a --backup-url is configured

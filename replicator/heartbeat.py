@@ -22,9 +22,8 @@ from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import tier_pb2
 from replicator import logs
 from replicator.coordinator.client import FAILOVER_CODES, Candidates
-from replicator.coordinator.model import Tier, inventory_digest
-from replicator.coordinator.service import Coordinator, lost_after_seconds
-from replicator.coordinator.tier_wire import to_wire
+from replicator.coordinator.service import Coordinator
+from replicator.coordinator.serving import lost_after_seconds
 from replicator.fetch import Fetcher
 from replicator.local.store import RamDiskStore
 from replicator.metrics import ReplicatorMetrics
@@ -33,6 +32,8 @@ from replicator.net.security import TlsOptions
 from replicator.options import ReplicatorOptions
 from replicator.preemption import PreemptionState
 from replicator.tasks import TaskRunner
+from replicator.tier_wire import to_wire
+from replicator.tiers import Tier, inventory_digest
 from sidecar import faults
 
 if TYPE_CHECKING:  # the bucket's backends load only when a --backup-url is configured

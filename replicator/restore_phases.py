@@ -30,8 +30,8 @@ from collections.abc import Iterator
 from typing import Literal, Protocol
 
 from mtc_rpc import tier_pb2
-from replicator.coordinator.model import Tier
-from replicator.coordinator.tier_wire import to_wire
+from replicator.tier_wire import to_wire
+from replicator.tiers import Tier
 
 log = logging.getLogger(__name__)
 

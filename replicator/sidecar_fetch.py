@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -23,6 +24,7 @@ from replicator.fetch import AbandonedSave, Fetcher, other_sources
 from replicator.local.store import RamDiskStore
 from replicator.net import rpc
 from replicator.peer import protocol as peer_protocol
+from replicator.peer.progress import FetchProgress
 from replicator.restore_phases import RestoreClock
 from sidecar import commit, layout
 
@@ -169,6 +171,13 @@ class SidecarFetch:
             m = layout.read_manifest(d)
             yield control_pb2.StepLanding(manifest_json=m.to_json(), step_dir=outcome["rel"], committed=True)
             return
+        yield from self._landing(progress, root, owner, step, deadline, timeout_seconds)
+
+    @staticmethod
+    def _landing(progress: FetchProgress, root: Path, owner: int, step: int, deadline: float,
+                 timeout_seconds: float) -> Iterator[control_pb2.StepLanding]:
+        """The copy's manifest, directories and each file's bytes landed so far, as ``progress`` reports them,
+        until the copy is committed (ConnectionError if it fails, TimeoutError past ``deadline``)."""
         version, sent = -1, None
         while True:
             left = deadline - time.monotonic()

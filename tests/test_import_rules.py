@@ -1,7 +1,9 @@
 """The dependency rules of the layout, checked on the source: one direction between roles, no cycles.
 
 ``sidecar`` knows nothing of ``replicator``; ``replicator`` knows nothing of ``controller_client``; generated
-stubs depend on nothing of ours. Function-level (lazy) imports count too: they are edges all the same.
+stubs depend on nothing of ours. Inside ``replicator/`` the floors (:data:`REPLICATOR_FLOORS`) are climbed one
+way: at most one import runs from a lower floor up to a higher one (STYLE.md 22). Function-level (lazy) imports
+count too: they are edges all the same.
 """
 
 from __future__ import annotations
@@ -15,6 +17,22 @@ FORBIDDEN = {
     "sidecar": ("replicator", "controller_client"),
     "replicator": ("controller_client",),
     "mtc_rpc": ("sidecar", "replicator", "controller_client"),
+}
+# replicator/'s floors, bottom up. A module stands on the floor of its longest listed prefix; an unlisted one
+# on the top floor (the daemon: heartbeat, fetch, backup, options, Orbax mode, main).
+REPLICATOR_FLOORS: tuple[tuple[str, ...], ...] = (
+    # the ground floor: the vocabulary every role speaks, and the transport
+    ("replicator.tiers", "replicator.net"),
+    # a host's tiers and their plumbing: RAM disk, peers, erasure coding, the Orbax store, metrics, tasks
+    ("replicator.tier_wire", "replicator.local", "replicator.peer", "replicator.erasure", "replicator.orbax.store",
+     "replicator.orbax.contract", "replicator.restore_phases", "replicator.metrics", "replicator.tasks"),
+    # the global view
+    ("replicator.coordinator",),
+)
+# The imports allowed up a floor, each with its reason (at most one).
+UPWARD_ALLOWED = {
+    # a parity holding carries its code group: the erasure tier's value type, pure, but in erasure/
+    ("replicator.tiers", "replicator.erasure.wire"),
 }
 
 
@@ -59,6 +77,37 @@ def test_roles_depend_one_way() -> None:
         if d.split(".")[0] in FORBIDDEN.get(m.split(".")[0], ())
     ]
     assert not bad, "\n".join(sorted(bad))
+
+
+def _floor(module: str) -> int:
+    best, floor = "", len(REPLICATOR_FLOORS)
+    for i, prefixes in enumerate(REPLICATOR_FLOORS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > len(best):
+                best, floor = p, i
+    return floor
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Imports inside replicator/ from a lower floor up to a higher one. A package a module sits in is not an
+    edge of its own (``from replicator.orbax import contract`` imports ``replicator.orbax.contract``)."""
+    return {(m, d) for m, deps in graph.items() if m.startswith("replicator.")
+            for d in deps if d.startswith("replicator.") and not m.startswith(d + ".") and _floor(d) > _floor(m)}
+
+
+def test_replicator_floors_are_climbed_one_way() -> None:
+    assert len(UPWARD_ALLOWED) <= 1
+    up = _upward_imports(_graph())
+    extra = sorted(up - UPWARD_ALLOWED)
+    assert not extra, "imports up a floor of replicator/ (a word in the wrong room?):\n" + "\n".join(
+        f"{m} (floor {_floor(m)}) imports {d} (floor {_floor(d)})" for m, d in extra)
+
+
+def test_the_floors_name_modules_that_exist() -> None:
+    modules = _graph()
+    missing = [p for floor in REPLICATOR_FLOORS for p in floor
+               if not any(m == p or m.startswith(p + ".") for m in modules)]
+    assert not missing, missing
 
 
 def test_no_import_cycles() -> None:

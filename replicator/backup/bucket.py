@@ -96,12 +96,71 @@ _MAX_RECORD_BYTES = 16 << 20
 RANGE_BYTES = 16 << 20
 
 
+def _data_name(base: str, content_hash: str, file_name: str) -> str:
+    return f"{base}/{DATA_DIR}/{content_hash}/{file_name}"
+
+
+def _data_key(manifest: StepManifest) -> str:
+    """The folder under ``data/`` holding a rank's files: replicas with equal keys share it.
+
+    The content hash, unless the manifest carries a ``content_id`` (Orbax steps): data-parallel Orbax
+    replicas share that identity but not their bytes (per-writer metadata, OCDBT file names), so their
+    files are keyed by the file list instead and never overwrite each other's.
+    """
+    if not manifest.content_id:
+        return manifest.content_hash
+    h = hashlib.sha256()
+    for f in sorted(manifest.files, key=lambda f: f.name):
+        h.update(json.dumps([f.name, f.size, f.crc32c]).encode() + b"\n")
+    return "files-" + h.hexdigest()
+
+
+def _staged_ranks(store: Store, job: str, base: str, begin: Staging) -> tuple[tuple[str, ...], int, int]:
+    """(each rank's content hash, "" for a rank that did not save the step; total bytes; the save's
+    generation) of the staging at ``base``, once every saver's manifest and files are there.
+
+    IncompleteBackupError names what is missing; ManifestError when a manifest is of another step or rank,
+    or the ranks' manifests are of different saves (generations) of the step. Reads only.
+    """
+    present = {o.name: o for o in store.list(base)}
+    hashes: list[str] = []
+    missing: list[str] = []
+    total = 0
+    expected = set(begin.expected_ranks)
+    generations: set[int] = set()
+    for rank in range(begin.nodes):
+        if rank not in expected:
+            hashes.append("")  # did not save this step
+            continue
+        name = f"{base}/{RANKS_DIR}/{rank}.json"
+        if name not in present:
+            missing.append(f"manifest of rank {rank}")
+            continue
+        m = StepManifest.from_json(store.read(name))
+        if m.step != begin.step or m.rank != rank:
+            raise ManifestError(f"{name} is step {m.step} rank {m.rank}")
+        generations.add(m.generation)
+        hashes.append(m.content_hash)
+        total += m.total_bytes
+        for f in m.files:
+            o = present.get(_data_name(base, _data_key(m), f.name))
+            if o is None or o.size != f.size or (o.crc32c is not None and o.crc32c != f.crc32c):
+                missing.append(f"rank {rank} file {f.name}")
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise IncompleteBackupError(f"cannot commit {job} step {begin.step}: missing {shown}")
+    if len(generations) > 1:
+        raise ManifestError(f"cannot commit {job} step {begin.step}: its ranks' manifests are of "
+                            f"different saves (generations {sorted(generations)})")
+    return tuple(hashes), total, generations.pop() if generations else 0
+
+
 class BackupStore:
     """Backups of job ``job`` in ``store`` (see the module docstring for the layout and protocol).
 
     Thread-safe; several processes (one per host) may upload ranks of the same staging concurrently.
 
-    Why ~550 lines in one class: staging, commit, reads and retention are one protocol over one bucket layout
+    Why ~490 lines in one class: staging, commit, reads and retention are one protocol over one bucket layout
     (staging ids, the commit marker or rename, the content-addressed data names); split apart, each part
     would re-derive that layout (the records and names it shares live in ``records.py``).
     """
@@ -125,24 +184,6 @@ class BackupStore:
 
     def _staging_prefix(self, staging_id: str) -> str:
         return f"{self.job}/{STAGING_DIR}/{staging_id}"
-
-    def _data_name(self, base: str, content_hash: str, file_name: str) -> str:
-        return f"{base}/{DATA_DIR}/{content_hash}/{file_name}"
-
-    @staticmethod
-    def _data_key(manifest: StepManifest) -> str:
-        """The folder under ``data/`` holding a rank's files: replicas with equal keys share it.
-
-        The content hash, unless the manifest carries a ``content_id`` (Orbax steps): data-parallel Orbax
-        replicas share that identity but not their bytes (per-writer metadata, OCDBT file names), so their
-        files are keyed by the file list instead and never overwrite each other's.
-        """
-        if not manifest.content_id:
-            return manifest.content_hash
-        h = hashlib.sha256()
-        for f in sorted(manifest.files, key=lambda f: f.name):
-            h.update(json.dumps([f.name, f.size, f.crc32c]).encode() + b"\n")
-        return "files-" + h.hexdigest()
 
     # ------------------------------------------------------------------ capabilities
 
@@ -238,11 +279,11 @@ class BackupStore:
             )
         base = self._staging_prefix(staging.staging_id)
         self.store.stat(f"{base}/{BEGIN_NAME}")  # FileNotFoundError: no such staging (aborted or committed)
-        content_hash = self._data_key(manifest)
+        content_hash = _data_key(manifest)
         existing = {o.name: o for o in self.store.list(f"{base}/{DATA_DIR}/{content_hash}")}
         todo, reused = [], []
         for f in manifest.files:
-            name = self._data_name(base, content_hash, f.name)
+            name = _data_name(base, content_hash, f.name)
             o = existing.get(name)
             if o is not None and o.size == f.size and (o.crc32c is None or o.crc32c == f.crc32c):
                 reused.append(f)
@@ -255,7 +296,7 @@ class BackupStore:
             if size != f.size or crc != f.crc32c:
                 raise ChecksumError(f"{path} (before upload, size {size} vs {f.size})", f.crc32c, crc)
             info = self.store.write(
-                self._data_name(base, content_hash, f.name),
+                _data_name(base, content_hash, f.name),
                 path,
                 crc32c=f.crc32c,
                 throttle=self._limiter.acquire if self._limiter else None,
@@ -298,38 +339,7 @@ class BackupStore:
         begin = self.open_staging(staging.staging_id)
         if begin.step != staging.step or begin.nodes != staging.nodes:
             raise ValueError(f"staging {staging.staging_id} is step {begin.step} with {begin.nodes} nodes")
-        present = {o.name: o for o in self.store.list(base)}
-        hashes: list[str] = []
-        missing: list[str] = []
-        total = 0
-        expected = set(begin.expected_ranks)
-        generations: set[int] = set()
-        for rank in range(staging.nodes):
-            if rank not in expected:
-                hashes.append("")  # did not save this step
-                continue
-            name = f"{base}/{RANKS_DIR}/{rank}.json"
-            if name not in present:
-                missing.append(f"manifest of rank {rank}")
-                continue
-            m = StepManifest.from_json(self.store.read(name))
-            if m.step != staging.step or m.rank != rank:
-                raise ManifestError(f"{name} is step {m.step} rank {m.rank}")
-            generations.add(m.generation)
-            h = m.content_hash
-            hashes.append(h)
-            total += m.total_bytes
-            for f in m.files:
-                o = present.get(self._data_name(base, self._data_key(m), f.name))
-                if o is None or o.size != f.size or (o.crc32c is not None and o.crc32c != f.crc32c):
-                    missing.append(f"rank {rank} file {f.name}")
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise IncompleteBackupError(f"cannot commit {self.job} step {staging.step}: missing {shown}")
-        if len(generations) > 1:
-            raise ManifestError(f"cannot commit {self.job} step {staging.step}: its ranks' manifests are of "
-                                f"different saves (generations {sorted(generations)})")
-        generation = generations.pop() if generations else 0
+        hashes, total, generation = _staged_ranks(self.store, self.job, base, begin)
         if staging.step in self.committed_steps():
             old = self.committed_generation(staging.step)
             if old >= generation:
@@ -338,17 +348,8 @@ class BackupStore:
             log.warning("backup of %s step %d: superseding the abandoned save (generation %d) by generation %d",
                         self.job, staging.step, old, generation)
             self._delete_backup(staging.step)
-        record = BackupCommit(
-            self.job,
-            staging.step,
-            staging.nodes,
-            staging.staging_id,
-            strategy,
-            tuple(hashes),
-            total,
-            time.time(),
-            generation=generation,
-        )
+        record = BackupCommit(self.job, staging.step, staging.nodes, staging.staging_id, strategy, hashes, total,
+                              time.time(), generation=generation)
         faults.point("backup.commit.before_record")
         if strategy == STRATEGY_RENAME:
             # A steps/<N> folder without COMMIT.json is the remains of a retention that crashed midway
@@ -369,14 +370,8 @@ class BackupStore:
                 raise FileExistsError(
                     f"{self.job} step {staging.step} already has a committed backup"
                 ) from None
-        log.info(
-            "committed backup of %s step %d (%d ranks, %d bytes) by %s",
-            self.job,
-            staging.step,
-            staging.nodes,
-            total,
-            strategy,
-        )
+        log.info("committed backup of %s step %d (%d ranks, %d bytes) by %s", self.job, staging.step, staging.nodes,
+                 total, strategy)
         return staging.step
 
     def abort(self, staging: Staging) -> int:
@@ -468,16 +463,16 @@ class BackupStore:
         if (final / MANIFEST_NAME).is_file():
             raise FileExistsError(f"{final} already exists")
         tmp = make_tmp_dir(dest_parent, step)
-        content_hash = self._data_key(manifest)
+        content_hash = _data_key(manifest)
 
         def fetch(f: Any) -> int:
             dest = resolve_under(tmp, f.name)
             dest.parent.mkdir(parents=True, exist_ok=True)
-            info = self.store.read_to_file(self._data_name(base, content_hash, f.name), dest)
+            info = self.store.read_to_file(_data_name(base, content_hash, f.name), dest)
             faults.point("restore.bucket.mid_download")
             if info.size != f.size or info.crc32c != f.crc32c:
                 raise ChecksumError(
-                    f"{self.store.url}/{self._data_name(base, content_hash, f.name)} (size {info.size} vs {f.size})",
+                    f"{self.store.url}/{_data_name(base, content_hash, f.name)} (size {info.size} vs {f.size})",
                     f.crc32c,
                     info.crc32c if info.crc32c is not None else file_crc32c(dest)[1],
                 )
@@ -520,7 +515,7 @@ class BackupStore:
             if e not in listed:
                 raise ManifestError(f"{self.job} step {step} rank {rank} in the bucket does not list {e.name} "
                                     f"as asked (size {e.size}, crc32c {e.crc32c:08x}): another save")
-        key = self._data_key(manifest)
+        key = _data_key(manifest)
         dest_dir = Path(dest_dir)
 
         def fetch(f: FileEntry) -> int:
@@ -529,7 +524,7 @@ class BackupStore:
                 return 0
             final.parent.mkdir(parents=True, exist_ok=True)
             part = final.with_name(final.name + ".part")
-            name = self._data_name(base, key, f.name)
+            name = _data_name(base, key, f.name)
             crc, got = 0, 0
             try:
                 with open(part, "wb") as out:

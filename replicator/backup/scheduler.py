@@ -25,11 +25,11 @@ from typing import Any
 
 from mtc_rpc import coordinator_pb2 as pb
 from replicator.backup.bucket import BackupCommit, BackupStore, Staging
+from replicator.coordinator.backup_hook import BackupScheduler
 from replicator.coordinator.backup_status import BackupSchedulerStatus
-from replicator.coordinator.model import Tier
 from replicator.coordinator.planner import CoordinatorState
-from replicator.coordinator.service import BackupScheduler
 from replicator.coordinator.topology import JobTopology
+from replicator.tiers import Tier
 
 log = logging.getLogger(__name__)
 

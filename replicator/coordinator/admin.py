@@ -19,9 +19,9 @@ from mtc_rpc import admin_pb2 as pb
 from mtc_rpc import admin_pb2_grpc as pb_grpc
 from mtc_rpc import coordinator_pb2 as cpb
 from replicator.coordinator.backup_status import BackupSchedulerStatus
-from replicator.coordinator.model import BUCKET_HOLDER, Tier
-from replicator.coordinator.tier_wire import from_wire, holder_to_wire, to_wire
 from replicator.metrics import ClusterView
+from replicator.tier_wire import from_wire, holder_to_wire, to_wire
+from replicator.tiers import BUCKET_HOLDER, Tier
 from sidecar.saves import format_ranks
 
 log = logging.getLogger(__name__)

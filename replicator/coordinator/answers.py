@@ -12,10 +12,11 @@ from collections.abc import Callable, Mapping
 
 from mtc_rpc import coordinator_pb2 as pb
 from replicator.coordinator.backup_status import BackupSchedulerStatus
-from replicator.coordinator.model import Source, Tier
+from replicator.coordinator.model import Source
 from replicator.coordinator.parity_answer import parity_source
 from replicator.coordinator.planner import CoordinatorState
-from replicator.coordinator.tier_wire import holder_to_wire, to_wire
+from replicator.tier_wire import holder_to_wire, to_wire
+from replicator.tiers import Tier
 from sidecar.saves import format_ranks
 
 LOST_AGE_GROUPS_SHOWN = 64  # lost hosts are summarised by how long ago they were lost, this many groups at most

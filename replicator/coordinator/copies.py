@@ -16,7 +16,8 @@ from collections.abc import Iterator, Mapping
 from replicator.coordinator.coverage import Auth, Coverage
 from replicator.coordinator.facts import Facts, carries_bytes
 from replicator.coordinator.hosts import HostRegistry
-from replicator.coordinator.model import CopyTask, Tier
+from replicator.coordinator.model import CopyTask
+from replicator.tiers import Tier
 
 
 def _task_order(t: CopyTask) -> tuple[int, bool, int]:

@@ -18,8 +18,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from replicator.coordinator.facts import Facts, carries_bytes
-from replicator.coordinator.model import BUCKET_HOLDER, Holding, Source, Tier
+from replicator.coordinator.model import Source
 from replicator.coordinator.parity import ParityView
+from replicator.tiers import BUCKET_HOLDER, Holding, Tier
 
 _TIER_ORDER = {Tier.LOCAL: 0, Tier.PEER: 1, Tier.PARITY: 2, Tier.BUCKET: 3}
 

@@ -11,11 +11,11 @@ from typing import Any
 from replicator.coordinator import gc_plan
 from replicator.coordinator.coverage import Coverage
 from replicator.coordinator.facts import Facts
-from replicator.coordinator.model import Holding, check_int
 from replicator.coordinator.parity import ParityView
 from replicator.coordinator.topology import JobTopology
 from replicator.erasure.redundancy import Redundancy
 from replicator.erasure.wire import CodeGroupSpec
+from replicator.tiers import Holding, check_int
 
 
 def checked_redundancy(topology: JobTopology, redundancy: Redundancy | None, elastic: bool = False) -> Redundancy:

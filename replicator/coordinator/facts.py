@@ -18,9 +18,9 @@ import collections
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from replicator.coordinator.model import Holding, Key, Tier, check_hash
 from replicator.coordinator.topology import JobTopology
 from replicator.erasure.group import GroupLayout
+from replicator.tiers import Holding, Key, Tier, check_hash
 from sidecar import saves
 
 

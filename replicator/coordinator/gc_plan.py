@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from replicator.coordinator.coverage import Coverage
 from replicator.coordinator.facts import Facts
-from replicator.coordinator.model import Holding, Key, Tier
+from replicator.tiers import Holding, Key, Tier
 
 
 def _protected(facts: Facts, coverage: Coverage) -> tuple[set[int], int | None, set[int]]:

@@ -24,9 +24,9 @@ import functools
 from collections.abc import Mapping
 
 from replicator.coordinator.facts import Facts
-from replicator.coordinator.model import Tier
 from replicator.erasure.group import GroupLayout
 from replicator.erasure.wire import CodeGroupSpec
+from replicator.tiers import Tier
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,11 @@ from collections.abc import Collection, Mapping
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import tier_pb2
-from replicator.coordinator.model import Holding, Source
+from replicator.coordinator.model import Source
 from replicator.coordinator.planner import CoordinatorState
-from replicator.coordinator.tier_wire import holder_to_wire
 from replicator.erasure.wire import CodeGroupSpec
+from replicator.tier_wire import holder_to_wire
+from replicator.tiers import Holding
 
 # A ParityTask unanswered for this many heartbeat intervals (at least PARITY_RETRY_MIN_SECONDS) is sent again.
 PARITY_RETRY_INTERVALS = 10

@@ -11,8 +11,8 @@ against a from-scratch recomputation. Rules are summarised in ``docs/coordinator
 Vocabulary: a piece of data is one rank's (``owner_rank``) data for one ``step``, identified by the
 ``content_hash`` of its manifest (:attr:`sidecar.layout.StepManifest.content_hash`). Data-parallel
 replicas of a rank usually hold data with the same hash; such a replica counts as a verified copy.
-The value objects it takes and returns (:class:`~replicator.coordinator.model.Holding`, ``Tier``,
-``CopyTask``, ``RestorePlan`` ...) are in :mod:`replicator.coordinator.model`.
+The value objects it takes and returns are the shared vocabulary's (:class:`~replicator.tiers.Holding`,
+``Tier``: :mod:`replicator.tiers`) and its own (``CopyTask``, ``RestorePlan`` ...: :mod:`replicator.coordinator.model`).
 
 :class:`CoordinatorState` is the one entry point and composes its parts, each in its own module, each
 derived view reading only the stages before it:
@@ -40,18 +40,16 @@ from replicator.coordinator.facts import Facts, carries_bytes
 from replicator.coordinator.hosts import HostRegistry
 from replicator.coordinator.model import (
     CopyTask,
-    Holding,
-    Key,
     NotRegisteredError,
     RestorePlan,
     Source,
     StaleIncarnationError,
-    check_int,
 )
 from replicator.coordinator.parity import ParityView
 from replicator.coordinator.topology import JobTopology
 from replicator.erasure.placement import code_groups
 from replicator.erasure.redundancy import Redundancy
+from replicator.tiers import Holding, Key, check_int
 from sidecar.saves import format_ranks
 
 
@@ -503,52 +501,7 @@ class CoordinatorState:
 
         O(nodes x steps): the coordinator's typed, bounded status is built in the service.
         """
-        facts, hosts = self._facts, self._hosts
-        complete = self.globally_complete_steps()
-        newest = complete[-1] if complete else None
-        out_hosts = {}
-        for rank in sorted(set(hosts.incarnation) | set(facts.holdings)):
-            held = facts.holdings.get(rank, {})
-            out_hosts[rank] = {
-                "incarnation": hosts.incarnation.get(rank),
-                "inventory_reported": rank in hosts.reported,
-                "steps": sorted({s for _, s in held}),
-                "pieces": len(held),
-                "bytes": sum(h.size for h in held.values() if carries_bytes(h)),
-                **({"parity_steps": sorted(facts.parity.get(rank, {}))} if self._parity.enabled else {}),
-            }
-        steps = {}
-        for step in self.known_steps():
-            found = self.sources(step)
-            steps[step] = {
-                "complete": self.is_complete(step),
-                "redundant": self.is_redundant(step),
-                **({"rebuildable_ranks": self.ec.rebuild_ranks(step)} if self._parity.enabled else {}),
-                "savers": format_ranks(self.expected_ranks(step)),
-                "missing_ranks": [r for r in self.expected_ranks(step) if r not in found],
-                "ranks": {
-                    r: [{"kind": str(s.kind), "holder": s.holder_rank, "owner": s.owner_rank} for s in srcs]
-                    for r, srcs in found.items()
-                },
-            }
-        return {
-            "topology": self.topology.to_dict(),
-            "redundancy": str(self.redundancy),
-            "hosts": out_hosts,
-            "lost": dict(sorted(hosts.lost.items())),
-            "steps": steps,
-            "complete_steps": complete,
-            "newest_complete_step": newest,
-            "backups": {
-                s: {"ranks": sorted(b), "complete": len(b) == self.topology.nodes}
-                for s, b in sorted(facts.bucket.items())
-            },
-            "in_flight": {
-                "saving": [s for s in self.known_steps() if newest is None or s > newest],
-                "backing_up": sorted(facts.backups_in_progress),
-                "pinned": sorted(facts.pinned),
-            },
-        }
+        return _plain_status(self, self._facts, self._hosts, self._parity.enabled)
 
     def rebuilt(self) -> CoordinatorState:
         """A copy whose derived views are recomputed from scratch (for tests: incremental == from scratch)."""
@@ -592,3 +545,52 @@ class CoordinatorState:
             raise StaleIncarnationError(
                 f"rank {rank}: report from incarnation {incarnation}, registered {known}"
             )
+
+
+def _plain_status(st: CoordinatorState, facts: Facts, hosts: HostRegistry, parity: bool) -> dict[str, Any]:
+    """:meth:`CoordinatorState.status`: a plain dump of the state (a view over it, built from its parts)."""
+    complete = st.globally_complete_steps()
+    newest = complete[-1] if complete else None
+    out_hosts = {}
+    for rank in sorted(set(hosts.incarnation) | set(facts.holdings)):
+        held = facts.holdings.get(rank, {})
+        out_hosts[rank] = {
+            "incarnation": hosts.incarnation.get(rank),
+            "inventory_reported": rank in hosts.reported,
+            "steps": sorted({s for _, s in held}),
+            "pieces": len(held),
+            "bytes": sum(h.size for h in held.values() if carries_bytes(h)),
+            **({"parity_steps": sorted(facts.parity.get(rank, {}))} if parity else {}),
+        }
+    steps = {}
+    for step in st.known_steps():
+        found = st.sources(step)
+        steps[step] = {
+            "complete": st.is_complete(step),
+            "redundant": st.is_redundant(step),
+            **({"rebuildable_ranks": st.ec.rebuild_ranks(step)} if parity else {}),
+            "savers": format_ranks(st.expected_ranks(step)),
+            "missing_ranks": [r for r in st.expected_ranks(step) if r not in found],
+            "ranks": {
+                r: [{"kind": str(s.kind), "holder": s.holder_rank, "owner": s.owner_rank} for s in srcs]
+                for r, srcs in found.items()
+            },
+        }
+    return {
+        "topology": st.topology.to_dict(),
+        "redundancy": str(st.redundancy),
+        "hosts": out_hosts,
+        "lost": dict(sorted(hosts.lost.items())),
+        "steps": steps,
+        "complete_steps": complete,
+        "newest_complete_step": newest,
+        "backups": {
+            s: {"ranks": sorted(b), "complete": len(b) == st.topology.nodes}
+            for s, b in sorted(facts.bucket.items())
+        },
+        "in_flight": {
+            "saving": [s for s in st.known_steps() if newest is None or s > newest],
+            "backing_up": sorted(facts.backups_in_progress),
+            "pinned": sorted(facts.pinned),
+        },
+    }

@@ -8,7 +8,8 @@ import collections
 from replicator.coordinator.coverage import Coverage
 from replicator.coordinator.facts import Facts
 from replicator.coordinator.hosts import HostRegistry
-from replicator.coordinator.model import RestorePlan, Source, Tier
+from replicator.coordinator.model import RestorePlan, Source
+from replicator.tiers import Tier
 from sidecar.saves import format_ranks
 
 

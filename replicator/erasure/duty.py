@@ -14,13 +14,13 @@ from collections.abc import Callable, Mapping
 
 from mtc_rpc import coordinator_pb2 as cpb
 from mtc_rpc import tier_pb2
-from replicator.coordinator.model import Holding, Tier
-from replicator.coordinator.tier_wire import holding_to_wire
 from replicator.erasure.holder import ParityHolding
 from replicator.erasure.host import EcHost, compute_parity
 from replicator.erasure.wire import CodeGroupSpec
 from replicator.metrics import HostCounters
 from replicator.tasks import TaskRunner
+from replicator.tier_wire import holding_to_wire
+from replicator.tiers import Holding, Tier
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class ParityDuty:
 
     def holdings(self, held: Mapping[ParityKey, ParityHolding]) -> list[Holding]:
         """Every one of ``held`` so: the heartbeat's inventory digest covers them by the coordinator's one rule
-        (:func:`~replicator.coordinator.model.inventory_digest`)."""
+        (:func:`~replicator.tiers.inventory_digest`)."""
         return [self.holding(h) for h in held.values()]
 
     def report(self, req: cpb.HeartbeatRequest, held: Mapping[ParityKey, ParityHolding],

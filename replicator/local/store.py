@@ -8,7 +8,7 @@ import os
 import threading
 from pathlib import Path
 
-from replicator.coordinator.model import Holding, Tier
+from replicator.tiers import Holding, Tier
 from sidecar import commit, faults, layout, spares
 from sidecar.saves import rank_ranges
 

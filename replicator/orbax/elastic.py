@@ -144,6 +144,16 @@ def _pieces(local: Path, new: Layout) -> list[tuple[Path, layout.StepManifest, b
     return out
 
 
+def _set_aside(local: Path, new: Layout, report: RemapReport) -> None:
+    """Move every piece of another layout than ``new`` to :data:`UNMAPPED_DIR`, noted in ``report``."""
+    aside = local / UNMAPPED_DIR
+    aside.mkdir(exist_ok=True)
+    for i, (d, m, own) in enumerate(_pieces(local, new)):
+        os.rename(d, aside / f"{m.step}-{m.rank}-{'own' if own else 'peer'}-{m.nodes}-{i}-{os.getpid()}")
+        report.dropped.append((m.step, m.rank))
+        report.steps.add(m.step)
+
+
 def remap(local: Path, new: Layout, previous: Layout | None) -> RemapReport:
     """Re-label every piece of ``local``'s store saved under another layout for ``new`` (see module doc).
 
@@ -160,12 +170,7 @@ def remap(local: Path, new: Layout, previous: Layout | None) -> RemapReport:
             "slices): Orbax restores each host's own shards and cannot re-split them across another number "
             "of hosts per slice"
         )
-        aside = local / UNMAPPED_DIR
-        aside.mkdir(exist_ok=True)
-        for i, (d, m, own) in enumerate(_pieces(local, new)):
-            os.rename(d, aside / f"{m.step}-{m.rank}-{'own' if own else 'peer'}-{m.nodes}-{i}-{os.getpid()}")
-            report.dropped.append((m.step, m.rank))
-            report.steps.add(m.step)
+        _set_aside(local, new, report)
         return report
     staging = local / STAGING_DIR
     staged: list[tuple[Path, layout.StepManifest, bool]] = []

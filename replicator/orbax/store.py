@@ -24,9 +24,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from replicator.coordinator.model import Holding
 from replicator.local.store import RamDiskStore
 from replicator.orbax import contract as oc
+from replicator.tiers import Holding
 from sidecar import checksums, commit, faults, layout
 
 log = logging.getLogger(__name__)

@@ -554,6 +554,31 @@ def _fetch_files_on(
     return sink.bytes
 
 
+def _peer_manifest(channel: grpc.Channel, owner_rank: int, step: int, deadline: float, connect_wait_seconds: float,
+                   expected_content_hash: str | None) -> StepManifest:
+    """The peer's manifest of ``owner_rank``'s ``step``, checked: it names no manifest file of its own and has
+    the expected content hash (ManifestError). A refusing peer is waited for ``connect_wait_seconds``."""
+    stub = peer_pb2_grpc.PeerStub(channel)
+    try:
+        manifest = _get_manifest(stub, owner_rank, step, min(rpc.RPC_TIMEOUT_SECONDS, _remaining(deadline)))
+    except grpc.RpcError as e:
+        if connect_wait_seconds <= 0 or e.code() is not grpc.StatusCode.UNAVAILABLE:
+            raise
+        # Refused (a restarting daemon, say): wait for the peer to listen again, then ask once more.
+        _wait_until_connected(channel, min(connect_wait_seconds, _remaining(deadline)))
+        manifest = _get_manifest(stub, owner_rank, step, min(rpc.RPC_TIMEOUT_SECONDS, _remaining(deadline)))
+    if any(f.name == layout.MANIFEST_NAME for f in manifest.files):
+        raise ManifestError(
+            f"rank {owner_rank} step {step}: the manifest lists a file named {layout.MANIFEST_NAME}"
+        )
+    if expected_content_hash is not None and manifest.content_hash != expected_content_hash:
+        raise ManifestError(
+            f"rank {owner_rank} step {step}: content hash {manifest.content_hash[:12]} "
+            f"differs from the expected {expected_content_hash[:12]}"
+        )
+    return manifest
+
+
 def fetch_step(
     peer: Peer,
     owner_rank: int,
@@ -596,42 +621,15 @@ def fetch_step(
         raise FileExistsError(f"step directory {final} already exists")
     deadline = time.monotonic() + timeout_seconds
     with _open(peer, token, tls) as (channel, host):
-        stub = peer_pb2_grpc.PeerStub(channel)
-        try:
-            manifest = _get_manifest(stub, owner_rank, step, min(rpc.RPC_TIMEOUT_SECONDS, _remaining(deadline)))
-        except grpc.RpcError as e:
-            if connect_wait_seconds <= 0 or e.code() is not grpc.StatusCode.UNAVAILABLE:
-                raise
-            # Refused (a restarting daemon, say): wait for the peer to listen again, then ask once more.
-            _wait_until_connected(channel, min(connect_wait_seconds, _remaining(deadline)))
-            manifest = _get_manifest(stub, owner_rank, step, min(rpc.RPC_TIMEOUT_SECONDS, _remaining(deadline)))
-        if any(f.name == layout.MANIFEST_NAME for f in manifest.files):
-            raise ManifestError(
-                f"rank {owner_rank} step {step}: the manifest lists a file named {layout.MANIFEST_NAME}"
-            )
-        if expected_content_hash is not None and manifest.content_hash != expected_content_hash:
-            raise ManifestError(
-                f"rank {owner_rank} step {step}: content hash {manifest.content_hash[:12]} "
-                f"differs from the expected {expected_content_hash[:12]}"
-            )
+        manifest = _peer_manifest(channel, owner_rank, step, deadline, connect_wait_seconds, expected_content_hash)
         tmp = commit.make_tmp_dir(dest_parent, step)
         if progress is not None:
             progress.begin(manifest, tmp, final)
         faults.point("peer.fetch.after_tmp_dir")
         try:
-            _fetch_files_on(
-                channel,
-                host,
-                owner_rank,
-                step,
-                manifest.files,
-                tmp,
-                deadline,
-                throttle,
-                use_data_port and tls is None,
-                spares.SparePool(spare_dir) if spare_dir is not None else None,
-                progress,
-            )
+            _fetch_files_on(channel, host, owner_rank, step, manifest.files, tmp, deadline, throttle,
+                            use_data_port and tls is None,
+                            spares.SparePool(spare_dir) if spare_dir is not None else None, progress)
             faults.point("peer.fetch.before_manifest")
             commit.write_manifest(tmp, manifest)
             faults.point("peer.fetch.before_commit")

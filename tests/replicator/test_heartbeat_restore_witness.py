@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import tier_pb2
-from replicator.coordinator.model import Tier
 from replicator.heartbeat import Heartbeat, Reporter, Wakeup
 from replicator.local.store import RamDiskStore
+from replicator.tiers import Tier
 from sidecar import layout
 from tests.kits.storage import make_step
 

@@ -14,7 +14,7 @@ import pytest
 
 from controller_client.demo.ports import free_port as _free_port
 from replicator.coordinator.client import CoordinatorClient
-from replicator.coordinator.service import lost_after_seconds
+from replicator.coordinator.serving import lost_after_seconds
 from replicator.daemon import Replicator
 from replicator.heartbeat import (
     STARTUP_RETRIES,

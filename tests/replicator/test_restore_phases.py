@@ -10,10 +10,10 @@ from mtc_rpc import admin_pb2 as apb
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import tier_pb2
 from replicator import restore_phases
-from replicator.coordinator.model import Tier
 from replicator.metrics import ReplicatorMetrics
 from replicator.peer.client import _FileSink
 from replicator.restore_phases import RestoreClock
+from replicator.tiers import Tier
 from sidecar import checksums
 from sidecar.layout import FileEntry
 from tests.replicator.coordinator.test_admin import Ctx, make

@@ -51,9 +51,9 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from mtc_rpc import coordinator_pb2 as pb
-from replicator.coordinator.model import Tier
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.service import SILENT_INTERVALS
+from replicator.tiers import Tier
 from tests.simulation.parity import enough_fragments
 
 if TYPE_CHECKING:

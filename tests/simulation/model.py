@@ -46,10 +46,10 @@ import grpc
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import tier_pb2
 from replicator.backup.scheduler import BucketScheduler
-from replicator.coordinator.model import Holding, Tier, inventory_digest
 from replicator.coordinator.service import Coordinator
-from replicator.coordinator.tier_wire import to_wire
 from replicator.coordinator.topology import JobTopology
+from replicator.tier_wire import to_wire
+from replicator.tiers import Holding, Tier, inventory_digest
 from tests.simulation.bucket import BucketModel
 from tests.simulation.network import Network, Partition
 from tests.simulation.parity import EC_EXTRA_QUIET_SECONDS, EcConfig, ParityKey, ParityModel, source_spec

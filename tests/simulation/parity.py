@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import tier_pb2
-from replicator.coordinator.model import Holding, Tier
-from replicator.coordinator.tier_wire import holding_to_wire
 from replicator.erasure.group import GroupLayout
 from replicator.erasure.placement import code_groups
 from replicator.erasure.redundancy import Redundancy
 from replicator.erasure.wire import CodeGroupSpec
+from replicator.tier_wire import holding_to_wire
+from replicator.tiers import Holding, Tier
 
 if TYPE_CHECKING:
     from replicator.coordinator.service import Coordinator

@@ -109,7 +109,8 @@ def _replay_quiet(seed: int, network: bool | None = None, ec: bool | None = Fals
 @pytest.mark.parametrize("seed", [158, 486])
 def test_fixed_deposed_coordinator_gc_seeds(seed):
     """Found by the simulation: a coordinator hearing from few hosts (here a deposed one) declared the others
-    lost, saw no complete step and ordered the newest complete step deleted (fixed in Coordinator._answer;
+    lost, saw no complete step and ordered the newest complete step deleted (fixed in the heartbeat's answer, now
+    replicator.coordinator.host_answer;
     focused test: tests/replicator/coordinator/test_simulation_found.py)."""
     found, _ = _replay_quiet(seed, network=False)  # the schedule that found it (as before the network model)
     assert "gc-protected" not in found, found["gc-protected"]
@@ -119,7 +120,7 @@ def test_fixed_partition_gc_seed():
     """Found by the simulation's network model (issue #33 item 2), seed 1005: a partition cut host 2 from
     candidate 0 and candidate 1 took over for it; candidate 0, declaring host 2 lost, saw an older newest
     complete step and told host 0 to delete its step 2 (beyond keep_local), the step candidate 1 counted
-    complete. Fixed in Coordinator._answer: while hosts are declared lost, no step newer than the newest
+    complete. Fixed in the heartbeat's answer (host_answer.order_deletions): while hosts are declared lost, no step newer than the newest
     complete one is deleted (focused test: tests/replicator/coordinator/test_simulation_found.py)."""
     found, _ = _replay_quiet(1005)
     assert "gc-protected" not in found, found["gc-protected"]
@@ -129,7 +130,7 @@ def test_fixed_silent_hosts_gc_seed():
     """Found in 20,000 schedules (issue #33 item 2), seed 15775: after a failover the deposed coordinator
     still answered two hosts while the other two, already reporting to its successor, were silent to it but
     not yet declared lost; it told host 0 to delete its step 5 (beyond keep_local), the step the successor
-    counted complete. Fixed in Coordinator._answer: while a host is silent for longer than a beat's jitter,
+    counted complete. Fixed in the heartbeat's answer (host_answer.order_deletions): while a host is silent for longer than a beat's jitter,
     no step newer than the newest complete one is deleted (focused test:
     tests/replicator/coordinator/test_simulation_found.py)."""
     found, _ = _replay_quiet(15775)
@@ -220,7 +221,7 @@ def test_fixed_gc_protected_seeds(seed):
       hosts deleted the step the job was still restoring. Fixed in RestoreTarget: the GC hold is kept apart
       from the target, until a step newer than every step known at the pin completes or another restore.
     - 42569: a deposed coordinator, the other hosts silent to it and no step complete in its view, ordered a
-      step beyond keep_local deleted, complete on its successor. Fixed in Coordinator._answer: while a host
+      step beyond keep_local deleted, complete on its successor. Fixed in host_answer.order_deletions: while a host
       is lost or silent, only steps up to the newest complete one go, none when no step is complete.
     - 89534: the scheduler re-listed the bucket (the newest complete step fell back) and learned that the
       deposed coordinator had committed the step its own run was uploading; reporting that commit cleared the

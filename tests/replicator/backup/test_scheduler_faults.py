@@ -17,10 +17,10 @@ from replicator.backup.agent import BackupAgent
 from replicator.backup.bucket import BackupStore
 from replicator.backup.scheduler import BucketScheduler
 from replicator.backup.storage import open_store
-from replicator.coordinator.model import Tier
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.topology import JobTopology
 from replicator.local.store import RamDiskStore
+from replicator.tiers import Tier
 from sidecar import layout
 from tests.kits.storage import make_step
 

@@ -13,10 +13,11 @@ from mtc_rpc import admin_pb2 as apb
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import tier_pb2
 from replicator.coordinator.admin import AdminServicer, cluster_view
+from replicator.coordinator.backup_hook import BackupScheduler
 from replicator.coordinator.backup_status import BackupSchedulerStatus
-from replicator.coordinator.service import BackupScheduler, Coordinator
-from replicator.coordinator.tier_wire import to_wire
+from replicator.coordinator.service import Coordinator
 from replicator.coordinator.topology import JobTopology
+from replicator.tier_wire import to_wire
 
 
 class Ctx:
@@ -138,7 +139,7 @@ def test_bad_copy_is_hidden_deleted_and_forgotten() -> None:
 
 
 def test_bad_copy_with_delta_heartbeats() -> None:
-    from replicator.coordinator.model import Holding, inventory_digest
+    from replicator.tiers import Holding, inventory_digest
 
     coord, admin, svc, _ = make()
     digests = {}

@@ -5,9 +5,10 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replicator.coordinator.model import Holding, NotRegisteredError, StaleIncarnationError, Tier
+from replicator.coordinator.model import NotRegisteredError, StaleIncarnationError
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.topology import JobTopology
+from replicator.tiers import Holding, Tier
 
 TOPOLOGIES = [JobTopology(4, 2, 1), JobTopology(6, 3, 1), JobTopology(4, 1, 2), JobTopology(6, 2, 0)]
 STEPS = [1, 2, 3]

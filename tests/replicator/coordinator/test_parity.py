@@ -5,11 +5,11 @@ import itertools
 
 import pytest
 
-from replicator.coordinator.model import Holding, Tier, inventory_digest, inventory_key
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.topology import JobTopology
 from replicator.erasure.placement import code_groups
 from replicator.erasure.redundancy import Redundancy
+from replicator.tiers import Holding, Tier, inventory_digest, inventory_key
 
 SIZE = 300
 PARITY_SIZE = 100

@@ -8,14 +8,14 @@ import pytest
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
 from mtc_rpc import tier_pb2
-from replicator.coordinator.model import Holding, Tier, inventory_digest, inventory_key
 from replicator.coordinator.parity_answer import PARITY_RETRY_MIN_SECONDS
 from replicator.coordinator.service import Coordinator
-from replicator.coordinator.tier_wire import holding_from_wire, holding_to_wire
 from replicator.coordinator.topology import JobTopology
 from replicator.erasure.redundancy import Redundancy
 from replicator.erasure.wire import CodeGroupSpec
 from replicator.net import rpc
+from replicator.tier_wire import holding_from_wire, holding_to_wire
+from replicator.tiers import Holding, Tier, inventory_digest, inventory_key
 
 SIZE = 300
 

@@ -9,15 +9,14 @@ import pytest
 
 from replicator.coordinator.model import (
     CopyTask,
-    Holding,
     NotRegisteredError,
     RestorePlan,
     Source,
     StaleIncarnationError,
-    Tier,
 )
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.topology import JobTopology
+from replicator.tiers import Holding, Tier
 
 SIZE = 100
 

@@ -1,8 +1,8 @@
 """The planner's elastic rules: completeness over each step's savers, newer saves supersede older ones."""
 
-from replicator.coordinator.model import Holding, Tier
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.topology import JobTopology
+from replicator.tiers import Holding, Tier
 
 
 def state() -> CoordinatorState:

@@ -5,8 +5,8 @@ import pytest
 
 from mtc_rpc import coordinator_pb2 as pb
 from replicator.coordinator.service import Coordinator
-from replicator.coordinator.tier_wire import to_wire
 from replicator.coordinator.topology import JobTopology
+from replicator.tier_wire import to_wire
 
 
 class Ctx:
@@ -61,7 +61,7 @@ def test_unknown_rank_and_wrong_job_are_rejected():
 
 # ----------------------------------------------------------------------- digests, liveness, failover, limits
 
-from replicator.coordinator.model import Holding, inventory_digest  # noqa: E402
+from replicator.tiers import Holding, inventory_digest  # noqa: E402
 
 
 class Clock:
@@ -313,6 +313,27 @@ def test_an_isolated_coordinator_decides_nothing_and_answers_no_client_until_a_h
     with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*deposed"):
         full(coord, 2, items[2], epoch=11)
     assert not coord.active
+
+
+def test_asking_whether_a_coordinator_is_isolated_changes_nothing():
+    """STYLE.md 21: ``isolated()`` is a question. Asked of a coordinator that was isolated and no longer is (here
+    it stepped down), it used to leave isolation on the spot: the hosts it had declared lost were expected again.
+    Now only a heartbeat's answer or a client's call (``_follow_isolation``, the one command) does that."""
+    clock = Clock()
+    items = {r: [(r, s, f"h{r}-{s}", "local") for s in (1, 2)] for r in range(3)}
+    coord = Coordinator(JobTopology(3, 1, 1), "t", heartbeat_seconds=1.0, host_lost_seconds=5.0, clock=clock,
+                        keep_local=2, other_candidates=True, epoch=10)
+    for r in range(3):
+        full(coord, r, items[r])
+    for _ in range(3):  # only its own host's reports arrive
+        clock.t += 6.0
+        full(coord, 0, items[0])
+    assert coord.isolated() and set(coord.state.lost) == {1, 2}
+    coord.deactivate("a newer candidate serves")
+    version = coord.state.version
+    for _ in range(3):
+        assert not coord.isolated()
+    assert set(coord.state.lost) == {1, 2} and coord.state.version == version
 
 
 def test_a_cut_off_coordinator_is_isolated_from_the_first_host_it_declares_lost():

@@ -7,10 +7,10 @@ import pytest
 
 from replicator.coordinator.admission import RETRY_AFTER_KEY, WaiterGate
 from replicator.coordinator.fence import MAX_CANDIDATES, EpochFence, candidate_epoch
-from replicator.coordinator.model import Holding
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.step_tracking import FirstSeen, RestoreTarget
 from replicator.coordinator.topology import JobTopology
+from replicator.tiers import Holding
 
 
 def test_fence_raises_epoch_above_seen_and_steps_down_on_newer():

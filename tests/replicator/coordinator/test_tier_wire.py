@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from mtc_rpc import tier_pb2
-from replicator.coordinator.model import BUCKET_HOLDER, Tier
-from replicator.coordinator.tier_wire import from_wire, holder_to_wire, tier_name, to_wire
+from replicator.tier_wire import from_wire, holder_to_wire, tier_name, to_wire
+from replicator.tiers import BUCKET_HOLDER, Tier
 
 REPO = Path(__file__).resolve().parents[3]
 _NAMES = "local|peer|replica|bucket|parity"

@@ -148,10 +148,10 @@ def test_the_hosts_inventory_digest_of_parity_is_the_coordinators(tmp_path) -> N
     host's inventory and every report is a full one)."""
     from types import SimpleNamespace
 
-    from replicator.coordinator.model import inventory_digest
-    from replicator.coordinator.tier_wire import holding_from_wire
     from replicator.erasure.holder import ParityHolding
     from replicator.erasure.wire import CodeGroupSpec
+    from replicator.tier_wire import holding_from_wire
+    from replicator.tiers import inventory_digest
 
     spec = CodeGroupSpec(3, 1, (0, 1, 2, 3), ("a", "b", "c", "d"), ("", "", "", ""))
     held = {(7, spec.digest()): ParityHolding(7, spec.digest(), 4096, spec)}

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from replicator.coordinator.model import Tier
 from replicator.local.store import RamDiskStore
+from replicator.tiers import Tier
 from sidecar import layout
 from tests.kits.storage import make_step
 

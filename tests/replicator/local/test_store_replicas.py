@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from replicator.coordinator.model import Tier
 from replicator.local.store import REPLICA_FILE, RamDiskStore
+from replicator.tiers import Tier
 from sidecar import layout
 from tests.kits.storage import make_step
 

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(manifests.bind_verbatim_values(sys.argv[1:] if argv is None else argv))
     logs.configure(logs.level_from(args), logs.format_from(args))
     return int(args.func(args) or 0)
 

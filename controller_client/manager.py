@@ -14,6 +14,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from controller_client import suspend
 from controller_client.dispatch import ColocatedDispatcher, Dispatcher, InProcessDispatcher
 from controller_client.topology import HostTopology
 from replicator.coordinator.client import CoordinatorClient
@@ -58,6 +59,10 @@ class CheckpointManagerOptions:
         replaced and refilled) before it restores an older one; that restore logs a warning naming both
         steps, and :attr:`CheckpointManager.last_restored_step` tells which step was restored.
       rpc_timeout_seconds: deadline of each call to the coordinator.
+      preemption_scope: what :meth:`CheckpointManager.reached_preemption` stops for. ``"job"``: a notice to any
+        host (the coordinator tells every host of it): the whole job suspends. ``"slices"`` (elastic training):
+        only once every active slice has a notice of its own; a notice to some slices only is for the loop to
+        drop them (:meth:`CheckpointManager.noticed_slices`) and go on with the others.
     """
 
     local_directory: str
@@ -76,6 +81,7 @@ class CheckpointManagerOptions:
     restore_wait_seconds: float = 300.0
     newest_wait_seconds: float = 15.0
     rpc_timeout_seconds: float = 30.0
+    preemption_scope: Literal["job", "slices"] = "job"
 
     def __post_init__(self) -> None:
         if self.save_interval_steps < 1:
@@ -84,6 +90,8 @@ class CheckpointManagerOptions:
             raise ValueError("max_to_keep must be >= 1 or None")
         if self.dispatcher not in ("colocated", "in_process"):
             raise ValueError(f"unknown dispatcher {self.dispatcher!r}")
+        if self.preemption_scope not in ("job", "slices"):
+            raise ValueError(f"unknown preemption_scope {self.preemption_scope!r}")
 
 
 class CheckpointManager:
@@ -129,11 +137,7 @@ class CheckpointManager:
             remote_fetch=bool(options.coordinator_address),
             fetch_timeout_seconds=options.restore_wait_seconds,
         )
-        self._coordinator = None
-        if options.coordinator_address:
-            tls = TlsOptions.from_args(options.tls_cert_file, options.tls_key_file, options.tls_ca_file)
-            self._coordinator = CoordinatorClient(options.coordinator_address, options.token_file,
-                                                  options.rpc_timeout_seconds, tls=tls)
+        self._coordinator = self._coordinator_client(options.rpc_timeout_seconds) if options.coordinator_address else None
         if dispatcher is None:
             if options.dispatcher == "colocated":
                 dispatcher = ColocatedDispatcher(self.config, self.devices)
@@ -142,7 +146,8 @@ class CheckpointManager:
                 dispatcher = InProcessDispatcher(self.config, [d for d in jax.local_devices() if d.id in active])
         self.dispatcher = dispatcher
         self._replicated = NamedSharding(Mesh(np.array(self.devices), ("all",)), PartitionSpec())
-        self._last_saved: int | None = None
+        self._last_saved: int | None = None  # the save the next wait has the coordinator count complete
+        self._saved_last: int | None = None  # the step this manager saved last (backup_now waits for it)
         # Steps known saved (complete), for the rule of :meth:`save`; None until the first save asks the hosts.
         self._saved: set[int] | None = None
         self._skipping: int | None = None  # the first step of the current run of skipped saves
@@ -194,7 +199,7 @@ class CheckpointManager:
         except BaseException:
             self._saved = None  # whatever the hosts hold now is asked again at the next save
             raise
-        self._last_saved = step
+        self._last_saved = self._saved_last = step
         if self._saved is not None:
             self._saved.add(step)
         self._skipping = None
@@ -260,6 +265,13 @@ class CheckpointManager:
             self._await_coordinator(self._last_saved)
             return True
         return False
+
+    def _coordinator_client(self, rpc_timeout_seconds: float, failover_seconds: float | None = None,
+                            ) -> CoordinatorClient:
+        o = self.options
+        tls = TlsOptions.from_args(o.tls_cert_file, o.tls_key_file, o.tls_ca_file)
+        return CoordinatorClient(o.coordinator_address, o.token_file, rpc_timeout_seconds, tls=tls,
+                                 failover_seconds=failover_seconds)
 
     def _pin(self, step: int) -> None:
         """Best effort: the coordinator keeps ``step`` from GC while we restore it and has every host
@@ -466,20 +478,61 @@ class CheckpointManager:
         self._saved = {s for s in self._saved if s <= step} if self._saved is not None else {step}
 
     # ------------------------------------------------------------------ suspend-resume
+    @property
+    def active_slices(self) -> frozenset[int]:
+        """The slices (places in the full allocation) of the active hosts."""
+        return frozenset(self.topology.slice_of(r) for r in self.active_ranks)
+
+    def noticed_slices(self) -> frozenset[int]:
+        """The active slices with a host whose own replicator got a preemption notice (its Pod's preStop hook
+        or its SIGTERM): they go away within their grace period. One ``PREEMPTION`` fan-out; empty without
+        replicators."""
+        if self._coordinator is None:
+            return frozenset()
+        return suspend.noticed_slices(self.dispatcher.query(host.HostQuery.PREEMPTION), self.topology)
+
     def reached_preemption(self, step: int) -> bool:
-        """True once any host's replicator has seen a preemption notice (SIGTERM): save ``step`` now,
-        call :meth:`backup_now`, wait and exit. Needs the replicators (False without a coordinator)."""
+        """True once the job must suspend: save ``step`` now, :meth:`backup_now` with ``wait=True`` and exit 75
+        (:func:`controller_client.preemption_exit.finish_preempted`). Needs the replicators (False without a
+        coordinator). ``preemption_scope="job"``: any host's replicator knows of a notice; ``"slices"``: every
+        active slice got one of its own (fewer noticed slices: see :meth:`noticed_slices`)."""
         if self._coordinator is None:
             return False
-        return any(bool(v) for v in self.dispatcher.query(host.HostQuery.PREEMPTION).values())
+        answers = self.dispatcher.query(host.HostQuery.PREEMPTION)
+        if self.options.preemption_scope == "slices":
+            return suspend.noticed_slices(answers, self.topology) >= self.active_slices
+        return suspend.job_noticed(answers)
 
-    def backup_now(self) -> None:
-        """Ask the replicators to back the newest complete step up to the bucket at once (no interval)."""
+    def backup_now(self, *, wait: bool = False, timeout_seconds: float = 30.0) -> suspend.DurableStep | None:
+        """Ask the replicators to back the newest complete step up to the bucket at once (no interval).
+
+        ``wait``: then return once the step this manager saved last (or, when it saved none, the newest
+        complete step), or a newer one, is durable: committed in the bucket, or, when the job has no bucket,
+        redundant (every rank's data on two hosts) — a :class:`~controller_client.suspend.DurableStep`. The
+        pending saves' wait and every coordinator call included, within ``timeout_seconds``; else
+        :class:`TimeoutError` naming the step and how far it got. Without ``wait``: None, at once.
+        """
         if self._coordinator is None:
             raise RuntimeError("backup_now needs the replicators (coordinator_address)")
-        self.wait_until_finished()
-        self.dispatcher.query(host.HostQuery.WAKE)
-        self.dispatcher.query(host.HostQuery.BACKUP_NOW)
+        if not wait:
+            self.wait_until_finished()
+            self.dispatcher.query(host.HostQuery.WAKE)
+            self.dispatcher.query(host.HostQuery.BACKUP_NOW)
+            return None
+        deadline = time.monotonic() + timeout_seconds
+        self.dispatcher.query(host.HostQuery.WAIT, max(0.0, min(self.options.wait_timeout_seconds,
+                                                                 deadline - time.monotonic())))
+        self._last_saved = None  # done with the save: the coordinator's view is waited for below
+        self.dispatcher.query(host.HostQuery.WAKE)  # every replicator reports its saves now ...
+        self.dispatcher.query(host.HostQuery.BACKUP_NOW)  # ... then asks for the backup of its newest one
+        # Each status call bounded by what is left, and no failover rounds beyond it: a coordinator being
+        # deleted must not hold the program past the grace period.
+        call_seconds = max(0.5, min(self.options.rpc_timeout_seconds, timeout_seconds / 4))
+        client = self._coordinator_client(call_seconds, failover_seconds=0.0)
+        try:
+            return suspend.wait_durable(client.status, self._saved_last, deadline)
+        finally:
+            client.close()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -292,8 +293,8 @@ _HELP = {
     "network_policy": "render the NetworkPolicy (default on; --no-network-policy to skip)",
     "gcp_service_account": "Workload Identity: Google service account for the bucket (annotation)",
     "controller_command": "the training program (default: python /app/train.py); quote it as one string",
-    "proxy_args": "extra flags of the Pathways proxy, quoted as one string (e.g. '--xla_tpu_foo=1 --bar=2'), "
-                  "appended after the rendered ones",
+    "proxy_args": "extra flags of the Pathways proxy, quoted as one string (e.g. '--xla_tpu_foo=1 --bar=2', or "
+                  "one flag: '--num_elastic_instances=2'), appended after the rendered ones",
     "backup_interval_minutes": "Pathways mode: back up every N minutes (default 30; Orbax sets its own)",
     "backup_keep": "backups kept in the bucket (default 3)",
     "replicas": "extra verified copies of each host's step on other slices (default 1)",
@@ -319,6 +320,29 @@ _HELP = {
     "replicator_memory_limit": "memory limit of the replicator container (default 40Gi)",
     "ramdisk_image": "image of the hostpath DaemonSet (needs sh, mount, mountpoint; default busybox)",
 }
+
+
+# Flags whose value is a command line of its own: the word after them is their value even when it starts with
+# "--" (argparse takes a lone "--num_elastic_instances=2" for an option and fails: "expected one argument").
+VERBATIM_FLAGS = ("--controller-command", "--proxy-args")
+
+
+def bind_verbatim_values(argv: Sequence[str]) -> list[str]:
+    """``argv`` with each ``--proxy-args VALUE`` / ``--controller-command VALUE`` written as ``FLAG=VALUE``, which
+    argparse reads as the flag's value whatever VALUE looks like (``mtc`` calls this before parsing)."""
+    out: list[str] = []
+    it = iter(argv)
+    for word in it:
+        if word == "--":  # the rest is positional: left as it is
+            out.append(word)
+            out.extend(it)
+            break
+        if word in VERBATIM_FLAGS:
+            value = next(it, None)
+            out.append(word if value is None else f"{word}={value}")  # no value: argparse says so
+        else:
+            out.append(word)
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

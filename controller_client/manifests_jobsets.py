@@ -47,6 +47,8 @@ PULL = {"imagePullPolicy": "Always"}
 # pathwaysutils' default slice-restart budget per host (max_slice_restarts): Pathways, not the JobSet,
 # handles a failed worker of an elastic job.
 ELASTIC_WORKER_RESTARTS_PER_HOST = 1_000_000
+# A Job's backoffLimit and backoffLimitPerIndex are int32s (batch/v1 JobSpec; the JobSet CRD: "format": "int32").
+INT32_MAX = 2_147_483_647
 
 
 # --------------------------------------------------------------------------- preemption budget
@@ -267,15 +269,22 @@ def _pod_spec(opts: ManifestOptions, *, worker: bool) -> dict[str, Any]:
     return spec
 
 
-def _worker_backoff(opts: ManifestOptions) -> int:
-    # restart-jobset: the first failed worker Pod fails its Job, so the JobSet restarts (hot-swap: the
-    # re-created Jobs are placed on any free node pool, a spare one included). restart-slice (elastic):
-    # Pathways handles a lost slice, the Job re-creates its Pods (it never fails within this budget, so the
-    # JobSet never restarts the other slices: the default-on way, no RestartJob feature gate), the controller
-    # keeps running.
+def _worker_backoff(opts: ManifestOptions) -> dict[str, int]:
+    """The worker Jobs' failure budget. restart-jobset: the first failed worker Pod fails its Job, so the JobSet
+    restarts (hot-swap: the re-created Jobs are placed on any free node pool, a spare one included).
+    restart-slice (elastic): Pathways handles a lost slice, the Job re-creates its Pods (it never fails within
+    this budget, so the JobSet never restarts the other slices: the default-on way, no RestartJob feature
+    gate), the controller keeps running.
+
+    Elastic budgets are per index (per host), not per Job: the Job controller delays re-creating failed Pods by
+    10 s doubling per failure up to 6 min, notices (podFailurePolicy Ignore) included, and a Job-wide count
+    only resets on a success, which an elastic worker never has. Counted per Job, one notice to a slice of H
+    hosts cost 10 s x 2^(H-1) before its Pods came back (80 s at 4 hosts) and a few notices 6 min; per index it
+    is 10 s x 2^(n-1) from that host's previous failure, n its failures so far (pkg/controller/job
+    backoff_utils.go, Kubernetes 1.36; measured in tests/cluster/test_decisions.py)."""
     if opts.worker_failure_kind == "restart-jobset":
-        return 0
-    return opts.hosts_per_slice * ELASTIC_WORKER_RESTARTS_PER_HOST
+        return {"backoffLimit": 0}
+    return {"backoffLimitPerIndex": min(ELASTIC_WORKER_RESTARTS_PER_HOST, INT32_MAX)}
 
 
 # The Pod condition the scheduler's preemption, the Eviction API, the taint manager, PodGC and the kubelet's
@@ -304,14 +313,14 @@ def _pod_failure_policy(opts: ManifestOptions, *, replicated_job: str) -> dict[s
     return {"rules": rules}
 
 
-def _job_template(pod: dict[str, Any], completions: int, backoff: int, topology: str,
+def _job_template(pod: dict[str, Any], completions: int, backoff: dict[str, int], topology: str,
                   failure: dict[str, Any], *, on_job: bool = False) -> dict[str, Any]:
     # One slice per node pool (workers), the head alone on its node: exclusive placement per replicated Job
     # (on the JobSet it would also claim a whole node pool for the head), where Google's JobSets put it.
     ann = {EXCLUSIVE_TOPOLOGY: topology}
     return {**({"metadata": {"annotations": dict(ann)}} if on_job else {}),
             "spec": {"completionMode": "Indexed", "completions": completions, "parallelism": completions,
-                     "backoffLimit": backoff, "podFailurePolicy": failure,
+                     **backoff, "podFailurePolicy": failure,
                      "template": {"metadata": {"annotations": dict(ann)}, "spec": pod}}}
 
 
@@ -504,7 +513,7 @@ def pathways_jobset(opts: ManifestOptions) -> dict[str, Any]:
             "failurePolicy": _failure_policy(opts),
             "replicatedJobs": [
                 {"name": "head", "replicas": 1,
-                 "template": _job_template(head, 1, 0, "kubernetes.io/hostname",
+                 "template": _job_template(head, 1, {"backoffLimit": 0}, "kubernetes.io/hostname",
                                            _pod_failure_policy(opts, replicated_job="head"), on_job=True)},
                 {"name": "workers", "replicas": opts.slices,
                  "template": _job_template(wspec, opts.hosts_per_slice, _worker_backoff(opts),

@@ -16,7 +16,8 @@ serve. :class:`ElasticCheckpointer` is that loop's state tier, done so that the 
 - ``save`` follows the state's devices: after an in-place scale-up (the loop adds the returned slices to
   ``active_slice_indices``, rebuilds its mesh and ``device_put``s the state) the next save goes to a manager
   over the new active devices, with the same options and the full-allocation topology (ranks never change).
-- ``reached_preemption`` / ``backup_now`` serve suspend-resume, from the checkpoint tier.
+- ``reached_preemption`` / ``backup_now`` serve suspend-resume, from the checkpoint tier; ``noticed_slices``
+  and :class:`LeavingSlices` let an elastic loop drop the slices that got a notice and go on with the others.
 
 Needs orbax-checkpoint >= 0.12.6 (the Snapshotter) and pathwaysutils (its split/concatenate by mesh axis).
 """
@@ -32,6 +33,7 @@ from typing import Any, Literal
 import jax
 
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
+from controller_client.suspend import DurableStep
 from controller_client.topology import HostTopology
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,48 @@ def _shape_mismatch(restored: Any, target: Any) -> str | None:
         if hasattr(w, "shape") and tuple(getattr(g, "shape", ())) != tuple(w.shape):
             return f"leaf {jax.tree_util.keystr(path)} has shape {tuple(g.shape)}, target {tuple(w.shape)}"
     return None
+
+
+class LeavingSlices:
+    """Slices an elastic loop dropped for their preemption notice, kept out of scale-ups until they are gone.
+
+    A noticed slice stays healthy until Kubernetes kills its Pods, at the latest ``terminationGracePeriodSeconds``
+    after the notice; until then pathwaysutils' monitor reports it in ``available_inactive_slices`` and an
+    in-place scale-up would take it back. ``hold_seconds``: the grace period plus the monitor's poll interval
+    (a report of the slice from before its Pods died is stale by then); after it the monitor's word stands
+    (the slice's re-created Pods, or a notice withdrawn).
+    """
+
+    def __init__(self, hold_seconds: float, clock: Callable[[], float] = time.monotonic):
+        if hold_seconds < 0:
+            raise ValueError("hold_seconds must be >= 0")
+        self.hold_seconds = hold_seconds
+        self._clock = clock
+        self._since: dict[int, float] = {}
+
+    def drop(self, slices: frozenset[int] | set[int]) -> None:
+        """These slices got a notice now (a slice dropped again keeps its first notice's time)."""
+        now = self._clock()
+        for s in slices:
+            self._since.setdefault(s, now)
+
+    @property
+    def leaving(self) -> frozenset[int]:
+        now = self._clock()
+        self._since = {s: t for s, t in self._since.items() if now - t < self.hold_seconds}
+        return frozenset(self._since)
+
+    def returnable(self, available: frozenset[int] | set[int]) -> frozenset[int]:
+        """Of ``available`` (``available_inactive_slices``), the slices a scale-up may take."""
+        return frozenset(available) - self.leaving
+
+
+    def keep_out(self, elastic_manager: Any) -> None:
+        """At an attempt's start (``elastic_retry`` took every healthy slice): the leaving slices stay out of
+        ``elastic_manager.active_slice_indices``, unless nothing else is left."""
+        keep = frozenset(elastic_manager.active_slice_indices) - self.leaving
+        if keep and keep != frozenset(elastic_manager.active_slice_indices):
+            elastic_manager.active_slice_indices = keep
 
 
 class ElasticCheckpointer:
@@ -227,13 +271,19 @@ class ElasticCheckpointer:
         self.manager.wait_until_finished()
 
     # ------------------------------------------------------------------ suspend-resume
+    def noticed_slices(self) -> frozenset[int]:
+        """The active slices with a preemption notice of their own (:meth:`CheckpointManager.noticed_slices`)."""
+        return self.manager.noticed_slices()
+
     def reached_preemption(self, step: int) -> bool:
-        """True once a replicator has seen a preemption notice: save ``step`` with ``force``, call
-        :meth:`backup_now` and exit (a snapshot does not outlive the process)."""
+        """True once the job must suspend (:meth:`CheckpointManager.reached_preemption`; with
+        ``preemption_scope="slices"``, once every active slice has a notice): save ``step`` with ``force``, call
+        :meth:`backup_now` with ``wait=True`` and exit 75 (a snapshot does not outlive the process)."""
         return self.manager.reached_preemption(step)
 
-    def backup_now(self) -> None:
-        self.manager.backup_now()
+    def backup_now(self, *, wait: bool = False, timeout_seconds: float = 30.0) -> DurableStep | None:
+        """:meth:`CheckpointManager.backup_now` (the snapshot has no durable tier of its own)."""
+        return self.manager.backup_now(wait=wait, timeout_seconds=timeout_seconds)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mtc_rpc import tier_pb2 as tier__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x06mtc.v1\x1a\ntier.proto\"\"\n\x12LocalLocateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"9\n\x13LocalLocateResponse\x12\x0e\n\x06savers\x18\x01 \x03(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\x93\x01\n\x10\x46\x65tchStepRequest\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rmanifest_only\x18\x03 \x01(\x08\x12\x15\n\rreplace_local\x18\x04 \x01(\x08\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x16\n\x0emin_generation\x18\x06 \x01(\x03\"<\n\x11\x46\x65tchStepResponse\x12\x10\n\x08step_dir\x18\x01 \x01(\t\x12\x15\n\rmanifest_json\x18\x02 \x01(\x0c\"*\n\nFileLanded\x12\r\n\x05index\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"\x93\x01\n\x0bStepLanding\x12\x15\n\rmanifest_json\x18\x01 \x01(\x0c\x12\x0f\n\x07tmp_dir\x18\x02 \x01(\t\x12\x10\n\x08step_dir\x18\x03 \x01(\t\x12\x13\n\x0bpart_suffix\x18\x04 \x01(\t\x12\"\n\x06landed\x18\x05 \x03(\x0b\x32\x12.mtc.v1.FileLanded\x12\x11\n\tcommitted\x18\x06 \x01(\x08\"6\n\x08StepFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\"\xa4\x01\n\x11\x46\x65tchFilesRequest\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1f\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x10.mtc.v1.StepFile\x12\x10\n\x08\x64\x65st_dir\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12!\n\x06pieces\x18\x06 \x03(\x0b\x32\x11.mtc.v1.FilePiece\"I\n\tFilePiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\r\"3\n\x12\x46\x65tchFilesResponse\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"\x16\n\x14GetPreemptionRequest\"=\n\x15GetPreemptionResponse\x12\x13\n\x0bnotice_step\x18\x01 \x01(\x03\x12\x0f\n\x07noticed\x18\x02 \x01(\x08\"D\n\x0ePreemptRequest\x12\x1b\n\x13save_window_seconds\x18\x01 \x01(\x01\x12\x15\n\rflush_seconds\x18\x02 \x01(\x01\"7\n\x0fPreemptResponse\x12\x13\n\x0bnotice_step\x18\x01 \x01(\x03\x12\x0f\n\x07started\x18\x02 \x01(\x08\"\x12\n\x10\x42\x61\x63kupNowRequest\"\x13\n\x11\x42\x61\x63kupNowResponse\"$\n\x14StepCommittedRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x17\n\x15StepCommittedResponse\"\x17\n\x15GetLocalStatusRequest\".\n\nLocalPiece\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\";\n\tLocalTask\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nowner_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"\xf7\x03\n\x16GetLocalStatusResponse\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12\r\n\x05nodes\x18\x04 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12\x11\n\town_steps\x18\x07 \x03(\x03\x12&\n\npeer_steps\x18\x08 \x03(\x0b\x32\x12.mtc.v1.LocalPiece\x12\x1c\n\x14newest_complete_step\x18\t \x01(\x03\x12$\n\tin_flight\x18\n \x03(\x0b\x32\x11.mtc.v1.LocalTask\x12>\n\x08\x63ounters\x18\x0b \x03(\x0b\x32,.mtc.v1.GetLocalStatusResponse.CountersEntry\x12\x15\n\rrecent_errors\x18\x0c \x03(\t\x12\x12\n\nhas_backup\x18\r \x01(\x08\x12\x1d\n\x15\x62\x61\x63kup_uploaded_bytes\x18\x0e \x01(\x03\x12\x19\n\x11\x62\x61\x63kup_last_error\x18\x0f \x01(\t\x12.\n\x0clast_restore\x18\x10 \x01(\x0b\x32\x18.mtc.v1.RestoreBreakdown\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01J\x04\x08\x01\x10\x02\x32\x86\x05\n\x0cLocalControl\x12L\n\rStepCommitted\x12\x1c.mtc.v1.StepCommittedRequest\x1a\x1d.mtc.v1.StepCommittedResponse\x12O\n\x0eGetLocalStatus\x12\x1d.mtc.v1.GetLocalStatusRequest\x1a\x1e.mtc.v1.GetLocalStatusResponse\x12\x45\n\nLocateStep\x12\x1a.mtc.v1.LocalLocateRequest\x1a\x1b.mtc.v1.LocalLocateResponse\x12@\n\tFetchStep\x12\x18.mtc.v1.FetchStepRequest\x1a\x19.mtc.v1.FetchStepResponse\x12=\n\nStreamStep\x12\x18.mtc.v1.FetchStepRequest\x1a\x13.mtc.v1.StepLanding0\x01\x12\x43\n\nFetchFiles\x12\x19.mtc.v1.FetchFilesRequest\x1a\x1a.mtc.v1.FetchFilesResponse\x12L\n\rGetPreemption\x12\x1c.mtc.v1.GetPreemptionRequest\x1a\x1d.mtc.v1.GetPreemptionResponse\x12@\n\tBackupNow\x12\x18.mtc.v1.BackupNowRequest\x1a\x19.mtc.v1.BackupNowResponse\x12:\n\x07Preempt\x12\x16.mtc.v1.PreemptRequest\x1a\x17.mtc.v1.PreemptResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x06mtc.v1\x1a\ntier.proto\"\"\n\x12LocalLocateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"9\n\x13LocalLocateResponse\x12\x0e\n\x06savers\x18\x01 \x03(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\x93\x01\n\x10\x46\x65tchStepRequest\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rmanifest_only\x18\x03 \x01(\x08\x12\x15\n\rreplace_local\x18\x04 \x01(\x08\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x16\n\x0emin_generation\x18\x06 \x01(\x03\"<\n\x11\x46\x65tchStepResponse\x12\x10\n\x08step_dir\x18\x01 \x01(\t\x12\x15\n\rmanifest_json\x18\x02 \x01(\x0c\"*\n\nFileLanded\x12\r\n\x05index\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"\x93\x01\n\x0bStepLanding\x12\x15\n\rmanifest_json\x18\x01 \x01(\x0c\x12\x0f\n\x07tmp_dir\x18\x02 \x01(\t\x12\x10\n\x08step_dir\x18\x03 \x01(\t\x12\x13\n\x0bpart_suffix\x18\x04 \x01(\t\x12\"\n\x06landed\x18\x05 \x03(\x0b\x32\x12.mtc.v1.FileLanded\x12\x11\n\tcommitted\x18\x06 \x01(\x08\"6\n\x08StepFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\"\xa4\x01\n\x11\x46\x65tchFilesRequest\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1f\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x10.mtc.v1.StepFile\x12\x10\n\x08\x64\x65st_dir\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12!\n\x06pieces\x18\x06 \x03(\x0b\x32\x11.mtc.v1.FilePiece\"I\n\tFilePiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\r\"3\n\x12\x46\x65tchFilesResponse\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"\x16\n\x14GetPreemptionRequest\"P\n\x15GetPreemptionResponse\x12\x13\n\x0bnotice_step\x18\x01 \x01(\x03\x12\x0f\n\x07noticed\x18\x02 \x01(\x08\x12\x11\n\tthis_host\x18\x03 \x01(\x08\"D\n\x0ePreemptRequest\x12\x1b\n\x13save_window_seconds\x18\x01 \x01(\x01\x12\x15\n\rflush_seconds\x18\x02 \x01(\x01\"7\n\x0fPreemptResponse\x12\x13\n\x0bnotice_step\x18\x01 \x01(\x03\x12\x0f\n\x07started\x18\x02 \x01(\x08\"\x12\n\x10\x42\x61\x63kupNowRequest\"\x13\n\x11\x42\x61\x63kupNowResponse\"$\n\x14StepCommittedRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x17\n\x15StepCommittedResponse\"\x17\n\x15GetLocalStatusRequest\".\n\nLocalPiece\x12\x12\n\nowner_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\";\n\tLocalTask\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nowner_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"\xf7\x03\n\x16GetLocalStatusResponse\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12\r\n\x05nodes\x18\x04 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12\x11\n\town_steps\x18\x07 \x03(\x03\x12&\n\npeer_steps\x18\x08 \x03(\x0b\x32\x12.mtc.v1.LocalPiece\x12\x1c\n\x14newest_complete_step\x18\t \x01(\x03\x12$\n\tin_flight\x18\n \x03(\x0b\x32\x11.mtc.v1.LocalTask\x12>\n\x08\x63ounters\x18\x0b \x03(\x0b\x32,.mtc.v1.GetLocalStatusResponse.CountersEntry\x12\x15\n\rrecent_errors\x18\x0c \x03(\t\x12\x12\n\nhas_backup\x18\r \x01(\x08\x12\x1d\n\x15\x62\x61\x63kup_uploaded_bytes\x18\x0e \x01(\x03\x12\x19\n\x11\x62\x61\x63kup_last_error\x18\x0f \x01(\t\x12.\n\x0clast_restore\x18\x10 \x01(\x0b\x32\x18.mtc.v1.RestoreBreakdown\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01J\x04\x08\x01\x10\x02\x32\x86\x05\n\x0cLocalControl\x12L\n\rStepCommitted\x12\x1c.mtc.v1.StepCommittedRequest\x1a\x1d.mtc.v1.StepCommittedResponse\x12O\n\x0eGetLocalStatus\x12\x1d.mtc.v1.GetLocalStatusRequest\x1a\x1e.mtc.v1.GetLocalStatusResponse\x12\x45\n\nLocateStep\x12\x1a.mtc.v1.LocalLocateRequest\x1a\x1b.mtc.v1.LocalLocateResponse\x12@\n\tFetchStep\x12\x18.mtc.v1.FetchStepRequest\x1a\x19.mtc.v1.FetchStepResponse\x12=\n\nStreamStep\x12\x18.mtc.v1.FetchStepRequest\x1a\x13.mtc.v1.StepLanding0\x01\x12\x43\n\nFetchFiles\x12\x19.mtc.v1.FetchFilesRequest\x1a\x1a.mtc.v1.FetchFilesResponse\x12L\n\rGetPreemption\x12\x1c.mtc.v1.GetPreemptionRequest\x1a\x1d.mtc.v1.GetPreemptionResponse\x12@\n\tBackupNow\x12\x18.mtc.v1.BackupNowRequest\x1a\x19.mtc.v1.BackupNowResponse\x12:\n\x07Preempt\x12\x16.mtc.v1.PreemptRequest\x1a\x17.mtc.v1.PreemptResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -57,29 +57,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETPREEMPTIONREQUEST']._serialized_start=889
   _globals['_GETPREEMPTIONREQUEST']._serialized_end=911
   _globals['_GETPREEMPTIONRESPONSE']._serialized_start=913
-  _globals['_GETPREEMPTIONRESPONSE']._serialized_end=974
-  _globals['_PREEMPTREQUEST']._serialized_start=976
-  _globals['_PREEMPTREQUEST']._serialized_end=1044
-  _globals['_PREEMPTRESPONSE']._serialized_start=1046
-  _globals['_PREEMPTRESPONSE']._serialized_end=1101
-  _globals['_BACKUPNOWREQUEST']._serialized_start=1103
-  _globals['_BACKUPNOWREQUEST']._serialized_end=1121
-  _globals['_BACKUPNOWRESPONSE']._serialized_start=1123
-  _globals['_BACKUPNOWRESPONSE']._serialized_end=1142
-  _globals['_STEPCOMMITTEDREQUEST']._serialized_start=1144
-  _globals['_STEPCOMMITTEDREQUEST']._serialized_end=1180
-  _globals['_STEPCOMMITTEDRESPONSE']._serialized_start=1182
-  _globals['_STEPCOMMITTEDRESPONSE']._serialized_end=1205
-  _globals['_GETLOCALSTATUSREQUEST']._serialized_start=1207
-  _globals['_GETLOCALSTATUSREQUEST']._serialized_end=1230
-  _globals['_LOCALPIECE']._serialized_start=1232
-  _globals['_LOCALPIECE']._serialized_end=1278
-  _globals['_LOCALTASK']._serialized_start=1280
-  _globals['_LOCALTASK']._serialized_end=1339
-  _globals['_GETLOCALSTATUSRESPONSE']._serialized_start=1342
-  _globals['_GETLOCALSTATUSRESPONSE']._serialized_end=1845
-  _globals['_GETLOCALSTATUSRESPONSE_COUNTERSENTRY']._serialized_start=1792
-  _globals['_GETLOCALSTATUSRESPONSE_COUNTERSENTRY']._serialized_end=1839
-  _globals['_LOCALCONTROL']._serialized_start=1848
-  _globals['_LOCALCONTROL']._serialized_end=2494
+  _globals['_GETPREEMPTIONRESPONSE']._serialized_end=993
+  _globals['_PREEMPTREQUEST']._serialized_start=995
+  _globals['_PREEMPTREQUEST']._serialized_end=1063
+  _globals['_PREEMPTRESPONSE']._serialized_start=1065
+  _globals['_PREEMPTRESPONSE']._serialized_end=1120
+  _globals['_BACKUPNOWREQUEST']._serialized_start=1122
+  _globals['_BACKUPNOWREQUEST']._serialized_end=1140
+  _globals['_BACKUPNOWRESPONSE']._serialized_start=1142
+  _globals['_BACKUPNOWRESPONSE']._serialized_end=1161
+  _globals['_STEPCOMMITTEDREQUEST']._serialized_start=1163
+  _globals['_STEPCOMMITTEDREQUEST']._serialized_end=1199
+  _globals['_STEPCOMMITTEDRESPONSE']._serialized_start=1201
+  _globals['_STEPCOMMITTEDRESPONSE']._serialized_end=1224
+  _globals['_GETLOCALSTATUSREQUEST']._serialized_start=1226
+  _globals['_GETLOCALSTATUSREQUEST']._serialized_end=1249
+  _globals['_LOCALPIECE']._serialized_start=1251
+  _globals['_LOCALPIECE']._serialized_end=1297
+  _globals['_LOCALTASK']._serialized_start=1299
+  _globals['_LOCALTASK']._serialized_end=1358
+  _globals['_GETLOCALSTATUSRESPONSE']._serialized_start=1361
+  _globals['_GETLOCALSTATUSRESPONSE']._serialized_end=1864
+  _globals['_GETLOCALSTATUSRESPONSE_COUNTERSENTRY']._serialized_start=1811
+  _globals['_GETLOCALSTATUSRESPONSE_COUNTERSENTRY']._serialized_end=1858
+  _globals['_LOCALCONTROL']._serialized_start=1867
+  _globals['_LOCALCONTROL']._serialized_end=2513
 # @@protoc_insertion_point(module_scope)

@@ -120,12 +120,14 @@ class GetPreemptionRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetPreemptionResponse(_message.Message):
-    __slots__ = ("notice_step", "noticed")
+    __slots__ = ("notice_step", "noticed", "this_host")
     NOTICE_STEP_FIELD_NUMBER: _ClassVar[int]
     NOTICED_FIELD_NUMBER: _ClassVar[int]
+    THIS_HOST_FIELD_NUMBER: _ClassVar[int]
     notice_step: int
     noticed: bool
-    def __init__(self, notice_step: _Optional[int] = ..., noticed: _Optional[bool] = ...) -> None: ...
+    this_host: bool
+    def __init__(self, notice_step: _Optional[int] = ..., noticed: _Optional[bool] = ..., this_host: _Optional[bool] = ...) -> None: ...
 
 class PreemptRequest(_message.Message):
     __slots__ = ("save_window_seconds", "flush_seconds")

@@ -169,9 +169,10 @@ class Preemption:
         self._notice_thread: threading.Thread | None = None
 
     def status(self) -> control_pb2.GetPreemptionResponse:
-        """Whether the job got a notice, and the newest complete step then (-1 without a notice)."""
+        """Whether the job got a notice, whether this host did, and the newest complete step then (-1 without
+        a notice)."""
         noticed = self.state.noticed
-        return control_pb2.GetPreemptionResponse(noticed=noticed,
+        return control_pb2.GetPreemptionResponse(noticed=noticed, this_host=self.state.preempting,
                                                  notice_step=self._link.newest_complete if noticed else -1)
 
     def on_notice(self, request: control_pb2.PreemptRequest) -> control_pb2.PreemptResponse:

@@ -23,7 +23,7 @@ import numpy as np
 from sidecar import commit, faults, layout, pieces, reader, saves, spares, tree, writer
 from sidecar.failures import RankMismatchError, StepAlreadyExistsError
 from sidecar.notify import notify_step_committed
-from sidecar.remote import ReplicatorFetcher, backup_now, preemption_noticed, replicator_rank
+from sidecar.remote import PreemptionNotice, ReplicatorFetcher, backup_now, preemption_notice, replicator_rank
 
 log = logging.getLogger(__name__)
 
@@ -410,7 +410,7 @@ class HostQuery(enum.Enum):
     STEPS = "steps"  # arg: timeout (s) for surfacing failed saves -> StepsAnswer
     WAIT = "wait"  # arg: timeout (s): wait for every queued save -> True
     WAKE = "wake"  # ask the host's replicator to report now -> whether it answered
-    PREEMPTION = "preemption"  # has the host's replicator seen a preemption notice -> bool
+    PREEMPTION = "preemption"  # what the host's replicator knows of a preemption notice -> PreemptionNotice
     BACKUP_NOW = "backup_now"  # ask the host's replicator for an immediate backup -> whether it answered
 
 
@@ -450,7 +450,7 @@ def query_on_hosts(config: HostConfig, ranks: Sequence[int], query: HostQuery | 
             result[r] = StepsAnswer(tuple(commit.committed_steps(layout.steps_dir(w.root))), w.in_flight(),
                                     held_steps(config, r))
         elif query is HostQuery.PREEMPTION:
-            result[r] = preemption_noticed(w.root)
+            result[r] = preemption_notice(w.root)
         elif query is HostQuery.BACKUP_NOW:
             result[r] = backup_now(w.root)
         elif query is HostQuery.WAIT:
@@ -486,11 +486,15 @@ def held_steps(config: HostConfig, rank: int) -> tuple[saves.StepSave, ...]:
 
 
 def _to_wire(query: HostQuery, answer: Any) -> Any:
-    return answer.to_wire() if query is HostQuery.STEPS else bool(answer)
+    return answer.to_wire() if query in (HostQuery.STEPS, HostQuery.PREEMPTION) else bool(answer)
 
 
 def _from_wire(query: HostQuery, data: Any) -> Any:
-    return StepsAnswer.from_wire(data) if query is HostQuery.STEPS else bool(data)
+    if query is HostQuery.STEPS:
+        return StepsAnswer.from_wire(data)
+    if query is HostQuery.PREEMPTION:
+        return PreemptionNotice.from_wire(data)
+    return bool(data)
 
 
 def encode_result(query: HostQuery | str, answers: dict[int, Any], size: int) -> np.ndarray:

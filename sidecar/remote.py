@@ -8,10 +8,12 @@ own data it lacks, while it lands (``stream``, see ``sidecar.landing``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -176,10 +178,30 @@ def _quick(root: Path, method: str, request: object) -> object | None:
         return None
 
 
-def preemption_noticed(root: Path) -> bool:
-    """Has the host's replicator seen a preemption notice (its own SIGTERM, or another host's)?"""
+@dataclasses.dataclass(frozen=True)
+class PreemptionNotice:
+    """One host's answer to "is there a preemption notice": ``job``: the job has one (this host's, or another
+    host's the coordinator told of); ``this_host``: this host's own process got it (its preStop hook or its
+    SIGTERM). Both False when the replicator does not answer."""
+
+    job: bool = False
+    this_host: bool = False
+
+    def to_wire(self) -> list[bool]:
+        return [self.job, self.this_host]
+
+    @classmethod
+    def from_wire(cls, data: Any) -> PreemptionNotice:
+        job, this_host = data
+        return cls(bool(job), bool(this_host))
+
+
+def preemption_notice(root: Path) -> PreemptionNotice:
+    """What the host's replicator knows of a preemption notice (its own, or another host's)."""
     resp = _quick(root, "GetPreemption", control_pb2.GetPreemptionRequest())
-    return bool(resp is not None and resp.noticed)
+    if resp is None:
+        return PreemptionNotice()
+    return PreemptionNotice(job=bool(resp.noticed), this_host=bool(resp.this_host))
 
 
 def backup_now(root: Path) -> bool:

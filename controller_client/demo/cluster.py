@@ -165,6 +165,20 @@ class LocalCluster:
         for p in self.procs.values():
             p.wait()
 
+    def notice(self, rank: int, flush_seconds: float = 20.0, timeout_seconds: float = 5.0) -> None:
+        """Give rank ``rank``'s replicator a preemption notice as its Pod's preStop hook does (``mtc preempt``:
+        ``LocalControl.Preempt`` over its control socket); the replicator keeps serving."""
+        # Imported here: grpc and the stubs only for the tests and demos that give notices.
+        import grpc
+
+        from mtc_rpc import control_pb2, control_pb2_grpc
+        from sidecar import layout
+
+        with grpc.insecure_channel(f"unix:{layout.control_socket(self.ram(rank))}") as ch:
+            control_pb2_grpc.LocalControlStub(ch).Preempt(
+                control_pb2.PreemptRequest(save_window_seconds=0.0, flush_seconds=flush_seconds),
+                timeout=timeout_seconds)
+
     def wipe(self, rank: int) -> None:
         shutil.rmtree(self.ram(rank), ignore_errors=True)
 

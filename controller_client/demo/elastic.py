@@ -36,6 +36,7 @@ from typing import Any
 
 from controller_client.demo.cluster import LocalCluster
 from controller_client.demo.run import _setup_jax
+from controller_client.preemption_exit import DURABLE_WAIT_SECONDS
 from controller_client.topology import HostTopology
 from sidecar.failures import StepAlreadyExistsError
 
@@ -58,6 +59,8 @@ class Schedule:
     return_at: int = 14  # the slice is healthy again before this step runs
     replaced: bool = False  # the slice comes back replaced (empty RAM disks), not as it was
     lost_slice: int = 1
+    notice_hold_seconds: float = 70.0  # LeavingSlices: terminationGracePeriodSeconds 60 + the monitor's 10 s
+    durable_wait_seconds: float = DURABLE_WAIT_SECONDS  # backup_now(wait=True) before exit 75
 
 
 class SimulatedSlices:
@@ -217,9 +220,10 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
     from jax.sharding import Mesh
     from pathwaysutils.elastic import manager as elastic_manager
 
+    from controller_client import preemption_exit
     from controller_client.demo.elastic_data import ElasticBatches
     from controller_client.manager import CheckpointManager, CheckpointManagerOptions
-    from controller_client.resilience import close_after_failure
+    from controller_client.resilience import LeavingSlices, close_after_failure
 
     events = events if events is not None else []
     init, target, dataset, train_step = _model(kind)
@@ -227,6 +231,7 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
     # The full allocation: ranks are (slice, host) places and never change.
     topology = allocation_topology(devices)
     losses: dict[int, float] = {}
+    leaving = LeavingSlices(schedule.notice_hold_seconds)  # slices dropped for their preemption notice
     with sim.patched(), quiet_simulated_failures():
         elastic = elastic_manager.Manager(devices)
 
@@ -234,13 +239,15 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
         @elastic.elastic_retry(minimum_slice_count=1, poll_interval=0.2, timeout=120,
                                retry_policy=elastic_manager.ElasticRetryLimit(max_attempts=RETRY_ATTEMPTS))
         def run() -> None:
+            leaving.keep_out(elastic)  # elastic_retry took every healthy slice, a noticed one too
             slices = sorted(elastic.active_slice_indices)
             active = [d for s in slices for d in elastic.slice_to_devices[s]]
             events.append(f"attempt on slices {slices}")
             mesh = Mesh(np.array(active).reshape(len(slices), DEVICES_PER_SLICE), ("data", "model"))
             opts = CheckpointManagerOptions(local_directory=cluster.local_template, job_name="t",
                                             save_interval_steps=schedule.save_every,
-                                            coordinator_address=cluster.coordinator, restore_wait_seconds=60)
+                                            coordinator_address=cluster.coordinator, restore_wait_seconds=60,
+                                            preemption_scope="slices")
             ckpt = CheckpointManager(opts, devices=active, topology=topology)
             # One data shard per active slice; its position comes from the checkpoint, never from `step`.
             data = ElasticBatches(dataset(), mesh)
@@ -259,11 +266,11 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
                     return {"params": params, "step": step, "data": data.get_state()}
 
                 while step < schedule.total_steps:
-                    if elastic.available_inactive_slices:
+                    if new := leaving.returnable(elastic.available_inactive_slices):
                         with contextlib.suppress(StepAlreadyExistsError):  # saved at its interval already
                             ckpt.save(step, checkpoint(), force=True)
                         ckpt.wait_until_finished()
-                        events.append(f"scale up at step {step}: slices {sorted(elastic.available_inactive_slices)}")
+                        events.append(f"scale up at step {step}: slices {sorted(new)}")
                         raise elastic_manager.ScaleUpSignalError()
                     lost = schedule.lost_slice
                     if step + 1 == schedule.fail_at and lost in slices:
@@ -282,8 +289,32 @@ def train_elastic(cluster: Any, kind: str, schedule: Schedule, sim: SimulatedSli
                     params, loss = train_step(params, b["x"], b["y"])
                     step += 1
                     losses[step] = float(loss)
-                    if ckpt.save(step, checkpoint()):
+                    saved = ckpt.save(step, checkpoint())
+                    if saved:
                         ckpt.wait_until_finished()
+                    noticed = ckpt.noticed_slices()  # preemption_scope="slices"
+                    if noticed and noticed >= ckpt.active_slices:  # every active slice: the job suspends
+                        if not saved:
+                            with contextlib.suppress(StepAlreadyExistsError):
+                                ckpt.save(step, checkpoint(), force=True)
+                        code = preemption_exit.finish_preempted(ckpt, schedule.durable_wait_seconds)
+                        events.append(f"preemption notice to every active slice after step {step}: exit {code}")
+                        break
+                    if noticed:  # some slices: dropped in place (their shards still answer), the others go on
+                        leaving.drop(noticed)
+                        slices = [s for s in slices if s not in noticed]
+                        elastic.active_slice_indices = frozenset(slices)
+                        active = [d for s in slices for d in elastic.slice_to_devices[s]]
+                        mesh = Mesh(np.array(active).reshape(len(slices), DEVICES_PER_SLICE), ("data", "model"))
+                        params = jax.device_put(params, jax.tree.map(lambda t: t.sharding, target(mesh)["params"]))
+                        position = data.get_state()
+                        data.close()
+                        data = ElasticBatches(dataset(), mesh)
+                        data.set_state(position)
+                        ckpt.close()
+                        ckpt = CheckpointManager(opts, devices=active, topology=topology)
+                        events.append(f"preemption notice to slice(s) {sorted(noticed)} after step {step}: "
+                                      f"going on in place on slices {slices}")
             except BaseException as e:
                 if isinstance(e, jax.errors.JaxRuntimeError):
                     # A slice-down error: closing the manager reaches the lost slice's hosts and fails as

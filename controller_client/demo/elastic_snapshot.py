@@ -28,6 +28,7 @@ the simulated Pathways (docs/pathways.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -51,6 +52,7 @@ from controller_client.demo.elastic import (
     replace_slice,
 )
 from controller_client.demo.run import _setup_jax
+from controller_client.preemption_exit import DURABLE_WAIT_SECONDS
 from replicator.coordinator.client import CoordinatorClient
 
 
@@ -63,6 +65,11 @@ class SnapshotSchedule:
     fail_at: int = 8  # slice 1 is lost before this step runs
     return_at: int = 11  # slice 1 is healthy again before this step runs (elastic mode: in-place scale-up)
     restart_at: int = 14  # the controller process restarts after this step; slice 1 comes back replaced
+    # (step, slice): the slice's hosts get a preemption notice before this step runs (their preStop hooks). A
+    # notice to some active slices drops them in place; to every active slice, the job saves and exits 75.
+    notices: tuple[tuple[int, int], ...] = ()
+    notice_hold_seconds: float = 70.0  # LeavingSlices: terminationGracePeriodSeconds 60 + the monitor's 10 s
+    durable_wait_seconds: float = DURABLE_WAIT_SECONDS  # backup_now(wait=True) before exit 75
 
 
 def active_devices(elastic_manager: Any) -> list[Any]:
@@ -105,9 +112,11 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
     from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter  # ocp.v1.training.pathways
     from pathwaysutils.elastic import manager
 
+    from controller_client import preemption_exit
     from controller_client.demo.elastic_data import ElasticBatches
     from controller_client.manager import CheckpointManagerOptions
-    from controller_client.resilience import ElasticCheckpointer
+    from controller_client.resilience import ElasticCheckpointer, LeavingSlices
+    from sidecar.failures import StepAlreadyExistsError
 
     pathwaysutils.initialize()  # on Pathways: the proxy backend, profiling and persistence hooks; CPU: no-op
     events = events if events is not None else []
@@ -116,11 +125,19 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
     topology = allocation_topology(devices)  # the full allocation
     opts = CheckpointManagerOptions(local_directory=cluster.local_template, job_name="t",
                                     save_interval_steps=schedule.save_every, coordinator_address=cluster.coordinator,
-                                    restore_wait_seconds=60)
+                                    restore_wait_seconds=60, preemption_scope="slices")
     losses: dict[int, float] = {}
 
     def params_shardings(mesh: Any) -> Any:
         return jax.tree.map(lambda t: t.sharding, target(mesh)["params"])
+
+    def reshard(data: Any, mesh: Any) -> Any:
+        """The input pipeline onto the mesh's slices, at the same position (one shard per active slice)."""
+        position = data.get_state()
+        data.close()
+        out = ElasticBatches(dataset(), mesh)
+        out.set_state(position)
+        return out
 
     def controller_process(stop_after: int) -> None:
         """One lifetime of the controller: what it builds does not survive a restart."""
@@ -128,11 +145,13 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
         snapshotter = Snapshotter(replica_axis_index=0)
         ckpt = ElasticCheckpointer(opts, topology=topology, devices=active_devices(elastic_manager),
                                    snapshotter=snapshotter)
+        leaving = LeavingSlices(schedule.notice_hold_seconds)  # slices dropped for their preemption notice
 
         # A bounded retry (without a policy elastic_retry retries slice-down errors forever).
         @elastic_manager.elastic_retry(minimum_slice_count=minimum_slice_count, poll_interval=0.2, timeout=120,
                                        retry_policy=manager.ElasticRetryLimit(max_attempts=RETRY_ATTEMPTS))
         def train_loop() -> None:
+            leaving.keep_out(elastic_manager)  # elastic_retry took every healthy slice, a noticed one too
             mesh = create_mesh(active_devices(elastic_manager))
             slices = sorted(elastic_manager.active_slice_indices)
             events.append(f"attempt on slices {slices}")
@@ -146,33 +165,44 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
                     data.set_state(restored.state["data"])
                     events.append(f"restored step {step} from the {restored.source} onto {len(slices)} slice(s)")
                 while step < stop_after:
-                    if elastic_manager.available_inactive_slices:
+                    if new := leaving.returnable(elastic_manager.available_inactive_slices):
                         # In-place scale-up: the same attempt, the same checkpointer, a bigger mesh.
-                        new = sorted(elastic_manager.available_inactive_slices)
-                        elastic_manager.active_slice_indices = elastic_manager.active_slice_indices | set(new)
+                        elastic_manager.active_slice_indices = elastic_manager.active_slice_indices | new
                         mesh = create_mesh(active_devices(elastic_manager))
                         params = jax.device_put(params, params_shardings(mesh))
-                        position = data.get_state()
-                        data.close()
-                        data = ElasticBatches(dataset(), mesh)
-                        data.set_state(position)
+                        data = reshard(data, mesh)
                         events.append(f"scale up in place at step {step}: slices "
                                       f"{sorted(elastic_manager.active_slice_indices)}")
                         continue
                     if scheduled_slice_event(sim, schedule, step, elastic_manager, events, ckpt.wait_until_finished,
                                              pause_resume=minimum_slice_count is None):
                         continue
+                    scheduled_notices(cluster, sim, schedule, step, events)
                     b = next(data)
                     params, loss = train_step(params, b["x"], b["y"])
                     step += 1
                     losses[step] = float(loss)
                     checkpointed = {"params": params, "step": step, "data": data.get_state()}
-                    if ckpt.save(step, checkpointed):
+                    saved = ckpt.save(step, checkpointed)
+                    if saved:
                         ckpt.wait_until_finished()
-                        if ckpt.reached_preemption(step):  # suspend-resume: the checkpoint tier outlives us
-                            ckpt.backup_now()
-                            events.append(f"preemption notice: step {step} backed up, exiting")
-                            return
+                    noticed = ckpt.noticed_slices()  # suspend-resume, per slice (preemption_scope="slices")
+                    if noticed and noticed >= ckpt.manager.active_slices:  # every active slice: the job
+                        if not saved:
+                            with contextlib.suppress(StepAlreadyExistsError):  # saved at its interval already
+                                ckpt.save(step, checkpointed, force=True)
+                        # The step durable (the bucket), then exit 75: the JobSet restarts, never Completed.
+                        code = preemption_exit.finish_preempted(ckpt, schedule.durable_wait_seconds)
+                        events.append(f"preemption notice to every active slice after step {step}: exit {code}")
+                        return
+                    if noticed:  # some slices: they go away within their grace period; the others go on
+                        leaving.drop(noticed)
+                        elastic_manager.active_slice_indices = elastic_manager.active_slice_indices - noticed
+                        mesh = create_mesh(active_devices(elastic_manager))
+                        params = jax.device_put(params, params_shardings(mesh))  # their shards still answer
+                        data = reshard(data, mesh)
+                        events.append(f"preemption notice to slice(s) {sorted(noticed)} after step {step}: "
+                                      f"going on in place on slices {sorted(elastic_manager.active_slice_indices)}")
             finally:
                 data.close()
 
@@ -183,6 +213,17 @@ def train_with_snapshots(cluster: Any, kind: str, schedule: SnapshotSchedule, si
 
     run_with_restart(cluster, sim, schedule, controller_process, events)
     return losses
+
+
+def scheduled_notices(cluster: Any, sim: SimulatedSlices, schedule: Any, step: int, events: list[str]) -> None:
+    """The story's preemption notices before step ``step + 1`` (``schedule.notices``): every host of the slice
+    gets one (its preStop hook), once."""
+    for at, index in getattr(schedule, "notices", ()):
+        if step + 1 == at and f"notice {index}" not in sim.history:
+            sim.history.append(f"notice {index}")
+            for rank in range(index * HOSTS_PER_SLICE, (index + 1) * HOSTS_PER_SLICE):
+                cluster.notice(rank)
+            events.append(f"slice {index} gets a preemption notice before step {step + 1}")
 
 
 def scheduled_slice_event(sim: SimulatedSlices, schedule: Any, step: int, elastic_manager: Any, events: list[str],
@@ -213,9 +254,12 @@ def scheduled_slice_event(sim: SimulatedSlices, schedule: Any, step: int, elasti
 def run_with_restart(cluster: Any, sim: SimulatedSlices, schedule: Any, controller_process: Callable[[int], None],
                      events: list[str]) -> None:
     """Two lifetimes of the controller: up to ``schedule.restart_at``, then (slice 1 replaced by empty hosts
-    once the newest step has its peer copies) up to ``schedule.total_steps``."""
+    once the newest step has its peer copies) up to ``schedule.total_steps``; one when ``restart_at`` is not
+    before ``total_steps``."""
     with sim.patched(), quiet_simulated_failures():
         controller_process(schedule.restart_at)
+        if schedule.restart_at >= schedule.total_steps:
+            return
         newest = wait_redundant(cluster)
         events.append(f"controller restarts after step {schedule.restart_at}; slice 1 replaced (empty RAM disks; "
                       f"step {newest} has its copies on peers)")

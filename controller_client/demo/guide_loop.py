@@ -14,11 +14,17 @@ After an elastic event the snapshot is usually *older* than the newest checkpoin
 checkpoints every 3): the attempt trains forward and calls ``save`` on steps already saved. As Orbax's
 ``CheckpointManager`` does, those saves are skipped (``save`` returns False), never an error that
 ``elastic_retry`` would re-raise. State is replicated along the replica axis, as the guide requires.
+
+Suspend-resume per slice (``preemption_scope="slices"``): after each step the loop asks ``noticed_slices()``;
+a notice to some active slices drops them in place (their shards still answer within the grace period) and
+keeps them out of scale-ups for a while (:class:`~controller_client.resilience.LeavingSlices`); a notice to
+every active slice saves the step, waits until it is durable and exits 75 (``preemption_exit.finish_preempted``).
 tests/controller_client/test_guide_loop.py runs it on the simulated Pathways.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -29,6 +35,7 @@ from controller_client.demo.elastic_snapshot import (
     run_with_restart,
     scheduled_slice_event,
 )
+from controller_client.preemption_exit import DURABLE_WAIT_SECONDS
 
 
 @dataclasses.dataclass
@@ -42,6 +49,8 @@ class GuideSchedule:
     return_at: int = 12  # slice 1 is healthy again before this step runs: in-place scale-up
     restart_at: int = 14  # the controller process restarts after this step; slice 1 comes back replaced
     max_attempts: int = 4  # manager.ElasticRetryLimit per controller process
+    notice_hold_seconds: float = 70.0  # LeavingSlices: terminationGracePeriodSeconds 60 + the monitor's 10 s
+    durable_wait_seconds: float = DURABLE_WAIT_SECONDS  # backup_now(wait=True) before exit 75
 
 
 def train_guide_loop(cluster: Any, schedule: GuideSchedule, sim: SimulatedSlices,
@@ -53,9 +62,11 @@ def train_guide_loop(cluster: Any, schedule: GuideSchedule, sim: SimulatedSlices
     from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter
     from pathwaysutils.elastic import manager
 
+    from controller_client import preemption_exit
     from controller_client.demo.elastic_data import ElasticBatches
     from controller_client.manager import CheckpointManager, CheckpointManagerOptions
-    from controller_client.resilience import close_after_failure
+    from controller_client.resilience import LeavingSlices, close_after_failure
+    from sidecar.failures import StepAlreadyExistsError
 
     pathwaysutils.initialize()
     events = events if events is not None else []
@@ -64,13 +75,14 @@ def train_guide_loop(cluster: Any, schedule: GuideSchedule, sim: SimulatedSlices
     topology = allocation_topology(devices)
     opts = CheckpointManagerOptions(local_directory=cluster.local_template, job_name="t",
                                     save_interval_steps=schedule.save_every, coordinator_address=cluster.coordinator,
-                                    restore_wait_seconds=60)
+                                    restore_wait_seconds=60, preemption_scope="slices")
     losses: dict[int, float] = {}
 
     def controller_process(stop_after: int) -> None:
         elastic_manager = manager.Manager(devices)
         snapshotter = Snapshotter(replica_axis_index=0)
         current: dict[str, CheckpointManager] = {}
+        leaving = LeavingSlices(schedule.notice_hold_seconds)  # slices dropped for their preemption notice
 
         def close_lost_attempt(*_: Any) -> None:
             """on_elastic_event_callback: the lost attempt's manager reaches lost hosts; close it quietly."""
@@ -94,6 +106,7 @@ def train_guide_loop(cluster: Any, schedule: GuideSchedule, sim: SimulatedSlices
                                        retry_policy=manager.ElasticRetryLimit(max_attempts=schedule.max_attempts),
                                        on_elastic_event_callback=close_lost_attempt)
         def run_training_loop() -> None:
+            leaving.keep_out(elastic_manager)
             active = active_devices(elastic_manager)
             mesh = create_mesh(active)
             mgr = manager_on(active)
@@ -113,18 +126,22 @@ def train_guide_loop(cluster: Any, schedule: GuideSchedule, sim: SimulatedSlices
                     params, step = restored["params"], restored["step"]
                     data.set_state(restored["data"])
                     events.append(f"restored step {step} from the checkpoint onto {len(slices)} slice(s)")
+                def remesh(slices: frozenset[int]) -> None:
+                    """The guide's in-place resize onto ``slices``: mesh, input shards, state, manager."""
+                    nonlocal active, mesh, data, params, mgr
+                    elastic_manager.active_slice_indices = slices
+                    active = active_devices(elastic_manager)
+                    mesh = create_mesh(active)
+                    position = data.get_state()
+                    data.close()
+                    data = ElasticBatches(dataset(), mesh)
+                    data.set_state(position)
+                    params = jax.device_put(params, jax.tree.map(lambda t: t.sharding, target(mesh)["params"]))
+                    mgr = manager_on(active)
+
                 while step < stop_after:
-                    if elastic_manager.available_inactive_slices:  # the guide's in-place scale-up
-                        elastic_manager.active_slice_indices = (elastic_manager.active_slice_indices
-                                                                | elastic_manager.available_inactive_slices)
-                        active = active_devices(elastic_manager)
-                        mesh = create_mesh(active)
-                        position = data.get_state()
-                        data.close()
-                        data = ElasticBatches(dataset(), mesh)
-                        data.set_state(position)
-                        params = jax.device_put(params, jax.tree.map(lambda t: t.sharding, target(mesh)["params"]))
-                        mgr = manager_on(active)
+                    if new := leaving.returnable(elastic_manager.available_inactive_slices):
+                        remesh(elastic_manager.active_slice_indices | new)  # the guide's in-place scale-up
                         events.append(f"scale up in place at step {step}: slices "
                                       f"{sorted(elastic_manager.active_slice_indices)}")
                         continue
@@ -137,9 +154,23 @@ def train_guide_loop(cluster: Any, schedule: GuideSchedule, sim: SimulatedSlices
                     state = {"params": params, "step": step, "data": data.get_state()}
                     if step % schedule.snapshot_every == 0:
                         snapshotter.save(step, state)
+                    saved = False
                     if step % schedule.save_every == 0:
                         saved = mgr.save(step, state)
                         events.append(f"save({step}) -> {saved}")
+                    noticed = mgr.noticed_slices()
+                    if noticed and noticed >= mgr.active_slices:  # every active slice: the job suspends
+                        if not saved:
+                            with contextlib.suppress(StepAlreadyExistsError):
+                                mgr.save(step, state, force=True)
+                        code = preemption_exit.finish_preempted(mgr, schedule.durable_wait_seconds)
+                        events.append(f"preemption notice to every active slice after step {step}: exit {code}")
+                        return
+                    if noticed:  # some slices: dropped in place, the others go on
+                        leaving.drop(noticed)
+                        remesh(elastic_manager.active_slice_indices - noticed)
+                        events.append(f"preemption notice to slice(s) {sorted(noticed)} after step {step}: "
+                                      f"going on in place on slices {sorted(elastic_manager.active_slice_indices)}")
             finally:
                 data.close()
 

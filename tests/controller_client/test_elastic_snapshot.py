@@ -183,3 +183,27 @@ def test_a_simulated_slice_failure_is_logged_as_one_line_a_real_error_with_its_t
     simulated, real = out.getvalue().split("Elastic event detected", 2)[1:]
     assert simulated == ": DATA_LOSS: slice 1 is down (simulated)\n"
     assert "Traceback" in real
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["replicated", "fsdp"])
+def test_guide_loop_a_notice_to_one_slice_drops_it_a_notice_to_all_exits_75_durably(cluster_factory, kind):  # noqa: F811
+    from tests.kits.cluster import status
+
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.extra = ["--backup-url", f"file://{cl.base / 'bucket'}", "--backup-interval-minutes", "60"]
+    cl.start_all()
+    sched = SnapshotSchedule(total_steps=10, save_every=3, fail_at=99, return_at=99, restart_at=10,
+                             notices=((5, 1), (8, 0)))
+    events: list[str] = []
+    got = train_with_snapshots(cl, kind, sched, SimulatedSlices(jax.devices()), events)
+    # Slice 1's notice drops slice 1 only (in place: no new attempt, no restore); slice 0 trains on; its own
+    # notice then suspends the job: step 8 saved (forced: not an interval step), in the bucket, exit 75.
+    assert events == ["attempt on slices [0, 1]", "slice 1 gets a preemption notice before step 5",
+                      "preemption notice to slice(s) [1] after step 5: going on in place on slices [0]",
+                      "slice 0 gets a preemption notice before step 8",
+                      "preemption notice to every active slice after step 8: exit 75"], events
+    assert 8 in status(cl).backed_up_steps  # read once: backup_now(wait=True) returned only then
+    ref = train_plain(kind, 8, jax.devices())
+    assert sorted(got) == sorted(ref)  # steps 6-8 on slice 0 alone: the same losses as on both slices
+    np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], rtol=1e-5)

@@ -27,10 +27,15 @@ JOBSET_SCHEMA = HERE / "data" / "jobset-v1alpha2.schema.json"
 
 
 @functools.cache
-def _jobset_validator() -> jsonschema.Draft7Validator:
+def _jobset_schema() -> dict[str, Any]:
     schema = json.loads(JOBSET_SCHEMA.read_text())
     schema.pop("$comment", None)
-    return jsonschema.Draft7Validator(schema)
+    return schema
+
+
+@functools.cache
+def _jobset_validator() -> jsonschema.Draft7Validator:
+    return jsonschema.Draft7Validator(_jobset_schema())
 
 
 def validate(doc: dict[str, Any]) -> None:
@@ -47,6 +52,8 @@ def validate(doc: dict[str, Any]) -> None:
         assert not errors, f"{where}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors[:5])
         violated = cel_violations(doc)
         assert not violated, f"{where}: CEL: " + "; ".join(violated)
+        too_big = int32_violations(doc)
+        assert not too_big, f"{where}: int32: " + "; ".join(too_big)
         for rj in doc["spec"]["replicatedJobs"]:
             job_spec = rj["template"]["spec"]
             _k8s({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": rj["name"]}, "spec": job_spec},
@@ -65,6 +72,32 @@ def validate(doc: dict[str, Any]) -> None:
         assert spec.get("dnsNames") or spec.get("uris") or spec.get("commonName"), f"{where}: names no one"
         return
     _k8s(doc, where)
+
+
+INT32 = (-(2**31), 2**31 - 1)
+
+
+def int32_violations(doc: dict[str, Any]) -> list[str]:
+    """Integers of a JobSet outside the range of their schema's ``format: int32`` (the API server refuses
+    them; jsonschema does not check formats)."""
+    out: list[str] = []
+
+    def walk(schema: dict[str, Any], value: Any, path: list[str | int]) -> None:
+        if schema.get("format") == "int32" and isinstance(value, int) and not INT32[0] <= value <= INT32[1]:
+            out.append(f"{'/'.join(map(str, path))}: {value} is not an int32")
+        if isinstance(value, dict):
+            props = schema.get("properties", {})
+            extra = schema.get("additionalProperties")
+            for k, v in value.items():
+                sub = props.get(k, extra if isinstance(extra, dict) else None)
+                if sub is not None:
+                    walk(sub, v, [*path, k])
+        elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+            for i, v in enumerate(value):
+                walk(schema["items"], v, [*path, i])
+
+    walk(_jobset_schema(), doc, [])
+    return out
 
 
 def cel_violations(doc: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:

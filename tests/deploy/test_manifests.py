@@ -171,6 +171,25 @@ def test_schema_validation_can_fail() -> None:
                       "spec": {"clusterIP": 7}})
 
 
+def test_elastic_worker_backoff_is_per_host_and_an_int32_at_any_size() -> None:
+    # Once hosts x 1,000,000 restarts per Job: 2,240 hosts rendered 2,240,000,000 > 2,147,483,647, which the API
+    # server refuses. Per index (per host) the budget does not grow with the slice, and the Job controller's
+    # pod re-creation backoff counts per host (manifests_jobsets._worker_backoff).
+    opts = dataclasses.replace(CASES["pathways-default"], elastic_slices=2, hosts_per_slice=2240,
+                               tpu_topology="16x20x28")
+    js = _jobset(opts)
+    spec = _rj(js, "workers")["template"]["spec"]
+    assert spec["backoffLimitPerIndex"] == 1_000_000 and "backoffLimit" not in spec
+    kit.validate(js)
+    plain = _jobset(CASES["pathways-default"])
+    assert _rj(plain, "workers")["template"]["spec"]["backoffLimit"] == 0
+    assert "backoffLimitPerIndex" not in _rj(plain, "workers")["template"]["spec"]
+    bad = json.loads(json.dumps(js))
+    _rj(bad, "workers")["template"]["spec"]["backoffLimitPerIndex"] = 2_240_000_000
+    with pytest.raises(AssertionError, match="backoffLimitPerIndex: 2240000000 is not an int32"):
+        kit.validate(bad)
+
+
 # --------------------------------------------------------------------------- Pathways wiring
 
 
@@ -787,9 +806,14 @@ def test_dockerfiles_install_with_the_constraints_file() -> None:
     assert "-c /tmp/constraints.txt /wheels/*.whl" in repl and "[jax]" not in repl, "the core, without jax"
     assert "find_spec('jax')" in repl, "the build fails if jax slipped into the replicator image"
     # Google's base: the base's environment is the constraint (its jax kept), refused outside our jax range;
-    # a plain Python base: .[jax] at our pins.
-    assert '-c /tmp/constraints.txt "$(ls /wheels/*.whl)[jax]"' in side and 'JAX_FROM" = pinned' in side
-    assert '-c /tmp/all.txt "$(ls /wheels/*.whl)[jax]"' in side and "server_constraints.txt" in side
+    # a plain Python base: the extras at our pins. ROLE: the sidecar [jax] (and the .pth hook), the controller
+    # [jax,elastic] (the guide's pathwaysutils and grain, imported by the build's check), on the same base.
+    assert '-c /tmp/constraints.txt "$(ls /wheels/*.whl)[$extras]"' in side and 'JAX_FROM" = pinned' in side
+    assert '-c /tmp/all.txt "$(ls /wheels/*.whl)[$extras]"' in side and "server_constraints.txt" in side
+    assert "sidecar) extras=jax; imports=cloudpickle ;;" in side
+    assert "controller) extras=jax,elastic; imports=cloudpickle,pathwaysutils,grain ;;" in side
+    assert 'if [ "$ROLE" = sidecar ]; then' in side and side.index('"$ROLE" = sidecar') < side.index(".pth")
+    assert [v for k, v in _dockerfile("Dockerfile.sidecar") if k == "ARG" and v.startswith("ROLE")] == ["ROLE=sidecar"]
     assert "this project supports jax" in side
     assert "jax.__version__ == jaxlib.__version__" in side
     assert _entrypoint("Dockerfile.replicator") == ["mtc-replicator"]
@@ -938,3 +962,53 @@ def test_proxy_args_are_appended_to_the_proxy(capsys: pytest.CaptureFixture[str]
                                       if c["name"] == "pathways-proxy")["args"]
     with pytest.raises(ValueError, match="flags only"):
         mf.objects(dataclasses.replace(CASES["pathways-default"], proxy_args=("oops",)))
+
+
+def test_proxy_args_takes_a_single_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    # argparse alone takes a lone "--flag=value" for an option of its own: "expected one argument" (exit 2).
+    assert main(["manifests", "--job", "demo", "--backup-url", "gs://b/c",
+                 "--proxy-args", "--num_elastic_instances=2"]) == 0
+    js = next(d for d in yaml.safe_load_all(capsys.readouterr().out) if d and d["kind"] == "JobSet")
+    proxy = next(c for c in _pod(js, "head")["initContainers"] if c["name"] == "pathways-proxy")
+    assert proxy["args"][-1] == "--num_elastic_instances=2"
+    assert main(["manifests", "--job", "demo", "--backup-url", "gs://b/c",
+                 "--controller-command", "--version"]) == 0  # any value, as the flag's own
+    controller = next(c for c in _pod(next(d for d in yaml.safe_load_all(capsys.readouterr().out)
+                                           if d and d["kind"] == "JobSet"), "head")["containers"]
+                      if c["name"] == "controller")
+    assert "--version" in controller["command"] + controller.get("args", [])
+    assert mf.bind_verbatim_values(["manifests", "--proxy-args", "--a=1", "--job", "x", "--", "--proxy-args"]) == [
+        "manifests", "--proxy-args=--a=1", "--job", "x", "--", "--proxy-args"]
+
+
+def _pod_requests(pod: dict[str, Any]) -> tuple[float, int]:
+    """(CPU, bytes) the scheduler reserves for ``pod``: native sidecars (init containers restartPolicy Always)
+    add up with the largest main container's; a container without requests requests its limits."""
+    def one(c: dict[str, Any]) -> tuple[float, int]:
+        res = c.get("resources", {})
+        want = {**res.get("limits", {}), **res.get("requests", {})}
+        cpu = str(want.get("cpu", "0"))
+        units = {"G": 10**9, "Gi": 2**30, "M": 10**6, "Mi": 2**20}
+        mem = re.fullmatch(r"(\d+)([A-Za-z]*)", str(want.get("memory", "0")))
+        return (float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu),
+                int(mem.group(1)) * units.get(mem.group(2), 1))
+    sidecars = [one(c) for c in pod.get("initContainers", []) if c.get("restartPolicy") == "Always"]
+    mains = [one(c) for c in pod["containers"]]
+    return (sum(c for c, _ in sidecars) + max(c for c, _ in mains),
+            sum(m for _, m in sidecars) + max(m for _, m in mains))
+
+
+def test_the_walkthroughs_head_node_pool_fits_the_head() -> None:
+    cpu, mem = _pod_requests(_pod(_jobset(CASES["pathways-default"]), "head"))
+    assert (cpu, mem) == (24.0, 132 * 10**9)
+    doc = (REPO / "docs" / "deploy.md").read_text()
+    assert "**24 vCPU and 132 GB (122.9 GiB)**" in doc and f"{mem / 2**30:.1f} GiB" == "122.9 GiB"
+    m = re.search(r"node-pools create cpu-np .*?--machine-type=(\S+)", doc, re.S)
+    assert m and m.group(1) == "n2-highmem-32"
+    # GKE's allocatable of an n2-highmem-32 (32 vCPU, 256 GiB): CPU less 6%/1%/0.5%x2/0.25% of cores 1/2/3-4/5+,
+    # memory less 25% of 4 GiB, 20% of 4, 10% of 8, 6% of 112, 2% of the rest and a 100 MiB eviction threshold.
+    alloc_cpu = 32 - (0.06 + 0.01 + 2 * 0.005 + 28 * 0.0025)
+    alloc_mem = (256 - (0.25 * 4 + 0.2 * 4 + 0.1 * 8 + 0.06 * 112 + 0.02 * 128) - 0.1) * 2**30
+    assert cpu <= alloc_cpu - 1 and mem <= alloc_mem - 2**30  # a core and a GiB left for the DaemonSets
+    alloc_n2_standard_32 = (128 - (0.25 * 4 + 0.2 * 4 + 0.1 * 8 + 0.06 * 112) - 0.1) * 2**30
+    assert mem > alloc_n2_standard_32  # as docs/deploy.md says: the next smaller standard shape does not fit

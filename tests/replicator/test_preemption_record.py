@@ -73,7 +73,7 @@ def test_a_notice_is_handled_once_and_its_flush_recorded(tmp_path: Path) -> None
     assert p.on_notice(req) == control_pb2.PreemptResponse(notice_step=3, started=True)
     assert state.preempting and state.noticed and wakes
     assert p.on_notice(req) == control_pb2.PreemptResponse(notice_step=3, started=False)
-    assert p.status() == control_pb2.GetPreemptionResponse(noticed=True, notice_step=3)
+    assert p.status() == control_pb2.GetPreemptionResponse(noticed=True, notice_step=3, this_host=True)
     rec = wait_for_record(tmp_path, 5.0)
     assert rec is not None, "no flush record"
     assert rec == preemption.PreemptionRecord(3, True, "step 3 is in the bucket", rec.seconds)

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test lint proto bench clean constraints smoke-newest image-test test-faults
+.PHONY: demo test lint proto bench clean constraints smoke-newest image-test test-faults cluster-bin test-cluster
 
 # Everything the demo and the suite need, at the exact versions of constraints.txt.
 EXTRAS := jax,elastic,dev
@@ -21,23 +21,26 @@ demo: $(STAMP)
 	$(VENV)/bin/mtc demo
 
 test: $(STAMP)
+	command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install \
+	  -y -qq --no-install-recommends prometheus >/dev/null; }
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -rfER -n 2 -m "not image and not faults" tests
+	$(PY) -m pytest -q -rfER -n 2 -m "not image and not faults and not cluster" tests
 
 # Network faults against real replicators, each host in a network namespace of the test's own joined by a
 # bridge in another (tests/faults; root, ip, iptables, tc; ~15 min): partitions, lossy/slow links, disk, memory
 # and bucket faults, healed, then
 # checked by a history checker that prints one JSON line (docs/testing.md, "Network faults"). No reruns:
 # a flaky fault test is a finding. The memory cases (tests/faults/test_memory.py) also make a memory cgroup
-# (v1 or v2) and a tmpfs of their own, removed at teardown; skipped when there is no memory controller.
-# RAM-disk faults: a FUSE filesystem (Debian fuse3, PyPI mfusepy) and small tmpfs mounts of the test's own.
+# (v1 or v2) and a tmpfs of their own, removed at teardown. RAM-disk faults: a FUSE filesystem (Debian fuse3,
+# PyPI mfusepy) and small tmpfs mounts of the test's own. Without root, the tools, FUSE or a memory controller
+# the tests skip, and say so; under CI=true the run fails naming what is missing (tests/faults/conftest.py).
 test-faults: $(STAMP)
 	command -v ip >/dev/null && command -v tc >/dev/null && command -v iptables >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	      iproute2 iptables >/dev/null; }
 	command -v fusermount3 >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install \
 	  -y -qq --no-install-recommends fuse3 >/dev/null; }
-	$(PY) -m pytest -q -rfER -p no:cacheprovider -m faults tests/faults
+	$(PY) -m pytest -q -rfEsR -p no:cacheprovider -m faults tests/faults
 
 # Real builds of Dockerfile.replicator and Dockerfile.sidecar with Debian's buildah (vfs, chroot isolation)
 # on a base made by debootstrap, and the built images doing real work under Debian's podman with runc
@@ -48,6 +51,24 @@ image-test: $(STAMP)
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	      $(IMAGE_TOOLS) >/dev/null; }
 	$(PY) -m pytest -q -rfER -m image tests/deploy/test_image_build.py tests/deploy/test_image_work.py
+
+# A real Kubernetes control plane from Go modules (versions pinned by the go.mod/go.sum files under
+# tests/cluster/): etcd, kube-apiserver, kube-controller-manager, kube-scheduler (Kubernetes v1.36.3) and JobSet's
+# controller (v0.12.0), built into build/cluster/bin (ignored; a warm rebuild only checks the cache).
+CLUSTER_BIN := $(CURDIR)/build/cluster/bin
+cluster-bin:
+	cd tests/cluster/controlplane && go build -o $(CLUSTER_BIN)/ ./cmd/etcd k8s.io/kubernetes/cmd/kube-apiserver \
+	  k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
+	cd tests/cluster/jobset && go build -o $(CLUSTER_BIN)/jobset sigs.k8s.io/jobset
+
+# The rendered JobSets on that control plane, their Pods run by a node agent of the tests' own (Pods in network
+# and mount namespaces of their own; root, ip, iptables), every notice, loss and hot-swap checked for the real
+# controllers' decisions and for the data; ends with one JSON line (docs/testing.md, "The real control plane").
+test-cluster: $(STAMP) cluster-bin
+	command -v ip >/dev/null && command -v iptables >/dev/null && command -v unshare >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      iproute2 iptables util-linux >/dev/null; }
+	$(PY) -m pytest -q -rfER -p no:cacheprovider -m cluster tests/cluster
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

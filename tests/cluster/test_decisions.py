@@ -54,8 +54,8 @@ def wait_for(what: str, cond: Callable[[], Any], timeout: float = WAIT_SECONDS) 
 class Deployed:
     """One rendered JobSet in a namespace of its own, its Pods' fate written by hand."""
 
-    def __init__(self, api: Any, opts: mf.ManifestOptions) -> None:
-        self.api, self.opts, self.ns = api, opts, opts.job
+    def __init__(self, api: Any, opts: mf.ManifestOptions, ns: str) -> None:
+        self.api, self.opts, self.ns = api, opts, ns
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.core.create_namespace({"metadata": {"name": self.ns}})
@@ -144,18 +144,20 @@ def _now() -> str:
 
 @pytest.fixture
 def deploy(control_plane: ControlPlane) -> Iterator[Callable[[mf.ManifestOptions], Deployed]]:
+    """Each JobSet in a namespace of its own (a fresh name: no wait for the previous one's deletion)."""
     made: list[Deployed] = []
     with control_plane.client() as api:
         def make(opts: mf.ManifestOptions) -> Deployed:
-            d = Deployed(api, opts)
+            _SERIAL[0] += 1
+            d = Deployed(api, opts, f"{opts.job}-{_SERIAL[0]}")
             made.append(d)
             return d
         yield make
         for d in made:
             d.close()
-        for d in made:  # the next test may reuse the name: wait until the namespace is gone
-            wait_for(f"namespace {d.ns} deleted", lambda n=d.ns: n not in {
-                x.metadata.name for x in client.CoreV1Api(api).list_namespace().items}, 60)
+
+
+_SERIAL = [0]
 
 
 def _worker(pods: list[Any]) -> Any:
@@ -170,6 +172,24 @@ def test_a_notice_restarts_the_jobset_without_counting(deploy: Callable[..., Dep
     assert d.restarts() == (1, 0), "a preemption notice counted against maxRestarts"
     d.start(attempt=1)  # every Job re-created
     assert d.condition("Failed") is None and d.condition("Completed") is None
+
+
+def test_eight_notices_in_a_row_restart_at_once_without_counting(deploy: Callable[..., Deployed],
+                                                                 lifecycle: dict[str, float]) -> None:
+    """A JobSet restart re-creates every Job, so no Job controller backoff carries over from one notice to the
+    next: each of eight notices in a row has its Pods back at once, and none counts against maxRestarts."""
+    d = deploy(MULTI_NATIVE)
+    waits = []
+    for attempt in range(8):
+        victim = _worker(d.start(attempt))
+        t0 = time.monotonic()
+        d.end(victim, 143, disruption=True)
+        wait_for(f"notice {attempt + 1}: the restarted Pods", lambda a=attempt: len(d.pods(attempt=a + 1)) ==
+                 d.opts.nodes, WAIT_SECONDS)
+        waits.append(round(time.monotonic() - t0, 1))
+    lifecycle["jobset_notice_recreate_seconds_max"] = max(waits)
+    assert d.restarts() == (8, 0)
+    assert max(waits) < 10, f"re-creation waits: {waits}"
 
 
 def test_exit_75_after_the_notice_save_restarts_without_counting(deploy: Callable[..., Deployed]) -> None:

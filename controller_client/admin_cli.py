@@ -63,6 +63,11 @@ def register(sub: Any, log_args: Callable[[argparse.ArgumentParser], None]) -> N
     p.add_argument("--hosts", action="store_true", help="also list every host: address, last report, lost, "
                    "steps held, last restore")
     p.add_argument("--ranks", help="with --hosts: only ranks A-B (or A-, or A)")
+    p.add_argument("--jobset", help="without --coordinator: the JobSet NAME's state from the Kubernetes API (Failed, "
+                   "Completed, Running; why; restarts against maxRestarts; exit 3 when Failed; needs the [k8s] extra)")
+    p.add_argument("--namespace", default="default", help="with --jobset: its namespace (default: default)")
+    p.add_argument("--kubeconfig", default=None, help="with --jobset: a kubeconfig (default: in-cluster, then "
+                   "~/.kube/config)")
     add("steps", "every step by tier: which ranks are local, on a peer, in the bucket; complete, redundant, "
         "pinned, backing up", "mtc steps --coordinator 10.0.0.2:7070 -o json", cmd_steps)
     p = add("inspect", "a step's leaves (shape, dtype, sharding), shards per host, bytes and checksums",

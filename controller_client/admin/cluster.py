@@ -102,11 +102,28 @@ def local_status_doc(resp: Any) -> dict[str, Any]:
         doc["backup"] = {"uploaded_bytes": resp.backup_uploaded_bytes, "last_error": resp.backup_last_error}
     return doc
 
+def _jobset_status(args: argparse.Namespace) -> int:
+    """``--jobset`` alone: the JobSet controller's verdict (no replicator needed: after maxRestarts none runs)."""
+    from controller_client.admin.jobset import read_jobset
+
+    try:
+        js = read_jobset(args.jobset, args.namespace, args.kubeconfig)
+    except LookupError as e:
+        raise UsageError(str(e)) from None
+    if args.output == "json":
+        emit_json({"jobset": js.to_dict()})
+    else:
+        console().print(f"JobSet {js.namespace}/{js.name}: {js.text()}")
+    return EXIT_DEGRADED if js.failed else EXIT_OK
+
+
 def cmd_status(args: argparse.Namespace, conn: Conn | None) -> int:
     if args.local_dir:
         return _local_status(args)
+    if conn is None and getattr(args, "jobset", None):
+        return _jobset_status(args)
     if conn is None:
-        raise UsageError(f"give --coordinator HOST:PORT (or set ${ENV_COORDINATOR}) or --local-dir DIR")
+        raise UsageError(f"give --coordinator HOST:PORT (or set ${ENV_COORDINATOR}), --local-dir DIR or --jobset NAME")
     s = conn.admin.GetSummary(pb.GetSummaryRequest(), timeout=conn.timeout)
     doc = summary_doc(s)
     steps = conn.admin.ListSteps(pb.ListStepsRequest(), timeout=conn.timeout)

@@ -13,6 +13,8 @@ dropped here; placement is the scenarios' part (test_scenarios.py, with nodes).
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,12 +24,13 @@ from kubernetes import client
 
 from controller_client import manifests as mf
 from controller_client.preemption_exit import PREEMPTED_EXIT_CODE
-from tests.cluster.controlplane import ControlPlane
+from tests.cluster.controlplane import REPO, ControlPlane
 from tests.cluster.test_apply import apply
 
 pytestmark = [pytest.mark.cluster, pytest.mark.scenario, pytest.mark.timeout(300)]
 
 WAIT_SECONDS = 30.0
+MTC = REPO / ".venv" / "bin" / "mtc"
 UNSCHEDULABLE = {"mtc.test/no-such-node": "true"}
 EXCLUSIVE = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 
@@ -201,6 +204,7 @@ def test_exit_75_after_the_notice_save_restarts_without_counting(deploy: Callabl
 
 @pytest.mark.parametrize("name", sorted(NON_ELASTIC))
 def test_a_genuine_failure_restarts_and_counts_until_max_restarts_fails_it(deploy: Callable[..., Deployed],
+                                                                          control_plane: ControlPlane,
                                                                           name: str) -> None:
     d = deploy(NON_ELASTIC[name])
     for attempt in range(d.opts.max_restarts):
@@ -210,6 +214,13 @@ def test_a_genuine_failure_restarts_and_counts_until_max_restarts_fails_it(deplo
     failed = wait_for("the JobSet Failed", lambda: d.condition("Failed"))
     assert failed["reason"] == "ReachedMaxRestarts", failed
     assert d.restarts() == (d.opts.max_restarts, d.opts.max_restarts)
+    # `mtc status` says why, from the JobSet's typed status (no replicator runs any more).
+    out = subprocess.run([str(MTC), "status", "--jobset", d.opts.job, "--namespace", d.ns, "--kubeconfig",
+                          str(control_plane.kubeconfig), "-o", "json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, (out.returncode, out.stdout, out.stderr)
+    doc = json.loads(out.stdout)["jobset"]
+    assert (doc["state"], doc["reason"], doc["restarts_count_towards_max"], doc["max_restarts"]) == (
+        "Failed", "ReachedMaxRestarts", d.opts.max_restarts, d.opts.max_restarts), doc
 
 
 @pytest.mark.parametrize("name", sorted(NON_ELASTIC))

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from mtc_rpc import coordinator_pb2 as cpb
-from mtc_rpc import tier_pb2
-from replicator import logs
+from replicator import host_protocol, logs
 from replicator.coordinator.client import FAILOVER_CODES, Candidates
 from replicator.coordinator.service import Coordinator
 from replicator.coordinator.serving import lost_after_seconds
@@ -32,7 +31,6 @@ from replicator.net.security import TlsOptions
 from replicator.options import ReplicatorOptions
 from replicator.preemption import PreemptionState
 from replicator.tasks import TaskRunner
-from replicator.tier_wire import to_wire
 from replicator.tiers import Tier, inventory_digest
 from sidecar import faults
 
@@ -128,8 +126,7 @@ class Heartbeat:
         self.newest_complete = -1  # as the last answer said
         self.candidates: Candidates | None = None  # set by :meth:`connect` once the daemon's address is known
         self.epoch = 0  # highest coordinator epoch accepted (fences a deposed coordinator's deletions)
-        self._acked: tuple[str, dict[tuple[int, int], Any]] | None = None  # (digest, inventory) the coordinator holds
-        self._acked_parity: dict[Any, Any] = {}  # the parity holdings of that inventory (erasure coding)
+        self._acked: host_protocol.Acked | None = None  # what the coordinator holds of this host
         self.interval = opts.heartbeat_seconds
         self._answered = False  # a coordinator answered one of our heartbeats (since this daemon started)
         self._lower_down_since: float | None = None
@@ -140,7 +137,7 @@ class Heartbeat:
         # the network delivers late or twice instead of taking its inventory as current.
         self._report_seq = itertools.count(1)
         # step -> the content hashes this host's restore of that step brings (while the restore runs).
-        self._restoring: dict[int, set[str]] = {}
+        self._restoring: dict[int, frozenset[str]] = {}
 
     def connect(self, addresses: list[str], own_address: str) -> None:
         """Reach the coordinator candidates at ``addresses``; this host reports ``own_address``."""
@@ -186,18 +183,13 @@ class Heartbeat:
         waiting: str | None = None
         for i in range(len(cands.addresses)):
             if i == mine and coord is not None and not coord.active:
-                now = time.monotonic()
-                if self._lower_down_since is None:
-                    self._lower_down_since = now
-                if now - self._lower_down_since < coord.takeover_after():
-                    # Meanwhile report to a higher candidate that serves (one took over while ours was cut
-                    # off, and deposed it): silent, this host's data is unknown to it and gets no attestation
-                    # task, so the step may not survive the loss of the hosts that do report (simulation seed
-                    # 70347, issue #33).
+                turn = host_protocol.takeover(self._lower_down_since, time.monotonic(), coord.takeover_after())
+                self._lower_down_since = turn.lower_down_since
+                if not turn.now:
                     waiting = f"lower coordinator candidates unreachable ({last}); waiting to take over"
                     continue
                 log.warning("no lower coordinator candidate answers: rank %d takes over", self.me.rank)
-                coord.activate(max(time.time_ns(), self.epoch + 1))
+                coord.activate(host_protocol.takeover_epoch(time.time_ns(), self.epoch))
             try:
                 resp = cands.call_one(i, "Heartbeat", req, timeout, self._probe_timeout())
             except grpc.RpcError as e:
@@ -205,7 +197,7 @@ class Heartbeat:
                     raise
                 last = e.code().name
                 continue
-            if mine is not None and i < mine:
+            if host_protocol.lower_serves(i, mine):
                 self._lower_down_since = None
                 if coord is not None and coord.active:
                     coord.deactivate(f"lower candidate {cands.addresses[i]} serves")
@@ -233,40 +225,23 @@ class Heartbeat:
         """One report and its answer's work; returns the delay until the next one."""
         me, parts = self.me, self.parts
         store = parts.store
-        inv = store.inventory()
-        # Copies of ranks this job no longer has (it was re-initialised on fewer hosts, e.g. Orbax after a
-        # slice was lost) cannot be addressed: not reported, so the coordinator accepts the rest.
-        inv = [h for h in inv if h.owner_rank < me.nodes]
+        inv = host_protocol.reportable(store.inventory(), me.nodes)
         own = store.own_steps()
         parity = parts.parity.inventory() if parts.parity is not None else {}
         # The coordinator's digest of this host's whole inventory, its parity included (erasure coding).
         digest = inventory_digest([*inv, *parts.parity.holdings(parity)] if parity and parts.parity else inv)
         self._note_saves(inv)
-        req = cpb.HeartbeatRequest(
-            job=me.job, rank=me.rank, incarnation=self.incarnation, address=self.address,
-            newest_saved_step=own[-1] if own else -1,
-            backup_requests=store.backup_requests(),
-            inventory_digest=digest, known_epoch=self.epoch, preempting=parts.preemption.preempting,
-            nodes=me.fence_nodes, report_seq=next(self._report_seq),
-        )
+        backup_requests = list(store.backup_requests())
         if self._take_backup_now() and own:
-            req.backup_requests.append(own[-1])
+            backup_requests.append(own[-1])
         current = {h.key: h for h in inv}
-        if self._acked is None:
-            req.full_report = True
-            changed = inv
-        else:
-            base, acked = self._acked
-            req.base_digest = base
-            changed = [h for h in inv if acked.get(h.key) != h]
-            req.removed.extend(cpb.Deletion(owner_rank=o, step=s) for o, s in acked if (o, s) not in current)
-        for h in changed:
-            pbh = req.holdings.add(owner_rank=h.owner_rank, step=h.step, content_hash=h.content_hash,
-                                   size=h.size, tier=to_wire(h.tier), generation=h.generation)
-            for a, b in h.savers:
-                pbh.savers.add(first=a, last=b)
+        report = host_protocol.Report(
+            job=me.job, rank=me.rank, incarnation=self.incarnation, address=self.address,
+            report_seq=next(self._report_seq), known_epoch=self.epoch, newest_saved_step=own[-1] if own else -1,
+            backup_requests=tuple(backup_requests), preempting=parts.preemption.preempting, fence_nodes=me.fence_nodes)
+        req = host_protocol.request(report, current, digest, self._acked)
         if parts.parity is not None:
-            parts.parity.report(req, parity, None if self._acked is None else self._acked_parity)
+            parts.parity.report(req, parity, None if self._acked is None else self._acked.parity)
         if parts.bucket is not None:
             # Kept until a coordinator took them: a failed heartbeat (e.g. during a failover) loses none.
             self._backup_reports = (self._backup_reports + parts.bucket.drain_reports())[-BACKUP_REPORTS_KEPT:]
@@ -278,11 +253,8 @@ class Heartbeat:
         round_trip = time.monotonic() - t_send
         faults.point("heartbeat.after_response")
         self._backup_reports = []
-        if resp.acked_digest and resp.acked_digest == digest:
-            self._acked = (digest, current)
-            self._acked_parity = parity
-        else:
-            self._acked = None
+        self._acked = host_protocol.acknowledged(resp, digest, current, parity)
+        if self._acked is None:
             parts.wakeup.ring()  # the coordinator has no picture of this host (restart, failover): report all now
         if not self._accept_epoch(resp.epoch):
             return self.interval
@@ -300,76 +272,45 @@ class Heartbeat:
         return self.interval * random.uniform(0.9, 1.1)
 
     def _accept_epoch(self, epoch: int) -> bool:
-        """Follow the answering coordinator's ``epoch``; False: a deposed one's answer, to be ignored.
-
-        When another candidate serves a newer epoch than this host's own active candidate, ours is deposed,
-        though no host may ever report that epoch to it (this one just did elsewhere): serving on, it would
-        answer a restarted trainer on this host from a view whose pieces the newer coordinator is deleting
-        (simulation seed 77568, issue #33)."""
-        if epoch < self.epoch:
+        """Follow the answering coordinator's ``epoch`` (:func:`host_protocol.accept_epoch`); False: a deposed
+        one's answer, to be ignored. Steps this host's own candidate down when the verdict says so."""
+        own = self.parts.coordinator
+        verdict = host_protocol.accept_epoch(self.epoch, epoch, own.epoch if own is not None and own.active else None)
+        if not verdict.accept:
             log.warning("ignoring the answer of a deposed coordinator (epoch %d < %d)", epoch, self.epoch)
             return False
-        self.epoch = epoch
-        own = self.parts.coordinator
-        if own is not None and own.active and epoch > own.epoch:
+        self.epoch = verdict.epoch
+        if verdict.step_down and own is not None:
             own.deactivate(f"this host accepted epoch {epoch} of another candidate")
         return True
 
     def _act(self, resp: cpb.HeartbeatResponse, sent_at: float | None = None, round_trip: float = 0.0) -> None:
-        """The answer's work: deletions now, copies, a restore and a backup share as tasks (``sent_at``,
-        ``round_trip``: the heartbeat's, the plan phase of a restore it carries)."""
+        """Do the answer's work (:func:`host_protocol.work`): deletions now, copies, a restore and a backup share
+        as tasks (``sent_at``, ``round_trip``: the heartbeat's, the plan phase of a restore it carries)."""
         parts = self.parts
         store, tasks, counters = parts.store, parts.tasks, parts.metrics.counters
-        for x in resp.deletions:
-            if x.tier == tier_pb2.TIER_PARITY:
-                continue  # this host's parity of the step, not its data: parts.parity's (below)
-            if not tasks.busy(x.owner_rank, x.step):
-                faults.point("gc.before_delete")
-                # Only the copy the coordinator chose: a save committed since under the same step stays.
-                if store.delete(x.owner_rank, x.step, content_hash=x.content_hash or None):
-                    counters.add("deletions")
-        # Content this answer tells us to copy or restore here: a witness of it (a hash-only task) is recorded
-        # at once.
-        coming = {(c.step, c.content_hash) for c in resp.copies if c.source_rank != self.me.rank}
-        if resp.HasField("restore"):
-            coming.update((resp.restore.step, s.content_hash) for s in resp.restore.sources)
-        restoring = self._restoring_now(resp)
-        for c in resp.copies:
-            if c.source_rank == self.me.rank:
-                ahead = (c.step, c.content_hash) in coming
-                if store.attest_replica(c.owner_rank, c.step, c.content_hash, coming=ahead) and not ahead:
+        todo = host_protocol.work(resp, self.me.rank, self._restoring, tasks.in_flight())
+        self._restoring = todo.restoring
+        for d in todo.deletions:
+            faults.point("gc.before_delete")
+            if store.delete(d.owner_rank, d.step, content_hash=d.content_hash):
+                counters.add("deletions")
+        for c in todo.copies:
+            if isinstance(c, host_protocol.Attest):
+                if store.attest_replica(c.owner_rank, c.step, c.content_hash, coming=c.coming) and not c.coming:
                     counters.add("hash_only")
                     parts.wakeup.ring()  # report it now (one recorded ahead is reported when its copy lands)
-                continue
-            if c.content_hash in restoring.get(c.step, ()):
-                # This host's own restore of the step brings identical bytes (a data-parallel replica's): once it
-                # lands, the coordinator asks for a hash-only attestation instead. Meanwhile the copy would move
-                # the same bytes twice and slow the restore the job waits for (ours_orbax's restore_all_lost in
-                # bench.emergency: 2.6 s, every host restoring from the bucket while copying a replica's data).
-                continue
-            if not store.has(c.owner_rank, c.step, c.content_hash):
-                tasks.submit("copy", c.owner_rank, c.step, parts.fetcher.copy, c)
-        if resp.HasField("restore"):
-            tasks.submit("restore", self.me.rank, resp.restore.step, self._restore, resp.restore, sent_at,
-                         round_trip)
+            elif isinstance(c, host_protocol.Copy) and not store.has(c.task.owner_rank, c.task.step,
+                                                                     c.task.content_hash):
+                tasks.submit("copy", c.task.owner_rank, c.task.step, parts.fetcher.copy, c.task)
+        if todo.restore is not None:
+            tasks.submit("restore", self.me.rank, todo.restore.step, self._restore, todo.restore, sent_at, round_trip)
         if parts.parity is not None:
             parts.parity.act(resp)  # parity deletions now, parity tasks queued like copies
-        if resp.HasField("backup") and parts.bucket is not None:
+        if todo.backup is not None and parts.bucket is not None:
             # Emergency backup (preempting): its own thread at normal priority, not the idle-priority pool.
-            tasks.submit("backup", -1, resp.backup.step, parts.bucket.run_task, resp.backup, store,
+            tasks.submit("backup", -1, todo.backup.step, parts.bucket.run_task, todo.backup, store,
                          urgent=parts.preemption.preempting)
-
-    def _restoring_now(self, resp: cpb.HeartbeatResponse) -> dict[int, set[str]]:
-        """Step -> the content hashes this host's restore of it brings: the restore ``resp`` carries, and any
-        still running from an earlier answer."""
-        if resp.HasField("restore"):
-            self._restoring[resp.restore.step] = {s.content_hash for s in resp.restore.sources if s.content_hash}
-        running = {k[2] for k in self.parts.tasks.in_flight() if k[0] == "restore" and k[1] == self.me.rank}
-        if resp.HasField("restore"):
-            running.add(resp.restore.step)  # submitted below, after the copies
-        for step in set(self._restoring) - running:
-            del self._restoring[step]
-        return self._restoring
 
     def _note_saves(self, inv: list[Any]) -> None:
         """Count and log each own step that appeared on the RAM disk since the last heartbeat."""

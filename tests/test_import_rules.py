@@ -23,9 +23,11 @@ FORBIDDEN = {
 REPLICATOR_FLOORS: tuple[tuple[str, ...], ...] = (
     # the ground floor: the vocabulary every role speaks, and the transport
     ("replicator.tiers", "replicator.net"),
-    # a host's tiers and their plumbing: RAM disk, peers, erasure coding, the Orbax store, metrics, tasks
+    # a host's tiers and their plumbing: RAM disk, peers, erasure coding, the Orbax store, metrics, tasks; and
+    # the host's rules with its coordinator (pure: the heartbeat and the simulation's hosts both call them)
     ("replicator.tier_wire", "replicator.local", "replicator.peer", "replicator.erasure", "replicator.orbax.store",
-     "replicator.orbax.contract", "replicator.restore_phases", "replicator.metrics", "replicator.tasks"),
+     "replicator.orbax.contract", "replicator.restore_phases", "replicator.metrics", "replicator.tasks",
+     "replicator.host_protocol"),
     # the global view
     ("replicator.coordinator",),
 )
@@ -108,6 +110,19 @@ def test_the_floors_name_modules_that_exist() -> None:
     missing = [p for floor in REPLICATOR_FLOORS for p in floor
                if not any(m == p or m.startswith(p + ".") for m in modules)]
     assert not missing, missing
+
+
+def test_the_hosts_rules_are_pure() -> None:
+    """``replicator.host_protocol`` imports no I/O, threads or clocks (STYLE.md 16, 20): only the vocabulary,
+    the wire and the standard library's types."""
+    allowed = {"replicator.tiers", "replicator.tier_wire", "mtc_rpc.coordinator_pb2", "mtc_rpc.tier_pb2", "mtc_rpc"}
+    deps = _graph()["replicator.host_protocol"]
+    assert deps <= allowed, sorted(deps - allowed)
+    tree = ast.parse((REPO / "replicator" / "host_protocol.py").read_text())
+    stdlib = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
+        n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+    impure = {"os", "time", "threading", "socket", "grpc", "random", "pathlib", "subprocess", "logging"}
+    assert not stdlib & impure, sorted(stdlib & impure)
 
 
 def test_no_import_cycles() -> None:

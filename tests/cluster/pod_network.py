@@ -24,7 +24,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 
-from bench.children import pid_alive
+from tests.kits import faultnet
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +49,7 @@ def run(argv: Sequence[str], check: bool = True) -> str:
 def reap_stale() -> list[str]:
     """Delete the namespaces a killed run of the kit left (named after a pid that is gone), after SIGKILLing
     the processes still in them by pid. Returns the names deleted."""
-    gone = []
-    for line in run(["ip", "netns", "list"], check=False).splitlines():
-        name = line.split()[0] if line.split() else ""
-        m = _OURS.match(name)
-        if not m or pid_alive(int(m.group(1))):
-            continue
-        for pid in run(["ip", "netns", "pids", name], check=False).split():
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
-        run(["ip", "netns", "delete", name], check=False)
-        gone.append(name)
-    return gone
+    return faultnet.reap_stale(_OURS)
 
 
 def listen_in(ns: str, host: str, port: int) -> socket.socket:

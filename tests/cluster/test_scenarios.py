@@ -27,6 +27,7 @@ from tests.cluster.controlplane import ControlPlane
 from tests.cluster.node_agent import NodeAgent
 from tests.cluster.pod_spec import VENV_BIN, ImageRule
 from tests.cluster.test_apply import apply
+from tests.cluster.test_decisions import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.scenario, pytest.mark.timeout(900)]
 
@@ -36,16 +37,6 @@ STEP_SECONDS = 0.25
 SAVE_EVERY = 4
 START_TIMEOUT_SECONDS = 240.0
 RECOVERY_TIMEOUT_SECONDS = 300.0
-
-
-def wait_for(what: str, cond: Callable[[], Any], timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.25)
-    raise AssertionError(f"{what}: not within {timeout:.0f} s")
 
 
 class Job:

@@ -105,6 +105,9 @@ CASES = {
     "native-3x4": dataclasses.replace(BASE, slices=3, hosts_per_slice=4, tpu_topology="4x4"),
 }
 EXTRA = {
+    "native-elastic": {f"{RJ}[workers].template.spec.backoffLimitPerIndex": (
+        "restart-slice (elastic): 1e6 retries per host, not hosts x 1e6 per Job, so the Job controller's "
+        "re-creation backoff counts per host (a slice notice waits 10 s, not 10 s x 2^(hosts-1); docs/deploy.md)")},
     "orbax-tls-priority": {f"{RJ}[*].template.spec.template.spec.priorityClassName": "gcluster's --priority: on "
                                                                                      "head and workers"},
 }

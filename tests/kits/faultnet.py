@@ -64,14 +64,15 @@ def _run(argv: Sequence[str], check: bool = True) -> str:
     return res.stdout
 
 
-def reap_stale() -> list[str]:
+def reap_stale(ours: re.Pattern[str] = _OURS) -> list[str]:
     """Delete the namespaces an earlier run left behind when it was killed outright (SIGKILL: no teardown):
-    those named as :class:`FaultNetwork` names them, by a process no longer alive. The processes still in
-    them (that run's daemons) are SIGKILLed by pid first (``ip netns pids``). Returns the names deleted."""
+    those named as ``ours`` matches (group 1: the pid of the run that made them; default: as
+    :class:`FaultNetwork` names them), by a process no longer alive. The processes still in them (that run's
+    daemons) are SIGKILLed by pid first (``ip netns pids``). Returns the names deleted."""
     gone = []
     for line in _run(["ip", "netns", "list"], check=False).splitlines():
         name = line.split()[0] if line.split() else ""
-        m = _OURS.match(name)
+        m = ours.match(name)
         if not m or pid_alive(int(m.group(1))):
             continue
         for pid in _run(["ip", "netns", "pids", name], check=False).split():

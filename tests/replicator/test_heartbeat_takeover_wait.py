@@ -1,5 +1,7 @@
 """While its own coordinator candidate waits to take over, a host still reports to a higher candidate that
-serves (simulation seed 70347, issue #33). The real :class:`Heartbeat`; the transport is a stand-in."""
+serves (simulation seed 70347, issue #33), and follows the newest epoch it hears (seed 77568). The host's rules
+(:mod:`replicator.host_protocol`) and the real :class:`Heartbeat` carrying them out; the transport is a
+stand-in."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import grpc
 import pytest
 
 from mtc_rpc import coordinator_pb2 as pb
+from replicator import host_protocol as hp
 from replicator.heartbeat import Heartbeat, NoCoordinator, Reporter, Wakeup
 
 
@@ -82,17 +85,36 @@ def _serving_coordinator(epoch: int):
     return coord
 
 
+def test_a_standby_candidate_waits_takeover_after_since_its_lower_ones_went_silent() -> None:
+    """The wait starts when the lower candidates are first found silent; the host takes over once it lasted."""
+    first = hp.takeover(None, 100.0, 30.0)
+    assert first == hp.Takeover(now=False, lower_down_since=100.0)
+    assert not hp.takeover(first.lower_down_since, 129.9, 30.0).now
+    assert hp.takeover(first.lower_down_since, 130.0, 30.0).now
+    assert hp.takeover_epoch(5, 9) == 10 and hp.takeover_epoch(50, 9) == 50  # above any epoch accepted
+    assert hp.lower_serves(0, 1) and not hp.lower_serves(1, 1) and not hp.lower_serves(0, None)
+
+
 def test_a_host_that_accepts_a_newer_epoch_elsewhere_deposes_its_own_candidate() -> None:
     """Simulation seed 77568: candidate 0 (on host 0) served epoch E while every other host followed
     candidate 1 (epoch F > E); one of host 0's heartbeats reached candidate 1 (a lost answer), which told it to
     delete its old steps. No host would ever report F to candidate 0, so it served on and would have told a
     trainer restarted on host 0 that step 1, just deleted, was the newest complete step. Now the answer's
     newer epoch deposes the host's own candidate; an answer of its own epoch or an older one does not."""
+    own = 1_000
+    assert hp.accept_epoch(own, own, own) == hp.Epoch(accept=True, epoch=own, step_down=False)  # its own's answer
+    assert hp.accept_epoch(own, own - 1, own) == hp.Epoch(accept=False, epoch=own, step_down=False)  # deposed one
+    assert hp.accept_epoch(own, own + 5, own) == hp.Epoch(accept=True, epoch=own + 5, step_down=True)
+    assert not hp.accept_epoch(own, own + 5, None).step_down  # no own candidate serving: nothing to depose
+
+
+def test_the_heartbeat_steps_its_own_candidate_down_on_that_verdict() -> None:
+    """The daemon carries the verdict out: its own coordinator is deactivated, the epoch followed."""
     coord = _serving_coordinator(1_000)
     hb = _heartbeat(0, coordinator=coord, my_candidate=0)
     own = coord.epoch
-    assert hb._accept_epoch(own) and coord.active  # its own coordinator's answer
-    assert not hb._accept_epoch(own - 1) and coord.active  # a deposed one's answer: ignored
+    assert hb._accept_epoch(own) and coord.active
+    assert not hb._accept_epoch(own - 1) and coord.active
     assert hb._accept_epoch(own + 5)
     assert not coord.active
     assert hb.epoch == own + 5

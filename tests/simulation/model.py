@@ -6,7 +6,9 @@ injected into the real :class:`replicator.coordinator.service.Coordinator` and t
 and events run from one priority queue ordered by (virtual time, sequence number): the same seed gives the
 same schedule, the same RPCs and the same answers, so a failing seed replays exactly.
 
-Modelled (as the daemon, ``replicator/daemon.py``, does it):
+The hosts' rules are the product's: what a host reports, which epoch and coordinator it accepts and what it does
+with an answer are decided by :mod:`replicator.host_protocol`, as in the daemon's heartbeat; a host here keeps only
+its simulated I/O (RAM disk, task pool, network). Modelled (as the daemon, ``replicator/daemon.py``, does it):
 
 - hosts: RAM disk = a dict of pieces (own ``local`` data, ``peer`` copies) and ``replica`` attestations,
   reported while bytes of their content are here and dropped with the last of them; numbered heartbeats with the inventory digest and deltas against the last
@@ -45,10 +47,10 @@ import grpc
 
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import tier_pb2
+from replicator import host_protocol
 from replicator.backup.scheduler import BucketScheduler
 from replicator.coordinator.service import Coordinator
 from replicator.coordinator.topology import JobTopology
-from replicator.tier_wire import to_wire
 from replicator.tiers import Holding, Tier, inventory_digest
 from tests.simulation.bucket import BucketModel
 from tests.simulation.network import Network, Partition
@@ -156,12 +158,11 @@ class Host:
         # (owner, step) -> content hash: replica attestations (``replica-of.json``), reported while bytes of
         # that content are on the disk.
         self.attested: dict[tuple[int, int], str] = {}
-        # (inventory digest, data, parity) of the last report the coordinator acknowledged
-        self.acked: tuple[str, dict[tuple[int, int], Holding], dict[ParityKey, Holding]] | None = None
+        self.acked: host_protocol.Acked | None = None  # the last report the coordinator acknowledged
         self.parity: dict[ParityKey, Holding] = {}  # erasure coding (tests/simulation/parity.py)
         self.epoch = 0
         self.in_flight: set[tuple[str, int, int]] = set()
-        self.restoring: dict[int, set[str]] = {}  # step -> content hashes its running restore brings
+        self.restoring: dict[int, frozenset[str]] = {}  # step -> content hashes its running restore brings
         self.not_before: dict[tuple[str, int, int], float] = {}
         self.backup_reports: list[pb.BackupReport] = []
         self.waiting = False  # a heartbeat is out (the daemon sends one at a time)
@@ -232,8 +233,7 @@ class Host:
             self.version += 1
 
     def busy(self, owner: int, step: int) -> bool:
-        return any(k[1] == owner and k[2] == step for k in self.in_flight) or any(
-            k[0] == "backup" and k[2] == step for k in self.in_flight)
+        return host_protocol.busy(self.in_flight, owner, step)
 
 
 class Sim:
@@ -414,27 +414,14 @@ class Sim:
         self._at(self.clock.now + self.heartbeat_seconds, "beat", (h.rank, h.incarnation))
 
     def _request(self, h: Host) -> tuple[pb.HeartbeatRequest, str, tuple[dict, dict]]:
-        """The heartbeat as ``Heartbeat.beat`` builds it: a full report, or a delta against the acked inventory."""
+        """The heartbeat as ``Heartbeat.beat`` builds it (:func:`replicator.host_protocol.request`)."""
         rank = h.rank
         h.report_seq += 1
-        current, inv, digest, newest_own = h.inventory()
-        req = pb.HeartbeatRequest(job=JOB, rank=rank, incarnation=h.incarnation, address=f"sim:{rank}",
-                                  newest_saved_step=newest_own, inventory_digest=digest,
-                                  known_epoch=h.epoch, report_seq=h.report_seq)
-        acked_parity = None
-        if h.acked is None:
-            req.full_report = True
-            changed = inv
-        else:
-            base, acked, acked_parity = h.acked
-            req.base_digest = base
-            if acked is current:  # nothing changed since the acknowledged report (the inventory is cached)
-                changed = []
-            else:
-                changed = [x for x in inv if acked.get(x.key) != x]
-                req.removed.extend(pb.Deletion(owner_rank=o, step=s) for o, s in acked if (o, s) not in current)
-        req.holdings.extend(pb.Holding(owner_rank=x.owner_rank, step=x.step, content_hash=x.content_hash,
-                                       size=x.size, tier=to_wire(x.tier), generation=x.generation) for x in changed)
+        current, _, digest, newest_own = h.inventory()
+        report = host_protocol.Report(job=JOB, rank=rank, incarnation=h.incarnation, address=f"sim:{rank}",
+                                      report_seq=h.report_seq, known_epoch=h.epoch, newest_saved_step=newest_own)
+        req = host_protocol.request(report, current, digest, h.acked)
+        acked_parity = h.acked.parity if h.acked is not None else None
         if h.parity or acked_parity:
             report_parity(req, rank, h.parity, acked_parity)
         req.backups.extend(h.backup_reports)
@@ -451,12 +438,12 @@ class Sim:
         waiting = None
         for i, c in enumerate(self.cands):
             if i == mine and c is not None and not c.active:
-                if h.lower_down_since is None:
-                    h.lower_down_since = now
-                if now - h.lower_down_since < c.takeover_after():
+                turn = host_protocol.takeover(h.lower_down_since, now, c.takeover_after())
+                h.lower_down_since = turn.lower_down_since
+                if not turn.now:
                     waiting = f"{last}; waiting to take over"
                     continue  # meanwhile a higher candidate that serves hears this host (seed 70347)
-                c.activate(max(h.epoch + 1, self._epoch_clock()))
+                c.activate(host_protocol.takeover_epoch(self._epoch_clock(), h.epoch))
                 self.note(f"FAILOVER rank {h.rank}: no lower candidate answers, candidate {i} takes over "
                           f"(epoch {c.epoch})")
             if c is None or not net.reaches(h.rank, i, self.cand_rank[i], now):
@@ -482,7 +469,7 @@ class Sim:
             if faulty and net.chance(net.cfg.p_answer_lost):
                 last = f"answer of candidate {i} lost"
                 continue  # the call times out: the next candidate
-            if mine is not None and i < mine:
+            if host_protocol.lower_serves(i, mine):
                 h.lower_down_since = None
                 own = self.cands[mine]
                 if own is not None and own.active:
@@ -599,62 +586,50 @@ class Sim:
             return
         h.waiting = False
         h.backup_reports = []
-        h.acked = (digest, *current) if resp.acked_digest and resp.acked_digest == digest else None
+        h.acked = host_protocol.acknowledged(resp, digest, *current)
         interval = max(0.05, resp.heartbeat_interval_ms / 1000.0)
         self._at(self.clock.now + (0.05 if h.acked is None else interval * self.rng.uniform(0.9, 1.1)), "beat",
                  (rank, inc))
-        if resp.epoch < h.epoch:
-            self.note(f"host {rank} ignores the answer of deposed epoch {resp.epoch} < {h.epoch}")
-            return
-        h.epoch = resp.epoch
         mine = self.cand_rank.index(rank) if rank in self.cand_rank else None
         own = self.cands[mine] if mine is not None and self.cands else None
-        if own is not None and own.active and resp.epoch > own.epoch:  # as Heartbeat.beat (seed 77568)
+        verdict = host_protocol.accept_epoch(h.epoch, resp.epoch, own.epoch if own is not None and own.active else None)
+        if not verdict.accept:
+            self.note(f"host {rank} ignores the answer of deposed epoch {resp.epoch} < {h.epoch}")
+            return
+        h.epoch = verdict.epoch
+        if verdict.step_down and own is not None:  # as Heartbeat._accept_epoch (seed 77568)
             own.deactivate(f"this host accepted epoch {resp.epoch} of another candidate")
             self.note(f"rank {rank}: accepted epoch {resp.epoch}, candidate {mine} (epoch {own.epoch}) steps down")
         self._act(h, resp, coord, ordered)
 
     def _act(self, h: Host, resp: pb.HeartbeatResponse, coord: Coordinator, ordered: frozenset[int]) -> None:
-        """The answer's work (``Heartbeat._act``)."""
-        rank = h.rank
-        coming = {(c.step, c.content_hash) for c in resp.copies if c.source_rank != rank}
-        if resp.HasField("restore"):  # a restore brings bytes too (Heartbeat._act)
-            coming.update((resp.restore.step, s.content_hash) for s in resp.restore.sources)
-            h.restoring[resp.restore.step] = {s.content_hash for s in resp.restore.sources if s.content_hash}
-        running = {k[2] for k in h.in_flight if k[0] == "restore" and k[1] == rank}
-        if resp.HasField("restore"):
-            running.add(resp.restore.step)
-        for step in set(h.restoring) - running:
-            del h.restoring[step]
+        """The answer's work (:func:`replicator.host_protocol.work`, as ``Heartbeat._act`` does it) on the
+        simulated RAM disk and task pool."""
+        todo = host_protocol.work(resp, h.rank, h.restoring, h.in_flight)
+        h.restoring = todo.restoring
         self.inv.check_order(self, h, resp.epoch, coord)
-        for d in resp.deletions:
-            if d.tier == tier_pb2.TIER_PARITY:
-                continue  # the host's parity of the step, not its data (below)
+        for d in todo.deletions:
             held = h.holdings().get((d.owner_rank, d.step))
             if d.content_hash and held is not None and held.content_hash != d.content_hash:
-                continue  # another save of the step than the one the coordinator chose: kept (as the daemon does)
-            if not h.busy(d.owner_rank, d.step):
-                self.inv.check_deletion(self, rank, d.owner_rank, d.step, coord, ordered)
-                h.delete(d.owner_rank, d.step)
-                self.disk_changed = True
-        for c in resp.copies:
-            if c.source_rank == rank:  # hash only: record the equivalence
-                h.attest(c.owner_rank, c.step, c.content_hash, (c.step, c.content_hash) in coming)
-                continue
-            if c.content_hash in h.restoring.get(c.step, ()):
-                continue  # its own restore brings identical bytes (Heartbeat._act)
-            have = h.bytes_of(c.owner_rank, c.step)
-            if have is None or have.content_hash != c.content_hash:
-                self._submit(h, "copy", c.owner_rank, c.step, self.rng.uniform(0.1, 1.5),
-                             (c.source_rank, c.content_hash))
-        if resp.HasField("restore"):
-            srcs = [(s.kind, s.holder_rank, s.owner_rank, s.content_hash, source_spec(s))
-                    for s in resp.restore.sources]
-            self._submit(h, "restore", rank, resp.restore.step, self.rng.uniform(0.1, 1.5), (srcs,))
+                continue  # another save of the step than the one the coordinator chose: kept (RamDiskStore.delete)
+            self.inv.check_deletion(self, h.rank, d.owner_rank, d.step, coord, ordered)
+            h.delete(d.owner_rank, d.step)
+            self.disk_changed = True
+        for c in todo.copies:
+            if isinstance(c, host_protocol.Attest):
+                h.attest(c.owner_rank, c.step, c.content_hash, c.coming)
+            elif isinstance(c, host_protocol.Copy):
+                have = h.bytes_of(c.task.owner_rank, c.task.step)
+                if have is None or have.content_hash != c.task.content_hash:  # RamDiskStore.has
+                    self._submit(h, "copy", c.task.owner_rank, c.task.step, self.rng.uniform(0.1, 1.5),
+                                 (c.task.source_rank, c.task.content_hash))
+        if todo.restore is not None:
+            srcs = [(s.kind, s.holder_rank, s.owner_rank, s.content_hash, source_spec(s)) for s in todo.restore.sources]
+            self._submit(h, "restore", h.rank, todo.restore.step, self.rng.uniform(0.1, 1.5), (srcs,))
         if self.ec is not None:
             self.ec.act(h, resp, coord, ordered)  # parity deletions now, parity tasks queued like copies
-        if resp.HasField("backup"):
-            b = resp.backup
+        if todo.backup is not None:
+            b = todo.backup
             slow = self.faulty and self.cfg.slow_uploads and self.rng.random() < 0.5
             seconds = self.rng.uniform(3.0, 12.0) if slow else self.rng.uniform(0.1, 1.0)
             if slow:

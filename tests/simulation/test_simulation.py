@@ -301,7 +301,7 @@ def test_fixed_restore_witness_seed():
     rank's data; 15 ms later host 0 (the only other record that rank 0's data is identical to rank 2's) and
     the coordinator were replaced, before host 2's next report would have brought the attestation task.
     Fixed: a restore's answer carries the witness tasks of the identical replicas
-    (``CopyPlanner.restore_witnesses``), recorded at once as for a coming copy (``Heartbeat._act``). It
+    (``CopyPlanner.restore_witnesses``), recorded at once as for a coming copy (``host_protocol.work``). It
     replays clean without the fix since later changes moved the schedule; the focused tests keep the hole:
     tests/replicator/test_heartbeat_restore_witness.py,
     test_simulation_found.py::test_a_restore_of_a_replicas_identical_data_comes_with_its_witness_task."""
@@ -469,6 +469,6 @@ def test_fixed_own_candidate_deposed_by_an_accepted_epoch_seed():
     0's heartbeats, its answer lost, went to candidate 1, which told host 0 to delete step 1. Candidate 1's
     slice was then replaced, and candidate 0, still serving, counted step 1 complete from host 0's deleted
     copy. Fixed: a host that accepts a newer epoch than its own active candidate's deposes it
-    (``Heartbeat._accept_epoch``). Focused test: tests/replicator/test_heartbeat_takeover_wait.py."""
+    (``host_protocol.accept_epoch``). Focused test: tests/replicator/test_heartbeat_takeover_wait.py."""
     found, _ = _replay_quiet(77568)
     assert not found, found

@@ -45,6 +45,9 @@ from replicator.options import DEFAULT_REPLICAS
 def _example(text: str) -> dict[str, Any]:
     return {"epilog": f"example:\n  {text}\n\n{EXIT_CODES_HELP}", "formatter_class": argparse.RawDescriptionHelpFormatter}
 
+Adder = Callable[..., argparse.ArgumentParser]
+
+
 def register(sub: Any, log_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add the admin commands to ``mtc``'s subparsers (``log_args`` adds the shared logging flags)."""
 
@@ -57,6 +60,12 @@ def register(sub: Any, log_args: Callable[[argparse.ArgumentParser], None]) -> N
         p.set_defaults(func=_runner(fn, online))
         return p
 
+    _register_job_commands(add)
+    _register_bucket_commands(sub, add)
+
+
+def _register_job_commands(add: Adder) -> None:
+    """The commands on the running job: status, steps, inspect, verify, restore, pin/unpin."""
     p = add("status", "a short summary of the job's health and the last restore's phases (exit 3 when degraded)",
             "mtc status --coordinator 10.0.0.2:7070", cmd_status, online=False)
     p.add_argument("--local-dir", help="ask this host's replicator over its Unix socket instead")
@@ -90,6 +99,10 @@ def register(sub: Any, log_args: Callable[[argparse.ArgumentParser], None]) -> N
     for name, what in (("pin", "keep STEP on every tier (GC skips it)"), ("unpin", "release a pinned STEP")):
         p = add(name, what, f"mtc {name} 1100 --coordinator 10.0.0.2:7070", cmd_pin)
         p.add_argument("step", type=int)
+
+
+def _register_bucket_commands(sub: Any, add: Adder) -> None:
+    """The bucket's commands (on the running job, and on the bucket alone), export and plan."""
     b = sub.add_parser("backup", help="bucket actions on the running job",
                        description="bucket actions on the running job", **_example("mtc backup now --wait-seconds 600"))
     bsub = b.add_subparsers(dest="backup_command", required=True)

@@ -84,10 +84,12 @@ def _sigterm_tears_down() -> Iterator[None]:
 
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
-    """The rig started (first steps redundant); stopped by pid and its namespaces deleted afterwards."""
+    """The rig started (first steps redundant); stopped by pid and its namespaces deleted afterwards. Each
+    host's rank is saved from inside its namespace through the sidecar's writer, and each case's restore after
+    the heal must fetch across the network (tests/kits/fault_rig.py)."""
     faultnet.reap_stale()
     with faultnet.FaultNetwork(NODES) as net:
-        r = Rig(net, tmp_path)
+        r = Rig(net, tmp_path, savers=True, fetch_restores=True)
         try:
             r.start()
             yield r

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from tests.kits import faultnet
-from tests.kits.fault_cluster import CANDIDATES
+from tests.kits.fault_cluster import CANDIDATES, NODES
+from tests.kits.fault_history import judge_cut_restore
 from tests.kits.fault_rig import (
     HEARTBEAT_SECONDS,
     ISOLATED_AFTER_SECONDS,
@@ -36,15 +37,18 @@ SLOW_MBIT = 20
 
 @pytest.mark.parametrize("share", [0.15])
 def test_a_lossy_link_on_one_host_keeps_saves_and_steps_going(rig: Rig, share: float) -> None:
+    # Ranks 0 and 2 copy to each other over links without loss; host 1 restores across its lossy link.
     case = rig.run_case(f"lossy-one-host-{int(share * 100)}pct", lambda: rig.net.lossy(1, share), slow_only=True,
-                        save_seconds_bound=LOSSY_SAVE_SECONDS, max_lag_steps=LOSSY_LAG_STEPS)
+                        save_seconds_bound=LOSSY_SAVE_SECONDS, max_lag_steps=LOSSY_LAG_STEPS,
+                        keep_up_ranks=(0, 2), fetch_rank=1)
     assert_passed(rig, case)
 
 
 @pytest.mark.parametrize("share", [0.08])
 def test_lossy_links_on_every_host_keep_saves_and_steps_going(rig: Rig, share: float) -> None:
     case = rig.run_case(f"lossy-all-hosts-{int(share * 100)}pct", lambda: rig.net.lossy_everywhere(share),
-                        slow_only=True, save_seconds_bound=LOSSY_SAVE_SECONDS, max_lag_steps=LOSSY_LAG_STEPS)
+                        slow_only=True, save_seconds_bound=LOSSY_SAVE_SECONDS, max_lag_steps=LOSSY_LAG_STEPS,
+                        keep_up_ranks=tuple(range(NODES)))
     assert_passed(rig, case)
 
 
@@ -112,6 +116,7 @@ def test_a_host_cut_off_mid_restore_and_healed(rig: Rig) -> None:
     during: dict = {}
     case = rig.run_case("host-cut-mid-restore", fault, after_heal=after_heal, train_during_fault=False)
     case.extra += rig.check_every_copy()
+    case.extra += judge_cut_restore(during["restore"])
     print("restore started before the cut:", during)
     assert_passed(rig, case)
 

@@ -3,16 +3,19 @@ into their RAM dirs, and coordinator probes recording every answer (the fault te
 
 Two slices of two hosts (ranks 0-1, 2-3); coordinator candidates are each slice's first host (0, then 2).
 Every daemon listens on ``<its namespace's address>:7070`` and runs in its host's namespace; the RAM dirs and
-the ``file://`` bucket are directories of the shared filesystem. The trainer writes each step with the
-sidecar's own writer (``sidecar.writer.write_step``, then ``notify_step_committed`` over the daemon's
-unix-socket control channel, which crosses network namespaces) -- the same committed step directories a JAX
-save leaves, without JAX. Every process is started and stopped by its pid with bounded waits.
+the ``file://`` bucket are directories of the shared filesystem. The trainer saves each step with the
+sidecar's own writer -- the same committed step directories a JAX save leaves, without JAX: with ``savers``
+(issue #45), through one :mod:`tests.kits.fault_saver` process per host, started inside that host's namespace,
+which saves the host's own rank with ``sidecar.writer.HostWriter`` (write, commit, notify the host's
+replicator); without, from the test process (``write_step`` then ``notify_step_committed``). Every process
+is started and stopped by its pid with bounded waits.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -23,8 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
 
+from mtc_rpc import control_pb2, control_pb2_grpc
 from sidecar import checksums, commit, layout, writer
 from sidecar.notify import notify_step_committed
 from tests.kits.cgroup import MemoryCgroup
@@ -37,6 +42,8 @@ SLICES = 2
 CANDIDATES = (0, 2)
 START_TIMEOUT_SECONDS = 60.0
 STOP_TIMEOUT_SECONDS = 10.0
+SAVE_ANSWER_TIMEOUT_SECONDS = 90.0  # a saver's answer to one save (its own bound is 60 s)
+LOCAL_STATUS_TIMEOUT_SECONDS = 3.0
 
 
 def step_bytes(rank: int, step: int, nbytes: int) -> np.ndarray:
@@ -45,12 +52,25 @@ def step_bytes(rank: int, step: int, nbytes: int) -> np.ndarray:
     return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
 
 
-def save_rank(root: Path, rank: int, step: int, nbytes: int) -> bool:
-    """Write and commit rank ``rank``'s data of ``step`` under ``root``; whether its daemon acknowledged."""
+def host_step(root: Path, rank: int, step: int, nbytes: int) -> writer.HostStep:
+    """Rank ``rank``'s save of ``step`` under ``root`` (:func:`step_bytes`, one array of one shard)."""
     data = step_bytes(rank, step, nbytes)
     arrays = [writer.ArrayCopy("w", (nbytes,), "uint8", None, [writer.ShardCopy(((0, nbytes),), data)])]
-    writer.write_step(writer.HostStep(root, "t", step, rank, NODES, arrays, [layout.ValueEntry("step", step)]))
+    return writer.HostStep(root, "t", step, rank, NODES, arrays, [layout.ValueEntry("step", step)])
+
+
+def save_rank(root: Path, rank: int, step: int, nbytes: int) -> bool:
+    """Write and commit rank ``rank``'s data of ``step`` under ``root``; whether its daemon acknowledged."""
+    writer.write_step(host_step(root, rank, step, nbytes))
     return notify_step_committed(root, step)
+
+
+def local_status(root: Path) -> control_pb2.GetLocalStatusResponse:
+    """The typed local status of the replicator serving ``root`` (over its control socket); raises
+    ``grpc.RpcError`` when it does not answer within :data:`LOCAL_STATUS_TIMEOUT_SECONDS`."""
+    with grpc.insecure_channel(f"unix:{layout.control_socket(root)}") as ch:
+        return control_pb2_grpc.LocalControlStub(ch).GetLocalStatus(control_pb2.GetLocalStatusRequest(),
+                                                                    timeout=LOCAL_STATUS_TIMEOUT_SECONDS)
 
 
 def check_copy(step_dir: Path, rank: int, step: int) -> None:
@@ -132,6 +152,57 @@ class Probe:
         _stop(self.proc)
 
 
+class Saver:
+    """A :mod:`tests.kits.fault_saver` process in host ``rank``'s namespace saving that host's own rank."""
+
+    def __init__(self, net: FaultNetwork, rank: int, root: Path, log_path: Path) -> None:
+        self.rank = rank
+        argv = [sys.executable, "-m", "tests.kits.fault_saver", "--root", str(root), "--rank", str(rank)]
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(net.command(net.host_ns[rank], argv), env=env, cwd=str(REPO),
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+        self._answers: queue.Queue[dict] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True, name=f"saver-{rank}").start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # ends when the saver exits
+            if line.startswith("{"):
+                self._answers.put(json.loads(line))
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_SECONDS) -> None:
+        try:
+            self._answers.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"saver {self.rank} not ready within {timeout}s") from None
+
+    def save(self, step: int, nbytes: int, timeout: float = SAVE_ANSWER_TIMEOUT_SECONDS) -> dict:
+        """One save; its answer (``ok``, ``error``, ``seconds``, ``notified``). Raises ``TimeoutError``."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"step": step, "nbytes": nbytes}) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                rec = self._answers.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"saver {self.rank} exited with {self.proc.returncode}") from None
+                continue
+            if rec.get("step") == step:
+                return rec  # (a late answer to an earlier save that timed out is dropped)
+        raise TimeoutError(f"saver {self.rank}: no answer to the save of step {step} within {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        _stop(self.proc)
+
+
 @dataclass
 class Trainer:
     """Saves step 1, 2, ... on every host every ``period`` seconds (in a thread) and records each outcome."""
@@ -147,6 +218,8 @@ class Trainer:
     _thread: threading.Thread | None = None
     # Called with (rank, step) before each rank's data of a step is written (a fault mid-save).
     before_rank: Callable[[int, int], None] | None = None
+    # One saver per host, in its namespace (the product path); empty: the test process writes every rank.
+    savers: dict[int, Saver] = field(default_factory=dict)
 
     def save_next(self, nbytes: int | None = None) -> int:
         with self._lock:
@@ -160,7 +233,13 @@ class Trainer:
             if self.before_rank is not None:
                 self.before_rank(rank, self.step)
             try:
-                notified &= save_rank(self.cluster.ram(rank), rank, self.step, nbytes or self.nbytes)
+                if self.savers:
+                    rec = self.savers[rank].save(self.step, nbytes or self.nbytes)
+                    notified &= bool(rec["notified"])
+                    if not rec["ok"]:
+                        ok, error = False, f"rank {rank}: {rec['error']}"
+                else:
+                    notified &= save_rank(self.cluster.ram(rank), rank, self.step, nbytes or self.nbytes)
             except Exception as e:  # recorded: the checker counts failed saves
                 ok, error = False, f"rank {rank}: {type(e).__name__}: {e}"
         self.saves.append({"t": t0, "step": self.step, "ok": ok, "seconds": time.monotonic() - t0,
@@ -173,6 +252,14 @@ class Trainer:
                 if not self._paused.is_set():
                     self._save_next(None)
             self._stop.wait(self.period)
+
+    def start_savers(self) -> None:
+        """One saver per host, started in its namespace (call before :meth:`start`)."""
+        for rank in range(NODES):
+            self.savers[rank] = Saver(self.cluster.net, rank, self.cluster.ram(rank),
+                                      self.cluster.base / "logs" / f"saver-{rank}.log")
+        for s in self.savers.values():
+            s.wait_ready()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, daemon=True, name="trainer")
@@ -191,6 +278,8 @@ class Trainer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        for s in self.savers.values():
+            s.stop()
 
 
 class FaultCluster:

@@ -8,6 +8,12 @@ the trainer saves a small step on every host every second; the fault starts once
 is redundant (a step complete only on the host about to be cut would rightly stop being complete); the
 fault lasts about three host-lost times; after the heal a newer step must be complete and a restore
 prepared within :data:`PROGRESS_BOUND_SECONDS`.
+
+With ``savers`` (the network cases, issue #45) each host's rank is saved by a process in that host's namespace
+through the sidecar's writer (:mod:`tests.kits.fault_saver`), and with ``fetch_restores`` the restore after the
+heal must fetch across the network: the restoring host is replaced first (daemon stopped, RAM dir wiped,
+started again), so its rank's data of the step can only come from a peer or the bucket; the bytes it fetched
+are read from its replicator's typed local status and must be above 0.
 """
 
 from __future__ import annotations
@@ -16,9 +22,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
+
+from replicator.backup.bucket import BackupStore
+from replicator.backup.storage.filesystem import FileStore
 from sidecar import layout
 from tests.kits import faultnet
-from tests.kits.fault_cluster import CANDIDATES, NODES, FaultCluster, Trainer, check_copy
+from tests.kits.fault_cluster import CANDIDATES, NODES, FaultCluster, Trainer, check_copy, local_status
 from tests.kits.fault_history import SUMMARY, Case
 
 HEARTBEAT_SECONDS = 0.5
@@ -29,6 +39,10 @@ PROGRESS_BOUND_SECONDS = 45.0
 # lost (LOST_SECONDS after their last report), checked on its next call; then never.
 ISOLATED_AFTER_SECONDS = LOST_SECONDS + 2 * HEARTBEAT_SECONDS + 1.0
 SETTLE_TIMEOUT_SECONDS = 60.0
+COPY_SAMPLE_SECONDS = 1.0  # how often a slow or lossy case reads where every rank's newest peer copy is
+# The host replaced before the restore after the heal (fetch_restores): not a candidate, so the restore does not
+# wait for a failover.
+FETCH_RANK = 3
 
 def wait_for(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.2) -> object:
     deadline = time.monotonic() + timeout
@@ -43,10 +57,12 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str, interval: fl
 class Rig:
     """The network, the cluster, the trainer and two probes (the controller's, and one on host 0)."""
 
-    def __init__(self, net: faultnet.FaultNetwork, base: Path) -> None:
+    def __init__(self, net: faultnet.FaultNetwork, base: Path, savers: bool = False,
+                 fetch_restores: bool = False) -> None:
         self.net = net
         self.cluster = FaultCluster(net, base, HEARTBEAT_SECONDS, LOST_SECONDS)
         self.trainer = Trainer(self.cluster)
+        self.savers, self.fetch_restores = savers, fetch_restores
         cands = [self.cluster.addresses[r] for r in CANDIDATES]
         self.controller = self.cluster.probe(net.bridge_ns, "controller", direct=",".join(cands))
         self.host0 = self.cluster.probe(net.host_ns[0], "host0", direct=cands[0])
@@ -63,6 +79,8 @@ class Rig:
     def start(self) -> None:
         self.cluster.start()
         wait_for(lambda: self.latest(), SETTLE_TIMEOUT_SECONDS, "a coordinator answering the controller")
+        if self.savers:
+            self.trainer.start_savers()
         self.trainer.start()
         wait_for(lambda: self.trainer.step >= 3 and self.redundant(self.trainer.step - 1), SETTLE_TIMEOUT_SECONDS,
                  "the first steps redundant")
@@ -75,15 +93,22 @@ class Rig:
 
     def run_case(self, name: str, fault: Callable[[], None], cut_seconds: float = CUT_SECONDS,
                  after_heal: Callable[[], None] | None = None, train_during_fault: bool = True,
-                 **case_kw: object) -> Case:
+                 fetch_rank: int = FETCH_RANK, keep_up_ranks: tuple[int, ...] = (), **case_kw: object) -> Case:
         """Quiesce, fault, keep saving (unless not ``train_during_fault``) for ``cut_seconds``, heal, wait
-        for progress, restore. The case's history is returned for :func:`assert_passed`."""
+        for progress, restore (with ``fetch_restores``: onto host ``fetch_rank`` replaced first). During the
+        fault, every :data:`COPY_SAMPLE_SECONDS` the newest peer copy of each of ``keep_up_ranks`` is read.
+        The case's history is returned for :func:`assert_passed`."""
         self.quiesce()
         t_cut = time.monotonic()
         fault()
         if train_during_fault:
             self.trainer.resume()
-        time.sleep(cut_seconds)
+        copies: list[dict] = []
+        end = time.monotonic() + cut_seconds  # from the fault's end (a fault may take time: a restart)
+        while (left := end - time.monotonic()) > 0:  # bounded by the fault's length
+            if keep_up_ranks:
+                copies += self.newest_copies(keep_up_ranks)
+            time.sleep(min(left, COPY_SAMPLE_SECONDS) if keep_up_ranks else left)
         t_heal = time.monotonic()
         self.net.heal()
         self.trainer.resume()
@@ -100,14 +125,68 @@ class Rig:
         except TimeoutError as e:
             extra.append(str(e))
         self.trainer.pause()  # a restore stops training
-        restored = self.cluster.restore(wait_seconds=PROGRESS_BOUND_SECONDS) if t_progress else {}
+        restored: dict = {}
+        if t_progress and self.fetch_restores:
+            try:
+                self.replace_for_restore(fetch_rank)
+            except TimeoutError as e:
+                extra.append(str(e))
+        if t_progress:
+            restored = self.cluster.restore(wait_seconds=PROGRESS_BOUND_SECONDS)
         restored["t_end"] = time.monotonic()
+        fetched = None
         if "step" in restored:
             extra += self.check_restored(restored["step"])
+            if self.fetch_restores:
+                fetched, why = self.fetched(fetch_rank, restored["step"])
+                extra += why
         time.sleep(1.0)  # the probes' answers after the restore
         case = Case(name, t_cut, t_heal, self.client_streams(), self.direct(), list(self.trainer.saves),
-                    PROGRESS_BOUND_SECONDS, t_progress, restored, extra=extra, **case_kw)  # type: ignore[arg-type]
+                    PROGRESS_BOUND_SECONDS, t_progress, restored, extra=extra, copies=copies,
+                    keep_up_ranks=keep_up_ranks, fetch_required=self.fetch_restores, bytes_fetched=fetched,
+                    **case_kw)  # type: ignore[arg-type]
         return case
+
+    def replace_for_restore(self, rank: int) -> None:
+        """The newest saved step redundant, then host ``rank`` replaced (daemon stopped by pid, RAM dir wiped,
+        started again): its rank's data of that step is now on a peer (or in the bucket) only."""
+        step = self.trainer.step
+        wait_for(lambda: self.redundant(step), SETTLE_TIMEOUT_SECONDS, f"step {step} redundant before the restore")
+        self.cluster.replace(rank)
+
+    def fetched(self, rank: int, step: int) -> tuple[int | None, list[str]]:
+        """The bytes host ``rank``'s replicator fetched from a peer or the bucket since it was replaced (its
+        typed local status, ``restore_bytes``), and what is wrong with them."""
+        try:
+            st = local_status(self.cluster.ram(rank))
+        except grpc.RpcError as e:
+            return None, [f"host {rank}'s local status after the restore: {e.code().name}"]
+        # restore_bytes counts only data brought from a peer or the bucket (a copy already on the RAM disk is
+        # attested with 0 bytes and not counted); the last restore itself may be such an attestation (a second
+        # task for the step it just fetched), so it is not the measure.
+        nbytes = int(st.counters.get("restore_bytes", 0))
+        out = []
+        if nbytes <= 0:
+            out.append(f"host {rank} (replaced) fetched no bytes for the restore of step {step}")
+        return nbytes, out
+
+    def newest_copies(self, ranks: tuple[int, ...]) -> list[dict]:
+        """Now: the newest second copy of each of ``ranks`` (-1: none): a peer copy on any host, from each host's
+        replicator's typed local status (a host that does not answer counts as holding nothing), or a step
+        committed in the ``file://`` bucket (which counts as a copy: a peer copy older than a step backed up may
+        rightly be deleted before the next one lands)."""
+        bucket = BackupStore(FileStore(self.cluster.base / "bucket"), "t").committed_steps()
+        newest = dict.fromkeys(ranks, max(bucket, default=-1))
+        for holder in range(NODES):
+            try:
+                st = local_status(self.cluster.ram(holder))
+            except grpc.RpcError:
+                continue
+            for p in st.peer_steps:
+                if p.owner_rank in newest:
+                    newest[p.owner_rank] = max(newest[p.owner_rank], p.step)
+        t = time.monotonic()
+        return [{"t": t, "owner": r, "step": s} for r, s in newest.items()]
 
     def check_restored(self, step: int) -> list[str]:
         out = []
@@ -144,5 +223,6 @@ class Rig:
 def assert_passed(rig: Rig, case: Case, known_defect: bool = False) -> None:
     """The history checked, the case counted in the summary line (a known defect's apart)."""
     violations = case.check()
-    SUMMARY.add(case.name, violations, case.seconds_to_progress(), known_defect=known_defect)
+    SUMMARY.add(case.name, violations, case.seconds_to_progress(), known_defect=known_defect,
+                bytes_fetched=case.bytes_fetched)
     assert not violations, "\n".join(violations) + "\n" + rig.cluster.logs()

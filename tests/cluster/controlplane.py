@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import logging
 import os
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -226,7 +224,7 @@ class ControlPlane:
             time.sleep(0.2)
         raise TimeoutError(f"{what}: not within {timeout:.0f} s (last: {last})")
 
-    def _get(self, path: str, client_pair: tuple[str, str] | None = None) -> tuple[int, bytes]:
+    def _get(self, path: str) -> tuple[int, bytes]:
         import ssl
         import urllib.error
         import urllib.request
@@ -314,13 +312,3 @@ def _http_ok(url: str) -> bool:
     import urllib.request
     with urllib.request.urlopen(url, timeout=2) as r:  # noqa: S310 (loopback)
         return r.status == 200
-
-
-@contextlib.contextmanager
-def control_plane(workdir: Path) -> Iterator[ControlPlane]:
-    with ControlPlane(workdir) as cp:
-        yield cp
-
-
-def to_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True)

@@ -123,7 +123,8 @@ def _wait_for_jobs(api: Any, ns: str, opts: mf.ManifestOptions) -> None:
 
 
 def test_the_server_refuses_an_int32_overflow_with_its_message(control_plane: ControlPlane) -> None:
-    """The check above can fail: the elastic worker backoffLimit of 2,240 hosts per slice before the clamp."""
+    """The check above can fail: a backoffLimit past int32, as hosts x 1,000,000 rendered at 2,240 hosts per slice
+    before the elastic budget became per host."""
     opts = mf.ManifestOptions(mode="pathways", job="overflow", backup_url="gs://b/ckpt", elastic_slices=2)
     doc = mf.objects(opts)["jobset.yaml"]
     doc["spec"]["replicatedJobs"][-1]["template"]["spec"]["backoffLimit"] = 2_240_000_000

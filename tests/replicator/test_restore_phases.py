@@ -11,7 +11,7 @@ from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import tier_pb2
 from replicator import restore_phases
 from replicator.metrics import ReplicatorMetrics
-from replicator.peer.client import _FileSink
+from replicator.peer.sinks import FileSink
 from replicator.restore_phases import RestoreClock
 from replicator.tiers import Tier
 from sidecar import checksums
@@ -85,7 +85,7 @@ def test_a_failed_tier_counts_as_fetch_time_of_that_tier() -> None:
 def test_peer_crc32c_checks_count_as_verify(tmp_path) -> None:
     """The peer client's crc32c of arriving bytes is the verify phase of the restore fetching in the thread."""
     data = b"x" * (1 << 20)
-    sink = _FileSink(tmp_path, [FileEntry("a", len(data), checksums.crc32c(data))])
+    sink = FileSink(tmp_path, [FileEntry("a", len(data), checksums.crc32c(data))])
     clock = RestoreClock(1, 0, "task")
     with clock.fetching(Tier.PEER):
         sink.write(0, 0, data)  # the stream path: the sink computes the crc32c

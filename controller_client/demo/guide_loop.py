@@ -57,130 +57,170 @@ def train_guide_loop(cluster: Any, schedule: GuideSchedule, sim: SimulatedSlices
                      events: list[str] | None = None) -> dict[int, float]:
     """Run the story of :class:`GuideSchedule`; returns each step's loss (the last computation of a step)."""
     # Imported here, not at the top: JAX loads only after _setup_jax() has set XLA_FLAGS.
-    import jax
     import pathwaysutils
-    from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter
-    from pathwaysutils.elastic import manager
 
-    from controller_client import preemption_exit
-    from controller_client.demo.elastic_data import ElasticBatches
-    from controller_client.manager import CheckpointManager, CheckpointManagerOptions
-    from controller_client.resilience import LeavingSlices, close_after_failure
-    from sidecar.failures import StepAlreadyExistsError
+    from controller_client.manager import CheckpointManagerOptions
 
     pathwaysutils.initialize()
     events = events if events is not None else []
-    init, target, dataset, train_step = _model("replicated")
-    devices = sim.devices
-    topology = allocation_topology(devices)
     opts = CheckpointManagerOptions(local_directory=cluster.local_template, job_name="t",
                                     save_interval_steps=schedule.save_every, coordinator_address=cluster.coordinator,
                                     restore_wait_seconds=60, preemption_scope="slices")
     losses: dict[int, float] = {}
 
     def controller_process(stop_after: int) -> None:
-        elastic_manager = manager.Manager(devices)
-        snapshotter = Snapshotter(replica_axis_index=0)
-        current: dict[str, CheckpointManager] = {}
-        leaving = LeavingSlices(schedule.notice_hold_seconds)  # slices dropped for their preemption notice
+        _ControllerProcess(opts, schedule, sim, events, losses).run(stop_after)
 
-        def close_lost_attempt(*_: Any) -> None:
-            """on_elastic_event_callback: the lost attempt's manager reaches lost hosts; close it quietly."""
-            mgr = current.pop("mgr", None)
-            if mgr is not None:
-                close_after_failure(mgr, "after an elastic event")
+    run_with_restart(cluster, sim, schedule, controller_process, events)
+    return losses
 
-        def flush() -> None:
-            """Before a simulated loss: the attempt's pending saves and snapshot are done."""
-            current["mgr"].wait_until_finished()
-            snapshotter.join()
 
-        def manager_on(active: list[Any]) -> CheckpointManager:
-            old = current.pop("mgr", None)
-            if old is not None:
-                old.close()
-            current["mgr"] = CheckpointManager(opts, devices=active, topology=topology)
-            return current["mgr"]
+class _ControllerProcess:
+    """One lifetime of the guide's controller process: its ``manager.Manager``, its ``Snapshotter``, the
+    attempt's ``CheckpointManager`` and the slices dropped for their notice."""
 
-        @elastic_manager.elastic_retry(minimum_slice_count=1, poll_interval=0.2, timeout=120,
-                                       retry_policy=manager.ElasticRetryLimit(max_attempts=schedule.max_attempts),
-                                       on_elastic_event_callback=close_lost_attempt)
+    def __init__(self, opts: Any, schedule: GuideSchedule, sim: SimulatedSlices, events: list[str],
+                 losses: dict[int, float]) -> None:
+        from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter
+        from pathwaysutils.elastic import manager
+
+        from controller_client.resilience import LeavingSlices
+
+        self.opts, self.schedule, self.sim, self.events, self.losses = opts, schedule, sim, events, losses
+        self.topology = allocation_topology(sim.devices)
+        self.model = _model("replicated")
+        self.elastic_manager = manager.Manager(sim.devices)
+        self.snapshotter = Snapshotter(replica_axis_index=0)
+        self.mgr: Any = None  # the attempt's CheckpointManager
+        self.leaving = LeavingSlices(schedule.notice_hold_seconds)  # slices dropped for their preemption notice
+
+    def run(self, stop_after: int) -> None:
+        from pathwaysutils.elastic import manager
+
+        @self.elastic_manager.elastic_retry(
+            minimum_slice_count=1, poll_interval=0.2, timeout=120,
+            retry_policy=manager.ElasticRetryLimit(max_attempts=self.schedule.max_attempts),
+            on_elastic_event_callback=self.close_lost_attempt)
         def run_training_loop() -> None:
-            leaving.keep_out(elastic_manager)
-            active = active_devices(elastic_manager)
-            mesh = create_mesh(active)
-            mgr = manager_on(active)
-            slices = sorted(elastic_manager.active_slice_indices)
-            events.append(f"attempt on slices {slices}")
-            data = ElasticBatches(dataset(), mesh)
-            params, step = init(mesh)["params"], 0
-            try:
-                if snapshotter.latest is not None:  # the guide: the latest in-memory snapshot first
-                    snapshotter.join()
-                    restored = snapshotter.load({**target(mesh), "data": data.get_state()})
-                    params, step = restored["params"], int(restored["step"])
-                    data.set_state(restored["data"])
-                    events.append(f"restored step {step} from the snapshot onto {len(slices)} slice(s)")
-                elif (latest := mgr.latest_step()) is not None:  # a new process: the multi-tier checkpoint
-                    restored = mgr.restore(latest, {**target(mesh), "data": data.get_state()})
-                    params, step = restored["params"], restored["step"]
-                    data.set_state(restored["data"])
-                    events.append(f"restored step {step} from the checkpoint onto {len(slices)} slice(s)")
-                def remesh(slices: frozenset[int]) -> None:
-                    """The guide's in-place resize onto ``slices``: mesh, input shards, state, manager."""
-                    nonlocal active, mesh, data, params, mgr
-                    elastic_manager.active_slice_indices = slices
-                    active = active_devices(elastic_manager)
-                    mesh = create_mesh(active)
-                    position = data.get_state()
-                    data.close()
-                    data = ElasticBatches(dataset(), mesh)
-                    data.set_state(position)
-                    params = jax.device_put(params, jax.tree.map(lambda t: t.sharding, target(mesh)["params"]))
-                    mgr = manager_on(active)
-
-                while step < stop_after:
-                    if new := leaving.returnable(elastic_manager.available_inactive_slices):
-                        remesh(elastic_manager.active_slice_indices | new)  # the guide's in-place scale-up
-                        events.append(f"scale up in place at step {step}: slices "
-                                      f"{sorted(elastic_manager.active_slice_indices)}")
-                        continue
-                    if scheduled_slice_event(sim, schedule, step, elastic_manager, events, flush):
-                        continue
-                    b = next(data)
-                    params, loss = train_step(params, b["x"], b["y"])
-                    step += 1
-                    losses[step] = float(loss)
-                    state = {"params": params, "step": step, "data": data.get_state()}
-                    if step % schedule.snapshot_every == 0:
-                        snapshotter.save(step, state)
-                    saved = False
-                    if step % schedule.save_every == 0:
-                        saved = mgr.save(step, state)
-                        events.append(f"save({step}) -> {saved}")
-                    noticed = mgr.noticed_slices()
-                    if noticed and noticed >= mgr.active_slices:  # every active slice: the job suspends
-                        if not saved:
-                            with contextlib.suppress(StepAlreadyExistsError):
-                                mgr.save(step, state, force=True)
-                        code = preemption_exit.finish_preempted(mgr, schedule.durable_wait_seconds)
-                        events.append(f"preemption notice to every active slice after step {step}: exit {code}")
-                        return
-                    if noticed:  # some slices: dropped in place, the others go on
-                        leaving.drop(noticed)
-                        remesh(elastic_manager.active_slice_indices - noticed)
-                        events.append(f"preemption notice to slice(s) {sorted(noticed)} after step {step}: "
-                                      f"going on in place on slices {sorted(elastic_manager.active_slice_indices)}")
-            finally:
-                data.close()
+            self.attempt(stop_after)
 
         try:
             run_training_loop()
         finally:
-            snapshotter.join()
-            last = current.pop("mgr", None)
+            self.snapshotter.join()
+            last, self.mgr = self.mgr, None
             if last is not None:
                 last.close()
 
-    run_with_restart(cluster, sim, schedule, controller_process, events)
-    return losses
+    # ------------------------------------------------------------------ the attempt's parts
+    def close_lost_attempt(self, *_: Any) -> None:
+        """on_elastic_event_callback: the lost attempt's manager reaches lost hosts; close it quietly."""
+        from controller_client.resilience import close_after_failure
+
+        mgr, self.mgr = self.mgr, None
+        if mgr is not None:
+            close_after_failure(mgr, "after an elastic event")
+
+    def flush(self) -> None:
+        """Before a simulated loss: the attempt's pending saves and snapshot are done."""
+        self.mgr.wait_until_finished()
+        self.snapshotter.join()
+
+    def on_active(self) -> None:
+        """The mesh, the input shards' home and a new manager for the active slices."""
+        from controller_client.manager import CheckpointManager
+
+        self.active = active_devices(self.elastic_manager)
+        self.mesh = create_mesh(self.active)
+        old, self.mgr = self.mgr, None
+        if old is not None:
+            old.close()
+        self.mgr = CheckpointManager(self.opts, devices=self.active, topology=self.topology)
+
+    def restore(self, slices: list[int]) -> None:
+        """The guide: the latest in-memory snapshot first; in a new process, the multi-tier checkpoint."""
+        _, target, _, _ = self.model
+        if self.snapshotter.latest is not None:
+            self.snapshotter.join()
+            restored = self.snapshotter.load({**target(self.mesh), "data": self.data.get_state()})
+            self.params, self.step = restored["params"], int(restored["step"])
+            self.data.set_state(restored["data"])
+            self.events.append(f"restored step {self.step} from the snapshot onto {len(slices)} slice(s)")
+        elif (latest := self.mgr.latest_step()) is not None:
+            restored = self.mgr.restore(latest, {**target(self.mesh), "data": self.data.get_state()})
+            self.params, self.step = restored["params"], restored["step"]
+            self.data.set_state(restored["data"])
+            self.events.append(f"restored step {self.step} from the checkpoint onto {len(slices)} slice(s)")
+
+    def remesh(self, slices: frozenset[int]) -> None:
+        """The guide's in-place resize onto ``slices``: mesh, input shards, state, manager."""
+        import jax
+
+        from controller_client.demo.elastic_data import ElasticBatches
+
+        _, target, dataset, _ = self.model
+        self.elastic_manager.active_slice_indices = slices
+        self.on_active()
+        position = self.data.get_state()
+        self.data.close()
+        self.data = ElasticBatches(dataset(), self.mesh)
+        self.data.set_state(position)
+        self.params = jax.device_put(self.params, jax.tree.map(lambda t: t.sharding, target(self.mesh)["params"]))
+
+    def attempt(self, stop_after: int) -> None:
+        from controller_client.demo.elastic_data import ElasticBatches
+
+        init, _, dataset, train_step = self.model
+        self.leaving.keep_out(self.elastic_manager)
+        self.on_active()
+        slices = sorted(self.elastic_manager.active_slice_indices)
+        self.events.append(f"attempt on slices {slices}")
+        self.data = ElasticBatches(dataset(), self.mesh)
+        self.params, self.step = init(self.mesh)["params"], 0
+        try:
+            self.restore(slices)
+            while self.step < stop_after:
+                if new := self.leaving.returnable(self.elastic_manager.available_inactive_slices):
+                    self.remesh(self.elastic_manager.active_slice_indices | new)  # the guide's in-place scale-up
+                    self.events.append(f"scale up in place at step {self.step}: slices "
+                                       f"{sorted(self.elastic_manager.active_slice_indices)}")
+                    continue
+                if scheduled_slice_event(self.sim, self.schedule, self.step, self.elastic_manager, self.events,
+                                         self.flush):
+                    continue
+                b = next(self.data)
+                self.params, loss = train_step(self.params, b["x"], b["y"])
+                self.step += 1
+                self.losses[self.step] = float(loss)
+                if self.checkpoint_and_notice():
+                    return
+        finally:
+            self.data.close()
+
+    def checkpoint_and_notice(self) -> bool:
+        """Snapshot and save on their schedules, then act on a notice: True when the process exits 75."""
+        from controller_client import preemption_exit
+        from sidecar.failures import StepAlreadyExistsError
+
+        step, mgr = self.step, self.mgr
+        state = {"params": self.params, "step": step, "data": self.data.get_state()}
+        if step % self.schedule.snapshot_every == 0:
+            self.snapshotter.save(step, state)
+        saved = False
+        if step % self.schedule.save_every == 0:
+            saved = mgr.save(step, state)
+            self.events.append(f"save({step}) -> {saved}")
+        noticed = mgr.noticed_slices()
+        if noticed and noticed >= mgr.active_slices:  # every active slice: the job suspends
+            if not saved:
+                with contextlib.suppress(StepAlreadyExistsError):
+                    mgr.save(step, state, force=True)
+            code = preemption_exit.finish_preempted(mgr, self.schedule.durable_wait_seconds)
+            self.events.append(f"preemption notice to every active slice after step {step}: exit {code}")
+            return True
+        if noticed:  # some slices: dropped in place, the others go on
+            self.leaving.drop(noticed)
+            self.remesh(self.elastic_manager.active_slice_indices - noticed)
+            self.events.append(f"preemption notice to slice(s) {sorted(noticed)} after step {step}: "
+                               f"going on in place on slices {sorted(self.elastic_manager.active_slice_indices)}")
+        return False

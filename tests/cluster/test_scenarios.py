@@ -48,10 +48,11 @@ class Job:
         self.bucket = tmp / "bucket"
         self.results.mkdir(parents=True)
         self.bucket.mkdir(parents=True)
-        self.opts = mf.ManifestOptions(mode="multi-controller", front_door="native", job=ns, slices=2,
-                                       hosts_per_slice=1, tpu_topology="2x2", backup_url="file:///bucket",
-                                       backup_interval_minutes=30, termination_grace_seconds=GRACE_SECONDS,
-                                       max_restarts=3, network_policy=False, **overrides)
+        opts: dict[str, Any] = dict(mode="multi-controller", front_door="native", job=ns, slices=2,
+                                    hosts_per_slice=1, tpu_topology="2x2", backup_url="file:///bucket",
+                                    backup_interval_minutes=30, termination_grace_seconds=GRACE_SECONDS,
+                                    max_restarts=3, network_policy=False)
+        self.opts = mf.ManifestOptions(**{**opts, **overrides})
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.deleted_at: dict[str, float] = {}  # pod name -> monotonic time its deletion was first seen
@@ -193,9 +194,9 @@ def job(control_plane: ControlPlane, agent: NodeAgent, tmp_path: Path,
             j.close()
 
 
-def _slices(agent: NodeAgent, *pools: str) -> None:
+def _slices(agent: NodeAgent, *pools: str, hosts: int = 1) -> None:
     for pool in pools:
-        agent.add_slice(pool, hosts=1, topology="2x2")
+        agent.add_slice(pool, hosts=hosts, topology="2x2" if hosts == 1 else "2x4")
 
 
 def test_a_notice_to_one_slice(job: Callable[..., Job], agent: NodeAgent, lifecycle: dict[str, float]) -> None:
@@ -251,8 +252,25 @@ def test_a_slice_lost_hot_swaps_onto_the_spare(job: Callable[..., Job], agent: N
     t0 = time.monotonic()
     agent.lose_slice(pool)
     lifecycle["hot_swap_to_first_step"] = round(j.recovered(t0, step), 2)
-    lifecycle.setdefault("slice_lost_to_first_step", lifecycle["hot_swap_to_first_step"])
     placed = {p.spec.node_name for p in j.core.list_namespaced_pod(j.ns).items if p.metadata.deletion_timestamp is None}
     assert not placed & set(agent.node_names(pool)), "a Pod was placed on the lost slice"
 
 
+
+
+def test_a_slice_lost(job: Callable[..., Job], agent: NodeAgent, lifecycle: dict[str, float]) -> None:
+    """Both hosts of a slice are gone at once and no spare is ready: the JobSet restarts, its Pods wait for
+    the slice's replacement nodes, and the replacement hosts (empty RAM disks) get the newest complete step
+    from the other slice's peers; the surviving slice's RAM disks outlive the restart."""
+    _slices(agent, "tpu-a", "tpu-b", hosts=2)
+    j = job(hosts_per_slice=2, tpu_topology="2x4")
+    j.start()
+    step = j.trained()
+    t0 = time.monotonic()
+    agent.lose_slice("tpu-b")
+    wait_for("the lost slice's Pods deleted or failed", lambda: not any(
+        p.spec.node_name in agent.node_names("tpu-b") and p.status.phase == "Running"
+        and p.metadata.deletion_timestamp is None for p in j.core.list_namespaced_pod(j.ns).items), 60)
+    _slices(agent, "tpu-b", hosts=2)  # the slice's replacement nodes
+    lifecycle["slice_lost_to_first_step"] = round(j.recovered(t0, step), 2)
+    assert j.restarts()[0] == 1, f"restarts (total, counted): {j.restarts()}"

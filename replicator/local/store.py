@@ -32,6 +32,7 @@ class RamDiskStore:
         layout.steps_dir(self.root).mkdir(exist_ok=True)
         (self.root / layout.PEER_DIR).mkdir(exist_ok=True)
         self._startup_cleanup()
+        self._refile_other_ranks()
         self._replica_of = self._load_replicas()
 
     def _startup_cleanup(self) -> None:
@@ -40,6 +41,33 @@ class RamDiskStore:
         for d in self._peer_owner_dirs():
             commit.remove_tmp_dirs(d)
         commit.remove_tmp_dirs(layout.fetch_dir(self.root))  # of readers that died mid-restore
+
+    def _refile_other_ranks(self) -> None:
+        """A RAM disk outlives its Pods (the CSI volume is the node's), but a JobSet restart may place another
+        rank on this node: steps under ``steps/`` whose manifest names another rank are that rank's copies
+        now (moved to ``peer/<rank>``, where a peer can fetch them), and copies of this rank's own data under
+        ``peer/<rank>`` are its own steps again. A step already where it belongs stays; the duplicate goes."""
+        moves: list[tuple[Path, Path]] = []
+        own = layout.steps_dir(self.root)
+        for step in commit.committed_steps(own):
+            src = own / layout.step_name(step)
+            rank = _manifest_rank(src)
+            if rank is not None and rank != self.rank:
+                moves.append((src, layout.peer_dir(self.root, rank) / layout.step_name(step)))
+        mine = layout.peer_dir(self.root, self.rank)
+        for step in commit.committed_steps(mine):
+            src = mine / layout.step_name(step)
+            if _manifest_rank(src) == self.rank:
+                moves.append((src, own / layout.step_name(step)))
+        for src, dst in moves:
+            if dst.exists():
+                commit.delete_step(src)
+                log.info("dropped %s: %s holds that step already", src, dst)
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(src, dst)
+            log.warning("this node's RAM disk held %s from an earlier Pod of another rank: now %s (rank %d "
+                        "runs here)", src, dst, self.rank)
 
     # ------------------------------------------------------------------ paths
     def step_dir(self, owner: int, step: int) -> Path:
@@ -255,4 +283,12 @@ def _content_hash_in(step_dir: Path) -> str | None:
     try:
         return layout.read_manifest(step_dir).content_hash
     except (OSError, layout.ManifestError):
+        return None
+
+
+def _manifest_rank(step_dir: Path) -> int | None:
+    try:
+        return layout.read_manifest(step_dir).rank
+    except (OSError, layout.ManifestError) as e:
+        log.warning("ignoring unreadable step %s: %s", step_dir, e)
         return None

@@ -82,20 +82,31 @@ def _sigterm_tears_down() -> Iterator[None]:
     signal.signal(signal.SIGTERM, previous)
 
 
-@pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
-    """The rig started (first steps redundant); stopped by pid and its namespaces deleted afterwards. Each
-    host's rank is saved from inside its namespace through the sidecar's writer, and each case's restore after
-    the heal must fetch across the network (tests/kits/fault_rig.py)."""
+def _started_rig(tmp_path: Path, redundancy: str = "") -> Iterator[Rig]:
     faultnet.reap_stale()
     with faultnet.FaultNetwork(NODES) as net:
-        r = Rig(net, tmp_path, savers=True, fetch_restores=True)
+        r = Rig(net, tmp_path, savers=True, fetch_restores=True, redundancy=redundancy)
         try:
             r.start()
             yield r
         finally:
             r.trainer.stop()
             r.cluster.stop()
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    """The rig started (first steps redundant); stopped by pid and its namespaces deleted afterwards. Each
+    host's rank is saved from inside its namespace through the sidecar's writer, and each case's restore after
+    the heal must fetch across the network (tests/kits/fault_rig.py)."""
+    yield from _started_rig(tmp_path)
+
+
+@pytest.fixture
+def ec_rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Rig]:
+    """:func:`rig` with the daemons at ``--redundancy`` ``request.param`` (e.g. "ec:3+1"; parametrize
+    indirectly): the first steps redundant means every code group holds all its parity."""
+    yield from _started_rig(tmp_path, request.param)
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` and `-k` deselected what they do

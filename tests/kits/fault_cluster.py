@@ -326,21 +326,26 @@ class FaultCluster:
         self.probes.append(p)
         return p
 
-    def restore(self, wait_seconds: float = 60.0) -> dict:
-        """``prepare_restore`` of the newest step through every candidate, from the controller's namespace."""
+    def restore(self, wait_seconds: float = 60.0, step: int | None = None) -> dict:
+        """``prepare_restore`` of the newest step (or ``step``) through every candidate, from the controller's
+        namespace."""
         argv = [sys.executable, "-m", "tests.kits.fault_probe", "restore", "--candidates", self.candidates,
-                "--wait", str(wait_seconds)]
+                "--wait", str(wait_seconds), "--step", str(-1 if step is None else step)]
         env = dict(os.environ, PYTHONPATH=str(REPO))
         res = subprocess.run(self.net.command(self.net.bridge_ns, argv), env=env, cwd=str(REPO),
                              capture_output=True, text=True, timeout=wait_seconds + 30, check=False)
         lines = res.stdout.strip().splitlines()
         return json.loads(lines[-1]) if lines else {"error": res.stderr[-300:]}
 
-    def replace(self, rank: int) -> None:
-        """Host ``rank`` replaced: its daemon stopped (by pid), its RAM dir deleted, the daemon started again."""
-        self.daemons[rank].stop()
-        shutil.rmtree(self.ram(rank), ignore_errors=True)
-        self.daemons[rank].start()
+    def replace(self, *ranks: int) -> None:
+        """Hosts ``ranks`` replaced together: every one's daemon stopped (by pid) and RAM dir deleted, then the
+        daemons started again (none starts while another of them still holds its data)."""
+        for rank in ranks:
+            self.daemons[rank].stop()
+        for rank in ranks:
+            shutil.rmtree(self.ram(rank), ignore_errors=True)
+        for rank in ranks:
+            self.daemons[rank].start()
 
     def restore_started(self, wait_seconds: float = 60.0) -> subprocess.Popen:
         """:meth:`restore`'s probe started and not waited for (a fault while it runs); its one JSON line is

@@ -3,7 +3,7 @@
 ``watch``: until SIGTERM, every ``--interval`` seconds, asks a ``CoordinatorClient`` with every candidate
 for the newest complete step (``GetSteps``) and the status, and asks each ``--direct`` candidate alone for its
 status; appends one JSON line per answer (or error) to ``--out``, with ``time.monotonic()`` (the same clock
-as the test's). ``restore``: one ``prepare_restore`` of the newest step through every candidate; prints one
+as the test's). ``restore``: one ``prepare_restore`` of the newest step (or ``--step``) through every candidate; prints one
 JSON line (step, seconds) and exits 0, or prints the error and exits 1.
 """
 
@@ -83,7 +83,7 @@ def restore(args: argparse.Namespace) -> int:
                                failover_seconds=args.wait)
     t0 = time.monotonic()
     try:
-        step = client.prepare_restore(None, wait_seconds=args.wait)
+        step = client.prepare_restore(None if args.step < 0 else args.step, wait_seconds=args.wait)
     except (grpc.RpcError, TimeoutError, FileNotFoundError) as e:
         print(json.dumps({"error": f"{type(e).__name__}: {e}"[:300]}), flush=True)
         return 1
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("restore")
     r.add_argument("--candidates", required=True)
     r.add_argument("--wait", type=float, default=60.0)
+    r.add_argument("--step", type=int, default=-1, help="the step to restore (-1: the newest recoverable)")
     args = p.parse_args(argv)
     return watch(args) if args.cmd == "watch" else restore(args)
 

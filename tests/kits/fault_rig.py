@@ -27,7 +27,7 @@ import grpc
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage.filesystem import FileStore
 from sidecar import layout
-from tests.kits import faultnet
+from tests.kits import fault_erasure, faultnet
 from tests.kits.fault_cluster import CANDIDATES, NODES, FaultCluster, Trainer, check_copy, local_status
 from tests.kits.fault_history import SUMMARY, Case
 
@@ -58,9 +58,12 @@ class Rig:
     """The network, the cluster, the trainer and two probes (the controller's, and one on host 0)."""
 
     def __init__(self, net: faultnet.FaultNetwork, base: Path, savers: bool = False,
-                 fetch_restores: bool = False) -> None:
+                 fetch_restores: bool = False, redundancy: str = "") -> None:
         self.net = net
-        self.cluster = FaultCluster(net, base, HEARTBEAT_SECONDS, LOST_SECONDS)
+        # ``redundancy`` (e.g. "ec:3+1"): the daemons' --redundancy ("": the default, a whole copy per rank).
+        self.redundancy = redundancy
+        self.cluster = FaultCluster(net, base, HEARTBEAT_SECONDS, LOST_SECONDS,
+                                    extra=["--redundancy", redundancy] if redundancy else None)
         self.trainer = Trainer(self.cluster)
         self.savers, self.fetch_restores = savers, fetch_restores
         cands = [self.cluster.addresses[r] for r in CANDIDATES]
@@ -93,11 +96,15 @@ class Rig:
 
     def run_case(self, name: str, fault: Callable[[], None], cut_seconds: float = CUT_SECONDS,
                  after_heal: Callable[[], None] | None = None, train_during_fault: bool = True,
-                 fetch_rank: int = FETCH_RANK, keep_up_ranks: tuple[int, ...] = (), **case_kw: object) -> Case:
+                 fetch_rank: int | tuple[int, ...] = FETCH_RANK, keep_up_ranks: tuple[int, ...] = (),
+                 before_replace: Callable[[int], None] | None = None, **case_kw: object) -> Case:
         """Quiesce, fault, keep saving (unless not ``train_during_fault``) for ``cut_seconds``, heal, wait
-        for progress, restore (with ``fetch_restores``: onto host ``fetch_rank`` replaced first). During the
-        fault, every :data:`COPY_SAMPLE_SECONDS` the newest peer copy of each of ``keep_up_ranks`` is read.
-        The case's history is returned for :func:`assert_passed`."""
+        for progress, restore (with ``fetch_restores``: onto host ``fetch_rank`` replaced first; a tuple: those
+        hosts replaced together, the bytes fetched summed, each host's above 0). ``before_replace(step)``: called
+        once the step to restore is redundant, before the hosts are replaced. During the fault, every
+        :data:`COPY_SAMPLE_SECONDS` the newest peer copy (ec: parity) of each of ``keep_up_ranks`` is read. The
+        case's history is returned for :func:`assert_passed`."""
+        fetch_ranks = (fetch_rank,) if isinstance(fetch_rank, int) else fetch_rank
         self.quiesce()
         t_cut = time.monotonic()
         fault()
@@ -128,7 +135,7 @@ class Rig:
         restored: dict = {}
         if t_progress and self.fetch_restores:
             try:
-                self.replace_for_restore(fetch_rank)
+                self.replace_for_restore(fetch_ranks, before_replace)
             except TimeoutError as e:
                 extra.append(str(e))
         if t_progress:
@@ -138,8 +145,10 @@ class Rig:
         if "step" in restored:
             extra += self.check_restored(restored["step"])
             if self.fetch_restores:
-                fetched, why = self.fetched(fetch_rank, restored["step"])
-                extra += why
+                for r in fetch_ranks:
+                    got, why = self.fetched(r, restored["step"])
+                    fetched = None if got is None else (fetched or 0) + got
+                    extra += why
         time.sleep(1.0)  # the probes' answers after the restore
         case = Case(name, t_cut, t_heal, self.client_streams(), self.direct(), list(self.trainer.saves),
                     PROGRESS_BOUND_SECONDS, t_progress, restored, extra=extra, copies=copies,
@@ -147,12 +156,16 @@ class Rig:
                     **case_kw)  # type: ignore[arg-type]
         return case
 
-    def replace_for_restore(self, rank: int) -> None:
-        """The newest saved step redundant, then host ``rank`` replaced (daemon stopped by pid, RAM dir wiped,
-        started again): its rank's data of that step is now on a peer (or in the bucket) only."""
+    def replace_for_restore(self, ranks: tuple[int, ...],
+                            before_replace: Callable[[int], None] | None = None) -> None:
+        """The newest saved step redundant, then hosts ``ranks`` replaced (each daemon stopped by pid, its RAM
+        dir wiped, started again): their ranks' data of that step is now on a peer, in parity (ec) or in the
+        bucket only."""
         step = self.trainer.step
         wait_for(lambda: self.redundant(step), SETTLE_TIMEOUT_SECONDS, f"step {step} redundant before the restore")
-        self.cluster.replace(rank)
+        if before_replace is not None:
+            before_replace(step)
+        self.cluster.replace(*ranks)
 
     def fetched(self, rank: int, step: int) -> tuple[int | None, list[str]]:
         """The bytes host ``rank``'s replicator fetched from a peer or the bucket since it was replaced (its
@@ -174,9 +187,14 @@ class Rig:
         """Now: the newest second copy of each of ``ranks`` (-1: none): a peer copy on any host, from each host's
         replicator's typed local status (a host that does not answer counts as holding nothing), or a step
         committed in the ``file://`` bucket (which counts as a copy: a peer copy older than a step backed up may
-        rightly be deleted before the next one lands)."""
+        rightly be deleted before the next one lands). In ec mode (no whole copies): the newest step whose
+        parity host ``rank`` holds committed on its RAM disk, or the bucket's."""
         bucket = BackupStore(FileStore(self.cluster.base / "bucket"), "t").committed_steps()
         newest = dict.fromkeys(ranks, max(bucket, default=-1))
+        if self.redundancy.startswith("ec:"):
+            t = time.monotonic()
+            return [{"t": t, "owner": r, "step": max(s, fault_erasure.newest_parity(self.cluster.ram(r)))}
+                    for r, s in newest.items()]
         for holder in range(NODES):
             try:
                 st = local_status(self.cluster.ram(holder))

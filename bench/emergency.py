@@ -1,6 +1,7 @@
 """Side by side with Orbax's own emergency managers: one JSON line of raw seconds and ratios (ours / best Orbax).
 
     python -m bench.emergency [--mib 1024] [--repeats 3] [--systems ours,orbax_p2p,orbax_emergency,ours_orbax]
+        [--steady-steps 24] [--steady-every 8] [--steady-step-seconds 0.5]
 
 Each round runs every system in turn (the order rotates per round, so that drift on a noisy machine hits
 every system alike) as one job of 4 JAX processes on 127.0.0.1 (2 slices x 2 hosts, 2 CPU devices each,
@@ -23,9 +24,10 @@ Systems:
 - ``ours_orbax``: our Orbax mode: Orbax's own public ``initialize_multi_tier_checkpointing`` +
   ``ReplicatorCheckpointManager``, unchanged, against one real ``mtc replicator`` per host in Orbax mode.
   Orbax's initialize calls ``jax.distributed.initialize`` and handshakes with the daemons itself, so it runs
-  one job incarnation (4 new processes) for the saves and one per restore measure, the daemons staying up;
-  its restore clock is our daemons' part of the handshake (in which they place the data) plus the span
-  after initialize returned. bench/emergency_orbax.py says exactly what is timed.
+  one job incarnation (4 new processes) for the saves and one per restore measure, every daemon restarted
+  before each (a JobSet restart); its restore clock holds the daemons' restart, the handshake from the job's
+  request until Orbax's initialize returned (its 1 s polls for the ack included) and the span after it.
+  bench/emergency_orbax.py says exactly what is timed.
 
 Every system first saves step 0 (untimed; a run's first step goes to the persistent tier too), then step 1
 to the local tier only and step 2 to the local and the persistent tier (Orbax:
@@ -39,10 +41,17 @@ median over rounds of the slowest host, every phase started after a barrier):
   slice holds the same bytes. Ours: once the coordinator reports step 1 ``complete`` and ``redundant``
   (every rank's data on at least two hosts), as the manager itself knows it;
 - ``restore_local``: the job restarts with every local dir intact: a new manager, ``restore`` of the
-  newest step (2), arrays ready;
-- ``restore_one_lost``: the same after the local dir of host 3 (slice 1) is wiped (ours: its replicator is
-  stopped, the dir wiped, the replicator restarted before the clock starts, like a replaced host);
+  newest step (2), arrays ready. Ours: the restart of a JobSet, which restarts every Pod with its replicator
+  sidecar: each host's replicator is stopped before the clock starts (a restart recorded first, as the
+  preStop hook does where the node's RAM disk outlives the Pod) and started inside it, and the manager is
+  opened once it serves (the training container waits for the sidecar's startup probe);
+- ``restore_one_lost``: the same after the local dir of host 3 (slice 1) is wiped while its Pod is gone;
 - ``restore_all_lost``: the same after every host's local dir is wiped: from the persistent tier.
+
+Then the steady state (bench/emergency_steady.py): the step time of a loop of CPU-bound train steps with a
+save every ``--steady-every`` steps against the same loop without checkpointing, the last save's work
+(ours: its redundancy and the spare pool's refill) inside the window, so that no background work can land
+between windows: ``steady`` per system and ``steady_step_time_vs_no_checkpoint`` for ours.
 
 Every restore is checked bit for bit against the saved state (outside the clock). A system that fails on
 CPU is reported with its exact error under ``errors`` and left out of the comparison. The ratios
@@ -70,6 +79,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from bench import emergency_steady
 from bench.children import bound_to_us, scratch_dir
 from bench.emergency_common import (
     DEVICES_PER_PROCESS,
@@ -84,6 +94,7 @@ from bench.emergency_common import (
     make_state,
     wait_for,
 )
+from bench.emergency_steady import SteadyOptions
 from controller_client.demo.ports import free_port as _free_port
 
 SYSTEMS = ("ours", "orbax_p2p", "orbax_emergency", "ours_orbax")
@@ -129,6 +140,16 @@ class System:
         """This host loses its local storage (called on a closed system)."""
         shutil.rmtree(self.local, ignore_errors=True)
         self.local.mkdir(parents=True)
+    def pod_down(self, replaced: bool) -> None:
+        """The job's Pod on this host goes (a JobSet restart; called on a closed system, before the clock);
+        ``replaced``: the host is replaced and its local storage lost."""
+        if replaced:
+            self.wipe()
+    def pod_up(self) -> None:
+        """The new Pod's start before the training process's (inside the restore clock)."""
+    def wait_quiet(self, step: int) -> None:
+        """Every piece of work the system does for ``step`` is over (the end of a steady-state window)."""
+        self.wait()
     def shutdown(self) -> None:
         self.close()
 
@@ -281,9 +302,25 @@ class Ours(System):
     def restore(self) -> dict:
         return self.mgr.restore(None, self.abstract)
 
-    def wipe(self) -> None:
+    def wait_quiet(self, step: int) -> None:
+        from sidecar.writer import writer_for
+
+        self.wait_safe(step)
+        if not writer_for(self.local).wait_pool_filled(WAIT_SECONDS):
+            raise TimeoutError(f"the spare pool of {self.local} still filling after {WAIT_SECONDS}s")
+
+    def pod_down(self, replaced: bool) -> None:
+        # The replicator is the Pod's sidecar (deploy/multi-controller-native): it goes with the Pod. On a host
+        # that stays, the preStop hook records a restart (the node's RAM disk outlives the Pod): no flush.
+        if not replaced:
+            from replicator import preemption
+
+            preemption.record_restart(self.local)
         self.stop_replicator()
-        super().wipe()
+        super().pod_down(replaced)
+
+    def pod_up(self) -> None:
+        # The training container starts once its replicator serves (the sidecar's startup probe).
         self.start_replicator()
 
     def shutdown(self) -> None:
@@ -292,9 +329,11 @@ class Ours(System):
 
 
 def run_system(name: str, rank: int, base: Path, mesh: Any, state: dict, abstract: dict, ports: list[int],
-               barrier: Any, inexact: dict[str, int], keep_logs: bool = False) -> dict[str, float]:
-    """One system's scenario on this host: every phase after a barrier; returns this host's seconds.
-    ``inexact``: filled with measure -> elements whose zero lost its sign in that restore."""
+               barrier: Any, inexact: dict[str, int], keep_logs: bool = False,
+               steady: SteadyOptions | None = None) -> dict[str, float]:
+    """One system's scenario on this host: every phase after a barrier, then the steady state (``steady``,
+    bench/emergency_steady.py); returns this host's seconds. ``inexact``: filled with measure -> elements
+    whose zero lost its sign in that restore."""
     import jax
 
     times: dict[str, float] = {}
@@ -321,10 +360,10 @@ def run_system(name: str, rank: int, base: Path, mesh: Any, state: dict, abstrac
                                ("restore_all_lost", list(range(PROCESSES)))):
             system.close()
             barrier()
-            if rank in wiped:
-                system.wipe()
+            system.pod_down(rank in wiped)
             barrier()
             t = time.monotonic()
+            system.pod_up()
             system.open()
             got = system.restore()
             jax.block_until_ready(got)
@@ -337,6 +376,8 @@ def run_system(name: str, rank: int, base: Path, mesh: Any, state: dict, abstrac
             if sign_lost:
                 inexact[measure] = sign_lost
             del got
+        if steady is not None and steady.steps:
+            times.update(emergency_steady.measure(system, state, steady, barrier))
     finally:
         system.shutdown()
     barrier()
@@ -387,7 +428,9 @@ def worker(args: argparse.Namespace) -> None:
         try:
             out["seconds"][name] = run_system(name, rank, base / name, mesh, state, abstract,
                                               ports[i * PROCESSES:(i + 1) * PROCESSES], barrier,
-                                              out["inexact"].setdefault(name, {}), keep_logs=args.verbose)
+                                              out["inexact"].setdefault(name, {}), keep_logs=args.verbose,
+                                              steady=SteadyOptions(args.steady_steps, args.steady_every,
+                                                                   args.steady_step_seconds))
         except Exception as e:  # noqa: BLE001 - reported as this system's error, with its exact text
             out["errors"][name] = f"{type(e).__name__}: {e}"
             out.setdefault("tracebacks", {})[name] = traceback.format_exc()[-4000:]
@@ -410,10 +453,11 @@ def _is_consequence(error: str) -> bool:
 
 
 def run_round(systems: list[str], mib: int, scratch: Path, timeout: float,
-              verbose: bool = False) -> dict[str, dict[str, Any]]:
+              verbose: bool = False, steady: SteadyOptions | None = None) -> dict[str, dict[str, Any]]:
     """One round: 4 worker processes (each in its own session, stopped by pid) running ``systems`` in order.
-    Returns per system the slowest host's seconds per measure, or ``{"error": ...}``. ``verbose``: the
-    workers log at INFO and keep the daemons' logs (``--keep``)."""
+    Returns per system the slowest host's seconds per measure (and steady-state key), or ``{"error": ...}``.
+    ``verbose``: the workers log at INFO and keep the daemons' logs (``--keep``)."""
+    steady = steady or SteadyOptions(steps=0)
     base = scratch / "round"
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
@@ -432,7 +476,9 @@ def run_round(systems: list[str], mib: int, scratch: Path, timeout: float,
             cmd = [sys.executable, "-m", "bench.emergency", "--worker", "--systems", ",".join(systems),
                    "--rank", str(rank), "--mib", str(mib), "--base", str(base),
                    "--jax-coordinator", f"127.0.0.1:{jax_port}", "--ports", ports,
-                   "--result", str(base / f"result{rank}.json")] + (["--verbose"] if verbose else [])
+                   "--result", str(base / f"result{rank}.json"), "--steady-steps", str(steady.steps),
+                   "--steady-every", str(steady.every), "--steady-step-seconds", str(steady.step_seconds)]
+            cmd += ["--verbose"] if verbose else []
             procs.append(subprocess.Popen(bound_to_us(cmd), env=env, stdout=log, stderr=subprocess.STDOUT,
                                           cwd=str(REPO), start_new_session=True))
         deadline = time.monotonic() + timeout
@@ -471,6 +517,8 @@ def run_round(systems: list[str], mib: int, scratch: Path, timeout: float,
                 for rank, e in errors.items()}}
         elif all(name in r.get("seconds", {}) for r in results):
             out[name] = {m: max(r["seconds"][name][m] for r in results) for m in MEASURES}
+            out[name].update({k: max(r["seconds"][name][k] for r in results) for k in emergency_steady.KEYS
+                              if all(k in r["seconds"][name] for r in results)})
             inexact = {m: sum(r.get("inexact", {}).get(name, {}).get(m, 0) for r in results) for m in MEASURES}
             if any(inexact.values()):
                 out[name]["inexact"] = {m: n for m, n in inexact.items() if n}
@@ -482,12 +530,18 @@ def run_round(systems: list[str], mib: int, scratch: Path, timeout: float,
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=1024, help="size of the train state (MiB, default 1024)")
     p.add_argument("--repeats", type=int, default=3, help="rounds; each runs every system once")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     p.add_argument("--timeout", type=float, default=ROUND_TIMEOUT_SECONDS, help="bound on one round (seconds)")
+    p.add_argument("--steady-steps", type=int, default=SteadyOptions.steps,
+                   help=f"train steps per steady-state window (default {SteadyOptions.steps}; 0: none)")
+    p.add_argument("--steady-every", type=int, default=SteadyOptions.every,
+                   help=f"a save every N of them (default {SteadyOptions.every})")
+    p.add_argument("--steady-step-seconds", type=float, default=SteadyOptions.step_seconds,
+                   help=f"CPU seconds of a steady-state train step (default {SteadyOptions.step_seconds:g})")
     p.add_argument("--keep", help="run in this directory and keep it (logs of every process) instead of a "
                    "temporary one on /dev/shm")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -497,11 +551,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ports", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
     systems = [s for s in args.systems.split(",") if s]
+    try:
+        steady = SteadyOptions(args.steady_steps, args.steady_every, args.steady_step_seconds)
+    except ValueError as e:
+        p.error(str(e))
     if args.mib < 1 or args.repeats < 1 or not set(systems) <= set(SYSTEMS):
         p.error("--mib and --repeats must be >= 1, --systems a subset of " + ",".join(SYSTEMS))
     scratch = Path(args.keep) if args.keep else _scratch_dir()
@@ -527,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
 
                     got_round = {"ours_orbax": emergency_orbax.run(args.mib, scratch, args.timeout)}
                 else:
-                    got_round = run_round(part, args.mib, scratch, args.timeout, verbose=bool(args.keep))
+                    got_round = run_round(part, args.mib, scratch, args.timeout, verbose=bool(args.keep),
+                                          steady=steady)
                 for s, got in got_round.items():
                     if "error" in got:
                         errors[s] = got["error"]
@@ -561,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
             best = min(orbax, key=lambda s: seconds[s][m])
             result[f"{m}_vs_best_orbax"] = round(seconds["ours"][m] / seconds[best][m], 3)
             result.setdefault("best_orbax", {})[m] = best
+    result.update(emergency_steady.result(runs))
     if "ours_orbax" in runs:
         from bench import emergency_orbax
 

@@ -6,17 +6,16 @@ replicator`` daemon per host in Orbax mode (``--local-dir`` without ``--rank/--n
 backing up to a local folder (``--backup-url file://...``; ``backup_interval_steps=2`` in the handshake).
 ``initialize_multi_tier_checkpointing`` calls ``jax.distributed.initialize`` itself and handshakes with the
 daemons through ``replicator.yaml``, so this system cannot share bench.emergency's job: it runs as job
-incarnations of its own (4 worker processes each, every one in its own session and stopped by its pid),
-while the daemons stay up across them (each incarnation is a new handshake):
+incarnations of its own (4 worker processes each, every one in its own session and stopped by its pid). The
+daemons are the worker Pods' sidecars: every restore incarnation is a JobSet restart, which restarts every
+daemon (:meth:`Daemons.restart_pods`), and each incarnation is a new handshake:
 
 1. the save job: step 0 (untimed; then it waits until step 0 is complete, redundant and backed up, as
    ``ours`` does), step 1 (``save_block``, ``safe_after``), step 2 (saved, then waited for until the
    coordinator reports it backed up: the interval of 2 steps counts from step 0's backup);
-2. ``restore_local``: a new incarnation, every local dir intact;
-3. ``restore_one_lost``: host 3's daemon stopped, its local dir wiped, the daemon started again, then a new
-   incarnation;
-4. ``restore_all_lost``: every daemon stopped, every local dir wiped, every daemon started, a new
-   incarnation (from the bucket).
+2. ``restore_local``: every daemon restarted, every local dir intact, a new incarnation;
+3. ``restore_one_lost``: the same, host 3's local dir wiped while its daemon was down;
+4. ``restore_all_lost``: the same, every local dir wiped (from the bucket).
 
 What is timed (the slowest host's seconds, each span started after a barrier of the 4 processes):
 
@@ -27,19 +26,22 @@ What is timed (the slowest host's seconds, each span started after a barrier of 
   -- the same condition as ``ours``. Reported split in two (``ours_orbax_safe_after_split``, medians):
   ``orbax_save_seconds``, Orbax's own save (until the last host's ``wait_until_finished`` returned), and
   ``our_share_seconds``, from then until our coordinator reported the step complete and redundant;
-- a restore measure: our daemons' part of the handshake -- from the moment the last host's Orbax wrote
-  ``replicator.yaml`` (the job is up everywhere) until the last daemon deleted its yaml, its ack, as seen by
-  a thread of each worker polling its local dir every 5 ms; in it the daemons plan the restore, fetch what
-  their host lacks (from a peer, or the bucket) and write the markers -- plus the slowest host's span from
-  after ``initialize_multi_tier_checkpointing`` returned and a barrier, until a new
-  ``ReplicatorCheckpointManager`` was built, ``restore`` of its ``latest_step()`` returned and the arrays
-  are ready (the span of the other systems' ``open()`` + ``restore()``).
+- a restore measure, three parts: ``daemon_start_seconds``, from the daemons' restart until every one is
+  up (in Orbax mode a daemon serves only after a handshake gave it its rank; it is up once it wrote
+  ``jax-init-info.txt``, which the training process's JAX start needs); ``ack_wait_seconds``, from the
+  moment the last host's Orbax wrote ``replicator.yaml`` (the job is up everywhere) until the last host's
+  ``initialize_multi_tier_checkpointing`` returned: the daemons plan the restore, fetch what their host
+  lacks (from a peer, or the bucket), write the markers and delete the yaml (their ack), and Orbax, polling
+  every second, sees the ack and the marker; then the slowest host's span from after ``initialize``
+  returned and a barrier, until a new ``ReplicatorCheckpointManager`` was built, ``restore`` of its
+  ``latest_step()`` returned and the arrays are ready (``after_init_seconds``: the span of the other
+  systems' ``open()`` + ``restore()``).
 
-Not in a restore's clock: the rest of the job's start-up in ``initialize_multi_tier_checkpointing`` (JAX's
-distributed start, Orbax's 1 s polls for the ack). Reported beside the measures, untimed by the ratios, per
-restore measure: ``init_seconds`` (the whole ``initialize`` call, the slowest host), ``handshake_seconds``
-(the daemons' part alone, as above), ``after_init_seconds`` (the span after ``initialize`` alone, the slowest
-host) and, inside that, ``open_seconds``: the part spent constructing ``ReplicatorCheckpointManager``.
+Not in a restore's clock: JAX's distributed start inside ``initialize`` (no other system's clock holds it).
+Reported per restore measure under ``ours_orbax_restore_parts``: the three parts, ``handshake_seconds``
+(the daemons' part of ``ack_wait_seconds`` alone: until the last yaml was deleted, as a thread of each worker
+polling its local dir every 5 ms sees it), ``open_seconds`` (inside ``after_init_seconds``: constructing
+``ReplicatorCheckpointManager``) and ``init_seconds`` (the whole ``initialize`` call, the slowest host).
 
 Every restore is checked bit for bit against the saved state (``check_state``, outside the clock) and must
 be of step 2. ``python -m bench.emergency_orbax`` is only the worker; ``python -m bench.emergency`` runs it.
@@ -77,10 +79,13 @@ from bench.emergency_common import (
     wait_for,
 )
 from controller_client.demo.ports import free_port as _free_port
+from replicator.orbax.contract import JAX_INIT_INFO_FILE as JAX_INIT_INFO
 
 NAME = "ours_orbax"
 JOB = "bench"
-UNTIMED = ("init_seconds", "handshake_seconds", "after_init_seconds", "open_seconds")
+# The parts of a restore measure (and the whole initialize call beside them), per measure.
+PARTS = ("daemon_start_seconds", "handshake_seconds", "ack_wait_seconds", "after_init_seconds", "open_seconds",
+         "init_seconds")
 SAVE_SPLIT = ("orbax_save_seconds", "our_share_seconds")
 RESTORES = (("restore_local", []), ("restore_one_lost", [LOST_HOST]), ("restore_all_lost", list(range(PROCESSES))))
 # Bounds Orbax's ack wait and JAX's start-up (it only ends a broken run; the daemons answer in ~1 s and
@@ -148,12 +153,33 @@ class Daemons:
             if p.poll() is not None:
                 raise RuntimeError(f"replicator {host} exited with {p.returncode}")
 
-    def wipe(self, hosts: list[int]) -> None:
-        """``hosts`` are replaced: their daemons stopped, their local dirs emptied, the daemons started again."""
-        self.stop(hosts)
-        for host in hosts:
-            shutil.rmtree(self.local(host), ignore_errors=True)
+    def ready(self, host: int) -> bool:
+        """``host``'s daemon is up: in Orbax mode it serves only once a handshake gave it its rank, and the
+        first thing it does is write ``jax-init-info.txt`` (the training process's JAX needs it to start)."""
+        self.check_alive()
+        return (self.local(host) / JAX_INIT_INFO).exists()
+
+    def restart_pods(self, replaced: list[int]) -> float:
+        """A JobSet restart: every daemon goes with its Pod (on a host that stays the preStop hook records a
+        restart, the node's RAM disk outliving the Pod), ``replaced`` hosts lose their local dirs, then every
+        daemon starts. Returns the seconds from the start until every daemon is up (:meth:`ready`)."""
+        from replicator import preemption
+
+        for host in range(PROCESSES):
+            if host not in replaced:
+                preemption.record_restart(self.local(host))
+        self.stop(list(self.procs))
+        for host in range(PROCESSES):
+            if host in replaced:
+                shutil.rmtree(self.local(host), ignore_errors=True)
+            else:
+                (self.local(host) / JAX_INIT_INFO).unlink(missing_ok=True)  # the old Pod's
+        t0 = time.monotonic()
+        for host in range(PROCESSES):
             self.start(host)
+        for host in range(PROCESSES):
+            wait_for(lambda h=host: self.ready(h), WAIT_SECONDS, f"replicator {host} to start")
+        return time.monotonic() - t0
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -211,8 +237,8 @@ def _incarnation(phase: str, mib: int, daemons: Daemons, logs: Path, deadline: f
 
 
 def run(mib: int, scratch: Path, timeout: float) -> dict[str, Any]:
-    """One round of ``ours_orbax``: the slowest host's seconds per measure (plus ``untimed``: init and
-    handshake seconds per restore measure, and ``inexact`` if zeros lost their sign), or ``{"error": ...}``."""
+    """One round of ``ours_orbax``: the slowest host's seconds per measure (plus ``parts``: the parts of
+    each restore measure, and ``inexact`` if zeros lost their sign), or ``{"error": ...}``."""
     base, logs = scratch / NAME, scratch / f"{NAME}-logs"
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
@@ -220,7 +246,7 @@ def run(mib: int, scratch: Path, timeout: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     daemons = Daemons(base, logs)
     out: dict[str, Any] = {}
-    untimed: dict[str, dict[str, float]] = {k: {} for k in UNTIMED}
+    parts: dict[str, dict[str, float]] = {k: {} for k in PARTS}
     inexact: dict[str, int] = {}
     try:
         for host in range(PROCESSES):
@@ -234,15 +260,20 @@ def run(mib: int, scratch: Path, timeout: float) -> dict[str, Any]:
         out["save_split"] = {"orbax_save_seconds": orbax_done - min(r["save_started"] for r in saved),
                              "our_share_seconds": max(0.0, saved[0]["safe_at"] - orbax_done)}
         for measure, wiped in RESTORES:
-            daemons.wipe(wiped)
+            got_parts = {"daemon_start_seconds": daemons.restart_pods(wiped)}
             got = _incarnation(measure, mib, daemons, logs, deadline)
-            # The daemons' part of the handshake: from the moment the last host's Orbax asked (the job is up
-            # everywhere; a host that asked earlier waits for the others) until the last daemon's ack; then
-            # the slowest host's span after initialize.
-            handshake = max(r["yaml_acked"] for r in got) - max(r["yaml_seen"] for r in got)
-            out[measure] = handshake + max(r["seconds"][measure] for r in got)
-            for key in untimed:
-                untimed[key][measure] = handshake if key == "handshake_seconds" else max(r[key] for r in got)
+            # From the moment the last host's Orbax asked (the job is up everywhere; a host that asked earlier
+            # waits for the others): the daemons' part (until the last ack), and until the last host's
+            # initialize returned (Orbax's 1 s polls for the ack and the restore marker in it).
+            asked = max(r["yaml_seen"] for r in got)
+            got_parts["handshake_seconds"] = max(r["yaml_acked"] for r in got) - asked
+            got_parts["ack_wait_seconds"] = max(r["init_returned"] for r in got) - asked
+            for key in ("after_init_seconds", "open_seconds", "init_seconds"):
+                got_parts[key] = max(r[key] for r in got)
+            out[measure] = (got_parts["daemon_start_seconds"] + got_parts["ack_wait_seconds"]
+                            + max(r["seconds"][measure] for r in got))
+            for key in parts:
+                parts[key][measure] = got_parts[key]
             if sum(r.get("sign_lost", 0) for r in got):
                 inexact[measure] = sum(r.get("sign_lost", 0) for r in got)
     except Exception as e:  # noqa: BLE001 - reported as this system's error, with its exact text
@@ -250,7 +281,7 @@ def run(mib: int, scratch: Path, timeout: float) -> dict[str, Any]:
     finally:
         daemons.stop(list(daemons.procs))
         shutil.rmtree(base, ignore_errors=True)  # the RAM disk, before the next system runs
-    out["untimed"] = untimed
+    out["parts"] = parts
     if inexact:
         out["inexact"] = inexact
     return out
@@ -258,9 +289,8 @@ def run(mib: int, scratch: Path, timeout: float) -> dict[str, Any]:
 
 def result_keys(seconds: dict[str, dict[str, float]], runs: list[dict[str, Any]], orbax: list[str]) -> dict:
     """bench.emergency's keys for this system: ``ours_orbax_<measure>_vs_best_orbax`` (its median seconds /
-    the faster Orbax manager's, of ``orbax``), ``best_orbax``, and ``ours_orbax_untimed``: the medians over
-    rounds of what the restore measures leave out (Orbax's initialize, and in it our daemons' handshake,
-    which places the data before the ack) and of the part of them spent constructing the manager."""
+    the faster Orbax manager's, of ``orbax``), ``best_orbax``, and ``ours_orbax_restore_parts``: the medians
+    over rounds of the parts of each restore measure (see the module docstring)."""
     out: dict[str, Any] = {}
     if NAME in seconds and orbax:
         for m in MEASURES:
@@ -270,8 +300,8 @@ def result_keys(seconds: dict[str, dict[str, float]], runs: list[dict[str, Any]]
     if runs:
         out[f"{NAME}_safe_after_split"] = {k: round(statistics.median(x["save_split"][k] for x in runs), 4)
                                            for k in SAVE_SPLIT}
-        out[f"{NAME}_untimed"] = {k: {m: round(statistics.median(x["untimed"][k][m] for x in runs), 4)
-                                      for m, _ in RESTORES} for k in UNTIMED}
+        out[f"{NAME}_restore_parts"] = {k: {m: round(statistics.median(x["parts"][k][m] for x in runs), 4)
+                                            for m, _ in RESTORES} for k in PARTS}
     return out
 
 
@@ -336,7 +366,8 @@ def _worker(args: argparse.Namespace, out: dict[str, Any]) -> None:
     initialization.initialize_multi_tier_checkpointing(
         local, run_name=JOB, num_slices=SLICES, backup_interval_steps=2,
         jax_initialization_timeout_seconds=INIT_TIMEOUT_SECONDS, jax_shutdown_timeout_seconds=5)
-    out["init_seconds"] = time.monotonic() - t0
+    out["init_returned"] = time.monotonic()  # CLOCK_MONOTONIC: one clock for all hosts
+    out["init_seconds"] = out["init_returned"] - t0
     watch.seconds()
     out["yaml_seen"], out["yaml_acked"] = watch.seen, watch.acked  # CLOCK_MONOTONIC: one clock for all hosts
     n = [0]
@@ -383,28 +414,41 @@ def _worker(args: argparse.Namespace, out: dict[str, Any]) -> None:
         barrier()
         mgr.close()
     else:
-        abstract = abstract_state(mesh, args.mib)
-        restore_args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)))
-        barrier()
-        t = time.monotonic()
-        mgr = rcm.ReplicatorCheckpointManager(local, options, global_mesh=mesh)
-        out["open_seconds"] = time.monotonic() - t
-        step = mgr.latest_step()
-        got = mgr.restore(step, args=restore_args)["state"]
-        jax.block_until_ready(got)
-        seconds[args.phase] = out["after_init_seconds"] = time.monotonic() - t
-        barrier()
-        if step != 2:
-            raise ValueError(f"{args.phase}: restored step {step}, saved 2")
-        try:
-            out["sign_lost"] = check_state(got, abstract)
-        except ValueError as e:
-            raise ValueError(f"{args.phase}: {e}") from None
-        del got
-        mgr.close()
+        _restore_phase(args, mesh, local, options, barrier, out, seconds)
     barrier()
     out["seconds"] = seconds
+
+
+def _restore_phase(args: argparse.Namespace, mesh: Any, local: Path, options: Any, barrier: Any,
+                   out: dict[str, Any], seconds: dict[str, float]) -> None:
+    """A restore incarnation after ``initialize``: a new manager, ``restore`` of its latest step (timed), the
+    check (step 2, bit for bit; untimed)."""
+    import jax
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
+        replicator_checkpoint_manager as rcm,
+    )
+
+    abstract = abstract_state(mesh, args.mib)
+    restore_args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)))
+    barrier()
+    t = time.monotonic()
+    mgr = rcm.ReplicatorCheckpointManager(local, options, global_mesh=mesh)
+    out["open_seconds"] = time.monotonic() - t
+    step = mgr.latest_step()
+    got = mgr.restore(step, args=restore_args)["state"]
+    jax.block_until_ready(got)
+    seconds[args.phase] = out["after_init_seconds"] = time.monotonic() - t
+    barrier()
+    if step != 2:
+        raise ValueError(f"{args.phase}: restored step {step}, saved 2")
+    try:
+        out["sign_lost"] = check_state(got, abstract)
+    except ValueError as e:
+        raise ValueError(f"{args.phase}: {e}") from None
+    del got
+    mgr.close()
 
 
 def _status(coordinator: str) -> Any:

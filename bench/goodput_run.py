@@ -1,49 +1,63 @@
 """One system's run of bench.goodput: the harness plays Kubernetes for a job of 4 JAX processes.
 
-It starts the job (4 ``bench.goodput_worker`` processes, each in its own session, stopped by its pid; for
-``ours`` also one ``mtc replicator`` per host, a sidecar that outlives the training containers), and at the
-times of the seeded failure schedule (:func:`schedule`, from the first train step) it fails the job:
+The harness makes the restarts the rendered JobSets make (deploy/multi-controller-native, ``restartStrategy:
+Recreate``), the same for every system: at each failure of the seeded schedule (:func:`schedule`, from the
+first train step) every Pod of the job goes and comes back, ours with its replicator sidecar (bench/goodput_pods.py).
+The RAM disk (``--ramdisk``, as ``mtc manifests --ramdisk``) decides what the new Pods find: ``csi`` (the
+native front door's default, the node's RAM disk) keeps every surviving host's local folder, of every system;
+``memory`` (an emptyDir) loses every host's at every restart.
 
-- ``host_lost``: the host's worker (and its replicator) SIGKILLed; the whole job is restarted, as a JobSet
-  does; the host is replaced: its RAM dir wiped, a new empty replicator;
+- ``host_lost``: the host's worker (and its replicator) SIGKILLed, every other Pod deleted; the host is
+  replaced: its local folder wiped;
 - ``slice_lost``: the same for both hosts of a slice;
 - ``preemption``: a notice for one slice (ours: ``mtc preempt`` on its hosts' replicators, as the Pods'
   preStop hook; Orbax: a file the workers poll each step); the job saves the step it is at and exits; after
   the workers exit (or ``--grace-seconds``) the slice's replicators get SIGTERM (they flush to the bucket
-  within what is left of the grace), then the slice's hosts are replaced;
-- ``job_restart``: every worker killed, every RAM dir kept;
-- ``corrupt_copy``: bytes flipped in the largest file of one host's newest local step (orbax_standard has no
-  local copy: its newest step in the bucket folder), then a job restart.
+  within what is left of the grace), the other Pods are deleted as in a restart, the slice's hosts replaced;
+- ``job_restart``: every Pod deleted, nothing replaced;
+- ``corrupt_copy``: a job restart, and while the Pods are gone 64 bytes are flipped in the copy the system
+  would restore first of one host's data of its newest step (bench/goodput_faults.py).
 
-After each failure it waits ``--replace-seconds`` (the replacement Pods), then starts a new incarnation. A
-failure due while the job is still recovering is injected once it has taken its first step (its delay is
-recorded). A recovery that raises, or restores anything but what was saved, is recorded as failed with its
-error, and the job starts over from nothing (every tier wiped), as an operator would.
+A deleted Pod's replicator gets SIGTERM; where the RAM disk outlives the Pod the preStop hook has recorded a
+restart (no emergency backup), as ``mtc preempt --on-restart skip`` does. After ``--replace-seconds`` (new
+Pods) every Pod starts: ours' replicators first, each host's training process once its replicator answers
+the startup probe (every ``--probe-seconds`` from the Pod's start, as the rendered JobSet's). A failure due
+while the job is still recovering is injected once it has taken its first step (its delay is recorded).
+
+A recovery that raises, or restores anything but what was saved (the harness's check), is recorded with its
+error and followed by the operator's policy, its time charged: the copy found bad is removed (the corrupted
+one when the harness knows it, else every copy of the step that failed) and the JobSet restarted, so the
+system restores the newest intact step in any tier, or starts from scratch when none is left.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
+import math
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.children import bound_to_us
-from bench.emergency_common import DEVICES_PER_PROCESS, PROCESSES, REPO, SLICES
-from controller_client.demo.ports import free_port
+from bench import goodput_faults
+from bench.emergency_common import PROCESSES, SLICES
+from bench.goodput_pods import Job, Replicators
 
 KINDS = ("host_lost", "slice_lost", "preemption", "job_restart", "corrupt_copy")
 HOSTS_PER_SLICE = PROCESSES // SLICES
 RECOVERY_TIMEOUT_SECONDS = 300.0
 STOP_TIMEOUT_SECONDS = 30.0
 POLL_SECONDS = 0.02
+DEPLOY_MODE = "multi-controller-native"
+RAMDISKS = ("csi", "memory")
+RAMDISK_OUTLIVES_PODS = ("csi",)
+# deploy/multi-controller-native/jobset.yaml: the replicator sidecar's startupProbe (gRPC, periodSeconds 2); the
+# training container starts after it passed.
+STARTUP_PROBE_SECONDS = 1.0  # the rendered replicator startupProbe periodSeconds
+MAX_ROLLBACKS = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,121 +112,16 @@ class RunOptions:
     grace_seconds: float
     bucket_seconds: float
     failures: tuple[Failure, ...]
+    ramdisk: str = "csi"
+    probe_seconds: float = STARTUP_PROBE_SECONDS
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, JAX_PLATFORMS="cpu", GRPC_VERBOSITY="ERROR",
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
-                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 
-
-def _stop(p: subprocess.Popen, sig: int, timeout: float) -> None:
-    """``sig`` to ``p``'s own session (by its pid), SIGKILL after ``timeout``."""
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
-
-
-def _waited(p: subprocess.Popen, timeout: float) -> bool:
-    try:
-        p.wait(timeout=timeout)
-        return True
-    except subprocess.TimeoutExpired:
-        return False
-
-
-class Replicators:
-    """ours: one real ``mtc replicator`` per host (host 0's serves the coordinator), backing up to a folder."""
-
-    def __init__(self, opts: RunOptions, storage: Path, logs: Path):
-        self.opts, self.storage, self.logs = opts, storage, logs
-        self.ports = [free_port() for _ in range(PROCESSES)]
-        self.procs: dict[int, subprocess.Popen] = {}
-
-    def local(self, host: int) -> Path:
-        return self.storage / f"local{host}"
-
-    def start(self, host: int) -> None:
-        self.local(host).mkdir(parents=True, exist_ok=True)
-        args = ["--local-dir", str(self.local(host)), "--listen", f"127.0.0.1:{self.ports[host]}", "--job", "bench",
-                "--rank", str(host), "--nodes", str(PROCESSES), "--data-parallelism", str(SLICES),
-                "--heartbeat-seconds", "0.1", "--rpc-timeout-seconds", "5", "--transfer-timeout-seconds", "300",
-                "--backup-url", f"file://{self.storage / 'persistent'}",
-                "--backup-interval-minutes", f"{self.opts.bucket_seconds / 60:.4f}",
-                "--preemption-grace-seconds", str(self.opts.grace_seconds)]
-        if host:
-            args += ["--coordinator", f"127.0.0.1:{self.ports[0]}"]
-        with open(self.logs / f"replicator-{host}.log", "ab") as log:
-            self.procs[host] = subprocess.Popen(
-                bound_to_us([sys.executable, "-m", "controller_client.cli", "-v", "replicator", *args]), stdout=log,
-                stderr=subprocess.STDOUT, env=_env(), cwd=str(REPO), start_new_session=True)
-
-    def stop(self, hosts: list[int] | tuple[int, ...], sig: int = signal.SIGKILL,
-             timeout: float = STOP_TIMEOUT_SECONDS) -> None:
-        procs = [p for p in (self.procs.pop(h, None) for h in hosts) if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, sig)
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            _stop(p, signal.SIGKILL, max(0.1, deadline - time.monotonic()))
-
-    def notice(self, hosts: tuple[int, ...], grace_seconds: float) -> None:
-        """A preemption notice, as the Pods' preStop hook gives it (``mtc preempt``)."""
-        hooks = [subprocess.Popen([sys.executable, "-m", "controller_client.cli", "preempt", "--local-dir",
-                                   str(self.local(h)), "--save-window-seconds", f"{grace_seconds * 0.5:.2f}",
-                                   "--flush-seconds", f"{grace_seconds * 0.4:.2f}"],
-                                  env=_env(), cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  start_new_session=True)
-                 for h in hosts]
-        for hook in hooks:
-            if not _waited(hook, 30):
-                _stop(hook, signal.SIGKILL, 10)
-
-
-class Job:
-    """The 4 worker processes of the current incarnation."""
-
-    def __init__(self, opts: RunOptions, base: Path, logs: Path, ports: list[int]):
-        self.opts, self.base, self.logs, self.ports = opts, base, logs, ports
-        self.incarnation = -1
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self) -> None:
-        self.incarnation += 1
-        jax_port = free_port()
-        self.procs = []
-        for rank in range(PROCESSES):
-            cmd = [sys.executable, "-m", "bench.goodput_worker", "--system", self.opts.system, "--rank", str(rank),
-                   "--incarnation", str(self.incarnation), "--mib", str(self.opts.mib),
-                   "--step-seconds", str(self.opts.step_seconds), "--mtbf-seconds", str(self.opts.mtbf_seconds),
-                   "--bucket-seconds", str(self.opts.bucket_seconds), "--base", str(self.base),
-                   "--jax-coordinator", f"127.0.0.1:{jax_port}", "--ports", ",".join(map(str, self.ports))]
-            with open(self.logs / f"worker-{self.incarnation}-{rank}.log", "wb") as log:
-                self.procs.append(subprocess.Popen(bound_to_us(cmd), stdout=log, stderr=subprocess.STDOUT, env=_env(),
-                                                   cwd=str(REPO), start_new_session=True))
-
-    def kill(self) -> None:
-        for p in self.procs:
-            _stop(p, signal.SIGKILL, 10)
-
-    def exited(self) -> list[int]:
-        return [p.returncode for p in self.procs if p.poll() is not None]
-
-    def error(self) -> str | None:
-        """The first error a worker of this incarnation wrote, if any."""
-        errors = sorted((self.base / "errors").glob(f"{self.incarnation}-*.txt"))
-        if errors:
-            return errors[0].read_text().splitlines()[0][:600]
-        codes = [c for c in self.exited() if c != 0]
-        return f"a worker exited with {codes[0]} and no error" if codes else None
+def deploy(ramdisk: str, probe_seconds: float) -> dict[str, Any]:
+    """The deploy mode measured, as the output names it."""
+    return {"mode": DEPLOY_MODE, "ramdisk": ramdisk, "ramdisk_outlives_pods": ramdisk in RAMDISK_OUTLIVES_PODS,
+            "pod_restarts": "every Pod of the JobSet at every failure, our replicator sidecars included",
+            "startup_probe_seconds": probe_seconds}
 
 
 class Events:
@@ -239,30 +148,6 @@ class Events:
         return out
 
 
-def corrupt_newest(root: Path) -> str:
-    """Flip 64 bytes in the middle of the largest file of the newest committed step under ``root`` (a path
-    component all digits is a step; temp dirs are not). Returns what was flipped, for the record."""
-    best: tuple[int, int, Path] | None = None
-    for path in root.rglob("*"):
-        if not path.is_file() or path.is_symlink():
-            continue
-        steps = [int(c) for c in path.relative_to(root).parts[:-1] if c.isdigit()]
-        if not steps:
-            continue
-        key = (max(steps), path.stat().st_size, path)
-        if best is None or key[:2] > best[:2]:
-            best = key
-    if best is None:
-        return "no committed step to corrupt"
-    step, size, path = best
-    with open(path, "r+b") as f:
-        f.seek(size // 2)
-        data = f.read(64)
-        f.seek(size // 2)
-        f.write(bytes(b ^ 0xFF for b in data))
-    return f"step {step}: {path.relative_to(root)} ({len(data)} bytes at {size // 2})"
-
-
 class Harness:
     """One system's run (see the module docstring); :meth:`run` returns its record."""
 
@@ -282,17 +167,65 @@ class Harness:
         self.last_step = 0
         self.excluded = 0.0
 
-    def local_root(self, host: int) -> Path:
-        if self.opts.system == "orbax_standard":
-            return self.storage / "persistent"
-        return self.storage / f"local{host}"
-
-    def wipe(self, hosts: tuple[int, ...]) -> None:
+    def wipe(self, hosts: tuple[int, ...] | range) -> None:
         if self.opts.system == "orbax_standard":
             return  # no local tier: a replaced host loses nothing
         for h in hosts:
             shutil.rmtree(self.storage / f"local{h}", ignore_errors=True)
             (self.storage / f"local{h}").mkdir(parents=True)
+
+    # ------------------------------------------------------------------ the JobSet's lifecycle
+    def _start_pods(self) -> float:
+        """Every Pod of a new incarnation: ours' replicators, then each host's training process once its
+        replicator passed the startup probe (probed every ``probe_seconds`` from the Pod's start). Returns the
+        Pods' start."""
+        t0 = time.monotonic()
+        self.job.begin()
+        if self.reps is None:
+            for rank in range(PROCESSES):
+                self.job.start_rank(rank)
+            return t0
+        for h in range(PROCESSES):
+            if h not in self.reps.procs:
+                self.reps.start(h)
+        deadline = t0 + RECOVERY_TIMEOUT_SECONDS
+        period = self.opts.probe_seconds
+        served: dict[int, float] = {}  # host -> when its replicator was first seen serving
+        while len(self.job.procs) < PROCESSES:
+            now = time.monotonic()
+            if now > deadline:
+                raise RuntimeError(f"replicators not serving within {RECOVERY_TIMEOUT_SECONDS:.0f} s")
+            for h in range(len(self.job.procs), PROCESSES):  # started in rank order, each when its probe passed
+                if h not in served and self.reps.serving(h):
+                    served[h] = now
+            h = len(self.job.procs)
+            # The probe that passes: the first at or after the replicator began serving.
+            if h in served and now >= (t0 if period <= 0 else t0 + math.ceil((served[h] - t0) / period) * period):
+                self.job.start_rank(h)
+                continue
+            time.sleep(POLL_SECONDS)
+        return t0
+
+    def _stop_pods(self, hosts: list[int]) -> None:
+        """``hosts``' Pods deleted by a JobSet restart: their replicators get SIGTERM; where the RAM disk
+        outlives the Pod the preStop hook recorded a restart first (no emergency backup)."""
+        if self.reps is None:
+            return
+        hosts = [h for h in hosts if h in self.reps.procs]
+        if self.opts.ramdisk in RAMDISK_OUTLIVES_PODS:
+            self.reps.record_restart(hosts)
+        self.reps.stop(hosts, signal.SIGTERM, STOP_TIMEOUT_SECONDS)
+
+    def _new_pods(self, rec: dict[str, Any], replaced: tuple[int, ...]) -> None:
+        """After the old Pods went: the replaced hosts' RAM disks (every host's with an emptyDir) are gone,
+        ``--replace-seconds`` pass, every Pod starts."""
+        lost = range(PROCESSES) if self.opts.ramdisk not in RAMDISK_OUTLIVES_PODS else replaced
+        self.wipe(lost)
+        time.sleep(self.opts.replace_seconds)
+        rec["t_spawn"] = self._start_pods()
+        rec["incarnation"] = self.job.incarnation
+        if self.reps:  # inside "restart": until the last training process passed its sidecar's startup probe
+            rec["sidecars_seconds"] = round(time.monotonic() - rec["t_spawn"], 4)
 
     # ------------------------------------------------------------------ failures
     def inject(self, failure: Failure, due: float) -> None:
@@ -301,26 +234,11 @@ class Harness:
                                "delayed_seconds": round(now - due, 3), "t_fail": now}
         replaced: tuple[int, ...] = ()
         if failure.kind == "preemption":
-            if self.reps:
-                self.reps.notice(failure.hosts, self.opts.grace_seconds)
-            else:
-                (self.base / "notice").write_text("preempted\n")
-            end = now + self.opts.grace_seconds
-            while len(self.job.exited()) < PROCESSES and time.monotonic() < end:
-                self._read_events()
-                time.sleep(POLL_SECONDS)
-            rec["exited_in_grace"] = len(self.job.exited()) == PROCESSES
-            self.job.kill()
-            self._read_events()
-            rec["t_down"] = time.monotonic()
-            if self.reps:  # the sidecars' SIGTERM, once the main containers are gone; they flush in what is left
-                self.reps.stop(failure.hosts, signal.SIGTERM, max(1.0, end - time.monotonic()))
+            self._preempt(failure, rec)
             replaced = failure.hosts
         else:
-            if failure.kind == "corrupt_copy":
-                rec["corrupted"] = corrupt_newest(self.local_root(failure.hosts[0]))
             if self.reps and failure.kind in ("host_lost", "slice_lost"):
-                self.reps.stop(failure.hosts)
+                self.reps.stop(failure.hosts)  # SIGKILL: the node is gone
             self.job.kill()
             self._read_events()
             rec["t_down"] = time.monotonic()
@@ -328,38 +246,71 @@ class Harness:
                 replaced = failure.hosts
         rec["step_at_failure"] = self.last_step
         (self.base / "notice").unlink(missing_ok=True)
-        self.wipe(replaced)
-        time.sleep(self.opts.replace_seconds)
-        if self.reps:
-            for h in replaced:
-                self.reps.start(h)
-        self.job.start()
-        rec["t_spawn"] = time.monotonic()
-        rec["incarnation"] = self.job.incarnation
+        self._stop_pods(list(range(PROCESSES)))
+        if failure.kind == "corrupt_copy":
+            self._corrupt(rec, failure.hosts[0])
+        self._new_pods(rec, replaced)
         self.current = rec
 
-    def start_over(self, error: str) -> None:
-        """A recovery failed: recorded on the current failure (or as an error of its own); the job starts
-        from nothing, every tier wiped."""
+    def _preempt(self, failure: Failure, rec: dict[str, Any]) -> None:
+        """The notice, the job's last save and exit (or the grace's end), then the preempted slice's
+        replicators' SIGTERM: they flush within what is left of the grace."""
+        if self.reps:
+            self.reps.notice(failure.hosts, self.opts.grace_seconds)
+        else:
+            (self.base / "notice").write_text("preempted\n")
+        end = rec["t_fail"] + self.opts.grace_seconds
+        while len(self.job.exited()) < PROCESSES and time.monotonic() < end:
+            self._read_events()
+            time.sleep(POLL_SECONDS)
+        rec["exited_in_grace"] = len(self.job.exited()) == PROCESSES
+        self.job.kill()
+        self._read_events()
+        rec["t_down"] = time.monotonic()
+        if self.reps:  # a notice, not a restart: no restart record, the SIGTERM flushes
+            self.reps.stop(failure.hosts, signal.SIGTERM, max(1.0, end - time.monotonic()))
+
+    def _corrupt(self, rec: dict[str, Any], host: int) -> None:
+        root = goodput_faults.restore_first_root(self.opts.system, self.storage, host)
+        got = goodput_faults.corrupt_newest(root)
+        rec["corrupted"] = got.describe(self.storage) if got else "no committed step to corrupt"
+        rec["corrupt_step_dir"] = got.step_dir if got else None
+
+    def roll_back(self, error: str) -> None:
+        """A recovery failed or restored other bytes than were saved: recorded on the current failure (or as
+        an error of its own), then the operator's policy (see the module docstring), its time charged."""
         if self.current is None:
             self.errors.append(error)
             self.current = {"kind": "unprovoked", "hosts": [], "t_fail": time.monotonic(),
                             "step_at_failure": self.last_step, "t_down": time.monotonic()}
-        self.current.setdefault("failed", error)
-        self.current.setdefault("t_failed_spawn", self.current.get("t_spawn", self.current["t_down"]))
+        rec = self.current
+        rec.setdefault("failed", error)
+        if rec["kind"] == "corrupt_copy" and "corruption_detected" not in rec:
+            # The system's own restore refused the bad copy (an error), or the harness's check found its bytes.
+            rec["corruption_detected"] = not error.startswith("WrongRestore")
+        rec.setdefault("t_failed_spawn", rec.get("t_spawn", rec["t_down"]))
         self.job.kill()
-        if self.reps:
-            self.reps.stop(list(self.reps.procs))
-        for child in self.storage.iterdir():
-            shutil.rmtree(child, ignore_errors=True)
-        if self.reps:
-            for h in range(PROCESSES):
-                self.reps.start(h)
-        self.job.start()
-        self.current["t_spawn"] = time.monotonic()
-        self.current["incarnation"] = self.job.incarnation
-        self.current.pop("t_up", None)
-        self.current.pop("t_planned", None)
+        self._stop_pods(list(range(PROCESSES)))
+        rec.setdefault("rolled_back", []).append(self._remove_bad(rec))
+        self._new_pods(rec, ())
+        for k in ("t_up", "t_planned", "t_restored", "t_checked", "planned_step", "restored_step"):
+            rec.pop(k, None)
+
+    def _remove_bad(self, rec: dict[str, Any]) -> str:
+        """The operator's removal: the corrupted copy if not yet removed, else every copy of the step the
+        attempt tried; everything after MAX_ROLLBACKS attempts, or when no step was tried."""
+        bad = rec.pop("corrupt_step_dir", None)
+        if bad is not None:
+            shutil.rmtree(bad, ignore_errors=True)
+            return f"copy {Path(bad).relative_to(self.storage)}"
+        tried = rec.get("restored_step", rec.get("planned_step"))
+        attempts = len(rec.get("rolled_back", []))
+        if tried is not None and attempts < MAX_ROLLBACKS:
+            return f"step {tried}: " + (", ".join(goodput_faults.remove_step(self.storage, tried)) or "no copy")
+        if tried is None and attempts < 2:  # it failed before planning a restore: nothing known bad
+            return "nothing (a restart)"
+        goodput_faults.remove_everything(self.storage)
+        return "everything (from scratch)"
 
     # ------------------------------------------------------------------ the timeline
     def _read_events(self) -> None:
@@ -372,8 +323,8 @@ class Harness:
                 continue
             if kind in ("up", "planned", "restored"):
                 rec[f"t_{kind}"] = ev["t"]
-                if kind == "restored":
-                    rec["restored_step"] = ev["step"]
+                if kind in ("planned", "restored"):
+                    rec[f"{kind}_step"] = ev["step"]
             elif kind == "checked":
                 rec["t_checked"] = ev["t"]
                 rec["check_seconds"] = round(ev["seconds"], 4)
@@ -385,7 +336,7 @@ class Harness:
     def _close(self, rec: dict[str, Any]) -> None:
         s = self.opts.step_seconds
         # A failed recovery: "replace" ends at the failed attempt's start, which "failed_attempt" holds up to
-        # the start over from nothing.
+        # the operator's restart.
         spawn = rec.get("t_failed_spawn", rec["t_spawn"])
         phases = {
             "detect": rec["t_down"] - rec["t_fail"],
@@ -393,22 +344,27 @@ class Harness:
             "failed_attempt": rec["t_spawn"] - spawn,
             "restart": rec["t_up"] - rec["t_spawn"],
             "plan": rec["t_planned"] - rec["t_up"],
-            "fetch_verify_load": rec["t_restored"] - rec["t_planned"],
+            "restore": rec["t_restored"] - rec["t_planned"],
             "first_step": rec["t_first_step"] - rec["t_checked"] - s,
         }
         rec["phases"] = {k: round(v, 4) for k, v in phases.items() if k != "failed_attempt" or "failed" in rec}
         rec["downtime_seconds"] = round(sum(rec["phases"].values()), 4)
+        # Fetch, verify and load wherever they ran: the restore call and (ours) the replicators' restores,
+        # which may run while the job starts; the time any of them ran, since the Pods started.
+        spans = [(rec["t_planned"], rec["t_restored"])]
+        spans += self.reps.restore_spans(rec["t_spawn"]) if self.reps else []
+        rec["fetch_verify_load_seconds"] = round(covered(spans, rec["t_spawn"]), 4)
         rec["steps_lost"] = rec["step_at_failure"] - rec["restored_step"]
+        if rec["kind"] == "corrupt_copy":
+            rec.setdefault("corruption_detected", True)  # its first restore gave back what was saved
+        rec.pop("corrupt_step_dir", None)
         self.records.append(rec)
         self.current = None
 
     def run(self) -> dict[str, Any]:
         opts = self.opts
         try:
-            if self.reps:
-                for h in range(PROCESSES):
-                    self.reps.start(h)
-            self.job.start()
+            self._start_pods()
             t_start = self._wait_start()
             pending = list(opts.failures)
             while True:
@@ -424,9 +380,9 @@ class Harness:
                 if error is None and self.current is None and self.job.exited():
                     error = "a worker exited outside a failure"
                 if error is not None:
-                    self.start_over(error)
+                    self.roll_back(error)
                 elif self.current is not None and now - self.current["t_fail"] > RECOVERY_TIMEOUT_SECONDS:
-                    self.start_over(f"no first step within {RECOVERY_TIMEOUT_SECONDS:.0f} s")
+                    self.roll_back(f"no first step within {RECOVERY_TIMEOUT_SECONDS:.0f} s")
                 elif self.current is None and pending and now >= t_start + pending[0].at_seconds and now < deadline:
                     failure = pending.pop(0)
                     self.inject(failure, t_start + failure.at_seconds)
@@ -466,9 +422,20 @@ class Harness:
         return out
 
 
+def covered(spans: list[tuple[float, float]], since: float) -> float:
+    """Seconds after ``since`` that at least one of ``spans`` (start, end) covers."""
+    total, reach = 0.0, since
+    for start, end in sorted(spans):
+        start = max(start, reach)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
+
+
 def _public(rec: dict[str, Any]) -> dict[str, Any]:
     """A failure's record without its raw clock readings."""
-    return {k: v for k, v in rec.items() if not k.startswith("t_") and k != "incarnation"}
+    return {k: v for k, v in rec.items() if not k.startswith("t_") and k not in ("incarnation", "corrupt_step_dir")}
 
 
 def run(opts: RunOptions, scratch: Path) -> dict[str, Any]:

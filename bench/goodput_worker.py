@@ -16,7 +16,8 @@ the job saves the step it is at, waits for it and exits 0.
 
 Rank 0 appends the job's timeline to ``events.jsonl`` (CLOCK_MONOTONIC, one clock for every process of the
 machine), every phase ending at a barrier of the 4 processes; any error is written to
-``errors/<incarnation>-<rank>.txt`` and the process exits 1.
+``errors/<incarnation>-<rank>.txt`` and the process exits 1 (a restore the harness's check found other than
+saved: :class:`WrongRestore`, which the harness tells from an error the system raised itself).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def bucket_interval_steps(bucket_seconds: float, step_seconds: float, interval_s
     """The persistent tier's interval in steps: ``bucket_seconds`` rounded to a multiple of the local one
     (Orbax's persistent saves happen only at steps the loop saves)."""
     return interval_steps * max(1, round(bucket_seconds / step_seconds / interval_steps))
+
+
+class WrongRestore(ValueError):
+    """The restore returned other bytes than were saved and the system did not notice (the harness's check
+    found them); the harness tells it from an error the system raised by this name."""
 
 
 # --------------------------------------------------------------------------- the systems
@@ -116,8 +122,8 @@ class OrbaxStandard(System):
 
 
 class GoodputOurs(Ours):
-    """Our front door; the harness, not this process, runs the host's replicator (a sidecar that outlives
-    the training container)."""
+    """Our front door; the harness, not this process, runs the host's replicator (the Pod's sidecar, started
+    before the training container and restarted with the Pod)."""
 
     def __init__(self, rank: int, base: Path, mesh: Any, abstract: dict, ports: list[int]):
         System.__init__(self, rank, base, mesh, abstract)
@@ -178,6 +184,74 @@ def _step_of(state: dict) -> int:
     return values.pop()
 
 
+def _calibrate(system: System, mesh: Any, abstract: dict, args: argparse.Namespace, barrier: Any,
+               calibration: Path, bucket_guess: int) -> tuple[dict, int]:
+    """The first incarnation: the save cost measured (the slowest host's), the intervals written to
+    ``calibration``; the state at step 1 and the interval in steps."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    state, _ = make_state(mesh, args.mib)
+    state, _ = _with_step_leaf(mesh, state, abstract, 0)
+    jax.block_until_ready(state)
+    barrier()
+    system.save(0, state)  # untimed: a run's first save warms up (and Orbax's goes to the bucket too)
+    system.wait()
+    state, _ = _with_step_leaf(mesh, state, abstract, 1)
+    barrier()
+    t = time.monotonic()
+    system.save(1, state)
+    block = time.monotonic() - t
+    system.wait()
+    full = time.monotonic() - t
+    costs = np.asarray(multihost_utils.process_allgather(np.array([block, full]))).reshape(-1, 2).max(axis=0)
+    interval_seconds, interval_steps = young_daly(float(costs[0]), float(costs[1]), args.mtbf_seconds,
+                                                  args.step_seconds)
+    # Orbax saves to its persistent tier at steps % bucket_guess == 0 of the steps the loop saves.
+    bucket_steps = bucket_interval_steps(args.bucket_seconds, args.step_seconds, interval_steps)
+    if args.rank == 0:
+        calibration.write_text(json.dumps({
+            "save_block_seconds": float(costs[0]), "save_full_seconds": float(costs[1]),
+            "interval_seconds": interval_seconds, "interval_steps": interval_steps,
+            "bucket_interval_steps": bucket_steps}))
+    if bucket_steps != bucket_guess:  # reopen with the interval the later incarnations use
+        system.close()
+        system.open()
+    return state, interval_steps
+
+
+def _recover(system: System, mesh: Any, abstract: dict, mib: int, tl: Timeline,
+             barrier: Any) -> tuple[dict, int]:
+    """A later incarnation's start: plan, restore (or start from nothing), the harness's check; the state
+    and its step."""
+    import jax
+
+    step = system.mgr.latest_step()
+    step = None if step is None else int(step)  # Orbax's emergency manager may answer a numpy int
+    barrier()
+    tl.emit("planned", step=step)
+    if step is None:  # nothing survived: from the start
+        state, _ = make_state(mesh, mib)
+        state, _ = _with_step_leaf(mesh, state, abstract, 0)
+    else:
+        state = system.restore()
+    jax.block_until_ready(state)
+    barrier()
+    step = _step_of(state)
+    tl.emit("restored", step=step)
+    # The harness's own check, outside every clock (the harness subtracts it): bit for bit as saved.
+    t = time.monotonic()
+    try:
+        check_state({k: v for k, v in state.items() if k != STEP_LEAF},
+                    {k: v for k, v in abstract.items() if k != STEP_LEAF})
+    except ValueError as e:
+        raise WrongRestore(f"step {step}: {e}") from None
+    barrier()
+    tl.emit("checked", seconds=time.monotonic() - t)
+    return state, step
+
+
 def run(args: argparse.Namespace) -> None:
     import jax
 
@@ -224,55 +298,12 @@ def run(args: argparse.Namespace) -> None:
     tl.emit("up")
     system.open()
     if calibrate:
-        state, _ = make_state(mesh, args.mib)
-        state, _ = _with_step_leaf(mesh, state, abstract, 0)
-        jax.block_until_ready(state)
-        barrier()
-        system.save(0, state)  # untimed: a run's first save warms up (and Orbax's goes to the bucket too)
-        system.wait()
-        state, _ = _with_step_leaf(mesh, state, abstract, 1)
-        barrier()
-        t = time.monotonic()
-        system.save(1, state)
-        block = time.monotonic() - t
-        system.wait()
-        full = time.monotonic() - t
-        costs = np.asarray(multihost_utils.process_allgather(np.array([block, full]))).reshape(-1, 2).max(axis=0)
-        interval_seconds, interval_steps = young_daly(float(costs[0]), float(costs[1]), args.mtbf_seconds,
-                                                      args.step_seconds)
-        # Orbax saves to its persistent tier at steps % bucket_guess == 0 of the steps the loop saves.
-        bucket_steps = bucket_interval_steps(args.bucket_seconds, args.step_seconds, interval_steps)
-        if rank == 0:
-            calibration.write_text(json.dumps({
-                "save_block_seconds": float(costs[0]), "save_full_seconds": float(costs[1]),
-                "interval_seconds": interval_seconds, "interval_steps": interval_steps,
-                "bucket_interval_steps": bucket_steps}))
-        if bucket_steps != bucket_guess:  # reopen with the interval the later incarnations use
-            system.close()
-            system.open()
+        state, interval_steps = _calibrate(system, mesh, abstract, args, barrier, calibration, bucket_guess)
         step = 1
         barrier()
         tl.emit("start", step=step)
     else:
-        step = system.mgr.latest_step()
-        step = None if step is None else int(step)  # Orbax's emergency manager may answer a numpy int
-        barrier()
-        tl.emit("planned", step=step)
-        if step is None:  # nothing survived: from the start
-            state, _ = make_state(mesh, args.mib)
-            state, _ = _with_step_leaf(mesh, state, abstract, 0)
-        else:
-            state = system.restore()
-        jax.block_until_ready(state)
-        barrier()
-        step = _step_of(state)
-        tl.emit("restored", step=step)
-        # The harness's own check, outside every clock (the harness subtracts it): bit for bit as saved.
-        t = time.monotonic()
-        check_state({k: v for k, v in state.items() if k != STEP_LEAF},
-                    {k: v for k, v in abstract.items() if k != STEP_LEAF})
-        barrier()
-        tl.emit("checked", seconds=time.monotonic() - t)
+        state, step = _recover(system, mesh, abstract, args.mib, tl, barrier)
     increment = jax.jit(lambda x: x + 1)
     notice = base / "notice"
     while True:

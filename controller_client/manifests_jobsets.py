@@ -197,7 +197,7 @@ def _replicator(opts: ManifestOptions) -> dict[str, Any]:
                   {"name": "metrics", "containerPort": opts.metrics_port, "protocol": "TCP"}]
     if opts.front_door_kind == "native":
         # The next native sidecar (colocated Python) and the main containers start once the replicator serves.
-        c["startupProbe"] = _probe(opts, periodSeconds=2, failureThreshold=60)
+        c["startupProbe"] = _probe(opts, periodSeconds=1, failureThreshold=120)
         c["livenessProbe"] = _probe(opts, periodSeconds=10, failureThreshold=6)
     # Orbax mode: readiness only. The daemon serves after the replicator.yaml handshake, which needs the
     # trainer running: a startupProbe would deadlock, a livenessProbe could kill a correctly waiting daemon.

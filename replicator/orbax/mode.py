@@ -45,7 +45,7 @@ from replicator.options import ConfigError, ReplicatorOptions
 from replicator.orbax import allocation, elastic
 from replicator.orbax import contract as oc
 from replicator.orbax.store import OrbaxStore
-from replicator.preemption import PreemptionRecord
+from replicator.preemption import PreemptionRecord, restart_recorded
 from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
@@ -413,17 +413,22 @@ class OrbaxMode:
         return owners or {rank}
 
 
-def flush_on_sigterm(mode: OrbaxMode, grace_seconds: float) -> PreemptionRecord | None:
+def flush_on_sigterm(mode: OrbaxMode, grace_seconds: float, started_wall: float) -> PreemptionRecord | None:
     """SIGTERM (a preemption notice) in Orbax mode: the current incarnation's Replicator flushes the newest
     complete step to the bucket like a native one (``<local>/preemption.json``), before the daemon stops.
 
     Orbax commits its last step (its own preemption save) before the trainer exits, and Kubernetes sends the
     native-sidecar replicator SIGTERM only after that: the step is on the RAM disk, and the heartbeat,
     woken by the flush, ingests and reports it first. No Replicator yet (no handshake) = nothing to flush.
+    A restart recorded since ``started_wall`` (``mtc preempt --on-restart skip``: a JobSet restart, the RAM
+    disk outlives the Pod) is no notice: no flush, as in native mode.
     """
     daemon = mode.daemon
     if daemon is None or grace_seconds <= 0:
         log.info("SIGTERM: no preemption flush (%s)", "no handshake yet" if daemon is None else "no grace left")
+        return None
+    if restart_recorded(mode.local, started_wall):
+        log.info("SIGTERM of a JobSet restart: no emergency backup")
         return None
     return daemon.preemption.flush(grace_seconds)
 
@@ -441,6 +446,7 @@ def run_orbax_mode(opts: ReplicatorOptions) -> int:
     except (ConfigError, ValueError, OSError) as e:
         print(f"mtc replicator: {e}", file=sys.stderr)
         return 2
+    started_wall = time.time()
     done = threading.Event()
     got: list[tuple[int, float]] = []
 
@@ -460,7 +466,7 @@ def run_orbax_mode(opts: ReplicatorOptions) -> int:
         pass
     loop.join(timeout=PREPARE_SLICE_SECONDS + opts.rpc_timeout_seconds)
     if got and got[0][0] == signal.SIGTERM:
-        flush_on_sigterm(mode, opts.preemption_grace_seconds - (time.monotonic() - got[0][1]))
+        flush_on_sigterm(mode, opts.preemption_grace_seconds - (time.monotonic() - got[0][1]), started_wall)
     mode.stop()
     logging.shutdown()
     sys.stdout.flush()

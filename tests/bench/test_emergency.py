@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from bench import emergency, emergency_common
+from bench import emergency, emergency_common, emergency_steady
 from bench.children import bound_to_us, scratch_dir
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,8 @@ def _run(systems: tuple[str, ...]) -> dict:
     run = scratch_dir("mtc-em-")
     try:
         proc = subprocess.run(bound_to_us([sys.executable, "-m", "bench.emergency", "--mib", "2", "--repeats", "1",
-                               "--systems", ",".join(systems), "--timeout", "180", "--keep", str(run / "run")]),
+                               "--systems", ",".join(systems), "--timeout", "180", "--keep", str(run / "run"),
+                               "--steady-steps", "4", "--steady-every", "2", "--steady-step-seconds", "0.05"]),
                               capture_output=True, text=True, timeout=220, cwd=str(emergency_common.REPO))
     finally:
         shutil.rmtree(run, ignore_errors=True)
@@ -69,6 +70,11 @@ def test_one_round_of_every_system_reports_every_ratio():
         assert result[f"{m}_vs_best_orbax"] > 0
         assert result["best_orbax"][m] == "orbax_emergency"
     assert not any(k.startswith("ours_orbax") for k in result)
+    # The steady state ran for both: seconds per step without and with a save every 2 steps.
+    for system in ("ours", "orbax_emergency"):
+        steady = result["steady"][system]
+        assert steady["steady_no_checkpoint"] > 0 and steady["steady_checkpointing"] > 0 and steady["ratio"] > 0
+    assert result["steady_step_time_vs_no_checkpoint"] == result["steady"]["ours"]["ratio"]
     _run(("orbax_p2p",))
 
 
@@ -87,15 +93,34 @@ def test_our_orbax_mode_runs_every_measure_in_job_incarnations_of_its_own():
     split = result["ours_orbax_safe_after_split"]
     assert set(split) == {"orbax_save_seconds", "our_share_seconds"}
     assert split["orbax_save_seconds"] > 0 and split["our_share_seconds"] >= 0
-    untimed = result["ours_orbax_untimed"]
+    parts = result["ours_orbax_restore_parts"]
     restores = [m for m in emergency_common.MEASURES if m.startswith("restore")]
-    assert set(untimed) == {"init_seconds", "handshake_seconds", "after_init_seconds", "open_seconds"}
+    assert set(parts) == {"daemon_start_seconds", "handshake_seconds", "ack_wait_seconds", "after_init_seconds",
+                          "open_seconds", "init_seconds"}
     for m in restores:
-        # Orbax's initialize holds our daemons' handshake; the restore's clock is the handshake + the span
-        # after initialize, and the manager's construction is inside that span.
-        assert 0 < untimed["handshake_seconds"][m] < untimed["init_seconds"][m]
-        assert 0 < untimed["open_seconds"][m] < untimed["after_init_seconds"][m]
-        assert untimed["handshake_seconds"][m] < result["seconds"]["ours_orbax"][m]
+        # The restore's clock: every daemon's restart (a JobSet restart), then from the last host's request
+        # until the last initialize returned (our handshake and Orbax's 1 s polls for the ack), then the span
+        # after initialize, which holds the manager's construction.
+        assert 0 < parts["daemon_start_seconds"][m]
+        assert 0 < parts["handshake_seconds"][m] <= parts["ack_wait_seconds"][m] + 0.05  # polled apart
+        assert parts["ack_wait_seconds"][m] < parts["init_seconds"][m]
+        assert 0 < parts["open_seconds"][m] < parts["after_init_seconds"][m]
+        clock = parts["daemon_start_seconds"][m] + parts["ack_wait_seconds"][m] + parts["after_init_seconds"][m]
+        assert result["seconds"]["ours_orbax"][m] == pytest.approx(clock, abs=0.01)  # one round: its medians
+    assert "steady" not in result or "ours_orbax" not in result["steady"]
+
+
+def test_the_steady_state_reports_each_system_and_ours_against_no_checkpointing():
+    rounds = [{"steady_no_checkpoint": 0.5, "steady_checkpointing": 0.55},
+              {"steady_no_checkpoint": 0.5, "steady_checkpointing": 0.5},
+              {"steady_no_checkpoint": 0.4, "steady_checkpointing": 0.6}]
+    got = emergency_steady.result({"ours": rounds, "orbax_p2p": rounds[:1], "ours_orbax": [{}]})
+    assert got["steady"]["ours"] == {"steady_no_checkpoint": 0.5, "steady_checkpointing": 0.55, "ratio": 1.1}
+    assert got["steady_step_time_vs_no_checkpoint"] == 1.1
+    assert set(got["steady"]) == {"ours", "orbax_p2p"}
+    assert emergency_steady.result({"orbax_p2p": rounds}).keys() == {"steady"}
+    with pytest.raises(ValueError):
+        emergency_steady.SteadyOptions(steps=4, every=0)
 
 
 def test_check_state_counts_zeros_that_lost_their_sign_and_refuses_any_other_difference(monkeypatch):

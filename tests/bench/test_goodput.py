@@ -1,8 +1,9 @@
 """``bench.goodput``: the arithmetic of its schedule, intervals and ETTR, and a smoke run of every system.
 
 The smoke run (a 2 MiB state, 8 s per system) times nothing: it checks that the harness runs the whole job
-for each system through real failures (4 real JAX processes per incarnation, our real replicators) and
-reports every key; and that our system survives every failure it met.
+for each system through real failures (4 real JAX processes per incarnation, our real replicators restarted
+with every Pod) and reports every key; and that our system survives every failure it met. The fast tests
+check the fair rules: the copy a corruption hits, the operator's roll-back, the comparison's keys.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 
 import pytest
 
-from bench import goodput, goodput_run, goodput_worker
+from bench import goodput, goodput_faults, goodput_run, goodput_worker
 from bench.children import bound_to_us, scratch_dir
 from bench.emergency_common import REPO
 
@@ -53,21 +54,25 @@ def test_young_daly_interval_from_the_blocking_save_cost_never_below_a_whole_sav
         goodput_worker.young_daly(0.1, 0.2, 0, 1)
 
 
-def test_ettr_and_the_comparison_with_the_best_orbax_manager_that_survived():
+def test_ettr_and_the_comparison_with_the_best_orbax_manager():
     assert goodput.ettr(100, 0.3, 40) == pytest.approx(0.75)
     with pytest.raises(ValueError):
         goodput.ettr(1, 0.3, 0)
 
-    def rec(kind, downtime, lost, failed=None):
-        r = {"kind": kind, "downtime_seconds": downtime, "steps_lost": lost,
+    def rec(kind, downtime, lost, failed=None, detected=None):
+        r = {"kind": kind, "downtime_seconds": downtime, "steps_lost": lost, "fetch_verify_load_seconds": 0.5,
              "phases": {p: downtime / 6 for p in goodput.PHASES if p != "failed_attempt"}}
+        r |= {"corruption_detected": detected} if kind == "corrupt_copy" else {}
         return r | ({"failed": failed} if failed else {})
 
     systems = {
-        "ours": {"ettr": 0.8, "failures": [rec("host_lost", 2.0, 1), rec("corrupt_copy", 3.0, 0)]},
-        "orbax_p2p": {"ettr": 0.7, "failures": [rec("host_lost", 4.0, 2), rec("corrupt_copy", 1.0, 9, "bad")]},
+        "ours": {"ettr": 0.8, "failures": [rec("host_lost", 2.0, 1), rec("corrupt_copy", 3.0, 0, detected=True),
+                                           rec("job_restart", 1.0, 0)]},
+        "orbax_p2p": {"ettr": 0.7, "failures": [rec("host_lost", 4.0, 2),
+                                                rec("corrupt_copy", 9.0, 9, "WrongRestore: x", detected=False),
+                                                rec("job_restart", 1.5, 1)]},
         "orbax_emergency": {"ettr": 0.6, "failures": [rec("host_lost", 5.0, 3), rec("host_lost", 3.0, 1),
-                                                      rec("corrupt_copy", 6.0, 1)]},
+                                                      rec("corrupt_copy", 6.0, 1, detected=True)]},
         "orbax_standard": {"error": "RuntimeError: calibration"},
     }
     for r in systems.values():
@@ -75,16 +80,27 @@ def test_ettr_and_the_comparison_with_the_best_orbax_manager_that_survived():
             r["by_kind"] = goodput.by_kind(r["failures"])
     emergency = systems["orbax_emergency"]["by_kind"]["host_lost"]
     assert (emergency["count"], emergency["downtime_seconds"], emergency["steps_lost"]) == (2, 4.0, 4)
-    assert systems["orbax_p2p"]["by_kind"]["corrupt_copy"]["failed"] == "bad"
-    got = goodput.compare(systems)
+    assert emergency["fetch_verify_load_seconds"] == 0.5
+    assert systems["orbax_p2p"]["by_kind"]["corrupt_copy"]["failed"] == "WrongRestore: x"
+    got = goodput.compare(systems, replace_seconds=0.5)
     assert got["ettr_minus_best_orbax"] == pytest.approx(0.1)
     assert got["best_orbax"]["ettr"] == "orbax_p2p"
     assert got["downtime_host_lost_vs_best_orbax"] == 0.5  # 2.0 / min(4.0, mean(5.0, 3.0))
-    # p2p failed its corrupt copy: the best that survived it is the emergency manager (6.0 s).
+    # Every recovery finishes under the operator's policy: p2p's roll-back (9.0 s) counts, the least is 6.0 s.
     assert got["downtime_corrupt_copy_vs_best_orbax"] == 0.5
     assert got["best_orbax"]["corrupt_copy"] == "orbax_emergency"
-    for kind in ("slice_lost", "preemption", "job_restart"):
+    # The platform's replacement wait subtracted alike: (2.0 - 0.5) / (4.0 - 0.5), (1.0 - 0.5) / (1.5 - 0.5).
+    assert got["controllable_downtime_host_lost_vs_best_orbax"] == round(1.5 / 3.5, 3)
+    assert got["controllable_downtime_job_restart_vs_best_orbax"] == 0.5
+    for kind in ("slice_lost", "preemption"):
         assert got[f"downtime_{kind}_vs_best_orbax"] is None
+        assert got[f"controllable_downtime_{kind}_vs_best_orbax"] is None
+    assert "controllable_downtime_corrupt_copy_vs_best_orbax" not in got
+    corrupt = goodput.corruption(systems)
+    assert corrupt["corrupt_copy_detected"] == {"ours": True, "orbax_p2p": False, "orbax_emergency": True,
+                                                "orbax_standard": None}
+    assert corrupt["corrupt_copy_steps_lost"] == {"ours": 0, "orbax_p2p": 9, "orbax_emergency": 1,
+                                                  "orbax_standard": None}
 
 
 def test_a_corrupt_copy_flips_bytes_of_the_largest_file_of_the_newest_committed_step(tmp_path):
@@ -92,12 +108,64 @@ def test_a_corrupt_copy_flips_bytes_of_the_largest_file_of_the_newest_committed_
                       ("5.orbax-checkpoint-tmp-1/huge.bin", 9000)):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(bytes(size))
-    what = goodput_run.corrupt_newest(tmp_path)
-    assert what.startswith("step 4: 4/x/big.bin")
+    got = goodput_faults.corrupt_newest(tmp_path)
+    assert got.describe(tmp_path).startswith("step 4: 4/x/big.bin") and got.step_dir == tmp_path / "4"
     data = (tmp_path / "4/x/big.bin").read_bytes()
     assert data[1000:1064] == b"\xff" * 64 and data.count(0) == 2000 - 64
     assert (tmp_path / "3/a.bin").read_bytes() == bytes(4000)
-    assert goodput_run.corrupt_newest(tmp_path / "3/missing") == "no committed step to corrupt"
+    assert goodput_faults.corrupt_newest(tmp_path / "3/missing") is None
+
+
+def _step(root, rel, size=100):
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_bytes(bytes(size))
+
+
+def test_the_corruption_hits_the_copy_each_system_restores_first(tmp_path):
+    _step(tmp_path, "local2/steps/6/0.0.bin")
+    _step(tmp_path, "local2/peer/1/8/0.0.bin", 900)  # a peer's copy, newer and larger: not what host 2 reads
+    _step(tmp_path, "local3/6/state/d/f")
+    _step(tmp_path, "persistent/0/state/d/f")
+    root = goodput_faults.restore_first_root
+    assert root("ours", tmp_path, 2) == tmp_path / "local2/steps"
+    assert root("orbax_p2p", tmp_path, 3) == tmp_path / "local3"
+    # Orbax's emergency manager keeps no local copy on its primary slice: host 1's place in slice 1 is host 3.
+    assert root("orbax_emergency", tmp_path, 1) == tmp_path / "local3"
+    assert root("orbax_standard", tmp_path, 1) == tmp_path / "persistent"
+    assert root("ours", tmp_path, 0) == tmp_path / "persistent"  # a replaced RAM disk: the bucket's copy
+    with pytest.raises(ValueError):
+        root("other", tmp_path, 0)
+
+
+def test_the_operator_removes_the_bad_copy_then_every_copy_of_a_failed_step_then_everything(tmp_path):
+    """The operator's policy after a failed or wrong restore: the newest intact step in any tier."""
+    opts = goodput_run.RunOptions(system="orbax_p2p", mib=1, seconds=1, step_seconds=1, mtbf_seconds=1,
+                                  replace_seconds=0, grace_seconds=0, bucket_seconds=1, failures=())
+    h = goodput_run.Harness(opts, tmp_path)
+    s = h.storage
+    for rel in ("local0/8/f", "local1/8/f", "local0/6/f", "persistent/8/f", "persistent/1/4/f"):
+        _step(s, rel)
+    rec = {"kind": "corrupt_copy", "corrupt_step_dir": s / "local1/8", "planned_step": 8, "rolled_back": []}
+    assert h._remove_bad(rec) == "copy local1/8"
+    assert not (s / "local1/8").exists() and (s / "local0/8").exists()
+    rec["rolled_back"].append("copy local1/8")
+    assert h._remove_bad(rec) == "step 8: local0/8, persistent/8"
+    assert (s / "local0/6").exists()
+    rec = {"kind": "unprovoked", "rolled_back": []}
+    assert h._remove_bad(rec) == "nothing (a restart)"
+    rec = {"kind": "unprovoked", "rolled_back": ["a", "b"]}
+    assert h._remove_bad(rec) == "everything (from scratch)"
+    assert list(s.iterdir()) == []
+    _step(s, "local2/peer/1/8/f")
+    _step(s, "local2/steps/1/f")
+    assert goodput_faults.remove_step(s, 1) == ["local2/steps/1"]  # peer/1 is a rank's folder, not a step
+    assert (s / "local2/peer/1/8/f").exists()
+
+
+def test_fetch_verify_load_counts_every_span_of_data_work_once():
+    assert goodput_run.covered([(5.0, 6.0), (1.0, 2.0), (1.5, 3.0)], 0.0) == pytest.approx(3.0)
+    assert goodput_run.covered([(0.0, 2.0), (4.0, 5.0)], 1.0) == pytest.approx(2.0)
+    assert goodput_run.covered([], 0.0) == 0.0
 
 
 @pytest.mark.slow
@@ -130,6 +198,14 @@ def test_every_system_runs_the_same_failures_and_reports_every_key():
             assert f["steps_lost"] >= 0
         assert set(r["by_kind"]) <= set(goodput_run.KINDS)
     assert not any("failed" in f for f in result["systems"]["ours"]["failures"])
+    assert result["deploy"]["mode"] == "multi-controller-native" and result["deploy"]["ramdisk"] == "csi"
+    for name, r in result["systems"].items():
+        for f in r["failures"]:
+            assert set(f["phases"]) <= set(goodput.PHASES) and "restore" in f["phases"], name
+            assert 0 <= f["fetch_verify_load_seconds"] <= f["downtime_seconds"], name
+    assert set(result["corrupt_copy_detected"]) == set(result["corrupt_copy_steps_lost"]) == set(result["systems"])
+    for kind in goodput.CONTROLLABLE_KINDS:
+        assert f"controllable_downtime_{kind}_vs_best_orbax" in result
     assert -1 <= result["ettr_minus_best_orbax"] <= 1
     ours_kinds = result["systems"]["ours"]["by_kind"]
     if "host_lost" in ours_kinds and any("host_lost" in r["by_kind"] for n, r in result["systems"].items()

@@ -382,6 +382,7 @@ class PathwaysSim:
                         "(simulated Pathways)")
                 kind, payload = conn.recv()
             except (EOFError, OSError) as e:  # the worker process is gone: its host is lost
+                self._worker_gone(h)
                 raise jax.errors.JaxRuntimeError(
                     f"DATA_LOSS: the Pathways worker of host {h} is gone ({type(e).__name__}) (simulated Pathways)") from None
             if kind == "ok":
@@ -391,6 +392,9 @@ class PathwaysSim:
         if error is not None:
             raise error
         return answers
+
+    def _worker_gone(self, host: int) -> None:
+        """The worker process of ``host`` went away during a call (here: nothing; its host stays up, unused)."""
 
 
 def _to_numpy(x: Any) -> Any:
@@ -489,7 +493,20 @@ def worker_main(argv: list[str]) -> int:
 
     hosts = [SimHost(**{**h, "device_ids": tuple(h["device_ids"])}) for h in ast.literal_eval(os.environ["MTC_SIM_HOSTS"])]
     jax.distributed.initialize(args.coordinator, args.processes, args.process, initialization_timeout=60)
-    worker = _Worker(args.process, hosts)
+    worker = become_sidecar(args.process, hosts)
+    host, port = args.controller.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MTC_SIM_AUTHKEY"]))
+    serve(conn, worker)
+    logging.shutdown()
+    os._exit(0)  # skip jax.distributed's shutdown barrier: the other workers stop on their own
+
+
+def become_sidecar(process: int, hosts: list[SimHost]) -> _Worker:
+    """This process (its ``jax.distributed`` job initialized) as the sidecar of worker ``process``: devices
+    printed as Pathways' sidecar devices, ``MTC_SIM_SETUP`` run."""
+    import jax
+
+    worker = _Worker(process, hosts)
     ifrt_of = worker.ifrt_of
     cls = type(jax.devices()[0])
     orig_repr = cls.__repr__
@@ -501,15 +518,20 @@ def worker_main(argv: list[str]) -> int:
 
         mod, fn = os.environ["MTC_SIM_SETUP"].split(":")
         getattr(importlib.import_module(mod), fn)()
-    host, port = args.controller.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MTC_SIM_AUTHKEY"]))
-    conn.send(("hello", args.process))
-    log.info("worker %d plays host %d (slice %d, task %d), devices %s", args.process, worker.me.host,
+    return worker
+
+
+def serve(conn: Any, worker: _Worker) -> None:
+    """Say hello on ``conn`` and run the controller's programs until it says stop or goes away."""
+    import jax
+
+    conn.send(("hello", worker.process))
+    log.info("worker %d plays host %d (slice %d, task %d), devices %s", worker.process, worker.me.host,
              worker.me.slice_index, worker.me.task, [repr(d) for d in jax.local_devices()])
     while True:
         try:
             msg = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             break
         if msg[0] == "stop":
             break
@@ -528,8 +550,6 @@ def worker_main(argv: list[str]) -> int:
                 blob = None
             conn.send(("err", (blob, text)))
     conn.close()
-    logging.shutdown()
-    os._exit(0)  # skip jax.distributed's shutdown barrier: the other workers stop on their own
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """``python -m tests.simulation --seeds N``: run N schedules, print one JSON line of counts.
 
+``durable_fraction`` / ``complete_fraction``: the share of schedules in which some step was durable / complete
+at some point (what ``newest-complete-regressed`` and ``complete-step-lost`` need to guard anything).
 ``--replay SEED`` runs one schedule and prints its event trace and violations.
 """
 
@@ -30,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
             print(msg)
         return 1 if found else 0
     res = run_seeds(range(args.first, args.first + args.seeds), workers=args.workers)
-    out = {k: res[k] for k in ("schedules", "events", "violations", "seconds")} | {"workers": args.workers}
+    keys = ("schedules", "events", "violations", "durable_fraction", "complete_fraction", "seconds")
+    out = {k: res[k] for k in keys} | {"workers": args.workers}
     if args.details:
         out["by_invariant"] = {k: v[:20] for k, v in res["by_invariant"].items()}
         out["first"] = res["first"]

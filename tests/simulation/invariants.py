@@ -19,7 +19,8 @@ After every event (safety):
   cannot know a replica's data is identical once the only record of it is gone; so may a durable step
   with several hosts lost together, unless a serving coordinator's facts without them keep it complete
   (:func:`hosts_wiped`). Not checked while a host that is up is declared lost (its heartbeats were lost):
-  the coordinator cannot know what it holds until it reports again.
+  the coordinator cannot know what it holds until it reports again; nor while a live host's newest report
+  went to another coordinator (seed 38544); bytes count once the host's newest report named them (seed 1744).
 - ``gc-protected``: no host deletes (on a coordinator's order) a piece of the newest complete step (the
   coordinator's, or the newest durable one if newer), of the step the backup uploads, or of the step pinned
   for a restore, while the model holds it.
@@ -52,7 +53,6 @@ from typing import TYPE_CHECKING, Any
 
 from mtc_rpc import coordinator_pb2 as pb
 from replicator.coordinator.planner import CoordinatorState
-from replicator.coordinator.service import SILENT_INTERVALS
 from replicator.tiers import Tier
 from tests.simulation.parity import enough_fragments
 
@@ -65,9 +65,10 @@ if TYPE_CHECKING:
 # often in virtual time (a stale incremental view stays stale until touched, so it is still caught), and
 # at every fault.
 PLAN_CHECK_SECONDS = 8.0
-# Whether the newest complete step became durable (survives any one host's loss): at most this often in
-# virtual time (it rebuilds the state once per host).
-DURABLE_CHECK_SECONDS = 8.0
+# Whether the newest complete step became durable (survives any one host's loss): once it has two copies of
+# every rank (cheap to ask), then at most this often in virtual time (it rebuilds the state once per host).
+# Every 8 s, before, a step durable for a few seconds between two faults was often never seen durable.
+DURABLE_CHECK_SECONDS = 1.0
 
 
 def violate(sim: Sim, name: str, msg: str) -> None:
@@ -77,16 +78,23 @@ def violate(sim: Sim, name: str, msg: str) -> None:
         sim.note(f"VIOLATION {sim.violations[name]}")
 
 
-def model_holds(sim: Sim, step: int) -> bool:
+def model_holds(sim: Sim, step: int, *, reported: bool = False) -> bool:
     """Every rank's true data of ``step`` is on an up host's RAM disk (its own or a byte-identical
-    replica's), committed in the bucket, or (ec mode) can be rebuilt from its code group's intact fragments."""
+    replica's), committed in the bucket, or (ec mode) can be rebuilt from its code group's intact fragments.
+    ``reported``: bytes on a RAM disk count only if the host's newest taken report named them (a coordinator
+    cannot count a restore or a copy that landed since: seed 1744, a rebuild reported one beat later)."""
     hps = sim.topo.hosts_per_slice
+
+    def told(h: Any, x: Any) -> bool:
+        y = h.reported_inv.get((x.owner_rank, x.step))
+        return not reported or (y is not None and y.content_hash == x.content_hash)
+
     for r in range(sim.cfg.nodes):
         want = sim.content(r, step)
         if sim.bucket is not None and sim.bucket.holds(step, r, want):
             continue
         if not any(h.up and any(x.step == step and x.tier is not Tier.REPLICA and x.content_hash == want
-                                and x.owner_rank % hps == r % hps for x in h.disk.values())
+                                and x.owner_rank % hps == r % hps and told(h, x) for x in h.disk.values())
                    for h in sim.hosts) and (sim.ec is None or not sim.ec.rebuildable(step, r, want)):
             return False
     return True
@@ -169,7 +177,7 @@ def check_backup_task(sim: Sim, coord: Coordinator, rank: int, task: pb.BackupTa
 # Events that inject faults (``ec``: one aimed at a running erasure-coding task, tests/simulation/parity.py).
 _FAULTS = frozenset({"fault", "ec"})
 # Events that change no host's RAM disk (an answer does when it deletes: ``Sim.disk_changed``).
-_NO_DISK_CHANGE = frozenset({"beat", "redeliver", "timeout", "save", "restore_poll"})
+_NO_DISK_CHANGE = frozenset({"beat", "redeliver", "timeout", "save", "restore_poll", "settle", "lull"})
 
 
 def check_after_event(sim: Sim, kind: str) -> None:
@@ -195,8 +203,9 @@ def check_after_event(sim: Sim, kind: str) -> None:
         if mine != scratch:
             diff = [n for n, a, b in zip(VIEW_NAMES, mine, scratch, strict=True) if a != b]
             violate(sim, "plan-from-scratch", f"incremental views differ from a recomputation in {diff}")
-    elif kind in _NO_DISK_CHANGE or (kind == "answer" and not sim.disk_changed):
-        return  # the hosts' RAM disks did not change (and the facts are checked at most every PLAN_CHECK_SECONDS)
+    elif version == sim.facts_seen and (kind in _NO_DISK_CHANGE or (kind == "answer" and not sim.disk_changed)):
+        return  # neither the hosts' RAM disks nor the coordinator's facts changed
+    sim.facts_seen = version
     sim.disk_changed = False
     newest = st.newest_complete_step()
     if newest is not None:
@@ -206,22 +215,26 @@ def check_after_event(sim: Sim, kind: str) -> None:
     if newest is not None:
         sim.max_complete_seen = max(sim.max_complete_seen or -1, newest)
         if (newest > (sim.max_durable_seen or -1) and sim.durable_checked != version
-                and (sim.clock.now - sim.last_durable_check >= DURABLE_CHECK_SECONDS or kind in _FAULTS)):
+                and (sim.clock.now - sim.last_durable_check >= DURABLE_CHECK_SECONDS or kind in _FAULTS)
+                and st.is_redundant(newest)):
             sim.durable_checked = version
             sim.last_durable_check = sim.clock.now
             if _durable(sim, newest):
                 sim.max_durable_seen = newest
+                sim.durable_ever = True
     top = sim.max_durable_seen
-    if any(h.up and h.rank in st.lost for h in sim.hosts):
-        return  # a live host whose reports were lost was declared lost: the coordinator cannot know better
-    silent_since = sim.clock.now - SILENT_INTERVALS * coord.heartbeat_interval()
-    if any(h.up and (st.last_seen(h.rank) or -1.0) < silent_since for h in sim.hosts):
-        # Nor while a live host is silent to it for longer than a beat's jitter (the product's own threshold:
-        # it may be reporting to another candidate): when the newest serving candidate's host goes, the
-        # next one, still serving the hosts on its side of a partition, answers from a view without the
-        # other side's latest reports until they report to it or it declares them lost (seed 38544).
-        return
-    if top is not None and (newest is None or newest < top) and model_holds(sim, top):
+    for h in sim.hosts:
+        if not h.up:
+            continue
+        if h.rank in st.lost:
+            return  # a live host whose reports were lost was declared lost: the coordinator cannot know better
+        if h.reported_to is not None and (h.reported_to is not coord or not h.reported_current):
+            # Its newest report went to another coordinator (or is not the one this one took): this one is
+            # judged on what the hosts last told it, once they tell it again (seed 38544: the newest
+            # candidate's host was replaced; the next one, which had served the other side of a partition,
+            # held host 3's report from before host 3 went over to the newer one).
+            return
+    if top is not None and (newest is None or newest < top) and model_holds(sim, top, reported=True):
         violate(sim, "newest-complete-regressed",
                 f"the newest complete step is {newest} although step {top} survived the loss of any one host "
                 f"and the hosts and bucket still hold every rank's data of it")
@@ -238,8 +251,6 @@ def _durable(sim: Sim, step: int) -> bool:
     host wiped since it last reported do not count (seed 81627: a check right after a slice was replaced
     found step 1 durable on the copies the replaced hosts had held)."""
     st = sim.coord.state
-    if not st.is_redundant(step):
-        return False
     gone = wiped_unheard(sim, st)
     for r in range(sim.cfg.nodes):
         if not from_facts(st, without=gone | {r}, upto=step).is_complete(step):
@@ -255,10 +266,20 @@ def hosts_wiped(sim: Sim, ranks: list[int]) -> None:
     rank 0's only to hosts of the replaced slice, the candidate that knew it among them; a partition had kept
     the other candidate from learning it), and no coordinator can prove the step complete again from what
     the surviving hosts report, even if their bytes are the same. The newest step that does stay complete
-    by those facts (if any) takes its place: losing that one later is still a violation."""
+    by those facts (if any) takes its place: losing that one later is still a violation.
+
+    In ec mode a step that has all its parity (by the serving coordinator's facts) is held to through the loss
+    of up to M hosts of each code group together: what ``ec:K+M`` promises. Its data then stays rebuildable
+    (``model_holds`` asks the model's fragments, not the coordinator), and newest-complete-regressed and
+    complete-step-lost judge it as any durable step."""
     top = sim.max_durable_seen
     if top is None:
         return
+    if sim.ec is not None:
+        st = sim.coord.state
+        if st.ec.parity_complete(top) and sim.ec.within_m(set(ranks) | wiped_unheard(sim, st)):
+            sim.note(f"step {top} has all its parity: it stays durable with hosts {ranks} lost (ec)")
+            return
     coords = {id(c): c for c in (sim.coord, *sim.deposed, *sim.cands) if c is not None and c.active}
     states = []
     for c in coords.values():
@@ -413,25 +434,37 @@ def check_restore(sim: Sim, step: int, lost: set[int], coord: Coordinator | None
             return
 
 
-def check_at_end(sim: Sim) -> None:
+def _liveness(sim: Sim) -> dict[str, str]:
+    """The liveness invariants that do not hold now: name -> why."""
     st = sim.coord.state
     newest = st.newest_complete_step()
     top = sim.max_durable_seen
+    out = {}
     if top is not None and (newest is None or newest < top) and model_holds(sim, top):
-        violate(sim, "complete-step-lost",
-                f"after the quiet phase the newest complete step is {newest}, although step {top} was "
-                f"complete and the hosts and bucket hold every rank's data of it")
+        out["complete-step-lost"] = (f"after the quiet phase the newest complete step is {newest}, although step "
+                                     f"{top} was complete and the hosts and bucket hold every rank's data of it")
     if sim.bucket is not None and newest is not None and (sim.bucket.newest() or -1) < newest:
-        violate(sim, "backup-reaches-newest",
-                f"after the quiet phase the bucket's newest backup is {sim.bucket.newest()}, the newest "
-                f"complete step {newest} (backup status {sim.coord.backup.status()})")
+        out["backup-reaches-newest"] = (f"after the quiet phase the bucket's newest backup is {sim.bucket.newest()}, "
+                                        f"the newest complete step {newest} (backup status {sim.coord.backup.status()})")
     if not sim.training:
-        violate(sim, "job-resumed", "the trainer is still waiting for its restore after the quiet phase")
+        out["job-resumed"] = "the trainer is still waiting for its restore after the quiet phase"
     if sim.ec is not None and newest is not None and not st.ec.parity_complete(newest):
         lacking = {r: [(h.step, h.content_hash[:12]) for h in st.ec.parity_of(r)] for r in range(sim.cfg.nodes)}
-        violate(sim, "parity-redundant-again",
-                f"after the quiet phase the newest complete step {newest} lacks parity (parity held: {lacking}; "
-                f"due: {[(r, st.ec.tasks_for(r)) for r in range(sim.cfg.nodes) if st.ec.tasks_for(r)]})")
+        out["parity-redundant-again"] = (
+            f"after the quiet phase the newest complete step {newest} lacks parity (parity held: {lacking}; "
+            f"due: {[(r, st.ec.tasks_for(r)) for r in range(sim.cfg.nodes) if st.ec.tasks_for(r)]})")
+    return out
+
+
+def liveness_holds(sim: Sim) -> bool:
+    """Every liveness invariant holds now, of a newest complete step (while none is, a coordinator still
+    lists the bucket every few seconds: not settled)."""
+    return sim.coord.state.newest_complete_step() is not None and not _liveness(sim)
+
+
+def check_at_end(sim: Sim) -> None:
+    for name, msg in _liveness(sim).items():
+        violate(sim, name, msg)
 
 
 INVARIANTS = (

@@ -31,7 +31,9 @@ its simulated I/O (RAM disk, task pool, network). Modelled (as the daemon, ``rep
 - erasure coding in about 3 schedules in 10 (:mod:`tests.simulation.parity`): parity holdings, ParityTasks,
   PARITY deletions, rebuilds from the code group, and the ec faults.
 
-After the fault window the schedule runs quiet (no faults, no saves) so that liveness can be checked.
+Faults come in bursts with lulls between them that let a step become durable, and after the fault window the
+schedule runs quiet (no faults, saves stop) until the job has settled, so that liveness can be checked
+(:mod:`tests.simulation.phases`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from tests.simulation.bucket import BucketModel
 from tests.simulation.network import Network, Partition
 from tests.simulation.parity import EC_EXTRA_QUIET_SECONDS, EcConfig, ParityKey, ParityModel, source_spec
 from tests.simulation.parity import report as report_parity
+from tests.simulation.phases import POLL_SECONDS, Phases
 
 JOB = "sim"
 SIZE = 1 << 20
@@ -168,6 +171,12 @@ class Host:
         self.waiting = False  # a heartbeat is out (the daemon sends one at a time)
         self.lower_down_since: float | None = None  # a candidate's host: since when no lower candidate answers
         self.coordinator: Coordinator | None = None  # whom it talks to (None: the newest)
+        # The coordinator that took this process's newest report (its inventory counts there), and whether that
+        # picture is still its newest (a duplicated older report taken by a restarted coordinator is not):
+        # ``invariants.check_after_event`` judges a coordinator only on what its hosts last told it.
+        self.reported_to: Coordinator | None = None
+        self.reported_current = True
+        self.reported_inv: dict[tuple[int, int], Holding] = {}  # what that report said it holds
         self.report_seq = 0  # numbers its reports (HeartbeatRequest.report_seq), as Heartbeat.beat does
         # Bumped by every change of ``disk`` or ``attested`` (go through put/delete/attest): the inventory,
         # its digest and the newest own step are computed once per change, not once per heartbeat.
@@ -240,7 +249,7 @@ class Sim:
     """One schedule. :meth:`run` returns the violations found: invariant -> its first violation (empty = held)."""
 
     def __init__(self, seed: int, *, config: Config | None = None, keep_trace: bool = True,
-                 network: bool | None = None, ec: bool | None = None):
+                 network: bool | None = None, ec: bool | None = None, calm: bool | None = None):
         self.seed = seed
         self.rng = random.Random(seed)
         self.cfg = config or Config.draw(self.rng)
@@ -259,6 +268,11 @@ class Sim:
                                            fault_seconds=cfg.fault_seconds + 4.0,
                                            quiet_seconds=cfg.quiet_seconds + EC_EXTRA_QUIET_SECONDS)
             self.ec = ParityModel(self, ec_cfg)
+        # Lulls between bursts of faults, the quiet phase's end once settled (calm=False: as before them).
+        self.phases = Phases(seed, calm)
+        self.fault_end = self.cfg.fault_seconds  # the fault window's end
+        self.settled_at: float | None = None  # the quiet phase ended early, the job settled (phases.py)
+        self.durable_ever = False  # some step was durable at some point (the output's durable_fraction)
         self.keep_local = 2
         self.heartbeat_seconds = 1.0
         self.bucket = BucketModel(self.cfg.nodes, self.clock) if self.cfg.bucket else None
@@ -297,6 +311,7 @@ class Sim:
         self.durable_checked: tuple[int, int] | None = None
         self.newest_reported: int | None = None
         self.last_version: tuple[int, int] | None = None
+        self.facts_seen: tuple[int, int] | None = None  # the coordinator's facts the invariants last looked at
         self.plan_checks = 0
         self.last_plan_check = self.last_durable_check = -1.0
         self.incomplete_seen = 0
@@ -305,7 +320,7 @@ class Sim:
         for h in self.hosts:
             self._at(self.rng.uniform(0.0, 1.0), "beat", (h.rank, h.incarnation))
         self._at(self.cfg.save_every, "save", ())
-        self._at(self.cfg.fault_every, "fault", ())
+        self._at(*self.phases.start(self), ())
 
     # ------------------------------------------------------------------ plumbing
     def _nonce(self) -> int:
@@ -338,7 +353,7 @@ class Sim:
 
     @property
     def faulty(self) -> bool:
-        return self.clock.now < self.cfg.fault_seconds
+        return self.clock.now < self.fault_end
 
     def content(self, rank: int, step: int) -> str:
         """The true content hash of ``rank``'s data of ``step`` (replicas identical unless configured not)."""
@@ -347,12 +362,12 @@ class Sim:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict[str, str]:
-        end = self.cfg.fault_seconds + self.cfg.quiet_seconds
+        quiet = self.cfg.quiet_seconds
         queue, clock, check = self.queue, self.clock, self.inv.check_after_event
         handlers: dict[str, Callable[..., None]] = {}  # kind -> its bound _ev_ method (looked up once)
-        while queue:
+        while queue and self.settled_at is None:
             t, _, kind, args = heapq.heappop(queue)
-            if t > end:
+            if t > self.fault_end + quiet:  # read each time: a lull moves the window's end on
                 break
             clock.now = t
             self.events += 1
@@ -363,7 +378,8 @@ class Sim:
             if self.cands:
                 self._refresh_serving()
             check(self, kind)
-        self.clock.now = end
+        if self.settled_at is None:
+            self.clock.now = self.fault_end + quiet
         self.inv.check_at_end(self)
         return self.violations
 
@@ -390,6 +406,8 @@ class Sim:
         except Aborted as e:
             self._beat_failed(h, coord, e)
             return
+        if resp.acked_digest:  # the report was taken: its inventory counts at this coordinator
+            h.reported_to, h.reported_current, h.reported_inv = coord, True, current[0]
         if self.keep_trace:
             self.note(f"beat {rank} -> e{coord.epoch}: {_summary(resp)}")
         if resp.HasField("backup"):
@@ -460,6 +478,8 @@ class Sim:
                     continue
                 self._beat_failed(h, c, e)
                 return
+            if resp.acked_digest:  # the report was taken: its inventory counts at this candidate
+                h.reported_to, h.reported_current, h.reported_inv = c, True, current[0]
             if self.keep_trace:
                 self.note(f"beat {h.rank} -> c{i} e{c.epoch}: {_summary(resp)}")
             if resp.HasField("backup"):
@@ -495,6 +515,11 @@ class Sim:
         except Aborted as e:
             self.note(f"duplicate beat {req.rank} -> c{i} e{c.epoch}: {e}")
             return
+        h = self.hosts[req.rank]
+        if resp.acked_digest and h.incarnation == req.incarnation:
+            # Taken (a restarted candidate has no order of this host's reports yet): its picture there is
+            # this older report, not the host's newest.
+            h.reported_to, h.reported_current = c, False
         self.note(f"duplicate beat {req.rank} -> c{i} e{c.epoch} handled again: {_summary(resp)}")
 
     def _epoch_clock(self) -> int:
@@ -549,7 +574,7 @@ class Sim:
         else:  # hosts cut from the serving candidate; the other candidate stays a standby
             ranks = set(rng.sample(pool, rng.randrange(1, len(pool) + 1)))
             what = "hosts cut off"
-        until = min(self.clock.now + rng.uniform(2.0, 10.0), self.cfg.fault_seconds)
+        until = min(self.clock.now + rng.uniform(2.0, 10.0), self.fault_end)
         self.net.heal(self.clock.now)
         self.net.partitions.append(Partition(frozenset(ranks), s, until))
         self.note(f"FAULT partition ({what}): hosts {sorted(ranks)} cannot reach candidate {s} "
@@ -637,7 +662,7 @@ class Sim:
                 # second at most). Drawn as before, so the seeds' streams stay (seed 87623: an upload drawn
                 # slow at the window's end ran on 10 s into the quiet phase, holding up the host's share of
                 # the next staging, and the liveness check came before the backup of step 2 could commit).
-                seconds = min(seconds, self.cfg.fault_seconds - self.clock.now + 1.0)
+                seconds = min(seconds, self.fault_end - self.clock.now + 1.0)
             self._submit(h, "backup", -1, b.step, seconds,
                          (b.staging, list(b.ranks), list(b.source_owner_ranks) or list(b.ranks)))
 
@@ -741,9 +766,11 @@ class Sim:
 
     # ------------------------------------------------------------------ trainer
     def _ev_save(self) -> None:
-        if self.clock.now < self.cfg.fault_seconds + 4.0:
+        if self.clock.now < self.phases.saves_until(self):
             self._at(self.clock.now + self.cfg.save_every, "save", ())
         else:
+            if self.phases.on:
+                self._at(self.clock.now + 1.0, "settle", ())
             return
         if not self.training or not all(h.up for h in self.hosts):
             return
@@ -824,11 +851,33 @@ class Sim:
         self.restore_by = None
         self.restore_asked = None
 
+    def _ev_settle(self) -> None:
+        """The quiet phase ends once the job settled (:meth:`Phases.settled`); else look again in a second."""
+        if self.phases.settled(self):
+            self.settled_at = self.clock.now
+            self.note("settled: the quiet phase ends")
+        else:
+            self._at(self.clock.now + 1.0, "settle", ())
+
     # ------------------------------------------------------------------ faults
+    def _ev_lull(self) -> None:
+        """A lull looks whether it is over (:meth:`Phases.lull_over`): then the next burst's first fault."""
+        wait = self.phases.lull_over(self)
+        if wait is None:
+            self._at(self.clock.now + POLL_SECONDS, "lull", ())
+        else:
+            self._at(self.clock.now + wait, "fault", ())
+
     def _ev_fault(self) -> None:
         if not self.faulty:
             return
-        self._at(self.clock.now + self.rng.expovariate(1.0 / self.cfg.fault_every), "fault", ())
+        if self.phases.on:  # bursts of faults and lulls between them (tests/simulation/phases.py)
+            if self.phases.after_fault(self):
+                self._at(self.clock.now + POLL_SECONDS, "lull", ())
+            else:
+                self._at(self.clock.now + self.rng.expovariate(1.0 / self.cfg.fault_every), "fault", ())
+        else:
+            self._at(self.clock.now + self.rng.expovariate(1.0 / self.cfg.fault_every), "fault", ())
         if self.cands and self.net.chance(self.net.cfg.p_partition):
             self._partition()
             return

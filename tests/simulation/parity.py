@@ -51,7 +51,9 @@ ParityKey = tuple[int, str]  # (step, group digest)
 # The longest a parity task may be retried after (``PARITY_RETRY_MIN_SECONDS``: a ParityTask whose answer was
 # lost goes out again only then) and the work after it: the quiet phase of an ec schedule is this much longer,
 # so that the liveness check sees the parity recomputed.
-EC_EXTRA_QUIET_SECONDS = 8.0  # 20 s retry + a beat + a task - the usual 16 s quiet phase, rounded up
+# Seed 18913: a ParityTask that failed was asked again 1 s later, within the host's retry back-off, so the host
+# dropped it and the next one came a 20 s retry later: the quiet phase must hold a dropped ask and a retry.
+EC_EXTRA_QUIET_SECONDS = 12.0  # a back-off + 20 s retry + a beat + a task - the usual 16 s quiet phase
 # Of a ParityTask / a rebuild started in the fault window: that a member is lost while it runs / that the
 # rebuilding host's replicator restarts while it runs (the ec faults aimed at a running task).
 P_LOST_MID_PARITY = 0.04
@@ -218,6 +220,10 @@ class ParityModel:
         self.counts["rebuilds"] += 1
         sim.note(f"host {h.rank}: rebuilt step {step} from its code group (helpers {sorted(helpers)})")
         return True
+
+    def within_m(self, lost: set[int]) -> bool:
+        """At most M members of each code group are among ``lost``: what the code survives."""
+        return all(len(lost & set(g.members)) <= self.cfg.m for g in self.groups)
 
     # ------------------------------------------------------------------ the model's truth
     def data_intact(self, y: int, step: int, spec: CodeGroupSpec) -> bool:

@@ -48,9 +48,15 @@ AddFn = Callable[[Any, grpc.Server], None]
 # together) is reached again within 0.1 s at first and 5 s at most, not minutes later. A channel reconnects
 # only while calls want it, so an idle channel to a dead host costs nothing. Not ``min_reconnect_backoff_ms``:
 # gRPC uses it as the connect timeout too (20 s), and at 0.1 s connections on a loaded host timed out.
+# A re-created Pod keeps its name (a JobSet's headless-Service hostname) under a new IP: a channel whose
+# connection failed re-resolves the name, but gRPC's DNS resolver waits 30 s between resolutions by default,
+# so after a JobSet restart two new replicators dialled their peers' old IPs for 30 s, each isolated as a
+# coordinator of one (found on the real control plane, tests/cluster: hot-swap 40 s instead of 15 s). 1 s.
+DNS_MIN_SECONDS_BETWEEN_RESOLUTIONS = 1.0
 RECONNECT_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 5000),
+    ("grpc.dns_min_time_between_resolutions_ms", int(DNS_MIN_SECONDS_BETWEEN_RESOLUTIONS * 1000)),
 ]
 
 

@@ -4,7 +4,7 @@ Each command prints a table (``rich``) or, with ``-o json``, one JSON document; 
 coordinator's typed Admin service (``proto/admin.proto``), never parsed text. Exit codes: 0 ok,
 1 error, 2 usage, 3 degraded (see ``docs/operations.md``). The offline commands (``backups``,
 ``export``, ``inspect --backup-url``, ``verify --tier bucket --backup-url``, ``plan --backup-url``)
-need only the bucket. jax and Orbax are imported by ``mtc export`` alone. The commands live in
+need only the bucket. TensorStore is imported by ``mtc export`` alone. The commands live in
 :mod:`controller_client.admin`; this module builds their parsers.
 """
 
@@ -18,7 +18,13 @@ from typing import Any
 
 import grpc
 
-from controller_client.admin.bucket import cmd_backups_download, cmd_backups_list, cmd_export
+from controller_client.admin.bucket import (
+    CHUNK_BYTES,
+    EXPORT_DESCRIPTION,
+    cmd_backups_download,
+    cmd_backups_list,
+    cmd_export,
+)
 from controller_client.admin.cluster import (
     cmd_backup_now,
     cmd_gc,
@@ -126,12 +132,18 @@ def _register_bucket_commands(sub: Any, add: Adder) -> None:
     p.add_argument("--dest", required=True)
     p.add_argument("--parallel", type=int, default=4, help="ranks downloaded at once (default 4)")
     add_bucket(p, required=True)
-    p = add("export", "write a backed-up step as a standard Orbax checkpoint (needs the [jax] extra)",
-            "mtc export 1200 --backup-url gs://b/ckpt --dest /scratch/ckpt-1200", cmd_export, online=False)
+    p = add("export", "write a backed-up step as a standard Orbax checkpoint, streamed in bounded memory (needs "
+            "the [jax] extra)", "mtc export 1200 --backup-url gs://b/ckpt --dest /scratch/ckpt-1200", cmd_export,
+            online=False)
+    p.description = EXPORT_DESCRIPTION
     p.add_argument("step", type=int)
     p.add_argument("--dest", required=True, help="directory to create (must not exist)")
-    p.add_argument("--parallel", type=int, default=4)
-    p.add_argument("--scratch", default=None, help="where to stage the download (default: the temp dir)")
+    p.add_argument("--parallel", type=int, default=4, help="ranks downloaded at once (default 4)")
+    p.add_argument("--scratch", default=None, help="where to stage the download (default: the temp dir); on disk, "
+                   "not a tmpfs, when memory is limited")
+    p.add_argument("--chunk-mib", type=int, default=CHUNK_BYTES >> 20,
+                   help=f"zarr chunk size, the unit of reading and writing (default {CHUNK_BYTES >> 20}); memory "
+                        "is at most 9 chunks plus ~70 MiB")
     add_bucket(p, required=True)
     p = add("plan", "RAM-disk size per host for copies:N or ec:K+M, from a saved step or from --state-bytes/--hosts",
             "mtc plan --state-bytes 80e9 --hosts 64 --slices 4 --redundancy ec:4+2 --keep 2", cmd_plan,

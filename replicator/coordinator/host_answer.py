@@ -16,8 +16,16 @@ from replicator.coordinator import answers
 from replicator.coordinator.model import Source
 from replicator.coordinator.parity_answer import parity_deletion
 from replicator.coordinator.planner import CoordinatorState
+from replicator.coordinator.restore_plan import Liveness
 from replicator.coordinator.step_tracking import FirstSeen
 from replicator.tiers import Tier
+
+# A host's restore waits this long at least (and this many heartbeats) for a byte-identical replica's host that
+# fetches the same bytes from the bucket, then fetches its own (issue #48: one bucket read per replica group).
+RESTORE_PEER_WAIT_MIN_SECONDS = 3.0
+RESTORE_PEER_WAIT_INTERVALS = 4
+# Beyond two heartbeat intervals of silence, a host counts as restarting: its copies are offered last.
+SILENT_JITTER_SECONDS = 0.5
 
 
 def copy_tasks(st: CoordinatorState, rank: int, *, now: float, floor: int, first_seen: FirstSeen, whole: bool,
@@ -96,12 +104,22 @@ def holds_restorable(st: CoordinatorState, rank: int, step: int, sources: list[S
     return False
 
 
-def restore_task(st: CoordinatorState, rank: int, step: int | None,
-                 addresses: Mapping[int, str]) -> pb.RestoreTask | None:
-    """Host ``rank``'s restore of ``step`` (the restore target), unless it holds its data of it already."""
+def liveness(now: float, interval: float) -> Liveness:
+    """The bounds of a restore's sources at ``now`` with heartbeats every ``interval`` seconds: a host silent
+    for two beats and a jitter is restarting (or gone); a rank waits up to ``RESTORE_PEER_WAIT_INTERVALS``
+    beats (at least ``RESTORE_PEER_WAIT_MIN_SECONDS``) for a replica's host that fetches the same bytes from
+    the bucket (it would wait one beat for the news that they landed, and about a bucket fetch of them)."""
+    return Liveness(now, 2 * interval + SILENT_JITTER_SECONDS,
+                    max(RESTORE_PEER_WAIT_MIN_SECONDS, RESTORE_PEER_WAIT_INTERVALS * interval))
+
+
+def restore_task(st: CoordinatorState, rank: int, step: int | None, addresses: Mapping[int, str],
+                 live: Liveness) -> pb.RestoreTask | None:
+    """Host ``rank``'s restore of ``step`` (the restore target), unless it holds its data of it already or waits
+    for a replica's host to fetch the same bytes (:meth:`CoordinatorState.restore_sources`)."""
     if step is None:
         return None
-    sources = st.rank_sources(step, rank)
+    sources = st.restore_sources(step, rank, live)
     if not sources or holds_restorable(st, rank, step, sources):
         return None
     # Fastest tier first (the daemon tries them in order); not its own copy, nor a host of unknown address.

@@ -86,6 +86,8 @@ class CoordinatorState:
         self.ec = ErasureCoding(self._facts, self._coverage, self._parity, self._memos, self._check_reporter)
         self._memo: dict[Any, Any] = {}
         self._memo_version = -1
+        # rank -> (step, since when): its restore waits for a byte-identical replica's fetch from the bucket.
+        self._restore_held: dict[int, tuple[int, float]] = {}
 
     @property
     def version(self) -> int:
@@ -409,6 +411,12 @@ class CoordinatorState:
     def restore_witnesses(self, rank: int, step: int, content_hashes: set[str]) -> list[CopyTask]:
         """Hash-only tasks that go with host ``rank``'s restore of ``step`` (see :meth:`CopyPlanner.restore_witnesses`)."""
         return self._copies.restore_witnesses(rank, step, content_hashes)
+
+    def restore_sources(self, step: int, rank: int, live: restore_plan.Liveness) -> list[Source]:
+        """Where host ``rank`` fetches ``step`` from, best first ([] while a replica fetches it from the bucket)."""
+        self.topology.check_rank(rank)
+        self._coverage.refresh()
+        return restore_plan.restore_sources(self._facts, self._coverage, self._hosts, self._restore_held, step, rank, live)
 
     def restore_plan(self, restoring: bool = True, force_step: int | None = None) -> RestorePlan:
         """The newest step recoverable for every rank, and per rank the fastest source.

@@ -205,7 +205,8 @@ class Coordinator(CoordinatorCore, pb_grpc.CoordinatorServicer):
         # Erasure coding: parity of each step whose code group's members all hold it (none in copies mode).
         retry = max(PARITY_RETRY_MIN_SECONDS, PARITY_RETRY_INTERVALS * interval)
         resp.parity.extend(self._parity_orders.tasks(st, rank, newest, now, retry, self._addresses))
-        task = host_answer.restore_task(st, rank, self.restore_target(), self._addresses)
+        task = host_answer.restore_task(st, rank, self.restore_target(), self._addresses,
+                                        host_answer.liveness(now, interval))
         if task is not None:
             resp.restore.CopyFrom(task)
             told = {(c.owner_rank, c.step) for c in resp.copies}

@@ -472,7 +472,9 @@ def test_fixed_stale_bucket_listing_regression_seed():
     test_scheduler_faults.py::test_a_backup_committed_after_the_listing_is_learned_when_a_host_comes_over."""
     found, trace = _replay_quiet(8683)
     assert not found, found
-    assert any("FAILOVER rank 2" in line for line in trace) and any("FAILOVER rank 0" in line for line in trace)
+    # Since replicas' restores wait for one bucket fetch per replica group (restore_plan.restore_sources), the
+    # seed's hosts no longer fail over to candidate 0 at the same moment; candidate 1's takeover still happens.
+    assert any("FAILOVER rank 2" in line for line in trace)
 
 
 @pytest.mark.parametrize("seed", [4358, 14189, 19547, 23952, 52847])

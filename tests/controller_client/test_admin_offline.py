@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from controller_client.demo.cluster import REPO, LocalCluster
-from controller_client.export import build_tree, parse_path
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
 from sidecar import checksums
@@ -19,14 +18,6 @@ from tests.kits.admin import mtc
 from tests.kits.cluster import manager, save_steps, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def test_leaf_paths_become_a_tree() -> None:
-    assert parse_path("['opt'][0].mu") == ["opt", 0, "mu"]
-    tree = build_tree({"['a'][0]": 1, "['a'][1]": 2, "['b']['c']": 3})
-    assert tree == {"a": [1, 2], "b": {"c": 3}}
-    with pytest.raises(ValueError):
-        parse_path("weird")
 
 
 def _load_with_plain_orbax(path: str) -> dict:

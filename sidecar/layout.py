@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from sidecar import saves
+
 log = logging.getLogger(__name__)
 
 # 2: the manifest carries ``manifest_sha256`` over its canonical encoding. Version 1 manifests had no
@@ -499,6 +501,22 @@ def parse_manifest(data: bytes) -> StepManifest:
 @functools.lru_cache(maxsize=32)
 def _parse_cached(data: bytes) -> StepManifest:
     return StepManifest.from_json(data)
+
+
+def current_copies(found: Sequence[tuple[Path, StepManifest]], step: int) -> list[tuple[Path, StepManifest]]:
+    """The copies of ``step`` in ``found`` (step dir, its manifest) that belong to its newest save: copies of
+    an older generation are an abandoned save (the job rolled back and saved the step again) and are left out,
+    with a line in the log. ManifestError when a copy holds another step."""
+    newest = saves.newest_generation(m.generation for _, m in found)
+    kept = []
+    for d, m in found:
+        if m.step != step:
+            raise ManifestError(f"{d} holds step {m.step}, expected {step}")
+        if m.generation < newest:
+            log.info("ignoring %s: an abandoned save of step %d (a newer one exists)", d, step)
+            continue
+        kept.append((d, m))
+    return kept
 
 
 def shard_file_name(leaf_index: int, shard_index: int) -> str:

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from sidecar import assemble, checksums, commit, layout, regions, saves, tree
+from sidecar import assemble, checksums, commit, layout, regions, tree
 from sidecar.assemble import Partial
 from sidecar.copies import (
     Attempt,
@@ -149,13 +149,7 @@ class StepSource:
             raise FileNotFoundError(
                 f"step {step} not found in {', '.join(str(r) for r in self.roots) or 'no directory'}"
             )
-        newest = saves.newest_generation((m.generation for _, m in found), default=self.generation)
-        for d, m in found:
-            if m.step != step:
-                raise layout.ManifestError(f"{d} holds step {m.step}, expected {step}")
-            if m.generation < newest:
-                log.info("ignoring %s: an abandoned save of step %d (a newer one exists)", d, step)
-                continue
+        for d, m in layout.current_copies(found, step):
             self._add(StepDir(d), m)
         self._landings: list[Landing] = []
         self._stream_own()

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from controller_client.export.plan import Piece, Region
-from sidecar import checksums, layout, saves
+from sidecar import checksums, layout
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +82,10 @@ def index_step(step: int, roots: list[Path]) -> StepIndex:
     if kinds != {layout.KIND_NATIVE}:
         raise ValueError(f"step {step} was saved by {sorted(kinds)}: only native steps are exported (an Orbax "
                          "step is an Orbax checkpoint already: use `mtc backups download`)")
-    newest = saves.newest_generation(m.generation for _, m in found)
-    index = StepIndex(step, newest, (), {}, {})
+    current = layout.current_copies(found, step)
+    index = StepIndex(step, current[0][1].generation, (), {}, {})
     ranks = set()
-    for d, m in found:
-        if m.step != step:
-            raise layout.ManifestError(f"{d} holds step {m.step}, expected {step}")
-        if m.generation < newest:
-            log.info("ignoring %s: an abandoned save of step %d (a newer one exists)", d, step)
-            continue
+    for d, m in current:
         ranks.add(m.rank)
         for v in m.values:
             index.values.setdefault(v.path, v.value)

@@ -44,6 +44,7 @@ from replicator.coordinator.topology import JobTopology
 from replicator.options import ConfigError, ReplicatorOptions
 from replicator.orbax import allocation, elastic
 from replicator.orbax import contract as oc
+from replicator.orbax.handshake_clock import HandshakeClock, HandshakeMetrics
 from replicator.orbax.store import OrbaxStore
 from replicator.preemption import PreemptionRecord, restart_recorded
 from sidecar import faults, layout
@@ -193,13 +194,14 @@ class OrbaxMode:
 
     # ------------------------------------------------------------------ handshake
     def handshake(self, cfg: oc.ReplicatorConfig) -> None:
-        t0 = time.monotonic()
         self.handshakes += 1
+        clock = HandshakeClock(self.handshakes)
         log.info("handshake %d: job %s rank %d/%d, peers %s", self.handshakes, cfg.job_name, cfg.node_rank,
                  cfg.nodes, list(cfg.peer_ranks))
         # The job restarted: what the previous incarnation's daemon still serves (a long poll, a copy to a
         # host that restarts too) is abandoned, never half-visible; waiting 2 s for it delayed every restore.
         self._stop_daemon(HANDSHAKE_STOP_GRACE_SECONDS)
+        clock.mark("stop")
         try:
             opts = replicator_options(self.opts, cfg, self.listen)
         except (ConfigError, ValueError) as e:
@@ -217,8 +219,10 @@ class OrbaxMode:
             elastic.write_layout(self.local, elastic.Layout(cfg.job_name, cfg.node_rank, cfg.nodes,
                                                             opts.data_parallelism))
             faults.point("orbax.after_ingest")
+            clock.mark("layout")
             daemon = self._build(opts, store=store)
             daemon.start()
+            clock.mark("start")
         except Exception as e:  # a bind failure, an unusable bucket, ...
             log.exception("cannot start the replicator")
             if daemon is not None:
@@ -230,7 +234,8 @@ class OrbaxMode:
             self._announced = True
             print(f"LISTENING {daemon.address}", flush=True)
         try:
-            step, target = self._plan(daemon, store, cfg, opts)
+            step, target = self._plan(daemon, store, cfg, opts, clock)
+            clock.mark("plan")
             if self.stopping.is_set():
                 return
             faults.point("orbax.before_marker")
@@ -254,8 +259,9 @@ class OrbaxMode:
         except ValueError as e:
             log.warning("not acknowledged: %s", e)  # a newer yaml: answered by the next handshake
             return
-        log.info("handshake %d done in %.2fs: %s", self.handshakes, time.monotonic() - t0,
-                 "nothing to restore" if step is None else f"restore step {step} from {target}")
+        clock.mark("marker")
+        clock.done("nothing to restore" if step is None else f"restore step {step} from {target}",
+                   self._handshake_metrics(daemon))
 
     def _adopt_layout(self, cfg: oc.ReplicatorConfig, opts: ReplicatorOptions) -> elastic.RemapReport:
         """A changed node count or rank (an elastic event): re-label what this host holds (see elastic.py).
@@ -317,9 +323,16 @@ class OrbaxMode:
             else:
                 shutil.rmtree(child)  # hard links: our copy keeps its own
 
-    def _plan(self, daemon: Any, store: OrbaxStore, cfg: oc.ReplicatorConfig,
-              opts: ReplicatorOptions) -> tuple[int | None, Path | None]:
-        """(step, directory with this rank's data) to restore, or (None, None) when nothing is restorable."""
+    @staticmethod
+    def _handshake_metrics(daemon: Any) -> HandshakeMetrics | None:
+        """The handshake histograms on ``daemon``'s registry (one daemon per handshake, so made once each)."""
+        metrics = getattr(daemon, "metrics", None)
+        return HandshakeMetrics(metrics.registry) if metrics is not None else None
+
+    def _plan(self, daemon: Any, store: OrbaxStore, cfg: oc.ReplicatorConfig, opts: ReplicatorOptions,
+              clock: HandshakeClock) -> tuple[int | None, Path | None]:
+        """(step, directory with this rank's data) to restore, or (None, None) when nothing is restorable.
+        Marks ``clock``'s ``hosts`` phase when every host has reported, ``plan`` when the step is planned."""
         deadline = time.monotonic() + opts.handshake_timeout_seconds
         resp = None
         registered = False
@@ -334,6 +347,8 @@ class OrbaxMode:
                 last_error = waiting
                 self.stopping.wait(0.1)
                 continue
+            if "hosts" not in clock.phases:
+                clock.mark("hosts")
             wait = max(0.0, min(PREPARE_SLICE_SECONDS, deadline - time.monotonic() - 0.5))
             try:
                 req = cpb.PrepareRestoreRequest(step=-1, wait_seconds=wait, nodes=cfg.nodes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -238,6 +239,10 @@ def test_single_slice_ring_copy_restores_a_wiped_host(base) -> None:
     _restored(cl, second, 2)
     # Fetched back from host 0 into host 1's own store.
     assert restored_from(cl.local(1) / "2", cl.local(1) / "steps" / "2")
+    # Where the handshake's time went, phase by phase (replicator/orbax/handshake_clock.py).
+    phases = ", ".join(rf"{p} \d+\.\d+s" for p in ("stop", "layout", "start", "hosts", "plan", "marker"))
+    assert re.search(rf"handshake 2 done in \d+\.\d+s \({phases}\): restore step 2 from ",
+                     (cl.base / "logs" / "replicator-1.log").read_text()), cl.describe(second)
     assert _check_ingested(cl, 1, 2).content_id == m1.content_id
 
 

@@ -23,16 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client, watch
+from kubernetes import client
 
 from controller_client import manifests as mf
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
 from tests.cluster import pathways_images
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.job_watch import PodWatch, deploy
 from tests.cluster.node_agent import NodeAgent
 from tests.cluster.pod_spec import VENV_BIN, ImageRule
-from tests.cluster.test_apply import apply
 from tests.cluster.test_decisions import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.scenario, pytest.mark.timeout(900)]
@@ -63,41 +63,22 @@ class ElasticJob:
             controller_command=("python", "/app/train_elastic.py"))
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
-        self.removed_at: dict[str, float] = {}  # pod name -> monotonic time its object was seen removed
+        self.pods = PodWatch(self.core, ns)
+        self.removed_at = self.pods.removed_at  # "name/uid" -> monotonic time its object was seen removed
         self.in_bucket: dict[int, float] = {}  # step -> monotonic time it was first seen committed in the bucket
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._watch, daemon=True),
-                         threading.Thread(target=self._poll_bucket, daemon=True)]
+        self._bucket_poll = threading.Thread(target=self._poll_bucket, daemon=True)
 
     def start(self) -> None:
-        self.core.create_namespace({"metadata": {"name": self.ns}})
-        apply(self.api, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "mtc-token"},
-                         "stringData": {"token": "0123456789abcdef"}}, self.ns)
-        for doc in mf.objects(self.opts).values():
-            apply(self.api, doc, self.ns)
-        for t in self._threads:
-            t.start()
+        deploy(self.api, self.core, self.opts, self.ns)
+        self.pods.start()
+        self._bucket_poll.start()
 
     def close(self) -> None:
         self._stop.set()
-        for t in self._threads:
-            t.join(timeout=10)
+        self.pods.stop()
+        self._bucket_poll.join(timeout=10)
         self.core.delete_namespace(self.ns)
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            w = watch.Watch()
-            try:
-                for ev in w.stream(self.core.list_namespaced_pod, self.ns, timeout_seconds=5):
-                    if ev["type"] == "DELETED":
-                        self.removed_at.setdefault(ev["object"].metadata.name + "/" + ev["object"].metadata.uid,
-                                                   time.monotonic())
-                    if self._stop.is_set():
-                        break
-            except Exception:  # noqa: BLE001 (the namespace going away, a slow answer: watch again)
-                self._stop.wait(0.2)
-            finally:
-                w.stop()
 
     def _poll_bucket(self) -> None:
         store = BackupStore(open_store(f"file://{self.bucket}"), self.ns)

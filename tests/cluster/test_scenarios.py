@@ -11,7 +11,6 @@ bound into every Pod at ``/bucket``.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,9 +23,9 @@ from controller_client import manifests as mf
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.job_watch import PodWatch, deploy
 from tests.cluster.node_agent import NodeAgent
 from tests.cluster.pod_spec import VENV_BIN, ImageRule
-from tests.cluster.test_apply import apply
 from tests.cluster.test_decisions import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.scenario, pytest.mark.timeout(900)]
@@ -55,39 +54,16 @@ class Job:
         self.opts = mf.ManifestOptions(**{**opts, **overrides})
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
-        self.deleted_at: dict[str, float] = {}  # pod name -> monotonic time its deletion was first seen
-        self._stop = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self.pods = PodWatch(self.core, ns)
+        self.deleted_at = self.pods.deleted_at  # pod name -> monotonic time its deletion was first seen
 
     def start(self) -> None:
-        self.core.create_namespace({"metadata": {"name": self.ns}})
-        apply(self.api, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "mtc-token"},
-                         "stringData": {"token": "0123456789abcdef"}}, self.ns)
-        for doc in mf.objects(self.opts).values():
-            apply(self.api, doc, self.ns)
-        self._watcher.start()
+        deploy(self.api, self.core, self.opts, self.ns)
+        self.pods.start()
 
     def close(self) -> None:
-        self._stop.set()
-        self._watcher.join(timeout=5)
+        self.pods.stop()
         self.core.delete_namespace(self.ns)
-
-    def _watch(self) -> None:
-        """Record when each Pod's deletion is first seen (a deletionTimestamp, or its removal)."""
-        from kubernetes import watch
-        while not self._stop.is_set():
-            w = watch.Watch()
-            try:
-                for ev in w.stream(self.core.list_namespaced_pod, self.ns, timeout_seconds=5):
-                    p = ev["object"]
-                    if ev["type"] == "DELETED" or p.metadata.deletion_timestamp is not None:
-                        self.deleted_at.setdefault(p.metadata.name, time.monotonic())
-                    if self._stop.is_set():
-                        break
-            except Exception:  # noqa: BLE001 (the namespace going away, a slow answer: watch again)
-                self._stop.wait(0.2)
-            finally:
-                w.stop()
 
     # ------------------------------------------------------------------ what happened
     def events(self) -> list[dict[str, Any]]:

@@ -21,7 +21,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -53,24 +52,12 @@ def _shm_dir() -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _sampled(cg: cgroup.MemoryCgroup, peaks: dict[str, int]) -> Iterator[None]:
+def _sampled(cg: cgroup.MemoryCgroup, peaks: dict[str, int]) -> contextlib.AbstractContextManager[None]:
     """Sample the group's anonymous memory (what the export holds) and usage every 50 ms into ``peaks``."""
-    stop = threading.Event()
-
-    def run() -> None:
-        while not stop.wait(0.05):
-            with contextlib.suppress(OSError, ValueError):
-                peaks["anon"] = max(peaks.get("anon", 0), cg.anon())
-                peaks["usage"] = max(peaks.get("usage", 0), cg.usage())
-
-    t = threading.Thread(target=run, daemon=True, name="export-memory-sampler")
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join(timeout=5)
+    def sample() -> None:
+        peaks["anon"] = max(peaks.get("anon", 0), cg.anon())
+        peaks["usage"] = max(peaks.get("usage", 0), cg.usage())
+    return cgroup.sampling(sample, "export-memory-sampler")
 
 
 def test_a_4_gib_step_exports_under_a_1_gib_limit_and_orbax_restores_it_bit_exact(tmp_path: Path) -> None:

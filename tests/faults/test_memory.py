@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -68,23 +67,11 @@ class MemoryRig:
         assert len(owners) == 1, f"rank {LIMITED} holds peer copies of {owners}"
         return owners[0]
 
-    @contextlib.contextmanager
-    def sampled(self) -> Iterator[None]:
+    def sampled(self) -> contextlib.AbstractContextManager[None]:
         """Sample the daemon's own memory every 50 ms into :attr:`peak_own`."""
-        stop = threading.Event()
-
-        def run() -> None:
-            while not stop.wait(0.05):
-                with contextlib.suppress(OSError, ValueError):
-                    self.peak_own = max(self.peak_own, self.own())
-
-        t = threading.Thread(target=run, daemon=True, name="memory-sampler")
-        t.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            t.join(timeout=5)
+        def sample() -> None:
+            self.peak_own = max(self.peak_own, self.own())
+        return cgroup.sampling(sample, "memory-sampler")
 
 
 @contextlib.contextmanager

@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tests.kits.faultnet import pid_alive
@@ -72,6 +74,26 @@ def reap_stale() -> list[str]:
                 d.rmdir()
                 gone.append(d.name)
     return gone
+
+
+@contextlib.contextmanager
+def sampling(sample: Callable[[], None], name: str, period: float = 0.05) -> Iterator[None]:
+    """Call ``sample`` every ``period`` seconds in a thread while the block runs (OSError and ValueError, a
+    group or a process going away, skipped), and stop it at the end."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(period):
+            with contextlib.suppress(OSError, ValueError):
+                sample()
+
+    t = threading.Thread(target=run, daemon=True, name=name)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=5)
 
 
 class MemoryCgroup:

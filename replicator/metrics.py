@@ -278,7 +278,7 @@ class _Collector:
         if view is None:
             return
         yield _gauge("mtc_step_redundant",
-                     "1 when the newest complete step has two copies of every rank on distinct hosts",
+                     "1 when the newest complete step survives the loss of any one host (ec: has all its parity)",
                      1.0 if view.newest_redundant else 0.0)
         yield _gauge("mtc_hosts", "Hosts (ranks) in the job", view.hosts)
         yield _gauge("mtc_hosts_registered", "Hosts whose replicator has reported", view.hosts_registered)

@@ -220,7 +220,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             problems.append("no globally complete step")
         elif not any_redundant:
             problems.append("no complete step has all its parity (every code group's)" if coord.state.ec.enabled
-                            else "no complete step has two copies of every rank on distinct hosts")
+                            else "no complete step survives the loss of any one host")
         if lost:
             problems.append(f"hosts lost: {len(lost)} (ranks {format_ranks(lost)})")
         if sched is not None:

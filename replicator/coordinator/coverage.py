@@ -5,9 +5,16 @@ Part of :class:`CoordinatorState`.
 a change marks the group dirty (``Facts.dirty``) and the next query re-derives just the dirty groups. It
 records what it re-derived (:attr:`Coverage.changed`, :attr:`Coverage.vanished`) for the copy-task view.
 
+A step is *durable* when it is complete and stays complete whichever one host is lost: every rank's data *and*
+the record that it is that rank's (its accepted hash) survive without any one host's facts. Two holders of a
+rank's bytes are not enough when only one host's report says they are its data (seed 19 of tests/simulation:
+rank 2's data equal to rank 0's, known from host 2's report alone, counted twice held; GC deleted the durable
+step before, and host 2's replacement left no complete step). Copies mode: durable is *redundant*.
+
 Erasure coding (``ec:K+M``, :mod:`~replicator.coordinator.parity`): a rank whose data no host holds is covered
 too when it can be rebuilt from its code group (a :attr:`Tier.PARITY` source, after LOCAL and PEER, before the
-bucket); a step is *redundant* when it is complete and every code group of it has all its parity.
+bucket), with or without one host; a step is *redundant* when it is complete and every code group of it has all
+its parity (it survives M hosts of each group).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ class Coverage:
 
     Completeness is kept incrementally: per step, what its expected ranks are keyed by, that set, and how
     many of them no tier covers; re-deriving a group adjusts the count by its own members only. So is
-    redundancy: how many expected ranks have fewer than two distinct holders (the bucket counts as one).
+    durability: how many expected ranks are uncovered or would be without some one host (:attr:`_risky`).
     """
 
     def __init__(self, facts: Facts, parity: ParityView | None = None):
@@ -49,7 +56,9 @@ class Coverage:
         self.complete: set[int] = set()
         self._expected: dict[int, tuple[Any, frozenset[int]]] = {}
         self._uncovered: dict[int, int] = {}
-        self._fragile: dict[int, int] = {}  # step -> expected ranks with fewer than two distinct holders
+        self._fragile: dict[int, int] = {}  # step -> expected ranks uncovered, or covered but not durably
+        # step -> covered ranks (expected or not) that the loss of some one host would leave uncovered.
+        self._risky: dict[int, set[int]] = {}
         # Since the copy-task view last looked: step -> groups re-derived; steps no tier holds any more.
         self.changed: dict[int, set[int]] = {}
         self.vanished: set[int] = set()
@@ -59,7 +68,7 @@ class Coverage:
 
     def clear(self) -> None:
         """Forget every derived view (the next refresh after touching every group recomputes them)."""
-        for view in (self.auth, self.cov, self._expected, self._uncovered, self._fragile, self.changed):
+        for view in (self.auth, self.cov, self._expected, self._uncovered, self._fragile, self._risky, self.changed):
             view.clear()
         self.complete.clear()
         self.vanished.clear()
@@ -109,33 +118,50 @@ class Coverage:
         self._newest = (version, newest)
         return newest
 
-    def newest_redundant_step(self) -> int | None:
-        """The newest complete step whose every rank has two distinct holders (O(steps), kept incrementally);
-        in ec mode, whose every code group has all its parity."""
+    def newest_durable_step(self) -> int | None:
+        """The newest complete step that stays complete whichever one host is lost (O(steps), kept incrementally)."""
         self.refresh()
-        parity = self._parity
         for step in sorted(self.complete, reverse=True):
-            fine = parity.redundant(step) if parity is not None else self._fragile.get(step, 1) == 0
-            if fine and not self._facts.is_abandoned(step):
+            if self._fragile.get(step, 1) == 0 and not self._facts.is_abandoned(step):
                 return step
         return None
 
-    def is_redundant(self, step: int) -> bool:
+    def newest_redundant_step(self) -> int | None:
+        """The newest redundant step (:meth:`is_redundant`; O(steps), kept incrementally)."""
+        if self._parity is None:
+            return self.newest_durable_step()
         self.refresh()
-        found = self.cov.get(step, {})
-        if len(found) < len(self._facts.expected_ranks(step)):
-            return False
-        if self._parity is not None:
-            return self._parity.redundant(step)
-        # BUCKET_HOLDER counts as one holder, distinct from every host.
-        return all(len({s.holder_rank for s in srcs}) >= 2 for srcs in found.values())
+        for step in sorted(self.complete, reverse=True):
+            if self._parity.redundant(step) and not self._facts.is_abandoned(step):
+                return step
+        return None
+
+    def coding_step(self) -> int | None:
+        """ec mode: the step whose parity the code groups compute now, kept by GC until they have it
+        (:meth:`~replicator.coordinator.parity.ParityView.coding_step`); None in copies mode. O(steps)."""
+        if self._parity is None:
+            return None
+        return self._parity.coding_step(self.newest_redundant_step())
+
+    def is_durable(self, step: int) -> bool:
+        """``step`` is complete and stays complete whichever one host is lost. O(1)."""
+        self.refresh()
+        return step in self.complete and self._fragile.get(step, 1) == 0
+
+    def is_redundant(self, step: int) -> bool:
+        """Copies mode: :meth:`is_durable`; ec mode: complete and every code group has all its parity. O(1)."""
+        if self._parity is None:
+            return self.is_durable(step)
+        self.refresh()
+        return step in self.complete and self._parity.redundant(step)
 
     # ------------------------------------------------------------------------------------- derivation
 
     def _refresh_step(self, step: int, groups: set[int]) -> None:
         facts = self._facts
         if not facts.has_step(step):
-            for view in (self.auth, self.cov, self._expected, self._uncovered, self._fragile, self.changed):
+            for view in (self.auth, self.cov, self._expected, self._uncovered, self._fragile, self._risky,
+                         self.changed):
                 view.pop(step, None)
             self.complete.discard(step)
             self.vanished.add(step)
@@ -150,17 +176,19 @@ class Coverage:
             expected = frozenset(facts.expected_ranks(step))
             self._expected[step] = (key, expected)
             uncovered = sum(1 for r in expected if r not in cov)
-            fragile = sum(1 for r in expected if _holders(cov.get(r)) < 2)
+            risky = self._risky.get(step, set())
+            fragile = sum(1 for r in expected if r not in cov or r in risky)
         else:
             expected = cached[1]
             uncovered, fragile = self._uncovered[step], self._fragile[step]
+            risky = self._risky.setdefault(step, set())
             for g in groups:
                 members = [r for r in facts.members[g] if r in expected]
                 before = sum(1 for r in members if r in cov)
-                fragile_before = sum(1 for r in members if _holders(cov.get(r)) < 2)
+                fragile_before = sum(1 for r in members if r not in cov or r in risky)
                 self._derive(step, g)
                 uncovered -= sum(1 for r in members if r in cov) - before
-                fragile += sum(1 for r in members if _holders(cov.get(r)) < 2) - fragile_before
+                fragile += sum(1 for r in members if r not in cov or r in risky) - fragile_before
         self._uncovered[step] = uncovered
         self._fragile[step] = fragile
         if uncovered == 0:
@@ -189,9 +217,46 @@ class Coverage:
                 cov[r] = tuple(found)
             else:
                 cov.pop(r, None)
+        risky = self._risky.setdefault(step, set())
+        risky.difference_update(members)
+        risky.update(self._risky_members(step, group))
 
-    def _rank_sources(self, step: int, rank: int, auth: Mapping[int, Auth]) -> list[Source]:
-        """Valid sources of ``rank``'s data: its own or an identical replica's, local < peer < bucket."""
+    def _risky_members(self, step: int, group: int) -> set[int]:
+        """The covered members of replica ``group`` that the loss of some one host would leave uncovered: their
+        data, or every record that it is theirs (their accepted hash), would go with it; or another hash would be
+        accepted (a stale copy of an earlier save left). Only the hosts holding data or attestations of the
+        group and (ec mode) the members of their code groups matter (a handful)."""
+        facts = self._facts
+        members = facts.members[group]
+        cov = self.cov.get(step, {})
+        alive = [r for r in members if r in cov]
+        now = self.auth.get(step, {})
+        by_owner = facts.index.get(step, {})
+        hosts = {x for o in members for x in by_owner.get(o, {})}
+        if self._parity is not None:
+            for r in alive:
+                gi = facts.code_group_of.get(r)
+                if gi is not None:
+                    hosts.update(facts.code_groups[gi].members)
+        bucket = facts.bucket.get(step, {})
+        out: set[int] = set()
+        for x in sorted(hosts):
+            if len(out) == len(alive):
+                break
+            auth = {}
+            for o in members:
+                current = {y: h for y, h in by_owner.get(o, {}).items() if y != x and facts.current(h)}
+                a = _auth_one(current, bucket, o)
+                if a is not None:
+                    auth[o] = a
+            for r in alive:
+                if r not in out and not _keeps(now.get(r), self._rank_sources(step, r, auth, without=x)):
+                    out.add(r)
+        return out
+
+    def _rank_sources(self, step: int, rank: int, auth: Mapping[int, Auth], without: int | None = None) -> list[Source]:
+        """Valid sources of ``rank``'s data: its own or an identical replica's, local < peer < bucket.
+        ``without``: as if that host held nothing (``auth`` must be derived without it too)."""
         facts = self._facts
         by_owner = facts.index.get(step, {})
         mine = auth.get(rank)
@@ -201,7 +266,7 @@ class Coverage:
         for owner in (rank, *(m for m in group if m != rank)):
             a = auth.get(owner)
             for holder, h in by_owner.get(owner, {}).items():
-                if not facts.current(h):
+                if holder == without or not facts.current(h):
                     continue  # a copy of an abandoned save of this step number (before a rollback)
                 if not carries_bytes(h) or a is None or h.content_hash != a.content_hash:
                     continue  # an attestation, or a stale copy of an older save of this step
@@ -210,7 +275,7 @@ class Coverage:
                 kind = Tier.LOCAL if holder == rank else Tier.PEER
                 found.append(Source(kind, holder, owner, h.content_hash, h.size))
         if not found and self._parity is not None:
-            rb = self._parity.rebuild(step, rank, want if mine is not None and mine.definitive else None)
+            rb = self._parity.rebuild(step, rank, want if mine is not None and mine.definitive else None, without)
             if rb is not None:
                 found.append(Source(Tier.PARITY, BUCKET_HOLDER, rank, rb.spec.hash_of(rank), 0, rb.spec, rb.helpers))
         bucket = facts.bucket.get(step, {})
@@ -224,9 +289,11 @@ class Coverage:
         return found
 
 
-def _holders(sources: tuple[Source, ...] | None) -> int:
-    """How many distinct holders (the bucket one of them) ``sources`` name."""
-    return len({s.holder_rank for s in sources}) if sources else 0
+def _keeps(now: Auth | None, sources: list[Source]) -> bool:
+    """``sources`` (a rank's without some host) still give the data accepted now: a source of the accepted hash
+    (a parity source's group names it), or of an unreported one (the bucket's copy as committed)."""
+    want = now.content_hash if now is not None else None
+    return any(want is None or s.content_hash in (None, want) for s in sources)
 
 
 def _auth_one(holders: Mapping[int, Holding], bucket: Mapping[int, str | None], owner: int) -> Auth | None:

@@ -75,17 +75,21 @@ class ErasureCoding:
     def enabled(self) -> bool:
         return self._view.enabled
 
-    def tasks_for(self, holder: int, floor: int | None = None) -> list[tuple[int, CodeGroupSpec]]:
-        """(step, code group without addresses) of every parity host ``holder`` must compute: of each step from
-        ``floor`` on (None: every step) whose code group's members all hold it LOCAL, when ``holder``'s parity
-        of it is not of their data. [] in copies mode."""
+    def coding_step(self) -> int | None:
+        """The step whose parity the code groups compute now (:meth:`ParityView.coding_step`); None when there is
+        none, and in copies mode."""
+        return self._coverage.coding_step()
+
+    def tasks_for(self, holder: int) -> list[tuple[int, CodeGroupSpec]]:
+        """(step, code group without addresses) of the parity host ``holder`` must compute: of the coding step
+        (:meth:`coding_step`, every member of every code group holds it LOCAL), when ``holder``'s parity of it is
+        not of their data; at most one. [] in copies mode."""
         if not self._view.enabled:
             return []
         memo = self._memos()
-        key = ("parity", holder, floor)
+        key = ("parity", holder)
         if key not in memo:
-            steps = [s for s in self._facts.known_steps() if floor is None or s >= floor]
-            memo[key] = self._view.tasks_for(holder, steps)
+            memo[key] = self._view.tasks_for(holder, self.coding_step())
         return list(memo[key])
 
     def gc_for(self, holder: int, keep_local: int) -> list[Holding]:

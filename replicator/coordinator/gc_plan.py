@@ -14,13 +14,19 @@ def _protected(facts: Facts, coverage: Coverage) -> tuple[set[int], int | None, 
     complete = set(coverage.complete_steps())
     newest = max(complete) if complete else None
     protected = facts.backups_in_progress | facts.pinned
-    # The newest step every rank of which has two copies stays until a newer one has them too: while the
-    # newest complete step has one copy of some rank (its copies in flight, or their holder cut off and not
-    # yet declared lost), it is the step that survives a loss (issue #33). In ec mode: the newest step
-    # every code group of which has all its parity.
-    redundant = coverage.newest_redundant_step()
-    if redundant is not None and redundant != newest:
-        protected = protected | {redundant}
+    # The newest durable step (it stays complete whichever one host is lost: each rank's data and the record
+    # that it is that rank's) stays until a newer one is durable too: while the newest complete step is not (its
+    # copies or witnesses in flight, or their holder cut off and not yet declared lost), it is the step that
+    # survives a loss (issue #33; seed 19 of tests/simulation: two holders of a rank's bytes, its identity known
+    # from one host's report, are not durable). In ec mode also the newest step every code group of which has
+    # all its parity (it survives M hosts of each group).
+    for kept in (coverage.newest_durable_step(), coverage.newest_redundant_step()):
+        if kept is not None and kept != newest:
+            protected = protected | {kept}
+    # ec mode: the step whose parity is being computed stays until it has it (every member's data is read for it).
+    coding = coverage.coding_step()
+    if coding is not None:
+        protected = protected | {coding}
     return complete, newest, protected
 
 

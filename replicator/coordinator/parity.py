@@ -14,6 +14,15 @@ is on no host can be rebuilt:
 - a rank x is *rebuildable* from a spec when each of the K rotations x gives data to has at least K intact
   fragments: a data fragment of member y (y not x) is intact when y holds LOCAL data of the step with the spec's
   hash for y; a parity fragment held by y is intact when y's parity of the step that counts has the spec's digest.
+
+One step is coded at a time (:meth:`ParityView.coding_step`): among the steps newer than the newest one with all
+its parity of which every code group has its planned group, the oldest one some member holds parity of (coding
+started), else the newest. ParityTasks name only that step, and GC keeps it (``gc_plan``) until its parity is
+complete. Found by tests/faults/test_erasure.py (docs/testing.md, "Erasure coding"): when tasks went out for every
+new step and GC removed a step's data ``--keep-local`` steps later, parity that took longer than that (a link near
+its capacity) never completed, and each newer task only slowed the others. The newest when none is started, not
+the oldest: after a stall (a task's answer lost, asked again 20 s later) the oldest-first rule coded every step
+held meanwhile in turn before the newest (simulation seed 183: the newest step lacked parity after the quiet phase).
 """
 
 from __future__ import annotations
@@ -61,9 +70,10 @@ class GroupView:
         """Every member holds the step and its parity of the planned group."""
         return self.planned is not None and not self.missing
 
-    def rebuild(self, rank: int, want: str | None) -> Rebuild | None:
+    def rebuild(self, rank: int, want: str | None, without: int | None = None) -> Rebuild | None:
         """How ``rank``'s data can be rebuilt (from the spec most parity holders agree on that works), or None.
-        ``want``: the rank's definitive content hash when one is known (a spec naming another is passed over)."""
+        ``want``: the rank's definitive content hash when one is known (a spec naming another is passed over).
+        ``without``: as if that member held nothing (whether the step survives its loss)."""
         layout, k = self.layout, self.layout.k
         votes = collections.Counter(self.parity.values())
         for digest, spec in sorted(self.specs.items(), key=lambda kv: (-votes[kv[0]], kv[0])):
@@ -72,7 +82,7 @@ class GroupView:
             helpers: set[int] = set()
             for j in range(k):
                 holders = layout.holders(layout.data_rotation(rank, j))
-                intact = [y for i, y in enumerate(holders) if y != rank and (
+                intact = [y for i, y in enumerate(holders) if y != rank and y != without and (
                     self.local.get(y) == spec.hash_of(y) if i < k else self.parity.get(y) == digest)]
                 if len(intact) < k:
                     break
@@ -91,6 +101,8 @@ class ParityView:
         self._facts = facts
         self._views: dict[int, dict[int, GroupView]] = {}  # step -> code group -> view
         self._lacking: dict[int, set[int]] = {}  # step -> code groups not holding all their parity
+        self._unplanned: dict[int, set[int]] = {}  # step -> code groups some member of which lacks the step
+        self._started: dict[int, set[int]] = {}  # step -> code groups some member of which holds parity that counts
 
     @property
     def enabled(self) -> bool:
@@ -100,6 +112,8 @@ class ParityView:
     def clear(self) -> None:
         self._views.clear()
         self._lacking.clear()
+        self._unplanned.clear()
+        self._started.clear()
 
     def refresh(self) -> None:
         """Re-derive the code groups that changed since the last refresh."""
@@ -112,15 +126,27 @@ class ParityView:
             if not facts.has_step(step):
                 self._views.pop(step, None)
                 self._lacking.pop(step, None)
+                self._unplanned.pop(step, None)
+                self._started.pop(step, None)
                 continue
             views = self._views.setdefault(step, {})
             lacking = self._lacking.setdefault(step, set(every))  # a new step: no group has its parity
+            unplanned = self._unplanned.setdefault(step, set(every))  # nor has every member of a group saved it
+            started = self._started.setdefault(step, set())
             for gi in groups:
                 view = views[gi] = self._derive(step, facts.code_groups[gi])
+                if view.parity:
+                    started.add(gi)
+                else:
+                    started.discard(gi)
                 if view.redundant:
                     lacking.discard(gi)
                 else:
                     lacking.add(gi)
+                if view.planned is None:
+                    unplanned.add(gi)
+                else:
+                    unplanned.discard(gi)
 
     def group(self, step: int, gi: int) -> GroupView:
         """Code group ``gi`` of ``step``."""
@@ -135,10 +161,10 @@ class ParityView:
         gi = self._facts.code_group_of.get(rank)
         return None if gi is None else self.group(step, gi)
 
-    def rebuild(self, step: int, rank: int, want: str | None) -> Rebuild | None:
+    def rebuild(self, step: int, rank: int, want: str | None, without: int | None = None) -> Rebuild | None:
         """How ``rank``'s data of ``step`` can be rebuilt from its code group, or None (see :meth:`GroupView.rebuild`)."""
         view = self.group_of(step, rank)
-        return None if view is None else view.rebuild(rank, want)
+        return None if view is None else view.rebuild(rank, want, without)
 
     def redundant(self, step: int) -> bool:
         """Every code group of ``step`` has all its parity (ec mode; False in copies mode). O(1)."""
@@ -155,20 +181,37 @@ class ParityView:
             out.extend(x for x in layout.members if x not in view.local and view.rebuild(x, None) is not None)
         return sorted(out)
 
-    def tasks_for(self, holder: int, steps: list[int]) -> list[tuple[int, CodeGroupSpec]]:
-        """(step, group) of every parity ``holder`` must compute among ``steps`` (not abandoned ones)."""
-        facts = self._facts
-        gi = facts.code_group_of.get(holder)
-        if gi is None:
-            return []
-        out = []
-        for step in steps:
-            if facts.is_abandoned(step):
+    def coding_step(self, newest_redundant: int | None) -> int | None:
+        """The step whose parity the code groups compute now, among the steps newer than ``newest_redundant`` (the
+        newest step every code group of which has all its parity; None: no step has) of which every member of every
+        code group holds its current data, not abandoned: the oldest one whose coding started (some member holds
+        parity of it that counts), else the newest. None: there is no such step. O(steps).
+
+        The same for every group, and once started it stays the step to code (GC keeps it) until every group has
+        its parity, however long that takes (a slow link, a holder retried): each step started is finished, and
+        the job's newest redundant step advances by whole steps (groups coding different steps would never give
+        one). Steps saved meanwhile and not kept are passed over, and so are those kept: the next step coded is
+        the newest (module docstring, seed 183)."""
+        self.refresh()
+        newest = None
+        for step in sorted(self._unplanned):
+            if newest_redundant is not None and step <= newest_redundant:
                 continue
-            view = self.group(step, gi)
-            if view.planned is not None and holder in view.missing:
-                out.append((step, view.planned))
-        return out
+            if self._unplanned[step] or self._facts.is_abandoned(step):
+                continue
+            if self._started.get(step):
+                return step
+            newest = step
+        return newest
+
+    def tasks_for(self, holder: int, step: int | None) -> list[tuple[int, CodeGroupSpec]]:
+        """[(``step``, its planned group)] when ``holder`` must compute its parity of ``step`` (the coding step),
+        else []."""
+        gi = self._facts.code_group_of.get(holder)
+        if gi is None or step is None or self._facts.is_abandoned(step):
+            return []
+        view = self.group(step, gi)
+        return [(step, view.planned)] if view.planned is not None and holder in view.missing else []
 
     def counts(self, holder: int, step: int) -> bool:
         """``holder``'s parity of ``step`` (not being deleted) counts; False when it holds none or it is obsolete."""

@@ -44,12 +44,12 @@ class ParityOrders:
         for key in [k for k in self._sent if k[0] == rank]:
             del self._sent[key]
 
-    def tasks(self, st: CoordinatorState, rank: int, floor: int | None, now: float, retry_seconds: float,
+    def tasks(self, st: CoordinatorState, rank: int, now: float, retry_seconds: float,
               addresses: Mapping[int, str]) -> list[pb.ParityTask]:
-        """The ParityTasks for host ``rank`` now (steps from ``floor`` on): each one at most once per
-        ``retry_seconds`` while unanswered (at once when it names other data or other addresses); none while
-        some member's address is unknown."""
-        due = st.ec.tasks_for(rank, floor)
+        """The ParityTasks for host ``rank`` now (of the coding step, ``st.ec.coding_step()``): each one at most
+        once per ``retry_seconds`` while unanswered (at once when it names other data or other addresses); none
+        while some member's address is unknown."""
+        due = st.ec.tasks_for(rank)
         pending = {step for step, _ in due}
         for key in [k for k in self._sent if k[0] == rank and k[1] not in pending]:
             del self._sent[key]  # done, obsolete, or no longer wanted

@@ -374,11 +374,12 @@ class CoordinatorState:
         return self._coverage.newest_complete_step()
 
     def newest_redundant_step(self) -> int | None:
-        """The newest complete step every rank of which has two distinct holders (GC keeps it)."""
+        """The newest redundant step (:meth:`is_redundant`; GC keeps it, and the newest durable one)."""
         return self._coverage.newest_redundant_step()
 
     def is_redundant(self, step: int) -> bool:
-        """Every rank's data has at least two copies on distinct hosts (the bucket counts as one)."""
+        """Copies mode: ``step`` stays complete whichever one host is lost (each rank's data, and the record that it
+        is that rank's, on two hosts or one and the bucket). ec mode: every code group has all its parity too."""
         return self._coverage.is_redundant(step)
 
     def verified_replicas(self, step: int) -> list[tuple[int, int, str]]:

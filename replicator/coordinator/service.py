@@ -202,9 +202,10 @@ class Coordinator(CoordinatorCore, pb_grpc.CoordinatorServicer):
             quiet = not st.lost_count() and st.all_heard_since(now - SILENT_INTERVALS * interval)
             resp.deletions.extend(host_answer.order_deletions(st, rank, keep_local=self.keep_local, newest=newest,
                                                               quiet=quiet))
-        # Erasure coding: parity of each step whose code group's members all hold it (none in copies mode).
+        # Erasure coding: parity of the step being coded, once its code groups' members all hold it (none in
+        # copies mode).
         retry = max(PARITY_RETRY_MIN_SECONDS, PARITY_RETRY_INTERVALS * interval)
-        resp.parity.extend(self._parity_orders.tasks(st, rank, newest, now, retry, self._addresses))
+        resp.parity.extend(self._parity_orders.tasks(st, rank, now, retry, self._addresses))
         task = host_answer.restore_task(st, rank, self.restore_target(), self._addresses,
                                         host_answer.liveness(now, interval))
         if task is not None:

@@ -4,8 +4,8 @@
 schedule's event trace; replay it with ``python -m tests.simulation --replay SEED``.
 
 Known defects (found by this simulation) are listed in ``KNOWN``: their invariant's test is a strict xfail,
-so it fails the suite as XPASS once fixed and the entry must go with the fix (one open: seed 19). Fixed ones
-keep a test replaying the seed that found them.
+so it fails the suite as XPASS once fixed and the entry must go with the fix (none open). Fixed ones keep a
+test replaying the seed that found them.
 """
 
 from __future__ import annotations
@@ -23,18 +23,7 @@ SEEDS = int(os.environ.get("MTC_SIM_SEEDS", "1000"))
 
 # invariant -> (guard seed: of the failing seeds among the 1,000, the one that fails after the fewest events
 # (liveness invariants, checked at the end: the first one), why it fails). The code to fix is named in each reason.
-KNOWN: dict[str, tuple[int, str]] = {
-    # Found once steps became durable between faults (issue #45 item 3); product, open.
-    "newest-complete-regressed": (19, (
-        "GC's hold on the newest redundant step (gc_plan._protected, Coverage.newest_redundant_step) counts a "
-        "rank redundant on two holders even when the only record that a replica's data is that rank's is one "
-        "host's report: candidate 0 counted step 4 redundant (rank 2's data equal to rank 0's, known from host "
-        "2's report alone; host 0's witness task was in a delayed answer) and ordered the durable step 3 deleted "
-        "on host 0; host 2 had been replaced meanwhile, its empty report made step 4 incomplete, and with step "
-        "3's deletion in flight the newest complete step fell to 1 (15977, ec: the same GC of a durable step "
-        "on a replaced host's facts). To fix: redundant must mean each rank's data and identity survive any one "
-        "host (as invariants._durable asks), and GC keep the newest durable step until a newer one is.")),
-}
+KNOWN: dict[str, tuple[int, str]] = {}  # none open (the last, seed 19: test_fixed_gc_of_the_durable_step_seeds)
 
 
 @pytest.fixture(scope="module")
@@ -203,11 +192,13 @@ def test_fixed_stale_report_seeds(seed):
 
 
 def test_stale_report_seed_fails_without_the_order_check(monkeypatch):
-    """The guard above can fail: with the coordinator's order check off, seed 22603 violates again."""
+    """The guard above can fail: with the coordinator's order check off, seed 1715 (as the run draws it) violates
+    complete-is-restorable. (Seed 22603 did until GC kept the newest durable step, test_fixed_gc_of_the_durable_step_seeds,
+    which moved its schedule: in seeds 0-2999 without the check, 1715 is the one that fails.)"""
     from replicator.coordinator.report_order import ReportOrder
 
     monkeypatch.setattr(ReportOrder, "check", lambda self, rank, incarnation, seq: None)
-    found, _ = _replay_quiet(22603)
+    found, _ = _replay_quiet(1715, ec=None, calm=None)
     assert "complete-is-restorable" in found
 
 
@@ -398,7 +389,7 @@ def test_rebuild_check_catches_a_coordinator_counting_too_few_fragments(monkeypa
     parity of its group, whatever the fragments left, says steps are complete that the model cannot rebuild."""
     from replicator.coordinator import parity
 
-    def loose(self, rank, want):
+    def loose(self, rank, want, without=None):
         for spec in self.specs.values():
             if want is None or spec.hash_of(rank) == want:
                 return parity.Rebuild(spec, tuple(y for y in self.layout.members if y != rank))
@@ -526,14 +517,21 @@ def test_newest_complete_regressed_judges_a_coordinator_on_its_hosts_newest_repo
 
 
 @pytest.mark.parametrize("seed", [19, 15977])
-def test_known_gc_of_the_durable_step_seeds_fail_still(seed):
-    """Seeds 19 and 15977 (KNOWN above) replay their violation: the guards of the open defect. In 15977 (ec) the
-    coordinator deleted step 4 (durable before bit rot took one of its parity blocks) on the facts of host 1,
-    replaced and not yet declared lost, that made step 5 complete; then host 1 was declared lost."""
-    found, trace = _replay_quiet(seed, ec=None, calm=None)
-    assert "newest-complete-regressed" in found, found
-    if seed == 19:
-        assert any("del 0/2,2/2,0/3,2/3" in line for line in trace)
+def test_fixed_gc_of_the_durable_step_seeds(seed):
+    """Seeds 19 and 15977 (issue #45 item 3, newest-complete-regressed; strict xfails until fixed). 19: GC's hold on
+    the newest redundant step counted a rank redundant on two holders of its bytes although only one host's
+    report said they were its data: candidate 0 counted step 4 redundant (rank 2's data equal to rank 0's, known
+    from host 2's report alone; host 0's witness task was in a delayed answer) and ordered the durable step 3
+    deleted on host 0; host 2, replaced meanwhile, reported empty and the newest complete step fell to 1. 15977
+    (ec:2+2): bit rot took one parity block of step 4, so no step had all its parity, and GC deleted step 4
+    (still durable: three of four blocks survive any one host) on the facts of host 1, replaced and not yet
+    declared lost, that made step 5 complete. Fixed in Coverage: a step is durable when each rank's data and
+    its accepted hash survive the loss of any one host (as invariants._durable asks), and GC keeps the newest
+    durable step until a newer one is (gc_plan._protected). Focused tests:
+    tests/replicator/coordinator/test_simulation_found.py::test_gc_keeps_the_durable_step_while_a_replicas_identity_rests_on_one_report
+    and ::test_gc_keeps_the_newest_ec_step_that_survives_a_loss_without_all_its_parity."""
+    found, _ = _replay_quiet(seed, ec=None, calm=None)  # as the run drew it (19: copies, 15977: ec)
+    assert not found, found
 
 
 def test_fixed_parity_retry_model_seed():

@@ -578,3 +578,73 @@ def test_a_restore_of_a_replicas_identical_data_comes_with_its_witness_task():
     # A host that already holds a record of rank 0 is not told again.
     resp = report(2, [_holding(0, 4, 0, replica, size=0)], incarnation=8)
     assert not [c for c in resp.copies if c.source_rank == 2 and c.owner_rank == 0]
+
+
+def test_gc_keeps_the_durable_step_while_a_replicas_identity_rests_on_one_report():
+    """newest-complete-regressed (simulation seed 19, issue #45 item 3): step 3 was durable (each host holds its
+    data and attests its replica's identical data). Step 4 was saved everywhere, rank 2's data equal to rank
+    0's, but host 0's witness of rank 2 was in a delayed answer: only host 2's own report said that rank 2's
+    data is that hash. Rank 2 had two holders of its bytes (host 2's, host 0's rank 0 data), so the coordinator
+    counted step 4 redundant and told host 0 to delete step 3 (keep_local 1); host 2 was replaced, its empty
+    report made step 4 incomplete, and with step 3 gone the newest complete step fell to 1. Redundant now means
+    durable: each rank's data and the record that it is that rank's survive any one host, and GC keeps the
+    newest durable step until a newer one is."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=1, clock=clock, host_lost_seconds=4.0)
+
+    def report(rank, holdings, incarnation=7):
+        req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=incarnation, address=f"127.0.0.1:{7000 + rank}",
+                                  full_report=True, known_epoch=coord.epoch, holdings=holdings)
+        return coord.Heartbeat(req, Ctx())
+
+    replica = tier_pb2.TIER_REPLICA
+    held = {r: [_holding(r, 3, r % 2), _holding((r + 2) % 4, 3, r % 2, replica, size=0), _holding(r, 4, r % 2)]
+            for r in range(4)}
+    for r in (1, 3):  # slice 1's attestations of step 4 are in; host 0's witness of rank 2 is not
+        held[r].append(_holding((r + 2) % 4, 4, 1, replica, size=0))
+    ordered = set()
+    for _ in range(2):
+        for r in range(4):
+            ordered |= _gc_of(report(r, held[r]))
+    assert not {k for k in ordered if k[1] == 3}, ordered
+    st = coord.state
+    assert st.newest_complete_step() == 4 and st.is_redundant(3)
+    assert len({s.holder_rank for s in st.rank_sources(4, 2)}) == 2  # two holders of rank 2's bytes ...
+    assert not st.is_redundant(4) and st.newest_redundant_step() == 3  # ... its identity on host 2 alone
+    report(2, [], incarnation=8)  # host 2 replaced: its RAM disk is empty
+    assert st.newest_complete_step() == 3, st.missing_ranks(3)
+    # Host 0's witness lands (and host 2's replacement restored step 4): step 4 is durable, step 3 may go.
+    held[0].append(_holding(2, 4, 0, replica, size=0))
+    report(0, held[0])
+    report(2, [_holding(2, 4, 0), _holding(0, 4, 0, replica, size=0)], incarnation=8)
+    assert st.is_redundant(4)
+    assert {(0, 3), (2, 3)} <= _gc_of(report(0, held[0]))
+
+
+def test_gc_keeps_the_newest_ec_step_that_survives_a_loss_without_all_its_parity():
+    """newest-complete-regressed (simulation seed 15977, ec:2+2): step 4 had all its parity, then bit rot took
+    host 2's; step 5 completed (no parity yet) on the facts of host 1, replaced and not yet declared lost. GC
+    held only the newest step with all its parity (none now) and deleted step 4; host 1 was declared lost,
+    step 5 could not be rebuilt, and no step was complete. With three of four parity blocks step 4 still
+    survives any one host (M = 2): it is the newest durable step, and GC keeps it."""
+    from replicator.coordinator.planner import CoordinatorState
+    from replicator.erasure.redundancy import Redundancy
+    from replicator.tiers import Holding, Tier
+
+    st = CoordinatorState(JobTopology(4, 2, 0), Redundancy.ec(2, 2))
+    for r in range(4):
+        st.register(r, 1)
+        st.report_inventory(r, [], 1)
+    for r in range(4):
+        st.report_committed(r, Holding(r, 4, f"s4-r{r}", 300))
+    for r in range(4):
+        for step, spec in st.ec.tasks_for(r):
+            st.report_committed(r, Holding(r, step, spec.digest(), 100, Tier.PARITY, group=spec))
+    assert st.is_redundant(4)
+    st.ec.report_removed(2, [4])  # bit rot: host 2 drops its parity of step 4
+    for r in range(4):
+        st.report_committed(r, Holding(r, 5, f"s5-r{r}", 300))
+    assert st.newest_complete_step() == 5 and st.newest_redundant_step() is None
+    assert all(st.gc_for(r, 1) == [] for r in range(4))  # step 4 stays: it survives any one host
+    st.forget_host(1)  # host 1 was replaced: declared lost
+    assert st.newest_complete_step() == 4 and st.ec.rebuild_ranks(4) == [1]

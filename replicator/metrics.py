@@ -120,6 +120,12 @@ class ReplicatorMetrics:
             "mtc_restore_phase_seconds", "Time of one phase of a restore of this host's data: plan (asking the "
             "coordinator where the data is), fetch and verify (crc32c, overlapping fetch) by tier "
             "(docs/operations.md)", ["phase", "tier"], buckets=PHASE_BUCKETS, registry=self.registry)
+        self.handshake_phase_seconds = Histogram(
+            "mtc_orbax_handshake_phase_seconds", "Orbax mode: time of one phase of a handshake (stop, layout, "
+            "start, hosts, plan, marker; docs/orbax.md)", ["phase"], buckets=PHASE_BUCKETS, registry=self.registry)
+        self.handshake_seconds = Histogram(
+            "mtc_orbax_handshake_seconds", "Orbax mode: from replicator.yaml seen to its acknowledgement",
+            buckets=PHASE_BUCKETS, registry=self.registry)
         self._last_restore: RestoreRecord | None = None
         self._last_restore_lock = threading.Lock()
         self.heartbeat_handling_seconds = Histogram(

@@ -1,4 +1,4 @@
-"""The phases of one Orbax-mode handshake, timed as they happen: one log line and a histogram per phase.
+"""The phases of one Orbax-mode handshake, timed as they happen: one log line and the daemon's histograms.
 
 Where a restart's time goes between Orbax writing ``replicator.yaml`` and our acknowledgement:
 
@@ -14,27 +14,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from prometheus_client import CollectorRegistry, Histogram
+if TYPE_CHECKING:
+    from replicator.metrics import ReplicatorMetrics
 
 log = logging.getLogger(__name__)
 
 Phase = Literal["stop", "layout", "start", "hosts", "plan", "marker"]
 PHASES: tuple[Phase, ...] = ("stop", "layout", "start", "hosts", "plan", "marker")
-BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-
-
-class HandshakeMetrics:
-    """``mtc_orbax_handshake_phase_seconds{phase}`` and ``mtc_orbax_handshake_seconds``, on ``registry``."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.phase_seconds = Histogram(
-            "mtc_orbax_handshake_phase_seconds", "Orbax mode: time of one phase of a handshake (stop, layout, "
-            "start, hosts, plan, marker; docs/orbax.md)", ["phase"], buckets=BUCKETS, registry=registry)
-        self.seconds = Histogram(
-            "mtc_orbax_handshake_seconds", "Orbax mode: from replicator.yaml seen to its acknowledgement",
-            buckets=BUCKETS, registry=registry)
 
 
 class HandshakeClock:
@@ -58,11 +46,12 @@ class HandshakeClock:
         """``stop 0.001s, layout 0.004s, ...`` in the order the phases run."""
         return ", ".join(f"{p} {self.phases[p]:.3f}s" for p in PHASES if p in self.phases)
 
-    def done(self, outcome: str, metrics: HandshakeMetrics | None) -> None:
-        """One log line, and the histograms when a daemon (its registry) serves."""
+    def done(self, outcome: str, metrics: ReplicatorMetrics | None) -> None:
+        """One log line, and ``mtc_orbax_handshake_phase_seconds`` / ``mtc_orbax_handshake_seconds`` on the
+        serving daemon's ``metrics``."""
         log.info("handshake %d done in %.2fs (%s): %s", self.number, self.seconds(), self.describe(), outcome)
         if metrics is None:
             return
         for phase, secs in self.phases.items():
-            metrics.phase_seconds.labels(phase=phase).observe(secs)
-        metrics.seconds.observe(self.seconds())
+            metrics.handshake_phase_seconds.labels(phase=phase).observe(secs)
+        metrics.handshake_seconds.observe(self.seconds())

@@ -44,7 +44,7 @@ from replicator.coordinator.topology import JobTopology
 from replicator.options import ConfigError, ReplicatorOptions
 from replicator.orbax import allocation, elastic
 from replicator.orbax import contract as oc
-from replicator.orbax.handshake_clock import HandshakeClock, HandshakeMetrics
+from replicator.orbax.handshake_clock import HandshakeClock
 from replicator.orbax.store import OrbaxStore
 from replicator.preemption import PreemptionRecord, restart_recorded
 from sidecar import faults, layout
@@ -261,7 +261,7 @@ class OrbaxMode:
             return
         clock.mark("marker")
         clock.done("nothing to restore" if step is None else f"restore step {step} from {target}",
-                   self._handshake_metrics(daemon))
+                   getattr(daemon, "metrics", None))
 
     def _adopt_layout(self, cfg: oc.ReplicatorConfig, opts: ReplicatorOptions) -> elastic.RemapReport:
         """A changed node count or rank (an elastic event): re-label what this host holds (see elastic.py).
@@ -323,16 +323,10 @@ class OrbaxMode:
             else:
                 shutil.rmtree(child)  # hard links: our copy keeps its own
 
-    @staticmethod
-    def _handshake_metrics(daemon: Any) -> HandshakeMetrics | None:
-        """The handshake histograms on ``daemon``'s registry (one daemon per handshake, so made once each)."""
-        metrics = getattr(daemon, "metrics", None)
-        return HandshakeMetrics(metrics.registry) if metrics is not None else None
-
     def _plan(self, daemon: Any, store: OrbaxStore, cfg: oc.ReplicatorConfig, opts: ReplicatorOptions,
-              clock: HandshakeClock) -> tuple[int | None, Path | None]:
+              clock: HandshakeClock | None = None) -> tuple[int | None, Path | None]:
         """(step, directory with this rank's data) to restore, or (None, None) when nothing is restorable.
-        Marks ``clock``'s ``hosts`` phase when every host has reported, ``plan`` when the step is planned."""
+        Marks ``clock``'s ``hosts`` phase when every host has reported."""
         deadline = time.monotonic() + opts.handshake_timeout_seconds
         resp = None
         registered = False
@@ -347,7 +341,7 @@ class OrbaxMode:
                 last_error = waiting
                 self.stopping.wait(0.1)
                 continue
-            if "hosts" not in clock.phases:
+            if clock is not None and "hosts" not in clock.phases:
                 clock.mark("hosts")
             wait = max(0.0, min(PREPARE_SLICE_SECONDS, deadline - time.monotonic() - 0.5))
             try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from prometheus_client import CollectorRegistry
 
+from replicator.metrics import ReplicatorMetrics
 from replicator.orbax import handshake_clock as hc
 
 
@@ -19,8 +19,8 @@ def test_phases_add_up_to_the_handshake_and_reach_the_histograms(monkeypatch: py
                         ("marker", 0.0625)):
         now[0] += secs
         clock.mark(phase)
-    registry = CollectorRegistry()
-    metrics = hc.HandshakeMetrics(registry)
+    metrics = ReplicatorMetrics()
+    registry = metrics.registry
     with caplog.at_level(logging.INFO, logger=hc.__name__):
         clock.done("restore step 8 from /x", metrics)
     assert clock.seconds() == pytest.approx(3.9375)

@@ -275,6 +275,7 @@ class Replicator:
             self._transfer_server.stop(grace_seconds)
         self.metrics.stop()
         self.heartbeats.close()
+        self.fetcher.close()  # the kept channels to peers
         layout.control_socket(self.store.root).unlink(missing_ok=True)
         # Abandoned fetches leave only temporary directories: remove them now.
         commit.remove_tmp_dirs(layout.steps_dir(self.store.root))

@@ -26,6 +26,7 @@ from replicator.net.security import TlsOptions
 from replicator.options import ReplicatorOptions
 from replicator.peer import client as peer_client
 from replicator.peer import protocol as peer_protocol
+from replicator.peer.channels import PeerChannels
 from replicator.peer.progress import FetchProgress
 from replicator.restore_phases import RestoreClock
 from replicator.tasks import TaskRunner
@@ -85,7 +86,7 @@ class PeerSource:
     def manifest(self, step: int) -> layout.StepManifest:
         f = self._f
         return peer_client.get_manifest(self.address, self.owner_rank, step, token=f.token, tls=f.tls,
-                                        timeout_seconds=f.opts.rpc_timeout_seconds)
+                                        timeout_seconds=f.opts.rpc_timeout_seconds, channels=f.channels)
 
     def files(self, step: int, entries: list[layout.FileEntry], dest: Path,
               pieces: Sequence[layout.FilePiece] = ()) -> int:
@@ -94,7 +95,8 @@ class PeerSource:
         f = self._f
         return peer_client.fetch_files(self.address, self.owner_rank, step, entries, dest, token=f.token,
                                        tls=f.tls, throttle=f.throttle,
-                                       timeout_seconds=f.opts.transfer_timeout_seconds, pieces=pieces)
+                                       timeout_seconds=f.opts.transfer_timeout_seconds, pieces=pieces,
+                                       channels=f.channels)
 
 
 class ParitySource:
@@ -206,6 +208,8 @@ class Fetcher:
         self.opts, self.store, self.tasks, self.bucket = opts, store, tasks, bucket
         self.metrics, self.counters = metrics, metrics.counters
         self.token, self.tls = token, tls
+        # One kept channel per peer for every copy, manifest and file fetch (closed by :meth:`close`).
+        self.channels = PeerChannels()
         self.throttle: peer_protocol.Throttle | None = None  # set once the peer service is up
         self.ec: EcHost | None = None  # erasure coding: this host's side (rebuilds from parity)
         # Whole-step peer fetches running now: their watermark, for a sidecar that reads while they land.
@@ -214,6 +218,10 @@ class Fetcher:
         # This rank's own steps being brought for a restore (either path): when they appear on the RAM
         # disk they are not saves (:meth:`restored_among`).
         self._restoring: set[int] = set()
+
+    def close(self) -> None:
+        """Close the channels to peers (the daemon stops): fetches still running fail, leaving no copy."""
+        self.channels.close()
 
     def landing(self, owners: Sequence[int], step: int) -> FetchProgress | None:
         """The progress of a running peer fetch of one of ``owners``' ``step``, if any."""
@@ -281,7 +289,7 @@ class Fetcher:
                                        timeout_seconds=self.opts.transfer_timeout_seconds,
                                        throttle=self.throttle, expected_content_hash=content_hash,
                                        spare_dir=spares.spare_dir(self.store.root), progress=progress,
-                                       connect_wait_seconds=PEER_RESTART_WAIT_SECONDS)
+                                       connect_wait_seconds=PEER_RESTART_WAIT_SECONDS, channels=self.channels)
         except BaseException as e:
             progress.failed(e)  # e.g. the manifest call failed before the fetch began
             raise

@@ -295,6 +295,10 @@ class Heartbeat:
             faults.point("gc.before_delete")
             if store.delete(d.owner_rank, d.step, content_hash=d.content_hash):
                 counters.add("deletions")
+        if self._acked is not None:  # (else the coordinator has no picture of this host and asked for nothing)
+            # Before the copies are queued: a queued copy this answer no longer asks for is skipped.
+            tasks.asked("copy", [(c.task.owner_rank, c.task.step) for c in todo.copies
+                                 if isinstance(c, host_protocol.Copy)])
         for c in todo.copies:
             if isinstance(c, host_protocol.Attest):
                 if store.attest_replica(c.owner_rank, c.step, c.content_hash, coming=c.coming) and not c.coming:

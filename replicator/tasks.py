@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from replicator.metrics import HostCounters
@@ -45,6 +45,8 @@ class TaskRunner:
         # full RAM disk used to be retried hundreds of times a second, one heartbeat after the other.
         self._retry = retry.KeyedBackoff(base_seconds=backoff_base_seconds, max_seconds=60.0)
         self._fetching: dict[tuple[int, int], threading.Event] = {}
+        # Kind -> the (owner, step) of the tasks of that kind the coordinator's latest answer asks for (see asked).
+        self._asked: dict[str, frozenset[tuple[int, int]]] = {}
         self._lock = threading.Lock()
         self._stopping = False
         self.errors: list[str] = []  # the most recent failures, for the local status
@@ -63,6 +65,8 @@ class TaskRunner:
         def run() -> None:
             ok = False
             try:
+                if not urgent and self._superseded(kind, owner, step):
+                    return
                 fn(*args)
                 ok = True
                 self._retry.succeeded(key)
@@ -87,6 +91,23 @@ class TaskRunner:
         except RuntimeError:  # pool shut down
             with self._lock:
                 self._in_flight.discard(key)
+
+    def asked(self, kind: str, keys: Iterable[tuple[int, int]]) -> None:
+        """The (owner, step) of every task of ``kind`` the coordinator's latest answer asks for. A queued task of
+        that kind it no longer names (its step superseded, or the copy planned elsewhere) is skipped when a thread
+        takes it: under packet loss, copies of superseded steps filled both transfer threads (then failed
+        NOT_FOUND) while the copy the coordinator asked for next waited. Call before submitting the answer's
+        tasks. Kinds never told are never skipped."""
+        with self._lock:
+            self._asked[kind] = frozenset(keys)
+
+    def _superseded(self, kind: str, owner: int, step: int) -> bool:
+        with self._lock:
+            wanted = self._asked.get(kind)
+        if wanted is None or (owner, step) in wanted:
+            return False
+        log.info("%s of rank %d step %d skipped: the coordinator no longer asks for it", kind, owner, step)
+        return True
 
     def busy(self, owner: int, step: int) -> bool:
         """A task touches ``owner``'s ``step`` (or a backup the whole step): not to be deleted now."""

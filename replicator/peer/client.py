@@ -2,9 +2,10 @@
 
 Bulk bytes arrive over the peer's TCP data port (``recv_into`` a ring of buffers, crc32c on the receiving
 thread, ``pwrite`` on a writer thread) after ``OpenTransfer`` handed out a ticket; the ``ReadFiles`` gRPC
-stream is the fallback (TLS, no data port, port unreachable). Why not gRPC streaming: measured on our
-2-core box, Python gRPC streaming with 1 MiB messages reaches 0.2-0.6 of raw loopback TCP, this path
-0.8-1.0 on a quiet box (``python -m bench.peer``). See docs/peer.md.
+stream is the fallback (TLS, no data port, port unreachable) and the path of transfers under
+``STREAM_BELOW_BYTES``. Why not gRPC streaming: measured on our 2-core box, Python gRPC streaming with 1 MiB
+messages reaches 0.2-0.6 of raw loopback TCP, this path 0.8-1.0 on a quiet box (``python -m bench.peer``).
+See docs/peer.md. The daemon passes ``channels`` (``replicator.peer.channels``): one kept gRPC channel per peer.
 
 A fetched step is written under a temporary sibling directory and committed by rename only after every
 file's crc32c matched the manifest, so a partial copy is never visible.
@@ -35,6 +36,7 @@ from mtc_rpc import peer_pb2, peer_pb2_grpc
 from replicator import restore_phases
 from replicator.net import rpc
 from replicator.net.security import TlsOptions
+from replicator.peer.channels import PeerChannels
 from replicator.peer.progress import FetchProgress
 from replicator.peer.protocol import (
     CHUNK_BYTES,
@@ -43,6 +45,7 @@ from replicator.peer.protocol import (
     DATA_MAGIC,
     RING_BUFFERS,
     STATUS_OK,
+    STREAM_BELOW_BYTES,
     STREAM_CHUNK_BYTES,
     PeerUnavailableError,
     RateLimiter,
@@ -75,18 +78,29 @@ class HeldStep:
 Peer = grpc.Channel | str
 
 
+class DataPortUnreachable(ConnectionError):
+    """No connection to the peer's data port within ``DATA_CONNECT_TIMEOUT_SECONDS`` (no byte sent yet: the
+    gRPC stream, over the channel's established connection, takes over)."""
+
+
 @contextmanager
-def _open(peer: Peer, token: str | None, tls: TlsOptions | None) -> Iterator[tuple[grpc.Channel, str | None]]:
-    """(channel, host to dial for the data port or None when unknown)."""
-    if isinstance(peer, str):
-        host = peer.rsplit(":", 1)[0].strip("[]") if ":" in peer else peer
-        channel = rpc.make_channel(peer, token=token, tls=tls)
-        try:
-            yield channel, host
-        finally:
-            channel.close()
-    else:
+def _open(peer: Peer, token: str | None, tls: TlsOptions | None,
+          channels: PeerChannels | None = None) -> Iterator[tuple[grpc.Channel, str | None]]:
+    """(channel, host to dial for the data port or None when unknown). An address's channel comes from
+    ``channels`` (kept for the next call) when given, else it is made for this call and closed after it."""
+    if not isinstance(peer, str):
         yield peer, None
+        return
+    host = peer.rsplit(":", 1)[0].strip("[]") if ":" in peer else peer
+    if channels is not None:
+        with channels.lease(peer, token=token, tls=tls) as channel:
+            yield channel, host
+        return
+    channel = rpc.make_channel(peer, token=token, tls=tls)
+    try:
+        yield channel, host
+    finally:
+        channel.close()
 
 
 def _wait_until_connected(channel: grpc.Channel, seconds: float) -> None:
@@ -110,9 +124,10 @@ def list_steps(
     timeout_seconds: float = rpc.RPC_TIMEOUT_SECONDS,
     token: str | None = None,
     tls: TlsOptions | None = None,
+    channels: PeerChannels | None = None,
 ) -> list[HeldStep]:
-    """Every committed step ``peer`` holds."""
-    with _open(peer, token, tls) as (channel, _):
+    """Every committed step ``peer`` holds (its channel from ``channels`` when given, as for every call here)."""
+    with _open(peer, token, tls, channels) as (channel, _):
         resp = peer_pb2_grpc.PeerStub(channel).ListSteps(peer_pb2.ListStepsRequest(), timeout=timeout_seconds)
     return [
         HeldStep(s.owner_rank, s.step, s.content_hash, s.total_bytes, s.kind, s.file_count)
@@ -139,20 +154,29 @@ def get_manifest(
     timeout_seconds: float = rpc.RPC_TIMEOUT_SECONDS,
     token: str | None = None,
     tls: TlsOptions | None = None,
+    channels: PeerChannels | None = None,
 ) -> StepManifest:
     """The validated manifest of ``rank``'s ``step`` as held by ``peer``."""
-    with _open(peer, token, tls) as (channel, _):
+    with _open(peer, token, tls, channels) as (channel, _):
         return _get_manifest(peer_pb2_grpc.PeerStub(channel), rank, step, timeout_seconds)
+
+
+def _connect_data(host: str, port: int, deadline: float) -> socket.socket:
+    """A new connection to the peer's data port (one per transfer: the server closes it after the files);
+    DataPortUnreachable when none is made within ``DATA_CONNECT_TIMEOUT_SECONDS``."""
+    seconds = min(DATA_CONNECT_TIMEOUT_SECONDS, _remaining(deadline))
+    try:
+        return socket.create_connection((host, port), timeout=seconds)
+    except TimeoutError as e:
+        # Its SYNs (or their answers) lost twice: with 8 % loss on every host, about 2 % of connections.
+        raise DataPortUnreachable(f"no connection to the data port {host}:{port} within {seconds:.1f}s") from e
 
 
 def _receive_tcp(
     host: str, port: int, ticket: bytes, sink: FileSink | PieceSink, deadline: float, limiter: RateLimiter
 ) -> None:
     """Receive the ticket's files from the data port: recv thread + writer thread (crc32c, pwrite)."""
-    sock = socket.create_connection(
-        (host, port), timeout=min(DATA_CONNECT_TIMEOUT_SECONDS, _remaining(deadline))
-    )
-    with sock:
+    with _connect_data(host, port, deadline) as sock:
         sock.settimeout(min(DATA_IDLE_TIMEOUT_SECONDS, _remaining(deadline)))
         sock.sendall(DATA_MAGIC + ticket)
         # The server answers once one of its transfer slots is free: wait up to the whole deadline.
@@ -271,6 +295,7 @@ def fetch_files(
     tls: TlsOptions | None = None,
     use_data_port: bool = True,
     pieces: Sequence[layout.FilePiece] = (),
+    channels: PeerChannels | None = None,
 ) -> int:
     """Copy some files of ``owner_rank``'s ``step`` from ``peer`` into the existing ``dest_dir``.
 
@@ -281,10 +306,11 @@ def fetch_files(
     final name only once its crc32c matched. Files already present in ``dest_dir`` → FileExistsError
     before anything is transferred. On error, files completed so far stay, the partial one is removed.
     Returns the number of bytes received. The TCP data port is used unless ``use_data_port`` is False,
-    ``tls`` is set, or the server offers none / cannot be reached (then the gRPC stream is used).
+    ``tls`` is set, the files are fewer than ``STREAM_BELOW_BYTES`` (and no ``pieces``), or the server offers
+    none / cannot be reached (then the gRPC stream is used).
     """
     deadline = time.monotonic() + timeout_seconds
-    with _open(peer, token, tls) as (channel, host):
+    with _open(peer, token, tls, channels) as (channel, host):
         return _fetch_files_on(
             channel,
             host,
@@ -322,7 +348,8 @@ def _fetch_files_on(
     stub = peer_pb2_grpc.PeerStub(channel)
     try:
         done_tcp = False
-        if use_data_port and entries:
+        # Pieces only over the data port (the stream sends whole files); a small transfer over the stream.
+        if use_data_port and entries and (pieces or sum(e.size for e in entries) >= STREAM_BELOW_BYTES):
             req = peer_pb2.OpenTransferRequest(rank=owner_rank, step=step, files=[e.name for e in entries],
                                                pieces=[peer_pb2.TransferPiece(name=pc.name, offset=pc.offset,
                                                                               length=pc.length) for pc in pieces])
@@ -337,7 +364,7 @@ def _fetch_files_on(
                 try:
                     _receive_tcp(data_host, resp.data_port, resp.ticket, sink, deadline, limiter)
                     done_tcp, path = True, "tcp"
-                except (ConnectionRefusedError, socket.gaierror, TransferRejected) as e:
+                except (ConnectionRefusedError, socket.gaierror, DataPortUnreachable, TransferRejected) as e:
                     # Unreachable, or refused before any byte (busy, ticket expired while queued).
                     log.warning(
                         "data port %s:%d unusable (%s); falling back to gRPC streaming",
@@ -407,6 +434,7 @@ def fetch_step(
     spare_dir: Path | None = None,
     progress: FetchProgress | None = None,
     connect_wait_seconds: float = 0.0,
+    channels: PeerChannels | None = None,
 ) -> StepManifest:
     """Copy ``owner_rank``'s ``step`` from ``peer`` and commit it as ``dest_parent/<step>``.
 
@@ -420,7 +448,8 @@ def fetch_step(
     the copy while it lands (``replicator.peer.progress``); each part file then has its full size from
     the start (bytes past the watermark are not written yet).
 
-    ``peer`` is a channel or a "host:port" address (then ``token``/``tls`` configure the channel).
+    ``peer`` is a channel or a "host:port" address (then ``token``/``tls`` configure the channel, taken from
+    ``channels`` when given: one kept channel per peer, see ``replicator.peer.channels``).
     Everything is written into a temporary sibling directory and renamed into place only after every
     file's crc32c matched the manifest; on any error the temporary directory is removed, and a crash
     leaves only a ``.tmp-*`` directory that ``commit.remove_tmp_dirs`` deletes. Raises FileExistsError
@@ -433,7 +462,7 @@ def fetch_step(
     if (final / layout.MANIFEST_NAME).is_file():  # debris without a manifest is replaced at commit
         raise FileExistsError(f"step directory {final} already exists")
     deadline = time.monotonic() + timeout_seconds
-    with _open(peer, token, tls) as (channel, host):
+    with _open(peer, token, tls, channels) as (channel, host):
         manifest = _peer_manifest(channel, owner_rank, step, deadline, connect_wait_seconds, expected_content_hash)
         tmp = commit.make_tmp_dir(dest_parent, step)
         if progress is not None:
@@ -474,6 +503,7 @@ def fetch_step_from_any(
     use_data_port: bool = True,
     expected_content_hash: str | None = None,
     spare_dir: Path | None = None,
+    channels: PeerChannels | None = None,
 ) -> StepManifest:
     """``fetch_step`` from the first holder that delivers a verified copy.
 
@@ -502,6 +532,7 @@ def fetch_step_from_any(
                 use_data_port=use_data_port,
                 expected_content_hash=expected_content_hash,
                 spare_dir=spare_dir,
+                channels=channels,
             )
         except FileExistsError:
             raise

@@ -270,10 +270,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent transfers, retry later")
         start, sent = time.monotonic(), 0
         try:
-            for idx, (e, start, length) in enumerate(sends):
+            for idx, (e, first_byte, length) in enumerate(sends):  # (not ``start``: the transfer's clock)
                 with open(layout.resolve_under(step_dir, e.name), "rb") as f:
-                    offset, end = start, start + length
-                    f.seek(start)
+                    offset, end = first_byte, first_byte + length
+                    f.seek(first_byte)
                     while True:
                         if not context.is_active():
                             log.info("ReadFiles of rank %d step %d cancelled", request.rank, request.step)
@@ -283,7 +283,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                         data = f.read(n)
                         if len(data) != n:
                             raise ChecksumError(f"{e.name} (file shorter than its manifest)", e.crc32c, 0)
-                        first = offset == start
+                        first = offset == first_byte
                         yield peer_pb2.FileChunk(
                             file_index=idx,
                             offset=offset,

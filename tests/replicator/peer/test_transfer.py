@@ -151,6 +151,20 @@ def test_fetch_round_trip_bit_exact(host: PeerHost, tmp_path: Path, use_data_por
     assert host.ts.bytes_sent == (m.total_bytes if use_data_port else 0)
 
 
+def test_a_small_copy_takes_the_stream_and_a_larger_one_the_data_port(host: PeerHost, tmp_path: Path) -> None:
+    # Below STREAM_BELOW_BYTES a new data connection (and its ticket) costs more than it saves; on a lossy
+    # network a lost SYN cost a copy 1 s.
+    below = peer_protocol.STREAM_BELOW_BYTES
+    small = make_step(layout.steps_dir(host.root), 1, 5, {"a.bin": below // 2, "b.bin": below // 2 - 1})
+    large = make_step(layout.steps_dir(host.root), 1, 6, {"a.bin": below // 2, "b.bin": below // 2})
+    assert peer_client.fetch_step(host.address, 1, 5, tmp_path / "d", token=TOKEN) == small
+    assert host.ts is not None and host.ts.transfers_completed == 0
+    assert peer_client.fetch_step(host.address, 1, 6, tmp_path / "d", token=TOKEN) == large
+    assert host.ts.transfers_completed == 1 and host.ts.bytes_sent == below
+    checksums.verify_step_dir(tmp_path / "d" / "5")
+    checksums.verify_step_dir(tmp_path / "d" / "6")
+
+
 def test_list_steps_and_peer_copies(host: PeerHost, tmp_path: Path) -> None:
     own = make_step(layout.steps_dir(host.root), 1, 3, {"x.bin": 100})
     copy = make_step(layout.peer_dir(host.root, 2), 2, 3, {"y.bin": 200, "z.bin": 1})
@@ -414,6 +428,25 @@ def test_data_port_unreachable_falls_back_to_stream(tmp_path: Path) -> None:
     h = PeerHost(tmp_path / "src", advertise_host="127.0.0.2")
     try:
         m = make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 2 << 20})
+        assert peer_client.fetch_step(h.address, 1, 7, tmp_path / "d", token=TOKEN) == m
+        checksums.verify_step_dir(tmp_path / "d" / "7")
+        assert h.ts is not None and h.ts.transfers_completed == 0
+    finally:
+        h.stop()
+
+
+def test_a_data_connection_not_made_in_time_falls_back_to_stream(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its SYNs lost (8 % loss on every host: about 2 % of connections lose two): no data connection within
+    # DATA_CONNECT_TIMEOUT_SECONDS. The gRPC stream, over the channel's established connection, takes over.
+    h = PeerHost(tmp_path / "src")
+    try:
+        m = make_step(layout.steps_dir(h.root), 1, 7, {"a.bin": 2 << 20})
+
+        def lost(address: tuple[str, int], timeout: float | None = None, *args: object) -> socket.socket:
+            raise TimeoutError("timed out")
+
+        monkeypatch.setattr(peer_client.socket, "create_connection", lost)
         assert peer_client.fetch_step(h.address, 1, 7, tmp_path / "d", token=TOKEN) == m
         checksums.verify_step_dir(tmp_path / "d" / "7")
         assert h.ts is not None and h.ts.transfers_completed == 0

@@ -108,8 +108,9 @@ class CopyPlanner:
         facts, topology, lost = self._facts, self._facts.topology, self._hosts.lost
         by_owner = facts.index.get(step, {})
         want_total = min(1 + self._copies, topology.nodes)
-        load: collections.Counter[int] = collections.Counter()
-        count: collections.Counter[int] = collections.Counter()
+        # Bytes and copies assigned per source so far; made when the first byte copy is planned (most groups plan
+        # none, and two Counters cost more than the rest of such a group's derivation).
+        assigned: tuple[collections.Counter[int], collections.Counter[int]] | None = None
         tasks = []
         members = facts.members[group]
         for owner in members:
@@ -146,6 +147,9 @@ class CopyPlanner:
                     needed,
                 )
             )
+            if assigned is None:
+                assigned = (collections.Counter(), collections.Counter())
+            load, count = assigned
             for dest in dests:
                 src = min(
                     holders,

@@ -124,7 +124,9 @@ class Facts:
     def add(self, holder: int, h: Holding) -> None:
         self.holdings.setdefault(holder, {})[h.key] = h
         self.index.setdefault(h.step, {}).setdefault(h.owner_rank, {})[holder] = h
-        gens = self.generations.setdefault(h.step, collections.Counter())
+        gens = self.generations.get(h.step)
+        if gens is None:  # not setdefault: a Counter per call costs more than the rest of add
+            gens = self.generations[h.step] = collections.Counter()
         newest = self.newest_generation.get(h.step)
         if h.generation not in gens:
             self.abandoned.clear()  # a new save: which steps are abandoned may change

@@ -285,6 +285,10 @@ class CoordinatorState:
         """rank -> incarnation of every registered host."""
         return dict(sorted(self._hosts.incarnation.items()))
 
+    def incarnation_of(self, rank: int) -> int | None:
+        """The incarnation host ``rank`` registered (None: not registered); O(1), :attr:`registered` copies."""
+        return self._hosts.incarnation.get(rank)
+
     @property
     def lost(self) -> dict[int, float]:
         """rank -> since when (caller's clock) of every host declared lost and not registered again."""

@@ -9,6 +9,7 @@ reports the parity it holds as a ``Holding`` of tier ``TIER_PARITY`` whose conte
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Any
 
@@ -49,12 +50,17 @@ class CodeGroupSpec:
                 raise ValueError(f"code group address must be a str, got {a!r}")
         GroupLayout(self.k, self.m, self.members)  # members: ints >= 0, distinct, at least K + M of them (ValueError otherwise)
 
-    @property
+    @functools.cached_property
     def layout(self) -> GroupLayout:
+        # Cached (the spec is frozen): asked per rank on every coverage derivation in ec mode.
         return GroupLayout(self.k, self.m, self.members)
 
     def digest(self) -> str:
         """The parity holdings' content hash: equal exactly when K, M, the members and their data are."""
+        return self._digest
+
+    @functools.cached_property
+    def _digest(self) -> str:
         text = f"{self.k}+{self.m}|" + "|".join(f"{r}={h}" for r, h in zip(self.members, self.content_hashes,
                                                                            strict=True))
         return DIGEST_PREFIX + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

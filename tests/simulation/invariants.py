@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from mtc_rpc import coordinator_pb2 as pb
 from replicator.coordinator.planner import CoordinatorState
 from replicator.tiers import Tier
+from sidecar import saves
 from tests.simulation.parity import enough_fragments
 
 if TYPE_CHECKING:
@@ -223,10 +224,11 @@ def check_after_event(sim: Sim, kind: str) -> None:
                 sim.max_durable_seen = newest
                 sim.durable_ever = True
     top = sim.max_durable_seen
+    lost = st.lost
     for h in sim.hosts:
         if not h.up:
             continue
-        if h.rank in st.lost:
+        if h.rank in lost:
             return  # a live host whose reports were lost was declared lost: the coordinator cannot know better
         if h.reported_to is not None and (h.reported_to is not coord or not h.reported_current):
             # Its newest report went to another coordinator (or is not the one this one took): this one is
@@ -252,10 +254,61 @@ def _durable(sim: Sim, step: int) -> bool:
     found step 1 durable on the copies the replaced hosts had held)."""
     st = sim.coord.state
     gone = wiped_unheard(sim, st)
-    for r in range(sim.cfg.nodes):
-        if not from_facts(st, without=gone | {r}, upto=step).is_complete(step):
-            return False
-    return True
+    facts = _StepFacts(st, step)
+    return all(facts.complete_without(gone | {r}) for r in range(sim.cfg.nodes))
+
+
+class _StepFacts:
+    """``from_facts(st, without=..., upto=step).is_complete(step)`` for many ``without``, cheaply: ``step``'s
+    coverage is derived from its own facts only (its holdings, parity, bucket ranks and deletions in flight),
+    so a state fed just those gives the same coverage of it; whether it is abandoned depends on the newest
+    generation of every older step, taken here from the same hosts' holdings (as ``Facts.is_abandoned``).
+    Without it, the durability check fed every step's facts to one new state per host (13 % of a schedule)."""
+
+    def __init__(self, st: CoordinatorState, step: int):
+        self.st, self.step = st, step
+        self.hosts: list[tuple[int, int, list[Any], dict[int, int]]] = []  # (rank, inc, its step facts, gens)
+        for r, inc in st.registered.items():
+            held: list[Any] = []
+            gens: dict[int, int] = {}
+            if st.is_reported(r):
+                for h in st.holdings_of(r):
+                    if h.step <= step:
+                        gens[h.step] = max(gens.get(h.step, h.generation), h.generation)
+                        if h.step == step:
+                            held.append(h)
+                held.extend(h for h in st.ec.parity_of(r) if h.step == step)
+            self.hosts.append((r, inc, held, gens))
+        self.backup = st.backup_ranks(step)
+        self.deleting = {r: [k for k in keys if k[1] == step] for r, keys in st.deletions_in_flight().items()}
+        self.ec_deleting = {r: [s for s in steps if s == step] for r, steps in st.ec.deletions_in_flight().items()}
+
+    def complete_without(self, gone: Collection[int]) -> bool:
+        st, step = self.st, self.step
+        newest: dict[int, int] = {}
+        for r, _, _, gens in self.hosts:
+            if r not in gone:
+                for s, g in gens.items():
+                    if g > newest.get(s, -1):
+                        newest[s] = g
+        if saves.rolled_back(step, newest.get(step, 0), newest.items()):
+            return False  # abandoned
+        new = CoordinatorState(st.topology, st.redundancy)
+        for r, inc, held, _ in self.hosts:
+            if r in gone:
+                continue
+            new.register(r, inc)
+            if held:
+                new.report_inventory(r, held, inc)
+        if self.backup:
+            new.report_backup_ranks(step, self.backup)
+        for r, keys in self.deleting.items():
+            if r not in gone and keys:
+                new.deleting(r, keys)
+        for r, steps in self.ec_deleting.items():
+            if r not in gone and steps:
+                new.ec.deleting(r, steps)
+        return new.is_complete(step)
 
 
 def hosts_wiped(sim: Sim, ranks: list[int]) -> None:
@@ -296,7 +349,6 @@ def hosts_wiped(sim: Sim, ranks: list[int]) -> None:
 
 def _check_restorable(sim: Sim, step: int) -> None:
     st = sim.coord.state
-    registered = st.registered
     for r in st.expected_ranks(step):
         srcs = st.rank_sources(step, r)
         want = sim.content(r, step)
@@ -313,7 +365,7 @@ def _check_restorable(sim: Sim, step: int) -> None:
                 ok = sim.bucket is not None and sim.bucket.holds(step, r, want)
             else:
                 h = sim.hosts[s.holder_rank]
-                if not h.up or registered.get(s.holder_rank) != h.incarnation:
+                if not h.up or st.incarnation_of(s.holder_rank) != h.incarnation:
                     ok = True  # the coordinator has not heard yet that this host is gone
                 else:
                     x = h.bytes_of(s.owner_rank, step)

@@ -315,6 +315,7 @@ class Sim:
         self.plan_checks = 0
         self.last_plan_check = self.last_durable_check = -1.0
         self.incomplete_seen = 0
+        self._contents: dict[tuple[int, int], str] = {}  # (rank, step) -> content(rank, step)
         from tests.simulation import invariants
         self.inv = invariants
         for h in self.hosts:
@@ -357,8 +358,12 @@ class Sim:
 
     def content(self, rank: int, step: int) -> str:
         """The true content hash of ``rank``'s data of ``step`` (replicas identical unless configured not)."""
-        who = rank % self.topo.hosts_per_slice if self.cfg.identical else rank
-        return f"{step:04d}.{who:04d}"
+        key = (rank, step)
+        found = self._contents.get(key)
+        if found is None:  # asked ~400 times per schedule by the invariants: formatted once per piece
+            who = rank % self.topo.hosts_per_slice if self.cfg.identical else rank
+            found = self._contents[key] = f"{step:04d}.{who:04d}"
+        return found
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict[str, str]:

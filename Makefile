@@ -54,12 +54,13 @@ image-test: $(STAMP)
 
 # A real Kubernetes control plane from Go modules (versions pinned by the go.mod/go.sum files under
 # tests/cluster/): etcd, kube-apiserver, kube-controller-manager, kube-scheduler (Kubernetes v1.36.3) and JobSet's
-# controller (v0.12.0), built into build/cluster/bin (ignored; a warm rebuild only checks the cache).
+# controller (v0.12.0) and its in-place-restart agent, built into build/cluster/bin (ignored; a warm rebuild only checks the cache).
 CLUSTER_BIN := $(CURDIR)/build/cluster/bin
 cluster-bin:
 	cd tests/cluster/controlplane && go build -o $(CLUSTER_BIN)/ ./cmd/etcd k8s.io/kubernetes/cmd/kube-apiserver \
 	  k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
-	cd tests/cluster/jobset && go build -o $(CLUSTER_BIN)/jobset sigs.k8s.io/jobset
+	cd tests/cluster/jobset && go build -o $(CLUSTER_BIN)/jobset sigs.k8s.io/jobset && \
+	  go build -o $(CLUSTER_BIN)/in-place-restart-agent sigs.k8s.io/jobset/cmd/in-place-restart-agent
 
 # The rendered JobSets on that control plane, their Pods run by a node agent of the tests' own (Pods in network
 # and mount namespaces of their own; root, ip, iptables), every notice, loss and hot-swap checked for the real

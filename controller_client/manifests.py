@@ -35,6 +35,7 @@ from controller_client.manifests_options import (  # noqa: F401  (re-exported: t
     PATHWAYS_WORKER_PORT,
     RAMDISKS,
     REPLICATED_JOB_LABEL,
+    RESTARTS,
     SIDECAR_SHM_DIR,
     SLICE_ANNOTATION,
     TLS_DIR,
@@ -227,6 +228,9 @@ def objects(opts: ManifestOptions) -> dict[str, dict[str, Any]]:
     if opts.ramdisk_kind == "hostpath":
         out["ramdisk-daemonset.yaml"] = _ramdisk_daemonset(opts)
     from controller_client import manifests_jobsets as js
+    from controller_client import manifests_restart
+
+    out.update(manifests_restart.objects(opts))
 
     out["jobset.yaml"] = js.pathways_jobset(opts) if opts.mode == "pathways" else js.multi_controller_jobset(opts)
     return out
@@ -270,7 +274,13 @@ _HELP = {
                   "default native for pathways, orbax for multi-controller",
     "worker_failure_policy": "restart-jobset (a failed worker restarts the JobSet: hot-swap onto spare slices) or "
                              "restart-slice (Pathways elastic: the controller stays); default by --elastic-slices",
-    "max_restarts": "JobSet failurePolicy.maxRestarts (default 5)",
+    "max_restarts": "JobSet failurePolicy.maxRestarts (default 5; with --restart in-place also the most restarts of "
+                    "any container)",
+    "restart": "recreate (a failure deletes and re-creates every Pod) or in-place (multi-controller: JobSet's "
+               "InPlaceRestart, the containers restart in the same Pods; needs JobSet >= v0.11 with the InPlaceRestart "
+               "gate and Kubernetes >= 1.35 with RestartAllContainersOnContainerExits; docs/deploy.md); default recreate",
+    "in_place_restart_agent_image": "with --restart in-place: JobSet's in-place-restart agent image (built from "
+                                    "the JobSet release's cmd/in-place-restart-agent/Dockerfile)",
     "termination_grace_seconds": "worker terminationGracePeriodSeconds, shared after a preemption notice: "
                                  "save 30%%, flush 50%%, exit 20%% (default 60)",
     "head_node_pool": "node pool of the Pathways head (default cpu-np, as Google's JobSets; '' = any)",
@@ -358,7 +368,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
             parser.add_argument(flag, dest=name, type=kind, default=f.default,
-                                choices={"mode": MODES, "front_door": FRONT_DOORS,
+                                choices={"mode": MODES, "front_door": FRONT_DOORS, "restart": RESTARTS,
                                          "tls_identity": TLS_IDENTITIES}.get(name),
                                 help=_HELP.get(name))
 

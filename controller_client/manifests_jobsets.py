@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from controller_client import manifests_restart as restart
 from controller_client.manifests_options import (
     CERT_MANAGER_CSI_DRIVER,
     COLOCATED_PYTHON_PORT,
@@ -313,7 +314,7 @@ def _pod_failure_policy(opts: ManifestOptions, *, replicated_job: str) -> dict[s
     return {"rules": rules}
 
 
-def _job_template(pod: dict[str, Any], completions: int, backoff: dict[str, int], topology: str,
+def _job_template(pod: dict[str, Any], completions: int, backoff: dict[str, Any], topology: str,
                   failure: dict[str, Any], *, on_job: bool = False) -> dict[str, Any]:
     # One slice per node pool (workers), the head alone on its node: exclusive placement per replicated Job
     # (on the JobSet it would also claim a whole node pool for the head), where Google's JobSets put it.
@@ -334,7 +335,9 @@ def _failure_policy(opts: ManifestOptions) -> dict[str, Any]:
     """
     return {"maxRestarts": opts.max_restarts,
             # Recreate: every child Job is deleted and re-created, so the scheduler places each slice afresh.
-            "restartStrategy": "Recreate",
+            # InPlaceRestart (--restart in-place): a failed trainer restarts every Pod's containers in place; a Job
+            # failed by the rules below is still recreated (manifests_restart.py).
+            "restartStrategy": "InPlaceRestart" if restart.in_place(opts) else "Recreate",
             "rules": [{"name": "preempted_or_saved_restart_uncounted", "action": "RestartJobSetAndIgnoreMaxRestarts",
                        "onJobFailureReasons": [POD_FAILURE_POLICY_REASON]},
                       {"name": "failed_restart_counted", "action": "RestartJobSet"}]}
@@ -577,6 +580,12 @@ def multi_controller_jobset(opts: ManifestOptions) -> dict[str, Any]:
             "volumeMounts": [{"name": "ramdisk", "mountPath": opts.local_dir}]})
     wspec = _pod_spec(opts, worker=True)
     wspec["initContainers"] = inits + [_replicator(opts)]
+    backoff = _worker_backoff(opts)
+    if restart.in_place(opts):
+        # The agent last: the replicator serves (and restores) while the Pods wait at the barrier for each other.
+        wspec["initContainers"].append(restart.agent(opts))
+        train.update(restart.trainer_rules())
+        backoff = restart.job_backoff()
     wspec["containers"] = [train]
     wspec["volumes"] = [_ramdisk_volume(opts)] + _common_volumes(opts) + [_kube_api_volume()]
     return {
@@ -585,7 +594,7 @@ def multi_controller_jobset(opts: ManifestOptions) -> dict[str, Any]:
             "network": {"enableDNSHostnames": True, "subdomain": opts.subdomain, "publishNotReadyAddresses": True},
             "failurePolicy": _failure_policy(opts),
             "replicatedJobs": [{"name": "workers", "replicas": opts.slices,
-                                "template": _job_template(wspec, opts.hosts_per_slice, _worker_backoff(opts),
+                                "template": _job_template(wspec, opts.hosts_per_slice, backoff,
                                                           "cloud.google.com/gke-nodepool",
                                                           _pod_failure_policy(opts, replicated_job="workers"))}],
         },

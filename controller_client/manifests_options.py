@@ -17,6 +17,7 @@ from sidecar.layout import check_job_name
 MODES = ("pathways", "multi-controller")
 FRONT_DOORS = ("native", "orbax")
 WORKER_FAILURE_POLICIES = ("restart-jobset", "restart-slice")
+RESTARTS = ("recreate", "in-place")
 RAMDISKS = ("csi", "hostpath", "memory")
 TLS_IDENTITIES = ("shared", "pod")
 # cert-manager's csi-driver: a key and certificate per Pod, requested when the Pod's volume is mounted.
@@ -89,7 +90,12 @@ class ManifestOptions:
       worker_failure_policy: ``restart-jobset`` (a failed worker restarts the whole JobSet; the hot-swap of
         the seed) or ``restart-slice`` (Pathways keeps the controller alive, the slice's Job re-creates its
         Pods; elastic training). Empty = restart-slice when elastic, else restart-jobset.
-      max_restarts: the JobSet's ``failurePolicy.maxRestarts``.
+      max_restarts: the JobSet's ``failurePolicy.maxRestarts`` (in place: also the most restarts of any container).
+      restart: how the JobSet restarts after a failed trainer: ``recreate`` (every Pod deleted and re-created) or
+        ``in-place`` (JobSet's InPlaceRestart: the containers restart in the same Pods, multi-controller only;
+        manifests_restart.py, docs/deploy.md "In-place restart").
+      in_place_restart_agent_image: JobSet's in-place-restart agent (cmd/in-place-restart-agent of the JobSet
+        release), rendered with ``--restart in-place`` only.
       termination_grace_seconds: the worker Pods' ``terminationGracePeriodSeconds``, shared after a
         preemption notice as save 30 %, flush 50 %, reserve 20 % (manifests_jobsets.PreemptionBudget).
       proxy_args: extra flags of the Pathways proxy (``pathways-proxy``), after the rendered ones.
@@ -124,6 +130,8 @@ class ManifestOptions:
     elastic_slices: int = 0
     worker_failure_policy: str = ""
     max_restarts: int = 5
+    restart: str = "recreate"
+    in_place_restart_agent_image: str = "REGISTRY/jobset-in-place-restart-agent:v0.12.0"
     termination_grace_seconds: int = 60
     head_node_pool: str = "cpu-np"
     grpc_port: int = 7070
@@ -194,6 +202,15 @@ class ManifestOptions:
                              "support erasure coding (elastic node counts); use copies:N")
         job_code_groups(red, self.nodes, self.slices)  # the replicators warn when a lost slice is not survived
 
+    def _check_restart(self) -> None:
+        """``--restart in-place`` (manifests_restart.py) restarts the multi-controller Pods' containers in place."""
+        if self.restart not in RESTARTS:
+            raise ValueError(f"--restart must be one of {', '.join(RESTARTS)}, got {self.restart!r}")
+        if self.restart == "in-place" and self.mode != "multi-controller":
+            raise ValueError("--restart in-place needs --mode multi-controller: a Pathways job keeps its healthy "
+                             "workers already (--elastic-slices, restart-slice), and its head (backoffLimit 0) and "
+                             "the proxy's sessions do not survive a container restart")
+
     def validate(self) -> ManifestOptions:
         """Raise ValueError with a one-line reason when the set could not work."""
         if self.mode not in MODES:
@@ -222,6 +239,7 @@ class ManifestOptions:
             raise ValueError(f"--proxy-args: flags only (each starting with --), got {list(self.proxy_args)}")
         if self.proxy_args and self.mode != "pathways":
             raise ValueError("--proxy-args: the Pathways proxy runs in --mode pathways only")
+        self._check_restart()
         if self.max_restarts < 0:
             raise ValueError("--max-restarts must be >= 0")
         if self.termination_grace_seconds < 20:

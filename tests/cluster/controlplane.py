@@ -1,9 +1,9 @@
 """A real Kubernetes control plane on loopback for the cluster tests (``make test-cluster``).
 
 etcd, kube-apiserver, kube-controller-manager and kube-scheduler (Kubernetes v1.36.3, etcd at the version that
-release pins) and JobSet's controller (v0.12.0, with its CRD and admission webhooks from the same release), all
-built from Go modules by ``make cluster-bin`` into ``build/cluster/bin`` (tests/cluster/controlplane/go.mod,
-tests/cluster/jobset/go.mod). Nothing runs a kubelet: tests/cluster/node_agent.py registers nodes and runs
+release pins) and JobSet's controller (v0.12.0, with its CRD and admission webhooks from the same release, the
+feature gate InPlaceRestart on; its in-place-restart agent too), all built from Go modules by ``make cluster-bin``
+into ``build/cluster/bin`` (tests/cluster/controlplane/go.mod, tests/cluster/jobset/go.mod). Nothing runs a kubelet: tests/cluster/node_agent.py registers nodes and runs
 the Pods the scheduler binds to them.
 
 Out of a cluster, JobSet's webhooks are registered by ``url:`` with the CA bundle of this plane (JobSet's
@@ -36,13 +36,19 @@ log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 BIN_DIR = REPO / "build" / "cluster" / "bin"
 JOBSET_MODULE_DIR = REPO / "tests" / "cluster" / "jobset"
-PROGRAMS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "jobset")
+PROGRAMS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "jobset", "in-place-restart-agent")
 KUBERNETES_VERSION = "v1.36.3"
 JOBSET_VERSION = "v0.12.0"
 SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"
 # The Pod network's gateway (tests/cluster/pod_network.py): Pods reach the API server there, through a relay.
 POD_GATEWAY_IP = "10.214.0.1"
+# Container restart rules with the RestartAllContainers action (`mtc manifests --restart in-place`): beta and on by
+# default in v1.36 (pkg/features/kube_features.go), named here so that the tests' dependence on them is explicit.
+API_FEATURE_GATES = "ContainerRestartRules=true,RestartAllContainersOnContainerExits=true,NodeDeclaredFeatures=true"
+# JobSet's in-place-restart agent (cmd/in-place-restart-agent of the same JobSet module), run by the node agent
+# for the agent image of the rendered Pods (tests/cluster/pod_spec.py).
+IN_PLACE_RESTART_AGENT = "in-place-restart-agent"
 START_TIMEOUT_SECONDS = 60.0
 STOP_TIMEOUT_SECONDS = 10.0
 NODE_MONITOR_GRACE_SECONDS = 4
@@ -143,6 +149,7 @@ class ControlPlane:
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={sa.cert}", f"--service-account-signing-key-file={sa.key}",
             "--authorization-mode=RBAC", "--allow-privileged=true", "--profiling=false",
+            f"--feature-gates={API_FEATURE_GATES}",
             f"--default-not-ready-toleration-seconds={NOT_READY_TOLERATION_SECONDS}",
             f"--default-unreachable-toleration-seconds={NOT_READY_TOLERATION_SECONDS}", "--v=1"])
         self._wait("API server ready", self._apiserver_ready)
@@ -277,6 +284,8 @@ class ControlPlane:
                 "leaderElection": {"leaderElect": False}, "internalCertManagement": {"enable": False},
                 "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": str(cert_dir)},
                 "metrics": {"bindAddress": "0"},
+                # Alpha in v0.11/v0.12: the webhook refuses restartStrategy InPlaceRestart while it is off.
+                "featureGates": {"InPlaceRestart": True},
                 "health": {"healthProbeBindAddress": f"127.0.0.1:{probe_port}"}}))
             self._spawn("jobset", [f"--config={config}", f"--kubeconfig={kubeconfig}", "--zap-log-level=info"])
             self._wait("the JobSet controller ready", lambda: _http_ok(f"http://127.0.0.1:{probe_port}/readyz"))

@@ -12,8 +12,9 @@ Containers reach the API server at ``https://10.214.0.1:443`` (``KUBERNETES_SERV
 in the bridge namespace, and each other by name through the ``/etc/hosts`` the kit writes for every Pod.
 
 Node events for scenarios: :meth:`NodeAgent.preempt`, :meth:`NodeAgent.lose_host`, :meth:`NodeAgent.lose_slice`,
-:meth:`NodeAgent.add_slice`, :meth:`NodeAgent.set_ready`. All state (volumes, logs, node folders) lives under
-``workdir``. Needs root, ``ip``, ``unshare``, ``nsenter`` and ``setpriv``.
+:meth:`NodeAgent.add_slice`, :meth:`NodeAgent.set_ready`; a program's crash: :meth:`NodeAgent.kill_container`.
+All state (volumes, logs, node folders) lives under ``workdir``. Needs root, ``ip``, ``unshare``, ``nsenter``
+and ``setpriv``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import collections
 import logging
 import queue
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -36,6 +38,7 @@ from tests.cluster import pod_network
 from tests.cluster.kube import Kube, KubeError, add_pod_condition, now_rfc3339, pod_path
 from tests.cluster.node_status import renew_lease, report_node_status
 from tests.cluster.pod_network import BRIDGE_IP, RELAY_PORT, ApiRelay, PodNetwork
+from tests.cluster.pod_runtime import kill_group
 from tests.cluster.pod_spec import ImageRule, default_images
 from tests.cluster.pod_worker import NodeInfo, PodWorker, Runtime, write_hosts
 from tests.cluster.probes import Prober
@@ -287,6 +290,20 @@ class NodeAgent:
                 w.kill_all()
         for name in names:
             log.info("node %s: host lost", name)
+
+    def kill_container(self, namespace: str, pod: str, container: str, sig: int = signal.SIGKILL) -> None:
+        """Signal every process of container ``container`` of Pod ``namespace/pod`` (a crash: SIGKILL exits 137),
+        as a fault of the program, not of the node: the Pod's own policy and restart rules decide what follows."""
+        def do() -> None:
+            for w in self._workers.values():
+                if w.key == f"{namespace}/{pod}" and not w.done:
+                    c = next(c for c in w.init + w.main if c.name == container)
+                    if c.proc is None:
+                        raise RuntimeError(f"container {container} of {w.key} is not running")
+                    kill_group(c.proc.pid, sig)
+                    return
+            raise KeyError(f"no Pod {namespace}/{pod} on this agent")
+        self._call(do)
 
     # ------------------------------------------------------------------ pods
 

@@ -13,6 +13,9 @@ log = logging.getLogger(__name__)
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
 KUBELET_VERSION = "v1.36.3"
+# What a v1.36 kubelet declares (NodeDeclaredFeatures, beta): the scheduler places a Pod with a RestartAllContainers
+# restart rule only on a node declaring it (component-helpers nodedeclaredfeatures/features/restartallcontainers).
+DECLARED_FEATURES = ["RestartAllContainersOnContainerExits"]
 
 
 def renew_lease(kube: Kube, info: NodeInfo, lease_seconds: int) -> None:
@@ -60,7 +63,7 @@ def report_node_status(kube: Kube, info: NodeInfo) -> None:
                              cond("PIDPressure", False, "KubeletHasSufficientPID"),
                              cond("Ready", ready, "KubeletReady" if ready else "KubeletNotReady")],
               "addresses": [{"type": "InternalIP", "address": info.ip}, {"type": "Hostname", "address": info.name}],
-              "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+              "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}}, "declaredFeatures": DECLARED_FEATURES,
               "nodeInfo": {"machineID": uid, "systemUUID": uid, "bootID": uid, "kernelVersion": os.uname().release,
                            "osImage": "node agent (tests/cluster)", "containerRuntimeVersion": "mtck://0.1",
                            "kubeletVersion": KUBELET_VERSION, "kubeProxyVersion": "", "operatingSystem": "linux",

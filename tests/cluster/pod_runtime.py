@@ -166,6 +166,16 @@ class Container:
         self.stop_deadline = None
         return True
 
+    def reset(self, waiting_reason: str) -> None:
+        """Removed in a restart of every container of the Pod (``RestartAllContainers``): the next start is a new
+        container (restartCount + 1, the last exit as ``lastState``), with no back-off; init containers run again."""
+        if self.last_exit is not None:
+            self.previous_exit = self.last_exit
+        self.last_exit = None
+        self.next_start, self.backoff = 0.0, 0.0
+        self.started = self.ready = False
+        self.waiting_reason, self.waiting_message = waiting_reason, ""
+
     def exec_argv(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run in this container's namespaces and root (for an exec probe or hook)."""
         if self.proc is None:
@@ -321,6 +331,16 @@ class Container:
         if self.container_id:
             out["containerID"] = self.container_id
         return out
+
+
+def restart_action(spec: Mapping[str, Any], code: int) -> str:
+    """The action of the first of the container's ``restartPolicyRules`` matching exit ``code`` ("" if none), as
+    the kubelet's FindMatchingContainerRestartRule (operators In and NotIn)."""
+    for rule in spec.get("restartPolicyRules") or []:
+        codes = rule.get("exitCodes") or {}
+        if (codes.get("operator") == "In") == (code in (codes.get("values") or [])):
+            return str(rule.get("action", ""))
+    return ""
 
 
 def init_argv(netns_command: Sequence[str], spec_path: Path, python: str) -> list[str]:

@@ -24,6 +24,7 @@ from tests.cluster.kube import Kube, KubeError
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
+IN_PLACE_RESTART_AGENT = REPO / "build" / "cluster" / "bin" / "in-place-restart-agent"
 DEFAULT_PATH = ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"]
 MTC_CSI_DRIVER = "multitier-checkpoint.csi.storage.gke.io"
 CLUSTER_DOMAIN = "cluster.local"
@@ -49,10 +50,12 @@ class ImageRule:
 
 def default_images(app_dir: Path | None = None) -> dict[str, ImageRule]:
     """``*/mtc-replicator:*`` and ``*/mtc-sidecar:*``: the host with the repository's venv first on PATH,
-    ``/app`` bound to ``app_dir`` (the training script) when given."""
+    ``/app`` bound to ``app_dir`` (the training script) when given. ``*/jobset-in-place-restart-agent:*``: JobSet's
+    agent as ``make cluster-bin`` builds it from the pinned JobSet module (its image's entrypoint)."""
     binds = {"/app": str(app_dir)} if app_dir is not None else {}
     rule = ImageRule(binds=binds, path=[str(VENV_BIN)])
-    return {"*/mtc-replicator:*": rule, "*/mtc-sidecar:*": rule}
+    return {"*/mtc-replicator:*": rule, "*/mtc-sidecar:*": rule,
+            "*/jobset-in-place-restart-agent:*": ImageRule(command=[str(IN_PLACE_RESTART_AGENT)])}
 
 
 def match_image(rules: Mapping[str, ImageRule], image: str) -> ImageRule:

@@ -3,7 +3,9 @@
 :meth:`PodWorker.step` is called over and over by the agent's sync thread and never blocks for long: it
 makes the sandbox (network namespace, volumes, /etc/hosts), runs init containers to completion, starts native
 sidecars in order (each once started: its startup probe passed), then the main containers; restarts
-containers per ``restartPolicy`` with back-off; runs probes; and on deletion runs ``preStop`` hooks, sends
+containers per ``restartPolicy`` (the container's own, and its ``restartPolicyRules``) with back-off; restarts
+every container in place when one exits with a code a ``RestartAllContainers`` rule names (the Pod, its sandbox
+and volumes stay; :meth:`PodWorker._begin_reset`); runs probes; and on deletion runs ``preStop`` hooks, sends
 SIGTERM and SIGKILLs at the end of the grace period (timed from when the deletion was seen), main containers
 first, then sidecars in reverse order. :meth:`PodWorker.status` is the Pod status to report.
 """
@@ -23,14 +25,19 @@ from typing import Any
 from tests.cluster import pod_spec
 from tests.cluster.kube import Kube, now_rfc3339, parse_time
 from tests.cluster.pod_network import PodNetwork
-from tests.cluster.pod_runtime import Container, init_argv, write_spec
+from tests.cluster.pod_runtime import Container, init_argv, restart_action, write_spec
 from tests.cluster.pod_spec import ImageRule, PodSetupError, Volumes
 from tests.cluster.probes import Prober
 
 log = logging.getLogger(__name__)
 
-OWNED_CONDITIONS = ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")
+OWNED_CONDITIONS = ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready", "AllContainersRestarting")
 FORCED_GRACE_SECONDS = 2.0  # the kubelet's minimum grace for a Pod removed from the API under it
+# The kubelet kills the containers of a RestartAllContainers with grace 0 (no preStop hook), which its runtime
+# raises to its minimum of 2 s: SIGTERM, SIGKILL 2 s later, one container after the other
+# (kuberuntime_manager.go SyncPod, minimumGracePeriodInSeconds).
+RESET_GRACE_SECONDS = 2.0
+RESTART_ALL = "RestartAllContainers"
 
 
 @dataclass
@@ -81,6 +88,10 @@ class PodWorker:
         self.pod_ip = ""
         self.volumes: Volumes | None = None
         self.initialized = False
+        self.was_initialized = False  # the kubelet keeps Initialized once true, through in-place restarts
+        self.resetting: list[Container] | None = None  # a RestartAllContainers under way: what is left to stop
+        self.restart_all_rules = any(r.get("action") == RESTART_ALL for c in self.init + self.main
+                                     for r in c.spec.get("restartPolicyRules") or [])
         self.start_time = ""
         self.setup_error = ""
         self.terminal_phase = ""  # "Succeeded" or "Failed" once decided
@@ -140,6 +151,9 @@ class PodWorker:
             return
         if self.terminal_phase or self.deleting:
             self._terminate(now)
+            return
+        if self.resetting is not None:
+            self._advance_reset(now)
             return
         if not self.netns:
             if not self._sandbox():
@@ -204,15 +218,42 @@ class PodWorker:
     def _exited(self, c: Container, now: float) -> None:
         code = c.last_exit["exitCode"] if c.last_exit else -1
         log.info("pod %s: container %s exited %s", self.key, c.name, code)
+        if self.resetting is not None:  # stopped by a restart of every container: started again by it
+            return
+        action = restart_action(c.spec, code) if not (self.deleting or self.terminal_phase) else ""
+        if action == RESTART_ALL:
+            self._begin_reset(c)
+            return
         policy = self.pod["spec"].get("restartPolicy", "Always")
+        if c.kind == "main" and c.spec.get("restartPolicy"):
+            policy = c.spec["restartPolicy"]  # ContainerRestartRules: the container's own policy first
         again = (c.kind == "sidecar" or policy == "Always" or (policy == "OnFailure" and code != 0)
-                 or (c.kind == "init" and code != 0 and policy != "Never"))
+                 or (c.kind == "init" and code != 0 and policy != "Never") or action == "Restart")
         if again and not self.deleting and not self.terminal_phase:
             lo, hi = self.rt.restart_backoff
             c.backoff = min(hi, c.backoff * 2) if c.backoff else lo
             c.next_start = now + c.backoff
         else:
             c.next_start = float("inf")
+
+    def _begin_reset(self, source: Container) -> None:
+        """``source`` exited with a RestartAllContainers code: stop every other container (main containers, then
+        init and sidecar containers, each in reverse order; no preStop hook), then start them all again in order.
+        The Pod keeps its uid, node, sandbox and volumes (kubelet: ContainersToReset)."""
+        log.info("pod %s: container %s asked to restart every container in place", self.key, source.name)
+        self.resetting = [*reversed(self.main), *reversed(self.init)]
+        self.initialized = False
+
+    def _advance_reset(self, now: float) -> None:
+        for c in self.resetting or []:
+            if c.running:
+                c.stop(now + RESET_GRACE_SECONDS, False, self.log_dir / f"{c.name}.log")
+                c.advance_stop(now)
+                return  # one container after the other
+        for c in self.init + self.main:
+            c.reset("PodInitializing" if c.kind == "main" and self.init else "ContainerCreating")
+        self.resetting = None
+        log.info("pod %s: every container stopped; starting them again in place", self.key)
 
     def _probe(self, c: Container, now: float) -> None:
         failed = c.run_probes(now, self.rt.prober, self.pod_ip)
@@ -246,7 +287,7 @@ class PodWorker:
             return False
         if not self.initialized:
             log.info("pod %s: initialized", self.key)
-        self.initialized = True
+        self.initialized = self.was_initialized = True
         return True
 
     def _run_main(self, now: float) -> None:
@@ -315,7 +356,7 @@ class PodWorker:
         terminal = bool(self.terminal_phase) and self.torn_down
         if terminal:
             phase = self.terminal_phase
-        elif not self.initialized:
+        elif not self.was_initialized:
             phase = "Pending"
         else:
             phase = "Running"
@@ -326,11 +367,13 @@ class PodWorker:
         not_ready_reason = "PodCompleted" if terminal else "ContainersNotReady"
         conds = {
             "PodReadyToStartContainers": (bool(self.netns) and not self.torn_down, ""),
-            "Initialized": (self.initialized or (terminal and not self.init), "" if self.initialized
+            "Initialized": (self.was_initialized or (terminal and not self.init), "" if self.was_initialized
                             else "ContainersNotInitialized"),
             "ContainersReady": (ready, "" if ready else not_ready_reason),
             "Ready": (ready, "" if ready else not_ready_reason),
         }
+        if self.restart_all_rules:
+            conds["AllContainersRestarting"] = (self.resetting is not None and not terminal, "")
         old = {c["type"]: c for c in self.pod.get("status", {}).get("conditions") or []}
         conditions = [c for t, c in old.items() if t not in OWNED_CONDITIONS]
         for t, (ok, reason) in conds.items():

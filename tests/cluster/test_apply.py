@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 MODES = ("pathways", "multi-controller")
 FRONT_DOORS = ("native", "orbax")
-VARIANTS = ("plain", "elastic", "hot-swap")
+VARIANTS = ("plain", "elastic", "hot-swap", "in-place")
 JOBS_TIMEOUT_SECONDS = 30.0
 
 
@@ -32,15 +32,19 @@ def _options(mode: str, front_door: str, variant: str) -> mf.ManifestOptions:
         return dataclasses.replace(base, elastic_slices=base.slices)
     if variant == "hot-swap":
         return dataclasses.replace(base, priority_class="high-prior-job", priority_value=2000)
+    if variant == "in-place":  # JobSet's InPlaceRestart: its webhook's rules, the restart rules, the policy
+        return dataclasses.replace(base, restart="in-place")
     return base
 
 
 def _cases() -> Iterator[Any]:
-    """Every mode x front door x variant but multi-controller elastic, which `mtc manifests` refuses (below)."""
+    """Every mode x front door x variant but multi-controller elastic and Pathways in place, which `mtc manifests`
+    refuses (below; tests/controller_client/test_manifests_restart.py)."""
     for mode in MODES:
         for door in FRONT_DOORS:
             for variant in VARIANTS:
-                if not (mode == "multi-controller" and variant == "elastic"):
+                if not (mode == "multi-controller" and variant == "elastic") and not (
+                        mode == "pathways" and variant == "in-place"):
                     yield pytest.param(_options(mode, door, variant), id=f"{mode}-{door}-{variant}")
 
 

@@ -345,3 +345,38 @@ def test_preempt_marks_disruption_target_and_removes_the_node(agent: NodeAgent, 
     assert "got-term" in agent.logs("worker", "c", ns)
     wait_for("the preempted node deleted", lambda: kube.get(f"/api/v1/nodes/{node}") is None, timeout=20)
     assert node not in agent.node_names()
+
+
+def test_a_restart_all_containers_rule_restarts_the_pod_in_place(agent: NodeAgent, namespace: str) -> None:
+    """A main container exits with a code its ``RestartAllContainers`` rule names: the sidecar is stopped too
+    (no preStop hook), the init container runs again, then the sidecar, then the main container; the Pod keeps
+    its uid and node, each restarted container counts one restart. A code no rule names fails the Pod."""
+    kube, ns = agent.kube, namespace
+    pool = f"cpu-{uuid.uuid4().hex[:4]}"
+    (node,) = agent.add_cpu_pool(pool)
+    mounts = [{"name": "ramdisk", "mountPath": "/local"}]  # the node's folder: it outlives the Pod
+    prep = {"name": "prep", "image": IMAGE, "command": ["sh", "-c", "echo prep >> /local/runs"], "volumeMounts": mounts}
+    side = {"name": "side", "image": IMAGE, "restartPolicy": "Always",
+            "command": ["sh", "-c", "echo side >> /local/runs; exec sleep 600"],
+            "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", "echo hook >> /local/runs"]}}},
+            "volumeMounts": mounts}
+    # The first run exits 3 (restart in place), the second 4 (no rule: the Pod fails).
+    main = {"name": "main", "image": IMAGE, "restartPolicy": "Never",
+            "restartPolicyRules": [{"action": "RestartAllContainers", "exitCodes": {"operator": "In", "values": [3]}}],
+            "command": ["sh", "-c", "echo main >> /local/runs; sleep 1; "
+                        "if [ $(grep -c main /local/runs) = 1 ]; then exit 3; else exit 4; fi"],
+            "volumeMounts": mounts}
+    body = pod("inplace", pool, [main], initContainers=[prep, side], restartPolicy="Never",
+               volumes=[{"name": "ramdisk", "csi": {"driver": "multitier-checkpoint.csi.storage.gke.io"}}])
+    created = kube.request("POST", f"/api/v1/namespaces/{ns}/pods", body=body)
+    path = f"/api/v1/namespaces/{ns}/pods/inplace"
+    p = wait_for("inplace Failed", lambda: (x := kube.get(path)) and x["status"].get("phase") == "Failed" and x,
+                 timeout=90)
+    assert (p["metadata"]["uid"], p["spec"]["nodeName"]) == (created["metadata"]["uid"], node)
+    statuses = {c["name"]: c for c in p["status"]["initContainerStatuses"] + p["status"]["containerStatuses"]}
+    assert {n: c["restartCount"] for n, c in statuses.items()} == {"prep": 1, "side": 1, "main": 1}
+    assert statuses["main"]["state"]["terminated"]["exitCode"] == 4
+    runs = (agent.ramdisk(node) / "runs").read_text().split()
+    # prep first each time; side and main race to write their line (no startup probe holds main back).
+    assert runs[0] == runs[3] == "prep" and sorted(runs[:3]) == sorted(runs[3:]) == ["main", "prep", "side"], runs
+    assert conditions(p).get("AllContainersRestarting") == "False"

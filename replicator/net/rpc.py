@@ -164,9 +164,11 @@ def make_channel(
     token: str | None = None,
     tls: TlsOptions | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    extra_options: Sequence[tuple[str, Any]] = (),
 ) -> grpc.Channel:
-    """A channel to ``address`` ("host:port") adding the bearer token to every call when given."""
-    options = _message_options(max_message_bytes) + RECONNECT_OPTIONS + CHANNEL_KEEPALIVE_OPTIONS
+    """A channel to ``address`` ("host:port") adding the bearer token to every call when given;
+    ``extra_options``: further gRPC channel arguments (e.g. a connection of its own)."""
+    options = _message_options(max_message_bytes) + RECONNECT_OPTIONS + CHANNEL_KEEPALIVE_OPTIONS + list(extra_options)
     if tls is not None:
         channel = grpc.secure_channel(
             address, tls.channel_credentials(), options=options + tls.channel_options()

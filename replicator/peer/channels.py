@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from replicator.net import rpc
-from replicator.net.security import BearerTokenClientInterceptor, TlsOptions
+from replicator.net.security import TlsOptions
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +41,8 @@ def make_peer_channel(address: str, *, token: str | None = None, tls: TlsOptions
                       max_message_bytes: int = rpc.MAX_MESSAGE_BYTES) -> grpc.Channel:
     """``rpc.make_channel``'s channel (message bounds, reconnect backoff, keepalive, bearer token, TLS), with a
     connection of its own (``OWN_CONNECTION_OPTIONS``)."""
-    options = [("grpc.max_receive_message_length", max_message_bytes),
-               ("grpc.max_send_message_length", max_message_bytes),
-               *rpc.RECONNECT_OPTIONS, *rpc.CHANNEL_KEEPALIVE_OPTIONS, *OWN_CONNECTION_OPTIONS]
-    if tls is not None:
-        channel = grpc.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
-    else:
-        channel = grpc.insecure_channel(address, options=options)
-    if token is not None:
-        channel = grpc.intercept_channel(channel, BearerTokenClientInterceptor(token))
-    return channel
+    return rpc.make_channel(address, token=token, tls=tls, max_message_bytes=max_message_bytes,
+                            extra_options=OWN_CONNECTION_OPTIONS)
 
 
 def connectivity(channel: grpc.Channel) -> grpc.ChannelConnectivity | None:

@@ -32,7 +32,7 @@ from replicator.peer.protocol import (
     RateLimiter,
     Throttle,
 )
-from sidecar import checksums, commit, layout
+from sidecar import checksums, commit, faults, layout
 from sidecar.checksums import ChecksumError
 from sidecar.layout import FileEntry, ManifestError, StepManifest
 
@@ -294,6 +294,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                         )
                         offset += n
                         sent += n
+                        faults.point("peer.serve.mid_send")  # as on the data port: a crash mid-send, either path
                         if offset >= end:
                             break
         finally:

@@ -36,6 +36,15 @@ def beat(coord, rank, holdings):
     return coord.Heartbeat(req, Ctx())
 
 
+def _full_reporter(coord: Coordinator):
+    """``report(rank, holdings, incarnation=7)``: host ``rank``'s full-report heartbeat to ``coord``."""
+    def report(rank, holdings, incarnation=7):
+        req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=incarnation, address=f"127.0.0.1:{7000 + rank}",
+                                  full_report=True, known_epoch=coord.epoch, holdings=holdings)
+        return coord.Heartbeat(req, Ctx())
+    return report
+
+
 def test_no_deletion_on_a_picture_of_lost_hosts_without_a_complete_step():
     """Simulation seeds 158 and 486: a coordinator (e.g. a deposed one, still answering the one host that
     has not heard of its successor's epoch) that hears only from host 1 declares the others lost; with
@@ -156,10 +165,7 @@ def test_a_copy_of_a_replicas_data_witnesses_the_identical_replica():
     clock = Clock()
     coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=4.0)
 
-    def report(rank, holdings, incarnation=7):
-        req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=incarnation, address=f"127.0.0.1:{7000 + rank}",
-                                  full_report=True, known_epoch=coord.epoch, holdings=holdings)
-        return coord.Heartbeat(req, Ctx())
+    report = _full_reporter(coord)
 
     replica = tier_pb2.TIER_REPLICA
     held = {r: [_holding(r, 4, r % 2), _holding((r + 2) % 4, 4, r % 2, replica, size=0)] for r in range(4)}
@@ -557,10 +563,7 @@ def test_a_restore_of_a_replicas_identical_data_comes_with_its_witness_task():
     clock = Clock()
     coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=2, clock=clock, host_lost_seconds=4.0)
 
-    def report(rank, holdings, incarnation=7):
-        req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=incarnation, address=f"127.0.0.1:{7000 + rank}",
-                                  full_report=True, known_epoch=coord.epoch, holdings=holdings)
-        return coord.Heartbeat(req, Ctx())
+    report = _full_reporter(coord)
 
     replica = tier_pb2.TIER_REPLICA
     held = {r: [_holding(r, 4, r % 2), _holding((r + 2) % 4, 4, r % 2, replica, size=0)] for r in range(4)}
@@ -592,10 +595,7 @@ def test_gc_keeps_the_durable_step_while_a_replicas_identity_rests_on_one_report
     clock = Clock()
     coord = Coordinator(JobTopology(4, 2, 1), "t", keep_local=1, clock=clock, host_lost_seconds=4.0)
 
-    def report(rank, holdings, incarnation=7):
-        req = pb.HeartbeatRequest(job="t", rank=rank, incarnation=incarnation, address=f"127.0.0.1:{7000 + rank}",
-                                  full_report=True, known_epoch=coord.epoch, holdings=holdings)
-        return coord.Heartbeat(req, Ctx())
+    report = _full_reporter(coord)
 
     replica = tier_pb2.TIER_REPLICA
     held = {r: [_holding(r, 3, r % 2), _holding((r + 2) % 4, 3, r % 2, replica, size=0), _holding(r, 4, r % 2)]

@@ -63,20 +63,20 @@ class ElasticJob:
             controller_command=("python", "/app/train_elastic.py"))
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
-        self.pods = PodWatch(self.core, ns)
-        self.removed_at = self.pods.removed_at  # "name/uid" -> monotonic time its object was seen removed
+        self.pod_watch = PodWatch(self.core, ns)
+        self.removed_at = self.pod_watch.removed_at  # "name/uid" -> monotonic time its object was seen removed
         self.in_bucket: dict[int, float] = {}  # step -> monotonic time it was first seen committed in the bucket
         self._stop = threading.Event()
         self._bucket_poll = threading.Thread(target=self._poll_bucket, daemon=True)
 
     def start(self) -> None:
         deploy(self.api, self.core, self.opts, self.ns)
-        self.pods.start()
+        self.pod_watch.start()
         self._bucket_poll.start()
 
     def close(self) -> None:
         self._stop.set()
-        self.pods.stop()
+        self.pod_watch.stop()
         self._bucket_poll.join(timeout=10)
         self.core.delete_namespace(self.ns)
 

@@ -54,15 +54,15 @@ class Job:
         self.opts = mf.ManifestOptions(**{**opts, **overrides})
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
-        self.pods = PodWatch(self.core, ns)
-        self.deleted_at = self.pods.deleted_at  # pod name -> monotonic time its deletion was first seen
+        self.pod_watch = PodWatch(self.core, ns)
+        self.deleted_at = self.pod_watch.deleted_at  # pod name -> monotonic time its deletion was first seen
 
     def start(self) -> None:
         deploy(self.api, self.core, self.opts, self.ns)
-        self.pods.start()
+        self.pod_watch.start()
 
     def close(self) -> None:
-        self.pods.stop()
+        self.pod_watch.stop()
         self.core.delete_namespace(self.ns)
 
     # ------------------------------------------------------------------ what happened

@@ -38,8 +38,9 @@ from replicator.peer.protocol import (
     TICKET_TTL_SECONDS,
     RateLimiter,
     Throttle,
+    served_chunk,
 )
-from sidecar import faults, layout
+from sidecar import layout
 from sidecar.checksums import ChecksumError
 from sidecar.layout import FileEntry
 
@@ -408,7 +409,7 @@ class TransferServer:
                     _sendfile_by(conn, f.fileno(), offset, n, allowance)
                     offset += n
                     sent += n
-                    faults.point("peer.serve.mid_send")
+                    served_chunk()
         conn.setblocking(True)
         conn.shutdown(socket.SHUT_WR)
         with self._lock:

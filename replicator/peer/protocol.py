@@ -11,6 +11,7 @@ import socket
 from collections.abc import Sequence
 
 from replicator.net.throttle import RateLimiter  # noqa: F401 - re-exported for both ends of the peer tier
+from sidecar import faults
 
 # Receive ring: 4 buffers of 4 MiB. Measured (512 MiB over loopback into tmpfs): 4 MiB x 4 reached
 # 1.9 GiB/s vs 1.56 with 8 MiB x 4 and 1.27 with 2 MiB x 8 — chunks that stay in cache between the
@@ -102,3 +103,9 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError(f"connection closed after {got} of {n} bytes")
         got += k
     return bytes(buf)
+
+
+def served_chunk() -> None:
+    """A chunk of a step went out to a peer, on the data port or the ``ReadFiles`` stream: the crash point
+    ``peer.serve.mid_send`` (a server dying mid-send, either path)."""
+    faults.point("peer.serve.mid_send")

@@ -31,8 +31,9 @@ from replicator.peer.protocol import (
     STREAM_CHUNK_BYTES,
     RateLimiter,
     Throttle,
+    served_chunk,
 )
-from sidecar import checksums, commit, faults, layout
+from sidecar import checksums, commit, layout
 from sidecar.checksums import ChecksumError
 from sidecar.layout import FileEntry, ManifestError, StepManifest
 
@@ -294,7 +295,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                         )
                         offset += n
                         sent += n
-                        faults.point("peer.serve.mid_send")  # as on the data port: a crash mid-send, either path
+                        served_chunk()
                         if offset >= end:
                             break
         finally:

@@ -19,10 +19,8 @@ its parity (it survives M hosts of each group).
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 from replicator.coordinator.facts import Facts, carries_bytes
 from replicator.coordinator.model import Source
@@ -30,11 +28,12 @@ from replicator.coordinator.parity import ParityView
 from replicator.tiers import BUCKET_HOLDER, Holding, Tier
 
 _TIER_ORDER = {Tier.LOCAL: 0, Tier.PEER: 1, Tier.PARITY: 2, Tier.BUCKET: 3}
+_COPY = frozenset({Tier.LOCAL, Tier.PEER})  # the sources that are copies held by a host
 
 
-@dataclasses.dataclass(frozen=True)
-class Auth:
-    """The accepted content hash of one rank's step and whether it is definitive (owner or bucket said so)."""
+class Auth(NamedTuple):
+    """The accepted content hash of one rank's step and whether it is definitive (owner or bucket said so).
+    A named tuple: one is made per owner and host on every derivation (a frozen dataclass costs ~4x more)."""
 
     content_hash: str | None
     definitive: bool
@@ -243,53 +242,100 @@ class Coverage:
         for x in sorted(hosts):
             if len(out) == len(alive):
                 break
-            auth = {}
+            # Without x, only the accepted hashes of the owners x holds a piece of can differ from ``now``.
+            auth = {o: now[o] for o in members if o in now}
+            changed = set()  # the owners whose accepted content hash differs without x (or none is accepted)
             for o in members:
-                current = {y: h for y, h in by_owner.get(o, {}).items() if y != x and facts.current(h)}
+                held = by_owner.get(o, {})
+                if x not in held:
+                    continue
+                current = {y: h for y, h in held.items() if y != x and facts.current(h)}
                 a = _auth_one(current, bucket, o)
-                if a is not None:
+                before = auth.get(o)
+                if a is None:
+                    auth.pop(o, None)
+                else:
                     auth[o] = a
+                if (a is None) != (before is None) or (a is not None and a.content_hash != before.content_hash):
+                    changed.add(o)
             for r in alive:
-                if r not in out and not _keeps(now.get(r), self._rank_sources(step, r, auth, without=x)):
+                if r not in out and not self._kept_without(step, r, auth, x, changed):
                     out.add(r)
         return out
 
-    def _rank_sources(self, step: int, rank: int, auth: Mapping[int, Auth], without: int | None = None) -> list[Source]:
-        """Valid sources of ``rank``'s data: its own or an identical replica's, local < peer < bucket.
+    def _kept_without(self, step: int, rank: int, auth: Mapping[int, Auth], x: int, changed: set[int]) -> bool:
+        """``rank`` (covered now) keeps a source of its accepted data without host ``x``; ``auth``: the accepted
+        hashes without x, ``changed``: the owners whose accepted content hash differs from now's."""
+        now = self.auth[step].get(rank)
+        if rank not in changed:
+            # By the rules of _sources, a copy of rank's data now is one without x too if it is not x's and
+            # its owner's accepted hash does not change; with no hash changed there are no others.
+            want = now.content_hash if now is not None else None
+            size = None  # the first such copy's size
+            for s in self.cov[step][rank]:
+                if s.kind in _COPY and s.holder_rank != x and s.owner_rank not in changed:
+                    if want is None or s.content_hash in (None, want):  # as _keeps
+                        return True
+                    if size is None:
+                        size = s.size
+            if not changed:
+                return _keeps(now, self._other_sources(step, rank, auth, x, size))
+        return _keeps(now, self._sources(step, rank, auth, without=x))
+
+    def _rank_sources(self, step: int, rank: int, auth: Mapping[int, Auth]) -> list[Source]:
+        """Valid sources of ``rank``'s data (:meth:`_sources`), local < peer < parity < bucket."""
+        found = list(self._sources(step, rank, auth))
+        if len(found) > 1:
+            order = _TIER_ORDER
+            found.sort(key=lambda s: (order[s.kind], s.owner_rank != rank, s.holder_rank or 0, s.owner_rank))
+        return found
+
+    def _sources(self, step: int, rank: int, auth: Mapping[int, Auth], without: int | None = None) -> Iterator[Source]:
+        """Valid sources of ``rank``'s data, unordered and lazily (a durability check stops at the first that
+        keeps it): its own or an identical replica's copies, then :meth:`_other_sources`.
         ``without``: as if that host held nothing (``auth`` must be derived without it too)."""
         facts = self._facts
         by_owner = facts.index.get(step, {})
         mine = auth.get(rank)
         want = mine.content_hash if mine is not None else None
-        found = []
+        size = None  # the first copy's size
         group = facts.members[rank % facts.h]
         for owner in (rank, *(m for m in group if m != rank)):
             a = auth.get(owner)
+            if a is None:
+                continue  # no accepted hash: none of its copies counts
             for holder, h in by_owner.get(owner, {}).items():
                 if holder == without or not facts.current(h):
                     continue  # a copy of an abandoned save of this step number (before a rollback)
-                if not carries_bytes(h) or a is None or h.content_hash != a.content_hash:
+                if not carries_bytes(h) or h.content_hash != a.content_hash:
                     continue  # an attestation, or a stale copy of an older save of this step
                 if owner != rank and h.content_hash != want:
                     continue  # a replica's data counts only when proven identical
                 kind = Tier.LOCAL if holder == rank else Tier.PEER
-                found.append(Source(kind, holder, owner, h.content_hash, h.size))
-        if not found and self._parity is not None:
+                if size is None:
+                    size = h.size
+                yield Source(kind, holder, owner, h.content_hash, h.size)
+        yield from self._other_sources(step, rank, auth, without, size)
+
+    def _other_sources(self, step: int, rank: int, auth: Mapping[int, Auth], without: int | None,
+                       size: int | None) -> Iterator[Source]:
+        """The sources of ``rank``'s data besides copies: a rebuild from its code group when no copy counts
+        (``size`` None; else the first copy's size, the bucket source's), then the bucket's."""
+        mine = auth.get(rank)
+        want = mine.content_hash if mine is not None else None
+        if size is None and self._parity is not None:
             rb = self._parity.rebuild(step, rank, want if mine is not None and mine.definitive else None, without)
             if rb is not None:
-                found.append(Source(Tier.PARITY, BUCKET_HOLDER, rank, rb.spec.hash_of(rank), 0, rb.spec, rb.helpers))
-        bucket = facts.bucket.get(step, {})
+                size = 0
+                yield Source(Tier.PARITY, BUCKET_HOLDER, rank, rb.spec.hash_of(rank), 0, rb.spec, rb.helpers)
+        bucket = self._facts.bucket.get(step, {})
         if rank in bucket:
             b = bucket[rank]
             if b is None or want is None or b == want:
-                size = found[0].size if found else 0
-                found.append(Source(Tier.BUCKET, BUCKET_HOLDER, rank, b if b is not None else want, size))
-        order = _TIER_ORDER
-        found.sort(key=lambda s: (order[s.kind], s.owner_rank != rank, s.holder_rank or 0, s.owner_rank))
-        return found
+                yield Source(Tier.BUCKET, BUCKET_HOLDER, rank, b if b is not None else want, size or 0)
 
 
-def _keeps(now: Auth | None, sources: list[Source]) -> bool:
+def _keeps(now: Auth | None, sources: Iterable[Source]) -> bool:
     """``sources`` (a rank's without some host) still give the data accepted now: a source of the accepted hash
     (a parity source's group names it), or of an unreported one (the bucket's copy as committed)."""
     want = now.content_hash if now is not None else None
@@ -308,7 +354,9 @@ def _auth_one(holders: Mapping[int, Holding], bucket: Mapping[int, str | None], 
     if bucket.get(owner) is not None:
         return Auth(bucket[owner], True)
     if holders:
-        votes = collections.Counter(h.content_hash for h in holders.values())
+        votes: dict[str, int] = {}  # not a Counter: this runs per owner and host on every derivation
+        for h in holders.values():
+            votes[h.content_hash] = votes.get(h.content_hash, 0) + 1
         best = min(votes.items(), key=lambda kv: (-kv[1], kv[0]))[0]
         return Auth(best, False)
     if owner in bucket:

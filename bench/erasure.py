@@ -36,6 +36,12 @@ RAM-disk root stands in for it (its old root is read by nobody, only to check th
 - copy_recovery_seconds: ``replicator.peer.client.fetch_step`` of the same step from the host holding the
   whole copy into another empty root (1 byte read per restored byte, every file's crc32c checked), committed;
 - ec_recovery_vs_copy_recovery: the first / the second (issue #35's target: <= 2);
+- ec_pipelined_recovery_seconds (and ``_vs_copy_recovery``): the same rebuild pipelined along chains of the
+  other members (``EcHost(pipeline=True)``, :mod:`replicator.erasure.pipeline`), and ec_direct_...: decoded in
+  the replacement itself (K fragments per rebuilt byte);
+- rebuild_mode: the mode each timed rebuild ran in (``rebuild_own``'s last log record: pipelined, spread or
+  here), by kind (ec, pipelined, direct, ec2); a rebuild asked to be pipelined or spread that ran here fails
+  the benchmark;
 - ec_recovery_two_lost_seconds (codes with M >= 2): hosts 0 and 1 wiped together, both rebuilt from the
   others; the time of host 0's rebuild.
 
@@ -49,7 +55,10 @@ replacement of host 0, joined by veth pairs to a bridge (``tests/kits/faultnet.p
 Mbit/s each way (``tc tbf`` on both ends). The members' children enter their namespaces (setns) before
 serving on their namespace's address; the restores run in a child process inside the replacement's
 namespace, which times them (the bytes are still checked here: the roots are on /dev/shm). Adds
-``copy_recovery_floor_seconds``: the step's bytes * 8 / (N * 10**6), what no copy can beat on such a link. The
+``copy_recovery_floor_seconds``: the step's bytes * 8 / (N * 10**6), what no copy can beat on such a link, and
+``link_bytes_vs_copy`` / ``pipelined_link_bytes_vs_copy``: per host (member rank, "new" for the replacement),
+the larger of the bytes its link sent and received during the last timed spread / pipelined rebuild
+(interface counters: frames, headers included) over what the copy source's link sent during the last copy. The
 namespaces are deleted at the end (and those of a killed earlier run before starting). Needs root, ``ip``,
 ``iptables`` and ``tc``; the JSON line's ``link_mbit`` is N (0: loopback).
 """
@@ -223,52 +232,65 @@ class RebuildJob:
     root: str
     spec: CodeGroupSpec
     want: layout.StepManifest
-    spread: bool = True  # the other members decode it (replicator.erasure.spread); False: decoded here
+    # "spread" (the other members decode it: replicator.erasure.spread; the replicator's default), "pipelined"
+    # (along chains of them: replicator.erasure.pipeline, then spread if that fails) or "here" (decoded here)
+    mode: str = "spread"
 
 
 Job = ParityJob | CopyJob | RebuildJob
 
 
-class _Warnings(logging.Handler):
-    """The warnings logged while it is attached whose message starts with ``prefix``."""
+class _Modes(logging.Handler):
+    """The ``rebuild_mode`` of the records logged while it is attached (rebuild_own's last line), and the
+    warnings (why a mode fell back)."""
 
-    def __init__(self, prefix: str):
-        super().__init__(logging.WARNING)
-        self.prefix, self.seen = prefix, []
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.modes: list[str] = []
+        self.warnings: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if msg.startswith(self.prefix):
-            self.seen.append(msg)
+        if hasattr(record, "rebuild_mode"):
+            self.modes.append(record.rebuild_mode)
+        elif record.levelno >= logging.WARNING:
+            self.warnings.append(record.getMessage())
 
 
-def _do(job: Job, stripe_bytes: int, host: EcHost | None = None) -> None:
-    """Do ``job`` in this process (a :class:`ParityJob` needs the member's ``host``)."""
+def _do(job: Job, stripe_bytes: int, host: EcHost | None = None) -> str:
+    """Do ``job`` in this process (a :class:`ParityJob` needs the member's ``host``); the rebuild mode that ran
+    for a :class:`RebuildJob` (RuntimeError when it was "here" though another was asked for), else ""."""
     if isinstance(job, ParityJob):
         if host is None:
             raise ValueError("a parity job needs the member's EcHost")
         compute_parity(host, job.step, job.spec)
-    elif isinstance(job, CopyJob):
+        return ""
+    if isinstance(job, CopyJob):
         peer_client.fetch_step(job.address, job.rank, STEP, Path(job.dest), token=TOKEN,
                                expected_content_hash=job.content_hash)
-    else:
-        root = Path(job.root)
-        fell_back = _Warnings("spread rebuild of")  # a spread rebuild that decoded here would time the wrong thing
-        logging.getLogger("replicator.erasure.rebuild").addHandler(fell_back)
-        try:
-            got = rebuild_own(EcHost(job.rank, root, ParityStore(root, job.rank), token=TOKEN,
-                                     stripe_bytes=stripe_bytes, spread=job.spread), STEP, job.spec)
-        finally:
-            logging.getLogger("replicator.erasure.rebuild").removeHandler(fell_back)
-        if fell_back.seen:
-            raise RuntimeError(f"host {job.rank}'s rebuild was not spread: {fell_back.seen[0]}")
-        if got != job.want:
-            raise RuntimeError(f"host {job.rank}'s step rebuilt as {got.content_hash[:12]}")
+        return ""
+    root = Path(job.root)
+    seen = _Modes()
+    log = logging.getLogger("replicator.erasure.rebuild")
+    log.addHandler(seen)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        got = rebuild_own(EcHost(job.rank, root, ParityStore(root, job.rank), token=TOKEN, stripe_bytes=stripe_bytes,
+                                 spread=job.mode != "here", pipeline=job.mode == "pipelined"), STEP, job.spec)
+    finally:
+        log.removeHandler(seen)
+        log.setLevel(level)
+    mode = seen.modes[-1] if seen.modes else "?"
+    if mode == "here" != job.mode:  # a rebuild that decoded here would time the wrong thing
+        raise RuntimeError(f"host {job.rank}'s rebuild asked {job.mode} ran here: {seen.warnings[:2]}")
+    if got != job.want:
+        raise RuntimeError(f"host {job.rank}'s step rebuilt as {got.content_hash[:12]}")
+    return mode
 
 
 def _answer_jobs(conn: Any, stripe_bytes: int, host: EcHost | None = None) -> None:
-    """Child side: each job received is done and answered with its seconds, or the error (a str) when it
-    failed; until "stop" or the parent is gone."""
+    """Child side: each job received is done and answered with (its seconds, the rebuild mode or ""), or the
+    error (a str) when it failed; until "stop" or the parent is gone."""
     while True:
         try:
             job = conn.recv()
@@ -278,11 +300,11 @@ def _answer_jobs(conn: Any, stripe_bytes: int, host: EcHost | None = None) -> No
             return
         t0 = time.monotonic()
         try:
-            _do(job, stripe_bytes, host)
+            mode = _do(job, stripe_bytes, host)
         except Exception as e:  # told to the parent, which fails the benchmark
             conn.send(f"{type(e).__name__}: {e}")
         else:
-            conn.send(time.monotonic() - t0)
+            conn.send((time.monotonic() - t0, mode))
 
 
 def _enter(netns: str) -> None:
@@ -380,6 +402,7 @@ def measure_recovery(k: int, m: int, per_host_bytes: int, stripe_bytes: int = DE
     restorer: tuple[Any, Any] | None = None
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(shutil.rmtree, scratch, ignore_errors=True)
+        net: Any = None
         places = [("", "127.0.0.1")] * (n + 1)  # (network namespace, IP) of each member, then the replacement's
         if link_mbit > 0:
             from tests.kits import faultnet
@@ -409,16 +432,16 @@ def measure_recovery(k: int, m: int, per_host_bytes: int, stripe_bytes: int = DE
         if restorer is not None:
             _answer(restorer, "the replacement host", CHILD_START_SECONDS)
 
-        def restore(job: Job, what: str) -> float:
-            """Seconds of ``job`` done by the replacement host: here on loopback, in its own process and
-            network namespace with links."""
+        def restore(job: Job, what: str) -> tuple[float, str]:
+            """(seconds, rebuild mode) of ``job`` done by the replacement host: here on loopback, in its own
+            process and network namespace with links."""
             if restorer is None:
                 t0 = time.monotonic()
                 try:
-                    _do(job, stripe_bytes)
+                    mode = _do(job, stripe_bytes)
                 except Exception as e:
                     raise RuntimeError(f"{what} failed: {type(e).__name__}: {e}") from e
-                return time.monotonic() - t0
+                return time.monotonic() - t0, mode
             restorer[1].send(job)
             return _answer(restorer, what, RESTORE_TIMEOUT_SECONDS)
 
@@ -429,7 +452,7 @@ def measure_recovery(k: int, m: int, per_host_bytes: int, stripe_bytes: int = DE
         encode_s = []
         for r in ranks:  # one member at a time, in its own process, reading the others over the peer tier
             children[r][1].send(ParityJob(STEP, spec()))
-            encode_s.append(_answer(children[r], f"{code}: host {r}'s parity", ENCODE_TIMEOUT_SECONDS))
+            encode_s.append(_answer(children[r], f"{code}: host {r}'s parity", ENCODE_TIMEOUT_SECONDS)[0])
         # the copy baseline's source: a whole copy of host 0's step on another host (untimed), as copies:2 keeps
         children[holder][1].send(CopyJob(addresses[lost0], lost0, str(layout.peer_dir(roots[holder], lost0)),
                                          manifests[lost0].content_hash))
@@ -437,46 +460,62 @@ def measure_recovery(k: int, m: int, per_host_bytes: int, stripe_bytes: int = DE
         _stop_child(*children.pop(lost0))  # host 0 is wiped: its server is gone, its root read by nobody
         fresh = (scratch / f"new-{i}" for i in itertools.count())
         checked = 0
+        moved: dict[str, list[tuple[int, int]]] = {}  # the last run's bytes (sent, received) per link, by kind
+        labels = [str(r) for r in ranks] + ["new"]
 
-        def timed(rank: int, job: Callable[[Path], Job]) -> float:
-            """Seconds to restore ``rank``'s step into an empty root; checked byte for byte, then dropped."""
+        def timed(rank: int, job: Callable[[Path], Job], kind: str = "") -> float:
+            """Seconds to restore ``rank``'s step into an empty root; checked byte for byte, then dropped. With
+            ``kind``, its rebuild mode is kept in ``modes`` and, on links, each link's bytes in ``moved``."""
             nonlocal checked
             root = next(fresh)
             root.mkdir()
-            dt = restore(job(root), f"{code}: restoring host {rank}'s step")
+            before = _link_bytes(net, n + 1) if link_mbit > 0 and kind else []
+            dt, mode = restore(job(root), f"{code}: restoring host {rank}'s step")
+            if before:
+                moved[kind] = [(t1 - t0, r1 - r0) for (t0, r0), (t1, r1) in zip(before, _link_bytes(net, n + 1),
+                                                                               strict=True)]
+            if kind and mode:
+                modes.setdefault(kind, []).append(mode)
             name = layout.step_name(STEP)
             _check_same(layout.steps_dir(roots[rank]) / name, layout.steps_dir(root) / name)
             checked += 1
             shutil.rmtree(root)
             return dt
 
-        def ec(rank: int, lost: Collection[int], spread: bool = True) -> Callable[[Path], Job]:
-            return lambda root: RebuildJob(rank, str(root), spec(lost), manifests[rank], spread)
+        def ec(rank: int, lost: Collection[int], mode: str = "spread") -> Callable[[Path], Job]:
+            return lambda root: RebuildJob(rank, str(root), spec(lost), manifests[rank], mode)
 
         def copy(root: Path) -> Job:
             return CopyJob(addresses[holder], lost0, str(layout.steps_dir(root)), manifests[lost0].content_hash)
 
-        times: dict[str, list[float]] = {"ec": [], "copy": [], "ec2": [], "direct": []}
+        times: dict[str, list[float]] = {"ec": [], "copy": [], "ec2": [], "direct": [], "pipelined": []}
+        modes: dict[str, list[str]] = {}
         two_lost = ranks[:2] if m >= 2 else []
         timed(lost0, ec(lost0, {lost0}))  # warm-up: imports, connections, first touch of the pages
-        timed(lost0, ec(lost0, {lost0}, spread=False))
+        timed(lost0, ec(lost0, {lost0}, "pipelined"))
+        timed(lost0, ec(lost0, {lost0}, "here"))
         timed(lost0, copy)
         for i in range(repeats):
-            rounds = [("ec", lambda: timed(lost0, ec(lost0, {lost0}))), ("copy", lambda: timed(lost0, copy)),
-                      ("direct", lambda: timed(lost0, ec(lost0, {lost0}, spread=False)))]
-            for what, fn in rounds[i % 3:] + rounds[:i % 3]:  # rotate which goes first
+            rounds = [("ec", lambda: timed(lost0, ec(lost0, {lost0}), "ec")),
+                      ("copy", lambda: timed(lost0, copy, "copy")),
+                      ("direct", lambda: timed(lost0, ec(lost0, {lost0}, "here"), "direct")),
+                      ("pipelined", lambda: timed(lost0, ec(lost0, {lost0}, "pipelined"), "pipelined"))]
+            for what, fn in rounds[i % 4:] + rounds[:i % 4]:  # rotate which goes first
                 times[what].append(fn())
             if two_lost:  # both rebuilt from the others (the second untimed), host 0's rebuild timed
-                times["ec2"].append(timed(lost0, ec(lost0, set(two_lost))))
+                times["ec2"].append(timed(lost0, ec(lost0, set(two_lost)), "ec2"))
                 timed(two_lost[1], ec(two_lost[1], set(two_lost)))
         ec_s, copy_s = statistics.median(times["ec"]), statistics.median(times["copy"])
-        direct_s = statistics.median(times["direct"])
+        direct_s, piped_s = statistics.median(times["direct"]), statistics.median(times["pipelined"])
         out = {
             "ec_recovery_vs_copy_recovery": round(ec_s / copy_s, 3),
             "ec_recovery_seconds": round(ec_s, 4),
             "copy_recovery_seconds": round(copy_s, 4),
+            "ec_pipelined_recovery_vs_copy_recovery": round(piped_s / copy_s, 3),
+            "ec_pipelined_recovery_seconds": round(piped_s, 4),
             "ec_direct_recovery_vs_copy_recovery": round(direct_s / copy_s, 3),
             "ec_direct_recovery_seconds": round(direct_s, 4),
+            "rebuild_mode": modes,
             "encode_seconds_per_host": round(statistics.median(encode_s), 4),
             "ec_recovery_seconds_all": [round(x, 4) for x in times["ec"]],
             "copy_recovery_seconds_all": [round(x, 4) for x in times["copy"]],
@@ -487,10 +526,16 @@ def measure_recovery(k: int, m: int, per_host_bytes: int, stripe_bytes: int = DE
             out["ec_recovery_two_lost_seconds"] = round(statistics.median(times["ec2"]), 4)
         if link_mbit > 0:  # what no copy of the step can beat on such a link
             out["copy_recovery_floor_seconds"] = round(manifests[lost0].total_bytes * 8 / (link_mbit * 1e6), 4)
+            copied = max(moved["copy"][ranks.index(holder)][0], 1)  # what the copy's source sent
+            for kind, key in (("ec", "link_bytes_vs_copy"), ("pipelined", "pipelined_link_bytes_vs_copy")):
+                out[key] = {label: round(max(sent, got) / copied, 3)
+                            for label, (sent, got) in zip(labels, moved[kind], strict=True)}
         return out
 
 
 RECOVERY_KEYS = ("ec_recovery_vs_copy_recovery", "ec_recovery_seconds", "copy_recovery_seconds",
+                 "ec_pipelined_recovery_vs_copy_recovery", "ec_pipelined_recovery_seconds", "rebuild_mode",
+                 "link_bytes_vs_copy", "pipelined_link_bytes_vs_copy",
                  "encode_seconds_per_host", "ec_recovery_two_lost_seconds", "ec_recovery_seconds_all",
                  "copy_recovery_seconds_all", "recovery_rebuilds_checked", "copy_recovery_floor_seconds",
                  "ec_direct_recovery_vs_copy_recovery", "ec_direct_recovery_seconds")
@@ -520,6 +565,19 @@ def run(mib: float = 256, stripe_bytes: int = DEFAULT_STRIPE_BYTES, codes: Seque
     out["memcpy_gib_per_s_per_core"] = memcpy_rate(min(total, 256 << 20), repeats)
     out["cpus"] = os.cpu_count()
     out["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    return out
+
+
+def _link_bytes(net: Any, hosts: int) -> list[tuple[int, int]]:
+    """(bytes sent, bytes received) so far by each of the first ``hosts`` hosts' link (its interface's counters,
+    Ethernet frames: headers included, as on the copy's source they are divided by)."""
+    from tests.kits import faultnet
+
+    out = []
+    for ns in net.host_ns[:hosts]:
+        stats = f"/sys/class/net/{faultnet.IFACE}/statistics"
+        tx, rx = net.run(ns, ["cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"]).split()
+        out.append((int(tx), int(rx)))
     return out
 
 

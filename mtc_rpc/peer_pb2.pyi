@@ -132,18 +132,24 @@ class FileChunk(_message.Message):
     def __init__(self, file_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., name: _Optional[str] = ..., file_size: _Optional[int] = ...) -> None: ...
 
 class RebuildFragmentsRequest(_message.Message):
-    __slots__ = ("step", "group", "rank", "fragments", "lost")
+    __slots__ = ("step", "group", "rank", "fragments", "lost", "chain", "chain_at", "chain_crc32c")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_AT_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_CRC32C_FIELD_NUMBER: _ClassVar[int]
     step: int
     group: _coordinator_pb2.CodeGroup
     rank: int
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentRef]
     lost: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., group: _Optional[_Union[_coordinator_pb2.CodeGroup, _Mapping]] = ..., rank: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentRef, _Mapping]]] = ..., lost: _Optional[_Iterable[int]] = ...) -> None: ...
+    chain: _containers.RepeatedScalarFieldContainer[int]
+    chain_at: int
+    chain_crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., group: _Optional[_Union[_coordinator_pb2.CodeGroup, _Mapping]] = ..., rank: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentRef, _Mapping]]] = ..., lost: _Optional[_Iterable[int]] = ..., chain: _Optional[_Iterable[int]] = ..., chain_at: _Optional[int] = ..., chain_crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FragmentRef(_message.Message):
     __slots__ = ("rotation", "stripe", "index")

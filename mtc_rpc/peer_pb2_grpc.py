@@ -93,7 +93,8 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RebuildFragments(self, request, context):
-        """Erasure coding: rebuild some fragments of a lost member's data here and stream them (a spread rebuild).
+        """Erasure coding: rebuild some fragments of a lost member's data here and stream them (a spread rebuild), or,
+        with `chain` set, this host's link of a repair pipeline (a pipelined rebuild, docs/peer.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -136,7 +136,8 @@ class Replicator:
         self.fetcher.ec = EcHost(rank, self.store.root, self.parity, token=self.token, tls=self.tls(),
                                  timeout_seconds=opts.transfer_timeout_seconds,
                                  rpc_timeout_seconds=opts.rpc_timeout_seconds,
-                                 bytes_per_second=float(opts.max_bytes_per_second) or None)
+                                 bytes_per_second=float(opts.max_bytes_per_second) or None,
+                                 pipeline=opts.ec_rebuild == "pipelined")
         # Preemption (a notice, SIGTERM): this host got the notice / the coordinator says some host did.
         state = PreemptionState()
         self.heartbeats = Heartbeat(

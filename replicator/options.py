@@ -81,6 +81,12 @@ class ReplicatorOptions:
         "M/K of a copy in RAM; survives any M lost hosts per group; needs at least K+M hosts; not with Orbax "
         "mode). Default: copies:<--replicas>, today's behaviour (docs/peer.md, 'Erasure coding')",
         "")
+    ec_rebuild: str = _opt(
+        "with --redundancy ec:K+M, how a host rebuilds its own lost data from its code group: spread (the default: "
+        "each other parity holder decodes a share) or pipelined (along chains of the other members, each link "
+        "carrying about one fragment per stripe; spread if a chain fails). Either decodes here when fewer than "
+        "two other holders answer (docs/peer.md, 'Erasure coding')",
+        "spread", choices=("spread", "pipelined"))
     keep_local: int = _opt(
         'committed steps kept per host (default 2; the newest complete step is always kept)',
         2)

@@ -53,6 +53,10 @@ class EcHost:
     # Rebuild this host's data spread over the other parity holders (replicator.erasure.spread): each decodes
     # a share and sends only what it rebuilt. False: read the K fragments of every stripe and decode here.
     spread: bool = True
+    # With spread: rebuild it along chains of the other members first (replicator.erasure.pipeline: every
+    # link carries about one fragment per stripe), spread if that fails. Off by default: on our shared 2-core
+    # box its K gRPC hops per stripe made it slower than spread (docs/benchmarks.md, bench.erasure).
+    pipeline: bool = False
 
     @property
     def ahead(self) -> int:

@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,16 +170,20 @@ class PeerLink:
         return [bytes(b) for b in bufs]
 
     def rebuilt_fragments(self, step: int, group: Any, rank: int, items: list[tuple[int, int, int]],
-                          lost: list[int], lengths: list[int]) -> Iterator[bytes]:
+                          lost: list[int], lengths: list[int], chain: Sequence[int] = (), chain_at: int = 0,
+                          chain_crc32c: Sequence[int] = ()) -> Iterator[bytes]:
         """``Peer.RebuildFragments``: the peer rebuilds fragments ``items`` ((rotation, stripe, index), of
         ``lengths`` bytes) of ``rank``'s ``step`` for ``group`` (a CodeGroupSpec) and streams them; yields
         each whole, in order (every chunk checked against its crc32c; the caller checks the fragment's).
-        The call starts here, before the first is asked for. A failed call is a ConnectionError that, unlike
-        :meth:`call`'s, leaves the link usable for reads (a busy helper still serves its fragments)."""
+        With ``chain``: the peer is ``chain[chain_at]`` of a repair pipeline (:mod:`replicator.erasure.pipeline`)
+        and streams its partial sums. The call starts here, before the first is asked for. A failed call is a
+        ConnectionError that, unlike :meth:`call`'s, leaves the link usable for reads (a busy helper still
+        serves its fragments)."""
         if self.failed is not None:
             raise ConnectionError(f"{self.address} failed earlier: {self.failed}") from self.failed
         req = peer_pb2.RebuildFragmentsRequest(step=step, rank=rank, lost=lost, fragments=[
-            peer_pb2.FragmentRef(rotation=r, stripe=t, index=i) for r, t, i in items])
+            peer_pb2.FragmentRef(rotation=r, stripe=t, index=i) for r, t, i in items], chain=chain,
+            chain_at=chain_at, chain_crc32c=chain_crc32c)
         group.to_proto(req.group)
         call = self._stub.RebuildFragments(req, timeout=max(0.1, self.deadline - time.monotonic()))
         return self._fragments(call, lengths)

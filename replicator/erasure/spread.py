@@ -139,10 +139,14 @@ def _check(host: EcHost, request: Any) -> tuple[int, CodeGroupSpec, int, list[It
     return step, group, rank, items, lost
 
 
-def serve(host: EcHost, request: Any, bulk_priority: str = "normal") -> Iterator[memoryview]:
-    """``Peer.RebuildFragments`` here: the fragments asked for, rebuilt in order (module docstring). Validated
-    before anything is read; decoded on a thread of its own at ``bulk_priority``, a few fragments ahead."""
-    step, group, rank, items, lost = _check(host, request)
+Put = Callable[[tuple[str, Any]], bool]
+
+
+def run_ahead(host: EcHost, fill: Callable[[Put], None], name: str, bulk_priority: str = "normal") -> Iterator[Any]:
+    """What ``fill(put)`` puts as ("frag", value), yielded in order while ``fill`` runs on a thread of its own at
+    ``bulk_priority``, :data:`QUEUE_FRAGMENTS` ahead; ``fill`` ends with ("end", None) or ("error", exception),
+    and stops when ``put`` answers False (the consumer is gone). TimeoutError when nothing comes for
+    ``host.timeout_seconds``."""
     out: queue.Queue[tuple[str, Any]] = queue.Queue(QUEUE_FRAGMENTS)
     stop = threading.Event()
 
@@ -155,30 +159,14 @@ def serve(host: EcHost, request: Any, bulk_priority: str = "normal") -> Iterator
                 continue
         return False
 
-    def decode() -> None:
+    def work() -> None:
         lower_current_thread(bulk_priority)
-        t0 = time.monotonic()
         try:
-            with task_links(host) as links:
-                g = open_group(host, step, group, links, lost)
-                stripes = g.manifest.stripes
-                bad = [t for _, t, _ in items if t >= stripes]
-                if bad:
-                    raise ValueError(f"stripe {bad[0]} asked of a group of {stripes} stripes")
-                with contextlib.closing(g.decoder.fragments(items)) as frags:
-                    for frag in frags:
-                        if not put(("frag", frag)):
-                            return
-                if g.decoder.corrupt or g.decoder.unreadable:
-                    log.warning("rebuilding for rank %d step %d passed over corrupt fragments %s and unreadable "
-                                "ones %s", rank, step, g.decoder.corrupt[:8], g.decoder.unreadable[:8])
-            log.info("rebuilt %d fragments of rank %d's step %d for it in %.3fs", len(items), rank, step,
-                     time.monotonic() - t0)
-            put(("end", None))
+            fill(put)
         except BaseException as e:  # noqa: BLE001 - handed to the serving thread, which raises it
             put(("error", e))
 
-    worker = threading.Thread(target=decode, name=f"ec-serve-{rank}-{step}", daemon=True)
+    worker = threading.Thread(target=work, name=name, daemon=True)
     worker.start()
     try:
         while True:
@@ -190,8 +178,41 @@ def serve(host: EcHost, request: Any, bulk_priority: str = "normal") -> Iterator
             else:
                 return
     except queue.Empty:
-        raise TimeoutError(f"no rebuilt fragment of rank {rank} step {step} within "
-                           f"{host.timeout_seconds:.0f} s") from None
+        raise TimeoutError(f"{name}: nothing within {host.timeout_seconds:.0f} s") from None
     finally:
         stop.set()
         worker.join(timeout=host.rpc_timeout_seconds)
+
+
+def serve(host: EcHost, request: Any, bulk_priority: str = "normal") -> Iterator[memoryview]:
+    """``Peer.RebuildFragments`` here: the fragments asked for, rebuilt in order (module docstring), or, with
+    ``request.chain``, this host's link of a repair pipeline (:func:`replicator.erasure.pipeline.link_fill`).
+    Validated before anything is read; decoded on a thread of its own at ``bulk_priority``, a few fragments
+    ahead (:func:`run_ahead`)."""
+    step, group, rank, items, lost = _check(host, request)
+    if request.chain:
+        from replicator.erasure import pipeline  # builds on this module
+
+        fill = pipeline.link_fill(host, request, step, group, rank, items)
+        return run_ahead(host, fill, f"ec-chain-{rank}-{step}", bulk_priority)
+
+    def decode(put: Put) -> None:
+        t0 = time.monotonic()
+        with task_links(host) as links:
+            g = open_group(host, step, group, links, lost)
+            stripes = g.manifest.stripes
+            bad = [t for _, t, _ in items if t >= stripes]
+            if bad:
+                raise ValueError(f"stripe {bad[0]} asked of a group of {stripes} stripes")
+            with contextlib.closing(g.decoder.fragments(items)) as frags:
+                for frag in frags:
+                    if not put(("frag", frag)):
+                        return
+            if g.decoder.corrupt or g.decoder.unreadable:
+                log.warning("rebuilding for rank %d step %d passed over corrupt fragments %s and unreadable "
+                            "ones %s", rank, step, g.decoder.corrupt[:8], g.decoder.unreadable[:8])
+        log.info("rebuilt %d fragments of rank %d's step %d for it in %.3fs", len(items), rank, step,
+                 time.monotonic() - t0)
+        put(("end", None))
+
+    return run_ahead(host, decode, f"ec-serve-{rank}-{step}", bulk_priority)

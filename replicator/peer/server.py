@@ -135,6 +135,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         # the daemon passes spread.MAX_SERVED): None = not served here.
         self._rebuild = rebuild
         self._rebuild_slots = threading.BoundedSemaphore(max(1, max_rebuilds))
+        # A chain link of a pipelined rebuild (request.chain, replicator.erasure.pipeline) decodes nothing and is
+        # in two runs of each rebuild at once: slots of its own, so a failed chain's links still winding down
+        # never make the spread rebuild that follows it RESOURCE_EXHAUSTED.
+        self._chain_slots = threading.BoundedSemaphore(4 * max(1, max_rebuilds))
         if transfer_server is not None:
             self._limiter, self._slots = transfer_server.limiter, transfer_server.slots
         else:
@@ -314,7 +318,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     def RebuildFragments(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         if self._rebuild is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this host rebuilds no fragments for others")
-        if not self._rebuild_slots.acquire(blocking=False):
+        slots = self._chain_slots if request.chain else self._rebuild_slots
+        if not slots.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rebuilding for others already; decode it yourself")
         sent = 0
         try:
@@ -327,5 +332,5 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                     yield peer_pb2.FileChunk(file_index=idx, offset=offset, data=data, crc32c=checksums.crc32c(data))
                     sent += len(data)
         finally:
-            self._rebuild_slots.release()
+            slots.release()
         log.info("sent %d rebuilt bytes of rank %d step %d", sent, request.rank, request.step)

@@ -17,13 +17,16 @@ def test_recovery_keys_per_code_and_every_restore_checked() -> None:
                       recovery_files=3)
     json.dumps(out)
     for key in ("ec_recovery_vs_copy_recovery", "ec_recovery_seconds", "copy_recovery_seconds",
-                "ec_direct_recovery_vs_copy_recovery", "ec_direct_recovery_seconds", "encode_seconds_per_host", "recovery_rebuilds_checked", "encode_gib_per_s_per_core",
+                "ec_direct_recovery_vs_copy_recovery", "ec_direct_recovery_seconds", "ec_pipelined_recovery_vs_copy_recovery",
+                "rebuild_mode", "encode_seconds_per_host", "recovery_rebuilds_checked", "encode_gib_per_s_per_core",
                 "losses_survived"):
         assert set(out[key]) == {"2+1", "4+2"}, key
     assert set(out["ec_recovery_two_lost_seconds"]) == {"4+2"}  # two hosts lost: only a code with M >= 2
-    # a warm-up rebuild (spread), rebuild (decoded here) and copy, then one of each per repeat; 4+2 also
-    # rebuilds hosts 0 and 1 lost together
-    assert out["recovery_rebuilds_checked"] == {"2+1": 6, "4+2": 8}
+    # a warm-up rebuild (spread), pipelined rebuild, rebuild decoded here and copy, then one of each per
+    # repeat; 4+2 also rebuilds hosts 0 and 1 lost together
+    assert out["recovery_rebuilds_checked"] == {"2+1": 8, "4+2": 10}
+    assert out["rebuild_mode"]["4+2"] == {"ec": ["spread"], "pipelined": ["pipelined"], "direct": ["here"],
+                                          "ec2": ["spread"]}
     assert out["recovery_mib_per_host"] == 0.2
     assert out["link_mbit"] == 0
     assert out["copy_recovery_floor_seconds"] == {}  # no link, no floor
@@ -38,7 +41,12 @@ def test_link_mbit_puts_every_host_and_the_replacement_behind_a_throttled_link()
     assert out["link_mbit"] == mbit
     floor = out["copy_recovery_floor_seconds"]["2+1"]
     assert floor == pytest.approx(mib * erasure.MIB * 8 / (mbit * 1e6), abs=1e-4)
-    assert out["recovery_rebuilds_checked"] == {"2+1": 6}
+    assert out["recovery_rebuilds_checked"] == {"2+1": 8}
+    # each link's bytes over a copy's: the wiped host's none, the replacement's its step once (and a little)
+    for key in ("link_bytes_vs_copy", "pipelined_link_bytes_vs_copy"):
+        shares = out[key]["2+1"]
+        assert shares["0"] == 0 and 0.9 < shares["new"] < 1.2, (key, shares)
+        assert all(v <= 1.2 for v in shares.values()), (key, shares)
     # On loopback the same 2 MiB copy takes a few ms; through two 200 Mbit/s token buckets it cannot beat
     # the floor (the buckets' 64 KiB bursts aside), and the rebuild reads at least as many bytes.
     assert out["copy_recovery_seconds"]["2+1"] >= 0.8 * floor

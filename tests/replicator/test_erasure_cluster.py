@@ -25,9 +25,12 @@ def _parity_steps(cl, rank: int) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
 
 
-@pytest.mark.parametrize("nodes,k,m,lost", [(4, 3, 1, (1,)), (4, 2, 2, (0, 3))], ids=["3+1-one-lost", "2+2-two-lost"])
-def test_hosts_replaced_together_rebuild_their_data_from_parity(cluster_factory, nodes, k, m, lost):
-    cl = cluster_factory(nodes=nodes, data_parallelism=1, extra=["--redundancy", f"ec:{k}+{m}"])
+@pytest.mark.parametrize("nodes,k,m,lost,mode", [(4, 3, 1, (1,), "spread"), (4, 2, 2, (0, 3), "spread"),
+                                                 (4, 3, 1, (2,), "pipelined")],
+                         ids=["3+1-one-lost", "2+2-two-lost", "3+1-one-lost-pipelined"])
+def test_hosts_replaced_together_rebuild_their_data_from_parity(cluster_factory, nodes, k, m, lost, mode):
+    cl = cluster_factory(nodes=nodes, data_parallelism=1,
+                         extra=["--redundancy", f"ec:{k}+{m}", "--ec-rebuild", mode])
     cl.start_all()
     mgr = manager(cl, 1, nodes)
     trees = save_steps(mgr, [3], replicated_over_slices=False)
@@ -55,8 +58,9 @@ def test_hosts_replaced_together_rebuild_their_data_from_parity(cluster_factory,
         # sidecar's fetch for the restore, whichever asked first
         assert re.search(rf"rank {r} now holds rank {r}'s data of step 3 \((task|sidecar)\) from code group "
                          rf"ec:{k}\+{m}", logs), r
-        # decoded by the other members (spread), each a share: the rebuilding host received each byte ~once
-        assert re.search(rf"rebuilt rank {r} step 3 from its code group \(ec:{k}\+{m}, lost \[[0-9, ]+\], decoded "
-                         rf"spread over ranks", logs), r
+        # decoded by the other members (spread: each a share; pipelined: along chains), in the mode asked for:
+        # the rebuilding host received each byte ~once
+        assert re.search(rf"rebuilt rank {r} step 3 from its code group \(ec:{k}\+{m}, lost \[[0-9, ]+\], rebuild "
+                         rf"mode {mode} over ranks", logs), r
     mgr.close()
 

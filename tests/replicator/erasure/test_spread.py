@@ -56,10 +56,10 @@ def test_a_spread_rebuild_brings_each_byte_about_once_bit_exact(job_factory, rec
     spec = job.spec()
     with caplog.at_level(logging.INFO, logger="replicator.erasure"):
         for r in lost:
-            assert rebuild_own(job.hosts[r].ec(), STEP, spec) == job.manifests[r]
+            assert rebuild_own(job.hosts[r].ec(pipeline=False), STEP, spec) == job.manifests[r]
             assert_rebuilt(job, r)
     msgs = [rec.getMessage() for rec in caplog.records]
-    assert sum("decoded spread over ranks" in s for s in msgs) == len(lost), msgs
+    assert sum("rebuild mode spread over ranks" in s for s in msgs) == len(lost), msgs
     assert not any("failed" in s for s in msgs), msgs
     for r in lost:
         # its stream once, plus the parity records and manifests (small); a plain rebuild reads K times it
@@ -85,11 +85,12 @@ def test_a_helper_that_does_not_serve_rebuilds_means_decoding_here(job_factory, 
     job.hosts[2] = type(helper)(helper.root, 2, helper.nodes, rebuilds=False)  # an older replicator: UNIMPLEMENTED
     job.hosts[0].wipe()
     with caplog.at_level(logging.INFO, logger="replicator.erasure"):
-        rebuild_own(job.hosts[0].ec(), STEP, job.spec())
+        rebuild_own(job.hosts[0].ec(pipeline=True), STEP, job.spec())
     assert_rebuilt(job, 0)
     msgs = [rec.getMessage() for rec in caplog.records]
-    assert any("spread rebuild of rank 0 step 5 failed" in s and "UNIMPLEMENTED" in s for s in msgs), msgs
-    assert any("decoded here" in s for s in msgs), msgs
+    for mode in ("pipelined", "spread"):  # the chain through it fails first, then the spread
+        assert any(f"{mode} rebuild of rank 0 step 5 failed" in s and "UNIMPLEMENTED" in s for s in msgs), msgs
+    assert any("rebuild mode here" in s for s in msgs), msgs
 
 
 def test_a_helper_sending_bytes_that_do_not_verify_means_decoding_here(job_factory, caplog,
@@ -110,7 +111,7 @@ def test_a_helper_sending_bytes_that_do_not_verify_means_decoding_here(job_facto
     monkeypatch.setattr(spread, "serve", serve)
     job.hosts[0].wipe()
     with caplog.at_level(logging.INFO, logger="replicator.erasure"):
-        rebuild_own(job.hosts[0].ec(), STEP, job.spec())
+        rebuild_own(job.hosts[0].ec(pipeline=False), STEP, job.spec())
     assert_rebuilt(job, 0)
     msgs = [rec.getMessage() for rec in caplog.records]
     assert any("spread rebuild of rank 0 step 5 failed" in s and f"rebuilt by rank {bad}" in s for s in msgs), msgs
@@ -199,7 +200,7 @@ def test_a_busy_helper_refuses_and_the_rebuild_decodes_here(job_factory, caplog,
             _call(job.hosts[1].address, _request(job))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         with caplog.at_level(logging.INFO, logger="replicator.erasure"):
-            rebuild_own(job.hosts[0].ec(), STEP, job.spec())
+            rebuild_own(job.hosts[0].ec(pipeline=False), STEP, job.spec())
         assert_rebuilt(job, 0)
         msgs = [rec.getMessage() for rec in caplog.records]
         assert any("failed" in s and "RESOURCE_EXHAUSTED" in s for s in msgs), msgs

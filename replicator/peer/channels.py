@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 BROKEN_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 _STATE_BY_VALUE = {c.value[0]: c for c in grpc.ChannelConnectivity}
 
+# A call that failed with one of these retires its channel (the next call dials afresh): UNAVAILABLE, its connection
+# is gone; DEADLINE_EXCEEDED, its connection may be stalled without an RST (a peer's host frozen, a link dropping
+# every packet), which would hold every later call to that peer until keepalive noticed or each call's deadline.
+RETIRING_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
 ChannelFactory = Callable[..., grpc.Channel]  # (address, *, token, tls) -> channel, like make_peer_channel
 
 # gRPC shares one connection (subchannel) among all channels whose arguments are equal: a replacement made while
@@ -78,7 +83,8 @@ class PeerChannels:
     """A thread-safe cache of channels to peers, one per address (the daemon's, closed at its stop).
 
     :meth:`lease` hands out the address's channel. It is replaced by a new one when it is in TRANSIENT_FAILURE
-    or SHUTDOWN, when a call on it failed UNAVAILABLE (its connection is gone: the next call dials afresh), or
+    or SHUTDOWN, when a call on it failed UNAVAILABLE or DEADLINE_EXCEEDED (``RETIRING_CODES``: the next call dials
+    afresh), or
     when it is asked for with another token or TLS setting. A replaced channel is closed once the calls using
     it ended (closing a channel cancels its calls).
     """
@@ -97,7 +103,7 @@ class PeerChannels:
         try:
             yield entry.channel
         except grpc.RpcError as e:
-            if getattr(e, "code", None) is not None and e.code() is grpc.StatusCode.UNAVAILABLE:
+            if getattr(e, "code", None) is not None and e.code() in RETIRING_CODES:
                 self._retire(address, entry)
             raise
         finally:

@@ -18,11 +18,9 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-import queue
 import shutil
 import socket
 import struct
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -30,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 
 from mtc_rpc import peer_pb2, peer_pb2_grpc
 from replicator import restore_phases
@@ -39,11 +36,10 @@ from replicator.net.security import TlsOptions
 from replicator.peer.channels import PeerChannels
 from replicator.peer.progress import FetchProgress
 from replicator.peer.protocol import (
-    CHUNK_BYTES,
     DATA_CONNECT_TIMEOUT_SECONDS,
     DATA_IDLE_TIMEOUT_SECONDS,
     DATA_MAGIC,
-    RING_BUFFERS,
+    RECV_BYTES,
     STATUS_OK,
     STREAM_BELOW_BYTES,
     STREAM_CHUNK_BYTES,
@@ -175,7 +171,9 @@ def _connect_data(host: str, port: int, deadline: float) -> socket.socket:
 def _receive_tcp(
     host: str, port: int, ticket: bytes, sink: FileSink | PieceSink, deadline: float, limiter: RateLimiter
 ) -> None:
-    """Receive the ticket's files from the data port: recv thread + writer thread (crc32c, pwrite)."""
+    """Receive the ticket's files from the data port, on this thread alone: each ``recv_into`` of a reused
+    ``RECV_BYTES`` buffer takes what has arrived, its crc32c is computed while those bytes are still in cache,
+    and the sink ``pwrite``s them (it renames a file only once that crc32c matched its entry)."""
     with _connect_data(host, port, deadline) as sock:
         sock.settimeout(min(DATA_IDLE_TIMEOUT_SECONDS, _remaining(deadline)))
         sock.sendall(DATA_MAGIC + ticket)
@@ -186,69 +184,25 @@ def _receive_tcp(
             (length,) = struct.unpack(">H", recv_exact(sock, 2))
             reason = recv_exact(sock, length).decode(errors="replace")
             raise TransferRejected(f"data port {host}:{port} refused the transfer: {reason}")
-        free: queue.Queue[np.ndarray] = queue.Queue()
-        full: queue.Queue[tuple[int, int, np.ndarray | None, int, bool, int] | None] = queue.Queue()
-        for _ in range(RING_BUFFERS):
-            free.put(np.empty(CHUNK_BYTES, dtype=np.uint8))
-        errors: list[BaseException] = []
-
-        def writer() -> None:
-            while True:
-                item = full.get()
-                if item is None:
-                    return
-                idx, offset, buf, n, last, crc = item
-                try:
-                    if not errors:
-                        if buf is not None:
-                            sink.write(idx, offset, buf[:n], running_crc=crc)
-                        if last:
-                            sink.finish(idx)
-                except BaseException as e:  # noqa: BLE001 - handed to the receiving thread
-                    errors.append(e)
-                finally:
-                    if buf is not None:
-                        free.put(buf)
-
-        wt = threading.Thread(target=writer, name="mtc-fetch-writer", daemon=True)
-        wt.start()
-        try:
-            for idx, e in enumerate(sink.entries):
-                offset, crc = 0, 0
-                if e.size == 0:
-                    full.put((idx, 0, None, 0, True, 0))
-                while offset < e.size and not errors:
-                    try:
-                        buf = free.get(timeout=DATA_IDLE_TIMEOUT_SECONDS)
-                    except queue.Empty:
-                        raise TimeoutError(f"writing {sink.dest_dir} stalled") from None
-                    want = min(CHUNK_BYTES, e.size - offset)
-                    limiter.acquire(want)
-                    view = memoryview(buf)[:want]
-                    got = 0
-                    while got < want:
-                        sock.settimeout(min(DATA_IDLE_TIMEOUT_SECONDS, _remaining(deadline)))
-                        k = sock.recv_into(view[got:])
-                        if not k:
-                            free.put(buf)
-                            raise ConnectionError(
-                                f"data connection closed in {e.name} at {offset + got} of {e.size} bytes"
-                            )
-                        got += k
-                    # crc32c here, while the chunk is still in cache; the writer only copies it to disk.
-                    # Measured: this balances the two threads better than crc+write in the writer.
-                    t_crc = time.perf_counter()
-                    crc = checksums.crc32c_extend(crc, buf[:want])
-                    restore_phases.verified(time.perf_counter() - t_crc)
-                    full.put((idx, offset, buf, want, offset + want == e.size, crc))
-                    offset += want
-                if errors:
-                    break
-        finally:
-            full.put(None)
-            wt.join()
-        if errors:
-            raise errors[0]
+        view = memoryview(bytearray(RECV_BYTES))
+        idle = min(DATA_IDLE_TIMEOUT_SECONDS, _remaining(deadline))
+        sock.settimeout(idle)
+        for idx, e in enumerate(sink.entries):
+            offset, crc = 0, 0
+            while offset < e.size:
+                if deadline - time.monotonic() < idle:  # near the deadline: each wait ends at it
+                    idle = _remaining(deadline)  # (settimeout costs syscalls: not on every recv)
+                    sock.settimeout(idle)
+                k = sock.recv_into(view[: min(RECV_BYTES, e.size - offset)])
+                if not k:
+                    raise ConnectionError(f"data connection closed in {e.name} at {offset} of {e.size} bytes")
+                t_crc = time.perf_counter()
+                crc = checksums.crc32c_extend(crc, view[:k])
+                restore_phases.verified(time.perf_counter() - t_crc)
+                sink.write(idx, offset, view[:k], running_crc=crc)
+                offset += k
+                limiter.acquire(k)
+            sink.finish(idx)
 
 
 def _receive_stream(

@@ -17,6 +17,11 @@ from sidecar import checksums, faults, layout, spares
 from sidecar.checksums import ChecksumError
 from sidecar.layout import FileEntry
 
+# A file's watermark (``FetchProgress.landed``) moves on at least this many bytes at a time (and at its end): each
+# move wakes every reader following the copy, and the sidecar's streamed restore gets one message per move; the
+# data port's receive loop writes up to ``RECV_BYTES`` at a time, often less.
+LANDED_STEP_BYTES = 4 << 20
+
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     """Write all of ``view`` at ``offset`` of ``fd`` (a fetch's bytes landing on the RAM disk)."""
@@ -43,6 +48,7 @@ class FileSink:
         self._fd = -1
         self._crc = 0
         self._pos = 0
+        self._told = 0  # the current file's watermark as last told to ``progress``
         self._part: Path | None = None
         self.bytes = 0
         self.done: list[FileEntry] = []
@@ -66,7 +72,7 @@ class FileSink:
                 # Full size at once (a sparse file on tmpfs: no pages yet), so that a reader following the
                 # watermark can map the whole file while it lands (it reads only bytes already written).
                 os.ftruncate(self._fd, e.size)
-        self._idx, self._crc, self._pos = idx, 0, 0
+        self._idx, self._crc, self._pos, self._told = idx, 0, 0, 0
         if self.progress is not None:
             self.progress.landed(idx, 0)
 
@@ -95,8 +101,11 @@ class FileSink:
             _pwrite_all(self._fd, view, offset)
         self._pos += n
         self.bytes += n
-        if self.progress is not None and n:
+        if self.progress is not None and n and (
+            self._pos - self._told >= LANDED_STEP_BYTES or self._pos == self.entries[idx].size
+        ):
             self.progress.landed(idx, self._pos)
+            self._told = self._pos
 
     def finish(self, idx: int) -> None:
         if idx != self._idx:

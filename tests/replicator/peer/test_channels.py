@@ -1,9 +1,10 @@
 """One kept gRPC channel per peer (``replicator.peer.channels``): reused across copies, listings and manifests,
-replaced when broken (a peer restarted on its port), when a call on it failed UNAVAILABLE, or when the token or TLS
-settings change; closed at the daemon's stop."""
+replaced when broken (a peer restarted on its port), when a call on it failed UNAVAILABLE or DEADLINE_EXCEEDED, or
+when the token or TLS settings change; closed at the daemon's stop."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -155,6 +156,22 @@ def test_a_call_that_failed_unavailable_retires_the_channel(pool: tuple[PeerChan
     with pytest.raises(grpc.RpcError):
         peer_client.list_steps(address, token=TOKEN, channels=channels, timeout_seconds=5)
     assert made.made == [address, address]
+
+
+def test_a_call_that_failed_deadline_exceeded_retires_the_channel(pool: tuple[PeerChannels, Counting]) -> None:
+    """A peer whose connection stalls without an RST (here: a listener that never accepts, so TCP connects and
+    nothing ever answers) fails the call DEADLINE_EXCEEDED with the channel still CONNECTING, not broken: the
+    channel is replaced all the same, so the next call to that peer dials afresh instead of joining the stall."""
+    channels, made = pool
+    with socket.create_server(("127.0.0.1", 0), backlog=8) as stalled:
+        address = f"127.0.0.1:{stalled.getsockname()[1]}"
+        with pytest.raises(grpc.RpcError) as e:
+            peer_client.list_steps(address, token=TOKEN, channels=channels, timeout_seconds=0.5)
+        assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert channels.addresses() == []  # retired: the next call dials afresh
+        with pytest.raises(grpc.RpcError):
+            peer_client.list_steps(address, token=TOKEN, channels=channels, timeout_seconds=0.5)
+        assert made.made == [address, address]
 
 
 def test_other_credentials_get_a_new_channel_and_the_old_one_closes_after_its_last_call(

@@ -12,7 +12,7 @@ class GetSummaryRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetSummaryResponse(_message.Message):
-    __slots__ = ("job", "nodes", "hosts_registered", "lost_ranks", "newest_complete_step", "newest_redundant", "pinned_steps", "restore_target", "backup_url", "newest_backup_step", "backup_last_success_unix", "backup_interval_seconds", "backup_interval_steps", "backup_skipped", "backup_failures", "backup_last_error", "backup_in_progress_step", "degraded", "problems", "newest_complete_bytes", "epoch", "last_restore", "last_restore_rank", "redundancy")
+    __slots__ = ("job", "nodes", "hosts_registered", "lost_ranks", "newest_complete_step", "newest_redundant", "pinned_steps", "restore_target", "backup_url", "newest_backup_step", "backup_last_success_unix", "backup_interval_seconds", "backup_interval_steps", "backup_skipped", "backup_failures", "backup_last_error", "backup_in_progress_step", "degraded", "problems", "newest_complete_bytes", "epoch", "last_restore", "last_restore_rank", "redundancy", "slowest_handshake", "slowest_handshake_rank")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     HOSTS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class GetSummaryResponse(_message.Message):
     LAST_RESTORE_FIELD_NUMBER: _ClassVar[int]
     LAST_RESTORE_RANK_FIELD_NUMBER: _ClassVar[int]
     REDUNDANCY_FIELD_NUMBER: _ClassVar[int]
+    SLOWEST_HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
+    SLOWEST_HANDSHAKE_RANK_FIELD_NUMBER: _ClassVar[int]
     job: str
     nodes: int
     hosts_registered: int
@@ -61,7 +63,9 @@ class GetSummaryResponse(_message.Message):
     last_restore: _tier_pb2.RestoreBreakdown
     last_restore_rank: int
     redundancy: str
-    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[int] = ..., hosts_registered: _Optional[int] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., newest_complete_step: _Optional[int] = ..., newest_redundant: _Optional[bool] = ..., pinned_steps: _Optional[_Iterable[int]] = ..., restore_target: _Optional[int] = ..., backup_url: _Optional[str] = ..., newest_backup_step: _Optional[int] = ..., backup_last_success_unix: _Optional[float] = ..., backup_interval_seconds: _Optional[float] = ..., backup_interval_steps: _Optional[int] = ..., backup_skipped: _Optional[int] = ..., backup_failures: _Optional[int] = ..., backup_last_error: _Optional[str] = ..., backup_in_progress_step: _Optional[int] = ..., degraded: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ..., newest_complete_bytes: _Optional[int] = ..., epoch: _Optional[int] = ..., last_restore: _Optional[_Union[_tier_pb2.RestoreBreakdown, _Mapping]] = ..., last_restore_rank: _Optional[int] = ..., redundancy: _Optional[str] = ...) -> None: ...
+    slowest_handshake: _tier_pb2.HandshakeBreakdown
+    slowest_handshake_rank: int
+    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[int] = ..., hosts_registered: _Optional[int] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., newest_complete_step: _Optional[int] = ..., newest_redundant: _Optional[bool] = ..., pinned_steps: _Optional[_Iterable[int]] = ..., restore_target: _Optional[int] = ..., backup_url: _Optional[str] = ..., newest_backup_step: _Optional[int] = ..., backup_last_success_unix: _Optional[float] = ..., backup_interval_seconds: _Optional[float] = ..., backup_interval_steps: _Optional[int] = ..., backup_skipped: _Optional[int] = ..., backup_failures: _Optional[int] = ..., backup_last_error: _Optional[str] = ..., backup_in_progress_step: _Optional[int] = ..., degraded: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ..., newest_complete_bytes: _Optional[int] = ..., epoch: _Optional[int] = ..., last_restore: _Optional[_Union[_tier_pb2.RestoreBreakdown, _Mapping]] = ..., last_restore_rank: _Optional[int] = ..., redundancy: _Optional[str] = ..., slowest_handshake: _Optional[_Union[_tier_pb2.HandshakeBreakdown, _Mapping]] = ..., slowest_handshake_rank: _Optional[int] = ...) -> None: ...
 
 class ListStepsRequest(_message.Message):
     __slots__ = ()
@@ -124,7 +128,7 @@ class ListHostsRequest(_message.Message):
     def __init__(self, first_rank: _Optional[int] = ..., last_rank: _Optional[int] = ...) -> None: ...
 
 class HostInfo(_message.Message):
-    __slots__ = ("rank", "address", "incarnation", "seconds_since_report", "lost", "steps", "pieces", "bytes", "last_restore")
+    __slots__ = ("rank", "address", "incarnation", "seconds_since_report", "lost", "steps", "pieces", "bytes", "last_restore", "last_handshake")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +138,7 @@ class HostInfo(_message.Message):
     PIECES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_RESTORE_FIELD_NUMBER: _ClassVar[int]
+    LAST_HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     address: str
     incarnation: int
@@ -143,7 +148,8 @@ class HostInfo(_message.Message):
     pieces: int
     bytes: int
     last_restore: _tier_pb2.RestoreBreakdown
-    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., seconds_since_report: _Optional[float] = ..., lost: _Optional[bool] = ..., steps: _Optional[_Iterable[int]] = ..., pieces: _Optional[int] = ..., bytes: _Optional[int] = ..., last_restore: _Optional[_Union[_tier_pb2.RestoreBreakdown, _Mapping]] = ...) -> None: ...
+    last_handshake: _tier_pb2.HandshakeBreakdown
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., seconds_since_report: _Optional[float] = ..., lost: _Optional[bool] = ..., steps: _Optional[_Iterable[int]] = ..., pieces: _Optional[int] = ..., bytes: _Optional[int] = ..., last_restore: _Optional[_Union[_tier_pb2.RestoreBreakdown, _Mapping]] = ..., last_handshake: _Optional[_Union[_tier_pb2.HandshakeBreakdown, _Mapping]] = ...) -> None: ...
 
 class ListHostsResponse(_message.Message):
     __slots__ = ("hosts",)

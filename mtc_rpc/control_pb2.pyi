@@ -186,7 +186,7 @@ class LocalTask(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., owner_rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class GetLocalStatusResponse(_message.Message):
-    __slots__ = ("job", "rank", "nodes", "address", "metrics_address", "own_steps", "peer_steps", "newest_complete_step", "in_flight", "counters", "recent_errors", "has_backup", "backup_uploaded_bytes", "backup_last_error", "last_restore")
+    __slots__ = ("job", "rank", "nodes", "address", "metrics_address", "own_steps", "peer_steps", "newest_complete_step", "in_flight", "counters", "recent_errors", "has_backup", "backup_uploaded_bytes", "backup_last_error", "last_restore", "last_handshake")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class GetLocalStatusResponse(_message.Message):
     BACKUP_UPLOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BACKUP_LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAST_RESTORE_FIELD_NUMBER: _ClassVar[int]
+    LAST_HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     nodes: int
@@ -224,4 +225,5 @@ class GetLocalStatusResponse(_message.Message):
     backup_uploaded_bytes: int
     backup_last_error: str
     last_restore: _tier_pb2.RestoreBreakdown
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., nodes: _Optional[int] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., own_steps: _Optional[_Iterable[int]] = ..., peer_steps: _Optional[_Iterable[_Union[LocalPiece, _Mapping]]] = ..., newest_complete_step: _Optional[int] = ..., in_flight: _Optional[_Iterable[_Union[LocalTask, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., recent_errors: _Optional[_Iterable[str]] = ..., has_backup: _Optional[bool] = ..., backup_uploaded_bytes: _Optional[int] = ..., backup_last_error: _Optional[str] = ..., last_restore: _Optional[_Union[_tier_pb2.RestoreBreakdown, _Mapping]] = ...) -> None: ...
+    last_handshake: _tier_pb2.HandshakeBreakdown
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., nodes: _Optional[int] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., own_steps: _Optional[_Iterable[int]] = ..., peer_steps: _Optional[_Iterable[_Union[LocalPiece, _Mapping]]] = ..., newest_complete_step: _Optional[int] = ..., in_flight: _Optional[_Iterable[_Union[LocalTask, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., recent_errors: _Optional[_Iterable[str]] = ..., has_backup: _Optional[bool] = ..., backup_uploaded_bytes: _Optional[int] = ..., backup_last_error: _Optional[str] = ..., last_restore: _Optional[_Union[_tier_pb2.RestoreBreakdown, _Mapping]] = ..., last_handshake: _Optional[_Union[_tier_pb2.HandshakeBreakdown, _Mapping]] = ...) -> None: ...

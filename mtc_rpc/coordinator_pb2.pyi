@@ -98,7 +98,7 @@ class BackupReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uploaded_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., staging: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("job", "rank", "incarnation", "address", "holdings", "backups", "backup_requests", "newest_saved_step", "inventory_digest", "full_report", "base_digest", "removed", "known_epoch", "preempting", "nodes", "last_restore", "report_seq")
+    __slots__ = ("job", "rank", "incarnation", "address", "holdings", "backups", "backup_requests", "newest_saved_step", "inventory_digest", "full_report", "base_digest", "removed", "known_epoch", "preempting", "nodes", "last_restore", "report_seq", "last_handshake")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class HeartbeatRequest(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     LAST_RESTORE_FIELD_NUMBER: _ClassVar[int]
     REPORT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     incarnation: int
@@ -133,7 +134,8 @@ class HeartbeatRequest(_message.Message):
     nodes: int
     last_restore: _tier_pb2.RestoreBreakdown
     report_seq: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., holdings: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ..., backups: _Optional[_Iterable[_Union[BackupReport, _Mapping]]] = ..., backup_requests: _Optional[_Iterable[int]] = ..., newest_saved_step: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., full_report: _Optional[bool] = ..., base_digest: _Optional[str] = ..., removed: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., known_epoch: _Optional[int] = ..., preempting: _Optional[bool] = ..., nodes: _Optional[int] = ..., last_restore: _Optional[_Union[_tier_pb2.RestoreBreakdown, _Mapping]] = ..., report_seq: _Optional[int] = ...) -> None: ...
+    last_handshake: _tier_pb2.HandshakeBreakdown
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., holdings: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ..., backups: _Optional[_Iterable[_Union[BackupReport, _Mapping]]] = ..., backup_requests: _Optional[_Iterable[int]] = ..., newest_saved_step: _Optional[int] = ..., inventory_digest: _Optional[str] = ..., full_report: _Optional[bool] = ..., base_digest: _Optional[str] = ..., removed: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., known_epoch: _Optional[int] = ..., preempting: _Optional[bool] = ..., nodes: _Optional[int] = ..., last_restore: _Optional[_Union[_tier_pb2.RestoreBreakdown, _Mapping]] = ..., report_seq: _Optional[int] = ..., last_handshake: _Optional[_Union[_tier_pb2.HandshakeBreakdown, _Mapping]] = ...) -> None: ...
 
 class CopyTask(_message.Message):
     __slots__ = ("owner_rank", "step", "source_rank", "source_address", "content_hash")

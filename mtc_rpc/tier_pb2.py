@@ -24,19 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\ntier.proto\x12\x06mtc.v1\"d\n\x10RestorePhaseTime\x12#\n\x05phase\x18\x01 \x01(\x0e\x32\x14.mtc.v1.RestorePhase\x12\x1a\n\x04tier\x18\x02 \x01(\x0e\x32\x0c.mtc.v1.Tier\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\xc2\x01\n\x10RestoreBreakdown\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\nowner_rank\x18\x02 \x01(\x03\x12\x1a\n\x04tier\x18\x03 \x01(\x0e\x32\x0c.mtc.v1.Tier\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12(\n\x06phases\x18\x05 \x03(\x0b\x32\x18.mtc.v1.RestorePhaseTime\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\x15\n\rfinished_unix\x18\x07 \x01(\x01\x12\x0f\n\x07trigger\x18\x08 \x01(\t*o\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0e\n\nTIER_LOCAL\x10\x01\x12\r\n\tTIER_PEER\x10\x02\x12\x10\n\x0cTIER_REPLICA\x10\x03\x12\x0f\n\x0bTIER_BUCKET\x10\x04\x12\x0f\n\x0bTIER_PARITY\x10\x05*\x90\x01\n\x0cRestorePhase\x12\x1d\n\x19RESTORE_PHASE_UNSPECIFIED\x10\x00\x12\x16\n\x12RESTORE_PHASE_PLAN\x10\x01\x12\x17\n\x13RESTORE_PHASE_FETCH\x10\x02\x12\x18\n\x14RESTORE_PHASE_VERIFY\x10\x03\x12\x16\n\x12RESTORE_PHASE_LOAD\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\ntier.proto\x12\x06mtc.v1\"d\n\x10RestorePhaseTime\x12#\n\x05phase\x18\x01 \x01(\x0e\x32\x14.mtc.v1.RestorePhase\x12\x1a\n\x04tier\x18\x02 \x01(\x0e\x32\x0c.mtc.v1.Tier\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\xc2\x01\n\x10RestoreBreakdown\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\nowner_rank\x18\x02 \x01(\x03\x12\x1a\n\x04tier\x18\x03 \x01(\x0e\x32\x0c.mtc.v1.Tier\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12(\n\x06phases\x18\x05 \x03(\x0b\x32\x18.mtc.v1.RestorePhaseTime\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\x15\n\rfinished_unix\x18\x07 \x01(\x01\x12\x0f\n\x07trigger\x18\x08 \x01(\t\"4\n\x12HandshakePhaseTime\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x89\x01\n\x12HandshakeBreakdown\x12\x0e\n\x06number\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12*\n\x06phases\x18\x03 \x03(\x0b\x32\x1a.mtc.v1.HandshakePhaseTime\x12\x15\n\rfinished_unix\x18\x04 \x01(\x01\x12\x0f\n\x07outcome\x18\x05 \x01(\t*o\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0e\n\nTIER_LOCAL\x10\x01\x12\r\n\tTIER_PEER\x10\x02\x12\x10\n\x0cTIER_REPLICA\x10\x03\x12\x0f\n\x0bTIER_BUCKET\x10\x04\x12\x0f\n\x0bTIER_PARITY\x10\x05*\x90\x01\n\x0cRestorePhase\x12\x1d\n\x19RESTORE_PHASE_UNSPECIFIED\x10\x00\x12\x16\n\x12RESTORE_PHASE_PLAN\x10\x01\x12\x17\n\x13RESTORE_PHASE_FETCH\x10\x02\x12\x18\n\x14RESTORE_PHASE_VERIFY\x10\x03\x12\x16\n\x12RESTORE_PHASE_LOAD\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=321
-  _globals['_TIER']._serialized_end=432
-  _globals['_RESTOREPHASE']._serialized_start=435
-  _globals['_RESTOREPHASE']._serialized_end=579
+  _globals['_TIER']._serialized_start=515
+  _globals['_TIER']._serialized_end=626
+  _globals['_RESTOREPHASE']._serialized_start=629
+  _globals['_RESTOREPHASE']._serialized_end=773
   _globals['_RESTOREPHASETIME']._serialized_start=22
   _globals['_RESTOREPHASETIME']._serialized_end=122
   _globals['_RESTOREBREAKDOWN']._serialized_start=125
   _globals['_RESTOREBREAKDOWN']._serialized_end=319
+  _globals['_HANDSHAKEPHASETIME']._serialized_start=321
+  _globals['_HANDSHAKEPHASETIME']._serialized_end=373
+  _globals['_HANDSHAKEBREAKDOWN']._serialized_start=376
+  _globals['_HANDSHAKEBREAKDOWN']._serialized_end=513
 # @@protoc_insertion_point(module_scope)

@@ -64,3 +64,25 @@ class RestoreBreakdown(_message.Message):
     finished_unix: float
     trigger: str
     def __init__(self, step: _Optional[int] = ..., owner_rank: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., bytes: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[RestorePhaseTime, _Mapping]]] = ..., seconds: _Optional[float] = ..., finished_unix: _Optional[float] = ..., trigger: _Optional[str] = ...) -> None: ...
+
+class HandshakePhaseTime(_message.Message):
+    __slots__ = ("phase", "seconds")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    seconds: float
+    def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class HandshakeBreakdown(_message.Message):
+    __slots__ = ("number", "seconds", "phases", "finished_unix", "outcome")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    seconds: float
+    phases: _containers.RepeatedCompositeFieldContainer[HandshakePhaseTime]
+    finished_unix: float
+    outcome: str
+    def __init__(self, number: _Optional[int] = ..., seconds: _Optional[float] = ..., phases: _Optional[_Iterable[_Union[HandshakePhaseTime, _Mapping]]] = ..., finished_unix: _Optional[float] = ..., outcome: _Optional[str] = ...) -> None: ...

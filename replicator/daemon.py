@@ -344,6 +344,8 @@ class Replicator:
             st.backup_last_error = b.last_error
         if (last := self.metrics.last_restore) is not None:
             st.last_restore.CopyFrom(last.to_wire())
+        if (hs := self.metrics.last_handshake) is not None:
+            st.last_handshake.CopyFrom(hs.to_wire())
         return st
 
 

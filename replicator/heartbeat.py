@@ -248,6 +248,8 @@ class Heartbeat:
             req.backups.extend(self._backup_reports)
         if (last := parts.metrics.last_restore) is not None:
             req.last_restore.CopyFrom(last.to_wire())  # shown by `mtc status`
+        if (hs := parts.metrics.last_handshake) is not None:
+            req.last_handshake.CopyFrom(hs.to_wire())  # Orbax mode: shown by `mtc status`
         t_send = time.monotonic()
         resp = self._send(req)
         round_trip = time.monotonic() - t_send

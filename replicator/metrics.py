@@ -16,13 +16,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 
 from replicator.restore_phases import RestoreRecord
+
+if TYPE_CHECKING:
+    from replicator.orbax.handshake_clock import HandshakeRecord
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +131,7 @@ class ReplicatorMetrics:
             buckets=PHASE_BUCKETS, registry=self.registry)
         self._last_restore: RestoreRecord | None = None
         self._last_restore_lock = threading.Lock()
+        self._last_handshake: HandshakeRecord | None = None  # one reference, replaced whole
         self.heartbeat_handling_seconds = Histogram(
             "mtc_coordinator_heartbeat_seconds", "Coordinator: time to handle one host heartbeat",
             buckets=COORDINATOR_BUCKETS, registry=self.registry)
@@ -174,6 +178,18 @@ class ReplicatorMetrics:
         """This host's last finished restore (None: none since the process started)."""
         with self._last_restore_lock:
             return self._last_restore
+
+    def observe_handshake(self, record: HandshakeRecord) -> None:
+        """A finished Orbax-mode handshake: its phases and its whole observed; it is the host's last one."""
+        for phase, secs in record.phases:
+            self.handshake_phase_seconds.labels(phase=phase).observe(secs)
+        self.handshake_seconds.observe(record.seconds)
+        self._last_handshake = record
+
+    @property
+    def last_handshake(self) -> HandshakeRecord | None:
+        """This daemon's last finished Orbax-mode handshake (None: none, or not Orbax mode)."""
+        return self._last_handshake
 
     # ------------------------------------------------------------------ HTTP endpoint
     def serve(self, host: str, port: int) -> int:

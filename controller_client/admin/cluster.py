@@ -27,7 +27,7 @@ from controller_client.admin.common import (
     table,
     when,
 )
-from controller_client.admin.restores import restore_doc, restore_text
+from controller_client.admin.restores import handshake_doc, handshake_text, restore_doc, restore_text
 from mtc_rpc import admin_pb2 as pb
 from mtc_rpc import control_pb2, control_pb2_grpc
 from replicator.coordinator.tier_wire import tier_name
@@ -54,6 +54,8 @@ def summary_doc(s: Any) -> dict[str, Any]:
         "degraded": s.degraded, "problems": list(s.problems),
         "last_restore": ({"rank": s.last_restore_rank, **restore_doc(s.last_restore)}
                          if s.HasField("last_restore") else None),
+        "slowest_handshake": ({"rank": s.slowest_handshake_rank, **handshake_doc(s.slowest_handshake)}
+                              if s.HasField("slowest_handshake") else None),
     }
 
 def _local_status(args: argparse.Namespace) -> int:
@@ -81,6 +83,8 @@ def _local_status(args: argparse.Namespace) -> int:
             t.add_row("backup last error", resp.backup_last_error)
     if resp.HasField("last_restore"):
         t.add_row("last restore", restore_text(resp.last_restore))
+    if resp.HasField("last_handshake"):
+        t.add_row("last handshake", handshake_text(resp.last_handshake))
     if resp.recent_errors:
         t.add_row("recent errors", "\n".join(list(resp.recent_errors)[-5:]))
     console().print(t)
@@ -97,6 +101,7 @@ def local_status_doc(resp: Any) -> dict[str, Any]:
         "in_flight": [f"{t.kind}:{t.owner_rank}:{t.step}" for t in resp.in_flight],
         "counters": dict(sorted(resp.counters.items())), "recent_errors": list(resp.recent_errors),
         "last_restore": restore_doc(resp.last_restore) if resp.HasField("last_restore") else None,
+        "last_handshake": handshake_doc(resp.last_handshake) if resp.HasField("last_handshake") else None,
     }
     if resp.has_backup:
         doc["backup"] = {"uploaded_bytes": resp.backup_uploaded_bytes, "last_error": resp.backup_last_error}
@@ -136,7 +141,8 @@ def cmd_status(args: argparse.Namespace, conn: Conn | None) -> int:
         doc["hosts"] = [{"rank": h.rank, "address": h.address, "incarnation": h.incarnation or None,
                          "seconds_since_report": h.seconds_since_report if h.seconds_since_report >= 0 else None,
                          "lost": h.lost, "steps": list(h.steps), "pieces": h.pieces, "bytes": h.bytes,
-                         "last_restore": restore_doc(h.last_restore) if h.HasField("last_restore") else None}
+                         "last_restore": restore_doc(h.last_restore) if h.HasField("last_restore") else None,
+                         "last_handshake": handshake_doc(h.last_handshake) if h.HasField("last_handshake") else None}
                         for h in hosts]
     if args.output == "json":
         emit_json(doc)
@@ -167,16 +173,22 @@ def cmd_status(args: argparse.Namespace, conn: Conn | None) -> int:
             t.add_row("bucket", "none configured")
         if s.HasField("last_restore"):
             t.add_row("last restore", f"rank {s.last_restore_rank}: {restore_text(s.last_restore)}")
+        if s.HasField("slowest_handshake"):
+            t.add_row("slowest handshake", f"rank {s.slowest_handshake_rank}: {handshake_text(s.slowest_handshake)}")
         t.add_row("health", "DEGRADED: " + "; ".join(s.problems) if s.degraded else "ok")
         con = console()
         con.print(t)
         if hosts is not None:
-            h = table("hosts", ["rank", "address", "last report", "state", "steps held", "bytes", "last restore"])
+            shaken = any(x.HasField("last_handshake") for x in hosts)
+            h = table("hosts", ["rank", "address", "last report", "state", "steps held", "bytes", "last restore",
+                                *(["last handshake"] if shaken else [])])
             for x in hosts:
                 last = f"{x.seconds_since_report:.1f}s ago" if x.seconds_since_report >= 0 else "never"
                 h.add_row(str(x.rank), x.address or "-", last, "LOST" if x.lost else "ok", ranges(x.steps),
                           fmt_bytes(x.bytes),
-                          restore_text(x.last_restore, short=True) if x.HasField("last_restore") else "-")
+                          restore_text(x.last_restore, short=True) if x.HasField("last_restore") else "-",
+                          *([handshake_text(x.last_handshake, short=True) if x.HasField("last_handshake") else "-"]
+                            if shaken else []))
             con.print(h)
     return EXIT_DEGRADED if s.degraded else EXIT_OK
 

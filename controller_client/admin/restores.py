@@ -1,4 +1,5 @@
-"""A host's last restore, phase by phase, as `mtc status` shows it (the typed ``mtc.v1.RestoreBreakdown``).
+"""A host's last restore, phase by phase, as `mtc status` shows it (the typed ``mtc.v1.RestoreBreakdown``),
+and in Orbax mode its last handshake (``mtc.v1.HandshakeBreakdown``, replicator/orbax/handshake_clock.py).
 
 The replicator times every restore of a host's data (``replicator.restore_phases``) and reports the last one
 with its heartbeat (and in its local status); these render it as the JSON documents and table cells of
@@ -38,3 +39,17 @@ def restore_text(b: Any, *, short: bool = False) -> str:
     if short:
         return f"{head}: {phases}"
     return f"{head} ({b.trigger}, rank {b.owner_rank}'s data, {when(b.finished_unix)}): {phases}"
+
+
+def handshake_doc(h: Any) -> dict[str, Any]:
+    """``h`` (a HandshakeBreakdown) as plain data: number, seconds, when, outcome, and ``phases``: a list of
+    {phase, seconds} in the order they ran."""
+    return {"number": h.number, "seconds": h.seconds, "finished_unix": h.finished_unix or None,
+            "outcome": h.outcome, "phases": [{"phase": p.phase, "seconds": p.seconds} for p in h.phases]}
+
+
+def handshake_text(h: Any, *, short: bool = False) -> str:
+    """One line: ``0.412s: stop 0.000s, layout 0.010s, start 0.040s, hosts 0.150s, plan 0.200s, marker 0.010s``
+    (then, unless ``short``, the handshake's number, when and its outcome)."""
+    head = f"{h.seconds:.3f}s: " + ", ".join(f"{p.phase} {p.seconds:.3f}s" for p in h.phases)
+    return head if short else f"{head} (handshake {h.number}, {when(h.finished_unix)}: {h.outcome})"

@@ -214,6 +214,10 @@ class AdminServicer(pb_grpc.AdminServicer):
                 rank, last = max(coord.last_restores.items(), key=lambda kv: kv[1].finished_unix)
                 resp.last_restore.CopyFrom(last)
                 resp.last_restore_rank = rank
+            if coord.last_handshakes:  # Orbax mode: the slowest host's last handshake
+                rank, slowest = max(coord.last_handshakes.items(), key=lambda kv: kv[1].seconds)
+                resp.slowest_handshake.CopyFrom(slowest)
+                resp.slowest_handshake_rank = rank
             up_seconds = coord.seconds_since_start()
         problems = []
         if newest is None:
@@ -304,6 +308,8 @@ class AdminServicer(pb_grpc.AdminServicer):
                                    bytes=sum(h.size for h in held if h.tier is not Tier.REPLICA))
                 if (last := coord.last_restores.get(r)) is not None:
                     info.last_restore.CopyFrom(last)
+                if (hs := coord.last_handshakes.get(r)) is not None:
+                    info.last_handshake.CopyFrom(hs)
                 out.append(info)
         return pb.ListHostsResponse(hosts=out)
 

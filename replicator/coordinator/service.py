@@ -185,6 +185,8 @@ class Coordinator(CoordinatorCore, pb_grpc.CoordinatorServicer):
             self._newest_saved[rank] = request.newest_saved_step
         if request.HasField("last_restore"):
             self.last_restores[rank] = request.last_restore  # shown by `mtc status` (admin)
+        if request.HasField("last_handshake"):
+            self.last_handshakes[rank] = request.last_handshake  # Orbax mode: shown by `mtc status` (admin)
         self.backup.report(st, rank, list(request.backups))
         if request.backup_requests:
             self.backup.request(list(request.backup_requests))

@@ -129,6 +129,7 @@ class CoordinatorCore:
         self._newest_saved: dict[int, int] = {}
         # rank -> its last restore as it reported it (admin: `mtc status`); what hosts say, never decides.
         self.last_restores: dict[int, tier_pb2.RestoreBreakdown] = {}
+        self.last_handshakes: dict[int, tier_pb2.HandshakeBreakdown] = {}
         self._first_seen = FirstSeen()
         self._restore = RestoreTarget(self.state, self._force_restore_step)
         self._started = self._clock()

@@ -8,13 +8,20 @@ Where a restart's time goes between Orbax writing ``replicator.yaml`` and our ac
 - ``hosts``: until every host has reported to the coordinator (a plan on fewer could miss data);
 - ``plan``: the coordinator's PrepareRestore until this host holds its data of the step (fetches included);
 - ``marker``: the restore marker written and ``replicator.yaml`` acknowledged.
+
+:meth:`HandshakeClock.done` turns the clock into a :class:`HandshakeRecord`: the log line, the histograms and
+the host's last handshake, which the heartbeat carries to the coordinator and ``mtc status`` shows (typed:
+``mtc.v1.HandshakeBreakdown``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Literal
+
+from mtc_rpc import tier_pb2
 
 if TYPE_CHECKING:
     from replicator.metrics import ReplicatorMetrics
@@ -23,6 +30,25 @@ log = logging.getLogger(__name__)
 
 Phase = Literal["stop", "layout", "start", "hosts", "plan", "marker"]
 PHASES: tuple[Phase, ...] = ("stop", "layout", "start", "hosts", "plan", "marker")
+
+
+@dataclasses.dataclass(frozen=True)
+class HandshakeRecord:
+    """One finished handshake: its phases' seconds in the order they ran."""
+
+    number: int
+    phases: tuple[tuple[Phase, float], ...]
+    seconds: float
+    finished_unix: float
+    outcome: str
+
+    def to_wire(self) -> tier_pb2.HandshakeBreakdown:
+        out = tier_pb2.HandshakeBreakdown(
+            number=self.number, seconds=self.seconds, finished_unix=self.finished_unix, outcome=self.outcome
+        )
+        for phase, secs in self.phases:
+            out.phases.add(phase=phase, seconds=secs)
+        return out
 
 
 class HandshakeClock:
@@ -46,12 +72,20 @@ class HandshakeClock:
         """``stop 0.001s, layout 0.004s, ...`` in the order the phases run."""
         return ", ".join(f"{p} {self.phases[p]:.3f}s" for p in PHASES if p in self.phases)
 
-    def done(self, outcome: str, metrics: ReplicatorMetrics | None) -> None:
-        """One log line, and ``mtc_orbax_handshake_phase_seconds`` / ``mtc_orbax_handshake_seconds`` on the
-        serving daemon's ``metrics``."""
+    def record(self, outcome: str) -> HandshakeRecord:
+        return HandshakeRecord(
+            self.number,
+            tuple((p, self.phases[p]) for p in PHASES if p in self.phases),
+            self.seconds(),
+            time.time(),
+            outcome,
+        )
+
+    def done(self, outcome: str, metrics: ReplicatorMetrics | None) -> HandshakeRecord:
+        """One log line, and on the serving daemon's ``metrics`` the histograms
+        (``mtc_orbax_handshake_phase_seconds`` / ``mtc_orbax_handshake_seconds``) and its last handshake."""
         log.info("handshake %d done in %.2fs (%s): %s", self.number, self.seconds(), self.describe(), outcome)
-        if metrics is None:
-            return
-        for phase, secs in self.phases.items():
-            metrics.handshake_phase_seconds.labels(phase=phase).observe(secs)
-        metrics.handshake_seconds.observe(self.seconds())
+        rec = self.record(outcome)
+        if metrics is not None:
+            metrics.observe_handshake(rec)
+        return rec

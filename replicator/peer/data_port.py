@@ -214,6 +214,7 @@ class TransferServer:
         self._stop.set()
         self.tickets.clear()
         if self._accept_thread is not None:
+            self._wake_accept_loop()
             self._accept_thread.join(timeout=5.0)
         if self._sock is not None:
             self._sock.close()
@@ -239,6 +240,14 @@ class TransferServer:
             conn.close()
         if active:
             log.warning("transfer server stopped with %d transfer(s) abandoned", len(active))
+
+    def _wake_accept_loop(self) -> None:
+        """A connection to our own port: the accept loop's select returns now and sees the stop, instead of
+        after its 0.2 s timeout (which every Orbax-mode handshake's stop phase waited for)."""
+        try:
+            socket.create_connection(self._sock.getsockname()[:2], timeout=0.5).close()
+        except (OSError, AttributeError):
+            pass  # not listening: the loop ends by its timeout as before
 
     # -- accepting and reading headers (one thread, no blocking call)
 

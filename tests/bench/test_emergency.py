@@ -107,6 +107,9 @@ def test_our_orbax_mode_runs_every_measure_in_job_incarnations_of_its_own():
         assert 0 < parts["open_seconds"][m] < parts["after_init_seconds"][m]
         clock = parts["daemon_start_seconds"][m] + parts["ack_wait_seconds"][m] + parts["after_init_seconds"][m]
         assert result["seconds"]["ours_orbax"][m] == pytest.approx(clock, abs=0.01)  # one round: its medians
+    # Issue 48's keys: the handshake alone, per restore case.
+    for m, case in (("restore_local", "local"), ("restore_one_lost", "one_lost"), ("restore_all_lost", "all_lost")):
+        assert result[f"ours_orbax_handshake_{case}_seconds"] == parts["handshake_seconds"][m]
     assert "steady" not in result or "ours_orbax" not in result["steady"]
 
 

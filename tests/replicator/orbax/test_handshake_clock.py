@@ -30,6 +30,23 @@ def test_phases_add_up_to_the_handshake_and_reach_the_histograms(monkeypatch: py
         assert registry.get_sample_value("mtc_orbax_handshake_phase_seconds_sum", {"phase": phase}) == secs
     assert registry.get_sample_value("mtc_orbax_handshake_seconds_sum") == pytest.approx(3.9375)
     assert registry.get_sample_value("mtc_orbax_handshake_seconds_count") == 1
+    # The host's last handshake, typed for the heartbeat and `mtc status`.
+    wire = metrics.last_handshake.to_wire()
+    assert (wire.number, wire.outcome) == (3, "restore step 8 from /x")
+    assert wire.seconds == pytest.approx(3.9375) and wire.finished_unix > 0
+    assert [(p.phase, p.seconds) for p in wire.phases] == [
+        ("stop", 0.25), ("layout", 0.5), ("start", 0.125), ("hosts", 1.0), ("plan", 2.0), ("marker", 0.0625)]
+
+
+def test_status_renders_the_handshake() -> None:
+    from controller_client.admin.restores import handshake_doc, handshake_text
+
+    rec = hc.HandshakeRecord(2, (("stop", 0.001), ("hosts", 0.25), ("plan", 0.125)), 0.376, 0.0, "nothing to restore")
+    assert handshake_text(rec.to_wire(), short=True) == "0.376s: stop 0.001s, hosts 0.250s, plan 0.125s"
+    assert handshake_doc(rec.to_wire()) == {
+        "number": 2, "seconds": 0.376, "finished_unix": None, "outcome": "nothing to restore",
+        "phases": [{"phase": "stop", "seconds": 0.001}, {"phase": "hosts", "seconds": 0.25},
+                   {"phase": "plan", "seconds": 0.125}]}
 
 
 def test_only_the_phases_reached_are_described(monkeypatch: pytest.MonkeyPatch) -> None:

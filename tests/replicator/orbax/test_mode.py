@@ -243,7 +243,49 @@ def test_single_slice_ring_copy_restores_a_wiped_host(base) -> None:
     phases = ", ".join(rf"{p} \d+\.\d+s" for p in ("stop", "layout", "start", "hosts", "plan", "marker"))
     assert re.search(rf"handshake 2 done in \d+\.\d+s \({phases}\): restore step 2 from ",
                      (cl.base / "logs" / "replicator-1.log").read_text()), cl.describe(second)
+    # ... and typed in `mtc status`: the host's own (--local-dir), per host and the slowest (the coordinator).
+    _handshake_in_status(cl)
     assert _check_ingested(cl, 1, 2).content_id == m1.content_id
+
+
+def _mtc_status(*args: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "controller_client.cli", "status", "-o", "json", *args],
+        capture_output=True, text=True, timeout=60, cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def _handshake_in_status(cl: OrbaxCluster) -> None:
+    """Every host's second handshake, phase by phase, in `mtc status` (never parsed from a log line)."""
+    names = ["stop", "layout", "start", "hosts", "plan", "marker"]
+    local = _mtc_status("--local-dir", str(cl.local(1)))["last_handshake"]
+    assert local["number"] == 2 and local["outcome"].startswith("restore step 2 from "), local
+    assert [p["phase"] for p in local["phases"]] == names
+    assert local["seconds"] == pytest.approx(sum(p["seconds"] for p in local["phases"]), abs=1e-6)
+    # The coordinator has each host's once its next heartbeat carried it.
+    wait_for(lambda: all(h["last_handshake"] and h["last_handshake"]["number"] == 2 for h in
+                         _mtc_status("--coordinator", cl.address(0), "--hosts")["hosts"]), what="handshakes reported")
+    st = _mtc_status("--coordinator", cl.address(0), "--hosts")
+    slowest = max(st["hosts"], key=lambda h: h["last_handshake"]["seconds"])
+    assert st["slowest_handshake"]["rank"] == slowest["rank"]
+    assert st["slowest_handshake"]["seconds"] == slowest["last_handshake"]["seconds"]
+    assert [p["phase"] for p in st["slowest_handshake"]["phases"]] == names
+
+
+def test_a_handshake_waits_for_no_heartbeat_interval(base) -> None:
+    """With the default 2 s heartbeats, a handshake of daemons that stay up (the coordinator restarts inside it)
+    takes well under one interval: each host reports as soon as the new coordinator answers (not after its
+    failed heartbeat's back-off) and right after asking for the plan (not at its next heartbeat)."""
+    cl = _cluster(base, 2, ["--heartbeat-seconds", "2"])
+    _ok(cl, cl.run_job("hb", slices=2, save_steps="1"))
+    wait_for(lambda: all((cl.local(r) / "steps" / "1" / layout.MANIFEST_NAME).is_file() for r in range(2)),
+             what="step 1 ingested", timeout=60)
+    _restored(cl, cl.run_job("hb", slices=2, restore_step=1), 1)
+    for r in range(2):
+        hs = _mtc_status("--local-dir", str(cl.local(r)))["last_handshake"]
+        phases = {p["phase"]: p["seconds"] for p in hs["phases"]}
+        assert hs["number"] == 2 and phases["hosts"] + phases["plan"] < 1.0, hs
 
 
 def test_colocated_python_saves_and_restores(base) -> None:

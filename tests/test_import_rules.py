@@ -23,11 +23,11 @@ FORBIDDEN = {
 REPLICATOR_FLOORS: tuple[tuple[str, ...], ...] = (
     # the ground floor: the vocabulary every role speaks, and the transport
     ("replicator.tiers", "replicator.net"),
-    # a host's tiers and their plumbing: RAM disk, peers, erasure coding, the Orbax store, metrics, tasks; and
-    # the host's rules with its coordinator (pure: the heartbeat and the simulation's hosts both call them)
+    # a host's tiers and their plumbing: RAM disk, peers, erasure coding, the Orbax store and handshake clock,
+    # metrics, tasks; and the host's rules with its coordinator (pure: the heartbeat and the simulation's hosts both call them)
     ("replicator.tier_wire", "replicator.local", "replicator.peer", "replicator.erasure", "replicator.orbax.store",
-     "replicator.orbax.contract", "replicator.restore_phases", "replicator.metrics", "replicator.tasks",
-     "replicator.host_protocol"),
+     "replicator.orbax.contract", "replicator.restore_phases", "replicator.orbax.handshake_clock",
+     "replicator.metrics", "replicator.tasks", "replicator.host_protocol"),
     # the global view
     ("replicator.coordinator",),
 )

@@ -37,8 +37,8 @@ import numpy as np
 
 from replicator.erasure.codec import StripeCodec
 from replicator.erasure.group import GroupManifest, _padded, stream_plan
+from replicator.erasure.helped import Item, Put, close_call, failing_as
 from replicator.erasure.host import EcHost, GroupReads, _own_stream, task_links
-from replicator.erasure.spread import Item, Put
 from replicator.erasure.wire import CodeGroupSpec
 from sidecar.checksums import ChecksumError, crc32c
 
@@ -136,7 +136,7 @@ def pipeline_stream(host: EcHost, step: int, group: CodeGroupSpec, g: GroupReads
                     _chain_crcs(man, chain, items))
 
     left = man.stream_bytes[lay.position(host.rank)]
-    try:
+    with failing_as(PipelineError, calls):
         for i, lanes in enumerate(runs):
             start(i)
             start(i + 1)  # the next run's chains fill while this one's drain
@@ -154,20 +154,7 @@ def pipeline_stream(host: EcHost, step: int, group: CodeGroupSpec, g: GroupReads
                 left -= len(piece)
                 yield piece
             for j in range(len(lanes)):
-                _close(calls.pop((i, j)))
-    except PipelineError:
-        raise
-    except (OSError, ValueError) as e:
-        raise PipelineError(f"{type(e).__name__}: {e}") from e
-    finally:
-        for call in calls.values():
-            _close(call)
-
-
-def _close(call: Iterator[bytes]) -> None:
-    close = getattr(call, "close", None)
-    if close is not None:
-        close()
+                close_call(calls.pop((i, j)))
 
 
 def _check_chain(group: CodeGroupSpec, host_rank: int, rank: int, items: Sequence[Item],
@@ -211,7 +198,7 @@ def link_fill(host: EcHost, request: Any, step: int, group: CodeGroupSpec, rank:
                 lengths = [man.stripe_range(t)[1] for _, t, _ in items]
                 up = links(group.address_of(chain[at - 1])).rebuilt_fragments(step, group, rank, list(items), lost,
                                                                              lengths, chain, at - 1, crcs)
-                closing.callback(_close, up)
+                closing.callback(close_call, up)
             for n, (r, t, want) in enumerate(items):
                 idx = [lay.holders(r).index(h) for h in chain]
                 frag = own(r, t, idx[at], crcs[n * lay.k + at])

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from replicator.erasure.group import stream_plan
+from replicator.erasure.helped import Item, Put, failing_as
 from replicator.erasure.host import EcHost, GroupReads, open_group, task_links
 from replicator.erasure.remote import WINDOW_BYTES
 from replicator.erasure.wire import CodeGroupSpec
@@ -38,7 +39,6 @@ from sidecar.checksums import ChecksumError, crc32c
 
 log = logging.getLogger(__name__)
 
-Item = tuple[int, int, int]  # (rotation, stripe, fragment index)
 
 # Fragments one request may ask for: 2^17 stripes of 1 MiB, 128 GiB of one rank's step.
 MAX_FRAGMENTS_PER_REQUEST = 1 << 17
@@ -82,7 +82,7 @@ def spread_stream(host: EcHost, step: int, group: CodeGroupSpec, g: GroupReads, 
     for item, helper in zip(plan, who, strict=True):
         mine.setdefault(helper, []).append(item)
     calls: dict[int, Iterator[bytes]] = {}
-    try:
+    with failing_as(SpreadError, calls):
         for helper, items in mine.items():  # every share starts at once
             lengths = [man.stripe_range(t)[1] for _, t, _ in items]
             calls[helper] = links(group.address_of(helper)).rebuilt_fragments(step, group, host.rank, items, lost,
@@ -99,15 +99,6 @@ def spread_stream(host: EcHost, step: int, group: CodeGroupSpec, g: GroupReads, 
             piece = memoryview(frag)[:left]
             left -= len(piece)
             yield piece
-    except SpreadError:
-        raise
-    except (OSError, ValueError) as e:
-        raise SpreadError(f"{type(e).__name__}: {e}") from e
-    finally:
-        for call in calls.values():
-            close = getattr(call, "close", None)
-            if close is not None:
-                close()
 
 
 def _check(host: EcHost, request: Any) -> tuple[int, CodeGroupSpec, int, list[Item], set[int]]:
@@ -137,9 +128,6 @@ def _check(host: EcHost, request: Any) -> tuple[int, CodeGroupSpec, int, list[It
     if host.parity.record(step, group.digest()) is None:
         raise FileNotFoundError(f"rank {host.rank} holds no parity of step {step} for {group.digest()}")
     return step, group, rank, items, lost
-
-
-Put = Callable[[tuple[str, Any]], bool]
 
 
 def run_ahead(host: EcHost, fill: Callable[[Put], None], name: str, bulk_priority: str = "normal") -> Iterator[Any]:

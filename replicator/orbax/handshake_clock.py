@@ -19,12 +19,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from mtc_rpc import tier_pb2
-
-if TYPE_CHECKING:
-    from replicator.metrics import ReplicatorMetrics
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +46,12 @@ class HandshakeRecord:
         for phase, secs in self.phases:
             out.phases.add(phase=phase, seconds=secs)
         return out
+
+
+class HandshakeObserver(Protocol):
+    """Where a finished handshake goes (the daemon's :class:`replicator.metrics.ReplicatorMetrics`)."""
+
+    def observe_handshake(self, record: HandshakeRecord) -> None: ...
 
 
 class HandshakeClock:
@@ -81,7 +84,7 @@ class HandshakeClock:
             outcome,
         )
 
-    def done(self, outcome: str, metrics: ReplicatorMetrics | None) -> HandshakeRecord:
+    def done(self, outcome: str, metrics: HandshakeObserver | None) -> HandshakeRecord:
         """One log line, and on the serving daemon's ``metrics`` the histograms
         (``mtc_orbax_handshake_phase_seconds`` / ``mtc_orbax_handshake_seconds``) and its last handshake."""
         log.info("handshake %d done in %.2fs (%s): %s", self.number, self.seconds(), self.describe(), outcome)

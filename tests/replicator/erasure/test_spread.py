@@ -44,11 +44,13 @@ def _stream_bytes(job: Job, rank: int) -> int:
     return job.manifests[rank].total_bytes
 
 
+@pytest.mark.parametrize("mode", ["spread", "pipelined"])
 @pytest.mark.parametrize(("k", "m", "lost", "data_port"), [(3, 1, [0], True), (4, 2, [0], False),
                                                            (4, 2, [2, 5], True)],
                          ids=["3+1-tcp", "4+2-grpc-stream", "4+2-two-lost"])
-def test_a_spread_rebuild_brings_each_byte_about_once_bit_exact(job_factory, received, caplog, k: int, m: int,
-                                                                lost: list[int], data_port: bool) -> None:
+def test_a_helped_rebuild_brings_each_byte_about_once_bit_exact(job_factory, received, caplog, k: int, m: int,
+                                                                lost: list[int], data_port: bool, mode: str) -> None:
+    """Spread (each other member decodes a share) or pipelined (chains of them, replicator.erasure.pipeline)."""
     job = job_factory(k, m, data_port=data_port)
     job.encode_all()
     for r in lost:
@@ -56,10 +58,12 @@ def test_a_spread_rebuild_brings_each_byte_about_once_bit_exact(job_factory, rec
     spec = job.spec()
     with caplog.at_level(logging.INFO, logger="replicator.erasure"):
         for r in lost:
-            assert rebuild_own(job.hosts[r].ec(pipeline=False), STEP, spec) == job.manifests[r]
+            assert rebuild_own(job.hosts[r].ec(pipeline=mode == "pipelined"), STEP, spec) == job.manifests[r]
             assert_rebuilt(job, r)
     msgs = [rec.getMessage() for rec in caplog.records]
-    assert sum("rebuild mode spread over ranks" in s for s in msgs) == len(lost), msgs
+    modes = [rec.rebuild_mode for rec in caplog.records if hasattr(rec, "rebuild_mode")]
+    assert modes == [mode] * len(lost), msgs
+    assert sum(f"rebuild mode {mode} over ranks" in s for s in msgs) == len(lost), msgs
     assert not any("failed" in s for s in msgs), msgs
     for r in lost:
         # its stream once, plus the parity records and manifests (small); a plain rebuild reads K times it

@@ -13,7 +13,9 @@ then every healthy Pod. With ``--kube-api-dir`` the hook first reads its own Pod
 the API server (the rendered Role allows ``get`` on Pods and Jobs only): when the Job is gone, being deleted
 or failed, the deletion is a restart and the hook returns at once, no save window, no flush (with
 ``--on-restart skip`` it records ``<local-dir>/restart.json`` so the replicator's SIGTERM skips its emergency
-backup too). Anything else, an unreachable API server included, is handled as a notice.
+backup too). Anything else, an unreachable API server included, is handled as a notice. Every run first records
+``<local-dir>/prestop.json``: a replicator started with ``--sigterm-flush after-hook`` (``mtc manifests --restart
+in-place``) flushes on SIGTERM only after a hook ran, since the kubelet's in-place restarts run none.
 
 ``--hold-while-port PORT`` is the other half: the main process of the Pathways worker Pod's
 ``preemption-notice`` container, whose preStop hook this command is. It exits 143 on SIGTERM, and 1 once
@@ -165,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
     if args.hold_while_port:
         return hold(args.hold_while_port)
     t0 = time.monotonic()
+    try:  # first: a SIGTERM after a hook is a deletion's, not an in-place restart's (--sigterm-flush after-hook)
+        preemption.record_prestop(local)
+    except OSError as e:
+        print(f"mtc preempt: cannot record the hook in {local}: {e}", file=sys.stderr)
     if args.kube_api_dir and classify(Path(args.kube_api_dir)) == RESTART:
         if args.on_restart == "skip":
             preemption.record_restart(local)

@@ -297,10 +297,13 @@ class Replicator:
         while not done.wait(1.0):
             pass
         if got and got[0] == signal.SIGTERM and self.opts.preemption_grace_seconds > 0:
-            if preemption.restart_recorded(self.store.root, self.started_wall):
-                # `mtc preempt --on-restart skip`: a JobSet restart or hot-swap, not a notice; the RAM disk
-                # outlives this Pod, the replacement restores from it and from peers.
-                log.info("SIGTERM of a JobSet restart: no emergency backup")
+            # A JobSet restart (`mtc preempt --on-restart skip`) or an in-place restart (no preStop hook):
+            # the RAM disk outlives this process, which the next one restores from, and from peers.
+            skip = preemption.sigterm_skips_flush(self.store.root, self.started_wall,
+                                                  noticed=self.preemption.state.preempting,
+                                                  sigterm_flush=self.opts.sigterm_flush)
+            if skip:
+                log.info("%s", skip)
             else:
                 self.preemption.flush(self.opts.preemption_grace_seconds)
         self.stop()

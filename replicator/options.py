@@ -176,6 +176,11 @@ class ReplicatorOptions:
         "to the bucket before exiting (default 25, below Kubernetes' 30 s terminationGracePeriodSeconds; "
         "0 = exit at once)",
         25.0)
+    sigterm_flush: str = _opt(
+        "always: every SIGTERM flushes (as above) unless `mtc preempt` recorded a restart; after-hook: only a "
+        "SIGTERM that a preStop hook or a notice came before (`mtc manifests --restart in-place`: the kubelet "
+        "restarts containers in place without hooks, and the Pod keeps its RAM disk)",
+        "always", choices=("always", "after-hook"))
 
     @property
     def orbax_mode(self) -> bool:

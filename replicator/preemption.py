@@ -44,6 +44,9 @@ PREEMPTION_RECORD = "preemption.json"
 # Written by `mtc preempt --on-restart skip` when the Pod is deleted because its Job is going away (a JobSet
 # restart, a hot-swap): the daemon's SIGTERM then skips the emergency backup.
 RESTART_RECORD = "restart.json"
+# Written by every `mtc preempt` (the trainer's preStop hook) before anything else: a Pod deletion, not an
+# in-place restart, which the kubelet makes without preStop hooks (``--sigterm-flush after-hook``).
+PRESTOP_RECORD = "prestop.json"
 
 
 # ---------------------------------------------------------------------- the records
@@ -92,10 +95,34 @@ def record_restart(root: Path) -> None:
 
 def restart_recorded(root: Path, since_wall: float) -> bool:
     """A restart record written since ``since_wall`` (``time.time()`` at this daemon's start)."""
+    return _recorded_since(root / RESTART_RECORD, since_wall)
+
+
+def record_prestop(root: Path) -> None:
+    """``<root>/prestop.json``: a preStop hook ran for this Pod (``mtc preempt``, first thing)."""
+    (root / PRESTOP_RECORD).write_text(json.dumps({"prestop": True}) + "\n")
+
+
+def _recorded_since(path: Path, since_wall: float) -> bool:
     try:
-        return (root / RESTART_RECORD).stat().st_mtime >= since_wall
+        return path.stat().st_mtime >= since_wall
     except FileNotFoundError:
         return False
+
+
+def sigterm_skips_flush(root: Path, since_wall: float, *, noticed: bool, sigterm_flush: str) -> str:
+    """Why this daemon's SIGTERM (``since_wall``: its start) takes no emergency backup; "" when it flushes.
+
+    The one rule of both front doors: a restart recorded by the preStop hook (``--on-restart skip``: the RAM
+    disk outlives the Pod) never flushes; with ``sigterm_flush`` "after-hook" neither does a SIGTERM that no
+    preStop hook and no notice came before (an in-place restart: the Pod, its RAM disk and the step stay).
+    """
+    if restart_recorded(root, since_wall):
+        return "SIGTERM of a JobSet restart: no emergency backup"
+    if sigterm_flush == "after-hook" and not noticed and not _recorded_since(root / PRESTOP_RECORD, since_wall):
+        return ("SIGTERM without a preStop hook (an in-place restart keeps this Pod and its RAM disk): "
+                "no emergency backup")
+    return ""
 
 
 # ---------------------------------------------------------------------- the state

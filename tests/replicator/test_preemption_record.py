@@ -91,3 +91,18 @@ def test_the_coordinators_notice_ends_when_it_says_so() -> None:
     assert state.coordinator_says(True) and state.noticed
     assert not state.coordinator_says(True)
     assert state.coordinator_says(False) and not state.noticed
+
+
+def test_what_a_sigterm_skips(tmp_path: Path) -> None:
+    """One rule for both front doors: a recorded restart never flushes; "after-hook" flushes only after a hook
+    or a notice (an in-place restart runs no hook); records older than the daemon are an earlier Pod's."""
+    since = time.time() - 1
+
+    def skips(*, noticed: bool = False, mode: str = "after-hook", start: float = since) -> bool:
+        return bool(preemption.sigterm_skips_flush(tmp_path, start, noticed=noticed, sigterm_flush=mode))
+
+    assert skips() and not skips(noticed=True) and not skips(mode="always")
+    preemption.record_prestop(tmp_path)
+    assert not skips() and skips(start=time.time() + 5), "an earlier Pod's hook is not this one's"
+    preemption.record_restart(tmp_path)
+    assert skips() and skips(noticed=True) and skips(mode="always")

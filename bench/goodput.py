@@ -1,8 +1,8 @@
 """Goodput under failure, side by side: what a training job keeps of its wall time with us and Orbax's managers.
 
     python -m bench.goodput [--mib 1024] [--seconds 600] [--step-seconds 1] [--mtbf-seconds 120]
-        [--replace-seconds 5] [--grace-seconds 25] [--seed 19] [--ramdisk csi] [--probe-seconds 1]
-        [--systems ours,orbax_p2p,...]
+        [--replace-seconds 5] [--grace-seconds 25] [--seed 19] [--ramdisk csi]
+        [--trainer-start with-replicator|after-probe] [--probe-seconds 1] [--systems ours,orbax_p2p,...]
 
 The same job (4 JAX processes, 2 slices x 2 hosts on 8 CPU devices, bench.emergency's ``--mib`` state
 sharded within a slice and replicated across slices, a train step of ``--step-seconds``) runs for
@@ -30,7 +30,7 @@ from typing import Any
 
 from bench import goodput_run
 from bench.children import scratch_dir
-from bench.goodput_run import KINDS, RAMDISKS, STARTUP_PROBE_SECONDS, RunOptions, schedule
+from bench.goodput_run import KINDS, RAMDISKS, STARTUP_PROBE_SECONDS, TRAINER_STARTS, RunOptions, schedule
 from bench.goodput_worker import SYSTEMS
 
 ORBAX = ("orbax_p2p", "orbax_emergency", "orbax_standard")
@@ -143,9 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ramdisk", default="csi", choices=RAMDISKS,
                    help="the RAM disk measured, as `mtc manifests --ramdisk`: csi (default; the node's RAM disk "
                    "outlives the Pods on surviving hosts) or memory (an emptyDir: every restart loses it)")
+    p.add_argument("--trainer-start", default=TRAINER_STARTS[0], choices=TRAINER_STARTS,
+                   help="ours: how each host's training process starts beside its replicator sidecar: "
+                   "with-replicator (default, the rendered JobSet's: together, the manager waits for its replicator "
+                   "in-process) or after-probe (the JobSet before: once the replicator passed its startup probe)")
     p.add_argument("--probe-seconds", type=float, default=STARTUP_PROBE_SECONDS,
-                   help="period of the replicator sidecar's startup probe, which the training container waits "
-                   f"for (default {STARTUP_PROBE_SECONDS:g}, the rendered JobSet's; 0: starts once it serves)")
+                   help="after-probe: period of the replicator sidecar's startup probe (default "
+                   f"{STARTUP_PROBE_SECONDS:g}, as it was rendered; 0: starts once it serves)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     p.add_argument("--keep", help="run in this directory and keep it (every process's log) instead of a "
                    "temporary one on /dev/shm")
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             opts = RunOptions(system=name, mib=args.mib, seconds=args.seconds, step_seconds=args.step_seconds,
                               mtbf_seconds=args.mtbf_seconds, replace_seconds=args.replace_seconds,
                               grace_seconds=args.grace_seconds, bucket_seconds=bucket_seconds, failures=failures,
-                              ramdisk=args.ramdisk, probe_seconds=args.probe_seconds)
+                              ramdisk=args.ramdisk, probe_seconds=args.probe_seconds,
+                              trainer_start=args.trainer_start)
             got = goodput_run.run(opts, scratch)
             if "error" not in got:
                 got["by_kind"] = by_kind(got["failures"])
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
     result: dict[str, Any] = {
-        "bench": "goodput", "deploy": goodput_run.deploy(args.ramdisk, args.probe_seconds), "mib": args.mib, "seconds": args.seconds, "step_seconds": args.step_seconds,
+        "bench": "goodput", "deploy": goodput_run.deploy(args.ramdisk, args.probe_seconds, args.trainer_start), "mib": args.mib, "seconds": args.seconds, "step_seconds": args.step_seconds,
         "mtbf_seconds": args.mtbf_seconds, "replace_seconds": args.replace_seconds,
         "grace_seconds": args.grace_seconds, "bucket_seconds": bucket_seconds, "seed": args.seed,
         "schedule": [f.to_dict() for f in failures], "run_seconds": run_seconds, "systems": results}

@@ -2,7 +2,8 @@
 
 Every process is started in its own session and stopped by its pid. The replicators are what the rendered
 JobSets run as a native sidecar of each worker Pod (deploy/multi-controller-native): they restart with their
-Pod, and the Pod's training container starts only once its replicator answers the startup probe.
+Pod, and the Pod's training container starts beside its replicator (or, ``--trainer-start after-probe``, as
+rendered before, only once its replicator answers the startup probe).
 """
 
 from __future__ import annotations

@@ -20,9 +20,12 @@ native front door's default, the node's RAM disk) keeps every surviving host's l
 
 A deleted Pod's replicator gets SIGTERM; where the RAM disk outlives the Pod the preStop hook has recorded a
 restart (no emergency backup), as ``mtc preempt --on-restart skip`` does. After ``--replace-seconds`` (new
-Pods) every Pod starts: ours' replicators first, each host's training process once its replicator answers
-the startup probe (every ``--probe-seconds`` from the Pod's start, as the rendered JobSet's). A failure due
-while the job is still recovering is injected once it has taken its first step (its delay is recorded).
+Pods) every Pod starts. Ours, ``--trainer-start with-replicator`` (the rendered JobSet's): each host's replicator
+and training process start together, and the training process's manager waits for its replicator itself
+(inside ``plan``); ``after-probe`` (the rendered JobSet before, kept for comparison): the replicators first,
+each host's training process once its replicator answers the startup probe (every ``--probe-seconds`` from the
+Pod's start). A failure due while the job is still recovering is injected once it has taken its first step
+(its delay is recorded).
 
 A recovery that raises, or restores anything but what was saved (the harness's check), is recorded with its
 error and followed by the operator's policy, its time charged: the copy found bad is removed (the corrupted
@@ -54,9 +57,11 @@ POLL_SECONDS = 0.02
 DEPLOY_MODE = "multi-controller-native"
 RAMDISKS = ("csi", "memory")
 RAMDISK_OUTLIVES_PODS = ("csi",)
-# deploy/multi-controller-native/jobset.yaml: the replicator sidecar's startupProbe (gRPC, periodSeconds 2); the
-# training container starts after it passed.
-STARTUP_PROBE_SECONDS = 1.0  # the rendered replicator startupProbe periodSeconds
+# How the training container starts beside its replicator sidecar (deploy/multi-controller-native/jobset.yaml):
+# "with-replicator", as rendered now (no startupProbe: the manager waits for its replicator in-process);
+# "after-probe", as rendered before: once the replicator passed its startupProbe (gRPC, every second).
+TRAINER_STARTS = ("with-replicator", "after-probe")
+STARTUP_PROBE_SECONDS = 1.0  # the startupProbe's periodSeconds (after-probe)
 MAX_ROLLBACKS = 6
 
 
@@ -114,14 +119,17 @@ class RunOptions:
     failures: tuple[Failure, ...]
     ramdisk: str = "csi"
     probe_seconds: float = STARTUP_PROBE_SECONDS
+    trainer_start: str = TRAINER_STARTS[0]
 
 
-
-def deploy(ramdisk: str, probe_seconds: float) -> dict[str, Any]:
+def deploy(ramdisk: str, probe_seconds: float, trainer_start: str = TRAINER_STARTS[0]) -> dict[str, Any]:
     """The deploy mode measured, as the output names it."""
-    return {"mode": DEPLOY_MODE, "ramdisk": ramdisk, "ramdisk_outlives_pods": ramdisk in RAMDISK_OUTLIVES_PODS,
-            "pod_restarts": "every Pod of the JobSet at every failure, our replicator sidecars included",
-            "startup_probe_seconds": probe_seconds}
+    out = {"mode": DEPLOY_MODE, "ramdisk": ramdisk, "ramdisk_outlives_pods": ramdisk in RAMDISK_OUTLIVES_PODS,
+           "pod_restarts": "every Pod of the JobSet at every failure, our replicator sidecars included",
+           "trainer_start": trainer_start}
+    if trainer_start == "after-probe":
+        out["startup_probe_seconds"] = probe_seconds
+    return out
 
 
 class Events:
@@ -176,18 +184,24 @@ class Harness:
 
     # ------------------------------------------------------------------ the JobSet's lifecycle
     def _start_pods(self) -> float:
-        """Every Pod of a new incarnation: ours' replicators, then each host's training process once its
-        replicator passed the startup probe (probed every ``probe_seconds`` from the Pod's start). Returns the
+        """Every Pod of a new incarnation (ours: see ``--trainer-start`` in the module docstring). Returns the
         Pods' start."""
         t0 = time.monotonic()
         self.job.begin()
-        if self.reps is None:
-            for rank in range(PROCESSES):
+        if self.reps is None or self.opts.trainer_start == "with-replicator":
+            for rank in range(PROCESSES):  # a Pod's native sidecar is started before its main container
+                if self.reps is not None and rank not in self.reps.procs:
+                    self.reps.start(rank)
                 self.job.start_rank(rank)
             return t0
         for h in range(PROCESSES):
             if h not in self.reps.procs:
                 self.reps.start(h)
+        return self._start_after_probe(t0)
+
+    def _start_after_probe(self, t0: float) -> float:
+        """``after-probe``: each host's training process once its replicator passed the startup probe (probed
+        every ``probe_seconds`` from the Pod's start, ``t0``). Returns ``t0``."""
         deadline = t0 + RECOVERY_TIMEOUT_SECONDS
         period = self.opts.probe_seconds
         served: dict[int, float] = {}  # host -> when its replicator was first seen serving
@@ -224,7 +238,7 @@ class Harness:
         time.sleep(self.opts.replace_seconds)
         rec["t_spawn"] = self._start_pods()
         rec["incarnation"] = self.job.incarnation
-        if self.reps:  # inside "restart": until the last training process passed its sidecar's startup probe
+        if self.reps:  # inside "restart": until the last training process could start (after-probe: its probe passed)
             rec["sidecars_seconds"] = round(time.monotonic() - rec["t_spawn"], 4)
 
     # ------------------------------------------------------------------ failures

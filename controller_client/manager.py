@@ -19,7 +19,7 @@ from controller_client.dispatch import ColocatedDispatcher, Dispatcher, InProces
 from controller_client.topology import HostTopology
 from replicator.coordinator.client import CoordinatorClient
 from replicator.net.security import TlsOptions
-from sidecar import host, layout, saves, tree
+from sidecar import host, layout, remote, saves, tree
 from sidecar.failures import StepAlreadyExistsError
 
 __all__ = ["CheckpointManager", "CheckpointManagerOptions", "StepAlreadyExistsError"]
@@ -59,6 +59,11 @@ class CheckpointManagerOptions:
         replaced and refilled) before it restores an older one; that restore logs a warning naming both
         steps, and :attr:`CheckpointManager.last_restored_step` tells which step was restored.
       rpc_timeout_seconds: deadline of each call to the coordinator.
+      replicator_wait_seconds: with replicators and the ``"in_process"`` dispatcher (multi-controller: the
+        JobSet starts each training process together with its host's replicator sidecar, not after it), how
+        long the first call that needs the other tiers (``latest_step``, ``all_steps``, ``restore``, the first
+        ``save``, the preemption and backup calls) waits for this process's hosts' replicators to answer on
+        their control sockets (asked every 20 ms); then :class:`TimeoutError` naming the socket.
       preemption_scope: what :meth:`CheckpointManager.reached_preemption` stops for. ``"job"``: a notice to any
         host (the coordinator tells every host of it): the whole job suspends. ``"slices"`` (elastic training):
         only once every active slice has a notice of its own; a notice to some slices only is for the loop to
@@ -81,6 +86,7 @@ class CheckpointManagerOptions:
     restore_wait_seconds: float = 300.0
     newest_wait_seconds: float = 15.0
     rpc_timeout_seconds: float = 30.0
+    replicator_wait_seconds: float = remote.REPLICATOR_WAIT_SECONDS
     preemption_scope: Literal["job", "slices"] = "job"
 
     def __post_init__(self) -> None:
@@ -145,6 +151,12 @@ class CheckpointManager:
                 active = {d.id for d in self.devices}
                 dispatcher = InProcessDispatcher(self.config, [d for d in jax.local_devices() if d.id in active])
         self.dispatcher = dispatcher
+        # In-process: this process is its hosts, and their replicators start beside it (_await_replicators).
+        # Colocated (Pathways): each worker's colocated Python starts once its replicator serves (the
+        # replicator's startup probe), so there is nothing to wait for here.
+        self._replicator_roots = ([self.config.root(r) for r in dispatcher.ranks]
+                                  if options.coordinator_address and isinstance(dispatcher, InProcessDispatcher)
+                                  else [])
         self._replicated = NamedSharding(Mesh(np.array(self.devices), ("all",)), PartitionSpec())
         self._last_saved: int | None = None  # the save the next wait has the coordinator count complete
         self._saved_last: int | None = None  # the step this manager saved last (backup_now waits for it)
@@ -273,6 +285,20 @@ class CheckpointManager:
         return CoordinatorClient(o.coordinator_address, o.token_file, rpc_timeout_seconds, tls=tls,
                                  failover_seconds=failover_seconds)
 
+    def _await_replicators(self) -> None:
+        """Before this manager's first decision that needs the other tiers: its hosts' replicators serve.
+
+        Deciding earlier would be deciding wrongly: a RAM disk a restart emptied reads as "no checkpoint"
+        (start from step 0), a step held only on a peer or in the bucket as unrestorable (restore an older
+        one). Each host is asked every 20 ms, for up to ``replicator_wait_seconds`` (TimeoutError naming its
+        control socket); once all served, never again (a replicator restarting later is the restore's retry)."""
+        while self._replicator_roots:
+            root = self._replicator_roots[0]
+            waited = remote.wait_for_replicator(root, self.options.replicator_wait_seconds)
+            if waited >= 0.1:
+                log.info("waited %.2fs for the replicator serving %s", waited, root)
+            self._replicator_roots.pop(0)
+
     def _pin(self, step: int) -> None:
         """Best effort: the coordinator keeps ``step`` from GC while we restore it and has every host
         refill its data in the background; the restore itself fetches what it lacks either way."""
@@ -338,6 +364,7 @@ class CheckpointManager:
         return self._restored_step
 
     def _complete_steps(self) -> list[int]:
+        self._await_replicators()
         local = set(self._held_complete_steps())
         if self._coordinator is not None:
             try:
@@ -374,6 +401,7 @@ class CheckpointManager:
         ``target`` (a pytree of ``jax.ShapeDtypeStruct`` with shardings, or of concrete arrays)."""
         if target is None:
             raise ValueError("restore needs a target pytree (jax.ShapeDtypeStruct leaves with shardings)")
+        self._await_replicators()
         woke = self._wait_until_finished()
         if self._coordinator is not None and not woke:
             # Have every host report now: what it lacks is located through the coordinator.
@@ -489,6 +517,7 @@ class CheckpointManager:
         replicators."""
         if self._coordinator is None:
             return frozenset()
+        self._await_replicators()
         return suspend.noticed_slices(self.dispatcher.query(host.HostQuery.PREEMPTION), self.topology)
 
     def reached_preemption(self, step: int) -> bool:
@@ -498,6 +527,7 @@ class CheckpointManager:
         active slice got one of its own (fewer noticed slices: see :meth:`noticed_slices`)."""
         if self._coordinator is None:
             return False
+        self._await_replicators()
         answers = self.dispatcher.query(host.HostQuery.PREEMPTION)
         if self.options.preemption_scope == "slices":
             return suspend.noticed_slices(answers, self.topology) >= self.active_slices
@@ -514,6 +544,7 @@ class CheckpointManager:
         """
         if self._coordinator is None:
             raise RuntimeError("backup_now needs the replicators (coordinator_address)")
+        self._await_replicators()
         if not wait:
             self.wait_until_finished()
             self.dispatcher.query(host.HostQuery.WAKE)

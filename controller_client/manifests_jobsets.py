@@ -152,13 +152,25 @@ def _probe(opts: ManifestOptions, **timing: Any) -> dict[str, Any]:
     return {"grpc": {"port": opts.grpc_port}, **timing}
 
 
-def _replicator(opts: ManifestOptions) -> dict[str, Any]:
-    """The per-host daemon as a native sidecar (init container with restartPolicy Always)."""
+# The replicator's startupProbe: 120 probes a second apart (CheckpointManagerOptions.replicator_wait_seconds,
+# the multi-controller trainer's own wait, is as long).
+STARTUP_PROBES = 120
+
+
+def _replicator(opts: ManifestOptions, *, holds_back: bool) -> dict[str, Any]:
+    """The per-host daemon as a native sidecar (init container with restartPolicy Always).
+
+    ``holds_back`` (native front door only): a startupProbe, so that the kubelet starts the containers after it
+    once the replicator serves. The Pathways workers need that: colocated Python serves the controller's calls
+    whenever they come (a worker replaced under a running controller included), so its host's replicator must
+    serve first. The multi-controller trainer does not: its CheckpointManager waits for its host's replicator
+    before its first decision that needs the other tiers (``replicator_wait_seconds``), so trainer and
+    replicator start together and a restart does not pay the replicator's start and a probe period first."""
     common = ["--config", f"{CONFIG_DIR}/config.yaml", "--local-dir", opts.local_dir,
               "--token-file", f"{TOKEN_DIR}/token",
               "--advertise", f"$(JOBSET_NAME)-workers-$(SLICE_INDEX)-$(HOST_INDEX).{opts.subdomain}:{opts.grpc_port}",
               # Its SIGTERM comes after the main containers exit: what is left of the grace is the flush's.
-              "--preemption-grace-seconds", str(preemption_budget(opts).flush)]
+              "--preemption-grace-seconds", str(preemption_budget(opts).flush)] + restart.replicator_args(opts)
     env = [_env_field("JOBSET_NAME", JOBSET_NAME_FIELD), _env_field("SLICE_INDEX", SLICE_ANNOTATION),
            _env_field("HOST_INDEX", HOST_ANNOTATION),
            # libc resolver: honours the Pod's DNS search path for the short JobSet names.
@@ -197,9 +209,12 @@ def _replicator(opts: ManifestOptions) -> dict[str, Any]:
                   # Prometheus text (deploy/monitoring/podmonitoring.yaml scrapes the port by this name).
                   {"name": "metrics", "containerPort": opts.metrics_port, "protocol": "TCP"}]
     if opts.front_door_kind == "native":
-        # The next native sidecar (colocated Python) and the main containers start once the replicator serves.
-        c["startupProbe"] = _probe(opts, periodSeconds=1, failureThreshold=120)
-        c["livenessProbe"] = _probe(opts, periodSeconds=10, failureThreshold=6)
+        if holds_back:  # the next native sidecar (colocated Python) and the main containers start once it serves
+            c["startupProbe"] = _probe(opts, periodSeconds=1, failureThreshold=STARTUP_PROBES)
+            c["livenessProbe"] = _probe(opts, periodSeconds=10, failureThreshold=6)
+        else:  # the same time to start as the startupProbe would give before liveness may restart it
+            c["livenessProbe"] = _probe(opts, initialDelaySeconds=STARTUP_PROBES - 60, periodSeconds=10,
+                                        failureThreshold=6)
     # Orbax mode: readiness only. The daemon serves after the replicator.yaml handshake, which needs the
     # trainer running: a startupProbe would deadlock, a livenessProbe could kill a correctly waiting daemon.
     c["readinessProbe"] = _probe(opts, periodSeconds=5, failureThreshold=3)
@@ -491,7 +506,7 @@ def _pathways_worker(opts: ManifestOptions, scratch: str) -> dict[str, Any]:
               "securityContext": {**_restricted(), "readOnlyRootFilesystem": True},
               "volumeMounts": [{"name": "ramdisk", "mountPath": opts.local_dir}, KUBE_API_MOUNT]}
     wspec = _pod_spec(opts, worker=True)
-    wspec["initContainers"] = [_ramdisk_owner(opts), _replicator(opts), sidecar]
+    wspec["initContainers"] = [_ramdisk_owner(opts), _replicator(opts, holds_back=True), sidecar]
     wspec["containers"] = [worker, notice]
     wspec["volumes"] = [{"name": "shared-tmp", "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}},
                         {"name": "shared-memory", "emptyDir": {"medium": "Memory"}},
@@ -579,10 +594,11 @@ def multi_controller_jobset(opts: ManifestOptions) -> dict[str, Any]:
             "securityContext": {**_restricted(), "readOnlyRootFilesystem": True},
             "volumeMounts": [{"name": "ramdisk", "mountPath": opts.local_dir}]})
     wspec = _pod_spec(opts, worker=True)
-    wspec["initContainers"] = inits + [_replicator(opts)]
+    # The trainer starts with its replicator, not after it (_replicator: holds_back).
+    wspec["initContainers"] = inits + [_replicator(opts, holds_back=False)]
     backoff = _worker_backoff(opts)
     if restart.in_place(opts):
-        # The agent last: the replicator serves (and restores) while the Pods wait at the barrier for each other.
+        # The agent last: the replicator starts (and restores) while the Pods wait at the barrier for each other.
         wspec["initContainers"].append(restart.agent(opts))
         train.update(restart.trainer_rules())
         backoff = restart.job_backoff()

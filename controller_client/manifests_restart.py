@@ -11,8 +11,9 @@ What still recreates: a Pod with the ``DisruptionTarget`` condition (a preemptio
 node) and a trainer that saved after a notice (exit 75) fail their Job through the podFailurePolicy, and
 JobSet recreates the Jobs as before (uncounted): the notice path (save, flush, ``mtc preempt``'s restart
 detection) is the same in both modes. The kubelet kills containers of an in-place restart with no preStop hook
-and a 2 s grace: the trainer's hook never runs (no notice), the replicator's SIGTERM begins a flush that the
-kill ends, and a bucket upload without its commit marker does not exist (docs/deploy.md, "In-place restart").
+and a 2 s grace: the trainer's hook never runs (no notice), and the replicator (``--sigterm-flush after-hook``)
+takes no emergency backup on a SIGTERM that no hook came before: the Pod and its RAM disk stay (docs/deploy.md,
+"In-place restart").
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ IN_CLUSTER_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 def in_place(opts: ManifestOptions) -> bool:
     return opts.restart == "in-place"
+
+
+def replicator_args(opts: ManifestOptions) -> list[str]:
+    """In place, the replicator's SIGTERM flushes only after a preStop hook (a Pod deletion): the kubelet's
+    in-place restart runs none, keeps the Pod and its RAM disk, and would wait for the flush until its kill."""
+    return ["--sigterm-flush", "after-hook"] if in_place(opts) else []
 
 
 def trainer_rules() -> dict[str, Any]:

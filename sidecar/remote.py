@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,11 @@ from sidecar.landing import Landing, landed_map
 log = logging.getLogger(__name__)
 
 LOCATE_TIMEOUT_SECONDS = 30.0
+# How long a training process waits for its host's replicator to serve before its first decision that needs the
+# other tiers (as long as the Pathways worker's startup probe allows it: 120 probes, 1 s apart), and how often
+# it asks (a fine poll: the replicator usually serves within a second of the trainer's start).
+REPLICATOR_WAIT_SECONDS = 120.0
+REPLICATOR_POLL_SECONDS = 0.02
 
 
 class ReplicatorUnavailableError(FileNotFoundError):
@@ -166,13 +172,13 @@ class ReplicatorFetcher:
         return d
 
 
-def _quick(root: Path, method: str, request: object) -> object | None:
+def _quick(root: Path, method: str, request: object, timeout: float = 2.0) -> object | None:
     sock = layout.control_socket(root)
     if not sock.exists():
         return None
     try:
         with grpc.insecure_channel(f"unix:{sock}") as ch:
-            return getattr(control_pb2_grpc.LocalControlStub(ch), method)(request, timeout=2.0)
+            return getattr(control_pb2_grpc.LocalControlStub(ch), method)(request, timeout=timeout)
     except grpc.RpcError as e:
         log.debug("replicator not reachable on %s: %s", sock, e)
         return None
@@ -213,3 +219,26 @@ def replicator_rank(root: Path) -> int | None:
     """The rank the replicator serving ``root`` serves, or None when none answers (not started, restarting)."""
     resp = _quick(root, "GetLocalStatus", control_pb2.GetLocalStatusRequest())
     return None if resp is None else int(resp.rank)
+
+
+def wait_for_replicator(root: Path, timeout_seconds: float = REPLICATOR_WAIT_SECONDS,
+                        poll_seconds: float = REPLICATOR_POLL_SECONDS) -> float:
+    """Block until the replicator serving ``root`` answers on its control socket; the seconds waited.
+
+    The multi-controller JobSet starts the training container together with its replicator sidecar, not once
+    the replicator serves (docs/deploy.md): a trainer that decided before its replicator served would take a
+    RAM disk a restart emptied for "no checkpoint" and a step held on a peer or in the bucket for unreachable.
+    A socket left by a replicator that died answers nothing and is waited through. :class:`TimeoutError`
+    naming the socket after ``timeout_seconds``."""
+    sock = layout.control_socket(root)
+    t0 = time.monotonic()
+    deadline = t0 + timeout_seconds
+    while True:
+        if _quick(root, "GetLocalStatus", control_pb2.GetLocalStatusRequest(),
+                  timeout=max(poll_seconds, min(2.0, deadline - time.monotonic()))) is not None:
+            return time.monotonic() - t0
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no replicator answered on {sock} within {timeout_seconds:g}s: the host's "
+                               "mtc-replicator (the Pod's sidecar) is not running or not serving this directory "
+                               "(see its log)")
+        time.sleep(poll_seconds)

@@ -168,6 +168,51 @@ def test_fetch_verify_load_counts_every_span_of_data_work_once():
     assert goodput_run.covered([], 0.0) == 0.0
 
 
+def _recording_harness(tmp_path, trainer_start: str, serving_after: float) -> tuple[goodput_run.Harness, list]:
+    """A harness of ours whose Pods only record when they start (the slow test below runs the real ones)."""
+    import time
+
+    opts = goodput_run.RunOptions(system="ours", mib=1, seconds=1, step_seconds=1, mtbf_seconds=1, replace_seconds=0,
+                                  grace_seconds=1, bucket_seconds=1, failures=(), probe_seconds=0.1,
+                                  trainer_start=trainer_start)
+    h = goodput_run.Harness(opts, tmp_path)
+    log: list = []
+    started: dict[int, float] = {}
+
+    def start(host: int) -> None:
+        started[host] = time.monotonic()
+        h.reps.procs[host] = None
+        log.append(("replicator", host, started[host]))
+
+    def serving(host: int) -> bool:
+        return time.monotonic() >= started[host] + serving_after
+
+    def start_rank(rank: int) -> None:
+        h.job.procs.append(None)
+        log.append(("train", rank, time.monotonic()))
+
+    h.reps.start, h.reps.serving, h.job.start_rank = start, serving, start_rank
+    return h, log
+
+
+@pytest.mark.parametrize("trainer_start", goodput_run.TRAINER_STARTS)
+def test_our_trainers_start_with_their_replicators_or_after_the_startup_probe(tmp_path, trainer_start):
+    h, log = _recording_harness(tmp_path, trainer_start, serving_after=0.25)
+    t0 = h._start_pods()
+    assert [host for kind, host, _ in log if kind == "replicator"] == [0, 1, 2, 3]
+    assert [host for kind, host, _ in log if kind == "train"] == [0, 1, 2, 3]
+    rep = {host: t for kind, host, t in log if kind == "replicator"}
+    for kind, host, t in log:
+        if kind != "train":
+            continue
+        if trainer_start == "with-replicator":  # the Pod's sidecar process first, then at once its trainer
+            assert t - rep[host] < 0.2
+        else:  # the first probe (every 0.1 s from the Pods' start) after its replicator served
+            assert t >= rep[host] + 0.25 and t >= t0 + 0.3
+    assert goodput_run.deploy("csi", 0.1, trainer_start)["trainer_start"] == trainer_start
+    assert ("startup_probe_seconds" in goodput_run.deploy("csi", 0.1, trainer_start)) == (trainer_start == "after-probe")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_every_system_runs_the_same_failures_and_reports_every_key():
@@ -199,6 +244,7 @@ def test_every_system_runs_the_same_failures_and_reports_every_key():
         assert set(r["by_kind"]) <= set(goodput_run.KINDS)
     assert not any("failed" in f for f in result["systems"]["ours"]["failures"])
     assert result["deploy"]["mode"] == "multi-controller-native" and result["deploy"]["ramdisk"] == "csi"
+    assert result["deploy"]["trainer_start"] == "with-replicator"  # as rendered: the manager waits for it
     for name, r in result["systems"].items():
         for f in r["failures"]:
             assert set(f["phases"]) <= set(goodput.PHASES) and "restore" in f["phases"], name

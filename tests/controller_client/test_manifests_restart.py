@@ -63,6 +63,11 @@ def test_in_place_renders_the_strategy_the_job_budget_the_agent_and_the_rules(do
     assert train["restartPolicy"] == "Never"
     assert train["restartPolicyRules"] == [{"action": "RestartAllContainers", "exitCodes": {
         "operator": "NotIn", "values": [0, PREEMPTED_EXIT_CODE]}}]
+    # No hooks run in an in-place restart: the replicator's SIGTERM flushes only after one (a deletion's).
+    args = _by_name(inits)["mtc-replicator"]["args"]
+    assert args[args.index("--sigterm-flush") + 1] == "after-hook"
+    assert "--sigterm-flush" not in _by_name(_workers(mf.objects(dataclasses.replace(BASE, front_door=door)))[
+        "template"]["spec"]["initContainers"])["mtc-replicator"]["args"], "recreated Pods: every SIGTERM flushes"
 
 
 def test_in_place_keeps_the_notice_path_a_recreate() -> None:

@@ -31,6 +31,7 @@ from controller_client import manifests as mf  # noqa: E402
 from controller_client.cli import build_parser, main  # noqa: E402
 from controller_client.demo.ports import free_port as _free_port  # noqa: E402
 from replicator.options import ReplicatorOptions, from_args  # noqa: E402
+from sidecar import remote  # noqa: E402
 
 TOKEN = "0123456789abcdef"
 DONE_WHEN = ["manifests", "--mode", "pathways", "--job", "demo", "--slices", "2", "--hosts-per-slice", "2",
@@ -507,7 +508,12 @@ def test_every_worker_pod_gets_valid_options_rank_and_dns(case: str, tmp_path: P
                 assert o.coordinator_address() == f"{opts.worker_host(0, 0)}.{opts.job}:{opts.grpc_port}"
                 assert bool(o.backup_interval_minutes) == bool(opts.backup_url)
                 ranks.append(o.rank)
-                assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(c)
+                assert {"readinessProbe", "livenessProbe"} <= set(c)
+                if opts.mode == "pathways":  # colocated Python and pathways-worker start once it serves
+                    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] == 120
+                else:  # the trainer starts with it; its CheckpointManager waits for it (as long as the probe did)
+                    assert "startupProbe" not in c
+                    assert c["livenessProbe"]["initialDelaySeconds"] + 60 == remote.REPLICATOR_WAIT_SECONDS
             else:
                 assert o.orbax_mode, "Orbax mode: topology from replicator.yaml"
                 assert "startupProbe" not in c and "livenessProbe" not in c, "would deadlock the handshake"

@@ -46,7 +46,7 @@ from replicator.orbax import allocation, elastic
 from replicator.orbax import contract as oc
 from replicator.orbax.handshake_clock import HandshakeClock
 from replicator.orbax.store import OrbaxStore
-from replicator.preemption import PreemptionRecord, restart_recorded
+from replicator.preemption import PreemptionRecord, sigterm_skips_flush
 from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
@@ -481,14 +481,17 @@ def flush_on_sigterm(mode: OrbaxMode, grace_seconds: float, started_wall: float)
     native-sidecar replicator SIGTERM only after that: the step is on the RAM disk, and the heartbeat,
     woken by the flush, ingests and reports it first. No Replicator yet (no handshake) = nothing to flush.
     A restart recorded since ``started_wall`` (``mtc preempt --on-restart skip``: a JobSet restart, the RAM
-    disk outlives the Pod) is no notice: no flush, as in native mode.
+    disk outlives the Pod), and with ``--sigterm-flush after-hook`` a SIGTERM no hook came before (an in-place
+    restart), is no notice: no flush, by native mode's rule (:func:`replicator.preemption.sigterm_skips_flush`).
     """
     daemon = mode.daemon
     if daemon is None or grace_seconds <= 0:
         log.info("SIGTERM: no preemption flush (%s)", "no handshake yet" if daemon is None else "no grace left")
         return None
-    if restart_recorded(mode.local, started_wall):
-        log.info("SIGTERM of a JobSet restart: no emergency backup")
+    skip = sigterm_skips_flush(mode.local, started_wall, noticed=daemon.preemption.state.preempting,
+                               sigterm_flush=mode.opts.sigterm_flush)
+    if skip:
+        log.info("%s", skip)
         return None
     return daemon.preemption.flush(grace_seconds)
 

@@ -12,10 +12,11 @@ from replicator import preemption
 from replicator.orbax.mode import flush_on_sigterm
 
 
-def _mode(local: Path) -> tuple[SimpleNamespace, list[float]]:
+def _mode(local: Path, sigterm_flush: str = "always") -> tuple[SimpleNamespace, list[float]]:
     flushed: list[float] = []
-    daemon = SimpleNamespace(preemption=SimpleNamespace(flush=lambda s: flushed.append(s) or "flushed"))
-    return SimpleNamespace(daemon=daemon, local=local), flushed
+    daemon = SimpleNamespace(preemption=SimpleNamespace(flush=lambda s: flushed.append(s) or "flushed",
+                                                        state=preemption.PreemptionState()))
+    return SimpleNamespace(daemon=daemon, local=local, opts=SimpleNamespace(sigterm_flush=sigterm_flush)), flushed
 
 
 def test_a_notice_flushes(tmp_path: Path) -> None:
@@ -39,3 +40,13 @@ def test_a_restart_record_of_an_earlier_pod_is_no_restart_of_this_one(tmp_path: 
     os.utime(tmp_path / preemption.RESTART_RECORD, (old, old))  # the RAM disk outlived an earlier Pod
     assert flush_on_sigterm(mode, 20.0, time.time()) == "flushed"
     assert flushed == [20.0]
+
+
+def test_in_place_only_a_sigterm_after_a_hook_flushes(tmp_path: Path) -> None:
+    """``--sigterm-flush after-hook`` (rendered with ``--restart in-place``): the kubelet's in-place restart runs
+    no preStop hook and keeps the RAM disk; a deletion runs ``mtc preempt`` first, which records it."""
+    mode, flushed = _mode(tmp_path, "after-hook")
+    started = time.time() - 1
+    assert flush_on_sigterm(mode, 20.0, started) is None and flushed == []
+    preemption.record_prestop(tmp_path)
+    assert flush_on_sigterm(mode, 20.0, started) == "flushed" and flushed == [20.0]

@@ -18,7 +18,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -260,6 +260,10 @@ class Replicator:
     def wake(self) -> None:
         """Report to the coordinator now (something changed)."""
         self._wakeup.ring()
+
+    def wake_after(self, delays: Sequence[float]) -> Callable[[], None]:
+        """Report to the coordinator ``delays`` seconds from now, each (no thread); returns the cancel."""
+        return self._wakeup.ring_after(delays)
 
     def stop(self, grace_seconds: float = 5.0) -> None:
         """Stop taking work, let in-flight transfers finish or abandon them (never half-visible)."""

@@ -14,6 +14,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -41,13 +42,15 @@ if TYPE_CHECKING:  # the bucket's backends load only when a --backup-url is conf
 log = logging.getLogger(__name__)
 
 BACKUP_REPORTS_KEPT = 64
-# Before any coordinator answered: quick retries (0.1, 0.2, then every 0.4 s: ~2.7 s in all) while it is
-# unreachable, then the backoff. Three (0.7 s) were too few when every daemon restarts at once (an Orbax
-# handshake): the coordinator's own host, stopping its previous daemon first, came up 0.4 s after the others,
-# and a host whose third try just missed it waited a backoff of up to 1.2 s (at a 0.1 s interval) before
-# reporting, delaying every host's restore plan (bench.emergency's ours_orbax restore_one_lost).
-STARTUP_RETRIES = 8
-STARTUP_RETRY_SECONDS = 0.1
+# Before any coordinator answered: quick retries while it is unreachable (every 0.05 s for ~1 s, then every 0.4 s:
+# ~2.6 s in all), then the backoff. Every daemon restarts at once in an Orbax handshake, and the coordinator's own
+# host may come up last. A failed connection puts the channel into gRPC's reconnect backoff (~0.1 s: calls fail at
+# once until it reconnects): retries at 0.1 s then 0.2 s (before) missed its reconnect about every other time, and
+# the host reported 0.3 s late, delaying every host's restore plan (bench.emergency: the handshake's "hosts" phase
+# 0.3 s instead of 0.04 s). A retry fails in the channel without reaching the network until it reconnects.
+STARTUP_FAST_RETRIES = 20
+STARTUP_RETRIES = 24
+STARTUP_RETRY_SECONDS = 0.05
 STARTUP_RETRY_MAX_SECONDS = 0.4
 
 
@@ -67,18 +70,47 @@ class NoCoordinator(RuntimeError):
 
 
 class Wakeup:
-    """The heartbeat's doorbell: whoever has news for the coordinator rings it; the loop waits on it."""
+    """The heartbeat's doorbell: whoever has news for the coordinator rings it, now or at set times later
+    (:meth:`ring_after`: no thread, the waiting loop wakes itself then); the loop waits on it."""
 
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self._cond = threading.Condition()
+        self._rung = False
+        self._due: list[float] = []  # monotonic times of rings set for later, ascending
 
     def ring(self) -> None:
-        self._event.set()
+        with self._cond:
+            self._rung = True
+            self._cond.notify_all()
+
+    def ring_after(self, delays: Iterable[float]) -> Callable[[], None]:
+        """Ring ``delays`` seconds from now, each; returns what cancels those not rung yet."""
+        now = time.monotonic()
+        times = [now + max(0.0, d) for d in delays]
+        with self._cond:
+            self._due = sorted(self._due + times)
+            self._cond.notify_all()  # the loop's wait may end sooner now
+
+        def cancel() -> None:
+            gone = set(times)
+            with self._cond:
+                self._due = [t for t in self._due if t not in gone]
+
+        return cancel
 
     def wait(self, seconds: float) -> None:
-        """Until rung or ``seconds`` passed (then ready for the next ring)."""
-        self._event.wait(seconds)
-        self._event.clear()
+        """Until rung, a ring set for later is due, or ``seconds`` passed (then ready for the next ring)."""
+        until = time.monotonic() + seconds
+        with self._cond:
+            while not self._rung:
+                now = time.monotonic()
+                end = min(until, self._due[0]) if self._due else until
+                if now >= end:
+                    break
+                self._cond.wait(end - now)
+            now = time.monotonic()
+            self._due = [t for t in self._due if t > now]
+            self._rung = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +159,7 @@ class Heartbeat:
         self.candidates: Candidates | None = None  # set by :meth:`connect` once the daemon's address is known
         self.epoch = 0  # highest coordinator epoch accepted (fences a deposed coordinator's deletions)
         self._acked: host_protocol.Acked | None = None  # what the coordinator holds of this host
+        self._records_taken: host_protocol.LastRecords | None = None  # the last records a coordinator answered
         self.interval = opts.heartbeat_seconds
         self._answered = False  # a coordinator answered one of our heartbeats (since this daemon started)
         self._lower_down_since: float | None = None
@@ -246,15 +279,15 @@ class Heartbeat:
             # Kept until a coordinator took them: a failed heartbeat (e.g. during a failover) loses none.
             self._backup_reports = (self._backup_reports + parts.bucket.drain_reports())[-BACKUP_REPORTS_KEPT:]
             req.backups.extend(self._backup_reports)
-        if (last := parts.metrics.last_restore) is not None:
-            req.last_restore.CopyFrom(last.to_wire())  # shown by `mtc status`
-        if (hs := parts.metrics.last_handshake) is not None:
-            req.last_handshake.CopyFrom(hs.to_wire())  # Orbax mode: shown by `mtc status`
+        # Shown by `mtc status`: the last restore, and in Orbax mode the last handshake (each sent once).
+        records = host_protocol.LastRecords(parts.metrics.last_restore, parts.metrics.last_handshake)
+        host_protocol.attach_last_records(req, records, self._records_taken, self._acked)
         t_send = time.monotonic()
         resp = self._send(req)
         round_trip = time.monotonic() - t_send
         faults.point("heartbeat.after_response")
         self._backup_reports = []
+        self._records_taken = records
         self._acked = host_protocol.acknowledged(resp, digest, current, parity)
         if self._acked is None:
             parts.wakeup.ring()  # the coordinator has no picture of this host (restart, failover): report all now
@@ -345,7 +378,7 @@ class Heartbeat:
             # Starting together with the coordinator's host (a job restart, an Orbax handshake): it is
             # likely up in milliseconds; waiting the interval would delay this host's first report (and so
             # a restore plan) by seconds. A few quick tries, then the backoff.
-            quick = min(STARTUP_RETRY_SECONDS * 2 ** (failures - 1), STARTUP_RETRY_MAX_SECONDS)
+            quick = STARTUP_RETRY_SECONDS if failures <= STARTUP_FAST_RETRIES else STARTUP_RETRY_MAX_SECONDS
             return quick * random.uniform(0.8, 1.2)
         if self.me.my_candidate is not None and isinstance(error, NoCoordinator):
             # A candidate watching for a takeover keeps the plain interval.

@@ -93,6 +93,28 @@ def acknowledged(resp: cpb.HeartbeatResponse, digest: str, current: Mapping[Hold
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class LastRecords:
+    """The host's last restore and last Orbax handshake (:mod:`replicator.metrics`' records: each replaced whole
+    when a newer one ends, so compared by identity)."""
+
+    restore: Any = None
+    handshake: Any = None
+
+
+def attach_last_records(req: cpb.HeartbeatRequest, now: LastRecords, taken: LastRecords | None,
+                        acked: Acked | None) -> None:
+    """Add to ``req`` the records of ``now`` the coordinator does not hold: each is sent once (``taken``: the
+    records of the last report it answered, None before any), and again in a full report (``acked`` None: a
+    coordinator without this host's picture, restarted or taken over, holds none of them either). The
+    coordinator keeps the last one per host for `mtc status`."""
+    old = LastRecords() if acked is None or taken is None else taken
+    if now.restore is not None and now.restore is not old.restore:
+        req.last_restore.CopyFrom(now.restore.to_wire())
+    if now.handshake is not None and now.handshake is not old.handshake:
+        req.last_handshake.CopyFrom(now.handshake.to_wire())
+
+
 # ------------------------------------------------------------------ which coordinator and which epoch it accepts
 @dataclasses.dataclass(frozen=True)
 class Epoch:

@@ -259,6 +259,7 @@ class Coordinator(CoordinatorCore, pb_grpc.CoordinatorServicer):
         wait = max(0.0, min(request.wait_seconds, 3600.0))
         start = self._clock()
         deadline = start + wait
+        poll = self._restore_poll()
         with self._lock:
             self._check_serving(context)
             # A plan is trusted only on fresh reports: a host that restarted (perhaps with a wiped RAM
@@ -266,7 +267,7 @@ class Coordinator(CoordinatorCore, pb_grpc.CoordinatorServicer):
             # reported after this request; a host silent for lost_after() is declared lost meanwhile, so
             # this is bounded in heartbeats, not by the caller's wait.
             reports_by = start + min(wait, self.lost_after() + 2 * self.heartbeat_interval())
-            self._wait(reports_by, lambda: not self._silent_since(start), context)
+            self._wait(reports_by, lambda: not self._silent_since(start), context, poll)
             self._check_serving(context)  # every other host fell silent meanwhile: not this one's plan
             forced = request.step if request.step >= 0 else self.restore_target()
             if request.step < 0 and forced == self.state.newest_complete_step():
@@ -287,7 +288,7 @@ class Coordinator(CoordinatorCore, pb_grpc.CoordinatorServicer):
                 return [r for r in range(self.topology.nodes) if r not in st.lost
                         and not host_answer.holds_restorable(st, r, step, st.rank_sources(step, r))]
 
-            self._wait(deadline, lambda: not not_ready(), context)
+            self._wait(deadline, lambda: not not_ready(), context, poll)
             pending = not_ready()
             lost = sorted(self.state.lost)
             silent = [r for r in self._silent_since(start) if r in pending]

@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,17 @@ POLL_SECONDS = 0.01
 # While not every host has reported: each host asks the coordinator (GetStatus) every 20 ms, less often in
 # larger jobs (at most ~HOSTS_POLLS_PER_SECOND calls a second on the coordinator), never less than every 0.1 s.
 HOSTS_POLLS_PER_SECOND = 1000
-# The coordinator trusts a plan only on reports made after the request (PrepareRestore): this host reports this
-# long after asking (and again after each further offset while the call is open) instead of at its next
-# heartbeat (up to --heartbeat-seconds later: 2 s by default). Every host asks within a hosts-poll of the others.
-PLAN_REPORT_OFFSETS = (0.02, 0.1, 0.3)
+# The coordinator trusts a plan only on reports made after the request (PrepareRestore), every host's after
+# every host's request: this host reports 1, 2 and 3 hosts-polls after asking (every host asks within a
+# hosts-poll or so of the others, having seen the last host report), then at each of these offsets, also after
+# its own answer came, instead of at its next heartbeat (up to --heartbeat-seconds later: 2 s by default). With
+# (0.02, 0.1, 0.3) s, cancelled at the answer, the last host to ask waited for the others' next heartbeats.
+PLAN_REPORT_POLLS = 3
+PLAN_REPORT_OFFSETS = (0.1, 0.3)
+# Then, while the call is open, this host reports every nodes / HOSTS_POLLS_PER_SECOND seconds (20 ms at least):
+# a host waiting for the byte-identical replica its group fetches from the bucket (every local directory wiped) is
+# given its copy from that host in its next heartbeat's answer, which came up to --heartbeat-seconds (2 s by
+# default) after the bytes landed.
 # In-flight RPCs of the daemon a new handshake replaces get this long to end (see handshake()).
 HANDSHAKE_STOP_GRACE_SECONDS = 0.25
 # PrepareRestore is asked in slices of this length, so that SIGTERM or a newer handshake is noticed.
@@ -341,6 +349,7 @@ class OrbaxMode:
         last_error = "no answer"
         answered = False  # the coordinator answered this host's GetStatus since its last failure
         poll = min(0.1, max(0.02, cfg.nodes / HOSTS_POLLS_PER_SECOND))
+        cancel_reports: Callable[[], None] = _nothing
         while not self.stopping.is_set() and time.monotonic() < deadline:
             # A plan made before every host reported may miss data ("nothing to restore", or an older step
             # from the bucket while a newer one sits on the RAM disks of hosts not yet heard): ask only once
@@ -353,7 +362,7 @@ class OrbaxMode:
                 # The coordinator answers now (it may have started after this host): report at once, not
                 # after the heartbeat's back-off from its failed first reports (an interval or more).
                 answered = True
-                _wake(daemon)
+                daemon.wake()
             if waiting:
                 last_error = waiting
                 self.stopping.wait(poll)
@@ -363,8 +372,8 @@ class OrbaxMode:
             wait = max(0.0, min(PREPARE_SLICE_SECONDS, deadline - time.monotonic() - 0.5))
             try:
                 req = cpb.PrepareRestoreRequest(step=-1, wait_seconds=wait, nodes=cfg.nodes)
-                with _ReportSoon(daemon):
-                    resp = daemon.call_coordinator("PrepareRestore", req, wait + opts.rpc_timeout_seconds)
+                cancel_reports()
+                resp, cancel_reports = _ask_for_plan(daemon, req, wait + opts.rpc_timeout_seconds, poll)
             except grpc.RpcError as e:
                 last_error = f"coordinator {opts.coordinator_address()}: {e.code().name} {e.details()}"
                 resp = None
@@ -443,34 +452,37 @@ class OrbaxMode:
 _NO_STATUS = "no status from the coordinator"
 
 
-def _wake(daemon: Any) -> None:
-    """The daemon's heartbeat reports now (a test's stand-in daemon may have none)."""
-    wake = getattr(daemon, "wake", None)
-    if wake is not None:
-        wake()
+def _nothing() -> None:
+    pass
 
 
-class _ReportSoon:
-    """While a PrepareRestore call is open: this host reports at each of :data:`PLAN_REPORT_OFFSETS`."""
+def _ask_for_plan(daemon: Any, req: cpb.PrepareRestoreRequest, timeout: float,
+                  poll: float) -> tuple[cpb.PrepareRestoreResponse, Callable[[], None]]:
+    """PrepareRestore, this host reporting meanwhile (:data:`PLAN_REPORT_POLLS`); returns the answer and what
+    cancels the first reports, which are kept after the answer: a host that asked after this one needs this
+    host's reports made after its own request too (call it before asking again: one schedule at a time)."""
+    cancel = daemon.wake_after(plan_report_offsets(poll))
+    cancel_paced = daemon.wake_after(paced_report_offsets(req.nodes, req.wait_seconds))
+    try:
+        return daemon.call_coordinator("PrepareRestore", req, timeout), cancel
+    except BaseException:
+        cancel()
+        raise
+    finally:
+        cancel_paced()
 
-    def __init__(self, daemon: Any) -> None:
-        self._daemon = daemon
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mtc-orbax-report", daemon=True)
 
-    def _run(self) -> None:
-        start = time.monotonic()
-        for offset in PLAN_REPORT_OFFSETS:
-            if self._done.wait(max(0.0, start + offset - time.monotonic())):
-                return
-            _wake(self._daemon)
+def paced_report_offsets(nodes: int, seconds: float) -> tuple[float, ...]:
+    """This host's reports after :func:`plan_report_offsets` while its PrepareRestore call is open (seconds)."""
+    pace = max(0.02, nodes / HOSTS_POLLS_PER_SECOND)
+    first = PLAN_REPORT_OFFSETS[-1] + pace
+    return tuple(round(first + i * pace, 3) for i in range(max(0, int((seconds - first) / pace) + 1)))
 
-    def __enter__(self) -> _ReportSoon:
-        self._thread.start()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
+def plan_report_offsets(poll: float) -> tuple[float, ...]:
+    """When this host reports after asking for the plan (seconds; see :data:`PLAN_REPORT_POLLS`)."""
+    early = [round(poll * (i + 1), 3) for i in range(PLAN_REPORT_POLLS)]
+    return tuple(sorted(set(early) | {o for o in PLAN_REPORT_OFFSETS if o > early[-1]}))
 
 
 def flush_on_sigterm(mode: OrbaxMode, grace_seconds: float, started_wall: float) -> PreemptionRecord | None:

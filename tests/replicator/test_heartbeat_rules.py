@@ -57,3 +57,32 @@ def test_deletions_skip_parity_and_pieces_a_task_is_using() -> None:
 def test_an_answer_without_tasks_does_nothing() -> None:
     work = hp.work(pb.HeartbeatResponse(), 1, {}, ())
     assert work == hp.Work((), (), None, None, {})
+
+
+class _Rec:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def to_wire(self) -> tier_pb2.RestoreBreakdown:
+        return tier_pb2.RestoreBreakdown(step=self.n)
+
+
+class _Hs(_Rec):
+    def to_wire(self) -> tier_pb2.HandshakeBreakdown:  # type: ignore[override]
+        return tier_pb2.HandshakeBreakdown(number=self.n)
+
+
+def test_the_last_restore_and_handshake_are_sent_once_and_again_to_a_coordinator_without_this_host() -> None:
+    acked = hp.Acked("d", {}, {})
+    first = hp.LastRecords(_Rec(1), _Hs(1))
+
+    def sent(now: hp.LastRecords, taken: hp.LastRecords | None, ack: hp.Acked | None) -> tuple[bool, bool]:
+        req = pb.HeartbeatRequest()
+        hp.attach_last_records(req, now, taken, ack)
+        return req.HasField("last_restore"), req.HasField("last_handshake")
+
+    assert sent(hp.LastRecords(), None, None) == (False, False)  # nothing to show yet
+    assert sent(first, None, acked) == (True, True)  # none answered yet
+    assert sent(first, first, acked) == (False, False)  # the coordinator holds both: not on every beat
+    assert sent(hp.LastRecords(_Rec(2), first.handshake), first, acked) == (True, False)  # a newer restore
+    assert sent(first, first, None) == (True, True)  # a full report (a restarted or new coordinator)

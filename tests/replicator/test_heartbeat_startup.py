@@ -17,6 +17,7 @@ from replicator.coordinator.client import CoordinatorClient
 from replicator.coordinator.serving import lost_after_seconds
 from replicator.daemon import Replicator
 from replicator.heartbeat import (
+    STARTUP_FAST_RETRIES,
     STARTUP_RETRIES,
     STARTUP_RETRY_MAX_SECONDS,
     Heartbeat,
@@ -89,12 +90,42 @@ def test_failed_heartbeats_back_off_but_retry_well_within_the_lost_host_time(tmp
         later = [beat.retry_delay(f, error) for f in range(STARTUP_RETRIES + 1, 40) for _ in range(20)]
         assert max(delays) <= lost / 3, f"a {max(delays):.2f}s wait after a failure; lost after {lost}s"
         assert min(later) >= interval, "a retry sooner than the interval after the start-up tries"
-    # Before any answer, an unreachable coordinator is tried again every 0.4 s at most for ~2.7 s (every daemon
-    # restarting at once; the coordinator's host may come up last), whatever the interval.
+    # Before any answer, an unreachable coordinator is tried again every 0.4 s at most for ~2.6 s (every daemon
+    # restarting at once; the coordinator's host may come up last), whatever the interval; in the first second
+    # every 0.05 s, so that the first retry after the channel's reconnect (~0.1 s) finds it, not one 0.2 s later.
     beat._answered = False
     quick = [beat.retry_delay(f, _Unavailable()) for f in range(1, STARTUP_RETRIES + 1) for _ in range(20)]
     assert max(quick) <= STARTUP_RETRY_MAX_SECONDS * 1.2
+    fast = [beat.retry_delay(f, _Unavailable()) for f in range(1, STARTUP_FAST_RETRIES + 1) for _ in range(20)]
+    assert max(fast) <= 0.06 and sum(fast) / 20 >= 0.9
     assert STARTUP_RETRIES >= 6
     # The backoff still grows (no retry storm on a struggling coordinator) when there is room for it.
     if lost / 3 >= 2 * interval:
-        assert max(beat.retry_delay(20, error) for _ in range(50)) > 1.5 * interval
+        assert max(beat.retry_delay(STARTUP_RETRIES + 12, error) for _ in range(50)) > 1.5 * interval
+
+
+def test_rings_set_for_later_wake_the_heartbeat_on_time_without_a_thread() -> None:
+    """Orbax mode reports a few times right after asking for its restore plan: rings on the heartbeat's own
+    doorbell (no thread per call), cancelled ones never ring."""
+    import threading
+
+    from replicator.heartbeat import Wakeup
+
+    bell = Wakeup()
+    threads = threading.active_count()
+    t0 = time.monotonic()
+    bell.ring_after([0.05, 0.1])
+    cancel = bell.ring_after([0.15])
+    assert threading.active_count() == threads
+    woke = []
+    for _ in range(2):
+        bell.wait(5.0)
+        woke.append(time.monotonic() - t0)
+    cancel()
+    bell.wait(0.3)  # nothing due any more: the full wait
+    woke.append(time.monotonic() - t0)
+    assert 0.04 <= woke[0] < 0.09 and 0.09 <= woke[1] < 0.14 and woke[2] >= 0.38, woke
+    bell.ring()  # a plain ring still ends a wait at once
+    t1 = time.monotonic()
+    bell.wait(5.0)
+    assert time.monotonic() - t1 < 0.05

@@ -517,3 +517,30 @@ def test_a_preemption_notice_ends_when_the_preempted_hosts_are_replaced_or_lost(
             _noticing(coord, r, False, incarnation=inc)
     assert 3 in coord.lost_ranks()
     assert not _noticing(coord, 0, False)  # host 3 declared lost: over
+
+
+def test_a_small_jobs_restore_plan_is_answered_within_10ms_of_the_last_fresh_report():
+    """PrepareRestore trusts only reports made after it was asked; a small job's waiter looks again every 10 ms,
+    not every 0.1 s (each Orbax handshake waited up to two such polls: the fresh reports, then the data)."""
+    import threading
+    import time
+
+    coord = Coordinator(JobTopology(4, 2, 1), "t")
+    for r in range(4):
+        full(coord, r, HOLDINGS[r])
+    got = {}
+
+    def ask():
+        got["resp"] = coord.PrepareRestore(pb.PrepareRestoreRequest(step=-1, wait_seconds=10), Ctx())
+        got["at"] = time.monotonic()
+
+    t = threading.Thread(target=ask)
+    t.start()
+    time.sleep(0.05)
+    for r in range(4):  # the fresh reports, the last one at `last`
+        full(coord, r, HOLDINGS[r])
+    last = time.monotonic()
+    t.join(timeout=10)
+    assert got["resp"].ready and got["resp"].step == 3
+    assert got["at"] - last < 0.06, f"answered {got['at'] - last:.3f}s after the last report"
+    assert Coordinator(JobTopology(400, 2, 1), "t")._restore_poll() == pytest.approx(0.1)

@@ -55,6 +55,16 @@ def _peer_copy(local: Path, holder: int, owner: int, nodes: int, step: int, posi
     shutil.rmtree(src)
 
 
+class _Doorbell:
+    """A stand-in daemon's heartbeat doorbell (OrbaxMode rings it: now, and at times after asking for a plan)."""
+
+    def wake(self) -> None:
+        pass
+
+    def wake_after(self, delays):
+        return lambda: None
+
+
 def test_remap_shrink_relabels_own_data_by_position_and_drops_what_has_no_slot(tmp_path: Path) -> None:
     # Old job: 4 nodes = 2 slices x 2 hosts. This host was rank 3 (position 1) and now is rank 1 of 2.
     h3 = _saved(tmp_path, 3, 4, 7, position=1)
@@ -142,7 +152,7 @@ def test_nothing_restorable_although_steps_are_held_is_reported_to_orbax(tmp_pat
 
     reason = "no step is recoverable for every rank; newest known step 7 lacks ranks 1"
 
-    class FakeDaemon:
+    class FakeDaemon(_Doorbell):
         def call_coordinator(self, method, request, timeout):
             if method == "GetStatus":
                 return cpb.GetStatusResponse(hosts_reported=2)
@@ -227,7 +237,7 @@ def test_a_coordinator_of_another_node_count_is_not_trusted_for_the_plan(tmp_pat
 
     asked = []
 
-    class OldCoordinator:
+    class OldCoordinator(_Doorbell):
         def call_coordinator(self, method, request, timeout):
             asked.append(method)
             if method == "GetStatus":

@@ -418,3 +418,18 @@ def test_step_zero_is_reserved_for_no_checkpoint(base) -> None:
     wait_for(lambda: all((cl.local(r) / "steps" / "1" / layout.MANIFEST_NAME).is_file() for r in range(2)),
              what="step 1 ingested on both hosts")
     _restored(cl, cl.run_job("zero", slices=2, restore_step=1), 1)
+
+
+def test_a_host_reports_right_after_asking_for_its_plan_and_while_it_waits() -> None:
+    """The coordinator trusts a plan only on reports made after every host's request: the first reports come a
+    hosts-poll apart (the hosts ask within a poll or so of each other), then paced under ~1000 calls a second
+    on the coordinator while the call is open (a host waiting for its replica group's bucket fetch)."""
+    from replicator.orbax.mode import paced_report_offsets, plan_report_offsets
+
+    assert plan_report_offsets(0.02) == (0.02, 0.04, 0.06, 0.1, 0.3)
+    assert plan_report_offsets(0.1) == (0.1, 0.2, 0.3)
+    paced = paced_report_offsets(4, 5.0)
+    assert paced[0] == pytest.approx(0.32) and paced[-1] <= 5.0 and len(paced) > 200
+    assert all(b - a == pytest.approx(0.02) for a, b in zip(paced, paced[1:], strict=False))
+    assert paced_report_offsets(1000, 5.0)[:2] == (1.3, 2.3)  # 1000 hosts: each reports once a second
+    assert paced_report_offsets(4, 0.2) == ()

@@ -1,6 +1,6 @@
 """Benchmark of the local (RAM-disk) tier: one JSON line of ratios measured side by side in one run.
 
-    python -m bench.local [--mib 1024] [--repeats 3]
+    python -m bench.local [--mib 1024] [--repeats 3] [--skip-elastic | --only-elastic]
 
 - save_vs_tmpfs: our save throughput / a plain preallocated write of the same bytes to the same tmpfs;
 - blocking_vs_memcpy: time ``save()`` blocks / a plain host copy of the same shards (on CPU ``save()`` takes no
@@ -236,7 +236,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--elastic-mib", type=int, default=256, help="step size of the elastic measurements")
     ap.add_argument("--skip-elastic", action="store_true", help="only the local-tier measurements")
+    ap.add_argument("--only-elastic", action="store_true", help="only the elastic measurements")
     args = ap.parse_args()
+    if args.only_elastic:
+        print(json.dumps({"bench": "local", **elastic(args.elastic_mib, args.repeats)}))
+        return
 
     from absl import flags
 

@@ -13,6 +13,7 @@ import enum
 import json
 import logging
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -289,7 +290,16 @@ def _restore_leaves(config: HostConfig, sources: dict[int, reader.StepSource], l
         for src in sources.values():
             src.drop_cache()
     got = _assemble_all(config, sources, keys, partials=partials)
-    return [_restore_leaf(config, sources, leaf, targets, got) for leaf, targets in zip(leaves, plans, strict=True)]
+    if not wanted or any(leaf.as_bytes for leaf in leaves):  # host leaves are read while placed
+        return [_restore_leaf(config, sources, leaf, targets, got) for leaf, targets in zip(leaves, plans, strict=True)]
+    # Every target shard is built: the other ranks' files fetched for them are removed while they are placed.
+    cleanup = threading.Thread(target=lambda: [src.close_fetched() for src in sources.values()],
+                               name="mtc-fetched-cleanup")
+    cleanup.start()
+    try:
+        return [_restore_leaf(config, sources, leaf, targets, got) for leaf, targets in zip(leaves, plans, strict=True)]
+    finally:
+        cleanup.join()
 
 
 def _shard_keys(leaves: Sequence[RestoreLeaf], plans: Sequence[list[tuple[Any, int, tuple[tuple[int, int], ...]]]]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -42,6 +43,30 @@ log = logging.getLogger(__name__)
 
 # Manifests of savers with no copy here fetched at once (each a round trip through the host's replicator).
 MANIFEST_FETCH_THREADS = 8
+
+
+# What a restore drops (read buffers: mappings of shard files) is released by one background thread, so that
+# unmapping them (~6 ms per 64 MiB here; munmap releases the GIL) is off the restore's critical path.
+_to_release: queue.SimpleQueue[object] = queue.SimpleQueue()
+_releaser_lock = threading.Lock()
+_releaser: threading.Thread | None = None
+
+
+def release_later(obj: object) -> None:
+    """Drop the caller's reference to ``obj`` on the background releaser thread (the last one unmaps or
+    frees its buffers there); the caller must hold no other reference."""
+    global _releaser
+    with _releaser_lock:
+        if _releaser is None or not _releaser.is_alive():  # none yet, or not in this (forked) process
+            _releaser = threading.Thread(target=_release_loop, name="mtc-release", daemon=True)
+            _releaser.start()
+    _to_release.put(obj)
+
+
+def _release_loop() -> None:
+    while True:
+        obj = _to_release.get()
+        del obj  # before waiting for the next
 
 
 def step_dirs_in(root: Path, step: int) -> list[Path]:
@@ -415,10 +440,15 @@ class StepSource:
         return new
 
     def close(self) -> None:
-        """Remove the scratch directories of fetched files (arrays already built from them stay valid:
-        their bytes are mapped or copied)."""
+        """Stop following the copies landing here and remove the scratch directories of fetched files
+        (arrays already built from them stay valid: their bytes are mapped or copied)."""
         for landing in self._landings:
             landing.close()
+        self.close_fetched()
+
+    def close_fetched(self) -> None:
+        """Remove the scratch directories of other ranks' files fetched so far (a later read of them fetches
+        them again)."""
         with self._heal, self._lock:
             gone = {FetchedFiles(d, owner) for d, owner in self._files.close().items()}
             self._forget_where(lambda loc: loc.where in gone)
@@ -558,8 +588,11 @@ class StepSource:
             log.warning("no replacement for the copy in %s: %s", step_dir, ferr)
 
     def drop_cache(self) -> None:
+        """Forget the shards read so far (released in the background, see :func:`release_later`)."""
         with self._lock:
-            self._cache.clear()
+            dropped, self._cache = self._cache, {}
+        if dropped:
+            release_later(dropped)
 
     def not_covered(self, path: str, index: regions.Region, covered: int) -> OSError:
         """Why only ``covered`` elements of region ``index`` of ``path`` could be read: FileNotFoundError, or

@@ -246,8 +246,10 @@ def cmd_restore(args: argparse.Namespace, conn: Conn) -> int:
             prog.start()
         while True:
             wait = max(0.0, min(2.0, deadline - time.monotonic()))
-            resp = conn.admin.RestoreStep(pb.RestoreStepRequest(step=args.step, wait_seconds=wait),
-                                          timeout=wait + conn.timeout)
+            # A coordinator that just took over or restarted answers UNAVAILABLE until every host reported:
+            # waited for within --wait-seconds, as the hosts ready.
+            resp = conn.call_until("RestoreStep", pb.RestoreStepRequest(step=args.step, wait_seconds=wait),
+                                   deadline, extra_seconds=wait)
             if prog is not None:
                 if task is None:
                     task = prog.add_task(f"step {resp.step}: hosts ready", total=resp.nodes)
@@ -284,7 +286,7 @@ def cmd_backup_now(args: argparse.Namespace, conn: Conn) -> int:
     if args.wait_seconds > 0 and state != "already-backed-up":
         deadline = time.monotonic() + args.wait_seconds
         while time.monotonic() < deadline:
-            steps = conn.admin.ListSteps(pb.ListStepsRequest(), timeout=conn.timeout)
+            steps = conn.call_until("ListSteps", pb.ListStepsRequest(), deadline)
             if any(i.step == resp.step and i.backed_up for i in steps.steps):
                 state = "backed-up"
                 break

@@ -146,6 +146,13 @@ class Conn:
                                       stub_class=admin_pb2_grpc.AdminStub, fence_epochs=True)
         self.admin = FailoverStub(self._candidates)
 
+    def call_until(self, method: str, request: Any, deadline: float, extra_seconds: float = 0.0) -> Any:
+        """``self.admin.<method>(request)``, retried across the candidates with backoff while none serves
+        (UNAVAILABLE: a standby, an isolated one, or one still rebuilding its view after a restart; or a
+        deadline passed) until ``deadline`` (monotonic); then the last error is raised. ``extra_seconds``: how
+        long the call itself may wait on top of the connection's timeout (a long poll)."""
+        return self._candidates.call_until(method, request, self.timeout + extra_seconds, deadline)
+
     def close(self) -> None:
         self._candidates.close()
 

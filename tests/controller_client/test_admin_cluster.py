@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from controller_client.demo.cluster import LocalCluster
+from controller_client.demo.cluster import REPO, LocalCluster
 from replicator.backup.bucket import BackupStore
 from replicator.backup.storage import open_store
 from sidecar import layout
@@ -248,5 +252,39 @@ def test_admin_service_needs_the_token(tmp_path) -> None:
         assert r.code in (0, 3) and r.json()["nodes"] == 2, r
         r = mtc("pin", "1", "--coordinator", cl.coordinator)
         assert r.code == 1 and "UNAUTHENTICATED" in r.err, r
+    finally:
+        cl.stop_all(signal.SIGKILL)
+
+
+def test_restore_waits_for_a_restarted_coordinator_to_rebuild_its_view(tmp_path) -> None:
+    """Right after a restart the coordinator answers UNAVAILABLE ("rebuilding its view") until every host
+    reported: `mtc restore --wait-seconds` waits that out instead of failing at once."""
+    cl = LocalCluster(tmp_path / "c", 2, 1)
+    try:
+        cl.start_all()
+        mgr = manager(cl, 1, 2)
+        save_steps(mgr, [1])
+        wait_for(lambda: redundant(cl, 1), what="step 1 redundant", timeout=60)
+        mgr.close()
+        cl.stop_all()
+        cl.start(0)  # the coordinator's host is back; rank 1 is not yet: the view is not whole
+        r = mtc("steps", "--coordinator", cl.coordinator, "--timeout-seconds", "2")
+        assert r.code == 1 and "UNAVAILABLE" in r.err, r  # what a command without a wait gets now
+        proc = subprocess.Popen([sys.executable, "-m", "controller_client.cli", "restore", "1", "-o", "json",
+                                 "--wait-seconds", "60", "--coordinator", cl.coordinator],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO),
+                                env=dict(os.environ, PYTHONPATH=str(REPO)))
+        try:
+            time.sleep(3.0)  # the command is waiting, not failed
+            assert proc.poll() is None, proc.communicate()
+            cl.start(1)
+            out, err = proc.communicate(timeout=90)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        assert proc.returncode == 0, (out, err)
+        doc = json.loads(out)
+        assert doc["step"] == 1 and doc["ready"] and doc["ready_ranks"] == [0, 1], doc
     finally:
         cl.stop_all(signal.SIGKILL)

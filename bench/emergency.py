@@ -80,7 +80,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import emergency_steady
-from bench.children import bound_to_us, scratch_dir
+from bench.children import bound_to_us, replicator_argv, scratch_dir
 from bench.emergency_common import (
     DEVICES_PER_PROCESS,
     LOST_HOST,
@@ -220,7 +220,7 @@ class Ours(System):
             args += ["--coordinator", self.coordinator]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         log = open(self.base / f"replicator-{self.rank}.log", "ab")  # noqa: SIM115 - the child holds it
-        self.proc = subprocess.Popen(bound_to_us([sys.executable, "-m", "controller_client.cli", "-v", "replicator", *args]),
+        self.proc = subprocess.Popen(bound_to_us(replicator_argv(*args)),
                                      stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=str(REPO))
         # (In the worker's process group: the orchestrator's kill of a stuck round's group ends it too.)
         log.close()

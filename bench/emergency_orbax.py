@@ -65,7 +65,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.children import bound_to_us
+from bench.children import bound_to_us, replicator_argv
 from bench.emergency_common import (
     DEVICES_PER_PROCESS,
     LOST_HOST,
@@ -136,7 +136,7 @@ class Daemons:
         self.local(host).mkdir(parents=True, exist_ok=True)
         with open(self.logs / f"replicator-{host}.log", "ab") as log:
             self.procs[host] = subprocess.Popen(
-                bound_to_us([sys.executable, "-m", "controller_client.cli", "-v", "replicator", *self.args(host)]),
+                bound_to_us(replicator_argv(*self.args(host))),
                 stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=str(REPO), start_new_session=True)
 
     def stop(self, hosts: list[int]) -> None:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.children import bound_to_us
+from bench.children import bound_to_us, replicator_argv
 from bench.emergency_common import DEVICES_PER_PROCESS, PROCESSES, REPO, SLICES
 from controller_client.demo.ports import free_port
 
@@ -80,7 +80,7 @@ class Replicators:
             args += ["--coordinator", f"127.0.0.1:{self.ports[0]}"]
         with open(self.logs / f"replicator-{host}.log", "ab") as log:
             self.procs[host] = subprocess.Popen(
-                bound_to_us([sys.executable, "-m", "controller_client.cli", "-v", "replicator", *args]), stdout=log,
+                bound_to_us(replicator_argv(*args)), stdout=log,
                 stderr=subprocess.STDOUT, env=env(), cwd=str(REPO), start_new_session=True)
 
     def serving(self, host: int) -> bool:

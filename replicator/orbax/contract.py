@@ -559,7 +559,11 @@ def _ocdbt_digests(db_dir: Path) -> Iterator[tuple[bytes, str]]:
     threads and sha256 releases the GIL): at most ``_READ_AHEAD`` pieces of the value being hashed and the
     first pieces of the ``_READ_AHEAD_KEYS`` next keys in memory at once.
     """
-    import tensorstore as ts  # lazy: only hashing needs it (an Orbax dependency)
+    try:
+        import tensorstore as ts  # lazy: only hashing Orbax's OCDBT steps needs it (a dependency of ours)
+    except ImportError as e:
+        raise ValueError(f"cannot read OCDBT database {db_dir}: tensorstore is not installed ({e}); it is a "
+                         "dependency of multitier-checkpoint: reinstall it (pip install multitier-checkpoint)") from e
 
     if not (db_dir / OCDBT_MANIFEST_FILE).is_file():
         raise ValueError(f"OCDBT database {db_dir} has no {OCDBT_MANIFEST_FILE} (incomplete step)")

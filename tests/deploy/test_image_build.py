@@ -12,6 +12,10 @@ Marked ``image``: ``make test`` leaves it out; ``make image-test`` runs it, and 
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from tests.kits.images import Store, pinned
@@ -29,6 +33,33 @@ def test_the_replicator_image_builds_and_runs_mtc_replicator(store: Store, repli
     # The slim core: no JAX in the replicator image (the Dockerfile's own check, asserted from outside too).
     jax = b.buildah_run(image, "python", "-c", "import jax")
     assert jax.returncode != 0 and "No module named 'jax'" in jax.stderr, jax.stdout + jax.stderr
+
+
+def test_the_replicator_image_hashes_orbax_ocdbt_steps(store: Store, replicator_image: str) -> None:
+    """Orbax mode in the image: a step Orbax saved in its default format (OCDBT) is hashed by its values
+    through tensorstore, as on the host (the image used to lack tensorstore: every such step was unreadable,
+    so nothing Orbax saved was ever replicated)."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from replicator.orbax.contract import orbax_content_hash
+
+    work = Path(tempfile.mkdtemp(prefix="mtc-ocdbt-", dir="/dev/shm"))
+    try:
+        step = work / "7"
+        ckpt = ocp.StandardCheckpointer()
+        ckpt.save(step, {"w": np.arange(4096, dtype=np.float32).reshape(64, 64), "b": np.ones(8, np.int32)})
+        ckpt.wait_until_finished()
+        ckpt.close()
+        assert (step / "manifest.ocdbt").is_file()  # an OCDBT root: hashed through tensorstore
+        for p in [work, *work.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)  # readable by the image's user (1000)
+        code = "import sys; from replicator.orbax.contract import orbax_content_hash as h; print(h(sys.argv[1]))"
+        out = store.buildah_run(replicator_image, "python", "-c", code, "/step", volumes=[f"{step}:/step:ro"])
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.strip().splitlines()[-1] == orbax_content_hash(step)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_the_sidecar_image_refuses_a_base_without_a_supported_jax_in_one_line(store: Store) -> None:

@@ -134,10 +134,13 @@ class Store:
         self.build(ctx / "Containerfile", tag, ctx)
         return tag
 
-    def buildah_run(self, image: str, *cmd: str) -> subprocess.CompletedProcess:
+    def buildah_run(self, image: str, *cmd: str, volumes: Sequence[str] = ()) -> subprocess.CompletedProcess:
+        """``cmd`` in a container of ``image``; ``volumes``: ``HOST:CONTAINER[:OPTIONS]`` bind mounts."""
         container = self.buildah("from", image).stdout.strip().splitlines()[-1]
+        flags = [a for v in volumes for a in ("--volume", v)]
         try:
-            return self.buildah("run", "--isolation", "chroot", container, "--", *cmd, check=False, timeout=120)
+            return self.buildah("run", "--isolation", "chroot", *flags, container, "--", *cmd, check=False,
+                                timeout=120)
         finally:
             self.buildah("rm", container, check=False)
 

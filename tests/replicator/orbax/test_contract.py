@@ -310,3 +310,19 @@ def test_ocdbt_digests_read_in_pieces_equal_whole_value_digest(tmp_path: Path, m
     (tmp_path / oc.OCDBT_MANIFEST_FILE).write_bytes(b"not a manifest")
     with pytest.raises(ValueError, match="cannot read OCDBT database"):
         list(oc._ocdbt_digests(tmp_path))
+
+
+def test_ocdbt_digests_without_tensorstore_name_the_cause(tmp_path: Path, monkeypatch) -> None:
+    """tensorstore is a dependency of ours (the replicator image holds it; Orbax mode hashes OCDBT steps,
+    Orbax's default format, through it): an installation without it says so instead of a bare import error."""
+    import sys
+
+    import tensorstore as ts
+
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": f"{tmp_path}/"}}).result()
+    kv.write(b"k", b"v").result()
+    del kv
+    assert len(list(oc._ocdbt_digests(tmp_path))) == 1
+    monkeypatch.setitem(sys.modules, "tensorstore", None)  # as if not installed: import raises
+    with pytest.raises(ValueError, match="tensorstore is not installed"):
+        list(oc._ocdbt_digests(tmp_path))

@@ -3,6 +3,11 @@
     python -m bench.goodput [--mib 1024] [--seconds 600] [--step-seconds 1] [--mtbf-seconds 120]
         [--replace-seconds 5] [--grace-seconds 25] [--seed 19] [--ramdisk csi]
         [--trainer-start with-replicator|after-probe] [--probe-seconds 1] [--systems ours,orbax_p2p,...]
+    python -m bench.goodput --pathways [--mib 16] [--seconds 120] [--step-seconds 0.3] [--mtbf-seconds 120]
+        [--replace-seconds 10] [--poll-seconds 1] [--seed 3] [--systems ours,orbax]
+
+``--pathways`` measures the Pathways elastic path instead (bench/goodput_pathways.py: slices lost and back on
+the simulated Pathways, the single controller never restarted, ours against the guide's Snapshotter loop).
 
 The same job (4 JAX processes, 2 slices x 2 hosts on 8 CPU devices, bench.emergency's ``--mib`` state
 sharded within a slice and replicated across slices, a train step of ``--step-seconds``) runs for
@@ -126,6 +131,11 @@ def corruption(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--pathways" in argv:  # the Pathways elastic path: its own module and options
+        from bench import goodput_pathways
+
+        return goodput_pathways.main([a for a in argv if a != "--pathways"])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=1024, help="size of the train state (MiB, default 1024)")
     p.add_argument("--seconds", type=float, default=600.0, help="wall time of each system's run (default 600)")

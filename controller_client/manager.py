@@ -282,8 +282,11 @@ class CheckpointManager:
                             ) -> CoordinatorClient:
         o = self.options
         tls = TlsOptions.from_args(o.tls_cert_file, o.tls_key_file, o.tls_ca_file)
+        # The hosts of this manager's topology that hold no active device are gone (on Pathways: their slice
+        # is counted down): the coordinator declares them lost at once (replicator/coordinator/gone.py).
+        gone = sorted(set(range(self.topology.nodes)) - set(self.active_ranks))
         return CoordinatorClient(o.coordinator_address, o.token_file, rpc_timeout_seconds, tls=tls,
-                                 failover_seconds=failover_seconds)
+                                 failover_seconds=failover_seconds, gone_ranks=gone)
 
     def _await_replicators(self) -> None:
         """Before this manager's first decision that needs the other tiers: its hosts' replicators serve.

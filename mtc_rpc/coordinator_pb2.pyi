@@ -226,12 +226,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, copies: _Optional[_Iterable[_Union[CopyTask, _Mapping]]] = ..., deletions: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., restore: _Optional[_Union[RestoreTask, _Mapping]] = ..., backup: _Optional[_Union[BackupTask, _Mapping]] = ..., newest_complete_step: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., acked_digest: _Optional[str] = ..., epoch: _Optional[int] = ..., preemption_noticed: _Optional[bool] = ..., parity: _Optional[_Iterable[_Union[ParityTask, _Mapping]]] = ...) -> None: ...
 
 class GetStepsRequest(_message.Message):
-    __slots__ = ("wait_seconds", "min_step")
+    __slots__ = ("wait_seconds", "min_step", "gone_ranks")
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    GONE_RANKS_FIELD_NUMBER: _ClassVar[int]
     wait_seconds: float
     min_step: int
-    def __init__(self, wait_seconds: _Optional[float] = ..., min_step: _Optional[int] = ...) -> None: ...
+    gone_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, wait_seconds: _Optional[float] = ..., min_step: _Optional[int] = ..., gone_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStepsResponse(_message.Message):
     __slots__ = ("newest_complete_step", "complete_steps", "backed_up_steps", "forced_restore_step", "epoch")
@@ -248,14 +250,16 @@ class GetStepsResponse(_message.Message):
     def __init__(self, newest_complete_step: _Optional[int] = ..., complete_steps: _Optional[_Iterable[int]] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., forced_restore_step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PrepareRestoreRequest(_message.Message):
-    __slots__ = ("step", "wait_seconds", "nodes")
+    __slots__ = ("step", "wait_seconds", "nodes", "gone_ranks")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    GONE_RANKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     wait_seconds: float
     nodes: int
-    def __init__(self, step: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., nodes: _Optional[int] = ...) -> None: ...
+    gone_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., nodes: _Optional[int] = ..., gone_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrepareRestoreResponse(_message.Message):
     __slots__ = ("step", "reason", "ready_ranks", "ready", "lost_ranks", "unreachable", "epoch")

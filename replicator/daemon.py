@@ -117,6 +117,8 @@ class Replicator:
         self._control_server: grpc.Server | None = None
         self._transfer_server: peer_server.TransferServer | None = None
         self._wakeup = Wakeup()
+        if self.coordinator is not None:
+            self.coordinator.takeover_wake = self._wakeup.ring
         self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.address = ""
@@ -186,7 +188,10 @@ class Replicator:
                            force_restore_step=opts.restore_from_backup, host_lost_seconds=opts.host_lost_seconds,
                            max_heartbeats_per_second=opts.max_heartbeats_per_second, active=False,
                            other_candidates=len(self.candidates) > 1, candidate=self.my_candidate,
-                           redundancy=opts.effective_redundancy, elastic=opts.allocation_index is not None)
+                           redundancy=opts.effective_redundancy, elastic=opts.allocation_index is not None,
+                           # Native mode: candidates are labelled by rank (Orbax mode: by allocation index).
+                           lower_candidates=() if opts.allocation_index is not None else
+                           [r for r, _ in self.candidates[:self.my_candidate]])
 
     @property
     def errors(self) -> list[str]:

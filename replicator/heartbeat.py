@@ -216,7 +216,8 @@ class Heartbeat:
         waiting: str | None = None
         for i in range(len(cands.addresses)):
             if i == mine and coord is not None and not coord.active:
-                turn = host_protocol.takeover(self._lower_down_since, time.monotonic(), coord.takeover_after())
+                turn = host_protocol.takeover(self._lower_down_since, time.monotonic(), coord.takeover_after(),
+                                              hinted=coord.lower_candidates_gone())
                 self._lower_down_since = turn.lower_down_since
                 if not turn.now:
                     waiting = f"lower coordinator candidates unreachable ({last}); waiting to take over"

@@ -145,15 +145,16 @@ class Takeover:
     lower_down_since: float  # since when no lower candidate answered (the caller keeps it)
 
 
-def takeover(lower_down_since: float | None, now: float, takeover_after: float) -> Takeover:
+def takeover(lower_down_since: float | None, now: float, takeover_after: float, hinted: bool = False) -> Takeover:
     """Reached in the candidates' order at its own standby candidate: whether it takes over (every lower one
-    silent ``takeover_after`` seconds, counted from ``lower_down_since``, or from ``now`` when first silent).
+    silent ``takeover_after`` seconds, counted from ``lower_down_since``, or from ``now`` when first silent; or
+    at once when ``hinted``: a client named every lower candidate's host gone, replicator/coordinator/gone.py).
 
     Meanwhile the host reports to a higher candidate that serves (one took over while ours was cut off, and
     deposed it): silent, this host's data is unknown to it and gets no attestation task, so the step may not
     survive the loss of the hosts that do report (simulation seed 70347, issue #33)."""
     since = now if lower_down_since is None else lower_down_since
-    return Takeover(now - since >= takeover_after, since)
+    return Takeover(hinted or now - since >= takeover_after, since)
 
 
 def takeover_epoch(clock_ns: int, known: int) -> int:

@@ -183,10 +183,13 @@ class CoordinatorClient:
 
     ``address``: one ``HOST:PORT`` or the ordered candidates, comma-separated or as a list.
     ``failover_seconds``: how long a call keeps trying candidates before raising (default: 3 RPC timeouts).
+    ``gone_ranks``: ranks the caller knows are gone (on Pathways: hosts of slices counted down), sent with every
+    steps and restore question (replicator/coordinator/gone.py).
     """
 
     def __init__(self, address: str | Sequence[str], token_file: str | None = None,
-                 rpc_timeout_seconds: float = 30.0, tls: Any = None, failover_seconds: float | None = None):
+                 rpc_timeout_seconds: float = 30.0, tls: Any = None, failover_seconds: float | None = None,
+                 gone_ranks: Sequence[int] = ()):
         from replicator.net import rpc
         from replicator.net.security import read_token_file
 
@@ -195,6 +198,7 @@ class CoordinatorClient:
         self.address = self.addresses[0]
         self.timeout = rpc_timeout_seconds
         self.failover_seconds = 3 * rpc_timeout_seconds if failover_seconds is None else failover_seconds
+        self.gone_ranks = list(gone_ranks)
         self._candidates = Candidates(self.addresses, lambda a: rpc.make_channel(a, token=token, tls=tls),
                                       fence_epochs=True)
 
@@ -215,7 +219,7 @@ class CoordinatorClient:
     def steps(self, wait_seconds: float | None = None, min_step: int | None = None) -> pb.GetStepsResponse:
         """The complete steps; ``min_step``: long-poll up to ``wait_seconds`` until it (or newer) is complete."""
         wait = self.timeout / 2 if wait_seconds is None else wait_seconds
-        req = pb.GetStepsRequest(wait_seconds=wait, min_step=min_step)
+        req = pb.GetStepsRequest(wait_seconds=wait, min_step=min_step, gone_ranks=self.gone_ranks)
         return self._call("GetSteps", req, wait + self.timeout)
 
     def complete_steps(self) -> list[int]:
@@ -227,7 +231,8 @@ class CoordinatorClient:
         A coordinator lost mid-call is retried on the next candidate (which re-plans from reports).
         """
         resp = self._call("PrepareRestore",
-                          pb.PrepareRestoreRequest(step=-1 if step is None else step, wait_seconds=wait_seconds),
+                          pb.PrepareRestoreRequest(step=-1 if step is None else step, wait_seconds=wait_seconds,
+                                                   gone_ranks=self.gone_ranks),
                           wait_seconds + self.timeout, extra_seconds=wait_seconds)
         if resp.step < 0:
             raise FileNotFoundError(f"nothing to restore: {resp.reason}")
@@ -239,7 +244,8 @@ class CoordinatorClient:
     def pin_restore(self, step: int) -> pb.PrepareRestoreResponse:
         """Pin ``step`` for a restore and make it every host's restore target, without waiting for the
         hosts (an elastic restore fetches what it lacks itself); the answer says which ranks are ready."""
-        return self._call("PrepareRestore", pb.PrepareRestoreRequest(step=step, wait_seconds=0), self.timeout)
+        return self._call("PrepareRestore", pb.PrepareRestoreRequest(step=step, wait_seconds=0,
+                                                                   gone_ranks=self.gone_ranks), self.timeout)
 
     def status(self, hosts: bool = False, detail_steps: Sequence[int] = (), rank_first: int = 0,
                rank_count: int = 0) -> pb.GetStatusResponse:

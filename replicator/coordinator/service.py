@@ -220,6 +220,7 @@ class Coordinator(CoordinatorCore, pb_grpc.CoordinatorServicer):
 
     # ------------------------------------------------------------------ clients: steps, restores, status
     def GetSteps(self, request: pb.GetStepsRequest, context: grpc.ServicerContext) -> pb.GetStepsResponse:
+        self.note_gone(request.gone_ranks, context)  # also a standby's: its host may take over at once
         if request.wait_seconds <= 0:
             return self._get_steps(request, context)
         with self._admitted(context):
@@ -251,6 +252,7 @@ class Coordinator(CoordinatorCore, pb_grpc.CoordinatorServicer):
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: grpc.ServicerContext) -> pb.PrepareRestoreResponse:
         self._check_nodes(request.nodes, context)
+        self.note_gone(request.gone_ranks, context)  # also a standby's: its host may take over at once
         with self._admitted(context):
             return self._prepare_restore(request, context)
 

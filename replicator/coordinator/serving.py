@@ -18,7 +18,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -27,6 +27,7 @@ from replicator.coordinator import isolation
 from replicator.coordinator.admission import MAX_WAITERS, WaiterGate
 from replicator.coordinator.backup_hook import BackupScheduler
 from replicator.coordinator.fence import EpochFence
+from replicator.coordinator.gone import GoneHint
 from replicator.coordinator.parity_answer import ParityOrders
 from replicator.coordinator.planner import CoordinatorState
 from replicator.coordinator.preempting import PreemptingHosts
@@ -95,8 +96,15 @@ class CoordinatorCore:
         candidate: int | None = None,
         redundancy: Redundancy | None = None,
         elastic: bool = False,
+        lower_candidates: Sequence[int] = (),
     ):
         self.topology = topology
+        # The ranks of the candidates before this one (native mode; replicator.coordinator.gone): when a client
+        # names them all gone, this candidate's host takes over at once.
+        self._lower_candidates = tuple(lower_candidates)
+        self._gone = GoneHint()  # kept across a reset: about the hosts, not about the view
+        # Rung when a hint lets this standby's host take over (its heartbeat's doorbell; set by the daemon).
+        self.takeover_wake: Callable[[], None] | None = None
         # copies:N (None: the topology's replicas) or ec:K+M; checked here (ValueError) by the first state.
         self.redundancy, self.elastic = redundancy, elastic
         # Other candidates may serve when this one is cut off: then an isolated coordinator stops deciding.
@@ -171,6 +179,48 @@ class CoordinatorCore:
             self._reset()
             self._fence.activate(epoch)
             log.info("coordinator active (epoch %d) for %d hosts", self.epoch, self.topology.nodes)
+            self._declare_gone(self._clock())
+
+    def note_gone(self, ranks: Sequence[int], context: grpc.ServicerContext) -> None:
+        """A client's ``gone_ranks`` (replicator.coordinator.gone): serving, declare them lost now; a standby
+        keeps them for its host's takeover. Bad ranks abort the call and change nothing."""
+        if not ranks:
+            return
+        try:
+            gone = {self.topology.check_rank(r) for r in ranks}
+        except ValueError as e:
+            self._abort_bad(context, f"gone_ranks: {e}")
+        with self._lock:
+            now = self._clock()
+            self._gone.note(gone, now)
+            if self.active:
+                self._declare_gone(now)
+            wake = not self.active and self._gone.covers(self._lower_candidates, now)
+        if wake and self.takeover_wake is not None:
+            self.takeover_wake()  # the host's next heartbeat now, not at its interval: it takes over
+
+    def lower_candidates_gone(self) -> bool:
+        """A client named every lower candidate's host gone recently: this standby's host takes over at once."""
+        with self._lock:
+            return self._gone.covers(self._lower_candidates, self._clock())
+
+    def _declare_gone(self, now: float) -> None:
+        """Declare lost, now, the hosts a client named gone recently that are not lost yet and are silent: never
+        heard by this coordinator, or not for 1.5 heartbeat intervals (a host of a slice that came back reports
+        again while the client still counts it out: it is never declared lost for that). Lock held."""
+        hint = self._gone.fresh(now)
+        if not hint:
+            return
+        st, quiet = self.state, now - 1.5 * self.heartbeat_interval()
+        lost = st.lost
+        gone = sorted(r for r in hint if r not in lost
+                      and (st.incarnation_of(r) is None or ((seen := st.last_seen(r)) is not None and seen <= quiet)))
+        for r in gone:
+            st.forget_host(r, now)
+        self._forget_lost(gone)
+        if gone:
+            log.warning("hosts %s declared lost: a client says they are gone (their slice is down)",
+                        format_ranks(gone))
 
     def deactivate(self, why: str) -> None:
         with self._lock:
@@ -290,12 +340,18 @@ class CoordinatorCore:
     def _expire(self) -> None:
         if not self.active:
             return  # a standby hears from nobody: it declares nobody lost
-        lost = self.state.expire(self._clock(), self.lost_after())
+        now = self._clock()
+        self._declare_gone(now)
+        lost = self.state.expire(now, self.lost_after())
         if lost:
             log.warning("hosts %s declared lost: no report for %.1fs", format_ranks(lost), self.lost_after())
-            for r in lost:
-                self._digest.pop(r, None)
-                self._preempting.forget(r)
+            self._forget_lost(lost)
+
+    def _forget_lost(self, ranks: list[int]) -> None:
+        """What the service keeps of hosts just declared lost: their acknowledged digest, their notice."""
+        for r in ranks:
+            self._digest.pop(r, None)
+            self._preempting.forget(r)
 
     def restore_target(self) -> int | None:
         """The step every host should hold locally: a pinned restore, else the newest complete step."""

@@ -47,6 +47,9 @@ class _Deposed:
     def takeover_after(self) -> float:
         return 30.0
 
+    def lower_candidates_gone(self) -> bool:
+        return False  # no client named the lower candidates gone (replicator/coordinator/gone.py)
+
 
 def _heartbeat(rank: int, candidates=None, coordinator=None, my_candidate=None) -> Heartbeat:
     parts = SimpleNamespace(store=None, coordinator=coordinator, wakeup=Wakeup(), stopping=threading.Event(),

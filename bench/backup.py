@@ -160,7 +160,9 @@ def main(argv: list[str] | None = None) -> None:
             "download_verify_commit_mib_s": round(total / down / 2**20, 1),
         }
         if not args.skip_slowdown:
-            result["step_slowdown_during_backup"] = round(_slowdown_windows(work, step_dir), 3)
+            ratio, cpu = _slowdown_windows(work, step_dir, proc.pid)
+            result["step_slowdown_during_backup"] = round(ratio, 3)
+            result["during_backup_cpu"] = cpu
             result["step_slowdown_separate_runs"] = round(_slowdown(work, step_dir, manifest), 3)
         print(json.dumps(result), flush=True)
     finally:
@@ -193,14 +195,32 @@ def _uploader_code(seconds: float | None) -> str:
     )
 
 
-def _slowdown_windows(work: Path, step_dir: Path, windows: int = 12, window_seconds: float = 1.0,
-                      settle_seconds: float = 0.15) -> float:
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _bytes_read(pid: int) -> int:
+    """Bytes process ``pid`` has read with read(2) (the emulator: what it received)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _slowdown_windows(work: Path, step_dir: Path, emulator_pid: int, windows: int = 12,
+                      window_seconds: float = 1.0, settle_seconds: float = 0.15) -> tuple[float, dict[str, float]]:
     """Median train-step time while a backup uploads / while it is paused, in one training process.
 
     The uploader runs in another process and is paused (SIGSTOP, by its pid) and resumed (SIGCONT) in turn,
     ``window_seconds`` each, while one training loop runs throughout: steps starting in a running window
     against steps starting in a paused one (the first ``settle_seconds`` of each window left out). Slow drift
-    of a noisy machine hits both alike, unlike two separate runs (see :func:`_slowdown`)."""
+    of a noisy machine hits both alike, unlike two separate runs (see :func:`_slowdown`).
+
+    Also returns, for detail only, the CPU the uploader and the emulator used per second of running and of
+    paused windows, and the uploader's and the emulator's CPU milliseconds per MiB the emulator received in
+    running windows: on a real host the emulator's share runs at Cloud Storage, not beside training."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     out = work / "times-windows.json"
     loop_seconds = 4.0 + windows * window_seconds + 1.0
@@ -208,14 +228,22 @@ def _slowdown_windows(work: Path, step_dir: Path, windows: int = 12, window_seco
                                   "--seconds", str(loop_seconds)], env=env)
     uploader = subprocess.Popen([sys.executable, "-c", _uploader_code(None), str(step_dir)], env=env)
     spans: list[tuple[float, float, bool]] = []
+    # (seconds, uploader CPU-s, emulator CPU-s, bytes the emulator read) summed over running / paused windows
+    use = {True: [0.0, 0.0, 0.0, 0], False: [0.0, 0.0, 0.0, 0]}
     try:
         time.sleep(4.0)  # the loop compiles, the uploader imports and starts its first upload
         for k in range(windows):
             running = k % 2 == 1
             os.kill(uploader.pid, signal.SIGCONT if running else signal.SIGSTOP)
             t0 = time.monotonic()
+            before = (_cpu_seconds(uploader.pid), _cpu_seconds(emulator_pid), _bytes_read(emulator_pid))
             time.sleep(window_seconds)
             spans.append((t0 + settle_seconds, time.monotonic(), running))
+            after = (_cpu_seconds(uploader.pid), _cpu_seconds(emulator_pid), _bytes_read(emulator_pid))
+            acc = use[running]
+            acc[0] += time.monotonic() - t0
+            for i in range(3):
+                acc[i + 1] += after[i] - before[i]
     finally:
         os.kill(uploader.pid, signal.SIGCONT)
         uploader.terminate()
@@ -230,7 +258,16 @@ def _slowdown_windows(work: Path, step_dir: Path, windows: int = 12, window_seco
                 break
     if not by[True] or not by[False]:
         raise RuntimeError(f"no training steps in the windows ({len(stamps)} steps)")
-    return statistics.median(by[True]) / statistics.median(by[False])
+    (run_s, up_cpu, emu_cpu, got), (paused_s, _, emu_paused, _) = use[True], use[False]
+    mib = max(got / 2**20, 1e-9)
+    cpu = {
+        "uploader_cpu_per_s": round(up_cpu / run_s, 3),
+        "emulator_cpu_per_s": round(emu_cpu / run_s, 3),
+        "emulator_cpu_per_s_paused": round(emu_paused / paused_s, 3),
+        "uploader_cpu_ms_per_mib": round(1000 * up_cpu / mib, 2),
+        "emulator_cpu_ms_per_mib": round(1000 * emu_cpu / mib, 2),
+    }
+    return statistics.median(by[True]) / statistics.median(by[False]), cpu
 
 
 def _slowdown(work: Path, step_dir: Path, manifest) -> float:  # type: ignore[no-untyped-def]

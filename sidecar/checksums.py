@@ -173,6 +173,26 @@ def read_verified(path: Path, length: int, expected_crc: int, offset: int = 0, o
     return buf
 
 
+def open_leased(path: Path, length: int | None = None) -> tuple[int, bool]:
+    """A read-only descriptor of ``path`` and whether it holds the reader lease: a shared ``flock`` taken when
+    the bytes to be read (``length``, default the whole file) are enough for the file to be recycled
+    (``RECYCLE_MIN_BYTES``). While the descriptor (or a mapping of it) lives, :func:`delete_step` unlinks the
+    file instead of handing its pages to the next writer to overwrite under the reader. Close it with
+    ``os.close``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = os.fstat(fd).st_size if length is None else length
+        if n < RECYCLE_MIN_BYTES:
+            return fd, False
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if os.stat(path).st_ino != os.fstat(fd).st_ino:  # recycled between our open and our lock
+            raise FileNotFoundError(errno.ENOENT, "file deleted while being opened", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, True
+
+
 def map_verified(path: Path, length: int, expected_crc: int, offset: int = 0,
                  blocks: tuple[int, int, Sequence[int]] | None = None) -> Any:
     """Map ``length`` bytes of ``path`` copy-on-write, verify their crc32c, return them as a uint8 array.
@@ -187,14 +207,9 @@ def map_verified(path: Path, length: int, expected_crc: int, offset: int = 0,
     """
     if offset % mmap.ALLOCATIONGRANULARITY or length == 0:
         return read_verified(path, length, expected_crc, offset, blocks=blocks)
-    fd = os.open(path, os.O_RDONLY)
-    lease = -1
+    fd, leased = open_leased(path, length)
+    lease = fd if leased else -1
     try:
-        if length >= RECYCLE_MIN_BYTES:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            if os.stat(path).st_ino != os.fstat(fd).st_ino:  # recycled between our open and our lock
-                raise FileNotFoundError(errno.ENOENT, "file deleted while being opened", str(path))
-            lease = fd
         size = os.fstat(fd).st_size
         if size < offset + length:
             raise EOFError(f"{path}: expected {length} bytes at offset {offset}, file has {size}")

@@ -241,8 +241,9 @@ def test_a_replicator_oom_killed_mid_copy_restarts_and_nothing_is_half_visible(r
     assert_passed(rig, case)
 
 
-# Six of the gs:// backend's default 64 MiB resumable chunks. An upload holds about two chunks at once (measured
-# +139 MB over its baseline for a 192 MiB file as for this one), whatever the file's size: half this step.
+# Six of the gs:// backend's default 64 MiB resumable chunks. An upload sends each chunk as a view of the file's
+# mapped page-cache pages (measured +6 MiB over its baseline for this step; a buffered upload held about two
+# chunks, +139 MB), whatever the file's size; the download back holds a few 8 MiB buffers.
 GCS_STEP_BYTES = 384 << 20
 
 

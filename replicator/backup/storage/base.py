@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from replicator.net.retry import RetryPolicy, call_with_retry, is_retryable  # noqa: F401 - re-exported
-from sidecar.checksums import crc32c_extend, stream_crc32c
+from sidecar.checksums import crc32c_extend, open_leased, stream_crc32c
 from sidecar.layout import safe_relpath
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ def copy_source(
 ) -> tuple[int, int]:
     """Stream ``data`` into ``sink`` chunk by chunk; return (size, crc32c) of what was streamed."""
     if isinstance(data, Path):
-        with open(data, "rb", buffering=0) as f:
+        with open(open_leased(data)[0], "rb", buffering=0) as f:  # leased: a step deleted meanwhile is not recycled
             return stream_crc32c(f, sink, throttle, COPY_CHUNK_BYTES)
     crc, size = 0, 0
     view = memoryview(data).cast("B")

@@ -220,19 +220,32 @@ def test_corrupt_object_gives_checksum_error_and_nothing_visible(
     assert list(dest.iterdir()) == []  # neither the step nor a temp dir
 
 
-def test_corrupt_local_file_is_not_uploaded(tmp_path: Path) -> None:
+@pytest.mark.parametrize("size", [50_000, (3 << 20) + 5])  # one request; several resumable chunks (test GCS)
+def test_corrupt_local_file_is_never_stored(backup_target: Store, tmp_path: Path, size: int) -> None:
+    # No checksum pass reads the file before its upload: the store checks the bytes it sends against the
+    # manifest's crc32c and keeps nothing that does not match, on every backend.
+    b = BackupStore(backup_target, "job")
+    d = make_step(tmp_path / "h", 2, 0, 1, files_for(4, size=size))
+    p = d / "state" / "2.bin"
+    data = bytearray(p.read_bytes())
+    data[-3] ^= 0xFF
+    p.write_bytes(bytes(data))
+    s = b.begin(2, 1)
+    with pytest.raises(ChecksumError):
+        b.upload_rank(s, 0, d)
+    assert not [o for o in backup_target.list("job") if "/ranks/" in o.name]
+    assert not [o for o in backup_target.list("job") if o.name.endswith("2.bin")]
+
+
+def test_short_local_file_is_refused_before_upload(tmp_path: Path) -> None:
     store = MemoryStore(f"t-{uuid.uuid4().hex[:8]}")
     b = BackupStore(store, "job")
     d = make_step(tmp_path / "h", 2, 0, 1, files_for(4))
     p = d / "state" / "2.bin"
-    data = bytearray(p.read_bytes())
-    data[0] ^= 0xFF
-    p.write_bytes(bytes(data))
-    s = b.begin(2, 1)
+    p.write_bytes(p.read_bytes()[:-1])
     with pytest.raises(ChecksumError, match="before upload"):
-        b.upload_rank(s, 0, d)
-    assert not [o for o in store.list("job") if "/ranks/" in o.name]
-    assert not [o for o in store.list("job") if o.name.endswith("2.bin")]
+        b.upload_rank(b.begin(2, 1), 0, d)
+    assert not [o for o in store.list("job") if "/ranks/" in o.name or o.name.endswith("2.bin")]
     MemoryStore.wipe(store.name)
 
 

@@ -12,7 +12,9 @@ from replicator.backup.storage.filesystem import FileStore
 from replicator.backup.storage.fsspec_store import FsspecStore
 from replicator.backup.storage.gcs import GcsStore
 from replicator.backup.storage.memory import MemoryStore
+from sidecar import commit, spares
 from sidecar.checksums import ChecksumError, crc32c
+from tests.kits.storage import make_step
 
 
 def test_write_read_stat_roundtrip(store: Store) -> None:
@@ -68,6 +70,41 @@ def test_wrong_crc32c_is_rejected_and_leaves_no_object(store: Store) -> None:
         store.write("bad", b"payload", crc32c=crc32c(b"other"))
     with pytest.raises(FileNotFoundError):
         store.stat("bad")
+
+
+def test_file_not_matching_its_crc32c_is_rejected_and_leaves_no_object(store: Store, tmp_path: Path) -> None:
+    # 3 MiB + 7: several resumable chunks with the test GCS options; the flipped byte is in the last one.
+    data = bytearray(os.urandom((3 << 20) + 7))
+    good = crc32c(bytes(data))
+    data[-2] ^= 0x10
+    src = tmp_path / "bad.bin"
+    src.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError):
+        store.write("bad/file", src, crc32c=good)
+    with pytest.raises(FileNotFoundError):
+        store.stat("bad/file")
+
+
+def test_a_step_deleted_while_its_file_uploads_is_not_recycled_under_the_upload(
+    store: Store, tmp_path: Path
+) -> None:
+    # The sidecar hands the files of a deleted step to its next writer to overwrite (sidecar/spares.py) unless
+    # a reader holds a lease on them: an upload takes that lease, so the file is unlinked instead and the upload
+    # sends the step's bytes.
+    root = tmp_path / "ram"
+    data = os.urandom((3 << 20) + 7)
+    step = make_step(root, 4, 0, 1, {"state/0.bin": data})
+    seen: list[int] = []
+
+    def delete_step_midway(n: int) -> None:
+        if not seen:
+            assert commit.delete_step(step, spare=spares.spare_dir(root))
+        seen.append(n)
+
+    info = store.write("leased", step / "state" / "0.bin", crc32c=crc32c(data), throttle=delete_step_midway)
+    assert info.size == len(data)
+    assert store.read("leased") == data
+    assert not list(spares.spare_dir(root).glob("*")), "the uploading file was recycled"
 
 
 def test_missing_objects(store: Store, tmp_path: Path) -> None:

@@ -117,8 +117,6 @@ class Replicator:
         self._control_server: grpc.Server | None = None
         self._transfer_server: peer_server.TransferServer | None = None
         self._wakeup = Wakeup()
-        if self.coordinator is not None:
-            self.coordinator.takeover_wake = self._wakeup.ring
         self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.address = ""
@@ -243,6 +241,7 @@ class Replicator:
             if not self.opts.coordinator_candidates and not self.opts.coordinator:
                 addrs[self.my_candidate] = self.address
             self.coordinator.address = addrs[self.my_candidate]
+            self.coordinator.takeover_wake = self._wakeup.ring  # a client's hint rings this host's heartbeat
             if self.my_candidate == 0:
                 self.coordinator.activate(max(time.time_ns(), self.heartbeats.epoch + 1))
         self.heartbeats.connect(addrs, self.address)

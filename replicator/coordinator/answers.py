@@ -30,7 +30,7 @@ def status_response(st: CoordinatorState, request: pb.GetStatusRequest, header: 
     nodes = header.topology.nodes
     complete = st.globally_complete_steps()
     lost = st.lost
-    pinned, backing = set(st.pinned), set(st.backing_up)
+    pinned, backing = set(st.pinned_steps()), set(st.backups_in_progress())
     resp = pb.GetStatusResponse()
     resp.CopyFrom(header)
     resp.newest_complete_step = complete[-1] if complete else -1

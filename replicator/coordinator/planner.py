@@ -501,14 +501,6 @@ class CoordinatorState:
         """Steps being uploaded to the bucket, ascending."""
         return sorted(self._facts.backups_in_progress)
 
-    @property
-    def pinned(self) -> list[int]:
-        return sorted(self._facts.pinned)
-
-    @property
-    def backing_up(self) -> list[int]:
-        return sorted(self._facts.backups_in_progress)
-
     def status(self) -> dict[str, Any]:
         """Plain data (JSON-serialisable) for tests and small jobs: every host and every rank's sources.
 

@@ -154,9 +154,9 @@ def from_facts(st: CoordinatorState, without: int | Collection[int] | None = Non
     for r, steps in st.ec.deletions_in_flight().items():
         if r not in gone:
             new.ec.deleting(r, [s for s in steps if upto is None or s <= upto])
-    for step in st.pinned:
+    for step in st.pinned_steps():
         new.pin(step)
-    for step in st.backing_up:
+    for step in st.backups_in_progress():
         new.mark_backup_in_progress(step)
     return new
 

@@ -80,7 +80,7 @@ def test_restore_target_pin_is_released_once_a_newer_step_completes_after_being_
     assert target.current() == 1  # step 2 was known when served
     _complete(state, 3)
     assert target.current() == 3 and target.pinned is None and target.served() is None
-    assert target.held is None and state.pinned == []  # its GC hold went with it (step 2 was the newest known)
+    assert target.held is None and state.pinned_steps() == []  # its GC hold went with it (step 2 was the newest known)
     target.pin(3)
     assert not target.release(2) and target.release(3) and target.pinned is None
 

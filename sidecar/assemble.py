@@ -29,7 +29,7 @@ class StepSource(Protocol):
     def read_shard(self, arr: SavedArray, index: regions.Region, rows: tuple[int, int] | None = None) -> np.ndarray:
         """The verified bytes of one saved shard (or rows of it)."""
 
-    def load_all_manifests(self) -> None:
+    def load_manifests(self) -> None:
         """Learn every rank's manifest of the step (to find copies elsewhere)."""
 
     def not_covered(self, path: str, index: regions.Region, covered: int) -> OSError:
@@ -89,7 +89,7 @@ def assemble(step: StepSource, path: str, index: regions.Region, partial: Partia
             if step.fetcher is None:
                 raise
     if step.fetcher is not None and covered(arr, index, local_only=False) < regions.size(index):
-        step.load_all_manifests()
+        step.load_manifests()
     return _check_covered(step, arr, index, _fill(step, arr, index, partial or Partial(None), local_only=False))
 
 

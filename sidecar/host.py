@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -272,34 +272,23 @@ def _restore_leaves(config: HostConfig, sources: dict[int, reader.StepSource], l
     for src in sources.values():
         check_structure(src, all_paths)
     plans = [_targets(config, sources, leaf) for leaf in leaves]
-    wanted = _prefetch_plan(sources, leaves, plans)
+    wanted, owners = _prefetch_plan(sources, leaves, plans)
     # Every target shard of all leaves in one parallel pass, the largest first, so that both cores stay busy to
     # the end. The buffers become the device buffers (on CPU without a copy), so this holds no more host memory
     # than placing leaf by leaf.
     keys = _shard_keys(leaves, plans)
-    partials: dict[tuple[str, int, tuple[tuple[int, int], ...]], reader.Partial] = {}
-    if wanted:
-        # Other ranks' files (a restore onto another mesh) are fetched in the background while the parts of
-        # every target shard that this host's RAM disk holds are read; the rest once they are here.
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-prefetch") as bg:
-            prefetch = bg.submit(_prefetch, sources, wanted)
-            try:
-                partials = _assemble_all(config, sources, keys, local_only=True)
-            finally:
-                prefetch.result()
-        for src in sources.values():
-            src.drop_cache()
-    got = _assemble_all(config, sources, keys, partials=partials)
-    if not wanted or any(leaf.as_bytes for leaf in leaves):  # host leaves are read while placed
-        return [_restore_leaf(config, sources, leaf, targets, got) for leaf, targets in zip(leaves, plans, strict=True)]
-    # Every target shard is built: the other ranks' files fetched for them are removed while they are placed.
-    cleanup = threading.Thread(target=lambda: [src.close_fetched() for src in sources.values()],
-                               name="mtc-fetched-cleanup")
-    cleanup.start()
+    got = _assemble_fetching(config, sources, keys, wanted, owners) if wanted else _assemble_all(config, sources, keys)
+    cleanup = None
+    if wanted and not any(leaf.as_bytes for leaf in leaves):  # host leaves are read while placed
+        # Every target shard is built: the other ranks' files fetched for them are removed while they are placed.
+        cleanup = threading.Thread(target=lambda: [src.close_fetched() for src in sources.values()],
+                                   name="mtc-fetched-cleanup")
+        cleanup.start()
     try:
         return [_restore_leaf(config, sources, leaf, targets, got) for leaf, targets in zip(leaves, plans, strict=True)]
     finally:
-        cleanup.join()
+        if cleanup is not None:
+            cleanup.join()
 
 
 def _shard_keys(leaves: Sequence[RestoreLeaf], plans: Sequence[list[tuple[Any, int, tuple[tuple[int, int], ...]]]]
@@ -325,16 +314,10 @@ def _targets(config: HostConfig, sources: dict[int, reader.StepSource],
 
 
 def _assemble_all(config: HostConfig, sources: dict[int, reader.StepSource],
-                  keys: Sequence[tuple[str, int, tuple[tuple[int, int], ...]]], *, local_only: bool = False,
-                  partials: Mapping[tuple[str, int, tuple[tuple[int, int], ...]], reader.Partial] | None = None
-                  ) -> dict:
-    """Read distinct target shards (leaf path, rank, index) in parallel (reads and crc32c release the GIL).
-    ``local_only``: only the parts copies on this host hold (``reader.Partial`` values); ``partials``: what
-    such a pass read already."""
+                  keys: Sequence[tuple[str, int, tuple[tuple[int, int], ...]]]) -> dict:
+    """Read distinct target shards (leaf path, rank, index) in parallel (reads and crc32c release the GIL)."""
     def one(k: tuple[str, int, tuple[tuple[int, int], ...]]) -> Any:
-        if local_only:
-            return sources[k[1]].assemble_local(k[0], k[2])
-        return sources[k[1]].assemble(k[0], k[2], (partials or {}).get(k))
+        return sources[k[1]].assemble(k[0], k[2])
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, config.write_threads)) as pool:
         return dict(zip(keys, pool.map(one, keys), strict=True))
@@ -383,35 +366,72 @@ def _restore_leaf(config: HostConfig, sources: dict[int, reader.StepSource], lea
 
 def _prefetch_plan(sources: dict[int, reader.StepSource], leaves: Sequence[RestoreLeaf],
                    plans: Sequence[list[tuple[Any, int, tuple[tuple[int, int], ...]]]]
-                   ) -> dict[tuple[int, int], dict[str, pieces.Needs]]:
+                   ) -> tuple[dict[tuple[int, int], dict[str, pieces.Needs]], dict[tuple, set[int]]]:
     """(reading rank, other rank) -> the files of the other rank's data the reading rank needs for its target
-    shards (a restore onto another mesh or onto other slices): only the saved shards overlapping them, and of
-    those only the bytes covering the rows needed (see ``reader.StepSource.remote_needs``)."""
+    shards and host leaves (a restore onto another mesh or onto other slices): only the saved shards
+    overlapping them, and of those only the bytes covering the rows needed (see
+    ``reader.StepSource.remote_needs``); and per read (leaf path, rank, region) the other ranks whose files it
+    needs. The other savers' manifests the ranks lack come first, in one round."""
+    reads = [(leaf.path, r, tuple((0, n) for n in leaf.shape)) for leaf in leaves if leaf.as_bytes for r in sources]
+    reads += [(leaf.path, r, idx) for leaf, targets in zip(leaves, plans, strict=True) for _, r, idx in targets]
+    _load_manifests(sources, {r for path, r, idx in reads if sources[r].lacks(path, idx)})
     wanted: dict[tuple[int, int], dict[str, pieces.Needs]] = {}
-
-    def need(r: int, idx: tuple[tuple[int, int], ...], path: str) -> None:
+    owners: dict[tuple, set[int]] = {}
+    for path, r, idx in reads:
         for o, files in sources[r].remote_needs(path, idx).items():
             pieces.merge_needs(wanted.setdefault((r, o), {}), files)
-
-    for leaf, targets in zip(leaves, plans, strict=True):
-        if leaf.as_bytes:
-            full = tuple((0, n) for n in leaf.shape)
-            for r in sources:
-                need(r, full, leaf.path)
-        for _, r, idx in targets:
-            need(r, idx, leaf.path)
-    return wanted
+            owners.setdefault((path, r, idx), set()).add(o)
+    return wanted, owners
 
 
-def _prefetch(sources: dict[int, reader.StepSource], wanted: dict[tuple[int, int], dict[str, pieces.Needs]]) -> None:
-    """Fetch the planned files in parallel, instead of one shard at a time as the reads reach them."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(wanted))) as pool:
-        futs = [pool.submit(sources[r].prefetch, o, files) for (r, o), files in sorted(wanted.items())]
-        for f in futs:
+def _load_manifests(sources: dict[int, reader.StepSource], ranks: set[int]) -> None:
+    """The manifests of the other savers that ``ranks`` lack, in one round: each asked for once, by the first
+    of ``ranks`` lacking it, all at once (their fetchers share the answers, see :func:`open_step`)."""
+    asker = {o: r for r in sorted(ranks, reverse=True) for o in sources[r].missing_manifests()}
+    asks: dict[int, list[int]] = {}
+    for owner, rank in asker.items():
+        asks.setdefault(rank, []).append(owner)
+    if len(asks) <= 1:
+        for rank, owners in asks.items():
+            sources[rank].load_manifests(owners)
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(asks), thread_name_prefix="mtc-manifests") as pool:
+        list(pool.map(lambda r: sources[r].load_manifests(asks[r]), asks))
+
+
+def _assemble_fetching(config: HostConfig, sources: dict[int, reader.StepSource],
+                       keys: Sequence[tuple[str, int, tuple[tuple[int, int], ...]]],
+                       wanted: dict[tuple[int, int], dict[str, pieces.Needs]], owners: dict[tuple, set[int]]) -> dict:
+    """Read the target shards ``keys`` (leaf path, rank, index) while the files ``wanted`` (from
+    :func:`_prefetch_plan`) are fetched in parallel: first the parts copies on this host hold (reads and crc32c
+    release the GIL), then the rest of each target shard as soon as the fetches of the other ranks' files it
+    needs (``owners``) are done, not once every fetch is. A failed fetch is logged: the reads then try the
+    other tiers."""
+    with (concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(wanted)),
+                                                thread_name_prefix="mtc-prefetch") as fetch_pool,
+          concurrent.futures.ThreadPoolExecutor(max_workers=max(1, config.write_threads)) as pool):
+        fetches = {fetch_pool.submit(sources[r].prefetch, o, files): (r, o) for (r, o), files in sorted(wanted.items())}
+        local = {k: pool.submit(sources[k[1]].assemble_local, k[0], k[2]) for k in keys}
+
+        def rest(k: tuple[str, int, tuple[tuple[int, int], ...]]) -> Any:
+            return sources[k[1]].assemble(k[0], k[2], local[k].result())
+
+        waits = {k: {(k[1], o) for o in owners.get(k, ())} for k in keys}  # the fetches each one waits for
+        done = {k: pool.submit(rest, k) for k in keys if not waits[k]}
+        for f in concurrent.futures.as_completed(fetches):
             try:
                 f.result()
-            except (OSError, layout.ManifestError, RuntimeError) as e:  # the reads try the other tiers
+            except (OSError, layout.ManifestError, RuntimeError) as e:
                 log.warning("prefetch failed: %s", e)
+            for k in keys:
+                if fetches[f] in waits[k]:
+                    waits[k].discard(fetches[f])
+                    if not waits[k]:
+                        done[k] = pool.submit(rest, k)
+        got = {k: done[k].result() for k in keys}
+    for src in sources.values():
+        src.drop_cache()
+    return got
 
 
 class HostQuery(enum.Enum):

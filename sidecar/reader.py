@@ -121,6 +121,24 @@ class CorruptStepError(OSError):
     had it): corruption, not absence. Names each bad copy and what was wrong with it."""
 
 
+def _fetch_manifests(fetcher: ReplicatorLink, step: int, min_generation: int,
+                     owners: list[int]) -> list[layout.StepManifest | BaseException]:
+    """The manifests of ``owners``' data of ``step`` (or why each is unreachable), fetched concurrently: each is
+    a round trip through this host's replicator to a peer (~15 ms here)."""
+
+    def one(owner: int) -> layout.StepManifest | BaseException:
+        try:
+            return fetcher.manifest(owner, step, min_generation=min_generation)
+        except (OSError, layout.ManifestError) as e:
+            return e
+
+    workers = min(len(owners), MANIFEST_FETCH_THREADS)
+    if workers <= 1:
+        return [one(o) for o in owners]
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="mtc-manifests") as pool:
+        return list(pool.map(one, owners))
+
+
 class StepSource:
     """All committed data of one step reachable from some host roots (own dir first), plus what a
     :class:`ReplicatorLink` can bring from peers or the bucket.
@@ -288,7 +306,7 @@ class StepSource:
     @property
     def paths(self) -> set[str]:
         """Every leaf path of the step (fetching the manifests of savers with no copy on this host)."""
-        self.load_all_manifests()
+        self.load_manifests()
         return self.known_paths
 
     @property
@@ -296,45 +314,32 @@ class StepSource:
         """The leaf paths of the manifests known so far (no fetching)."""
         return set(self.arrays) | set(self.values)
 
-    def load_all_manifests(self) -> None:
-        """Learn every saver's manifest (their shard layout), fetching those not on this host."""
+    def missing_manifests(self) -> list[int]:
+        """The savers whose manifest this source lacks and has not asked for yet (none without a fetcher)."""
+        if self.fetcher is None:
+            return []
+        have = self.owners
+        return [o for o in self.savers if o not in have and o not in self._tried_manifests]
+
+    def load_manifests(self, owners: Iterable[int] | None = None) -> None:
+        """Learn the manifests (shard layouts) of ``owners`` (default: every saver) that this host lacks,
+        fetched all at once (of those :meth:`missing_manifests` lists)."""
         if self.fetcher is None:
             return
         with self._heal:  # concurrent readers wait for the manifests another one is fetching
-            self._load_all_manifests()
-
-    def _load_all_manifests(self) -> None:
-        have = self.owners
-        owners = [o for o in self.savers if o not in have and o not in self._tried_manifests]
-        self._tried_manifests.update(owners)
-        if not owners:
-            return
-        fetcher = self.fetcher
-        assert fetcher is not None
-
-        def one(owner: int) -> layout.StepManifest | BaseException:
-            try:
-                return fetcher.manifest(owner, self.step, min_generation=max(self.generation, 0))
-            except (OSError, layout.ManifestError) as e:
-                return e
-
-        # Concurrently: each is a round trip through this host's replicator to a peer (~15 ms here).
-        workers = min(len(owners), MANIFEST_FETCH_THREADS)
-        if workers == 1:
-            got = [one(owners[0])]
-        else:
-            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="mtc-manifests") as pool:
-                got = list(pool.map(one, owners))
-        for owner, m in zip(owners, got, strict=True):
-            if isinstance(m, BaseException):
-                log.warning("manifest of rank %d step %d unreachable: %s", owner, self.step, m)
-                self.unreachable.setdefault(owner, str(m))
-                continue
-            if m.generation < self.generation:
-                log.info("ignoring rank %d's manifest of step %d: generation %d, an abandoned save (this step's "
-                         "is %d)", owner, self.step, m.generation, self.generation)
-                continue
-            self._remote_layout(m)
+            wanted = None if owners is None else set(owners)
+            asked = [o for o in self.missing_manifests() if wanted is None or o in wanted]
+            self._tried_manifests.update(asked)
+            got = _fetch_manifests(self.fetcher, self.step, max(self.generation, 0), asked)
+            for owner, m in zip(asked, got, strict=True):
+                if isinstance(m, BaseException):
+                    log.warning("manifest of rank %d step %d unreachable: %s", owner, self.step, m)
+                    self.unreachable.setdefault(owner, str(m))
+                elif m.generation < self.generation:
+                    log.info("ignoring rank %d's manifest of step %d: generation %d, an abandoned save (this "
+                             "step's is %d)", owner, self.step, m.generation, self.generation)
+                else:
+                    self._remote_layout(m)
 
     def _remote_layout(self, m: layout.StepManifest) -> None:
         """Record where a remote rank's shards are (no bytes yet): a virtual location fetched on demand."""
@@ -366,17 +371,21 @@ class StepSource:
             self._fetched.add((owner, replace))
         log.info("rank %d's data of step %d now at %s (%.3fs)", owner, self.step, d, time.monotonic() - t0)
 
+    def lacks(self, path: str, index: regions.Region) -> bool:
+        """Copies on this host do not cover region ``index`` of array ``path``, and a fetcher may bring the rest."""
+        arr = self.arrays.get(path)
+        return arr is not None and self.fetcher is not None and \
+            assemble.covered(arr, index, local_only=True) < regions.size(index)
+
     def remote_needs(self, path: str, index: regions.Region) -> dict[int, dict[str, Needs]]:
         """Remote rank -> file -> (saved shard -> the bytes [a, b) of it a read of ``index`` of ``path`` will
         need, block-aligned; None: all of it), for the saved shards overlapping ``index`` that no copy on this
         host holds. Merge several reads' needs with :func:`merge_needs`; fetch them with :meth:`prefetch`."""
-        arr = self.arrays.get(path)
-        if arr is None or self.fetcher is None:
+        if not self.lacks(path, index):
             return {}
+        arr = self.arrays[path]
         size = regions.size(index)
-        if assemble.covered(arr, index, local_only=True) >= size:
-            return {}
-        self.load_all_manifests()  # where the rest is (once per step source)
+        self.load_manifests()  # where the rest is (once per step source)
         out: dict[int, dict[str, Needs]] = {}
         for sidx, locs in arr.shards.items():
             owner = locs[0].where.remote if locs else None

@@ -47,6 +47,18 @@ MAX_ATTEMPTS = 1000
 SLICE_WAIT_SECONDS = 300.0
 
 
+def _elastic_retry(elastic: Any, rig: Any) -> Any:
+    """The same ``elastic_retry`` for both loops: one slice at least, the rig's poll, its attempt limits."""
+    from pathwaysutils.elastic import manager as elastic_manager
+
+    return elastic.elastic_retry(
+        minimum_slice_count=1,
+        poll_interval=rig.opts.poll_seconds,
+        timeout=SLICE_WAIT_SECONDS,
+        retry_policy=elastic_manager.ElasticRetryLimit(max_attempts=MAX_ATTEMPTS),
+    )
+
+
 def mesh_of(devices: list[Any]) -> Any:
     """One mesh row per slice: ``replica`` (the Snapshotter's replica axis 0) x ``model``."""
     import numpy as np
@@ -100,12 +112,7 @@ def run_ours(rig: Rig) -> dict[str, Any]:
     own: dict[str, Any] = {}
     elastic = elastic_manager.Manager(devices)
 
-    @elastic.elastic_retry(
-        minimum_slice_count=1,
-        poll_interval=rig.opts.poll_seconds,
-        timeout=SLICE_WAIT_SECONDS,
-        retry_policy=elastic_manager.ElasticRetryLimit(max_attempts=MAX_ATTEMPTS),
-    )
+    @_elastic_retry(elastic, rig)
     def attempt() -> None:
         slices = sorted(elastic.active_slice_indices)
         rig.attempt(slices)
@@ -192,12 +199,7 @@ def run_orbax(rig: Rig) -> dict[str, Any]:
 
     persistent = persistent_manager(1)
 
-    @elastic.elastic_retry(
-        minimum_slice_count=1,
-        poll_interval=rig.opts.poll_seconds,
-        timeout=SLICE_WAIT_SECONDS,
-        retry_policy=elastic_manager.ElasticRetryLimit(max_attempts=MAX_ATTEMPTS),
-    )
+    @_elastic_retry(elastic, rig)
     def attempt() -> None:
         nonlocal persistent
         slices = sorted(elastic.active_slice_indices)

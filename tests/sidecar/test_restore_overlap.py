@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
-from sidecar import checksums, commit, host, layout, reader
+from sidecar import commit, host, layout, reader
+from tests.kits.read_spy import spy_reads
 
 WAIT_SECONDS = 10.0
 
@@ -51,23 +52,13 @@ def _restore_with_slow_fetches(tmp_path, monkeypatch, target_spec) -> list[bool]
 
     events = {r: threading.Event() for r in range(4)}
     fetched_after_local_read: list[bool] = []
-    real_map, real_read = checksums.map_verified, checksums.read_verified
 
     def mark(path):
         for r, ev in events.items():
             if str(path).startswith(str(tmp_path / str(r) / "steps")):
                 ev.set()
 
-    def map_verified(path, *a, **kw):
-        mark(path)
-        return real_map(path, *a, **kw)
-
-    def read_verified(path, *a, **kw):
-        mark(path)
-        return real_read(path, *a, **kw)
-
-    monkeypatch.setattr(checksums, "map_verified", map_verified)
-    monkeypatch.setattr(checksums, "read_verified", read_verified)
+    spy_reads(monkeypatch, mark)
     monkeypatch.setattr(host, "open_step", lambda config, rank, step, located=None, bad=None, manifests=None: reader.StepSource(
         step, [config.root(rank)], fetcher=SlowFetcher(tmp_path, rank, events[rank], fetched_after_local_read),
         drop_bad=True, own_rank=rank, bad=bad))

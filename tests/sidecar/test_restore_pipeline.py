@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 from controller_client.manager import CheckpointManager, CheckpointManagerOptions
 from controller_client.topology import HostTopology
-from sidecar import checksums, commit, host, layout, reader
+from sidecar import commit, host, layout, reader
+from tests.kits.read_spy import spy_reads
 
 WAIT_SECONDS = 10.0
 
@@ -87,25 +88,15 @@ def test_a_ranks_target_shards_are_finished_while_another_ranks_fetch_runs(tmp_p
     # rank's fetched part was read only once all fetches were done.
     read_fetched_0 = threading.Event()
     waited: list[bool] = []
-    real_map, real_read = checksums.map_verified, checksums.read_verified
 
     def mark(path):
         if str(path).startswith(str(layout.fetch_dir(tmp_path / "0"))):
             read_fetched_0.set()
 
-    def map_verified(path, *a, **kw):
-        mark(path)
-        return real_map(path, *a, **kw)
-
-    def read_verified(path, *a, **kw):
-        mark(path)
-        return real_read(path, *a, **kw)
-
     def before_files(rank, owner):
         if rank == 3:
             waited.append(read_fetched_0.wait(WAIT_SECONDS))
 
-    monkeypatch.setattr(checksums, "map_verified", map_verified)
-    monkeypatch.setattr(checksums, "read_verified", read_verified)
+    spy_reads(monkeypatch, mark)
     _reshard(tmp_path, monkeypatch, before_files=before_files)
     assert waited == [True]

@@ -8,13 +8,15 @@ restored and trained on, the slice rejoined) and that the JSON carries every key
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from bench import goodput_pathways
-from bench.children import bound_to_us
+from bench.children import bound_to_us, scratch_dir
 from bench.emergency_common import REPO
 
 
@@ -68,7 +70,17 @@ def _assert_lost_paused_resumed_rejoined(name: str, r: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_both_systems_lose_slice_1_pause_resume_and_rejoin(tmp_path):
+def test_both_systems_lose_slice_1_pause_resume_and_rejoin():
+    # A short folder: the replicators' control sockets live in it, and a Unix socket's path has at most 107
+    # characters (pytest-xdist's tmp_path under /tmp/pytest-of-root/pytest-N/popen-gwK/... was one too long).
+    keep = scratch_dir("mtc-gpw-test-")
+    try:
+        _run_and_check(keep)
+    finally:
+        shutil.rmtree(keep, ignore_errors=True)
+
+
+def _run_and_check(keep: Path) -> None:
     proc = subprocess.run(
         bound_to_us(
             [
@@ -89,7 +101,7 @@ def test_both_systems_lose_slice_1_pause_resume_and_rejoin(tmp_path):
                 "--seed",
                 "9",
                 "--keep",
-                str(tmp_path / "run"),
+                str(keep / "run"),
             ]
         ),
         capture_output=True,

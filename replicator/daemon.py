@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import signal
 import socket
 import threading
 import time
@@ -291,20 +290,10 @@ class Replicator:
         for owner_dir in (self.store.root / layout.PEER_DIR).glob("*"):
             commit.remove_tmp_dirs(owner_dir)
 
-    def wait_for_signal(self) -> None:
-        done = threading.Event()
-        got: list[int] = []
-
-        def handler(signum, frame):
-            log.info("signal %d: shutting down", signum)
-            got.append(signum)
-            done.set()
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
-        while not done.wait(1.0):
-            pass
-        if got and got[0] == signal.SIGTERM and self.opts.preemption_grace_seconds > 0:
+    def wait_for_signal(self, latch: preemption.ShutdownLatch) -> None:
+        """Serve until ``latch`` (installed before :meth:`start`) catches SIGTERM or SIGINT, then stop."""
+        latch.wait()
+        if latch.sigterm and self.opts.preemption_grace_seconds > 0:
             # A JobSet restart (`mtc preempt --on-restart skip`) or an in-place restart (no preStop hook):
             # the RAM disk outlives this process, which the next one restores from, and from peers.
             skip = preemption.sigterm_skips_flush(self.store.root, self.started_wall,

@@ -25,6 +25,9 @@ def run(opts: ReplicatorOptions) -> int:
         from replicator.orbax.mode import run_orbax_mode
 
         return run_orbax_mode(opts)
+    from replicator.preemption import ShutdownLatch
+
+    latch = ShutdownLatch().install()  # a SIGTERM while the daemon starts still gets its flush rule
     try:
         # Opening the bucket checks what it supports (atomic folder rename or create-only writes) and
         # fails here, clearly, when it supports neither.
@@ -36,7 +39,7 @@ def run(opts: ReplicatorOptions) -> int:
         print(f"mtc replicator: cannot start: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(f"LISTENING {daemon.address}", flush=True)
-    daemon.wait_for_signal()
+    daemon.wait_for_signal(latch)
     # In-flight transfers were abandoned (their temporary directories removed by stop()); do not let
     # worker threads hold the exit.
     logging.shutdown()

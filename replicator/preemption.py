@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,39 @@ from mtc_rpc import coordinator_pb2 as cpb
 from replicator.net import rpc
 
 log = logging.getLogger(__name__)
+
+
+class ShutdownLatch:
+    """SIGTERM and SIGINT caught from the moment :meth:`install` runs.
+
+    Installed before the daemon is built and started: a signal that comes while it starts (a Pod deleted
+    during start-up) is acted on once it serves, with the same flush rule, never Python's default kill.
+    """
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.got: list[tuple[int, float]] = []  # (signal, monotonic time it came)
+
+    def install(self) -> ShutdownLatch:
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        log.info("signal %d: shutting down", signum)
+        self.got.append((signum, time.monotonic()))
+        self._done.set()
+
+    def wait(self) -> None:
+        """Until the first signal (waits in short slices: the main thread must run the handler)."""
+        while not self._done.wait(1.0):
+            pass
+
+    @property
+    def sigterm(self) -> bool:
+        """The first signal was SIGTERM (a kubelet's stop, with a notice's flush), not SIGINT."""
+        return bool(self.got) and self.got[0][0] == signal.SIGTERM
+
 
 # Written into the host's local directory when a preemption flush ends (the notice's, then SIGTERM's).
 PREEMPTION_RECORD = "preemption.json"

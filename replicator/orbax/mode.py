@@ -28,7 +28,6 @@ import logging
 import os
 import random
 import shutil
-import signal
 import socket
 import sys
 import threading
@@ -47,7 +46,7 @@ from replicator.orbax import allocation, elastic
 from replicator.orbax import contract as oc
 from replicator.orbax.handshake_clock import HandshakeClock
 from replicator.orbax.store import OrbaxStore
-from replicator.preemption import PreemptionRecord, sigterm_skips_flush
+from replicator.preemption import PreemptionRecord, ShutdownLatch, sigterm_skips_flush
 from sidecar import faults, layout
 
 log = logging.getLogger(__name__)
@@ -522,26 +521,16 @@ def run_orbax_mode(opts: ReplicatorOptions) -> int:
         print(f"mtc replicator: {e}", file=sys.stderr)
         return 2
     started_wall = time.time()
-    done = threading.Event()
-    got: list[tuple[int, float]] = []
-
-    def handler(signum: int, frame: Any) -> None:
-        log.info("signal %d: shutting down", signum)
-        got.append((signum, time.monotonic()))
-        mode.stopping.set()
-        done.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    latch = ShutdownLatch().install()
     log.info("Orbax mode: waiting for %s in %s (replicator address %s)", oc.REPLICATOR_FILE, mode.local,
              mode.listen)
     loop = threading.Thread(target=mode.serve, name="mtc-orbax", daemon=True)
     loop.start()
-    while not done.wait(1.0):
-        pass
+    latch.wait()
+    mode.stopping.set()
     loop.join(timeout=PREPARE_SLICE_SECONDS + opts.rpc_timeout_seconds)
-    if got and got[0][0] == signal.SIGTERM:
-        flush_on_sigterm(mode, opts.preemption_grace_seconds - (time.monotonic() - got[0][1]), started_wall)
+    if latch.sigterm:
+        flush_on_sigterm(mode, opts.preemption_grace_seconds - (time.monotonic() - latch.got[0][1]), started_wall)
     mode.stop()
     logging.shutdown()
     sys.stdout.flush()

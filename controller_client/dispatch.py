@@ -11,7 +11,8 @@ import abc
 import dataclasses
 import functools
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -39,7 +40,9 @@ class Dispatcher(abc.ABC):
 
     @abc.abstractmethod
     def save(self, request: host.SaveRequest, arrays: Sequence[jax.Array]) -> None:
-        """Start saving ``request`` (``arrays``: its device arrays); returns once host copies are taken."""
+        """Start saving ``request`` (``arrays``: its device arrays); returns once host copies are taken, or
+        (:class:`ColocatedDispatcher`) once they are dispatched: the next call waits for them and raises
+        their failure."""
 
     @abc.abstractmethod
     def restore(self, step: int, leaves: Sequence[host.RestoreLeaf], all_paths: Sequence[str]) -> host.RestoreResult:
@@ -74,6 +77,29 @@ class InProcessDispatcher(Dispatcher):
         for row in rows.reshape(-1, QUERY_BYTES):
             out.update(host.decode_result(query, row))
         return out
+
+
+class _PendingSave:
+    """A colocated save running in the background: its call and the read of its status (which waits for the
+    hosts' copies). Its failure is kept for :meth:`finish`, the caller's next dispatch."""
+
+    def __init__(self, step: int, run: Callable[[], None]):
+        self.step = step
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(run,), name=f"mtc-save-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except BaseException as e:  # noqa: BLE001 - raised by finish(), in the caller's thread
+            self._error = e
+
+    def finish(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            self._error.add_note(f"(from the save of step {self.step}, which ran in the background)")
+            raise self._error
 
 
 def _spec(x: jax.Array) -> jax.ShapeDtypeStruct:
@@ -262,6 +288,12 @@ class ColocatedDispatcher(Dispatcher):
     devices and restores move each back onto the target's sharding, as Pathways does between a TPU and its
     host. A host function's own exception comes back as data and is raised here as its own type
     (``sidecar.failures``); a ``JaxRuntimeError`` from a call is the runtime's (a host or slice lost).
+
+    A save blocks only while its leaves are put on the CPU devices (dispatched, as on Pathways a copy from
+    a TPU to its host is): the call and the wait for the hosts' copies run in the background, as Orbax's
+    in-memory snapshot does, and every later call of this dispatcher (a save, restore or query, hence the
+    manager's ``wait_until_finished`` and ``close``) first waits for it and raises its failure. The arrays
+    on the CPU devices are the save's own (a copy): the training step may donate the originals meanwhile.
     """
 
     def __init__(self, config: host.HostConfig, devices: Sequence[Any]):
@@ -281,6 +313,13 @@ class ColocatedDispatcher(Dispatcher):
         self._rows_sharding = NamedSharding(self._mesh, PartitionSpec("d", None))
         self._replicated = NamedSharding(Mesh(np.array(self.devices), ("d",)), PartitionSpec())
         self._same_devices = [d.id for d in self.devices] == [c.id for c in self.cpu_devices]
+        self._pending: _PendingSave | None = None
+
+    def finish_save(self) -> None:
+        """Wait for the save in the background, if any; raise its failure (once)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.finish()
 
     def _handle(self) -> jax.Array:
         return _ranks_handle([self.cpu_config.device_rank[c.id] for c in self.cpu_devices], self._handle_sharding)
@@ -324,17 +363,27 @@ class ColocatedDispatcher(Dispatcher):
         return NamedSharding(Mesh(devs, sharding.mesh.axis_names), sharding.spec)
 
     def save(self, request, arrays):
+        self.finish_save()  # one save at a time, in order: the previous one's copies and failure first
         # The arrays are the call's array argument (moved to the workers by JAX); the request is pickled.
         moved = [self._to_cpu(a, m.path) for a, m in zip(arrays, request.metas, strict=True)]
         fn = functools.partial(_coloc_save, _ids=_PathwaysIds(), config=self.cpu_config, request=request)
         h = self._handle()
         status_spec = jax.ShapeDtypeStruct((len(self.cpu_devices), STATUS_BYTES), np.uint8,
                                            sharding=self._rows_sharding)
-        status = self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: status_spec)(h, moved)
-        # Reading the status waits for the host copies (the files are written in the background).
-        raise_host_failures([failures.decode_row(bytes(r)) for r in np.asarray(status)])
+        call = self._cp.colocated_python(fn).specialize(out_specs_fn=lambda *a, **k: status_spec)
+
+        def run() -> None:
+            status = call(h, moved)
+            # Reading the status waits for the host copies (the files are written in the background).
+            raise_host_failures([failures.decode_row(bytes(r)) for r in np.asarray(status)])
+
+        if self._same_devices:
+            run()  # no copy of ours: the arrays are the caller's own, which its next step may donate
+        else:
+            self._pending = _PendingSave(request.step, run)
 
     def restore(self, step, leaves, all_paths):
+        self.finish_save()
         placed = [dataclasses.replace(lf, sharding=self.on_devices(lf.sharding, any_order=True)) for lf in leaves]
         cpu_leaves = [dataclasses.replace(lf, sharding=self.cpu_sharding(lf.sharding)) for lf in placed]
         fn = functools.partial(_coloc_restore, _ids=_PathwaysIds(), config=self.cpu_config, step=step,
@@ -352,6 +401,7 @@ class ColocatedDispatcher(Dispatcher):
         return host.RestoreResult(list(out), values)
 
     def query(self, query, arg=None):
+        self.finish_save()
         rows = jax.device_put(np.zeros((len(self.cpu_devices), QUERY_BYTES), np.uint8), self._rows_sharding)
         fn = functools.partial(_coloc_query, _ids=_PathwaysIds(), config=self.cpu_config,
                                query=host.HostQuery(query).value, arg=arg)

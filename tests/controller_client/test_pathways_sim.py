@@ -165,3 +165,33 @@ def test_native_path_on_simulated_pathways(sim, cluster_factory):  # noqa: F811
     mgr.close()
     # The host functions ran in the worker processes, on the hosts of the programs' devices.
     assert {hosts for _, hosts in sim.calls} >= {(0, 1, 2, 3), (2, 3)}
+
+
+def test_a_colocated_save_returns_before_the_hosts_copy_and_the_next_call_waits(sim, cluster_factory):  # noqa: F811
+    """The save blocks only while its leaves go to the CPU devices: with every worker held busy (the
+    simulation's call lock taken here), ``save`` still returns; the hosts' copies then run in the background,
+    the train step may donate the saved arrays meanwhile, and ``wait_until_finished`` waits for them."""
+    import threading
+
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.start_all()
+    devs = jax.devices()
+    mgr = mgr_for(cl)
+    mgr.save(1, state(1, devs))  # the first save asks the hosts for their steps (a query, not in the background)
+    mgr.wait_until_finished()
+    tree = state(2, devs)
+    expected = {k: np.asarray(jax.random.key_data(v) if k == "rng" else v) for k, v in tree.items()
+                if isinstance(v, jax.Array)}
+    returned = threading.Event()
+    with sim._lock:  # no colocated program can run until it is released
+        t = threading.Thread(target=lambda: (mgr.save(2, tree), returned.set()), daemon=True)
+        t.start()
+        assert returned.wait(30), "save waited for the hosts"
+        donate = jax.jit(lambda x: x * 2, donate_argnums=0)
+        tree["w"] = donate(tree["w"])  # the training step reuses the saved array's buffers
+    mgr.wait_until_finished()
+    restored = mgr.restore(2, target_on(tree, devs, (2, 4)))
+    for k, v in expected.items():
+        got = restored[k]
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(got) if k == "rng" else got), v, err_msg=k)
+    mgr.close()

@@ -96,6 +96,14 @@ def run_system(system: str, opts: PathwaysOptions, scratch: Path) -> dict[str, A
     return json.loads(lines[-1])
 
 
+def platform_ceiling(opts: PathwaysOptions) -> float:
+    """The ETTR of a system that pauses for nothing, loses no step and takes no time to save, under
+    ``opts.losses``: each lost slice away for ``--replace-seconds`` (the platform's wait), the others training
+    on at their fraction. Issue 47's ETTR target is judged against it: what no loop can win back."""
+    away = sum(min(opts.replace_seconds, max(0.0, opts.seconds - at)) for at, _ in opts.losses)
+    return round(1.0 - away / SLICES / opts.seconds, 4)
+
+
 def summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Ours' two keys and the ETTR difference with the guide's Orbax path (None where a side is missing)."""
     ours, orbax = results.get("ours", {}), results.get("orbax", {})
@@ -206,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "systems": results,
     }
     result.update(summary(results))
+    result["pathways_ettr_platform_ceiling"] = platform_ceiling(opts)
     print(json.dumps(result))
     sys.stdout.flush()
     return 0

@@ -19,7 +19,8 @@ elastic Manager's monitor finds it healthy; each loop rejoins it its own way.
   one per attempt over the active devices) saving every Young/Daly interval from its measured save cost,
   real replicators (coordinator candidates on each slice's first host, the rendered default) backing up to
   a folder; a loss ends the attempt and the next one restores the newest complete step onto the survivors;
-  a returning slice: save, ``ScaleUpSignalError``, a new attempt on both slices restores that step.
+  a returning slice: in place, as docs/elastic.md's loop (mesh, ``device_put``, a new manager over the
+  active devices once the old one's pending save is done; no save, no restore).
 - ``orbax``: the guide's loop: Orbax's ``Snapshotter`` (every Young/Daly interval from its measured cost)
   and Orbax's ``CheckpointManager`` to a persistent folder (every ``--bucket-seconds``, as bench.goodput's
   bucket tier); a loss: the next attempt loads the latest snapshot onto the survivors (the checkpoint only
@@ -29,7 +30,6 @@ elastic Manager's monitor finds it healthy; each loop rejoins it its own way.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -98,7 +98,6 @@ def run_ours(rig: Rig) -> dict[str, Any]:
     from controller_client.demo.elastic import allocation_topology
     from controller_client.manager import CheckpointManager, CheckpointManagerOptions
     from controller_client.resilience import close_after_failure
-    from sidecar.failures import StepAlreadyExistsError
 
     devices = rig.slices.devices
     topology = allocation_topology(devices)
@@ -129,17 +128,21 @@ def run_ours(rig: Rig) -> dict[str, Any]:
                 state = rig.initial(mesh) if latest is None else ckpt.restore(latest, rig.abstract(mesh))
                 rig.restored(state, "checkpoint" if latest is not None else "scratch")
             while not rig.done():
-                if elastic.available_inactive_slices:
-                    rig.noticed(sorted(elastic.available_inactive_slices))
-                    with contextlib.suppress(StepAlreadyExistsError):  # saved at its interval
-                        ckpt.save(rig.step_of(state), state, force=True)
-                    ckpt.wait_until_finished()
-                    raise elastic_manager.ScaleUpSignalError()
                 rig.before_step(slices)
                 state = rig.train(state, len(slices))
                 step = rig.step_of(state)
                 if step % own["interval_steps"] == 0:
                     ckpt.save(step, state)
+                if new := elastic.available_inactive_slices:  # the in-place scale-up (docs/elastic.md)
+                    rig.noticed(sorted(new))
+                    elastic.active_slice_indices = elastic.active_slice_indices | new
+                    slices = sorted(elastic.active_slice_indices)
+                    mesh = mesh_of(active_devices(elastic))
+                    state = jax.device_put(state, jax.tree.map(lambda a: a.sharding, rig.abstract(mesh)))
+                    ckpt.close()  # its pending save first; a manager serves the devices it was built with
+                    ckpt = CheckpointManager(opts, devices=active_devices(elastic), topology=topology)
+                    rig.attempt(slices)
+                    rig.restored(state, "in place")
         except jax.errors.JaxRuntimeError:
             rig.detected()
             close_after_failure(ckpt, "at the end of an attempt")

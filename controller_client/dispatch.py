@@ -291,8 +291,9 @@ class ColocatedDispatcher(Dispatcher):
 
     A save blocks only while its leaves are put on the CPU devices (dispatched, as on Pathways a copy from
     a TPU to its host is): the call and the wait for the hosts' copies run in the background, as Orbax's
-    in-memory snapshot does, and every later call of this dispatcher (a save, restore or query, hence the
-    manager's ``wait_until_finished`` and ``close``) first waits for it and raises its failure. The arrays
+    in-memory snapshot does, and every later call of this dispatcher (a save, restore or query but
+    ``PREEMPTION``, hence the manager's ``wait_until_finished`` and ``close``) first waits for it and raises
+    its failure. The arrays
     on the CPU devices are the save's own (a copy): the training step may donate the originals meanwhile.
     """
 
@@ -401,7 +402,8 @@ class ColocatedDispatcher(Dispatcher):
         return host.RestoreResult(list(out), values)
 
     def query(self, query, arg=None):
-        self.finish_save()
+        if host.HostQuery(query) is not host.HostQuery.PREEMPTION:  # the one question a save cannot change
+            self.finish_save()  # (a loop asks it every step: it must not wait for the save in the background)
         rows = jax.device_put(np.zeros((len(self.cpu_devices), QUERY_BYTES), np.uint8), self._rows_sharding)
         fn = functools.partial(_coloc_query, _ids=_PathwaysIds(), config=self.cpu_config,
                                query=host.HostQuery(query).value, arg=arg)

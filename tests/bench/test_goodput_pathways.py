@@ -44,6 +44,13 @@ def test_the_summary_is_ours_against_the_guides_orbax_path():
     assert goodput_pathways.summary({"ours": {"error": "x"}})["pathways_ettr"] is None
 
 
+def test_the_platform_ceiling_charges_each_loss_its_replacement_wait_on_one_slice_of_two():
+    opts = goodput_pathways.PathwaysOptions(mib=1, seconds=120, step_seconds=0.3, mtbf_seconds=120,
+                                            replace_seconds=10, poll_seconds=1, bucket_seconds=480,
+                                            losses=((32.611, 0), (115.0, 1)))  # the second cut by the end
+    assert goodput_pathways.platform_ceiling(opts) == round(1 - (10 + 5) / 2 / 120, 4)
+
+
 def _assert_lost_paused_resumed_rejoined(name: str, r: dict) -> None:
     assert "error" not in r, (name, r["error"])
     lost, rejoins = ([e for e in r["events"] if e["kind"] == k] for k in ("slice_lost", "rejoin"))
@@ -62,7 +69,7 @@ def _assert_lost_paused_resumed_rejoined(name: str, r: dict) -> None:
     assert len(rejoins) == 1 or "rejoined" in loss, (name, r["events"])
     if rejoins:
         assert rejoins[0]["step_at_rejoin"] > loss["restored_step"]
-        assert rejoins[0]["source"] == ("checkpoint" if name == "ours" else "in place")
+        assert rejoins[0]["source"] == "in place"  # both loops: mesh, device_put, no restore
     assert r["final_step"] > loss["step_at_failure"] + 5
     # Steps on one slice count half: fewer kept than trained since the clock started.
     assert r["steps_kept"] < r["final_step"] - 2 and 0 < r["ettr"] < 1
@@ -120,3 +127,5 @@ def _run_and_check(keep: Path) -> None:
     assert result["pathways_slice_lost_pause_seconds"] == ours["slice_lost_pause_median_seconds"]
     assert result["pathways_ettr"] == ours["ettr"]
     assert result["pathways_ettr_minus_orbax"] == pytest.approx(ours["ettr"] - orbax["ettr"], abs=1e-4)
+    assert result["pathways_ettr_platform_ceiling"] == round(1 - 3 / 2 / 20, 4)
+    assert max(ours["ettr"], orbax["ettr"]) < result["pathways_ettr_platform_ceiling"]

@@ -56,19 +56,18 @@ from sidecar.saves import format_ranks
 class CoordinatorState:
     """The coordinator's global view, built only from hosts' reports; every query is deterministic.
 
-    Derived views are maintained incrementally: a change to one rank's data of one step marks its
-    *replica group* (the ranks with the same in-slice index, ``data_parallelism`` of them) dirty for
-    that step, and the next query recomputes only dirty groups. Per step that gives each rank's
-    sources (who covers it), the set of globally complete steps, and each destination host's copy
-    tasks; GC and restore answers for one host then cost O(what that host holds). Declaring a host
-    lost (rare) re-plans every group. :attr:`version` changes with every fact; whole-job plans
-    (:meth:`restore_plan`) are memoised per version. Liveness takes ``now`` from the caller: the
-    planner itself has no clock.
+    Derived views are maintained incrementally: a change to one rank's data of one step marks its *replica
+    group* (the ranks with the same in-slice index, ``data_parallelism`` of them) dirty for that step, and
+    the next query recomputes only dirty groups. Per step that gives each rank's sources (who covers it),
+    the set of globally complete steps, and each destination host's copy tasks; GC and restore answers for
+    one host then cost O(what that host holds). Declaring a host lost (rare) re-plans every group.
+    :attr:`version` changes with every fact; whole-job plans (:meth:`restore_plan`) are memoised per
+    version. Liveness takes ``now`` from the caller: the planner itself has no clock.
 
     ``redundancy`` (default ``copies:<topology.replicas>``): with ``ec:K+M`` no whole copies are planned; hosts
-    compute parity of their code group (:attr:`ec`), and a rank whose data no host holds counts
-    as covered when it can be rebuilt from it (:mod:`~replicator.coordinator.parity`). ``elastic``: the job may
-    save with subsets of its ranks (refused with ec:K+M).
+    compute parity of their code group (:attr:`ec`), and a rank whose data no host holds counts as covered
+    when it can be rebuilt from it (:mod:`~replicator.coordinator.parity`). ``elastic``: the job may save
+    with subsets of its ranks (refused with ec:K+M).
     """
 
     def __init__(self, topology: JobTopology, redundancy: Redundancy | None = None, *, elastic: bool = False):
@@ -293,6 +292,10 @@ class CoordinatorState:
     def lost(self) -> dict[int, float]:
         """rank -> since when (caller's clock) of every host declared lost and not registered again."""
         return dict(sorted(self._hosts.lost.items()))
+
+    def is_lost(self, rank: int) -> bool:
+        """Host ``rank`` is declared lost and not registered again (O(1); :attr:`lost` copies and sorts)."""
+        return rank in self._hosts.lost
 
     def lost_count(self) -> int:
         """How many hosts are declared lost (O(1); :attr:`lost` copies and sorts)."""

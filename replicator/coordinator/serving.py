@@ -212,8 +212,7 @@ class CoordinatorCore:
         if not hint:
             return
         st, quiet = self.state, now - 1.5 * self.heartbeat_interval()
-        lost = st.lost
-        gone = sorted(r for r in hint if r not in lost
+        gone = sorted(r for r in hint if not st.is_lost(r)
                       and (st.incarnation_of(r) is None or ((seen := st.last_seen(r)) is not None and seen <= quiet)))
         for r in gone:
             st.forget_host(r, now)

@@ -40,12 +40,8 @@ class PathwaysSlices(SimulatedSlices):
         # The newest step has its peer copies (a job's slices fail long after its saves, as a rule): the
         # restore onto the survivors is then of that step, whatever the timing here.
         wait_redundant(self.cluster)
-        self.sim.lose_hosts(self.sim.hosts_of_slice(index))
+        self.sim.lose_hosts(self.sim.hosts_of_slice(index), delete_arrays=True)  # reading a buffer there raises
         super().fail(index)
-        gone = {d.id for d in self.slice_to_devices()[index]}
-        for arr in jax.live_arrays():  # every buffer with a shard there is gone (reading one raises)
-            if not arr.is_deleted() and {d.id for d in arr.sharding.device_set} & gone:
-                arr.delete()
         for rank in self._ranks(index):
             self.cluster.procs[rank].kill()
             self.cluster.wipe(rank)

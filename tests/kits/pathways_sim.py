@@ -154,12 +154,24 @@ class PathwaysSim:
     def hosts_of_slice(self, index: int) -> list[int]:
         return [h.host for h in self.hosts if h.slice_index == index]
 
-    def lose_hosts(self, hosts: Sequence[int]) -> None:
+    def lose_hosts(self, hosts: Sequence[int], delete_arrays: bool = False) -> None:
         """``hosts`` are down: a colocated program or call that spans one raises, without reaching any
         worker, ``jax.errors.JaxRuntimeError("DATA_LOSS: ...")`` (what pathwaysutils counts as a slice-down
-        error). Their worker processes stay up, unused (they are one ``jax.distributed`` job)."""
+        error). Their worker processes stay up, unused (they are one ``jax.distributed`` job).
+
+        ``delete_arrays``: every live array with a shard on their devices is deleted too (reading one raises,
+        as a lost slice's buffers are gone), between calls: a call in another thread (a save in the
+        background) never reads a buffer while it is being deleted, which the real runtime would answer with
+        an error, not a crash."""
         with self._lock:
             self.lost.update(hosts)
+            if delete_arrays:
+                import jax
+
+                gone = {i for i, h in self.host_of_id.items() if h.host in set(hosts)}
+                for arr in jax.live_arrays():
+                    if not arr.is_deleted() and {d.id for d in arr.sharding.device_set} & gone:
+                        arr.delete()
 
     def heal_hosts(self, hosts: Sequence[int]) -> None:
         """``hosts`` are back (a replacement keeps the worker process and its state: docs/pathways.md)."""
@@ -336,15 +348,15 @@ class PathwaysSim:
 
         def call(*args, **kwargs):
             leaves = func._unwrap_prng_keys(tree_util.tree_leaves((args, kwargs)), prng_in)
-            shards = {h: [] for h in hosts}
-            for x in leaves:
-                per_host: dict[int, list] = {h: [] for h in hosts}
-                for s in x.addressable_shards:
-                    per_host[self._host(s.device.id)].append((s.device.id, _to_numpy(s.data)))
-                for h in hosts:
-                    shards[h].append(per_host[h])
-            with self._lock:
+            with self._lock:  # the inputs are read with the hosts known up (see lose_hosts)
                 self._check_up(hosts, name)
+                shards = {h: [] for h in hosts}
+                for x in leaves:
+                    per_host: dict[int, list] = {h: [] for h in hosts}
+                    for s in x.addressable_shards:
+                        per_host[self._host(s.device.id)].append((s.device.id, _to_numpy(s.data)))
+                    for h in hosts:
+                        shards[h].append(per_host[h])
                 self.calls.append((name, tuple(hosts)))
                 answers = self._exchange({h: ("run", program, shards[h]) for h in hosts})
             by_id: list[dict[int, Any]] = [{} for _ in out_specs_leaves]

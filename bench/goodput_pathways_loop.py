@@ -19,8 +19,9 @@ elastic Manager's monitor finds it healthy; each loop rejoins it its own way.
   one per attempt over the active devices) saving every Young/Daly interval from its measured save cost,
   real replicators (coordinator candidates on each slice's first host, the rendered default) backing up to
   a folder; a loss ends the attempt and the next one restores the newest complete step onto the survivors;
-  a returning slice: in place, as docs/elastic.md's loop (mesh, ``device_put``, a new manager over the
-  active devices once the old one's pending save is done; no save, no restore).
+  a returning slice: in place, as docs/elastic.md's loop (mesh, ``device_put``, ``for_devices``: a manager
+  over the active devices that knows the saved steps, once the old one's pending save is done; no save, no
+  restore).
 - ``orbax``: the guide's loop: Orbax's ``Snapshotter`` (every Young/Daly interval from its measured cost)
   and Orbax's ``CheckpointManager`` to a persistent folder (every ``--bucket-seconds``, as bench.goodput's
   bucket tier); a loss: the next attempt loads the latest snapshot onto the survivors (the checkpoint only
@@ -139,8 +140,8 @@ def run_ours(rig: Rig) -> dict[str, Any]:
                     slices = sorted(elastic.active_slice_indices)
                     mesh = mesh_of(active_devices(elastic))
                     state = jax.device_put(state, jax.tree.map(lambda a: a.sharding, rig.abstract(mesh)))
-                    ckpt.close()  # its pending save first; a manager serves the devices it was built with
-                    ckpt = CheckpointManager(opts, devices=active_devices(elastic), topology=topology)
+                    # A manager serves the devices it was built with: the next one knows the saved steps.
+                    ckpt = ckpt.for_devices(active_devices(elastic))
                     rig.attempt(slices)
                     rig.restored(state, "in place")
         except jax.errors.JaxRuntimeError:

@@ -569,6 +569,18 @@ class CheckpointManager:
             client.close()
 
     # ------------------------------------------------------------------ lifecycle
+    def for_devices(self, devices: Sequence[Any]) -> CheckpointManager:
+        """A manager over ``devices`` (an in-place scale-up: the state put on a new mesh) with the same options
+        and topology that knows what this one knew (the steps saved, a rollback in effect), so its first save
+        asks the hosts and the coordinator nothing. This one is closed first: its pending saves finish and
+        their failure is raised (after a slice failed, close it with ``close_after_failure`` instead)."""
+        self.close()
+        new = CheckpointManager(self.options, devices=devices, topology=self.topology)
+        new._saved = None if self._saved is None else set(self._saved)
+        new._saved_last, new._restored_step = self._saved_last, self._restored_step
+        new._newest_reported = self._newest_reported
+        return new
+
     def close(self) -> None:
         """Wait for the pending saves (their failure is raised), then drop the coordinator connection, also
         when the wait fails (a lost slice's hosts cannot answer it)."""

@@ -32,12 +32,15 @@ def sim(tmp_path_factory):
         yield s
 
 
-def mgr_for(cl, devices=None, **kw) -> CheckpointManager:
-    opts = CheckpointManagerOptions(local_directory=cl.local_template, job_name="t",
+def opts_for(cl, **kw) -> CheckpointManagerOptions:
+    return CheckpointManagerOptions(local_directory=cl.local_template, job_name="t",
                                     coordinator_address=cl.coordinator, restore_wait_seconds=60,
                                     rpc_timeout_seconds=10, **kw)
+
+
+def mgr_for(cl, devices=None, **kw) -> CheckpointManager:
     # No topology given: the manager's default (from the devices' Pathways attributes) is under test.
-    return CheckpointManager(opts, devices=devices if devices is not None else jax.devices())
+    return CheckpointManager(opts_for(cl, **kw), devices=devices if devices is not None else jax.devices())
 
 
 def state(step: int, devices, shape=(2, 4)) -> dict:
@@ -195,3 +198,35 @@ def test_a_colocated_save_returns_before_the_hosts_copy_and_the_next_call_waits(
         got = restored[k]
         np.testing.assert_array_equal(np.asarray(jax.random.key_data(got) if k == "rng" else got), v, err_msg=k)
     mgr.close()
+
+
+def test_for_devices_carries_the_saved_steps_so_the_first_save_on_the_new_devices_asks_nothing(sim, cluster_factory):  # noqa: F811
+    """An in-place scale-up: a manager over slice 1 saved step 1; ``for_devices(every device)`` waits for it
+    and returns a manager whose first save (step 2, on the new mesh) is the save alone: no ``STEPS`` fan-out
+    and no coordinator call (a fresh manager asks both, and the coordinator may be busy taking a returned
+    slice's hosts in). Both steps restore onto both slices."""
+    cl = cluster_factory(nodes=4, data_parallelism=2)
+    cl.start_all()
+    devs = jax.devices()
+    one = CheckpointManager(opts_for(cl), devices=devs[4:], topology=HostTopology.from_devices(devs))
+    trees = {1: state(1, devs[4:], (1, 4))}
+    assert one.save(1, trees[1])
+    both = one.for_devices(devs)
+    assert both.active_ranks == [0, 1, 2, 3]
+    asked: list[str] = []
+    real_steps = both._coordinator.steps
+    both._coordinator.steps = lambda *a, **k: asked.append("GetSteps") or real_steps(*a, **k)
+    before = len(sim.calls)
+    trees[2] = state(2, devs)
+    assert both.save(2, trees[2])
+    both.dispatcher.finish_save()
+    assert [name for name, _ in sim.calls[before:]] == ["_coloc_save"] and not asked
+    both.wait_until_finished()
+    for step, tree in trees.items():
+        assert_equal(tree, both.restore(step, target_on(tree, devs, (2, 4))))
+    fresh = mgr_for(cl)
+    before = len(sim.calls)
+    assert fresh.save(3, state(3, devs))
+    assert any(name == "_coloc_query" for name, _ in sim.calls[before:])  # a fresh manager asks first
+    fresh.close()
+    both.close()

@@ -154,6 +154,17 @@ def read_verified(path: Path, length: int, expected_crc: int, offset: int = 0, o
     ``blocks``: verify per block instead (see :func:`read_blocks_verified`). Returns the buffer. Raises
     ChecksumError naming the file on mismatch, EOFError when short.
     """
+    buf = read_unverified(path, length, offset, out)
+    bad = _mismatch(np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8), expected_crc, blocks)
+    if bad is not None:
+        raise ChecksumError(f"{path}{bad[0]}", bad[1], bad[2])
+    return buf
+
+
+def read_unverified(path: Path, length: int, offset: int = 0, out: Any = None) -> Any:
+    """Read ``length`` bytes at ``offset`` of ``path`` into ``out`` (default: a fresh aligned buffer) WITHOUT
+    verifying them: only for bytes verified as they were written and untouched since (a fetcher's scratch
+    files, see ``sidecar.copies.FetchedFiles``); every other read is :func:`read_verified`. EOFError when short."""
     buf = aligned_empty(length) if out is None else out
     view = memoryview(buf).cast("B")
     if view.nbytes != length:
@@ -167,9 +178,6 @@ def read_verified(path: Path, length: int, expected_crc: int, offset: int = 0, o
             if not n:
                 raise EOFError(f"{path}: expected {length} bytes at offset {offset}, file ended after {got}")
             got += n
-    bad = _mismatch(np.frombuffer(view, dtype=np.uint8), expected_crc, blocks)
-    if bad is not None:
-        raise ChecksumError(f"{path}{bad[0]}", bad[1], bad[2])
     return buf
 
 
@@ -207,6 +215,28 @@ def map_verified(path: Path, length: int, expected_crc: int, offset: int = 0,
     """
     if offset % mmap.ALLOCATIONGRANULARITY or length == 0:
         return read_verified(path, length, expected_crc, offset, blocks=blocks)
+    mm, buf = _map(path, length, offset)
+    bad = _mismatch(buf, expected_crc, blocks)
+    if bad is not None:
+        del buf
+        mm.close()
+        raise ChecksumError(f"{path}{bad[0]}", bad[1], bad[2])
+    return buf
+
+
+def map_unverified(path: Path, length: int, offset: int = 0) -> Any:
+    """:func:`map_verified` WITHOUT verifying the bytes (at any ``offset``: the mapping starts at the page below
+    it): only for bytes verified as they were written and untouched since, as :func:`read_unverified`."""
+    skip = offset % mmap.ALLOCATIONGRANULARITY
+    if length == 0:
+        return read_unverified(path, length, offset)
+    _, buf = _map(path, skip + length, offset - skip)
+    return buf[skip:]
+
+
+def _map(path: Path, length: int, offset: int) -> tuple[mmap.mmap, Any]:
+    """``length`` bytes at ``offset`` (a multiple of the page size) of ``path`` mapped copy-on-write, leased as
+    :func:`map_verified` says: (the mapping, a uint8 array of it)."""
     fd, leased = open_leased(path, length)
     lease = fd if leased else -1
     try:
@@ -221,13 +251,7 @@ def map_verified(path: Path, length: int, expected_crc: int, offset: int = 0,
         weakref.finalize(mm, os.close, lease)  # the lease ends when the last array using the map is gone
     else:
         os.close(fd)
-    buf = np.frombuffer(mm, dtype=np.uint8)
-    bad = _mismatch(buf, expected_crc, blocks)
-    if bad is not None:
-        del buf
-        mm.close()
-        raise ChecksumError(f"{path}{bad[0]}", bad[1], bad[2])
-    return buf
+    return mm, np.frombuffer(mm, dtype=np.uint8)
 
 
 def blocks_covering(entry: ShardEntry, start: int, stop: int) -> tuple[int, int] | None:

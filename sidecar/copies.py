@@ -149,9 +149,25 @@ class StepDir(_FilesHere):
 
 @dataclasses.dataclass(frozen=True)
 class FetchedFiles(_FilesHere):
-    """A scratch directory of files (whole, or pieces of them) of ``owner``'s data, fetched for this read."""
+    """A scratch directory of files (whole, or pieces of them) of ``owner``'s data, fetched for this read.
+
+    ``verified``: the fetcher verified every byte it put here against the crc32c the reader asked for as it
+    wrote them (the host's replicator does, see ``sidecar.reader.ReplicatorLink``); nothing else writes the
+    directory, so its files are read without a second pass over the bytes, and only the bytes asked for (the
+    pieces this copy holds: a read never leaves them, see :meth:`SavedShard.covers`). Else every read verifies.
+    """
 
     owner: int
+    verified: bool = dataclasses.field(default=False, compare=False)
+
+    def read(self, step: Heals, entry: layout.ShardEntry, span: Span) -> np.ndarray:
+        if not self.verified:
+            return read_file(self.path, entry, span)
+        path = layout.resolve_under(self.path, entry.file)
+        start, stop = (0, entry.length) if span is None else span
+        if stop - start >= MAP_MIN_BYTES:
+            return checksums.map_unverified(path, stop - start, entry.offset + start)
+        return checksums.read_unverified(path, stop - start, entry.offset + start)
 
     def forget(self, step: Heals, loc: SavedShard, err: BaseException, attempt: Attempt) -> None:
         step.fetched_failed(self, loc, err, attempt)

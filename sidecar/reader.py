@@ -108,6 +108,11 @@ class ReplicatorLink(Protocol):
         the reader to remove with ``commit.remove_owned_dir`` when done. ``pieces``: only these byte ranges
         of them (each verified by its own crc32c) where the tier can; the fetcher may bring the whole files."""
 
+    # Optional: ``files_verified = True``: ``fetch_files`` names a file in its directory only once every byte it
+    # wrote there matched the crc32c asked for, and nothing else writes that directory (the replicator's
+    # FetchFiles): the reader then reads those bytes without verifying them again (sidecar.copies.FetchedFiles).
+    # Without it, every read of a fetched file verifies it.
+    #
     # Optional: ``stream(owner, step) -> Landing``, the whole step as it lands (see sidecar.landing); a
     # link without it makes a host that lacks its own data wait for the committed copy instead.
 
@@ -427,7 +432,7 @@ class StepSource:
             pieces = [pc for pc in pieces if pc.name in names]
             t0 = time.monotonic()
             d = self.fetcher.fetch_files(owner, self.step, [by_name[f] for f in want], pieces=pieces)
-            where = FetchedFiles(d, owner)
+            where = FetchedFiles(d, owner, verified=getattr(self.fetcher, "files_verified", False) is True)
             new = []
             with self._lock:
                 self._copies += 1

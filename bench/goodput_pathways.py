@@ -18,10 +18,13 @@ fewer slices counts by the fraction of slices active) and the ETTR; ours as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -77,19 +80,25 @@ def run_system(system: str, opts: PathwaysOptions, scratch: Path) -> dict[str, A
     ]
     log = scratch / "controller.log"
     with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            bound_to_us(cmd),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            cwd=str(REPO),
+            env=dict(env(), XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+            start_new_session=True,
+        )
         try:
-            proc = subprocess.run(
-                bound_to_us(cmd),
-                stdout=subprocess.PIPE,
-                stderr=err,
-                cwd=str(REPO),
-                env=dict(env(), XLA_FLAGS="--xla_force_host_platform_device_count=8"),
-                timeout=opts.seconds + RUN_OVERHEAD_SECONDS,
-                start_new_session=True,
-            )
+            out, _ = proc.communicate(timeout=opts.seconds + RUN_OVERHEAD_SECONDS)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {opts.seconds + RUN_OVERHEAD_SECONDS:.0f}s"}
-    lines = proc.stdout.decode(errors="replace").strip().splitlines()
+        finally:
+            # What a controller that died (or hung) left in its session: its replicators and workers, which
+            # would otherwise run on beside the next system's run (they are of this run only).
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = out.decode(errors="replace").strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
         return {"error": f"exit {proc.returncode}: {' | '.join(tail)[-1500:]}"}

@@ -44,6 +44,9 @@ class Dispatcher(abc.ABC):
         (:class:`ColocatedDispatcher`) once they are dispatched: the next call waits for them and raises
         their failure."""
 
+    def finish_save(self) -> None:  # noqa: B027 - a no-op where save returns once the copies are taken
+        """Wait until the last save's host copies are taken (raise its failure); its files may still be written."""
+
     @abc.abstractmethod
     def restore(self, step: int, leaves: Sequence[host.RestoreLeaf], all_paths: Sequence[str]) -> host.RestoreResult:
         """Arrays for each leaf, sharded as asked, and the step's plain values: one fan-out."""

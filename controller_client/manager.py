@@ -571,13 +571,17 @@ class CheckpointManager:
     # ------------------------------------------------------------------ lifecycle
     def for_devices(self, devices: Sequence[Any]) -> CheckpointManager:
         """A manager over ``devices`` (an in-place scale-up: the state put on a new mesh) with the same options
-        and topology that knows what this one knew (the steps saved, a rollback in effect), so its first save
-        asks the hosts and the coordinator nothing. This one is closed first: its pending saves finish and
-        their failure is raised (after a slice failed, close it with ``close_after_failure`` instead)."""
-        self.close()
+        and topology that knows what this one knew (the steps saved, a rollback in effect, the save a wait
+        is to see complete), so its first save asks the hosts and the coordinator nothing. This one's last
+        save is first taken by the hosts (its failure raised; they go on writing its files, which the new
+        manager's waits include); then this one's coordinator connection is closed. After a slice failed,
+        close this one with ``close_after_failure`` and build a new one instead."""
+        self.dispatcher.finish_save()
+        if self._coordinator is not None:
+            self._coordinator.close()
         new = CheckpointManager(self.options, devices=devices, topology=self.topology)
         new._saved = None if self._saved is None else set(self._saved)
-        new._saved_last, new._restored_step = self._saved_last, self._restored_step
+        new._last_saved, new._saved_last, new._restored_step = self._last_saved, self._saved_last, self._restored_step
         new._newest_reported = self._newest_reported
         return new
 

@@ -103,8 +103,9 @@ class CheckpointManagerOptions:
 class CheckpointManager:
     """Save and restore pytrees of sharded JAX arrays to every host's RAM disk.
 
-    ``save`` returns once a host copy of the data is taken; the files are written in the background and a
-    failure surfaces at the next call or at :meth:`wait_until_finished`.
+    ``save`` returns once a host copy of the data is taken (on Pathways once its copy to the hosts is
+    dispatched); the files are written in the background and a failure surfaces at the next call or at
+    :meth:`wait_until_finished`.
 
     Cost of a restore right after a save, in dispatcher fan-outs (one call reaching every host; counted
     by tests/controller_client/test_manager.py, see docs/elastic.md): without a coordinator ``WAIT``, ``STEPS``

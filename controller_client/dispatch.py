@@ -84,12 +84,14 @@ class InProcessDispatcher(Dispatcher):
 
 class _PendingSave:
     """A colocated save running in the background: its call and the read of its status (which waits for the
-    hosts' copies). Its failure is kept for :meth:`finish`, the caller's next dispatch."""
+    hosts' copies). Its failure is kept for :meth:`finish`, the caller's next dispatch. Not a daemon thread:
+    a program that ends without waiting (no ``wait_until_finished``/``close``) still has the hosts take the
+    save's copies before the interpreter exits, as the save itself waited for them before."""
 
     def __init__(self, step: int, run: Callable[[], None]):
         self.step = step
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(run,), name=f"mtc-save-{step}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(run,), name=f"mtc-save-{step}", daemon=False)
         self._thread.start()
 
     def _run(self, run: Callable[[], None]) -> None:
@@ -97,6 +99,8 @@ class _PendingSave:
             run()
         except BaseException as e:  # noqa: BLE001 - raised by finish(), in the caller's thread
             self._error = e
+            log.warning("the save of step %d failed in the background (raised at the next call): %s: %s",
+                        self.step, type(e).__name__, e)
 
     def finish(self) -> None:
         self._thread.join()

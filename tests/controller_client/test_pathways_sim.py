@@ -190,6 +190,8 @@ def test_a_colocated_save_returns_before_the_hosts_copy_and_the_next_call_waits(
         t = threading.Thread(target=lambda: (mgr.save(2, tree), returned.set()), daemon=True)
         t.start()
         assert returned.wait(30), "save waited for the hosts"
+        # A program that ends here without close() still gets the save: the interpreter joins the thread.
+        assert not mgr.dispatcher._pending._thread.daemon
         donate = jax.jit(lambda x: x * 2, donate_argnums=0)
         tree["w"] = donate(tree["w"])  # the training step reuses the saved array's buffers
     mgr.wait_until_finished()

@@ -16,13 +16,17 @@ is on no host can be rebuilt:
   hash for y; a parity fragment held by y is intact when y's parity of the step that counts has the spec's digest.
 
 One step is coded at a time (:meth:`ParityView.coding_step`): among the steps newer than the newest one with all
-its parity of which every code group has its planned group, the oldest one some member holds parity of (coding
-started), else the newest. ParityTasks name only that step, and GC keeps it (``gc_plan``) until its parity is
+its parity of which every code group has its planned group, the oldest one whose coding started (some member
+holds parity of it that counts, or this coordinator sent a ParityTask for it: :meth:`ParityView.asked`), else
+the newest. ParityTasks name only that step, and GC keeps it (``gc_plan``) until its parity is
 complete. Found by tests/faults/test_erasure.py (docs/testing.md, "Erasure coding"): when tasks went out for every
 new step and GC removed a step's data ``--keep-local`` steps later, parity that took longer than that (a link near
 its capacity) never completed, and each newer task only slowed the others. The newest when none is started, not
 the oldest: after a stall (a task's answer lost, asked again 20 s later) the oldest-first rule coded every step
 held meanwhile in turn before the newest (simulation seed 183: the newest step lacked parity after the quiet phase).
+A task sent starts the step, not only a parity reported: else a step saved before any member finished turned the
+coding step to it, members asked at later heartbeats coded that one beside the first, and across a link near its
+capacity (ec-3+1-slow-link) every holder coded two steps at once, half of them deleted unfinished or obsolete.
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ class ParityView:
         self._lacking: dict[int, set[int]] = {}  # step -> code groups not holding all their parity
         self._unplanned: dict[int, set[int]] = {}  # step -> code groups some member of which lacks the step
         self._started: dict[int, set[int]] = {}  # step -> code groups some member of which holds parity that counts
+        self._asked: dict[int, set[int]] = {}  # step -> holders a ParityTask of it was sent to (asked)
 
     @property
     def enabled(self) -> bool:
@@ -110,6 +115,8 @@ class ParityView:
         return bool(self._facts.code_groups)
 
     def clear(self) -> None:
+        """Forget what is derived from the facts (re-derived on the next query). What this coordinator asked for
+        (:meth:`asked`) is no view but its own record, kept."""
         self._views.clear()
         self._lacking.clear()
         self._unplanned.clear()
@@ -128,6 +135,7 @@ class ParityView:
                 self._lacking.pop(step, None)
                 self._unplanned.pop(step, None)
                 self._started.pop(step, None)
+                self._asked.pop(step, None)
                 continue
             views = self._views.setdefault(step, {})
             lacking = self._lacking.setdefault(step, set(every))  # a new step: no group has its parity
@@ -185,7 +193,8 @@ class ParityView:
         """The step whose parity the code groups compute now, among the steps newer than ``newest_redundant`` (the
         newest step every code group of which has all its parity; None: no step has) of which every member of every
         code group holds its current data, not abandoned: the oldest one whose coding started (some member holds
-        parity of it that counts), else the newest. None: there is no such step. O(steps).
+        parity of it that counts, or a ParityTask of it was sent: :meth:`asked`), else the newest. None: there is
+        no such step. O(steps).
 
         The same for every group, and once started it stays the step to code (GC keeps it) until every group has
         its parity, however long that takes (a slow link, a holder retried): each step started is finished, and
@@ -199,7 +208,7 @@ class ParityView:
                 continue
             if self._unplanned[step] or self._facts.is_abandoned(step):
                 continue
-            if self._started.get(step):
+            if self._started.get(step) or self._asked.get(step):
                 return step
             newest = step
         return newest
@@ -212,6 +221,16 @@ class ParityView:
             return []
         view = self.group(step, gi)
         return [(step, view.planned)] if view.planned is not None and holder in view.missing else []
+
+    def asked(self, holder: int, step: int) -> None:
+        """A ParityTask of ``step`` was sent to ``holder``: its code group's coding of the step started (it stays
+        the coding step until it is redundant, abandoned or gone, as when a member's parity of it counts)."""
+        if holder in self._facts.code_group_of and self._facts.has_step(step):
+            self._asked.setdefault(step, set()).add(holder)
+
+    def asked_record(self) -> dict[int, list[int]]:
+        """step -> the holders sent a ParityTask of it (of the steps still known), ascending."""
+        return {step: sorted(holders) for step, holders in sorted(self._asked.items())}
 
     def counts(self, holder: int, step: int) -> bool:
         """``holder``'s parity of ``step`` (not being deleted) counts; False when it holds none or it is obsolete."""

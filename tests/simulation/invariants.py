@@ -125,8 +125,9 @@ def _views(st: CoordinatorState, keep: int) -> tuple:
 
 def from_facts(st: CoordinatorState, without: int | Collection[int] | None = None, *,
                upto: int | None = None) -> CoordinatorState:
-    """A new state fed the same facts in a fixed order (rank order, then the bucket): what a restarted
-    coordinator would compute from scratch. ``without``: as if that host (or those hosts) had been lost.
+    """A new state fed the same facts in a fixed order (rank order, then the bucket) and the same records of
+    the coordinator's own orders (deletions in flight, pins, backups running, ParityTasks sent): what it would
+    compute from scratch. ``without``: as if that host (or those hosts) had been lost.
     ``upto``: only the facts of steps up to this one (all that ``is_complete(upto)`` depends on: a step's
     coverage is derived from its own facts, whether it is abandoned from older steps' saves)."""
     gone = set() if without is None else {without} if isinstance(without, int) else set(without)
@@ -156,6 +157,9 @@ def from_facts(st: CoordinatorState, without: int | Collection[int] | None = Non
             new.ec.deleting(r, [s for s in steps if upto is None or s <= upto])
     for step in st.pinned_steps():
         new.pin(step)
+    for step, holders in st.ec.asked_record().items():  # the ParityTasks it sent: its record, as pins are
+        for r in holders if upto is None or step <= upto else ():
+            new.ec.asked(r, step)
     for step in st.backups_in_progress():
         new.mark_backup_in_progress(step)
     return new

@@ -1,6 +1,6 @@
 """The coordinator codes one step at a time (``ParityView.coding_step``): of the steps newer than the newest one
-with all its parity that every code group holds, the oldest whose coding started (some member holds its parity),
-else the newest; ParityTasks name only it, and GC keeps that step's data and parity until every group has its
+with all its parity that every code group holds, the oldest whose coding started (some member holds its parity,
+or a ParityTask of it was sent), else the newest; ParityTasks name only it, and GC keeps that step's data and parity until every group has its
 parity. Found by tests/faults/test_erasure.py at 1 MiB/s over a 20 Mbit/s link (docs/testing.md, "Erasure
 coding"): tasks went out for every new step, GC removed each step's data ``--keep-local`` steps later, and no
 parity finished. The newest when none started: simulation seed 183 (oldest first coded every kept step in turn
@@ -179,6 +179,28 @@ def test_parity_orders_send_only_the_coding_step_and_not_again_while_it_runs():
     assert [t.step for t in orders.tasks(st, 1, now=21.0, retry_seconds=20.0, addresses=ADDRESSES)] == [2]
     finish(st)
     assert [t.step for t in orders.tasks(st, 1, now=22.0, retry_seconds=20.0, addresses=ADDRESSES)] == [3]
+
+
+def test_a_step_saved_before_any_parity_of_the_one_asked_for_is_in_does_not_start_a_second_coding():
+    """ec-3+1-slow-link (20 Mbit/s, a step a second): the ParityTasks of step 2 went out at hosts' heartbeats,
+    step 3 was saved by all before any holder had finished step 2. The hosts asked later must code step 2 too:
+    before, "started" meant only a parity reported, step 3 became the coding step, and the holders asked at later
+    heartbeats coded step 3 beside step 2 (two steps at once across the slow link, parity lagging 3 steps)."""
+    st = ec_state()
+    orders = ParityOrders()
+    save(st, 1)
+    finish(st)
+    save(st, 2)
+    first = orders.tasks(st, 0, now=0.0, retry_seconds=20.0, addresses=ADDRESSES)
+    assert [t.step for t in first] == [2]
+    save(st, 3)
+    assert st.ec.coding_step() == 2
+    for r in (1, 2, 3):
+        assert [t.step for t in orders.tasks(st, r, now=0.5, retry_seconds=20.0, addresses=ADDRESSES)] == [2]
+    finish(st)
+    assert st.newest_redundant_step() == 2 and st.ec.coding_step() == 3
+    assert {r: [t.step for t in orders.tasks(st, r, now=1.0, retry_seconds=20.0, addresses=ADDRESSES)]
+            for r in range(4)} == {r: [3] for r in range(4)}
 
 
 def test_copies_mode_has_no_coding_step():

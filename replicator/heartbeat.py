@@ -223,7 +223,8 @@ class Heartbeat:
                     waiting = f"lower coordinator candidates unreachable ({last}); waiting to take over"
                     continue
                 log.warning("no lower coordinator candidate answers: rank %d takes over", self.me.rank)
-                coord.activate(host_protocol.takeover_epoch(time.time_ns(), self.epoch))
+                coord.activate(host_protocol.takeover_epoch(time.time_ns(), self.epoch),
+                               lower_silent_seconds=turn.silent_seconds(time.monotonic()))
             try:
                 resp = cands.call_one(i, "Heartbeat", req, timeout, self._probe_timeout())
             except grpc.RpcError as e:

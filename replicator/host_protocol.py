@@ -144,6 +144,11 @@ class Takeover:
     now: bool  # False: keep waiting, reporting meanwhile to a higher candidate that serves
     lower_down_since: float  # since when no lower candidate answered (the caller keeps it)
 
+    def silent_seconds(self, now: float) -> float:
+        """How long every lower candidate has been silent to this host at ``now``: the coordinator that takes
+        over counts their hosts' silence from then, not from its activation (``Coordinator.activate``)."""
+        return max(0.0, now - self.lower_down_since)
+
 
 def takeover(lower_down_since: float | None, now: float, takeover_after: float, hinted: bool = False) -> Takeover:
     """Reached in the candidates' order at its own standby candidate: whether it takes over (every lower one

@@ -130,8 +130,9 @@ class CoordinatorCore:
         if active:
             self.activate(epoch)
 
-    def _reset(self) -> None:
-        """A fresh view: everything is learnt again from the hosts' reports."""
+    def _reset(self, lower_silent_seconds: float = 0.0) -> None:
+        """A fresh view: everything is learnt again from the hosts' reports (the lower candidates' hosts expected
+        since ``lower_silent_seconds`` ago, the others from now)."""
         if self._backup_factory is not None:
             self.backup = self._backup_factory() or BackupScheduler()
         else:
@@ -147,6 +148,8 @@ class CoordinatorCore:
         self._first_seen = FirstSeen()
         self._restore = RestoreTarget(self.state, self._force_restore_step)
         self._started = self._clock()
+        if lower_silent_seconds > 0 and self._lower_candidates:  # the older clocks first: the watch list is ordered
+            self.state.watch(self._lower_candidates, self._started - lower_silent_seconds)
         self.state.watch(range(self.topology.nodes), self._started)
         self._preempting = PreemptingHosts()
 
@@ -171,12 +174,17 @@ class CoordinatorCore:
         """The highest epoch any host reported accepting."""
         return self._fence.max_seen
 
-    def activate(self, epoch: int) -> None:
-        """Start serving with ``epoch`` (higher than any epoch a host may have accepted before)."""
+    def activate(self, epoch: int, lower_silent_seconds: float = 0.0) -> None:
+        """Start serving with ``epoch`` (higher than any epoch a host may have accepted before).
+        ``lower_silent_seconds``: how long every lower candidate had been silent to this host (a takeover): their
+        hosts' lost-host clocks start that long ago, the others' now. A successor answers clients only once every
+        host reported or was declared lost; counted from its activation, the old coordinator's host (cut off, it
+        reports nowhere) held every client off for a whole lost-host time after the takeover (restart-while-cut-0:
+        10-13 s after the cut)."""
         with self._lock:
             if self.active:
                 return
-            self._reset()
+            self._reset(lower_silent_seconds)
             self._fence.activate(epoch)
             log.info("coordinator active (epoch %d) for %d hosts", self.epoch, self.topology.nodes)
             self._declare_gone(self._clock())

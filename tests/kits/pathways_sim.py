@@ -168,7 +168,8 @@ class PathwaysSim:
             if delete_arrays:
                 import jax
 
-                gone = {i for i, h in self.host_of_id.items() if h.host in set(hosts)}
+                down = set(hosts)
+                gone = {i for i, h in self.host_of_id.items() if h.host in down}
                 for arr in jax.live_arrays():
                     if not arr.is_deleted() and {d.id for d in arr.sharding.device_set} & gone:
                         arr.delete()

@@ -118,7 +118,9 @@ def test_losing_the_coordinator_slice_fails_over_and_rebuilds_redundancy(failove
                   what="slice 0 declared lost by the next candidate")
     assert st.coordinator_address == cl.candidate_addresses[2] and st.epoch > first.epoch
     assert st.epoch % 256 == 1
-    assert st.lost_ranks == "0-1" and [g.ranks for g in st.lost] == ["0-1"]
+    # Rank 0 (the old coordinator's host) is counted silent from before the takeover, so it may be declared
+    # lost a few seconds before rank 1: one group or two.
+    assert st.lost_ranks == "0-1" and sorted(g.ranks for g in st.lost) in (["0-1"], ["0", "1"])
     hosts = {h.rank: h for h in status(cl, hosts=True).hosts}
     assert hosts[0].lost and hosts[1].lost and not hosts[2].lost and hosts[3].address
     # Restores do not wait for the lost hosts (their data is on the survivors).

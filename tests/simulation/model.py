@@ -277,10 +277,10 @@ class Sim:
         self.heartbeat_seconds = 1.0
         self.bucket = BucketModel(self.cfg.nodes, self.clock) if self.cfg.bucket else None
         self.epoch = 1
-        self.coord = self._new_coordinator(1, candidate=0 if self.net.cfg.on else None)
-        self.deposed: list[Coordinator] = []
         # With the network on: the coordinator candidates (None: its host is down) and their hosts' ranks.
         self.cand_rank = [0, self.topo.hosts_per_slice]
+        self.coord = self._new_coordinator(1, candidate=0 if self.net.cfg.on else None)
+        self.deposed: list[Coordinator] = []
         self.cands: list[Coordinator | None] = []
         if self.net.cfg.on:
             self.cands = [self.coord, self._new_coordinator(0, active=False, candidate=1)]
@@ -338,7 +338,8 @@ class Sim:
         return Coordinator(self.topo, JOB, keep_local=2, heartbeat_seconds=self.heartbeat_seconds,
                            backup_factory=factory, clock=self.clock, host_lost_seconds=4.0, epoch=epoch,
                            active=active, other_candidates=self.net.cfg.on, candidate=candidate,
-                           redundancy=self.ec.redundancy if self.ec is not None else None)
+                           redundancy=self.ec.redundancy if self.ec is not None else None,
+                           lower_candidates=self.cand_rank[:candidate] if candidate is not None else ())
 
     def _at(self, t: float, kind: str, args: tuple) -> None:
         heapq.heappush(self.queue, (t, next(self.seq), kind, args))
@@ -466,7 +467,8 @@ class Sim:
                 if not turn.now:
                     waiting = f"{last}; waiting to take over"
                     continue  # meanwhile a higher candidate that serves hears this host (seed 70347)
-                c.activate(host_protocol.takeover_epoch(self._epoch_clock(), h.epoch))
+                c.activate(host_protocol.takeover_epoch(self._epoch_clock(), h.epoch),
+                           lower_silent_seconds=turn.silent_seconds(now))
                 self.note(f"FAILOVER rank {h.rank}: no lower candidate answers, candidate {i} takes over "
                           f"(epoch {c.epoch})")
             if c is None or not net.reaches(h.rank, i, self.cand_rank[i], now):

@@ -413,6 +413,30 @@ def test_a_coordinator_rebuilding_its_view_answers_get_steps_only_once_every_liv
     assert coord.GetSteps(pb.GetStepsRequest(), Ctx()).newest_complete_step == 3
 
 
+def test_a_successor_counts_the_old_coordinators_silence_from_before_its_takeover():
+    """restart-while-cut-0 (tests/faults): candidate 1 (rank 2) takes over once candidate 0 (rank 0) has been
+    silent to it for the takeover time; rank 0, cut off, reports nowhere. Counted from the activation, clients
+    waited a whole lost-host time more for rank 0 to be declared lost (10-13 s after the cut). Its clock starts
+    when it fell silent: rank 0 is lost 5 - 3 = 2 s after the takeover, the other hosts still get 5 s."""
+    clock = Clock()
+    coord = Coordinator(JobTopology(4, 2, 1), "t", heartbeat_seconds=1.0, host_lost_seconds=5.0, clock=clock,
+                        other_candidates=True, active=False, candidate=1, lower_candidates=[0])
+    coord.activate(10, lower_silent_seconds=3.0)
+    for r in (1, 2, 3):
+        beat(coord, r, HOLDINGS[r])
+    with pytest.raises(grpc.RpcError, match="UNAVAILABLE.*rebuilding.*1 not heard yet"):
+        coord.GetSteps(pb.GetStepsRequest(), Ctx())
+    clock.t += 1.0
+    for r in (1, 2, 3):
+        beat(coord, r, HOLDINGS[r])
+    assert not coord.state.lost
+    clock.t += 1.0
+    for r in (1, 2):  # rank 3 silent for 2 s: not lost (its clock started at the takeover)
+        beat(coord, r, HOLDINGS[r])
+    assert set(coord.state.lost) == {0}
+    assert coord.GetSteps(pb.GetStepsRequest(), Ctx()).epoch == coord.epoch  # answered
+
+
 def test_a_coordinator_without_other_candidates_keeps_serving_alone():
     clock = Clock()
     coord = Coordinator(JobTopology(2, 1, 1), "t", heartbeat_seconds=1.0, host_lost_seconds=5.0, clock=clock)

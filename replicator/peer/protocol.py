@@ -45,8 +45,12 @@ MIN_TRANSFER_BYTES_PER_SECOND = 8 << 20
 MIN_RATE_GRACE_SECONDS = 10.0
 # Server: longest a redeemed transfer waits for a free slot before it is refused as busy.
 DATA_SLOT_WAIT_SECONDS = 300.0
-# Both ends: longest silence on a data socket.
-DATA_IDLE_TIMEOUT_SECONDS = 30.0
+# Both ends: longest silence on a data socket. A transfer whose peer went silent (its host lost without a reset,
+# or cut off) fails this long after its last byte and the task goes to the next source or is retried on a new
+# connection: at 30 s a restore cut mid-transfer by an 18 s partition held its host's copies and restores for 10 s
+# after the heal (TCP's retransmissions had backed off; tests/faults host-cut-mid-restore). Even at 15 % loss a
+# healthy connection is silent this long only if one segment is lost six times running.
+DATA_IDLE_TIMEOUT_SECONDS = 10.0
 DATA_CONNECT_TIMEOUT_SECONDS = 3.0
 # Client: a transfer of fewer bytes (whole files) takes the gRPC stream over the peer's kept channel instead of a
 # ticket and a new data connection, which cost two more round trips and, on a lossy network, a lost SYN's 1 s

@@ -892,3 +892,41 @@ def test_copy_overwrites_recycled_pages_bit_exact(host: PeerHost, tmp_path: Path
     checksums.verify_step_dir(dest / "5")
     assert_same_files(layout.steps_dir(host.root) / "5", dest / "5", new)
     assert spares.spare_bytes(spare) == 0
+
+
+def test_a_transfer_whose_peer_goes_silent_fails_after_the_idle_timeout_not_later(tmp_path):
+    """A data port that accepts the ticket, says OK, sends part of a file and then nothing (its host cut off or
+    lost without a reset): the receiver gives up DATA_IDLE_TIMEOUT_SECONDS (10 s) after the last byte, with
+    the file's part removed, so the task goes to the next source. At 30 s a restore cut mid-transfer held its
+    host's copies and restores 10 s past an 18 s partition's heal (tests/faults host-cut-mid-restore)."""
+    from replicator.net.throttle import RateLimiter
+    from replicator.peer.sinks import FileSink
+
+    assert peer_protocol.DATA_IDLE_TIMEOUT_SECONDS <= 10.0
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    release = threading.Event()
+
+    def silent_port() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(64)  # the magic and the ticket
+            conn.sendall(bytes([peer_protocol.STATUS_OK]) + b"x" * 1000)
+            release.wait(30)  # then silence, the connection held open
+
+    t = threading.Thread(target=silent_port, daemon=True)
+    t.start()
+    entry = FileEntry("0.bin", 1 << 20, 0)
+    sink = FileSink(tmp_path, [entry])
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(OSError):  # socket.timeout is a TimeoutError
+            peer_client._receive_tcp("127.0.0.1", port, b"ticket", sink, time.monotonic() + 60, RateLimiter(None))
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+        sink.abort()
+        t.join(5)
+        srv.close()
+    assert peer_protocol.DATA_IDLE_TIMEOUT_SECONDS - 1 <= took <= peer_protocol.DATA_IDLE_TIMEOUT_SECONDS + 3, took
+    assert not list(tmp_path.iterdir())  # nothing half-written left

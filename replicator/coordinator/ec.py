@@ -92,14 +92,14 @@ class ErasureCoding:
             memo[key] = self._view.tasks_for(holder, self.coding_step())
         return list(memo[key])
 
-    def asked(self, holder: int, step: int) -> None:
-        """A ParityTask of ``step`` was sent to ``holder`` (:meth:`ParityView.asked`): the step stays the coding step
-        until its parity is complete."""
-        self._view.asked(holder, step)
+    def asked(self, step: int) -> None:
+        """A ParityTask of ``step`` was sent (:meth:`ParityView.asked`): the step stays the coding step until its
+        parity is complete."""
+        self._view.asked(step)
 
-    def asked_record(self) -> dict[int, list[int]]:
-        """step -> the holders sent a ParityTask of it (this coordinator's own record, not derived from reports)."""
-        return self._view.asked_record()
+    def asked_steps(self) -> list[int]:
+        """The steps a ParityTask of which was sent (this coordinator's own record, not derived from reports)."""
+        return self._view.asked_steps()
 
     def gc_for(self, holder: int, keep_local: int) -> list[Holding]:
         """The parity host ``holder`` may delete (:func:`gc_plan.parity_gc_for`)."""

@@ -107,7 +107,7 @@ class ParityView:
         self._lacking: dict[int, set[int]] = {}  # step -> code groups not holding all their parity
         self._unplanned: dict[int, set[int]] = {}  # step -> code groups some member of which lacks the step
         self._started: dict[int, set[int]] = {}  # step -> code groups some member of which holds parity that counts
-        self._asked: dict[int, set[int]] = {}  # step -> holders a ParityTask of it was sent to (asked)
+        self._asked: set[int] = set()  # steps a ParityTask of which this coordinator sent (asked)
 
     @property
     def enabled(self) -> bool:
@@ -135,7 +135,7 @@ class ParityView:
                 self._lacking.pop(step, None)
                 self._unplanned.pop(step, None)
                 self._started.pop(step, None)
-                self._asked.pop(step, None)
+                self._asked.discard(step)
                 continue
             views = self._views.setdefault(step, {})
             lacking = self._lacking.setdefault(step, set(every))  # a new step: no group has its parity
@@ -208,7 +208,7 @@ class ParityView:
                 continue
             if self._unplanned[step] or self._facts.is_abandoned(step):
                 continue
-            if self._started.get(step) or self._asked.get(step):
+            if self._started.get(step) or step in self._asked:
                 return step
             newest = step
         return newest
@@ -222,15 +222,15 @@ class ParityView:
         view = self.group(step, gi)
         return [(step, view.planned)] if view.planned is not None and holder in view.missing else []
 
-    def asked(self, holder: int, step: int) -> None:
-        """A ParityTask of ``step`` was sent to ``holder``: its code group's coding of the step started (it stays
-        the coding step until it is redundant, abandoned or gone, as when a member's parity of it counts)."""
-        if holder in self._facts.code_group_of and self._facts.has_step(step):
-            self._asked.setdefault(step, set()).add(holder)
+    def asked(self, step: int) -> None:
+        """A ParityTask of ``step`` was sent: its coding started (it stays the coding step until it is redundant,
+        abandoned or gone, as when a member's parity of it counts)."""
+        if self._facts.has_step(step):
+            self._asked.add(step)
 
-    def asked_record(self) -> dict[int, list[int]]:
-        """step -> the holders sent a ParityTask of it (of the steps still known), ascending."""
-        return {step: sorted(holders) for step, holders in sorted(self._asked.items())}
+    def asked_steps(self) -> list[int]:
+        """The steps (still known) a ParityTask of which was sent, ascending."""
+        return sorted(self._asked)
 
     def counts(self, holder: int, step: int) -> bool:
         """``holder``'s parity of ``step`` (not being deleted) counts; False when it holds none or it is obsolete."""

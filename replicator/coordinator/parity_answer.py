@@ -63,7 +63,7 @@ class ParityOrders:
             if sent is not None and sent[:2] == (digest, spec.addresses) and now - sent[2] < retry_seconds:
                 continue
             self._sent[(rank, step)] = (digest, spec.addresses, now)
-            st.ec.asked(rank, step)
+            st.ec.asked(step)
             task = pb.ParityTask(step=step)
             spec.to_proto(task.group)
             out.append(task)

@@ -157,9 +157,9 @@ def from_facts(st: CoordinatorState, without: int | Collection[int] | None = Non
             new.ec.deleting(r, [s for s in steps if upto is None or s <= upto])
     for step in st.pinned_steps():
         new.pin(step)
-    for step, holders in st.ec.asked_record().items():  # the ParityTasks it sent: its record, as pins are
-        for r in holders if upto is None or step <= upto else ():
-            new.ec.asked(r, step)
+    for step in st.ec.asked_steps():  # the ParityTasks it sent: its record, as pins are
+        if upto is None or step <= upto:
+            new.ec.asked(step)
     for step in st.backups_in_progress():
         new.mark_backup_in_progress(step)
     return new

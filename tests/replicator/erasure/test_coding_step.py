@@ -1,7 +1,7 @@
 """The coordinator codes one step at a time (``ParityView.coding_step``): of the steps newer than the newest one
 with all its parity that every code group holds, the oldest whose coding started (some member holds its parity,
-or a ParityTask of it was sent), else the newest; ParityTasks name only it, and GC keeps that step's data and parity until every group has its
-parity. Found by tests/faults/test_erasure.py at 1 MiB/s over a 20 Mbit/s link (docs/testing.md, "Erasure
+or a ParityTask of it was sent), else the newest; ParityTasks name only it, and GC keeps that step's data and
+parity until every group has its parity. Found by tests/faults/test_erasure.py at 1 MiB/s over a 20 Mbit/s link (docs/testing.md, "Erasure
 coding"): tasks went out for every new step, GC removed each step's data ``--keep-local`` steps later, and no
 parity finished. The newest when none started: simulation seed 183 (oldest first coded every kept step in turn
 after a stall, and the newest lacked parity after the quiet phase)."""

@@ -10,6 +10,7 @@ import dataclasses
 import socket
 from collections.abc import Sequence
 
+from replicator.net import rpc
 from replicator.net.throttle import RateLimiter  # noqa: F401 - re-exported for both ends of the peer tier
 from sidecar import faults
 
@@ -51,6 +52,10 @@ DATA_SLOT_WAIT_SECONDS = 300.0
 # after the heal (TCP's retransmissions had backed off; tests/faults host-cut-mid-restore). Even at 15 % loss a
 # healthy connection is silent this long only if one segment is lost six times running.
 DATA_IDLE_TIMEOUT_SECONDS = 10.0
+# Client: a ReadFiles stream's first chunk may wait for one of the server's transfer slots (the server refuses it
+# RESOURCE_EXHAUSTED after rpc.RPC_TIMEOUT_SECONDS), each later one at most DATA_IDLE_TIMEOUT_SECONDS after the
+# previous: a stream silent longer is cancelled (replicator.net.stall; gRPC's keepalive let one hang 61 s).
+STREAM_FIRST_CHUNK_SECONDS = rpc.RPC_TIMEOUT_SECONDS + DATA_IDLE_TIMEOUT_SECONDS
 DATA_CONNECT_TIMEOUT_SECONDS = 3.0
 # Client: a transfer of fewer bytes (whole files) takes the gRPC stream over the peer's kept channel instead of a
 # ticket and a new data connection, which cost two more round trips and, on a lossy network, a lost SYN's 1 s

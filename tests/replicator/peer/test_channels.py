@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from replicator.net import rpc
 from replicator.net.security import BearerTokenClientInterceptor, TlsOptions
 from replicator.peer import client as peer_client
 from replicator.peer.channels import OWN_CONNECTION_OPTIONS, PeerChannels, connectivity, make_peer_channel
-from sidecar import commit, layout
+from sidecar import checksums, commit, layout
 from tests.replicator.peer.test_transfer import TOKEN, PeerHost, make_step
 
 UNUSED = "127.0.0.1:1"  # never dialled: a channel connects only when a call (or try_to_connect) wants it
@@ -214,3 +215,91 @@ def test_without_a_cache_each_call_still_has_its_own_channel(tmp_path: Path, mon
         assert made.made == [host.address, host.address]
     finally:
         host.stop()
+
+
+class _StallingPeer(peer_pb2_grpc.PeerServicer):
+    """``ReadFiles`` sends ``chunks`` chunks of 64 KiB, ``gap`` seconds apart, then holds the stream open and silent
+    until released (a peer whose stream stalled without an RST: its sent bytes stuck behind a lossy link)."""
+
+    def __init__(self, chunks: int, gap: float) -> None:
+        self.chunks, self.gap = chunks, gap
+        self.release = threading.Event()
+
+    def ReadFiles(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        data = b"\x01" * (64 << 10)
+        for i in range(self.chunks):
+            if i:
+                time.sleep(self.gap)
+            yield peer_pb2.FileChunk(file_index=0, offset=i * len(data), data=data,
+                                     crc32c=checksums.crc32c(data), name="0.bin" if i == 0 else "",
+                                     file_size=4 * len(data) if i == 0 else 0)
+        self.release.wait(30)
+
+
+@pytest.fixture
+def stalling() -> Iterator[Callable[[int, float], tuple[str, _StallingPeer]]]:
+    servers: list[tuple[grpc.Server, _StallingPeer]] = []
+
+    def start(chunks: int, gap: float = 0.0) -> tuple[str, _StallingPeer]:
+        servicer = _StallingPeer(chunks, gap)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        peer_pb2_grpc.add_PeerServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append((server, servicer))
+        return f"127.0.0.1:{port}", servicer
+
+    yield start
+    for server, servicer in servers:
+        servicer.release.set()
+        server.stop(grace=None).wait(5)
+
+
+@pytest.mark.parametrize("chunks", [0, 2], ids=["silent-from-the-start", "silent-after-two-chunks"])
+def test_a_stream_silent_past_its_bound_is_cancelled_and_retires_its_channel(
+        pool: tuple[PeerChannels, Counting], stalling: Callable[..., tuple[str, _StallingPeer]],
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, chunks: int) -> None:
+    """A ReadFiles stream that delivers nothing for the idle bound (the first chunk: its own, longer bound) fails
+    DEADLINE_EXCEEDED with nothing half-written, and its channel is retired so the retry dials afresh. gRPC's
+    keepalive did not bound such a stream: under 15 % loss one hung 61 s (tests/faults lossy-one-host-15pct)."""
+    from replicator.net.stall import StreamStalled
+    from replicator.net.throttle import RateLimiter
+    from replicator.peer.sinks import FileSink
+
+    monkeypatch.setattr(peer_client, "DATA_IDLE_TIMEOUT_SECONDS", 1.0)
+    monkeypatch.setattr(peer_client, "STREAM_FIRST_CHUNK_SECONDS", 2.0)
+    channels, made = pool
+    address, _ = stalling(chunks)
+    sink = FileSink(tmp_path, [layout.FileEntry("0.bin", 4 * (64 << 10), 0)])
+    t0 = time.monotonic()
+    with pytest.raises(StreamStalled) as e, channels.lease(address) as ch:
+        peer_client._receive_stream(peer_pb2_grpc.PeerStub(ch), 0, 1, sink, time.monotonic() + 60, RateLimiter(None))
+    took = time.monotonic() - t0
+    sink.abort()
+    bound = 2.0 if chunks == 0 else 1.0
+    assert bound <= took <= bound + 2.0, took
+    assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert channels.addresses() == []  # retired: the retry dials a new connection
+    assert not [p for p in tmp_path.iterdir() if p.name != "0.bin"] and not (tmp_path / "0.bin").exists()
+    assert made.made == [address]
+
+
+def test_a_slow_stream_that_keeps_delivering_is_not_cancelled(
+        pool: tuple[PeerChannels, Counting], stalling: Callable[..., tuple[str, _StallingPeer]],
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Chunks 0.6 s apart under a 1 s idle bound: 1.8 s in all, longer than the bound, and the file arrives."""
+    from replicator.net.throttle import RateLimiter
+    from replicator.peer.sinks import FileSink
+
+    monkeypatch.setattr(peer_client, "DATA_IDLE_TIMEOUT_SECONDS", 1.0)
+    monkeypatch.setattr(peer_client, "STREAM_FIRST_CHUNK_SECONDS", 1.0)
+    channels, _ = pool
+    address, servicer = stalling(4, 0.6)
+    data = b"\x01" * (64 << 10)
+    crc = checksums.crc32c(data * 4)
+    sink = FileSink(tmp_path, [layout.FileEntry("0.bin", 4 * len(data), crc)])
+    servicer.release.set()  # the stream ends after its fourth chunk
+    with channels.lease(address) as ch:
+        peer_client._receive_stream(peer_pb2_grpc.PeerStub(ch), 0, 1, sink, time.monotonic() + 60, RateLimiter(None))
+    assert (tmp_path / "0.bin").read_bytes() == data * 4
+    assert channels.addresses() == [address]

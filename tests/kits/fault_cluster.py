@@ -368,5 +368,9 @@ class FaultCluster:
     def logs(self) -> str:
         out = []
         for p in sorted((self.base / "logs").glob("*.log")):
-            out.append(f"==== {p.name}\n{p.read_text(errors='replace')[-4000:]}")
+            text = p.read_text(errors="replace")
+            # Its warnings first (a failure's cause often precedes the tail by a minute), then its tail.
+            warnings = [ln[:300] for ln in text.splitlines() if " WARNING " in ln or " ERROR " in ln][-15:]
+            out.append(f"==== {p.name} (last warnings)\n" + "\n".join(warnings) if warnings else f"==== {p.name}")
+            out.append(f"==== {p.name} (tail)\n{text[-3000:]}")
         return "\n".join(out)

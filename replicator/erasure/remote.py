@@ -37,6 +37,7 @@ from replicator.peer.protocol import (
     STREAM_FIRST_CHUNK_SECONDS,
     RateLimiter,
     TransferRejected,
+    keep_alive,
     recv_exact,
 )
 from sidecar import checksums
@@ -222,7 +223,7 @@ class PeerLink:
 
     def _receive(self, host: str, port: int, ticket: bytes, lengths: list[int]) -> list[bytes]:
         left = self.deadline - time.monotonic()
-        with socket.create_connection((host, port), timeout=min(DATA_CONNECT_TIMEOUT_SECONDS, left)) as sock:
+        with keep_alive(socket.create_connection((host, port), timeout=min(DATA_CONNECT_TIMEOUT_SECONDS, left))) as sock:
             sock.settimeout(min(DATA_IDLE_TIMEOUT_SECONDS, max(0.1, self.deadline - time.monotonic())))
             sock.sendall(DATA_MAGIC + ticket)
             sock.settimeout(max(0.1, self.deadline - time.monotonic()))  # the server may queue us for a slot

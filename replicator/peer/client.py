@@ -48,6 +48,7 @@ from replicator.peer.protocol import (
     RateLimiter,
     Throttle,
     TransferRejected,
+    keep_alive,
     recv_exact,
 )
 from replicator.peer.sinks import FileSink, PieceSink
@@ -163,7 +164,7 @@ def _connect_data(host: str, port: int, deadline: float) -> socket.socket:
     DataPortUnreachable when none is made within ``DATA_CONNECT_TIMEOUT_SECONDS``."""
     seconds = min(DATA_CONNECT_TIMEOUT_SECONDS, _remaining(deadline))
     try:
-        return socket.create_connection((host, port), timeout=seconds)
+        return keep_alive(socket.create_connection((host, port), timeout=seconds))
     except TimeoutError as e:
         # Its SYNs (or their answers) lost twice: with 8 % loss on every host, about 2 % of connections.
         raise DataPortUnreachable(f"no connection to the data port {host}:{port} within {seconds:.1f}s") from e

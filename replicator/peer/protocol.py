@@ -57,6 +57,12 @@ DATA_IDLE_TIMEOUT_SECONDS = 10.0
 # previous: a stream silent longer is cancelled (replicator.net.stall; gRPC's keepalive let one hang 61 s).
 STREAM_FIRST_CHUNK_SECONDS = rpc.RPC_TIMEOUT_SECONDS + DATA_IDLE_TIMEOUT_SECONDS
 DATA_CONNECT_TIMEOUT_SECONDS = 3.0
+# Client: a data connection with no byte in flight (waiting for the server's status) is probed after this long
+# and given up after the probes go unanswered (keep_alive): a server host gone without a reset is found in
+# ~11 s instead of at the transfer's deadline.
+DATA_KEEPALIVE_IDLE_SECONDS = 5
+DATA_KEEPALIVE_INTERVAL_SECONDS = 2
+DATA_KEEPALIVE_PROBES = 3
 # Client: a transfer of fewer bytes (whole files) takes the gRPC stream over the peer's kept channel instead of a
 # ticket and a new data connection, which cost two more round trips and, on a lossy network, a lost SYN's 1 s
 # (the 64 KiB copies of lossy-all-hosts-8pct: p90 1.0 s, all of it in the data connection). Measured on our 2-core
@@ -101,6 +107,19 @@ class Throttle:
             raise ValueError(f"bytes_per_second must be > 0 or None, got {self.bytes_per_second!r}")
         if not isinstance(self.max_streams, int) or self.max_streams < 1:
             raise ValueError(f"max_streams must be an int >= 1, got {self.max_streams!r}")
+
+
+def keep_alive(sock: socket.socket) -> socket.socket:
+    """TCP keepalive on a data connection (DATA_KEEPALIVE_*): while a client waits for the server's status (the
+    server may queue it up to DATA_SLOT_WAIT_SECONDS for a slot) nothing else would notice the server's host gone
+    without a reset (lost, or cut off): the wait lasted until the transfer's deadline, 600 s by default, holding a
+    transfer thread. The kernel's probes are answered by a live peer's kernel however busy its server is."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", DATA_KEEPALIVE_IDLE_SECONDS), ("TCP_KEEPINTVL", DATA_KEEPALIVE_INTERVAL_SECONDS),
+                       ("TCP_KEEPCNT", DATA_KEEPALIVE_PROBES)):
+        if hasattr(socket, opt):  # Linux; elsewhere the system's keepalive times
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+    return sock
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

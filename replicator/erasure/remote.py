@@ -26,7 +26,7 @@ import grpc
 from mtc_rpc import peer_pb2, peer_pb2_grpc
 from replicator.erasure.holder import RECORD_NAME, ParityRecord, shard_name
 from replicator.erasure.stream import StepStream
-from replicator.net import rpc, stall
+from replicator.net import rpc
 from replicator.net.security import TlsOptions
 from replicator.peer.protocol import (
     DATA_CONNECT_TIMEOUT_SECONDS,
@@ -34,11 +34,11 @@ from replicator.peer.protocol import (
     DATA_MAGIC,
     STATUS_OK,
     STREAM_CHUNK_BYTES,
-    STREAM_FIRST_CHUNK_SECONDS,
     RateLimiter,
     TransferRejected,
     keep_alive,
     recv_exact,
+    stream_chunks,
 )
 from sidecar import checksums
 from sidecar.checksums import ChecksumError
@@ -152,8 +152,7 @@ class PeerLink:
         starts = [o for _, o, _ in pieces] or [0] * count
         call = self._stub.ReadFiles(req, timeout=max(0.1, self.deadline - time.monotonic()))
         try:
-            for chunk in stall.watched(call, f"ReadFiles of rank {rank} step {step} from {self.address}",
-                                       DATA_IDLE_TIMEOUT_SECONDS, STREAM_FIRST_CHUNK_SECONDS):
+            for chunk in stream_chunks(call, f"ReadFiles of rank {rank} step {step} from {self.address}"):
                 idx = chunk.file_index
                 if idx >= count:
                     raise ConnectionError(f"{self.address} sent part {idx} of {count}")

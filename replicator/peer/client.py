@@ -31,7 +31,7 @@ import grpc
 
 from mtc_rpc import peer_pb2, peer_pb2_grpc
 from replicator import restore_phases
-from replicator.net import rpc, stall
+from replicator.net import rpc
 from replicator.net.security import TlsOptions
 from replicator.peer.channels import PeerChannels
 from replicator.peer.progress import FetchProgress
@@ -43,13 +43,13 @@ from replicator.peer.protocol import (
     STATUS_OK,
     STREAM_BELOW_BYTES,
     STREAM_CHUNK_BYTES,
-    STREAM_FIRST_CHUNK_SECONDS,
     PeerUnavailableError,
     RateLimiter,
     Throttle,
     TransferRejected,
     keep_alive,
     recv_exact,
+    stream_chunks,
 )
 from replicator.peer.sinks import FileSink, PieceSink
 from sidecar import checksums, commit, faults, layout, spares
@@ -215,8 +215,7 @@ def _receive_stream(
     req = peer_pb2.ReadFilesRequest(rank=rank, step=step, files=names, chunk_bytes=STREAM_CHUNK_BYTES)
     call = stub.ReadFiles(req, timeout=_remaining(deadline))
     try:
-        for chunk in stall.watched(call, f"ReadFiles of rank {rank} step {step}", DATA_IDLE_TIMEOUT_SECONDS,
-                                   STREAM_FIRST_CHUNK_SECONDS):
+        for chunk in stream_chunks(call, f"ReadFiles of rank {rank} step {step}"):
             idx = chunk.file_index
             if idx >= len(sink.entries):
                 raise ConnectionError(f"peer sent file index {idx} of {len(sink.entries)}")

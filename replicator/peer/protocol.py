@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-from replicator.net import rpc
+from replicator.net import rpc, stall
 from replicator.net.throttle import RateLimiter  # noqa: F401 - re-exported for both ends of the peer tier
 from sidecar import faults
 
@@ -107,6 +108,12 @@ class Throttle:
             raise ValueError(f"bytes_per_second must be > 0 or None, got {self.bytes_per_second!r}")
         if not isinstance(self.max_streams, int) or self.max_streams < 1:
             raise ValueError(f"max_streams must be an int >= 1, got {self.max_streams!r}")
+
+
+def stream_chunks(call: Any, what: str) -> Iterator[Any]:
+    """The chunks of a ``ReadFiles`` stream, the stream cancelled (``stall.StreamStalled``) when it is silent past
+    STREAM_FIRST_CHUNK_SECONDS before its first chunk or DATA_IDLE_TIMEOUT_SECONDS after one."""
+    return stall.watched(call, what, DATA_IDLE_TIMEOUT_SECONDS, STREAM_FIRST_CHUNK_SECONDS)
 
 
 def keep_alive(sock: socket.socket) -> socket.socket:

@@ -19,6 +19,7 @@ from mtc_rpc import peer_pb2, peer_pb2_grpc
 from replicator.net import rpc
 from replicator.net.security import BearerTokenClientInterceptor, TlsOptions
 from replicator.peer import client as peer_client
+from replicator.peer import protocol as peer_protocol
 from replicator.peer.channels import OWN_CONNECTION_OPTIONS, PeerChannels, connectivity, make_peer_channel
 from sidecar import checksums, commit, layout
 from tests.replicator.peer.test_transfer import TOKEN, PeerHost, make_step
@@ -266,8 +267,8 @@ def test_a_stream_silent_past_its_bound_is_cancelled_and_retires_its_channel(
     from replicator.net.throttle import RateLimiter
     from replicator.peer.sinks import FileSink
 
-    monkeypatch.setattr(peer_client, "DATA_IDLE_TIMEOUT_SECONDS", 1.0)
-    monkeypatch.setattr(peer_client, "STREAM_FIRST_CHUNK_SECONDS", 2.0)
+    monkeypatch.setattr(peer_protocol, "DATA_IDLE_TIMEOUT_SECONDS", 1.0)
+    monkeypatch.setattr(peer_protocol, "STREAM_FIRST_CHUNK_SECONDS", 2.0)
     channels, made = pool
     address, _ = stalling(chunks)
     sink = FileSink(tmp_path, [layout.FileEntry("0.bin", 4 * (64 << 10), 0)])
@@ -291,8 +292,8 @@ def test_a_slow_stream_that_keeps_delivering_is_not_cancelled(
     from replicator.net.throttle import RateLimiter
     from replicator.peer.sinks import FileSink
 
-    monkeypatch.setattr(peer_client, "DATA_IDLE_TIMEOUT_SECONDS", 1.0)
-    monkeypatch.setattr(peer_client, "STREAM_FIRST_CHUNK_SECONDS", 1.0)
+    monkeypatch.setattr(peer_protocol, "DATA_IDLE_TIMEOUT_SECONDS", 1.0)
+    monkeypatch.setattr(peer_protocol, "STREAM_FIRST_CHUNK_SECONDS", 1.0)
     channels, _ = pool
     address, servicer = stalling(4, 0.6)
     data = b"\x01" * (64 << 10)

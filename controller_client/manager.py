@@ -14,7 +14,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from controller_client import suspend
+from controller_client import exit_guard, suspend
 from controller_client.dispatch import ColocatedDispatcher, Dispatcher, InProcessDispatcher
 from controller_client.topology import HostTopology
 from replicator.coordinator.client import CoordinatorClient
@@ -152,6 +152,8 @@ class CheckpointManager:
                 active = {d.id for d in self.devices}
                 dispatcher = InProcessDispatcher(self.config, [d for d in jax.local_devices() if d.id in active])
         self.dispatcher = dispatcher
+        if isinstance(dispatcher, InProcessDispatcher):
+            exit_guard.install()  # multi-controller: ending, this process waits for no lost peer (exit_guard.py)
         # In-process: this process is its hosts, and their replicators start beside it (_await_replicators).
         # Colocated (Pathways): each worker's colocated Python starts once its replicator serves (the
         # replicator's startup probe), so there is nothing to wait for here.

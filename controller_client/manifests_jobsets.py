@@ -559,7 +559,8 @@ def multi_controller_jobset(opts: ManifestOptions) -> dict[str, Any]:
                         {"name": "MTC_LOCAL_DIRECTORY", "value": opts.local_dir},
                         {"name": "MTC_NUM_SLICES", "value": str(opts.slices)}]
     else:
-        # Your program: jax.distributed.initialize(JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)
+        # Your program: jax.distributed.initialize(jax_service.reachable_address(JAX_COORDINATOR_ADDRESS,
+        # JAX_PROCESS_ID), JAX_NUM_PROCESSES, JAX_PROCESS_ID)
         # and a CheckpointManager per process (sidecar in-process) on MTC_LOCAL_DIRECTORY / MTC_COORDINATOR.
         train["command"] = ["/bin/sh", "-c",
                             'JAX_PROCESS_ID="$((SLICE_INDEX * HOSTS_PER_SLICE + HOST_INDEX))" exec "$@"',

@@ -80,12 +80,14 @@ def main() -> int:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from controller_client.jax_service import reachable_address
     from controller_client.manager import CheckpointManager, CheckpointManagerOptions
     from controller_client.preemption_exit import exit_code
     from controller_client.topology import HostTopology
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=_env("JAX_COORDINATOR_ADDRESS"),
+    # Not the name itself: after a restart it may still resolve to the old process 0's Pod (jax_service.py).
+    jax.distributed.initialize(coordinator_address=reachable_address(_env("JAX_COORDINATOR_ADDRESS"), rank, 120),
                                num_processes=int(_env("JAX_NUM_PROCESSES")), process_id=rank,
                                initialization_timeout=120,
                                # The Pod sets KUBERNETES_SERVICE_HOST but mounts no service-account token

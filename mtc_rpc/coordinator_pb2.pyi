@@ -226,14 +226,16 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, copies: _Optional[_Iterable[_Union[CopyTask, _Mapping]]] = ..., deletions: _Optional[_Iterable[_Union[Deletion, _Mapping]]] = ..., restore: _Optional[_Union[RestoreTask, _Mapping]] = ..., backup: _Optional[_Union[BackupTask, _Mapping]] = ..., newest_complete_step: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., acked_digest: _Optional[str] = ..., epoch: _Optional[int] = ..., preemption_noticed: _Optional[bool] = ..., parity: _Optional[_Iterable[_Union[ParityTask, _Mapping]]] = ...) -> None: ...
 
 class GetStepsRequest(_message.Message):
-    __slots__ = ("wait_seconds", "min_step", "gone_ranks")
+    __slots__ = ("wait_seconds", "min_step", "gone_ranks", "asker_rank")
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MIN_STEP_FIELD_NUMBER: _ClassVar[int]
     GONE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    ASKER_RANK_FIELD_NUMBER: _ClassVar[int]
     wait_seconds: float
     min_step: int
     gone_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, wait_seconds: _Optional[float] = ..., min_step: _Optional[int] = ..., gone_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    asker_rank: int
+    def __init__(self, wait_seconds: _Optional[float] = ..., min_step: _Optional[int] = ..., gone_ranks: _Optional[_Iterable[int]] = ..., asker_rank: _Optional[int] = ...) -> None: ...
 
 class GetStepsResponse(_message.Message):
     __slots__ = ("newest_complete_step", "complete_steps", "backed_up_steps", "forced_restore_step", "epoch")

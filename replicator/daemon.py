@@ -149,7 +149,9 @@ class Replicator:
         self.preemption = Preemption(state, self.heartbeats, root=self.store.root, wake=self.wake, bucket=bucket,
                                      rpc_timeout_seconds=opts.rpc_timeout_seconds,
                                      heartbeat_seconds=opts.heartbeat_seconds,
-                                     tells_others=self.coordinator is not None and nodes > 1)
+                                     tells_others=self.coordinator is not None and nodes > 1, rank=rank,
+                                     others_told=(None if self.coordinator is None else
+                                                  functools.partial(self.coordinator.flush_told, me=rank)))
         self.sidecar_fetch = SidecarFetch(self.store, self.fetcher, self.heartbeats, rank=rank, nodes=nodes,
                                           retry_seconds=min(0.5, opts.heartbeat_seconds), wake=self.wake)
         if self.coordinator is not None:

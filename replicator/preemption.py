@@ -81,6 +81,10 @@ RESTART_RECORD = "restart.json"
 # Written by every `mtc preempt` (the trainer's preStop hook) before anything else: a Pod deletion, not an
 # in-place restart, which the kubelet makes without preStop hooks (``--sigterm-flush after-hook``).
 PRESTOP_RECORD = "prestop.json"
+# The coordinator's host, its flush done, stays at least this long for the other preempting hosts to ask
+# (Preemption._linger), looking every LINGER_POLL_SECONDS whether each was told.
+MIN_LINGER_SECONDS = 1.0
+LINGER_POLL_SECONDS = 0.05
 
 
 # ---------------------------------------------------------------------- the records
@@ -215,9 +219,12 @@ class Preemption:
 
     def __init__(self, state: PreemptionState, link: PreemptionLink, *, root: Path, wake: Callable[[], None],
                  bucket: Backup | None, rpc_timeout_seconds: float, heartbeat_seconds: float,
-                 tells_others: bool):
+                 tells_others: bool, rank: int = -1, others_told: Callable[[int], bool] | None = None):
         """``tells_others``: this host serves a coordinator candidate and the job has other hosts, which
-        learn a flush's outcome from it (so it stays a few heartbeats once the step is in the bucket)."""
+        learn a flush's outcome from it (so it stays, once the step is in the bucket, until ``others_told(step)``
+        says every other preempting host was told, at least :data:`MIN_LINGER_SECONDS` and at most a few
+        heartbeats; without ``others_told`` those few heartbeats). ``rank``: this host's, sent with the flush's
+        GetSteps (``asker_rank``) so that the coordinator knows who was told."""
         self.state = state
         self._link = link
         self._root = root
@@ -226,6 +233,8 @@ class Preemption:
         self._rpc_timeout_seconds = rpc_timeout_seconds
         self._heartbeat_seconds = heartbeat_seconds
         self._tells_others = tells_others
+        self._rank = rank
+        self._others_told = others_told
         self._lock = threading.Lock()
         self._notice_thread: threading.Thread | None = None
 
@@ -267,6 +276,18 @@ class Preemption:
         except Exception:  # the SIGTERM path flushes again
             log.exception("preemption flush failed")
 
+    def _linger(self, step: int, deadline: float) -> None:
+        """The other hosts learn the outcome from this coordinator: stay until each preempting one was told
+        (a fixed few heartbeats held every Pod of a JobSet restart 7 s at the default 2 s heartbeat, and the
+        JobSet re-creates its Jobs only once their Pods are gone), but at least MIN_LINGER_SECONDS: a host
+        whose notice this coordinator has not heard yet is not waited for otherwise."""
+        now = time.monotonic()
+        end = min(deadline, now + 3 * self._heartbeat_seconds + 1.0)
+        least = min(end, now + MIN_LINGER_SECONDS)
+        while now < end and (now < least or self._others_told is None or not self._others_told(step)):
+            time.sleep(LINGER_POLL_SECONDS)
+            now = time.monotonic()
+
     def flush(self, grace_seconds: float) -> PreemptionRecord:
         """A preemption notice: within ``grace_seconds`` get the newest complete step into the bucket.
 
@@ -288,7 +309,10 @@ class Preemption:
         while not finished and time.monotonic() < deadline:
             self._wake()
             try:
-                resp = self._link.call("GetSteps", cpb.GetStepsRequest(wait_seconds=0),
+                ask = cpb.GetStepsRequest(wait_seconds=0)
+                if self._rank >= 0:
+                    ask.asker_rank = self._rank
+                resp = self._link.call("GetSteps", ask,
                                        timeout=max(0.5, min(self._rpc_timeout_seconds, deadline - time.monotonic())))
                 unreachable_since = None
                 step = resp.newest_complete_step
@@ -309,9 +333,7 @@ class Preemption:
             why = f"grace of {grace_seconds}s ran out before step {step} was committed in the bucket"
         rec = PreemptionRecord(step=step, finished=finished, reason=why, seconds=round(time.monotonic() - t0, 3))
         if finished and self._tells_others and bucket is not None:
-            # The other hosts learn the outcome from this coordinator: stay a few heartbeats longer (not
-            # when there is no other host or no bucket: nothing to learn, exit at once).
-            time.sleep(max(0.0, min(deadline - time.monotonic(), 3 * self._heartbeat_seconds + 1.0)))
+            self._linger(step, deadline)
         (log.info if finished else log.warning)("preemption flush: %s", rec.to_dict())
         try:
             write_record(self._root, rec)

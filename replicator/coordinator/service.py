@@ -242,6 +242,8 @@ class Coordinator(CoordinatorCore, pb_grpc.CoordinatorServicer):
             self.check_serving(context)  # every other host fell silent meanwhile: not this one's answer
             complete = self.state.globally_complete_steps()
             backed = [s for s in self.state.known_steps() if self.in_bucket(s)]
+            if request.HasField("asker_rank") and 0 <= request.asker_rank < self.topology.nodes:
+                self._preempting.told(request.asker_rank, backed)
             served = self._restore.served()  # a forced restore: released once a newer step completes
             forced = -1 if served is None else served
             epoch = self.epoch

@@ -159,6 +159,12 @@ class CoordinatorCore:
         host; it ends once each such host is replaced or declared lost)."""
         return self._preempting.noticed
 
+    def flush_told(self, step: int, me: int) -> bool:
+        """Every other host whose process got a preemption notice has been told by this coordinator that
+        ``step`` is in the bucket: the flush of host ``me`` (this coordinator's) need not linger for them."""
+        with self._lock:
+            return self._preempting.all_told(step, me)
+
     # ------------------------------------------------------------------ failover
     @property
     def active(self) -> bool:

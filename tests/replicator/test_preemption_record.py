@@ -106,3 +106,25 @@ def test_what_a_sigterm_skips(tmp_path: Path) -> None:
     assert not skips() and skips(start=time.time() + 5), "an earlier Pod's hook is not this one's"
     preemption.record_restart(tmp_path)
     assert skips() and skips(noticed=True) and skips(mode="always")
+
+
+@pytest.mark.parametrize(("told", "least", "most"), [(True, 1.0, 2.5), (False, 4.0, 6.0), (None, 4.0, 6.0)])
+def test_the_coordinators_host_lingers_until_the_others_were_told(tmp_path: Path, told, least, most) -> None:
+    """Its flush done, the coordinator's host stays until every other preempting host was told (at least
+    MIN_LINGER_SECONDS), else a few heartbeats (3 x 1 s + 1 s here); it sends its rank with its GetSteps."""
+    asked: list[Any] = []
+
+    class Link(_Link):
+        def call(self, method: str, request: Any, timeout: float) -> Any:
+            asked.append(request)
+            return super().call(method, request, timeout)
+
+    p = preemption.Preemption(preemption.PreemptionState(), Link(), root=tmp_path, wake=lambda: None,
+                              bucket=_Bucket(), rpc_timeout_seconds=1.0, heartbeat_seconds=1.0, tells_others=True,
+                              rank=2, others_told=None if told is None else (lambda step: told and step == 3))
+    t0 = time.monotonic()
+    rec = p.flush(grace_seconds=30)
+    took = time.monotonic() - t0
+    assert rec.finished and rec.step == 3
+    assert least <= took < most, took
+    assert asked and all(r.asker_rank == 2 for r in asked)

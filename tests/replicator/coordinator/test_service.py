@@ -543,6 +543,27 @@ def test_a_preemption_notice_ends_when_the_preempted_hosts_are_replaced_or_lost(
     assert not _noticing(coord, 0, False)  # host 3 declared lost: over
 
 
+def test_the_coordinators_flush_knows_when_every_preempting_host_was_told():
+    """A JobSet restart: every host's replicator flushes on its SIGTERM and asks GetSteps (``asker_rank``). The
+    coordinator's host may go once each other preempting host was told the step is in the bucket (it lingered a
+    fixed 7 s before, holding every Pod and so the JobSet's re-creation); a host not preempting is not waited for."""
+    coord = Coordinator(JobTopology(4, 2, 1), "t")
+    for r in range(4):
+        full(coord, r, HOLDINGS[r])
+    for r in (0, 1, 2):
+        _noticing(coord, r, True)
+    assert not coord.flush_told(-1, me=0)  # hosts 1 and 2 asked nothing yet
+    coord.in_bucket = lambda step: step == 3  # step 3 committed in the bucket (how is the scheduler's business)
+    coord.GetSteps(pb.GetStepsRequest(wait_seconds=0, asker_rank=1), Ctx())
+    assert not coord.flush_told(3, me=0)
+    coord.GetSteps(pb.GetStepsRequest(wait_seconds=0), Ctx())  # a trainer's client: no asker
+    coord.GetSteps(pb.GetStepsRequest(wait_seconds=0, asker_rank=99), Ctx())  # not a rank: ignored
+    assert not coord.flush_told(3, me=0)
+    coord.GetSteps(pb.GetStepsRequest(wait_seconds=0, asker_rank=2), Ctx())
+    assert coord.flush_told(3, me=0)  # host 3 got no notice: not waited for
+    assert not coord.flush_told(2, me=0)  # told of step 3, not of step 2
+
+
 def test_a_small_jobs_restore_plan_is_answered_within_10ms_of_the_last_fresh_report():
     """PrepareRestore trusts only reports made after it was asked; a small job's waiter looks again every 10 ms,
     not every 0.1 s (each Orbax handshake waited up to two such polls: the fresh reports, then the data)."""

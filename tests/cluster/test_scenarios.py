@@ -62,7 +62,17 @@ class Job:
         self.pod_watch.start()
 
     def close(self) -> None:
+        """Delete the JobSet, then its Pods at once while this test's node agent still runs them, then the
+        namespace. The next test's agent registers nodes and pools of the same names: a Pod of this job left
+        terminating (a trainer that trains on ignores SIGTERM: JAX's preemption notifier) was bound to one of
+        them and kept JobSet's exclusive placement off its pool for its 40 s grace (the hot-swap test's
+        replacement Pod waited 42 s for one)."""
         self.pod_watch.stop()
+        self.custom.delete_collection_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", self.ns, "jobsets")
+        deadline = time.monotonic() + 30
+        while self.core.list_namespaced_pod(self.ns).items and time.monotonic() < deadline:
+            self.core.delete_collection_namespaced_pod(self.ns, grace_period_seconds=0)
+            time.sleep(0.5)
         self.core.delete_namespace(self.ns)
 
     # ------------------------------------------------------------------ what happened

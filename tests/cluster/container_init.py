@@ -83,12 +83,20 @@ class View:
         path = parent.rstrip("/") + "/" + os.path.basename(path)
         if not self.writable(parent):
             self.shadow(parent)
+        # Another container's init may create it meanwhile where the view is the agent's own tree (the elastic
+        # scenario's colocated-python-sidecar failed "File exists: .../rootfs/tmp/sidecar" once and restarted).
         if is_dir:
-            os.mkdir(self.real(path), 0o755)
+            try:
+                os.mkdir(self.real(path), 0o755)
+            except FileExistsError:
+                pass
             if parent in self.ours:
                 self.ours.add(path)
         else:
-            with open(self.real(path), "x"):
+            try:
+                with open(self.real(path), "x"):
+                    pass
+            except FileExistsError:
                 pass
         return path
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -143,6 +144,7 @@ class CheckpointManager:
             savers=savers,
             remote_fetch=bool(options.coordinator_address),
             fetch_timeout_seconds=options.restore_wait_seconds,
+            owner=uuid.uuid4().hex,  # its saves' failures are its own (sidecar.writer.HostWriter.raise_if_failed)
         )
         self._coordinator = self._coordinator_client(options.rpc_timeout_seconds) if options.coordinator_address else None
         if dispatcher is None:

@@ -46,6 +46,8 @@ class HostConfig:
     # Ask the host's replicator for data this host lacks (other ranks' shards, a copy to replace a bad one).
     remote_fetch: bool = False
     fetch_timeout_seconds: float = 300.0
+    # The manager issuing the calls: a save failing in the background is raised to it only (sidecar.writer).
+    owner: str = ""
 
     def root(self, rank: int) -> Path:
         return Path(self.local_directory.format(host=rank, rank=rank))
@@ -125,7 +127,7 @@ def save_on_hosts(config: HostConfig, ranks: Sequence[int], request: SaveRequest
     layout.step_name(step)
     confirm_ranks(config, ranks)
     writers = {r: writer.writer_for(config.root(r), config.write_threads) for r in ranks}
-    writer.raise_failures(list(writers.values()))
+    writer.raise_failures(list(writers.values()), owner=config.owner)
     # A step committed on every host is saved: saving it again is a mistake, unless the job rolled back (it
     # restored an older step and saves forward: ``replace``), which abandons the newer steps. One committed
     # on some hosts only was never complete (the trainer died between the hosts' commits): saving it again
@@ -168,7 +170,7 @@ def save_on_hosts(config: HostConfig, ranks: Sequence[int], request: SaveRequest
             )
         hs = writer.HostStep(config.root(r), config.job, step, r, config.nodes, per_rank[r], list(request.values),
                              savers=tuple(config.savers), generation=request.generation)
-        writers[r].submit(hs, config.keep_local, config.notify_replicator)
+        writers[r].submit(hs, config.keep_local, config.notify_replicator, config.owner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +255,8 @@ def restore_on_hosts(
     """Build each leaf's arrays from the verified saved shards; each rank fills its own devices only."""
     confirm_ranks(config, ranks)
     with spares.quiet():  # no spare pool is filled while this reads
-        writer.raise_failures([writer.writer_for(config.root(r), config.write_threads) for r in ranks], wait=True)
+        writer.raise_failures([writer.writer_for(config.root(r), config.write_threads) for r in ranks], wait=True,
+                              owner=config.owner)
         located: dict[int, tuple[tuple[int, ...], int]] = {}
         bad: dict[Path, str] = {}
         manifests: dict[tuple[int, int], layout.StepManifest] = {}
@@ -474,7 +477,7 @@ def query_on_hosts(config: HostConfig, ranks: Sequence[int], query: HostQuery | 
     result: dict[int, Any] = {}
     writers = [writer.writer_for(config.root(r), config.write_threads) for r in ranks]
     if query in (HostQuery.STEPS, HostQuery.WAIT):
-        writer.raise_failures(writers, arg, wait=query is HostQuery.WAIT)
+        writer.raise_failures(writers, arg, wait=query is HostQuery.WAIT, owner=config.owner)
     for r, w in zip(ranks, writers, strict=True):
         if query is HostQuery.STEPS:
             result[r] = StepsAnswer(tuple(commit.committed_steps(layout.steps_dir(w.root))), w.in_flight(),

@@ -221,8 +221,8 @@ class HostWriter:
         self.root = Path(root)
         self.threads = threads
         self.prewarm = prewarm  # fill an empty spare pool after a save (sidecar.spares)
-        self._queue: queue.Queue[tuple[HostStep, int | None, bool] | None] = queue.Queue()
-        self._error: BaseException | None = None
+        self._queue: queue.Queue[tuple[HostStep, int | None, bool, str] | None] = queue.Queue()
+        self._error: tuple[str, BaseException] | None = None  # (owner of the failed save, its error)
         self._pending = 0
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"mtc-writer-{self.root.name}", daemon=True)
@@ -233,26 +233,38 @@ class HostWriter:
         spares.drop_warm(spares.spare_dir(self.root))  # a fill cut short by a crash is not a spare
         self._thread.start()
 
-    def submit(self, hs: HostStep, keep: int | None, notify: bool = False) -> None:
+    def submit(self, hs: HostStep, keep: int | None, notify: bool = False, owner: str = "") -> None:
         """Queue ``hs``; afterwards keep ``keep`` steps (None: leave deletion to the replicator) and,
-        with ``notify``, tell the host's replicator about the commit."""
-        self.raise_if_failed()
+        with ``notify``, tell the host's replicator about the commit. ``owner``: the manager queueing it (see
+        :meth:`raise_if_failed`)."""
+        self.raise_if_failed(owner)
         with self._cv:
             self._pending += 1
         self._warm_stop.set()  # a fill still running yields to this save at its next chunk
-        self._queue.put((hs, keep, notify))
+        self._queue.put((hs, keep, notify, owner))
 
     def in_flight(self) -> int:
         with self._cv:
             return self._pending
 
-    def raise_if_failed(self) -> None:
-        with self._cv:
-            err, self._error = self._error, None
-        if err is not None:
-            raise SaveError(f"background save to {self.root} failed: {err}") from err
+    def raise_if_failed(self, owner: str = "") -> None:
+        """Raise the failure of a save in the background, once, to its ``owner`` (the manager that queued it).
 
-    def wait(self, timeout_seconds: float | None = None) -> None:
+        A failure of another owner's save is logged and dropped: that manager is gone (a controller's next
+        attempt builds a new one; on Pathways a host lost and back keeps its sidecar process, and with it this
+        writer), its step was never committed here, so it is not this caller's to answer for."""
+        with self._cv:
+            failed, self._error = self._error, None
+        if failed is None:
+            return
+        failed_owner, err = failed
+        if failed_owner != owner:
+            log.warning("%s: a save queued by an earlier checkpoint manager failed (%s); its step was not committed "
+                        "here, and this manager carries on", self.root, err)
+            return
+        raise SaveError(f"background save to {self.root} failed: {err}") from err
+
+    def wait(self, timeout_seconds: float | None = None, owner: str = "") -> None:
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         with self._cv:
             while self._pending:
@@ -260,14 +272,14 @@ class HostWriter:
                 if left is not None and left <= 0:
                     raise TimeoutError(f"saves to {self.root} still running after {timeout_seconds}s")
                 self._cv.wait(left)
-        self.raise_if_failed()
+        self.raise_if_failed(owner)
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            hs, keep, notify = item
+            hs, keep, notify, owner = item
             self._warm_stop.set()
             try:
                 manifest = write_step(hs, self.threads)
@@ -282,7 +294,7 @@ class HostWriter:
             except BaseException as e:  # kept and re-raised in the caller's thread
                 log.error("save of step %d to %s failed: %s", hs.step, self.root, e)
                 with self._cv:
-                    self._error = e
+                    self._error = (owner, e)
                 manifest = None
             finally:
                 del hs, item
@@ -350,12 +362,14 @@ class HostWriter:
             self._warm.join(timeout=60)
 
 
-def raise_failures(writers: list[HostWriter], timeout_seconds: float | None = None, wait: bool = False) -> None:
-    """Wait for (optionally) and collect every writer's background failure; raise one error naming all."""
+def raise_failures(writers: list[HostWriter], timeout_seconds: float | None = None, wait: bool = False,
+                   owner: str = "") -> None:
+    """Wait for (optionally) and collect every writer's background failure of ``owner``'s saves; raise one
+    error naming all."""
     errors: list[BaseException] = []
     for w in writers:
         try:
-            w.wait(timeout_seconds) if wait else w.raise_if_failed()
+            w.wait(timeout_seconds, owner) if wait else w.raise_if_failed(owner)
         except (SaveError, TimeoutError) as e:
             errors.append(e)
     if len(errors) == 1:

@@ -10,6 +10,7 @@ one of its hosts raises the ``DATA_LOSS`` error a slice-down raises (``PathwaysS
 from __future__ import annotations
 
 import logging
+import time
 
 import jax
 import numpy as np
@@ -160,6 +161,53 @@ def test_close_on_a_lost_slice_raises_and_drops_the_coordinator_connection(sim, 
     with pytest.raises(jax.errors.JaxRuntimeError, match="DATA_LOSS"):
         mgr.close()
     assert closed == [mgr._coordinator]
+
+
+def test_a_save_failing_on_a_lost_host_is_not_the_next_managers_failure(sim, slices):  # noqa: F811
+    """A background save fails on a host whose slice is then lost (its RAM disk wiped under the writer, as
+    bench.goodput --pathways met it), the attempt's manager is closed after the failure, the slice comes back
+    with the same worker process (its writer and the failure it kept): the next manager, over every slice,
+    saves and restores. Before, its first call raised the dead manager's SaveError and ended the elastic loop
+    (not a slice-down error). The failing manager itself still gets its failure."""
+    import shutil
+
+    from controller_client.resilience import close_after_failure
+    from sidecar import layout
+    from sidecar.writer import SaveError
+    from tests.controller_client.test_pathways_sim import assert_equal, state, target_on
+
+    devices = jax.devices()
+    old = mgr_for(slices.cluster)
+    old.save(1, state(1, devices))
+    old.wait_until_finished()
+    # Rank 3's next writes fail in the background (its steps directory is not a directory), deterministically.
+    steps = layout.steps_dir(slices.cluster.ram(3))
+    shutil.rmtree(steps)
+    steps.write_text("")
+    old.save(2, state(2, devices))
+    with pytest.raises(SaveError, match="background save"):
+        old.wait_until_finished()  # its owner sees it (once)
+    old.save(3, state(3, devices))  # fails on rank 3 again, in the background: nobody asks before the loss
+    worker_log = sim.log_dir / "pathways-worker-3.log"
+    deadline = time.monotonic() + 30
+    while f"save of step 3 to {slices.cluster.ram(3)} failed" not in worker_log.read_text():
+        assert time.monotonic() < deadline, worker_log.read_text()[-2000:]
+        time.sleep(0.05)
+    # Slice 1 lost as PathwaysSlices.fail loses it, without waiting for step 3's peer copies (it never
+    # completes): calls there raise DATA_LOSS, its replicators die, its RAM disks are wiped (the file too).
+    sim.lose_hosts(sim.hosts_of_slice(1), delete_arrays=True)
+    SimulatedSlices.fail(slices, 1)
+    for rank in slices._ranks(1):
+        slices.cluster.procs[rank].kill()
+        slices.cluster.wipe(rank)
+    close_after_failure(old, "in the test")
+    slices.heal(1)
+    new = mgr_for(slices.cluster)
+    new.save(4, state(4, devices))
+    new.wait_until_finished()
+    restored = new.restore(4, target_on(state(4, devices), devices, (2, 4)))
+    assert_equal(restored, state(4, devices))
+    new.close()
 
 
 def test_guide_loop_pause_and_resume(sim, slices):  # noqa: F811

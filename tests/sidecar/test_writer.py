@@ -194,3 +194,25 @@ def test_an_io_error_mid_write_names_the_step_and_the_disk_and_leaves_nothing(tm
     assert type(err) is OSError and err.errno == 5
     assert str(root) in str(err) and "step 2" in str(err) and "Input/output error" in str(err)
     assert sorted(os.listdir(layout.steps_dir(root))) == ["1"]  # no step 2, no temporary directory
+
+
+def test_a_failed_save_is_raised_to_the_manager_that_queued_it_only(tmp_path: Path, caplog) -> None:
+    """Its owner gets it once; another owner's calls (a later manager on a host that kept its sidecar
+    process) log it and go on, and do not take it from a later failure of their own."""
+    root = tmp_path / "ram"
+    w = writer.HostWriter(root, prewarm=False)
+    try:
+        layout.steps_dir(root).write_text("")  # every write fails
+        w.submit(_hs(root, 1, 1.0), None, owner="a")
+        with pytest.raises(writer.SaveError, match="background save"):
+            w.wait(30, owner="a")
+        w.wait(30, owner="a")  # once
+        w.submit(_hs(root, 2, 2.0), None, owner="a")
+        with caplog.at_level("WARNING", logger="sidecar.writer"):
+            w.wait(30, owner="b")
+        assert "queued by an earlier checkpoint manager failed" in caplog.text
+        w.submit(_hs(root, 3, 3.0), None, owner="b")
+        with pytest.raises(writer.SaveError):
+            writer.raise_failures([w], 30, wait=True, owner="b")
+    finally:
+        w.close()

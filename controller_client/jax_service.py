@@ -18,21 +18,12 @@ import logging
 import socket
 import time
 
+from replicator.net.address import join_host_port, split_host_port
+
 log = logging.getLogger(__name__)
 
 ATTEMPT_SECONDS = 1.0  # one connection attempt to one resolved address
 RETRY_SECONDS = 0.1  # between rounds, while process 0's service is not up yet
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"expected host:port, got {address!r}")
-    return host.strip("[]"), int(port)
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def reachable_address(address: str, process_id: int, timeout_seconds: float = 300.0) -> str:
@@ -40,7 +31,7 @@ def reachable_address(address: str, process_id: int, timeout_seconds: float = 30
     connection now: ``127.0.0.1:port`` for process 0 itself, else the first of the name's current IP addresses
     to accept one. Waits up to ``timeout_seconds`` (JAX's own ``initialization_timeout`` is 300 s by default),
     then raises TimeoutError naming the address and the last error."""
-    host, port = _split(address)
+    host, port = split_host_port(address)
     if process_id == 0:
         return f"127.0.0.1:{port}"  # its service binds every interface ([::], IPv4 too)
     deadline = time.monotonic() + timeout_seconds
@@ -62,7 +53,7 @@ def reachable_address(address: str, process_id: int, timeout_seconds: float = 30
             waited = time.monotonic() - t0
             if waited >= 1.0:
                 log.info("JAX's coordination service %s answered at %s after %.1f s", address, sockaddr[0], waited)
-            return _join(sockaddr[0], port)
+            return join_host_port(sockaddr[0], port)
         if time.monotonic() >= deadline:
             raise TimeoutError(f"JAX's coordination service {address} accepted no connection in "
                                f"{timeout_seconds:.0f} s (last: {last})")

@@ -39,6 +39,7 @@ from replicator.heartbeat import Heartbeat, HostParts, Reporter, Wakeup, new_inc
 from replicator.local.store import RamDiskStore
 from replicator.metrics import ReplicatorMetrics, TimedCoordinator
 from replicator.net import rpc
+from replicator.net.address import host_of
 from replicator.net.security import AdminGate, TlsOptions, rank_authorizer
 from replicator.options import ConfigError, ReplicatorOptions
 from replicator.peer import protocol as peer_protocol
@@ -200,7 +201,7 @@ class Replicator:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
         self.opts.check_exposure()  # no unauthenticated service beyond loopback unless --insecure
-        host = self.opts.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
+        host = host_of(self.opts.listen) or "0.0.0.0"
         throttle = peer_protocol.Throttle(bytes_per_second=float(self.opts.max_bytes_per_second) or None,
                                      max_streams=max(1, self.opts.transfer_threads))
         tls = self.tls()

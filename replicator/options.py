@@ -17,6 +17,7 @@ import yaml
 from replicator.coordinator.fence import MAX_CANDIDATES
 from replicator.erasure.placement import code_groups, max_fragments_in_a_slice
 from replicator.erasure.redundancy import Redundancy
+from replicator.net.address import host_of, split_host_port
 from replicator.net.rpc import MAX_MESSAGE_BYTES
 from replicator.net.security import read_token_file
 from sidecar.layout import check_job_name
@@ -197,7 +198,7 @@ class ReplicatorOptions:
         Anyone who can reach an unauthenticated replicator can read every checkpoint it holds, forge
         reports and make the coordinator delete copies (docs/security.md).
         """
-        host = self.listen.rpartition(":")[0].strip("[]")
+        host = host_of(self.listen)
         if self.insecure or self.token_file or self.tls_cert or _is_loopback(host):
             return self
         raise ConfigError(
@@ -379,10 +380,10 @@ def _is_loopback(host: str) -> bool:
 
 
 def _host_port(value: str, what: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"{what} must be HOST:PORT, got {value!r}")
-    return host, int(port)
+    try:
+        return split_host_port(value)
+    except ValueError:
+        raise ConfigError(f"{what} must be HOST:PORT, got {value!r}") from None
 
 
 def parse_peers(value: str) -> dict[int, str]:

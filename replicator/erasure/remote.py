@@ -27,6 +27,7 @@ from mtc_rpc import peer_pb2, peer_pb2_grpc
 from replicator.erasure.holder import RECORD_NAME, ParityRecord, shard_name
 from replicator.erasure.stream import StepStream
 from replicator.net import rpc
+from replicator.net.address import host_of
 from replicator.net.security import TlsOptions
 from replicator.peer.protocol import (
     DATA_CONNECT_TIMEOUT_SECONDS,
@@ -69,7 +70,7 @@ class PeerLink:
                  limiter: RateLimiter | None = None):
         self.address = address
         self.limiter = limiter or RateLimiter(None)  # the host's replication throttle, shared by a task's links
-        self.host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+        self.host = host_of(address)
         self.deadline = deadline
         self.rpc_timeout_seconds = rpc_timeout_seconds
         self.use_data_port = use_data_port and tls is None

@@ -41,6 +41,7 @@ import grpc
 from mtc_rpc import coordinator_pb2 as cpb
 from replicator.coordinator.client import retry_after_seconds
 from replicator.coordinator.topology import JobTopology
+from replicator.net.address import join_host_port, split_host_port
 from replicator.options import ConfigError, ReplicatorOptions
 from replicator.orbax import allocation, elastic
 from replicator.orbax import contract as oc
@@ -83,14 +84,13 @@ class HandshakeError(RuntimeError):
 
 def _resolve_listen(listen: str) -> str:
     """``HOST:0`` -> ``HOST:<free port>``: every incarnation of the Replicator serves on the same address."""
-    host, _, port = listen.rpartition(":")
-    if int(port):
+    host, port = split_host_port(listen)
+    if port:
         return listen
-    bind_host = host.strip("[]") or "0.0.0.0"
-    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((bind_host, 0))
-        return f"{host}:{s.getsockname()[1]}"
+        s.bind((host, 0))
+        return join_host_port(host, s.getsockname()[1])
 
 
 def replicator_options(opts: ReplicatorOptions, cfg: oc.ReplicatorConfig, listen: str) -> ReplicatorOptions:

@@ -32,6 +32,7 @@ import grpc
 from mtc_rpc import peer_pb2, peer_pb2_grpc
 from replicator import restore_phases
 from replicator.net import rpc
+from replicator.net.address import host_of
 from replicator.net.security import TlsOptions
 from replicator.peer.channels import PeerChannels
 from replicator.peer.progress import FetchProgress
@@ -89,7 +90,7 @@ def _open(peer: Peer, token: str | None, tls: TlsOptions | None,
     if not isinstance(peer, str):
         yield peer, None
         return
-    host = peer.rsplit(":", 1)[0].strip("[]") if ":" in peer else peer
+    host = host_of(peer)
     if channels is not None:
         with channels.lease(peer, token=token, tls=tls) as channel:
             yield channel, host

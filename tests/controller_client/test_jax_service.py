@@ -9,6 +9,7 @@ import time
 import pytest
 
 from controller_client import jax_service
+from replicator.net import address
 
 
 def _free_port() -> int:
@@ -62,12 +63,12 @@ def test_nothing_answers_times_out_naming_the_address() -> None:
         jax_service.reachable_address(f"localhost:{port}", 1, timeout_seconds=1)
 
 
-@pytest.mark.parametrize("bad", ["no-port", "host:", ":8476", "host:port"])
+@pytest.mark.parametrize("bad", ["no-port", "host:", ":8476", "host:port", "host:65536"])
 def test_a_malformed_address_is_refused(bad: str) -> None:
-    with pytest.raises(ValueError, match="expected host:port"):
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
         jax_service.reachable_address(bad, 1)
 
 
 def test_ipv6_addresses_keep_their_brackets() -> None:
-    assert jax_service._join("::1", 8476) == "[::1]:8476"
-    assert jax_service._split("[::1]:8476") == ("::1", 8476)
+    assert address.join_host_port("::1", 8476) == "[::1]:8476"
+    assert address.split_host_port("[::1]:8476") == ("::1", 8476)

@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -306,7 +305,7 @@ class Heartbeat:
                          "replaced or lost)")
         self._act(resp, t_send, round_trip)
         # Jittered so that hosts started together do not report in lockstep.
-        return self.interval * random.uniform(0.9, 1.1)
+        return self.interval * retry.JITTER.uniform(0.9, 1.1)
 
     def _accept_epoch(self, epoch: int) -> bool:
         """Follow the answering coordinator's ``epoch`` (:func:`host_protocol.accept_epoch`); False: a deposed
@@ -381,10 +380,10 @@ class Heartbeat:
             # likely up in milliseconds; waiting the interval would delay this host's first report (and so
             # a restore plan) by seconds. A few quick tries, then the backoff.
             quick = STARTUP_RETRY_SECONDS if failures <= STARTUP_FAST_RETRIES else STARTUP_RETRY_MAX_SECONDS
-            return quick * random.uniform(0.8, 1.2)
+            return quick * retry.JITTER.uniform(0.8, 1.2)
         if self.me.my_candidate is not None and isinstance(error, NoCoordinator):
             # A candidate watching for a takeover keeps the plain interval.
-            return self.interval * random.uniform(0.8, 1.2)
+            return self.interval * retry.JITTER.uniform(0.8, 1.2)
         cap = lost_after_seconds(self.opts.host_lost_seconds, self.interval) / 3
         return max(self.interval, min(retry.backoff_seconds(failures, self.interval), cap))
 

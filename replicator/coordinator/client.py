@@ -14,7 +14,6 @@ that has not heard of its successor yet (cut off, just healed) cannot take a cli
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,7 +24,7 @@ import grpc
 from mtc_rpc import coordinator_pb2 as pb
 from mtc_rpc import coordinator_pb2_grpc as pb_grpc
 from replicator.coordinator.admission import RETRY_AFTER_KEY
-from replicator.net.retry import backoff_seconds
+from replicator.net.retry import JITTER, backoff_seconds
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +159,7 @@ class Candidates:
             except grpc.RpcError as e:
                 failures += 1
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_seconds(e) is not None:
-                    pause = retry_after_seconds(e) * random.uniform(1.0, 1.5)  # the coordinator's advice, jittered
+                    pause = retry_after_seconds(e) * JITTER.uniform(1.0, 1.5)  # the coordinator's advice, jittered
                 elif e.code() in FAILOVER_CODES:
                     pause = backoff_seconds(failures, base_backoff, cap_factor=10.0)
                 else:

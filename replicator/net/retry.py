@@ -17,6 +17,9 @@ from typing import Any, TypeVar
 from sidecar.checksums import ChecksumError
 
 log = logging.getLogger(__name__)
+# Every jitter of the replicator's waits: a generator of its own, so the global one stays the caller's (a test
+# seeding it; Hypothesis, which warns when it moves while it draws).
+JITTER = random.Random()
 
 T = TypeVar("T")
 
@@ -148,7 +151,7 @@ def call_with_retry(fn: Callable[[int], T], *, what: str, policy: RetryPolicy) -
             if not is_retryable(e) or attempt + 1 >= policy.max_attempts:
                 raise
             cap = min(policy.max_backoff_seconds, policy.initial_backoff_seconds * (2**attempt))
-            sleep = random.uniform(0, cap)
+            sleep = JITTER.uniform(0, cap)
             asked = retry_after_seconds(e)
             if asked is not None:  # the service said when (a 429/503 storm): no sooner
                 sleep = max(sleep, asked)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import random
 import shutil
 import socket
 import sys
@@ -42,6 +41,7 @@ from mtc_rpc import coordinator_pb2 as cpb
 from replicator.coordinator.client import retry_after_seconds
 from replicator.coordinator.topology import JobTopology
 from replicator.net.address import join_host_port, split_host_port
+from replicator.net.retry import JITTER
 from replicator.options import ConfigError, ReplicatorOptions
 from replicator.orbax import allocation, elastic
 from replicator.orbax import contract as oc
@@ -378,7 +378,7 @@ class OrbaxMode:
                 resp = None
                 # A busy coordinator says when to come back; follow it, jittered (no retry storm).
                 advice = retry_after_seconds(e)
-                self.stopping.wait(advice * random.uniform(1.0, 1.5) if advice is not None else 0.2)
+                self.stopping.wait(advice * JITTER.uniform(1.0, 1.5) if advice is not None else 0.2)
                 continue
             if resp.step < 0 or (resp.ready and cfg.node_rank in resp.ready_ranks):
                 break

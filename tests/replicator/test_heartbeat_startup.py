@@ -4,7 +4,6 @@ heartbeats keep failing never backs off for so long that the coordinator declare
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +23,7 @@ from replicator.heartbeat import (
     NoCoordinator,
     Reporter,
 )
+from replicator.net.retry import JITTER
 from replicator.options import ReplicatorOptions
 
 # The backoff after a failed heartbeat never goes below it: long, so that a host that waited one backoff
@@ -83,7 +83,7 @@ def test_failed_heartbeats_back_off_but_retry_well_within_the_lost_host_time(tmp
                              host_lost_seconds=host_lost).validate()
     beat = Heartbeat(opts, Reporter(job="t", rank=1, nodes=2), SimpleNamespace(), incarnation=1)  # no parts used
     lost = lost_after_seconds(host_lost, interval)
-    random.seed(7)
+    JITTER.seed(7)
     for answered in (False, True):
         beat._answered = answered
         delays = [beat.retry_delay(f, error) for f in range(1, 40) for _ in range(20)]
